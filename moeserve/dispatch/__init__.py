@@ -1,0 +1,16 @@
+"""MoE all-to-all: the Dispatcher interface, its backends and the expert placement."""
+
+from moeserve.dispatch.base import DispatchHandle, Dispatcher, DispatchOutput
+from moeserve.dispatch.local import LocalDispatcher
+from moeserve.dispatch.placement import ExpertPlacement
+from moeserve.dispatch.registry import DISPATCHERS, create_dispatcher
+
+__all__ = [
+    "DISPATCHERS",
+    "DispatchHandle",
+    "DispatchOutput",
+    "Dispatcher",
+    "ExpertPlacement",
+    "LocalDispatcher",
+    "create_dispatcher",
+]

@@ -1,0 +1,18 @@
+"""MoE model runtime: layers, architectures and the Hugging Face checkpoint loader."""
+
+from moeserve.models.architectures import resolve_architecture, supported_architectures
+from moeserve.models.checkpoint import CheckpointError
+from moeserve.models.decoder import MoECausalLM
+from moeserve.models.layers.paged_attention import AttentionMetadata, plan_attention
+from moeserve.models.loader import load_model, model_config
+
+__all__ = [
+    "AttentionMetadata",
+    "CheckpointError",
+    "MoECausalLM",
+    "load_model",
+    "model_config",
+    "plan_attention",
+    "resolve_architecture",
+    "supported_architectures",
+]

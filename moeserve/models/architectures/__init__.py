@@ -1,0 +1,37 @@
+"""Registry of supported architectures, keyed by config.json `architectures` names."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from moeserve.config import ModelConfig
+from moeserve.models.architectures import deepseek, mixtral, qwen_moe
+from moeserve.models.architectures.base import Architecture, CheckpointNames
+from moeserve.models.checkpoint import CheckpointError
+
+ARCHITECTURES: dict[str, Architecture] = {
+    name: module.ARCHITECTURE for module in (mixtral, qwen_moe, deepseek) for name in module.ARCHITECTURE.hf_names
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(ARCHITECTURES)
+
+
+def resolve_architecture(raw_config: dict[str, Any]) -> tuple[Architecture, ModelConfig]:
+    """The architecture serving this config.json, and the config normalised by it."""
+    names = raw_config.get("architectures") or []
+    if not names:
+        raise CheckpointError(f"config.json has no 'architectures' entry; supported: {', '.join(supported_architectures())}")
+    arch = ARCHITECTURES.get(names[0])
+    if arch is None:
+        raise CheckpointError(f"architecture {names[0]!r} is not supported; supported: {', '.join(supported_architectures())}")
+    try:
+        return arch, arch.parse_config(raw_config)
+    except CheckpointError:
+        raise
+    except ValueError as e:  # ModelConfig's own consistency checks
+        raise CheckpointError(f"inconsistent config.json for {names[0]}: {e}") from None
+
+
+__all__ = ["ARCHITECTURES", "Architecture", "CheckpointNames", "resolve_architecture", "supported_architectures"]

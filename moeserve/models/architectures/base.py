@@ -1,0 +1,114 @@
+"""What an architecture module declares: how to read its config.json and name its tensors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from moeserve.config import DTYPES, ModelConfig, RopeConfig
+from moeserve.models.checkpoint import CheckpointError
+
+
+@dataclass(frozen=True)
+class CheckpointNames:
+    """The checkpoint's tensor names where they differ between architectures.
+
+    Everything else (`model.layers.N.self_attn.q_proj`, `input_layernorm`, ...) is common to
+    all supported architectures and spelled once in `moeserve/models/loader.py`.
+    """
+
+    moe: str = "mlp"  # Mixtral: block_sparse_moe
+    router: str = "gate"
+    expert_gate: str = "gate_proj"  # Mixtral: w1
+    expert_up: str = "up_proj"  # Mixtral: w3
+    expert_down: str = "down_proj"  # Mixtral: w2
+    shared_expert: str = "shared_expert"  # DeepSeek: shared_experts
+    shared_expert_gate: str = "shared_expert_gate"
+    correction_bias: str = "e_score_correction_bias"
+
+
+@dataclass(frozen=True)
+class Architecture:
+    hf_names: tuple[str, ...]  # config.json `architectures` values this module serves
+    parse_config: Callable[[dict[str, Any]], ModelConfig]
+    names: CheckpointNames
+
+
+class HFConfig:
+    """Typed access to a config.json dict: every missing or mistyped key is one clear error."""
+
+    def __init__(self, raw: dict[str, Any]) -> None:
+        self.raw = raw
+        self.architecture = (raw.get("architectures") or ["?"])[0]
+
+    def require(self, *keys: str, kind: type = int) -> Any:
+        """The first of `keys` present (aliases: `num_experts` / `num_local_experts`), checked."""
+        for key in keys:
+            if key in self.raw and self.raw[key] is not None:
+                value = self.raw[key]
+                if kind is float and isinstance(value, int) and not isinstance(value, bool):
+                    value = float(value)
+                if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+                    raise CheckpointError(f"config.json key {key!r} should be {kind.__name__}, got {value!r} ({self.architecture})")
+                return value
+        names = " or ".join(repr(k) for k in keys)
+        raise CheckpointError(f"config.json is missing {names}, needed by {self.architecture}")
+
+    def get(self, key: str, default: Any) -> Any:
+        value = self.raw.get(key)
+        return default if value is None else value
+
+    def head_dim(self) -> int:
+        return self.get("head_dim", None) or self.require("hidden_size") // self.require("num_attention_heads")
+
+    def rope(self, rotary_dim: int, interleaved: bool = False) -> RopeConfig:
+        """rope_parameters (transformers 5) or rope_theta + rope_scaling (older checkpoints)."""
+        params = dict(self.raw.get("rope_parameters") or {})
+        scaling = dict(self.raw.get("rope_scaling") or {})
+        params = {**scaling, **params}
+        theta = params.get("rope_theta", self.raw.get("rope_theta", 10000.0))
+        kind = params.get("rope_type", params.get("type", "default"))
+        if kind not in ("default", "linear", "yarn"):
+            raise CheckpointError(f"rope type {kind!r} is not supported (supported: default, linear, yarn)")
+        return RopeConfig(
+            theta=float(theta),
+            rotary_dim=rotary_dim,
+            kind=kind,
+            factor=float(params.get("factor", 1.0)),
+            original_max_position_embeddings=params.get("original_max_position_embeddings", self.raw.get("max_position_embeddings")),
+            beta_fast=float(params.get("beta_fast") or 32),
+            beta_slow=float(params.get("beta_slow") or 1),
+            mscale=params.get("mscale"),
+            mscale_all_dim=params.get("mscale_all_dim"),
+            attention_factor=params.get("attention_factor"),
+            truncate=bool(params.get("truncate", True)),
+            interleaved=interleaved,
+        )
+
+    def eos_token_ids(self) -> tuple[int, ...]:
+        eos = self.raw.get("eos_token_id")
+        if eos is None:
+            return ()
+        return tuple(eos) if isinstance(eos, list) else (int(eos),)
+
+    def dtype(self) -> torch.dtype:
+        name = self.raw.get("dtype") or self.raw.get("torch_dtype") or "float32"
+        return DTYPES.get(name, torch.float32)
+
+    def check_activation(self) -> None:
+        act = self.get("hidden_act", "silu")
+        if act != "silu":
+            raise CheckpointError(f"hidden_act {act!r} is not supported (only silu)")
+        if self.raw.get("quantization_config"):
+            method = self.raw["quantization_config"].get("quant_method", "?")
+            raise CheckpointError(f"quantized checkpoints ({method}) are not supported yet; use a bf16/fp16/fp32 checkpoint")
+
+    def sliding_windows(self, num_layers: int, enabled: bool) -> tuple[int | None, ...]:
+        """Per-layer window from `layer_types` when present, else one window for all layers."""
+        window = self.raw.get("sliding_window") if enabled else None
+        layer_types = self.raw.get("layer_types")
+        if window and layer_types:
+            return tuple(window if t == "sliding_attention" else None for t in layer_types)
+        return (window or None,) * num_layers

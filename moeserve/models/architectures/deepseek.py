@@ -1,0 +1,80 @@
+"""DeepseekV3ForCausalLM: MLA attention, dense first layers, shared experts, and sigmoid
+scores with a correction bias and group-limited top-k routing."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from moeserve.config import MLAConfig, ModelConfig, RopeConfig, RouterConfig
+from moeserve.models.architectures.base import Architecture, CheckpointNames, HFConfig
+
+
+def _attention_scale(qk_head_dim: int, rope: RopeConfig) -> float:
+    """YaRN checkpoints scale the softmax by mscale(factor, mscale_all_dim)^2 as well."""
+    scale = qk_head_dim**-0.5
+    if rope.kind != "default" and rope.mscale_all_dim:
+        mscale = 0.1 * rope.mscale_all_dim * math.log(rope.factor) + 1.0 if rope.factor > 1 else 1.0
+        scale *= mscale * mscale
+    return scale
+
+
+def parse_config(raw: dict[str, Any]) -> ModelConfig:
+    c = HFConfig(raw)
+    c.check_activation()
+    num_layers = c.require("num_hidden_layers")
+    num_experts = c.require("n_routed_experts", "num_local_experts")
+    mla = MLAConfig(
+        q_lora_rank=c.get("q_lora_rank", None),
+        kv_lora_rank=c.require("kv_lora_rank"),
+        qk_nope_head_dim=c.require("qk_nope_head_dim"),
+        qk_rope_head_dim=c.require("qk_rope_head_dim"),
+        v_head_dim=c.require("v_head_dim"),
+    )
+    rope = c.rope(mla.qk_rope_head_dim, interleaved=bool(c.get("rope_interleave", True)))
+    first_dense = c.get("first_k_dense_replace", 0)
+    num_heads = c.require("num_attention_heads")
+    moe_intermediate = c.require("moe_intermediate_size")
+    return ModelConfig(
+        architecture=c.architecture,
+        vocab_size=c.require("vocab_size"),
+        hidden_size=c.require("hidden_size"),
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_heads,
+        head_dim=mla.qk_head_dim,
+        intermediate_size=c.require("intermediate_size"),
+        moe_intermediate_size=moe_intermediate,
+        num_experts=num_experts,
+        router=RouterConfig(
+            kind="grouped_sigmoid",
+            top_k=c.require("num_experts_per_tok"),
+            renormalize=bool(c.get("norm_topk_prob", True)),
+            num_groups=c.get("n_group", 1),
+            topk_groups=c.get("topk_group", 1),
+            routed_scaling_factor=float(c.get("routed_scaling_factor", 1.0)),
+            has_correction_bias=True,
+            logits_in_fp32=True,
+        ),
+        rope=rope,
+        rms_norm_eps=c.require("rms_norm_eps", kind=float),
+        max_position_embeddings=c.require("max_position_embeddings"),
+        moe_layers=tuple(i >= first_dense for i in range(num_layers)),
+        sliding_windows=(None,) * num_layers,
+        shared_expert_intermediate_size=moe_intermediate * c.get("n_shared_experts", 0),
+        qkv_bias=bool(c.get("attention_bias", False)),
+        o_bias=bool(c.get("attention_bias", False)),
+        mla=mla,
+        attention_scale=_attention_scale(mla.qk_head_dim, rope),
+        tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+        bos_token_id=c.get("bos_token_id", None),
+        eos_token_ids=c.eos_token_ids(),
+        checkpoint_dtype=c.dtype(),
+    )
+
+
+ARCHITECTURE = Architecture(
+    hf_names=("DeepseekV3ForCausalLM",),
+    parse_config=parse_config,
+    names=CheckpointNames(shared_expert="shared_experts"),
+)

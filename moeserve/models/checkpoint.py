@@ -1,0 +1,79 @@
+"""Reading a Hugging Face checkpoint folder lazily: config.json and (sharded) safetensors.
+
+Tensors are read one at a time through `safe_open`, which memory-maps the file: bytes of
+tensors nobody asks for (another EP rank's experts) are never read.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded: unsupported, incomplete or inconsistent."""
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path.name} not found in {path.parent}") from None
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path} is not valid JSON: {e}") from None
+
+
+class CheckpointReader:
+    """Tensor name -> file map of a checkpoint folder; reads single tensors on demand."""
+
+    def __init__(self, folder: str | Path) -> None:
+        self.folder = Path(folder)
+        if not self.folder.is_dir():
+            raise CheckpointError(f"checkpoint folder {self.folder} does not exist")
+        self.config = read_json(self.folder / "config.json")
+        self.weight_map = self._weight_map()
+        self._handles: dict[str, Any] = {}
+
+    def _weight_map(self) -> dict[str, str]:
+        index = self.folder / INDEX_FILE
+        if index.exists():
+            weight_map = read_json(index).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise CheckpointError(f"{index} has no weight_map")
+            missing_files = sorted({f for f in weight_map.values() if not (self.folder / f).exists()})
+            if missing_files:
+                raise CheckpointError(f"shard files listed in {INDEX_FILE} are missing: {missing_files}")
+            return dict(weight_map)
+        files = sorted(self.folder.glob("*.safetensors"))
+        if not files:
+            raise CheckpointError(f"no safetensors weights in {self.folder}")
+        weight_map = {}
+        for file in files:
+            with safe_open(file, framework="pt") as f:
+                weight_map.update({name: file.name for name in f.keys()})
+        return weight_map
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.weight_map
+
+    def _handle(self, file: str) -> Any:
+        if file not in self._handles:
+            self._handles[file] = safe_open(self.folder / file, framework="pt")
+        return self._handles[file]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handle(self.weight_map[name]).get_slice(name).get_shape())
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._handle(self.weight_map[name]).get_tensor(name)
+
+    def close(self) -> None:
+        self._handles.clear()

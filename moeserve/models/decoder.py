@@ -1,0 +1,76 @@
+"""The decoder-only MoE transformer every supported architecture instantiates.
+
+Architectures differ in configuration (router kind, shared expert, qk-norm, MLA, which layers
+are dense) and in checkpoint names, not in structure; both differences live in
+`architectures/`, so this file holds the one forward pass.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moeserve.config import ModelConfig
+from moeserve.dispatch import Dispatcher
+from moeserve.models.layers.attention import Attention
+from moeserve.models.layers.mla import MLAttention
+from moeserve.models.layers.mlp import GatedMLP
+from moeserve.models.layers.moe import MoEBlock
+from moeserve.models.layers.norm import RMSNorm
+from moeserve.models.layers.paged_attention import AttentionMetadata
+from moeserve.models.layers.rotary import RotaryEmbedding
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, dispatcher: Dispatcher, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        attention_cls = MLAttention if cfg.is_mla else Attention
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.attn = attention_cls(cfg, layer, dtype, device)
+        self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        if cfg.moe_layers[layer]:
+            self.mlp: nn.Module = MoEBlock(cfg, dispatcher, dtype, device)
+        else:
+            self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype, device)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.attn(self.input_norm(x), cos, sin, kv_cache, meta)
+        return x + self.mlp(self.post_attn_norm(x))
+
+
+class MoECausalLM(nn.Module):
+    """Token ids of one step (all sequences packed, no padding) -> hidden states -> logits.
+
+    Parameters are allocated uninitialised; the loader fills every one of them or fails.
+    """
+
+    def __init__(self, cfg: ModelConfig, dispatcher: Dispatcher, dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.dtype = dtype
+        self.embed_tokens = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device), requires_grad=False)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, dispatcher, dtype, device) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.lm_head = None
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device), requires_grad=False)
+        self.rotary = RotaryEmbedding(cfg.rope, device)
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        """Shape of one layer's KV cache (all layers are alike)."""
+        attention_cls = MLAttention if self.cfg.is_mla else Attention
+        return attention_cls.cache_shape(self.cfg, num_blocks, block_size)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_caches: list[torch.Tensor]) -> torch.Tensor:
+        """input_ids, positions `[T]` -> final hidden states `[T, H]` (after the last norm)."""
+        x = F.embedding(input_ids, self.embed_tokens)  # [T, H]
+        cos, sin = self.rotary.cos_sin(positions, self.dtype)  # [T, rotary_dim], once for all layers
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x = layer(x, cos, sin, kv_cache, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden `[S, H]` (only the rows that sample) -> logits `[S, V]` float32."""
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        return F.linear(hidden, head).float()

@@ -1,0 +1,54 @@
+"""Grouped-query attention over the paged KV cache (Mixtral, Qwen2-MoE, Qwen3-MoE)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moeserve.config import ModelConfig
+from moeserve.models.layers.norm import RMSNorm
+from moeserve.models.layers.paged_attention import AttentionMetadata, paged_attention, write_to_cache
+from moeserve.models.layers.rotary import apply_rotary
+
+
+def linear(in_dim: int, out_dim: int, bias: bool, dtype: torch.dtype, device: torch.device | str) -> nn.Linear:
+    layer = nn.Linear(in_dim, out_dim, bias=bias, dtype=dtype, device=device)
+    layer.requires_grad_(False)
+    return layer
+
+
+class Attention(nn.Module):
+    """KV cache layout for this layer: `[2, num_blocks, block_size, Hkv, D]` (K then V)."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+        super().__init__()
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
+        self.scale = cfg.attention_scale or d**-0.5
+        self.sliding_window = cfg.sliding_windows[layer]
+        self.interleaved_rope = cfg.rope.interleaved
+        self.q_proj = linear(h, cfg.num_heads * d, cfg.qkv_bias, dtype, device)
+        self.k_proj = linear(h, cfg.num_kv_heads * d, cfg.qkv_bias, dtype, device)
+        self.v_proj = linear(h, cfg.num_kv_heads * d, cfg.qkv_bias, dtype, device)
+        self.o_proj = linear(cfg.num_heads * d, h, cfg.o_bias, dtype, device)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
+
+    @staticmethod
+    def cache_shape(cfg: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        return (2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """x `[T, H]`; cos/sin `[T, D]` -> `[T, H]`."""
+        num_tokens = x.shape[0]
+        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)  # [T, Hq, D]
+        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rotary(q, cos, sin, self.interleaved_rope)
+        k = apply_rotary(k, cos, sin, self.interleaved_rope)
+        write_to_cache(kv_cache[0], k, meta.slot_mapping)
+        write_to_cache(kv_cache[1], v, meta.slot_mapping)
+        out = paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window)
+        return self.o_proj(out.reshape(num_tokens, -1))

@@ -1,0 +1,158 @@
+"""Fill a `MoECausalLM` from a Hugging Face checkpoint, reading only what this rank holds.
+
+Each of our parameters maps to one or more checkpoint tensors (`WeightSource`): gate and up
+projections are concatenated into one GEMM, and an MoE layer's experts are stacked into one
+tensor, of only the experts `placement` assigns to this rank. Every source is checked for
+presence and shape before any tensor is read, so a bad checkpoint fails with one message and
+leaves nothing half-loaded.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from moeserve.config import ModelConfig
+from moeserve.dispatch import ExpertPlacement, create_dispatcher
+from moeserve.models.architectures import CheckpointNames, resolve_architecture
+from moeserve.models.checkpoint import CheckpointError, CheckpointReader
+from moeserve.models.decoder import MoECausalLM
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WeightSource:
+    """parts[i] is concatenated along dim 0; with `stacked`, the parts are then stacked (experts)."""
+
+    parts: tuple[tuple[str, ...], ...]
+    stacked: bool = False
+
+    @classmethod
+    def one(cls, name: str) -> "WeightSource":
+        return cls(((name,),))
+
+    @property
+    def names(self) -> list[str]:
+        return [n for part in self.parts for n in part]
+
+
+# Our names for the layer tensors common to every architecture -> checkpoint suffixes.
+_COMMON = {
+    "input_norm.weight": "input_layernorm.weight",
+    "post_attn_norm.weight": "post_attention_layernorm.weight",
+    "attn.q_norm.weight": "self_attn.q_norm.weight",
+    "attn.k_norm.weight": "self_attn.k_norm.weight",
+    "attn.q_a_norm.weight": "self_attn.q_a_layernorm.weight",
+    "attn.kv_a_norm.weight": "self_attn.kv_a_layernorm.weight",
+    "attn.kv_a_proj.weight": "self_attn.kv_a_proj_with_mqa.weight",
+    "attn.kv_a_proj.bias": "self_attn.kv_a_proj_with_mqa.bias",
+}
+
+
+def layer_source(layer: int, suffix: str, names: CheckpointNames, placement: ExpertPlacement) -> WeightSource:
+    """Checkpoint tensors behind `layers.{layer}.{suffix}` of our model."""
+    p = f"model.layers.{layer}."
+    moe = f"{p}{names.moe}."
+    if suffix in _COMMON:
+        return WeightSource.one(p + _COMMON[suffix])
+    if suffix.startswith("attn."):
+        return WeightSource.one(p + "self_attn." + suffix[len("attn.") :])
+    if suffix == "mlp.gate_up":
+        return WeightSource(((f"{p}mlp.gate_proj.weight", f"{p}mlp.up_proj.weight"),))
+    if suffix == "mlp.down":
+        return WeightSource.one(f"{p}mlp.down_proj.weight")
+    if suffix == "mlp.router.weight":
+        return WeightSource.one(f"{moe}{names.router}.weight")
+    if suffix == "mlp.router.correction_bias":
+        return WeightSource.one(f"{moe}{names.router}.{names.correction_bias}")
+    if suffix == "mlp.experts.w13":
+        experts = [f"{moe}experts.{e}." for e in placement.local_experts]
+        return WeightSource(tuple((f"{e}{names.expert_gate}.weight", f"{e}{names.expert_up}.weight") for e in experts), stacked=True)
+    if suffix == "mlp.experts.w2":
+        return WeightSource(tuple((f"{moe}experts.{e}.{names.expert_down}.weight",) for e in placement.local_experts), stacked=True)
+    if suffix == "mlp.shared.gate_up":
+        s = f"{moe}{names.shared_expert}."
+        return WeightSource(((f"{s}gate_proj.weight", f"{s}up_proj.weight"),))
+    if suffix == "mlp.shared.down":
+        return WeightSource.one(f"{moe}{names.shared_expert}.down_proj.weight")
+    if suffix == "mlp.shared_gate":
+        return WeightSource.one(f"{moe}{names.shared_expert_gate}.weight")
+    raise KeyError(f"no checkpoint mapping for layer parameter {suffix!r}")
+
+
+def weight_source(name: str, names: CheckpointNames, placement: ExpertPlacement, reader: CheckpointReader) -> WeightSource:
+    if name == "embed_tokens":
+        return WeightSource.one("model.embed_tokens.weight")
+    if name == "lm_head":
+        return WeightSource.one("lm_head.weight")
+    if name == "norm.weight":
+        return WeightSource.one("model.norm.weight")
+    match = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
+    if match is None:
+        raise KeyError(f"no checkpoint mapping for parameter {name!r}")
+    return layer_source(int(match.group(1)), match.group(2), names, placement)
+
+
+def _expected_part_shape(source: WeightSource, target: torch.Size) -> tuple[int, ...]:
+    """Shape the first tensor of each part must have (parts split target's dim 0 evenly)."""
+    per_part = target[1:] if source.stacked else target
+    return (per_part[0] // len(source.parts[0]), *per_part[1:])
+
+
+def check_sources(sources: dict[str, WeightSource], targets: dict[str, torch.Tensor], reader: CheckpointReader) -> None:
+    """Every tensor present with the shape our parameter expects; otherwise one clear error."""
+    missing = [n for s in sources.values() for n in s.names if n not in reader]
+    if missing:
+        more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+        raise CheckpointError(f"checkpoint {reader.folder} is missing tensors: {', '.join(missing[:5])}{more}")
+    for name, source in sources.items():
+        want = _expected_part_shape(source, targets[name].shape)
+        for tensor_name in source.names:
+            got = reader.shape(tensor_name)
+            if got != want:
+                raise CheckpointError(f"tensor {tensor_name} has shape {list(got)}, expected {list(want)} from config.json")
+
+
+def read_source(source: WeightSource, reader: CheckpointReader, dtype: torch.dtype) -> torch.Tensor:
+    parts = [torch.cat([reader.get(n).to(dtype) for n in part], dim=0) for part in source.parts]
+    return torch.stack(parts) if source.stacked else parts[0]
+
+
+def load_model(
+    folder: str | Path,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    placement: ExpertPlacement | None = None,
+    dispatcher: str = "local",
+) -> MoECausalLM:
+    """Build the model for `folder`'s architecture and load this rank's share of its weights."""
+    reader = CheckpointReader(folder)
+    arch, cfg = resolve_architecture(reader.config)
+    placement = placement or ExpertPlacement.contiguous(cfg.num_experts)
+    if placement.num_experts != cfg.num_experts:
+        raise ValueError(f"placement covers {placement.num_experts} experts, the model has {cfg.num_experts}")
+    model = MoECausalLM(cfg, create_dispatcher(dispatcher, placement, device), dtype, device)
+    targets = {name: p for name, p in model.named_parameters()}
+    sources = {name: weight_source(name, arch.names, placement, reader) for name in targets}
+    check_sources(sources, targets, reader)
+    with torch.no_grad():
+        for name, param in targets.items():
+            # Router correction bias and fp32 gates keep their own dtype (see Router).
+            param.copy_(read_source(sources[name], reader, param.dtype))
+    reader.close()
+    logger.info(
+        "loaded %s from %s: %d layers, %d/%d experts on this rank, %.1f MiB of weights (%s)",
+        cfg.architecture, folder, cfg.num_layers, placement.num_local_experts, cfg.num_experts,
+        sum(p.numel() * p.element_size() for p in targets.values()) / 2**20, dtype,
+    )
+    return model
+
+
+def model_config(folder: str | Path) -> ModelConfig:
+    """The normalised config of a checkpoint, without reading any weight."""
+    return resolve_architecture(CheckpointReader(folder).config)[1]
