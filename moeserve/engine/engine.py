@@ -1,0 +1,220 @@
+"""The engine: requests in, tokens out, one scheduler step at a time.
+
+    step():  scheduler.schedule() -> runner.execute(...) -> scheduler.update(...)
+             -> detokenize, match stop strings -> RequestOutputs
+
+A request with n > 1 fans out into n sequences (`<id>#<i>`) scheduled independently; its
+output gathers them. Bad input raises ValueError before anything is queued.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+from moeserve.config import EngineConfig
+from moeserve.engine.detokenizer import IncrementalDetokenizer
+from moeserve.engine.kv_cache import allocate_kv_caches, num_blocks_for
+from moeserve.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from moeserve.engine.runner import ModelRunner, SampledToken
+from moeserve.engine.tokenizer import load_tokenizer
+from moeserve.models import load_model
+from moeserve.models.checkpoint import read_json
+from moeserve.sampling_params import SamplingParams
+from moeserve.scheduler import Request, Scheduler, SchedulerConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Sequence:
+    """Output state of one generated sequence."""
+
+    index: int
+    detokenizer: IncrementalDetokenizer
+    logprobs: list[dict[int, Logprob]] | None
+    cumulative_logprob: float | None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def completion(self) -> CompletionOutput:
+        return CompletionOutput(
+            index=self.index,
+            text=self.detokenizer.text,
+            token_ids=list(self.detokenizer.token_ids),
+            cumulative_logprob=self.cumulative_logprob,
+            logprobs=list(self.logprobs) if self.logprobs is not None else None,
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+        )
+
+
+@dataclass
+class _Parent:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    sequences: dict[str, _Sequence] = field(default_factory=dict)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.sequences.values())
+
+    def output(self) -> RequestOutput:
+        completions = sorted((s.completion() for s in self.sequences.values()), key=lambda c: c.index)
+        return RequestOutput(self.request_id, self.prompt, list(self.prompt_token_ids), completions, self.finished)
+
+
+def generation_eos_ids(folder: Path, config_eos: tuple[int, ...]) -> tuple[int, ...]:
+    """EOS ids from generation_config.json (often a list) and config.json, deduplicated."""
+    path = folder / "generation_config.json"
+    extra = read_json(path).get("eos_token_id") if path.exists() else None
+    extra = [] if extra is None else (extra if isinstance(extra, list) else [extra])
+    return tuple(dict.fromkeys([*config_eos, *extra]))
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        folder = Path(config.model)
+        started = time.monotonic()
+        torch.manual_seed(config.seed)
+        self.model = load_model(folder, config.dtype, config.device)
+        self.model_config = self.model.cfg
+        self.tokenizer = load_tokenizer(folder)
+        self.eos_token_ids = generation_eos_ids(folder, self.model_config.eos_token_ids)
+        self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
+        if self.max_model_len > self.model_config.max_position_embeddings:
+            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings {self.model_config.max_position_embeddings}")
+        cache = config.cache
+        num_blocks = num_blocks_for(self.model, cache, config.dtype)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_model_len=self.max_model_len,
+                block_size=cache.block_size,
+                num_kv_blocks=num_blocks,
+            )
+        )
+        kv_caches = allocate_kv_caches(self.model, num_blocks, cache.block_size, config.dtype, config.device)
+        self.runner = ModelRunner(self.model, kv_caches, cache.block_size, self.eos_token_ids, config.device)
+        self._parents: dict[str, _Parent] = {}
+        self._parent_of: dict[str, str] = {}
+        self._ids = itertools.count()
+        logger.info("engine ready in %.1f s (max_model_len %d)", time.monotonic() - started, self.max_model_len)
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def tokenize(self, prompt: str | dict | list[int]) -> tuple[str | None, list[int]]:
+        """A text prompt, `{"prompt_token_ids": [...]}` or a list of ids -> (text, ids)."""
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" not in prompt:
+                raise ValueError("a dict prompt needs 'prompt_token_ids'")
+            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        if isinstance(prompt, (list, tuple)):
+            return None, list(prompt)
+        raise ValueError(f"a prompt is a string, a list of token ids or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingParams:
+        """Reject what the model cannot run; returns params with max_tokens fitted to the context."""
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty: give at least one token")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]!r} is out of the vocabulary [0, {vocab})")
+        room = self.max_model_len - len(prompt_token_ids)
+        if room < 1:
+            raise ValueError(
+                f"the prompt has {len(prompt_token_ids)} tokens; the model's maximum context length is "
+                f"{self.max_model_len}, which leaves no room for a generated token"
+            )
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        return replace(params, max_tokens=max_tokens, min_tokens=min(params.min_tokens, max_tokens))
+
+    def add_request(self, prompt: str | dict | list[int], params: SamplingParams, request_id: str | None = None, arrival_time: float | None = None) -> str:
+        text, prompt_token_ids = self.tokenize(prompt)
+        params = self.validate(prompt_token_ids, params)
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self._parents:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        parent = _Parent(request_id, text, prompt_token_ids)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        children = []
+        for i in range(params.n):
+            child_params = params if params.n == 1 or params.seed is None else replace(params, seed=params.seed + i)
+            child_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            children.append(Request(child_id, list(prompt_token_ids), child_params, self.eos_token_ids[0] if self.eos_token_ids else None, arrival))
+            parent.sequences[child_id] = _Sequence(
+                index=i,
+                detokenizer=IncrementalDetokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output, params.skip_special_tokens),
+                logprobs=[] if params.logprobs is not None else None,
+                cumulative_logprob=0.0 if params.logprobs is not None else None,
+            )
+        for child in children:
+            self.scheduler.add_request(child)
+            self._parent_of[child.request_id] = request_id
+        self._parents[request_id] = parent
+        return request_id
+
+    def abort_request(self, request_id: str) -> None:
+        parent = self._parents.pop(request_id, None)
+        if parent is None:
+            return
+        for child_id in parent.sequences:
+            self.scheduler.abort_request(child_id)
+            self._parent_of.pop(child_id, None)
+        self.runner.release(list(parent.sequences))
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._parents)
+
+    # ---- the step ---------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one step; outputs of every request that progressed (cumulative text and tokens)."""
+        plan = self.scheduler.schedule()
+        requests = {s.request_id: self.scheduler.get_request(s.request_id) for s in plan.scheduled}
+        sampled = self.runner.execute(plan, requests)
+        finished = {r.request_id: r for r in self.scheduler.update(plan, {rid: t.token_id for rid, t in sampled.items()})}
+        touched: set[str] = set()
+        for child_id, token in sampled.items():
+            touched.add(self._record(child_id, token, finished.get(child_id)))
+        return [self._emit(parent_id) for parent_id in touched]
+
+    def _record(self, child_id: str, token: SampledToken, finished: Request | None) -> str:
+        parent_id = self._parent_of[child_id]
+        seq = self._parents[parent_id].sequences[child_id]
+        stop = seq.detokenizer.append(token.token_id)
+        if seq.logprobs is not None and token.logprob is not None:
+            entry = {token.token_id: Logprob(token.logprob)}
+            for rank, (alt_id, alt_lp) in enumerate(token.top_logprobs, start=1):
+                entry.setdefault(alt_id, Logprob(alt_lp, rank))
+            seq.logprobs.append(entry)
+            seq.cumulative_logprob += token.logprob
+        if stop is not None:
+            if finished is None:
+                self.scheduler.finish_request(child_id, "stop", stop)
+            seq.finish_reason, seq.stop_reason = "stop", stop
+        elif finished is not None:
+            seq.finish_reason, seq.stop_reason = finished.finish_reason, finished.stop_reason
+        if seq.finish_reason is not None:
+            self.runner.release([child_id])
+        return parent_id
+
+    def _emit(self, parent_id: str) -> RequestOutput:
+        parent = self._parents[parent_id]
+        output = parent.output()
+        if output.finished:
+            del self._parents[parent_id]
+            for child_id in parent.sequences:
+                self._parent_of.pop(child_id, None)
+        return output

@@ -1,0 +1,119 @@
+"""Per-request sampling parameters, with vLLM's names, defaults and meaning.
+
+The API layer builds one `SamplingParams` per request from the OpenAI body; the scheduler reads the
+stop conditions (`max_tokens`, `stop`, `stop_token_ids`, `ignore_eos`, `min_tokens`) and the
+sampler reads the rest. Keeping vLLM's semantics lets clients switch servers without surprises.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+# Temperatures below this count as 0 (greedy): dividing logits by a tiny number only amplifies
+# noise, and it is the threshold vLLM uses.
+SAMPLING_EPS = 1e-5
+# Largest `logprobs` a request may ask for (OpenAI's limit for top logprobs; vLLM's default).
+MAX_LOGPROBS = 20
+
+
+@dataclass
+class SamplingParams:
+    """How to pick the next tokens of one request, and when to stop.
+
+    `__post_init__` normalises the lenient forms clients send (`top_k=-1`, a single stop string,
+    `seed=-1`) so the sampler and scheduler see one form only, and rejects out-of-range values with
+    a `ValueError` naming the field, which the API turns into an HTTP 400.
+    """
+
+    n: int = 1
+    """Number of completions to return for the prompt."""
+    max_tokens: int | None = 16
+    """Most tokens to generate; None means up to the model's context length."""
+    temperature: float = 1.0
+    """Softmax temperature; 0 means greedy (argmax)."""
+    top_p: float = 1.0
+    """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p."""
+    top_k: int = 0
+    """Keep only the top_k most likely tokens; 0 (or -1, normalised to 0) turns it off."""
+    min_p: float = 0.0
+    """Drop tokens whose probability is below min_p times the most likely token's."""
+    seed: int | None = None
+    """Seed of the request's own random generator, for reproducible sampling; None: global RNG."""
+    stop: list[str] | str | None = None
+    """Strings that end generation when produced (normalised to a list)."""
+    stop_token_ids: list[int] | None = None
+    """Token ids that end generation besides EOS (normalised to a list)."""
+    ignore_eos: bool = False
+    """Keep generating past EOS (benchmarks use it to get fixed-length outputs)."""
+    logprobs: int | None = None
+    """Return the sampled token's logprob plus this many top logprobs; None: return none."""
+    presence_penalty: float = 0.0
+    """Subtracted once from the logit of every token already generated (OpenAI's definition)."""
+    frequency_penalty: float = 0.0
+    """Subtracted from a token's logit once per time it was already generated."""
+    repetition_penalty: float = 1.0
+    """Divides positive (multiplies negative) logits of tokens in prompt or output; 1 is off."""
+    min_tokens: int = 0
+    """EOS and stop_token_ids are masked until this many tokens have been generated."""
+    include_stop_str_in_output: bool = False
+    """Keep the matched stop string at the end of the returned text."""
+    skip_special_tokens: bool = True
+    """Leave special tokens out of the detokenised text."""
+
+    def __post_init__(self) -> None:
+        if self.top_k == -1:
+            self.top_k = 0
+        if self.seed == -1:
+            self.seed = None
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        else:
+            self.stop = list(self.stop)
+        self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
+        self._validate()
+
+    def _validate(self) -> None:
+        """Check every field; comparisons are written `not (ok)` so that NaN fails them too."""
+        checks: list[tuple[bool, str, str]] = [
+            (self.n >= 1, "n", "must be >= 1"),
+            (self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "must be >= 1 or None"),
+            (self.temperature >= 0, "temperature", "must be >= 0"),
+            (0 < self.top_p <= 1, "top_p", "must be in (0, 1]"),
+            (self.top_k >= 0, "top_k", "must be >= 1, or 0 or -1 to disable"),
+            (0 <= self.min_p <= 1, "min_p", "must be in [0, 1]"),
+            (-2 <= self.presence_penalty <= 2, "presence_penalty", "must be in [-2, 2]"),
+            (-2 <= self.frequency_penalty <= 2, "frequency_penalty", "must be in [-2, 2]"),
+            (self.repetition_penalty > 0, "repetition_penalty", "must be > 0"),
+            (
+                self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
+                "logprobs",
+                f"must be in [0, {MAX_LOGPROBS}] or None",
+            ),
+            (
+                self.min_tokens >= 0
+                and (self.max_tokens is None or self.min_tokens <= self.max_tokens),
+                "min_tokens",
+                "must be >= 0 and <= max_tokens",
+            ),
+            (all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings"),
+            (all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be >= 0"),
+        ]
+        for ok, name, rule in checks:
+            if not ok:
+                raise ValueError(f"{name} {rule}, got {getattr(self, name)!r}")
+
+    @property
+    def greedy(self) -> bool:
+        """True when the next token is the argmax: temperature ~0, or top_k == 1.
+
+        top_k == 1 would pick the argmax anyway; routing it to the argmax path makes the two
+        agree exactly, ties included, and skips drawing random numbers.
+        """
+        return self.temperature < SAMPLING_EPS or self.top_k == 1
+
+    def clone(self) -> SamplingParams:
+        """A deep copy, so per-sample tweaks (e.g. a derived seed for n > 1) never alias lists."""
+        return copy.deepcopy(self)
