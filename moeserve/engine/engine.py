@@ -92,7 +92,7 @@ class LLMEngine:
         if self.max_model_len > self.model_config.max_position_embeddings:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings {self.model_config.max_position_embeddings}")
         cache = config.cache
-        num_blocks = num_blocks_for(self.model, cache, config.dtype)
+        num_blocks = num_blocks_for(self.model, cache, config.dtype, config.max_num_seqs * self.max_model_len)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,

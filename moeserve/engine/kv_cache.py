@@ -18,10 +18,13 @@ def bytes_per_block(model: MoECausalLM, block_size: int, dtype: torch.dtype) -> 
     return per_layer * len(model.layers)
 
 
-def num_blocks_for(model: MoECausalLM, cache: CacheConfig, dtype: torch.dtype) -> int:
+def num_blocks_for(model: MoECausalLM, cache: CacheConfig, dtype: torch.dtype, max_tokens: int) -> int:
+    """Blocks that fit the memory budget, but no more than `max_tokens` (every sequence slot
+    at full length) can ever use."""
     if cache.num_blocks is not None:
         return cache.num_blocks
-    return max(1, cache.memory_bytes // bytes_per_block(model, cache.block_size, dtype))
+    fitting = cache.memory_bytes // bytes_per_block(model, cache.block_size, dtype)
+    return max(1, min(fitting, -(-max_tokens // cache.block_size)))
 
 
 def allocate_kv_caches(model: MoECausalLM, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | str) -> list[torch.Tensor]:

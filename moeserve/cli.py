@@ -1,0 +1,130 @@
+"""The `moeserve` command: `generate` and `make-model` (serving and benchmarks join later)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import sys
+import typing
+from pathlib import Path
+
+logger = logging.getLogger("moeserve.cli")
+
+
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="generate text for one prompt (greedy by default)")
+    p.add_argument("--model", help="Hugging Face checkpoint folder (default: the built-in demo model)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--prompt-ids", help="prompt as comma-separated token ids, e.g. 1,2,3")
+    p.add_argument("--chat", action="store_true", help="wrap --prompt as a user message in the chat template")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--json", action="store_true", help='print {"text": ..., "token_ids": [...]}')
+    p.set_defaults(func=_run_generate)
+
+
+def _parse_ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise ValueError(f"--prompt-ids takes comma-separated integers, got {text!r}") from None
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    from moeserve import LLM, SamplingParams
+
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos,
+    )
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len)
+    if args.prompt_ids is not None:
+        prompt: object = {"prompt_token_ids": _parse_ids(args.prompt_ids)}
+    elif args.chat:
+        tokenizer = llm.get_tokenizer()
+        messages = [{"role": "user", "content": args.prompt}]
+        prompt = {"prompt_token_ids": list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))}
+    else:
+        prompt = args.prompt
+    completion = llm.generate([prompt], params)[0].outputs[0]
+    if args.json:
+        print(json.dumps({"text": completion.text, "token_ids": completion.token_ids, "finish_reason": completion.finish_reason}))
+    else:
+        print(completion.text)
+    return 0
+
+
+def _spec_fields():
+    from moeserve.checkpoints import MakeModelSpec
+
+    hints = typing.get_type_hints(MakeModelSpec)
+    return MakeModelSpec, [(f, hints[f.name]) for f in dataclasses.fields(MakeModelSpec)]
+
+
+def _arg_type(hint: object) -> type:
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if typing.get_origin(hint) is typing.Literal:
+        return str
+    if args and typing.get_origin(hint) is not typing.Literal:
+        return _arg_type(args[0])
+    return hint if hint in (int, float) else str
+
+
+def _add_make_model(sub: argparse._SubParsersAction) -> None:
+    from moeserve.checkpoints import SUPPORTED_ARCHS
+
+    p = sub.add_parser("make-model", help="write a tiny random-weight checkpoint in Hugging Face layout")
+    p.add_argument("--out", required=True, type=Path, help="output folder")
+    _, fields = _spec_fields()
+    for f, hint in fields:
+        flag = "--" + f.name.replace("_", "-")
+        if f.name == "arch":
+            p.add_argument(flag, required=True, choices=SUPPORTED_ARCHS)
+            continue
+        default = None if f.default is dataclasses.MISSING else f.default
+        p.add_argument(flag, type=_arg_type(hint), default=default, help=f.metadata.get("help", f"(default: {default})"))
+    p.set_defaults(func=_run_make_model)
+
+
+def _run_make_model(args: argparse.Namespace) -> int:
+    from moeserve.checkpoints import make_model
+
+    spec_cls, fields = _spec_fields()
+    spec = spec_cls(**{f.name: getattr(args, f.name) for f, _ in fields})
+    out = make_model(spec, args.out)
+    print(out)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="moeserve", description="Inference server for Mixture-of-Experts LLMs")
+    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate(sub)
+    _add_make_model(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    try:
+        return args.func(args)
+    except ValueError as e:  # bad input: one line, no traceback
+        logger.error("%s", e)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,88 @@
+"""Shared fixtures: tiny checkpoints written by transformers itself, with a locally trained tokenizer."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import torch
+
+VOCAB = 320  # 256 byte symbols + specials + a few merges: the smallest useful byte-level BPE
+
+
+def hf_config(arch: str, **overrides: Any):
+    """A transformers config for a tiny model of `arch`; overrides use HF's own field names."""
+    from transformers import DeepseekV3Config, MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
+
+    common = dict(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        initializer_range=0.1, bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False,
+    )
+    if arch == "mixtral":
+        cfg = dict(common, num_local_experts=6, num_experts_per_tok=2, head_dim=16)
+        cls = MixtralConfig
+    elif arch == "qwen2_moe":
+        cfg = dict(common, moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=7, num_experts_per_tok=3, head_dim=16)
+        cls = Qwen2MoeConfig
+    elif arch == "qwen3_moe":
+        cfg = dict(common, moe_intermediate_size=32, num_experts=6, num_experts_per_tok=2, head_dim=16, norm_topk_prob=True)
+        cls = Qwen3MoeConfig
+    elif arch == "deepseek_v3":
+        cfg = dict(
+            common, num_key_value_heads=4, moe_intermediate_size=32, n_routed_experts=8, n_group=4, topk_group=2,
+            num_experts_per_tok=3, q_lora_rank=24, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16,
+            v_head_dim=12, first_k_dense_replace=1, n_shared_experts=1, routed_scaling_factor=2.5,
+        )
+        cls = DeepseekV3Config
+    else:
+        raise ValueError(arch)
+    cfg.update(overrides)
+    return cls(**cfg)
+
+
+ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from moeserve.checkpoints import train_tokenizer
+
+    folder = tmp_path_factory.mktemp("tokenizer")
+    train_tokenizer(VOCAB, folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def make_checkpoint(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Callable[..., Path]:
+    """make_checkpoint(arch, seed=0, **hf_overrides) -> folder, built once per distinct request.
+
+    Weights come from transformers' own random init; DeepSeek's correction bias (zero at init)
+    is randomised so that routing path is exercised.
+    """
+    from transformers import AutoModelForCausalLM
+
+    root = tmp_path_factory.mktemp("checkpoints")
+    built: dict[str, Path] = {}
+
+    def make(arch: str, seed: int = 0, **overrides: Any) -> Path:
+        key = hashlib.sha1(json.dumps([arch, seed, overrides], sort_keys=True, default=str).encode()).hexdigest()[:10]
+        if key in built:
+            return built[key]
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(hf_config(arch, **overrides))
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.normal_(0.0, 0.05)
+        folder = root / f"{arch}-{key}"
+        model.save_pretrained(folder)
+        for f in tokenizer_dir.iterdir():
+            shutil.copy(f, folder / f.name)
+        built[key] = folder
+        return folder
+
+    return make
