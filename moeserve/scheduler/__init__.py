@@ -1,0 +1,17 @@
+"""Requests, the paged KV block manager and the continuous-batching scheduler (no tensors, no HTTP)."""
+
+from moeserve.scheduler.block_manager import BlockManager
+from moeserve.scheduler.config import SchedulerConfig
+from moeserve.scheduler.request import Request, RequestStatus
+from moeserve.scheduler.scheduler import QueueFullError, ScheduledRequest, Scheduler, SchedulerOutput
+
+__all__ = [
+    "BlockManager",
+    "QueueFullError",
+    "Request",
+    "RequestStatus",
+    "ScheduledRequest",
+    "Scheduler",
+    "SchedulerConfig",
+    "SchedulerOutput",
+]

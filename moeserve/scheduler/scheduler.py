@@ -1,0 +1,324 @@
+"""Continuous batching: which requests run in each engine step, with which tokens and KV blocks.
+
+One engine step is three calls, strictly alternating `schedule()` and `update()`:
+
+    output = scheduler.schedule()                 # per request: tokens to feed, positions, block table
+    sampled = runner.run(output)                  # {request_id: token_id} for every `sample=True`
+    finished = scheduler.update(output, sampled)  # append tokens, check stops, free finished blocks
+
+Policy: iteration-level batching, first come first served, preemption by recompute.
+- Running requests go first: every decode costs one token of the step's budget, and a request
+  still prefilling in chunks takes the next chunk that fits in what the decodes leave.
+- Then waiting requests are admitted in arrival order while the budget, `max_num_seqs` and free
+  blocks allow; with chunked prefill a prompt larger than the remaining budget is split.
+  Admission stops at the first request that does not fit, so nobody overtakes the queue head.
+- When a running request needs a block and none is free, the most recently arrived running
+  request is preempted: its blocks are freed and it returns to the front of the queue, to
+  recompute prompt plus outputs when readmitted. No admission happens in a step that preempted.
+Progress is guaranteed: `SchedulerConfig` ensures one `max_model_len` sequence fits the cache and
+all decodes fit the budget, and the oldest running request can preempt every other one.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from moeserve.scheduler.block_manager import BlockManager
+from moeserve.scheduler.config import SchedulerConfig
+from moeserve.scheduler.request import STATUS_BY_FINISH_REASON, Request, RequestStatus
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue holds `max_waiting` requests; the server should shed this one (HTTP 503)."""
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    """What the model runner does for one request in one step."""
+
+    request_id: str
+    token_ids: list[int]
+    """Tokens to feed: a prompt chunk, the last sampled token, or a recompute after preemption."""
+    start_position: int
+    """Position of `token_ids[0]`: the request's `num_computed_tokens` before this step."""
+    block_ids: list[int]
+    """The request's whole block table (a copy); covers `start_position + len(token_ids)` tokens."""
+    sample: bool
+    """True when this step reaches the end of the sequence, so a next token must be sampled.
+    False for every prompt chunk but the last."""
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """The plan of one engine step."""
+
+    scheduled: list[ScheduledRequest]
+    """Decodes first, then prefill chunks (continued ones, then newly admitted ones)."""
+    num_batched_tokens: int
+    """Sum of `len(token_ids)`; at most `max_num_batched_tokens`."""
+    preempted_request_ids: list[str]
+    """Requests preempted while planning this step (their KV is gone)."""
+    finished_request_ids: list[str]
+    """Requests that finished since the previous plan: aborted, stopped by `finish_request`, or
+    finished in `update`. Whoever keeps per-request state (e.g. a seeded generator) drops it."""
+
+    @property
+    def is_empty(self) -> bool:
+        """Nothing to run this step (the finished ids may still be worth reading)."""
+        return not self.scheduled
+
+
+class _StepPlan:
+    """Token grants made so far while planning one step."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.grants: dict[str, tuple[Request, int]] = {}  # request_id -> (request, num_new_tokens), in grant order
+        self.preempted_ids: list[str] = []
+
+    def grant(self, request: Request, num_tokens: int) -> None:
+        self.grants[request.request_id] = (request, num_tokens)
+        self.budget -= num_tokens
+
+
+class Scheduler:
+    """Owns every unfinished request and the KV block manager; pure Python, no tensors.
+
+    `clock` stamps admission and token times (TTFT/TBT); tests pass a fake one.
+    """
+
+    def __init__(self, config: SchedulerConfig, clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.block_manager = BlockManager(config.num_kv_blocks, config.block_size)
+        self._clock = clock
+        self._requests: dict[str, Request] = {}  # every unfinished request, by id
+        self._waiting: deque[Request] = deque()  # WAITING and PREEMPTED, in arrival order
+        self._running: list[Request] = []  # RUNNING, in arrival order
+        self._finished_ids: list[str] = []  # finished since the previous schedule()
+        self._awaiting_update = False
+
+    # ----- requests in and out -----
+
+    def add_request(self, request: Request) -> None:
+        """Queue a new request.
+
+        Raises ValueError for a request that could never complete (duplicate id, not fresh, or
+        prompt + max_tokens over `max_model_len`; max_tokens=None needs room for one token), and
+        QueueFullError when `max_waiting` requests are already queued.
+        """
+        if request.request_id in self._requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        if request.status is not RequestStatus.WAITING:
+            raise ValueError(f"request {request.request_id!r} is {request.status.name}, not WAITING")
+        max_tokens = request.sampling_params.max_tokens or 1
+        if request.num_prompt_tokens + max_tokens > self.config.max_model_len:
+            raise ValueError(
+                f"prompt ({request.num_prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds "
+                f"max_model_len ({self.config.max_model_len})"
+            )
+        if self.config.max_waiting is not None and len(self._waiting) >= self.config.max_waiting:
+            raise QueueFullError(f"waiting queue is full ({self.config.max_waiting} requests)")
+        self._requests[request.request_id] = request
+        self._waiting.append(request)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Finish a request as "abort" (e.g. the client went away); False if it is not live."""
+        return self.finish_request(request_id, "abort")
+
+    def finish_request(self, request_id: str, reason: str, stop_reason: int | str | None = None) -> bool:
+        """Finish a live request from outside the step, e.g. when the output processor matches a
+        stop string. Its blocks are freed now and it is listed in the next plan's
+        `finished_request_ids`. Returns False if the request is unknown or already finished."""
+        if reason not in STATUS_BY_FINISH_REASON:
+            raise ValueError(f"unknown finish reason {reason!r}; expected one of {sorted(STATUS_BY_FINISH_REASON)}")
+        request = self._requests.get(request_id)
+        if request is None:
+            return False
+        self._finish(request, reason, stop_reason)
+        return True
+
+    def get_request(self, request_id: str) -> Request | None:
+        """The unfinished request with this id, or None."""
+        return self._requests.get(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    # ----- the step -----
+
+    def schedule(self) -> SchedulerOutput:
+        """Plan one step.
+
+        Invariant, on entry and on return:
+        - every unfinished request is in exactly one of `_waiting` (WAITING or PREEMPTED, no
+          blocks, `num_computed_tokens == 0`) and `_running` (RUNNING);
+        - a running request's blocks cover positions `[0, num_computed_tokens)`; no block has two
+          owners; `len(_running) <= max_num_seqs`;
+        - `_running + _waiting` is in arrival order: admission pops the queue head and preemption
+          pushes the newest running request back to the head, so `_running[-1]` is the victim;
+        - only `_running[-1]` can be mid-prefill: an admitted prompt chunk takes all the budget
+          left, so nothing is admitted after it until its prefill completes;
+        - the plan grants at most `max_num_batched_tokens` tokens, each scheduled request's blocks
+          cover `start_position + len(token_ids)`, and `num_computed_tokens` only moves in `update`.
+        """
+        if self._awaiting_update:
+            raise RuntimeError("schedule() called again before update() of the previous step")
+        plan = _StepPlan(self.config.max_num_batched_tokens)
+        self._schedule_running(plan)
+        if not plan.preempted_ids:
+            self._admit_waiting(plan)
+        output = self._build_output(plan)
+        self._awaiting_update = not output.is_empty
+        return output
+
+    def update(self, output: SchedulerOutput, sampled_token_ids: dict[str, int]) -> list[Request]:
+        """Apply a step's results: advance each scheduled request's computed tokens, append the
+        sampled tokens, and finish requests whose stop rule fires (blocks freed now).
+
+        `sampled_token_ids` must hold a token for every scheduled request with `sample=True`.
+        Requests aborted or finished while the step ran are skipped. Returns the requests that
+        finished, so the caller can emit their final outputs.
+        """
+        self._awaiting_update = False
+        now = self._clock()
+        finished: list[Request] = []
+        for scheduled in output.scheduled:
+            request = self._requests.get(scheduled.request_id)
+            if request is None or request.status is not RequestStatus.RUNNING:
+                continue  # finished while the step ran (the id may even be reused by a new request)
+            request.num_computed_tokens += len(scheduled.token_ids)
+            if not scheduled.sample:
+                continue
+            self._append_token(request, sampled_token_ids[scheduled.request_id], now)
+            stop = self._check_stop(request)
+            if stop is not None:
+                self._finish(request, *stop)
+                finished.append(request)
+        return finished
+
+    # ----- planning -----
+
+    def _schedule_running(self, plan: _StepPlan) -> None:
+        """Grant every running request its next tokens in arrival order, preempting from the tail
+        when blocks run out. Decodes come first because only the newest request can be mid-prefill."""
+        index = 0
+        while index < len(self._running):  # preemption shortens the list from the tail
+            request = self._running[index]
+            index += 1
+            num_new_tokens = min(request.num_tokens - request.num_computed_tokens, plan.budget)
+            assert num_new_tokens > 0, "budget exhausted before every running request got a token"
+            if self._allocate_or_preempt(request, num_new_tokens, plan):
+                plan.grant(request, num_new_tokens)
+
+    def _admit_waiting(self, plan: _StepPlan) -> None:
+        """Admit queued requests in arrival order until the budget, seats or blocks run out."""
+        while self._waiting and plan.budget > 0 and len(self._running) < self.config.max_num_seqs:
+            request = self._waiting[0]
+            num_new_tokens = request.num_tokens  # a queued request has nothing computed
+            if num_new_tokens > plan.budget:
+                if not self.config.enable_chunked_prefill:
+                    break
+                num_new_tokens = plan.budget
+            if not self.block_manager.allocate(request, num_new_tokens):
+                break
+            self._waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = self._clock()
+            self._running.append(request)
+            plan.grant(request, num_new_tokens)
+
+    def _allocate_or_preempt(self, request: Request, num_new_tokens: int, plan: _StepPlan) -> bool:
+        """Get `request` the blocks for its next tokens, preempting the newest running requests
+        until they fit; False if `request` itself had to be preempted. Victims are never granted
+        yet: they are newer than `request`, and grants go in arrival order."""
+        while not self.block_manager.allocate(request, num_new_tokens):
+            victim = self._running[-1]
+            self._preempt(victim, plan)
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, request: Request, plan: _StepPlan) -> None:
+        """Drop a running request's KV and requeue it at the front, to recompute on readmission."""
+        self._running.remove(request)
+        plan.preempted_ids.append(request.request_id)
+        self.block_manager.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self._waiting.appendleft(request)
+
+    def _build_output(self, plan: _StepPlan) -> SchedulerOutput:
+        """Turn the final grants into the runner's view (after all preemptions, so no stale tables)."""
+        scheduled = []
+        for request, num_new_tokens in plan.grants.values():
+            start = request.num_computed_tokens
+            stop = start + num_new_tokens
+            scheduled.append(
+                ScheduledRequest(
+                    request_id=request.request_id,
+                    token_ids=request.token_ids_between(start, stop),
+                    start_position=start,
+                    block_ids=list(request.block_ids),
+                    sample=stop == request.num_tokens,
+                )
+            )
+        finished_ids, self._finished_ids = self._finished_ids, []
+        return SchedulerOutput(
+            scheduled=scheduled,
+            num_batched_tokens=self.config.max_num_batched_tokens - plan.budget,
+            preempted_request_ids=plan.preempted_ids,
+            finished_request_ids=finished_ids,
+        )
+
+    # ----- results -----
+
+    def _append_token(self, request: Request, token_id: int, now: float) -> None:
+        request.output_token_ids.append(token_id)
+        if request.first_token_time is None:
+            request.first_token_time = now
+        request.last_token_time = now
+
+    def _check_stop(self, request: Request) -> tuple[str, int | None] | None:
+        """(finish_reason, stop_reason) if the token just appended ends the request, else None.
+
+        Stop tokens are checked before length, so an EOS sampled as the last allowed token reports
+        "stop": the model did end there. EOS and stop_token_ids count only from `min_tokens` on.
+        """
+        params = request.sampling_params
+        token_id = request.output_token_ids[-1]
+        if request.num_output_tokens >= params.min_tokens:
+            if token_id in request.eos_token_ids and not params.ignore_eos:
+                return "stop", None
+            if token_id in params.stop_token_ids:
+                return "stop", token_id
+        if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
+            return "length", None
+        if request.num_tokens >= self.config.max_model_len:
+            return "length", None
+        return None
+
+    def _finish(self, request: Request, reason: str, stop_reason: int | str | None = None) -> None:
+        """Move a live request to its terminal status, free its blocks and forget it."""
+        if request.status is RequestStatus.RUNNING:
+            self._running.remove(request)
+        else:
+            self._waiting.remove(request)
+        self.block_manager.free(request)
+        request.status = STATUS_BY_FINISH_REASON[reason]
+        request.finish_reason = reason
+        request.stop_reason = stop_reason
+        del self._requests[request.request_id]
+        self._finished_ids.append(request.request_id)
