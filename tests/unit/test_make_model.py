@@ -1,0 +1,236 @@
+"""moeserve.checkpoints: the tiny checkpoints load in transformers and hold what the spec says."""
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from tokenizers import Tokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from moeserve.checkpoints import (
+    SUPPORTED_ARCHS,
+    MakeModelSpec,
+    demo,
+    demo_model_path,
+    make_model,
+    train_tokenizer,
+)
+from moeserve.checkpoints.tokenizer import BOS_ID, EOS_ID, IM_END_ID, IM_START_ID, PAD_ID
+
+# How transformers 5.x saves one expert's weights (fused in memory, one tensor per expert on disk).
+EXPERT_WEIGHTS = {
+    "mixtral": ("block_sparse_moe.experts.{e}.w1", "block_sparse_moe.experts.{e}.w2",
+                "block_sparse_moe.experts.{e}.w3"),
+    "qwen2_moe": ("mlp.experts.{e}.gate_proj", "mlp.experts.{e}.up_proj",
+                  "mlp.experts.{e}.down_proj"),
+}
+EXPERT_WEIGHTS["qwen3_moe"] = EXPERT_WEIGHTS["deepseek_v3"] = EXPERT_WEIGHTS["qwen2_moe"]
+
+ARCHITECTURE = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+                "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
+NUM_EXPERTS_FIELD = {"mixtral": "num_local_experts", "qwen2_moe": "num_experts",
+                     "qwen3_moe": "num_experts", "deepseek_v3": "n_routed_experts"}
+SMALL_SHARDS = 64 * 1024  # bytes; every default-sized model is several times larger
+
+
+@pytest.fixture(scope="module", params=SUPPORTED_ARCHS)
+def built(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+          ) -> tuple[MakeModelSpec, Path]:
+    """One sharded float32 model per architecture, shared by the tests of this module."""
+    spec = MakeModelSpec(arch=request.param, max_shard_bytes=SMALL_SHARDS)
+    return spec, make_model(spec, tmp_path_factory.mktemp(request.param))
+
+
+def test_loads_in_transformers_and_generates_varied_text(
+    built: tuple[MakeModelSpec, Path],
+) -> None:
+    spec, path = built
+    model = AutoModelForCausalLM.from_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    ids = tokenizer("def main() -> None:", return_tensors="pt").input_ids  # [1, T]
+    with torch.no_grad():
+        logits = model(ids).logits  # [1, T, V]
+    assert logits.shape == (1, ids.shape[1], spec.vocab)
+    assert torch.isfinite(logits).all()
+    out = model.generate(ids, max_new_tokens=24, min_new_tokens=24, do_sample=False)
+    out = out[0, ids.shape[1]:]  # [24]
+    assert len(set(out.tolist())) > 8, f"greedy text is degenerate: {out.tolist()}"
+
+
+def test_config_matches_spec_and_tokenizer(built: tuple[MakeModelSpec, Path]) -> None:
+    spec, path = built
+    config = AutoConfig.from_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    assert config.model_type == spec.arch
+    assert config.architectures == [ARCHITECTURE[spec.arch]]
+    assert (config.vocab_size, config.hidden_size, config.num_hidden_layers) == (512, 64, 2)
+    assert getattr(config, NUM_EXPERTS_FIELD[spec.arch]) == spec.experts
+    assert config.num_experts_per_tok == spec.top_k
+    assert config.tie_word_embeddings is False
+    assert config.initializer_range == spec.init_std
+    special_ids = (BOS_ID, EOS_ID, PAD_ID)
+    assert (config.bos_token_id, config.eos_token_id, config.pad_token_id) == special_ids
+    assert (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id) == special_ids
+    assert len(tokenizer) == spec.vocab
+    generation = json.loads((path / "generation_config.json").read_text())
+    assert generation["eos_token_id"] == [EOS_ID, IM_END_ID]
+
+
+def test_sharded_with_an_index_and_one_tensor_per_expert(
+    built: tuple[MakeModelSpec, Path],
+) -> None:
+    spec, path = built
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    shards = set(index["weight_map"].values())
+    assert len(shards) > 1
+    assert shards == {p.name for p in path.glob("model-*.safetensors")}
+    first_moe = spec.first_k_dense_replace if spec.arch == "deepseek_v3" else 0
+    for layer in range(first_moe, spec.layers):
+        for e in range(spec.experts):
+            for weight in EXPERT_WEIGHTS[spec.arch]:
+                assert f"model.layers.{layer}.{weight.format(e=e)}.weight" in index["weight_map"]
+    for name, shard in index["weight_map"].items():
+        with safe_open(path / shard, "pt") as f:
+            assert name in f.keys()
+
+
+def test_small_model_below_the_threshold_is_one_file(tmp_path: Path) -> None:
+    make_model(MakeModelSpec(arch="qwen3_moe"), tmp_path)
+    assert (tmp_path / "model.safetensors").is_file()
+    assert not (tmp_path / "model.safetensors.index.json").exists()
+
+
+def test_deepseek_correction_bias_is_random_and_float32(tmp_path: Path) -> None:
+    make_model(MakeModelSpec(arch="deepseek_v3", layers=3, dtype="bfloat16"), tmp_path)
+    with safe_open(tmp_path / "model.safetensors", "pt") as f:
+        biases = {k: f.get_tensor(k) for k in f.keys() if k.endswith("e_score_correction_bias")}
+        assert f.get_tensor("model.layers.1.mlp.gate.weight").dtype == torch.bfloat16
+    assert sorted(biases) == [f"model.layers.{i}.mlp.gate.e_score_correction_bias" for i in (1, 2)]
+    for bias in biases.values():
+        assert bias.dtype == torch.float32
+        assert (bias != 0).all()
+    assert not torch.equal(*biases.values())
+
+
+def test_same_spec_same_bytes_other_seed_other_weights(tmp_path: Path) -> None:
+    spec = MakeModelSpec(arch="qwen3_moe")
+    a = make_model(spec, tmp_path / "a")
+    b = make_model(spec, tmp_path / "b")
+    c = make_model(MakeModelSpec(arch="qwen3_moe", seed=1), tmp_path / "c")
+    for name in ("model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json"):
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
+    assert (a / "model.safetensors").read_bytes() != (c / "model.safetensors").read_bytes()
+
+
+def test_refuses_a_non_empty_folder(tmp_path: Path) -> None:
+    (tmp_path / "stale.safetensors").write_bytes(b"")
+    with pytest.raises(FileExistsError):
+        make_model(MakeModelSpec(arch="mixtral"), tmp_path)
+
+
+@pytest.mark.parametrize("vocab_size", [261, 512, 20_000])
+def test_tokenizer_round_trips_and_has_exact_size(vocab_size: int, tmp_path: Path) -> None:
+    train_tokenizer(vocab_size, tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+    assert len(tokenizer) == vocab_size
+    assert Tokenizer.from_file(str(tmp_path / "tokenizer.json")).get_vocab_size() == vocab_size
+    for text in ["Hello, world!\n\tdef f(x):  return x  ", "héllo wörld — 日本 🙂 e\u0301", ""]:
+        assert tokenizer.decode(tokenizer.encode(text)) == text
+
+
+def test_tokenizer_pads_with_reserved_tokens_when_merges_run_out(tmp_path: Path) -> None:
+    train_tokenizer(20_000, tmp_path)
+    vocab = Tokenizer.from_file(str(tmp_path / "tokenizer.json")).get_vocab()
+    assert "<|reserved_0|>" in vocab
+    assert max(vocab.values()) == 20_000 - 1
+
+
+def test_chat_template_is_chatml(tmp_path: Path) -> None:
+    train_tokenizer(512, tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": [{"type": "text", "text": "Hello"}]},
+        {"role": "user", "content": "Bye"},
+    ]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert text == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
+        "<|im_start|>assistant\nHello<|im_end|>\n<|im_start|>user\nBye<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    ids = tokenizer.encode(text)
+    assert ids[0] == IM_START_ID and ids.count(IM_END_ID) == 4
+    with pytest.raises(Exception, match="unsupported role"):
+        tokenizer.apply_chat_template([{"role": "tool", "content": "x"}], tokenize=False)
+
+
+def test_tokenizer_needs_room_for_bytes_and_specials(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="too small"):
+        train_tokenizer(260, tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"arch": "llama"}, "arch="),
+        ({"arch": "qwen3_moe", "dtype": "int8"}, "dtype="),
+        ({"arch": "qwen3_moe", "top_k": 9}, "top_k=9 exceeds"),
+        ({"arch": "qwen3_moe", "heads": 4, "kv_heads": 3}, "not a multiple of kv_heads"),
+        ({"arch": "qwen3_moe", "head_dim": 15}, "even"),
+        ({"arch": "qwen3_moe", "vocab": 100}, "vocab=100"),
+        ({"arch": "qwen3_moe", "layers": 0}, "layers=0"),
+        ({"arch": "mixtral", "intermediate": 128}, "no dense MLP"),
+        ({"arch": "qwen3_moe", "shared_expert_intermediate": 64}, "qwen2_moe only"),
+        ({"arch": "deepseek_v3", "experts": 8, "n_group": 3}, "not divisible by n_group"),
+        ({"arch": "deepseek_v3", "experts": 8, "n_group": 8, "topk_group": 1}, "fewer than 2"),
+        ({"arch": "deepseek_v3", "n_group": 4, "topk_group": 1, "top_k": 3}, "top_k=3 exceeds"),
+        ({"arch": "deepseek_v3", "layers": 1, "first_k_dense_replace": 1}, "no MoE layer"),
+    ],
+)
+def test_bad_spec_is_a_value_error(fields: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        MakeModelSpec(**fields)
+
+
+def test_demo_model_is_built_once_and_reused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                            caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setenv("MOESERVE_CACHE_DIR", str(tmp_path))
+    caplog.set_level(logging.INFO, logger="moeserve.checkpoints")
+    path = demo_model_path()
+    assert "building the demo model" in caplog.text
+    caplog.clear()
+    assert demo_model_path() == path
+    assert "building" not in caplog.text
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no staging folder left behind
+    config = AutoConfig.from_pretrained(path)
+    assert (config.model_type, config.dtype) == ("qwen3_moe", torch.bfloat16)
+    assert (path / "model.safetensors.index.json").is_file()
+
+
+def test_demo_model_race_lost_uses_the_winners_model(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    final = tmp_path / f"demo-{demo.DEMO_SPEC.arch}-{demo._demo_key()}"
+
+    def build_while_another_process_wins(spec: MakeModelSpec, out_dir: Path) -> Path:
+        make_model(spec, out_dir)
+        final.mkdir()  # the other process's rename lands between our build and our rename
+        (final / "config.json").write_text("{}")
+        return out_dir
+
+    monkeypatch.setattr(demo, "make_model", build_while_another_process_wins)
+    assert demo_model_path(tmp_path) == final
+    assert [p.name for p in tmp_path.iterdir()] == [final.name]  # our staging folder is gone
+    assert (final / "config.json").read_text() == "{}"
+
+
+def test_default_cache_dir_follows_xdg(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.delenv("MOESERVE_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert demo.default_cache_dir() == tmp_path / "moeserve"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert demo.default_cache_dir() == Path.home() / ".cache" / "moeserve"
