@@ -152,7 +152,7 @@ class LLMEngine:
         for i in range(params.n):
             child_params = params if params.n == 1 or params.seed is None else replace(params, seed=params.seed + i)
             child_id = request_id if params.n == 1 else f"{request_id}#{i}"
-            children.append(Request(child_id, list(prompt_token_ids), child_params, self.eos_token_ids[0] if self.eos_token_ids else None, arrival))
+            children.append(Request(child_id, list(prompt_token_ids), child_params, self.eos_token_ids, arrival))
             parent.sequences[child_id] = _Sequence(
                 index=i,
                 detokenizer=IncrementalDetokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output, params.skip_special_tokens),
