@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from moeserve.config import ModelConfig
-from moeserve.dispatch import ExpertPlacement, create_dispatcher
+from moeserve.dispatch import Dispatcher, ExpertPlacement, create_dispatcher
 from moeserve.models.architectures import CheckpointNames, resolve_architecture
 from moeserve.models.checkpoint import CheckpointError, CheckpointReader
 from moeserve.models.decoder import MoECausalLM
@@ -127,16 +127,21 @@ def load_model(
     folder: str | Path,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
-    placement: ExpertPlacement | None = None,
-    dispatcher: str = "local",
+    dispatcher: Dispatcher | None = None,
 ) -> MoECausalLM:
-    """Build the model for `folder`'s architecture and load this rank's share of its weights."""
+    """Build the model for `folder`'s architecture and load this rank's share of its weights.
+
+    The rank's share of the experts is `dispatcher.placement`; without a dispatcher the model
+    holds every expert and uses the `local` backend.
+    """
     reader = CheckpointReader(folder)
     arch, cfg = resolve_architecture(reader.config)
-    placement = placement or ExpertPlacement.contiguous(cfg.num_experts)
+    if dispatcher is None:
+        dispatcher = create_dispatcher("local", ExpertPlacement.contiguous(cfg.num_experts), device)
+    placement = dispatcher.placement
     if placement.num_experts != cfg.num_experts:
         raise ValueError(f"placement covers {placement.num_experts} experts, the model has {cfg.num_experts}")
-    model = MoECausalLM(cfg, create_dispatcher(dispatcher, placement, device), dtype, device)
+    model = MoECausalLM(cfg, dispatcher, dtype, device)
     targets = {name: p for name, p in model.named_parameters()}
     sources = {name: weight_source(name, arch.names, placement, reader) for name in targets}
     check_sources(sources, targets, reader)

@@ -2,7 +2,8 @@
 
 Each case is a checkpoint written by transformers (random weights) and loaded by both sides.
 Cases cover every architecture, top-k from 1 to 4, odd expert counts (6, 7), GQA ratios 1 and 4,
-head_dim 16 and 32, and prompts of 1 to 40 tokens in one batch.
+head_dim 16 and 32, YaRN rope, a sliding window, tied embeddings, and prompts of 1 to 40 tokens
+in one batch.
 """
 
 from __future__ import annotations
@@ -25,6 +26,10 @@ CASES = [
     ("deepseek_v3", 0, dict()),
     ("deepseek_v3", 1, dict(n_routed_experts=6, n_group=2, topk_group=1, num_experts_per_tok=2, q_lora_rank=None, norm_topk_prob=False)),
     ("deepseek_v3", 2, dict(n_routed_experts=8, n_group=1, topk_group=1, num_experts_per_tok=4, num_hidden_layers=3, first_k_dense_replace=0)),
+    # Long-context variants: DeepSeek-V3's YaRN rope with mscale, Mixtral's sliding window,
+    # and tied embeddings.
+    ("deepseek_v3", 3, dict(rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=32, beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0))),
+    ("mixtral", 3, dict(sliding_window=12, tie_word_embeddings=True)),
 ]
 IDS = [f"{arch}-{seed}" for arch, seed, _ in CASES]
 PROMPT_LENGTHS = (1, 3, 9, 17, 26, 40)

@@ -1,0 +1,78 @@
+"""Dispatcher backends against a plain per-token MoE reference (the `local` backend for now;
+EP backends join the same parametrisation)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moeserve.dispatch import DISPATCHERS, ExpertPlacement, create_dispatcher
+from moeserve.models.layers.experts import Experts
+
+H, I = 16, 24
+
+
+def reference_moe(x, topk_ids, topk_weights, w13, w2):
+    """Token by token, expert by expert: the definition of an MoE layer."""
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for k in range(topk_ids.shape[1]):
+            e = int(topk_ids[t, k])
+            gate, up = F.linear(x[t], w13[e]).chunk(2)
+            out[t] += topk_weights[t, k] * F.linear(F.silu(gate) * up, w2[e])
+    return out
+
+
+def routing(kind: str, num_tokens: int, num_experts: int, top_k: int, g: torch.Generator):
+    if num_tokens == 0:  # a rank with nothing to send still takes part
+        ids = torch.empty(0, top_k, dtype=torch.int64)
+    elif kind == "uniform":
+        ids = torch.stack([torch.randperm(num_experts, generator=g)[:top_k] for _ in range(num_tokens)])
+    elif kind == "skewed":  # most picks on the first two experts
+        scores = torch.rand(num_tokens, num_experts, generator=g) + torch.tensor([3.0, 2.0] + [0.0] * (num_experts - 2))
+        ids = scores.topk(top_k, dim=-1).indices
+    elif kind == "one_expert":  # every token's first choice is expert 3
+        ids = torch.stack([torch.cat([torch.tensor([3]), torch.tensor([e for e in torch.randperm(num_experts, generator=g).tolist() if e != 3][: top_k - 1])]) for _ in range(num_tokens)])
+    else:
+        raise ValueError(kind)
+    weights = torch.rand(num_tokens, top_k, generator=g)
+    return ids.long(), weights
+
+
+@pytest.mark.parametrize("backend", sorted(DISPATCHERS))
+@pytest.mark.parametrize("kind", ["uniform", "skewed", "one_expert"])
+@pytest.mark.parametrize("num_tokens,num_experts,top_k", [(0, 8, 2), (1, 8, 1), (13, 8, 2), (40, 16, 8), (7, 6, 4)])
+def test_backend_matches_reference(backend, kind, num_tokens, num_experts, top_k):
+    g = torch.Generator().manual_seed(num_tokens * 31 + num_experts + top_k)
+    x = torch.randn(num_tokens, H, generator=g)
+    ids, weights = routing(kind, num_tokens, num_experts, top_k, g)
+    experts = Experts(num_experts, H, I, torch.float32)
+    experts.w13.copy_(torch.randn(num_experts, 2 * I, H, generator=g) * 0.3)
+    experts.w2.copy_(torch.randn(num_experts, H, I, generator=g) * 0.3)
+    dispatcher = create_dispatcher(backend, ExpertPlacement.contiguous(num_experts))
+
+    received = dispatcher.dispatch(x, ids, weights)
+    assert sum(received.num_tokens_per_expert) == received.hidden.shape[0] == num_tokens * top_k
+    assert list(received.num_tokens_per_expert) == torch.bincount(ids.flatten(), minlength=num_experts).tolist()
+    out = dispatcher.combine(experts(received.hidden, list(received.num_tokens_per_expert)), received.handle)
+
+    assert out.shape == (num_tokens, H)
+    torch.testing.assert_close(out, reference_moe(x, ids, weights, experts.w13, experts.w2), rtol=1e-5, atol=1e-5)
+
+
+def test_local_refuses_expert_parallel_layouts():
+    with pytest.raises(ValueError, match="ep=2"):
+        create_dispatcher("local", ExpertPlacement.contiguous(8, ep_size=2, rank=0))
+
+
+def test_unknown_backend_is_named():
+    with pytest.raises(ValueError, match="unknown dispatcher 'nope'"):
+        create_dispatcher("nope", ExpertPlacement.contiguous(8))
+
+
+def test_contiguous_placement_spreads_uneven_counts():
+    placements = [ExpertPlacement.contiguous(7, ep_size=3, rank=r) for r in range(3)]
+    assert [p.local_experts for p in placements] == [(0, 1, 2), (3, 4), (5, 6)]
+    with pytest.raises(ValueError):
+        ExpertPlacement.contiguous(2, ep_size=4)
