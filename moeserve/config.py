@@ -72,7 +72,8 @@ class RouterConfig:
     """How router logits become top-k expert ids and weights.
 
     `softmax`: softmax over all experts, top-k, optionally renormalised (Mixtral always
-    renormalises; Qwen only with norm_topk_prob).
+    renormalises; Qwen only with norm_topk_prob); with groups (DeepSeek-V2's
+    group_limited_greedy) only experts of the `topk_groups` groups holding the best experts.
     `grouped_sigmoid`: DeepSeek-V3 — sigmoid scores, a per-expert correction bias used only for
     choosing, group-limited selection, optional renormalisation, then a global scale.
     """

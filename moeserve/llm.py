@@ -80,9 +80,10 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
         engine = self.engine
-        for prompt, p in zip(prompts, params):
-            engine.validate(engine.tokenize(prompt)[1], p)
-        ids = [engine.add_request(prompt, p) for prompt, p in zip(prompts, params)]
+        tokenized = [engine.tokenize(prompt) for prompt in prompts]
+        for (_, token_ids), p in zip(tokenized, params):
+            engine.validate(token_ids, p)
+        ids = [engine.add_request({"prompt": text, "prompt_token_ids": token_ids}, p) for (text, token_ids), p in zip(tokenized, params)]
         results: dict[str, RequestOutput] = {}
         while len(results) < len(ids):
             for output in engine.step():

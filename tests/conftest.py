@@ -16,7 +16,7 @@ VOCAB = 320  # 256 byte symbols + specials + a few merges: the smallest useful b
 
 def hf_config(arch: str, **overrides: Any):
     """A transformers config for a tiny model of `arch`; overrides use HF's own field names."""
-    from transformers import DeepseekV3Config, MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
+    from transformers import DeepseekV2Config, DeepseekV3Config, MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
     common = dict(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -39,6 +39,14 @@ def hf_config(arch: str, **overrides: Any):
             v_head_dim=12, first_k_dense_replace=1, n_shared_experts=1, routed_scaling_factor=2.5,
         )
         cls = DeepseekV3Config
+    elif arch == "deepseek_v2":
+        cfg = dict(
+            common, num_key_value_heads=4, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=3,
+            q_lora_rank=24, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12,
+            first_k_dense_replace=1, n_shared_experts=2, routed_scaling_factor=1.5,
+            topk_method="group_limited_greedy", n_group=4, topk_group=2,
+        )
+        cls = DeepseekV2Config
     else:
         raise ValueError(arch)
     cfg.update(overrides)

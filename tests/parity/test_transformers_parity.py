@@ -26,6 +26,8 @@ CASES = [
     ("deepseek_v3", 0, dict()),
     ("deepseek_v3", 1, dict(n_routed_experts=6, n_group=2, topk_group=1, num_experts_per_tok=2, q_lora_rank=None, norm_topk_prob=False)),
     ("deepseek_v3", 2, dict(n_routed_experts=8, n_group=1, topk_group=1, num_experts_per_tok=4, num_hidden_layers=3, first_k_dense_replace=0)),
+    ("deepseek_v2", 0, dict()),
+    ("deepseek_v2", 1, dict(topk_method="greedy", q_lora_rank=None, n_routed_experts=7, num_experts_per_tok=2)),
     # Long-context variants: DeepSeek-V3's YaRN rope with mscale, Mixtral's sliding window,
     # and tied embeddings.
     ("deepseek_v3", 3, dict(rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=32, beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0))),

@@ -101,6 +101,8 @@ class HFConfig:
         act = self.get("hidden_act", "silu")
         if act != "silu":
             raise CheckpointError(f"hidden_act {act!r} is not supported (only silu)")
+        if self.raw.get("mlp_bias"):
+            raise CheckpointError("MLP biases (mlp_bias: true) are not supported")
         if self.raw.get("quantization_config"):
             method = self.raw["quantization_config"].get("quant_method", "?")
             raise CheckpointError(f"quantized checkpoints ({method}) are not supported yet; use a bf16/fp16/fp32 checkpoint")

@@ -1,5 +1,10 @@
-"""DeepseekV3ForCausalLM: MLA attention, dense first layers, shared experts, and sigmoid
-scores with a correction bias and group-limited top-k routing."""
+"""DeepSeek-V3 and V2: MLA attention, dense first layers, shared experts.
+
+V3 routes by sigmoid scores with a correction bias and group-limited top-k; V2 by softmax,
+greedy or group-limited (`topk_method`), never renormalised. V2's complex-number rotary and
+V3's interleaved rotary rotate the same pairs; they differ only in where the rotated values
+are stored, which q and k share, so attention scores are identical and one path serves both.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +13,7 @@ from typing import Any
 
 from moeserve.config import MLAConfig, ModelConfig, RopeConfig, RouterConfig
 from moeserve.models.architectures.base import Architecture, CheckpointNames, HFConfig
+from moeserve.models.checkpoint import CheckpointError
 
 
 def _attention_scale(qk_head_dim: int, rope: RopeConfig) -> float:
@@ -17,6 +23,25 @@ def _attention_scale(qk_head_dim: int, rope: RopeConfig) -> float:
         mscale = 0.1 * rope.mscale_all_dim * math.log(rope.factor) + 1.0 if rope.factor > 1 else 1.0
         scale *= mscale * mscale
     return scale
+
+
+def _router(c: HFConfig) -> RouterConfig:
+    scale = float(c.get("routed_scaling_factor", 1.0))
+    top_k = c.require("num_experts_per_tok")
+    if c.architecture == "DeepseekV2ForCausalLM":
+        method = c.get("topk_method", "greedy")
+        if method not in ("greedy", "group_limited_greedy"):
+            raise CheckpointError(f"DeepSeek-V2 topk_method {method!r} is not supported (greedy, group_limited_greedy)")
+        grouped = method == "group_limited_greedy"
+        return RouterConfig(
+            kind="softmax", top_k=top_k, renormalize=False, routed_scaling_factor=scale, logits_in_fp32=True,
+            num_groups=c.require("n_group") if grouped else 1, topk_groups=c.require("topk_group") if grouped else 1,
+        )
+    return RouterConfig(
+        kind="grouped_sigmoid", top_k=top_k, renormalize=bool(c.get("norm_topk_prob", True)),
+        num_groups=c.get("n_group", 1), topk_groups=c.get("topk_group", 1), routed_scaling_factor=scale,
+        has_correction_bias=True, logits_in_fp32=True,
+    )
 
 
 def parse_config(raw: dict[str, Any]) -> ModelConfig:
@@ -46,16 +71,7 @@ def parse_config(raw: dict[str, Any]) -> ModelConfig:
         intermediate_size=c.require("intermediate_size"),
         moe_intermediate_size=moe_intermediate,
         num_experts=num_experts,
-        router=RouterConfig(
-            kind="grouped_sigmoid",
-            top_k=c.require("num_experts_per_tok"),
-            renormalize=bool(c.get("norm_topk_prob", True)),
-            num_groups=c.get("n_group", 1),
-            topk_groups=c.get("topk_group", 1),
-            routed_scaling_factor=float(c.get("routed_scaling_factor", 1.0)),
-            has_correction_bias=True,
-            logits_in_fp32=True,
-        ),
+        router=_router(c),
         rope=rope,
         rms_norm_eps=c.require("rms_norm_eps", kind=float),
         max_position_embeddings=c.require("max_position_embeddings"),
@@ -74,7 +90,7 @@ def parse_config(raw: dict[str, Any]) -> ModelConfig:
 
 
 ARCHITECTURE = Architecture(
-    hf_names=("DeepseekV3ForCausalLM",),
+    hf_names=("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM"),
     parse_config=parse_config,
     names=CheckpointNames(shared_expert="shared_experts"),
 )

@@ -24,12 +24,17 @@ class Router(nn.Module):
         """x `[T, H]` -> (topk_ids `[T, K]` int64, topk_weights `[T, K]` float32)."""
         if self.cfg.kind == "grouped_sigmoid":
             return self._grouped_sigmoid(x)
-        logits = F.linear(x, self.weight)  # [T, E]
+        logits = F.linear(x.float(), self.weight.float()) if self.cfg.logits_in_fp32 else F.linear(x, self.weight)  # [T, E]
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        if self.cfg.num_groups > 1:  # DeepSeek-V2: experts only from the groups with the best expert
+            grouped = probs.view(x.shape[0], self.cfg.num_groups, -1)  # [T, G, E/G]
+            top_groups = grouped.amax(dim=-1).topk(self.cfg.topk_groups, dim=-1, sorted=False).indices
+            keep = torch.zeros(grouped.shape[:2], dtype=torch.bool, device=x.device).scatter_(1, top_groups, True)
+            probs = probs.masked_fill(~keep[:, :, None].expand_as(grouped).reshape_as(probs), 0.0)
         weights, ids = torch.topk(probs, self.cfg.top_k, dim=-1)
         if self.cfg.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        return ids, weights
+        return ids, weights * self.cfg.routed_scaling_factor
 
     def _grouped_sigmoid(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """DeepSeek-V3: pick top groups by the sum of their two best biased scores, then top-k
