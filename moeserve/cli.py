@@ -10,6 +10,8 @@ import sys
 import typing
 from pathlib import Path
 
+from moeserve.config import field_docs
+
 logger = logging.getLogger("moeserve.cli")
 
 
@@ -86,14 +88,16 @@ def _add_make_model(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("make-model", help="write a tiny random-weight checkpoint in Hugging Face layout")
     p.add_argument("--out", required=True, type=Path, help="output folder")
-    _, fields = _spec_fields()
+    spec_cls, fields = _spec_fields()
+    docs = field_docs(spec_cls)
     for f, hint in fields:
         flag = "--" + f.name.replace("_", "-")
         if f.name == "arch":
             p.add_argument(flag, required=True, choices=SUPPORTED_ARCHS)
             continue
         default = None if f.default is dataclasses.MISSING else f.default
-        p.add_argument(flag, type=_arg_type(hint), default=default, help=f.metadata.get("help", f"(default: {default})"))
+        choices = typing.get_args(hint) if typing.get_origin(hint) is typing.Literal else None
+        p.add_argument(flag, type=_arg_type(hint), default=default, choices=choices, help=f"{docs.get(f.name, '')} (default: {default})")
     p.set_defaults(func=_run_make_model)
 
 

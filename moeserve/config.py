@@ -8,7 +8,10 @@ malformed key is reported in one place, before any weight is read.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import inspect
+import textwrap
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -32,6 +35,18 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     if key not in DTYPES:
         raise ValueError(f"unsupported dtype {name!r}; choose one of {sorted(DTYPES)}")
     return DTYPES[key]
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """The string literal under each field of a dataclass: field docs that double as CLI help."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs = {}
+    for node, following in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            if isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant) and isinstance(following.value.value, str):
+                docs[node.target.id] = " ".join(following.value.value.split())
+    return docs
 
 
 @dataclass(frozen=True)
