@@ -59,7 +59,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         prompt = {"prompt_token_ids": list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))}
     else:
         prompt = args.prompt
-    completion = llm.generate([prompt], params)[0].outputs[0]
+    completion = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
     if args.json:
         print(json.dumps({"text": completion.text, "token_ids": completion.token_ids, "finish_reason": completion.finish_reason}))
     else:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import logging
 from typing import Sequence
 
+from tqdm import tqdm
+
 from moeserve.config import CacheConfig, EngineConfig, ParallelConfig, parse_dtype
 from moeserve.engine.engine import LLMEngine
 from moeserve.engine.outputs import RequestOutput
@@ -67,8 +69,10 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Outputs in the order of `prompts`. Every prompt is validated before any is queued."""
+        """Outputs in the order of `prompts`. Every prompt is validated before any is queued;
+        a progress bar counts finished prompts (as vLLM's does)."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -85,13 +89,15 @@ class LLM:
             engine.validate(token_ids, p)
         ids = [engine.add_request({"prompt": text, "prompt_token_ids": token_ids}, p) for (text, token_ids), p in zip(tokenized, params)]
         results: dict[str, RequestOutput] = {}
-        while len(results) < len(ids):
-            for output in engine.step():
-                if output.finished:
-                    results[output.request_id] = output
+        with tqdm(total=len(ids), desc="Processed prompts", unit="prompt", disable=not use_tqdm) as progress:
+            while len(results) < len(ids):
+                for output in engine.step():
+                    if output.finished:
+                        results[output.request_id] = output
+                        progress.update(1)
         return [results[i] for i in ids]
 
-    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
+    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
         """Apply the checkpoint's chat template, then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tokenizer = self.engine.tokenizer
@@ -99,4 +105,4 @@ class LLM:
             {"prompt_token_ids": list(tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=False))}
             for c in conversations
         ]
-        return self.generate(prompts, sampling_params)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
