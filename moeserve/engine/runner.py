@@ -12,7 +12,7 @@ from typing import Mapping, Sequence
 
 import torch
 
-from moeserve.engine.sampler import Sampler, SamplingRow, make_generator
+from moeserve.engine.sampler import Sampler, SamplerOutput, SamplingRow, make_generator
 from moeserve.models import MoECausalLM, plan_attention
 from moeserve.scheduler import Request, SchedulerOutput
 
@@ -79,7 +79,7 @@ class ModelRunner:
         return self._unpack(out, sampled_requests)
 
     @staticmethod
-    def _unpack(out, sampled_requests: list[Request]) -> dict[str, SampledToken]:
+    def _unpack(out: SamplerOutput, sampled_requests: list[Request]) -> dict[str, SampledToken]:
         token_ids = out.token_ids.tolist()
         logprobs = out.logprobs.tolist() if out.logprobs is not None else None
         top = None
