@@ -30,7 +30,7 @@ CASES = [
     ("deepseek_v2", 1, dict(topk_method="greedy", q_lora_rank=None, n_routed_experts=7, num_experts_per_tok=2)),
     # Long-context variants: DeepSeek-V3's YaRN rope with mscale, Mixtral's sliding window,
     # and tied embeddings.
-    ("deepseek_v3", 3, dict(rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=32, beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0))),
+    ("deepseek_v3", 3, dict(rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=8.0, original_max_position_embeddings=32, beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0))),
     ("mixtral", 3, dict(sliding_window=12, tie_word_embeddings=True)),
 ]
 IDS = [f"{arch}-{seed}" for arch, seed, _ in CASES]
