@@ -29,7 +29,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
+    p.add_argument("--dtype", default="auto", help="auto (the checkpoint's), float32, bfloat16 or float16")
     p.add_argument("--device", default="cpu")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--json", action="store_true", help='print {"text": ..., "token_ids": [...]}')

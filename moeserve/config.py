@@ -9,7 +9,6 @@ malformed key is reported in one place, before any weight is read.
 from __future__ import annotations
 
 import ast
-import dataclasses
 import inspect
 import textwrap
 from dataclasses import dataclass, field
@@ -24,8 +23,11 @@ DTYPES: dict[str, torch.dtype] = {
 }
 
 
-def parse_dtype(name: str | torch.dtype) -> torch.dtype:
-    """Accept 'float32'/'fp32'/'bf16'/... or a torch dtype; reject anything else by name."""
+def parse_dtype(name: str | torch.dtype) -> torch.dtype | None:
+    """Accept 'float32'/'fp32'/'bf16'/... or a torch dtype; 'auto' -> None (the checkpoint's
+    own dtype, as vLLM does); reject anything else by name."""
+    if name == "auto":
+        return None
     if isinstance(name, torch.dtype):
         if name not in DTYPES.values():
             raise ValueError(f"unsupported dtype {name}; choose one of {sorted(DTYPES)}")
@@ -33,7 +35,7 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     aliases = {"fp32": "float32", "float": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16"}
     key = aliases.get(name, name)
     if key not in DTYPES:
-        raise ValueError(f"unsupported dtype {name!r}; choose one of {sorted(DTYPES)}")
+        raise ValueError(f"unsupported dtype {name!r}; choose auto or one of {sorted(DTYPES)}")
     return DTYPES[key]
 
 
@@ -131,7 +133,6 @@ class ModelConfig:
     mla: MLAConfig | None = None
     attention_scale: float | None = None  # None: head_dim ** -0.5
     tie_word_embeddings: bool = False
-    bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     checkpoint_dtype: torch.dtype = torch.float32
 
@@ -148,9 +149,6 @@ class ModelConfig:
     @property
     def is_mla(self) -> bool:
         return self.mla is not None
-
-    def replace(self, **changes) -> "ModelConfig":
-        return dataclasses.replace(self, **changes)
 
 
 @dataclass(frozen=True)
@@ -190,12 +188,11 @@ class EngineConfig:
     """Everything the engine needs besides the checkpoint's own config."""
 
     model: str
-    dtype: torch.dtype = torch.float32
+    dtype: torch.dtype | None = None  # None ("auto"): the checkpoint's own dtype
     device: str = "cpu"
     max_model_len: int | None = None  # None: the checkpoint's max_position_embeddings
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     cache: CacheConfig = field(default_factory=CacheConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    dispatcher: str = "local"
     seed: int = 0

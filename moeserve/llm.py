@@ -25,13 +25,14 @@ class LLM:
     """Load a checkpoint and generate for batches of prompts with continuous batching.
 
     model: a Hugging Face checkpoint folder; None serves the built-in demo model.
+    dtype: "auto" (the checkpoint's dtype), "float32", "bfloat16" or "float16".
     ep, tp: expert / tensor parallel sizes (multi-process EP is a separate launcher; 1 here).
     """
 
     def __init__(
         self,
         model: str | None = None,
-        dtype: str = "float32",
+        dtype: str = "auto",
         device: str = "cpu",
         ep: int = 1,
         tp: int = 1,

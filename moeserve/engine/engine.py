@@ -23,7 +23,7 @@ from moeserve.engine.kv_cache import allocate_kv_caches, num_blocks_for
 from moeserve.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from moeserve.engine.runner import ModelRunner, SampledToken
 from moeserve.engine.tokenizer import load_tokenizer
-from moeserve.models import load_model
+from moeserve.models import load_model, model_config
 from moeserve.models.checkpoint import read_json
 from moeserve.sampling_params import SamplingParams
 from moeserve.scheduler import Request, Scheduler, SchedulerConfig
@@ -84,7 +84,8 @@ class LLMEngine:
         folder = Path(config.model)
         started = time.monotonic()
         torch.manual_seed(config.seed)
-        self.model = load_model(folder, config.dtype, config.device)
+        self.dtype = config.dtype or model_config(folder).checkpoint_dtype
+        self.model = load_model(folder, self.dtype, config.device)
         self.model_config = self.model.cfg
         self.tokenizer = load_tokenizer(folder)
         self.eos_token_ids = generation_eos_ids(folder, self.model_config.eos_token_ids)
@@ -92,7 +93,7 @@ class LLMEngine:
         if self.max_model_len > self.model_config.max_position_embeddings:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings {self.model_config.max_position_embeddings}")
         cache = config.cache
-        num_blocks = num_blocks_for(self.model, cache, config.dtype, config.max_num_seqs * self.max_model_len)
+        num_blocks = num_blocks_for(self.model, cache, self.dtype, config.max_num_seqs * self.max_model_len)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
@@ -102,7 +103,7 @@ class LLMEngine:
                 num_kv_blocks=num_blocks,
             )
         )
-        kv_caches = allocate_kv_caches(self.model, num_blocks, cache.block_size, config.dtype, config.device)
+        kv_caches = allocate_kv_caches(self.model, num_blocks, cache.block_size, self.dtype, config.device)
         self.runner = ModelRunner(self.model, kv_caches, cache.block_size, self.eos_token_ids, config.device)
         self._parents: dict[str, _Parent] = {}
         self._parent_of: dict[str, str] = {}

@@ -158,3 +158,13 @@ def test_a_bad_prompt_in_a_batch_queues_nothing(qwen3_folder):
     with pytest.raises(ValueError):
         llm.generate([{"prompt_token_ids": [5, 6]}, {"prompt_token_ids": []}], GREEDY)
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_auto_dtype_is_the_checkpoints(tmp_path):
+    from moeserve.checkpoints import MakeModelSpec, make_model
+
+    folder = make_model(MakeModelSpec(arch="mixtral", vocab=320, dtype="bfloat16"), tmp_path / "bf16")
+    assert LLM(str(folder), max_model_len=64).engine.model.embed_tokens.dtype == torch.bfloat16
+    assert LLM(str(folder), dtype="float32", max_model_len=64).engine.model.embed_tokens.dtype == torch.float32
+    with pytest.raises(ValueError, match="unsupported dtype 'float8'"):
+        LLM(str(folder), dtype="float8")

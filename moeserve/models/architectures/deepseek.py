@@ -83,7 +83,6 @@ def parse_config(raw: dict[str, Any]) -> ModelConfig:
         mla=mla,
         attention_scale=_attention_scale(mla.qk_head_dim, rope),
         tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
-        bos_token_id=c.get("bos_token_id", None),
         eos_token_ids=c.eos_token_ids(),
         checkpoint_dtype=c.dtype(),
     )

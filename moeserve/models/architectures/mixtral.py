@@ -31,7 +31,6 @@ def parse_config(raw: dict[str, Any]) -> ModelConfig:
         moe_layers=(True,) * num_layers,
         sliding_windows=c.sliding_windows(num_layers, enabled=True),
         tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
-        bos_token_id=c.get("bos_token_id", None),
         eos_token_ids=c.eos_token_ids(),
         checkpoint_dtype=c.dtype(),
     )

@@ -50,7 +50,6 @@ def parse_config(raw: dict[str, Any]) -> ModelConfig:
         o_bias=bool(c.get("attention_bias", False)) if qwen3 else False,
         qk_norm=qwen3,
         tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
-        bos_token_id=c.get("bos_token_id", None),
         eos_token_ids=c.eos_token_ids(),
         checkpoint_dtype=c.dtype(),
     )

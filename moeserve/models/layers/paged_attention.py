@@ -31,10 +31,6 @@ class AttentionMetadata:
     context_lens: tuple[int, ...]
     context_slots: tuple[torch.Tensor, ...]
 
-    @property
-    def num_tokens(self) -> int:
-        return int(self.slot_mapping.numel())
-
 
 def slots_for(block_ids: Sequence[int], start: int, end: int, block_size: int) -> torch.Tensor:
     """Cache slots of positions [start, end) for a sequence with block table `block_ids`."""
