@@ -1,0 +1,247 @@
+"""The engine behind an asyncio server: the engine loop in its own thread, asyncio on the other side.
+
+Threading contract:
+- One daemon thread (started by `AsyncEngine.start()`) owns the `LLMEngine`; nothing else touches
+  it, so the model needs no locks. The event loop only enqueues commands (add / abort / stop) on a
+  thread-safe queue, which the engine thread drains between steps; with no work it blocks on it.
+- Outputs go back to the caller's event loop with `loop.call_soon_threadsafe` into one
+  `asyncio.Queue` per request, so no engine work ever runs on the loop thread.
+- An add is a round trip: `generate` awaits a future the engine thread resolves, so `add_request`'s
+  ValueError / QueueFullError reach the caller before any output.
+- A stream whose consumer goes away (break, cancel, disconnect) aborts its request; its KV blocks
+  are freed at the engine's next loop turn. A stream aborted by `abort()` or `shutdown()` ends
+  without a finished output. If the engine thread dies, every open stream raises `EngineDeadError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable
+
+from moeserve.engine.engine import LLMEngine
+from moeserve.engine.outputs import RequestOutput
+from moeserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+StepListener = Callable[[float, int], None]
+"""on_step(duration_s, num_outputs), called on the engine thread after every step."""
+
+# What a stream's queue carries: an output, the error that killed the engine, or None (aborted).
+_Item = RequestOutput | BaseException | None
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread is not running (died, shut down or never started): nothing will be served."""
+
+
+class _Stream:
+    """One request's outputs, handed from the engine thread to the caller's event loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.queue: asyncio.Queue[_Item] = asyncio.Queue()
+
+    def put(self, item: _Item) -> None:
+        """Called on the engine thread; a caller whose loop has closed is gone, so drop the item."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:
+            pass
+
+
+@dataclass
+class _Add:
+    prompt: str | dict | list[int]
+    params: SamplingParams
+    request_id: str
+    stream: _Stream
+    accepted: concurrent.futures.Future[None]
+
+
+@dataclass
+class _Abort:
+    request_id: str
+    stream: _Stream | None  # set: abort only if this stream still owns the id (a failed add owns nothing)
+
+
+class _Stop:
+    pass
+
+
+_Command = _Add | _Abort | _Stop
+
+
+class AsyncEngine:
+    """Serve an `LLMEngine` to asyncio callers; see the module docstring for the threading contract."""
+
+    def __init__(self, engine: LLMEngine, on_step: StepListener | None = None) -> None:
+        self.engine = engine
+        self._on_step = on_step
+        self._commands: queue.Queue[_Command] = queue.Queue()
+        self._streams: dict[str, _Stream] = {}  # engine thread only
+        self._lock = threading.Lock()  # orders "closed" against submissions, so none is stranded
+        self._closed = False
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+
+    # ---- lifecycle (any thread) ------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._thread is not None:
+            raise RuntimeError("AsyncEngine.start() was already called")
+        self._thread = threading.Thread(target=self._run, name="moeserve-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def is_healthy(self) -> bool:
+        """True while the engine thread runs; False once it died, stopped or if never started."""
+        return self._thread is not None and self._thread.is_alive() and self._error is None
+
+    def shutdown(self, timeout: float | None = 10.0) -> None:
+        """Abort what is running, stop the engine thread and wait up to `timeout` s for it."""
+        if self._thread is None:
+            return
+        try:
+            self._submit(_Stop())
+        except EngineDeadError:
+            pass  # already stopped or dead
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            logger.warning("engine thread did not stop within %s s", timeout)
+
+    # ---- requests (event loop) -------------------------------------------------------------
+
+    async def generate(self, prompt: str | dict | list[int], params: SamplingParams, request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Yield the request's cumulative outputs as the engine makes them; the last is finished.
+
+        Raises what `LLMEngine.add_request` raises (ValueError, QueueFullError) before any output,
+        and EngineDeadError if the engine is not running or dies. Leaving the loop early aborts
+        the request; call `aclose()` (or use `contextlib.aclosing`) to abort it at once rather
+        than when the generator is collected.
+        """
+        request_id = request_id if request_id is not None else uuid.uuid4().hex
+        stream = _Stream(asyncio.get_running_loop())
+        accepted: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._submit(_Add(prompt, params, request_id, stream, accepted))
+        try:
+            await asyncio.wrap_future(accepted)
+            while True:
+                item = await stream.queue.get()
+                if item is None:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    return
+        finally:
+            self._abort_quietly(_Abort(request_id, stream))
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request by id; its stream ends without a finished output. Unknown ids are ignored."""
+        self._submit(_Abort(request_id, None))
+
+    def _submit(self, command: _Command) -> None:
+        with self._lock:
+            if self._closed or self._thread is None:
+                raise EngineDeadError("the engine is not running") from self._error
+            self._commands.put(command)
+
+    def _abort_quietly(self, command: _Abort) -> None:
+        """Cleanup on a stream's exit; a stopped engine has nothing left to abort."""
+        try:
+            self._submit(command)
+        except EngineDeadError:
+            pass
+
+    # ---- the engine thread -----------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as exc:  # noqa: BLE001 - a dead engine must fail its streams, not hang them
+            logger.exception("engine thread died; failing every open request")
+            self._error = exc
+            self._close(EngineDeadError(f"the engine thread died: {exc!r}"))
+
+    def _loop(self) -> None:
+        """Drain commands between steps; block on the queue only when there is nothing to step."""
+        while True:
+            block = not self.engine.has_unfinished_requests()
+            while True:
+                try:
+                    command = self._commands.get(block=block)
+                except queue.Empty:
+                    break
+                block = False
+                if isinstance(command, _Stop):
+                    self._abort_all()
+                    self._close(EngineDeadError("the engine was shut down"))
+                    return
+                self._handle(command)
+            if self.engine.has_unfinished_requests():
+                self._step()
+
+    def _handle(self, command: _Add | _Abort) -> None:
+        if isinstance(command, _Abort):
+            owner = self._streams.get(command.request_id)
+            if owner is not None and (command.stream is None or command.stream is owner):
+                self.engine.abort_request(command.request_id)
+                del self._streams[command.request_id]
+                owner.put(None)
+            return
+        if not command.accepted.set_running_or_notify_cancel():
+            return  # the caller was cancelled before we got here: nothing to add
+        try:
+            self.engine.add_request(command.prompt, command.params, command.request_id)
+        except Exception as exc:  # the caller's error to handle (bad input, queue full)
+            command.accepted.set_exception(exc)
+            return
+        self._streams[command.request_id] = command.stream
+        command.accepted.set_result(None)
+
+    def _step(self) -> None:
+        started = time.perf_counter()
+        outputs = self.engine.step()
+        duration = time.perf_counter() - started
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is None:
+                continue
+            if output.finished:
+                del self._streams[output.request_id]
+            stream.put(output)
+        if self._on_step is not None:
+            try:
+                self._on_step(duration, len(outputs))
+            except Exception:
+                logger.exception("on_step listener failed; the engine keeps serving")
+
+    def _abort_all(self) -> None:
+        for request_id, stream in self._streams.items():
+            self.engine.abort_request(request_id)
+            stream.put(None)
+        self._streams.clear()
+
+    def _close(self, error: EngineDeadError) -> None:
+        """Refuse new commands, then fail every stream and pending add with `error`."""
+        with self._lock:
+            self._closed = True
+        for stream in self._streams.values():
+            stream.put(error)
+        self._streams.clear()
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(command, _Add) and command.accepted.set_running_or_notify_cancel():
+                command.accepted.set_exception(error)
