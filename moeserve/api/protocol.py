@@ -1,0 +1,504 @@
+"""OpenAI's request and response bodies, as the official `openai` Python client sends and reads them.
+
+Requests: `CompletionRequest` (/v1/completions) and `ChatCompletionRequest` (/v1/chat/completions)
+take OpenAI's fields plus vLLM's extra sampling fields (top_k, min_p, ignore_eos, ...), because
+vLLM's clients and benchmark tools send them. Unknown fields are ignored, as OpenAI and vLLM do,
+but types are strict (`"0.5"` is not a temperature), so mistakes come back as a 400, not a guess.
+Range checks live in `SamplingParams` only, so the HTTP and offline paths enforce the same rules;
+`to_sampling_params` turns its `ValueError` into an `APIError` naming the request field.
+
+Responses are built from the engine's `RequestOutput`s by the plain functions at the bottom; the
+streaming code calls the `*_chunk` builders with one shared id and `created` per stream.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal, Protocol, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer
+
+from moeserve.api.errors import APIError, from_validation_error
+from moeserve.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from moeserve.sampling_params import SamplingParams
+
+# Most samples one request may ask for: each sample holds its own KV blocks, so an unbounded n lets
+# one request take the whole cache. vLLM has no bound; OpenAI's is 128, too many for one server.
+MAX_N = 16
+# OpenAI's limits on `logprobs` (completions) and `top_logprobs` (chat).
+MAX_COMPLETION_LOGPROBS = 5
+MAX_CHAT_TOP_LOGPROBS = 20
+# OpenAI reports an impossible token as -9999.0, not -inf: JSON has no infinity.
+MIN_LOGPROB = -9999.0
+
+
+class Tokenizer(Protocol):
+    """The part of a Hugging Face tokenizer the response builders use."""
+
+    def decode(self, token_ids: list[int]) -> str: ...
+
+
+def random_id(prefix: str) -> str:
+    """An OpenAI-style id such as `cmpl-<32 hex>` or `chatcmpl-<32 hex>`."""
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def _now() -> int:
+    return int(time.time())
+
+
+class OpenAIModel(BaseModel):
+    """Base of every body we parse: strict types, unknown fields ignored (OpenAI and vLLM do)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+# ---------------------------------------------------------------- requests
+
+RequestT = TypeVar("RequestT", bound=OpenAIModel)
+
+
+def parse_request(model: type[RequestT], body: bytes | str | dict[str, Any]) -> RequestT:
+    """Validate a request body (raw JSON or already decoded); any failure is a 400 `APIError`.
+
+    Raw bytes are parsed by pydantic itself, so invalid JSON gets the same error shape as a bad field.
+    """
+    try:
+        if isinstance(body, (bytes, str)):
+            return model.model_validate_json(body)
+        return model.model_validate(body)
+    except ValidationError as e:
+        raise from_validation_error(e) from None
+
+
+
+class StreamOptions(OpenAIModel):
+    include_usage: bool = False
+    """Send one last chunk with `usage` and no choices before `[DONE]`."""
+
+
+class _SamplingRequest(OpenAIModel):
+    """Fields shared by both endpoints: OpenAI's sampling fields and vLLM's extras."""
+
+    model: str | None = None
+    """None lets the server pick its only model, as vLLM allows."""
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    user: str | None = None
+    # vLLM's extra body fields.
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    @property
+    def include_usage(self) -> bool:
+        """Whether a stream ends with a usage chunk."""
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def _build_sampling_params(self, max_tokens: int | None, logprobs: int | None, rename: dict[str, str]) -> SamplingParams:
+        """SamplingParams from the shared fields; a bad value becomes a 400 naming the body field.
+
+        SamplingParams starts every ValueError message with its field name; `rename` maps that name
+        to the body field when they differ (chat's max_completion_tokens, top_logprobs).
+        """
+        fields = dict(
+            n=self.n,
+            max_tokens=max_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=0 if self.top_k is None else self.top_k,
+            min_p=0.0 if self.min_p is None else self.min_p,
+            seed=self.seed,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            min_tokens=self.min_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
+        )
+        try:
+            return SamplingParams(**fields)
+        except ValueError as e:
+            field = str(e).split(" ", 1)[0]
+            param = rename.get(field, field) if field in fields else None
+            raise APIError(str(e), status_code=400, param=param) from None
+
+
+class CompletionRequest(_SamplingRequest):
+    """POST /v1/completions."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    """OpenAI's default is 16; an explicit null means up to the context length."""
+    logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
+    echo: bool = False
+
+    @field_validator("prompt")
+    @classmethod
+    def _check_prompt(cls, prompt: str | list) -> str | list:
+        if isinstance(prompt, str):
+            return prompt
+        if not prompt:
+            raise ValueError("must not be an empty list")
+        for item in prompt:
+            if isinstance(item, list) and not item:
+                raise ValueError("token id lists must not be empty")
+            ids = item if isinstance(item, list) else [item] if isinstance(item, int) else []
+            if any(t < 0 for t in ids):
+                raise ValueError("token ids must be >= 0")
+        return prompt
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts one by one: a string or a list of token ids each."""
+        prompt = self.prompt
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            return [prompt]
+        return list(prompt)
+
+    def to_sampling_params(self, default_max_tokens: int | None) -> SamplingParams:
+        """`default_max_tokens` replaces an explicit `max_tokens: null` (the room left in the context)."""
+        max_tokens = default_max_tokens if self.max_tokens is None else self.max_tokens
+        return self._build_sampling_params(max_tokens, self.logprobs, rename={})
+
+
+class TextContentPart(OpenAIModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessageParam(OpenAIModel):
+    """One message of the conversation; content may be a string or a list of text parts."""
+
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[TextContentPart] | None = None
+    """None is allowed for an assistant turn that only called tools."""
+    name: str | None = None
+
+    def text(self) -> str:
+        """The content as one string; text parts are joined by newlines, as vLLM does."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessageParam] = Field(min_length=1)
+    max_tokens: int | None = None
+    """Deprecated by OpenAI in favour of max_completion_tokens, but still sent by many clients."""
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_CHAT_TOP_LOGPROBS)
+
+    def template_messages(self) -> list[dict[str, str]]:
+        """The messages as the chat template expects them: role and string content."""
+        return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+    def to_sampling_params(self, default_max_tokens: int | None) -> SamplingParams:
+        """max_completion_tokens wins over max_tokens; neither means `default_max_tokens`."""
+        if self.top_logprobs and not self.logprobs:
+            raise APIError("top_logprobs requires logprobs to be true", status_code=400, param="top_logprobs")
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        if max_tokens is None:
+            max_tokens = default_max_tokens
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        rename = {"logprobs": "top_logprobs"}
+        if self.max_completion_tokens is not None:
+            rename["max_tokens"] = "max_completion_tokens"
+        return self._build_sampling_params(max_tokens, logprobs, rename)
+
+
+# ---------------------------------------------------------------- responses
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class CompletionLogprobs(BaseModel):
+    """The legacy completions format: parallel lists, one entry per token."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    system_fingerprint: str | None = None
+    choices: list[CompletionChoice]
+    usage: UsageInfo
+
+
+class CompletionStreamChunk(BaseModel):
+    """Same `object` as the full response: OpenAI streams completions as "text_completion" too."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    system_fingerprint: str | None = None
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatLogprobToken(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatLogprobToken] | None = None
+
+
+class ChatMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    system_fingerprint: str | None = None
+    choices: list[ChatChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(BaseModel):
+    """A stream delta: role on a choice's first chunk, content after, `{}` on the last one."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler: Any) -> dict[str, Any]:
+        # OpenAI omits the keys a delta does not carry rather than sending nulls.
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatStreamChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionStreamChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    system_fingerprint: str | None = None
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=_now)
+    owned_by: str = "moeserve"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard] = Field(default_factory=list)
+
+
+# ---------------------------------------------------------------- logprob conversion
+
+
+def _token_text(tokenizer: Tokenizer, token_id: int, logprob: Logprob) -> str:
+    """The token as text: the engine's own decoding when it has one, else a one-token decode."""
+    return logprob.decoded_token if logprob.decoded_token is not None else tokenizer.decode([token_id])
+
+
+def _clamp(logprob: float) -> float:
+    return max(logprob, MIN_LOGPROB)
+
+
+def _by_likelihood(alternatives: dict[int, Logprob]) -> list[tuple[int, Logprob]]:
+    """Alternatives most likely first; ties keep the engine's order (sort is stable)."""
+    return sorted(alternatives.items(), key=lambda item: -item[1].logprob)
+
+
+def completion_logprobs(
+    token_ids: list[int],
+    logprobs: list[dict[int, Logprob]],
+    tokenizer: Tokenizer,
+    prompt_token_ids: list[int] | None = None,
+) -> CompletionLogprobs:
+    """The legacy format for generated tokens, preceded by echoed prompt tokens if given.
+
+    Each position's dict holds the sampled token and the top alternatives, so `top_logprobs` may
+    have logprobs + 1 entries, as OpenAI documents. Prompt tokens carry null logprobs: the engine
+    does not compute prompt logprobs. `text_offset` counts characters from the start of the text.
+    """
+    result = CompletionLogprobs()
+    offset = 0
+    for token_id in prompt_token_ids or []:
+        text = tokenizer.decode([token_id])
+        result.tokens.append(text)
+        result.token_logprobs.append(None)
+        result.top_logprobs.append(None)
+        result.text_offset.append(offset)
+        offset += len(text)
+    for token_id, alternatives in zip(token_ids, logprobs):
+        text = _token_text(tokenizer, token_id, alternatives[token_id])
+        result.tokens.append(text)
+        result.token_logprobs.append(_clamp(alternatives[token_id].logprob))
+        result.top_logprobs.append({_token_text(tokenizer, t, lp): _clamp(lp.logprob) for t, lp in _by_likelihood(alternatives)})
+        result.text_offset.append(offset)
+        offset += len(text)
+    return result
+
+
+def _top_logprob(tokenizer: Tokenizer, token_id: int, logprob: Logprob) -> TopLogprob:
+    text = _token_text(tokenizer, token_id, logprob)
+    return TopLogprob(token=text, logprob=_clamp(logprob.logprob), bytes=list(text.encode("utf-8")))
+
+
+def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]], tokenizer: Tokenizer, num_top: int) -> ChatLogprobs:
+    """The chat format: per token its logprob, UTF-8 bytes and exactly `num_top` alternatives."""
+    content = []
+    for token_id, alternatives in zip(token_ids, logprobs):
+        sampled = _top_logprob(tokenizer, token_id, alternatives[token_id])
+        top = [_top_logprob(tokenizer, t, lp) for t, lp in _by_likelihood(alternatives)[:num_top]]
+        content.append(ChatLogprobToken(**sampled.model_dump(), top_logprobs=top))
+    return ChatLogprobs(content=content)
+
+
+# ---------------------------------------------------------------- response builders
+
+
+def usage_info(outputs: list[RequestOutput]) -> UsageInfo:
+    """Tokens of every prompt and every sample of `outputs`."""
+    prompt = sum(len(out.prompt_token_ids) for out in outputs)
+    completion = sum(len(sample.token_ids) for out in outputs for sample in out.outputs)
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+def _prompt_text(output: RequestOutput, tokenizer: Tokenizer) -> str:
+    """The prompt as text; a prompt given as token ids is decoded."""
+    return output.prompt if output.prompt is not None else tokenizer.decode(output.prompt_token_ids)
+
+
+def _completion_choice(index: int, output: RequestOutput, sample: CompletionOutput, tokenizer: Tokenizer, echo: bool) -> CompletionChoice:
+    logprobs = None
+    if sample.logprobs is not None:
+        echoed = output.prompt_token_ids if echo else None
+        logprobs = completion_logprobs(sample.token_ids, sample.logprobs, tokenizer, echoed)
+    text = _prompt_text(output, tokenizer) + sample.text if echo else sample.text
+    return CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=sample.finish_reason)
+
+
+def completion_response(
+    request_id: str, model: str, outputs: list[RequestOutput], tokenizer: Tokenizer, echo_prompts: bool = False
+) -> CompletionResponse:
+    """One response for all prompts of a request; choice i * n + j is sample j of prompt i."""
+    choices = []
+    for prompt_index, output in enumerate(outputs):
+        n = len(output.outputs)
+        for sample in output.outputs:
+            choices.append(_completion_choice(prompt_index * n + sample.index, output, sample, tokenizer, echo_prompts))
+    return CompletionResponse(id=request_id, model=model, choices=choices, usage=usage_info(outputs))
+
+
+def chat_response(request_id: str, model: str, output: RequestOutput, tokenizer: Tokenizer, num_top_logprobs: int = 0) -> ChatCompletionResponse:
+    """A chat response with one choice per sample; logprobs where the engine returned them."""
+    choices = [
+        ChatChoice(
+            index=sample.index,
+            message=ChatMessage(content=sample.text),
+            logprobs=None if sample.logprobs is None else chat_logprobs(sample.token_ids, sample.logprobs, tokenizer, num_top_logprobs),
+            finish_reason=sample.finish_reason,
+        )
+        for sample in output.outputs
+    ]
+    return ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage_info([output]))
+
+
+# ---------------------------------------------------------------- streaming
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def sse(chunk: BaseModel) -> str:
+    """One server-sent event carrying `chunk` as JSON."""
+    return f"data: {chunk.model_dump_json()}\n\n"
+
+
+def completion_chunk(
+    request_id: str, model: str, created: int, index: int, text: str,
+    finish_reason: str | None = None, logprobs: CompletionLogprobs | None = None,
+) -> CompletionStreamChunk:
+    """A streamed piece of completion choice `index`."""
+    choice = CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=finish_reason)
+    return CompletionStreamChunk(id=request_id, created=created, model=model, choices=[choice])
+
+
+def chat_chunk(
+    request_id: str, model: str, created: int, index: int, delta: DeltaMessage,
+    finish_reason: str | None = None, logprobs: ChatLogprobs | None = None,
+) -> ChatCompletionStreamChunk:
+    """A streamed piece of chat choice `index`; the first one carries `DeltaMessage(role="assistant", content="")`."""
+    choice = ChatStreamChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason)
+    return ChatCompletionStreamChunk(id=request_id, created=created, model=model, choices=[choice])
+
+
+def completion_usage_chunk(request_id: str, model: str, created: int, usage: UsageInfo) -> CompletionStreamChunk:
+    """The last chunk of a stream with include_usage: no choices, just the totals."""
+    return CompletionStreamChunk(id=request_id, created=created, model=model, choices=[], usage=usage)
+
+
+def chat_usage_chunk(request_id: str, model: str, created: int, usage: UsageInfo) -> ChatCompletionStreamChunk:
+    """The last chunk of a chat stream with include_usage: no choices, just the totals."""
+    return ChatCompletionStreamChunk(id=request_id, created=created, model=model, choices=[], usage=usage)
