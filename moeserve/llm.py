@@ -85,10 +85,7 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
         engine = self.engine
-        tokenized = [engine.tokenize(prompt) for prompt in prompts]
-        for (_, token_ids), p in zip(tokenized, params):
-            engine.validate(token_ids, p)
-        ids = [engine.add_request({"prompt": text, "prompt_token_ids": token_ids}, p) for (text, token_ids), p in zip(tokenized, params)]
+        ids = engine.add_requests(list(zip(prompts, params)))
         results: dict[str, RequestOutput] = {}
         with tqdm(total=len(ids), desc="Processed prompts", unit="prompt", disable=not use_tqdm) as progress:
             while len(results) < len(ids):

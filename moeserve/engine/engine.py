@@ -142,13 +142,29 @@ class LLMEngine:
         return replace(params, max_tokens=max_tokens, min_tokens=min(params.min_tokens, max_tokens))
 
     def add_request(self, prompt: str | dict | list[int], params: SamplingParams, request_id: str | None = None, arrival_time: float | None = None) -> str:
-        text, prompt_token_ids = self.tokenize(prompt)
-        params = self.validate(prompt_token_ids, params)
+        return self.add_requests([(prompt, params)], [request_id], arrival_time)[0]
+
+    def add_requests(
+        self,
+        batch: list[tuple[str | dict | list[int], SamplingParams]],
+        request_ids: list[str | None] | None = None,
+        arrival_time: float | None = None,
+    ) -> list[str]:
+        """Tokenize and validate every (prompt, params) first, then queue them: a bad prompt
+        anywhere raises ValueError with nothing of the batch queued."""
+        prepared = []
+        for prompt, params in batch:
+            text, prompt_token_ids = self.tokenize(prompt)
+            prepared.append((text, prompt_token_ids, self.validate(prompt_token_ids, params)))
+        ids = request_ids or [None] * len(batch)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        return [self._enqueue(text, token_ids, params, rid, arrival) for (text, token_ids, params), rid in zip(prepared, ids)]
+
+    def _enqueue(self, text: str | None, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None, arrival: float) -> str:
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self._parents:
             raise ValueError(f"request id {request_id!r} is already in use")
         parent = _Parent(request_id, text, prompt_token_ids)
-        arrival = time.monotonic() if arrival_time is None else arrival_time
         children = []
         for i in range(params.n):
             child_params = params if params.n == 1 or params.seed is None else replace(params, seed=params.seed + i)
@@ -160,10 +176,15 @@ class LLMEngine:
                 logprobs=[] if params.logprobs is not None else None,
                 cumulative_logprob=0.0 if params.logprobs is not None else None,
             )
-        for child in children:
-            self.scheduler.add_request(child)
-            self._parent_of[child.request_id] = request_id
         self._parents[request_id] = parent
+        for child in children:
+            self._parent_of[child.request_id] = request_id
+        try:
+            for child in children:
+                self.scheduler.add_request(child)
+        except Exception:  # e.g. QueueFullError on the 2nd of n samples: take back the 1st too
+            self.abort_request(request_id)
+            raise
         return request_id
 
     def abort_request(self, request_id: str) -> None:

@@ -168,3 +168,23 @@ def test_auto_dtype_is_the_checkpoints(tmp_path):
     assert LLM(str(folder), dtype="float32", max_model_len=64).engine.model.embed_tokens.dtype == torch.float32
     with pytest.raises(ValueError, match="unsupported dtype 'float8'"):
         LLM(str(folder), dtype="float8")
+
+
+def test_a_refused_sample_takes_back_its_siblings(qwen3_folder, monkeypatch):
+    """If the scheduler refuses the 2nd of n samples (say its queue is full), the 1st is not
+    left queued without an owner."""
+    llm = LLM(str(qwen3_folder), max_model_len=128)
+    scheduler = llm.engine.scheduler
+    original, calls = scheduler.add_request, []
+
+    def refuse_second(request):
+        calls.append(request.request_id)
+        if len(calls) == 2:
+            raise ValueError("queue full")
+        original(request)
+
+    monkeypatch.setattr(scheduler, "add_request", refuse_second)
+    with pytest.raises(ValueError, match="queue full"):
+        llm.engine.add_request({"prompt_token_ids": [5, 6]}, SamplingParams(n=2, max_tokens=2))
+    assert not scheduler.has_unfinished_requests()
+    assert not llm.engine.has_unfinished_requests()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -19,7 +21,7 @@ class Experts(nn.Module):
         self.w13 = nn.Parameter(torch.empty(num_local_experts, 2 * intermediate, hidden, dtype=dtype, device=device), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(num_local_experts, hidden, intermediate, dtype=dtype, device=device), requires_grad=False)
 
-    def forward(self, x: torch.Tensor, num_tokens_per_expert: list[int]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, num_tokens_per_expert: Sequence[int]) -> torch.Tensor:
         """x `[N, H]`, rows grouped by local expert in order, `num_tokens_per_expert[e]` rows each.
 
         Torch path: one GEMM pair per expert that received tokens; empty experts cost nothing.

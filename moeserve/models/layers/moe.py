@@ -33,7 +33,7 @@ class MoEBlock(nn.Module):
         """x `[T, H]` -> `[T, H]`."""
         topk_ids, topk_weights = self.router(x)  # [T, K], [T, K]
         received = self.dispatcher.dispatch(x, topk_ids, topk_weights)
-        expert_out = self.experts(received.hidden, list(received.num_tokens_per_expert))  # [N_recv, H]
+        expert_out = self.experts(received.hidden, received.num_tokens_per_expert)  # [N_recv, H]
         out = self.dispatcher.combine(expert_out, received.handle)  # [T, H]
         if self.shared is not None:
             shared = self.shared(x)
