@@ -4,6 +4,7 @@ from moeserve.scheduler.block_manager import BlockManager
 from moeserve.scheduler.config import SchedulerConfig
 from moeserve.scheduler.request import Request, RequestStatus
 from moeserve.scheduler.scheduler import QueueFullError, ScheduledRequest, Scheduler, SchedulerOutput
+from moeserve.scheduler.step_time import StepShape, StepTimeModel
 
 __all__ = [
     "BlockManager",
@@ -14,4 +15,6 @@ __all__ = [
     "Scheduler",
     "SchedulerConfig",
     "SchedulerOutput",
+    "StepShape",
+    "StepTimeModel",
 ]

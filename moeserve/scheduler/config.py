@@ -1,8 +1,14 @@
-"""Scheduler limits: how many sequences and tokens one step may carry, and the KV cache's size."""
+"""Scheduler limits: how many sequences and tokens one step may carry, the KV cache's size, and the
+batching policy with its latency targets."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Literal, get_args
+
+Policy = Literal["fcfs", "slo"]
+POLICIES: tuple[str, ...] = get_args(Policy)
 
 
 def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
@@ -15,7 +21,7 @@ class SchedulerConfig:
     """Static limits of the batching policy, validated once so `schedule()` never meets a request
     it can not eventually run.
 
-    Keyword-only: every field is an int, so a positional call would swap limits silently.
+    Keyword-only: most fields are ints, so a positional call would swap limits silently.
     """
 
     max_num_seqs: int = 256
@@ -36,6 +42,21 @@ class SchedulerConfig:
     max_waiting: int | None = None
     """Most requests queued for admission; `add_request` raises `QueueFullError` beyond it, so an
     overloaded server sheds load at once instead of queueing unboundedly. None: no bound."""
+    policy: Policy = "fcfs"
+    """Batching policy. "fcfs": admit in arrival order and fill every step up to the token budget,
+    for the best throughput, though a long prompt's chunk delays every running stream's next
+    token. "slo": size each step's prefill from measured step times so a step carrying decodes
+    stays within slo_tbt_s, and admit by TTFT deadline (arrival + slo_ttft_s), streams preempted
+    mid-output first and requests past their deadline last. Without chunked prefill there is no
+    chunk to size, and slo only orders the queue."""
+    slo_ttft_s: float = 5.0
+    """Time-to-first-token target of the slo policy, in seconds. Requests that can still meet it
+    are admitted before those that no longer can, so under overload one late request does not
+    make every later one late too."""
+    slo_tbt_s: float = 0.025
+    """Time-between-tokens target of the slo policy, in seconds: how long one step carrying decodes
+    may take, which caps its prefill chunk. A target below the decodes' own step time cannot be
+    met; prefill then still advances one KV block per step so prompts are never starved."""
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "num_kv_blocks"):
@@ -43,6 +64,12 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_waiting is not None and self.max_waiting < 1:
             raise ValueError(f"max_waiting must be >= 1 or None, got {self.max_waiting}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        for name in ("slo_ttft_s", "slo_tbt_s"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a finite number of seconds > 0, got {value}")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "

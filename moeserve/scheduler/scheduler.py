@@ -1,34 +1,50 @@
 """Continuous batching: which requests run in each engine step, with which tokens and KV blocks.
 
-One engine step is three calls, strictly alternating `schedule()` and `update()`:
+In one engine step `schedule()` and `update()` strictly alternate; in between, the engine runs the
+plan and reports how long that took, which the slo policy learns from:
 
     output = scheduler.schedule()                 # per request: tokens to feed, positions, block table
     sampled = runner.run(output)                  # {request_id: token_id} for every `sample=True`
+    scheduler.observe_step(output, seconds)       # forward + sampling time of a non-empty step
     finished = scheduler.update(output, sampled)  # append tokens, check stops, free finished blocks
 
-Policy: iteration-level batching, first come first served, preemption by recompute.
-- Running requests go first: every decode costs one token of the step's budget, and a request
-  still prefilling in chunks takes the next chunk that fits in what the decodes leave.
-- Then waiting requests are admitted in arrival order while the budget, `max_num_seqs` and free
-  blocks allow; with chunked prefill a prompt larger than the remaining budget is split.
-  Admission stops at the first request that does not fit, so nobody overtakes the queue head.
-- When a running request needs a block and none is free, the most recently arrived running
-  request is preempted: its blocks are freed and it returns to the front of the queue, to
-  recompute prompt plus outputs when readmitted. No admission happens in a step that preempted.
+Mechanics shared by both policies: iteration-level batching, preemption by recompute.
+- Running requests go first, in admission order: every decode costs one token of the step's
+  budget, and a request still prefilling in chunks takes its next chunk from what is left.
+- Then waiting requests are admitted from the head of the queue while the budget,
+  `max_num_seqs` and free blocks allow; with chunked prefill a prompt larger than what is left is
+  split, and nothing is admitted after a split prompt. Admission stops at the first request that
+  does not fit, so nobody overtakes the queue head.
+- When a running request needs a block and none is free, the most recently admitted running
+  request is preempted: its blocks are freed and it is requeued, to recompute prompt plus
+  outputs when readmitted. No admission happens in a step that preempted.
+
+Policies (`SchedulerConfig.policy`) differ only in the queue's order and the size of prefill:
+- fcfs: the queue is in arrival order (preempted requests at its head) and every step may fill
+  `max_num_batched_tokens`. Best throughput, but while a long prompt is chunked every running
+  stream waits a full-budget step for each token.
+- slo: the engine reports each step's wall time (`observe_step`) to a `StepTimeModel`. While any
+  running request is decoding, the step's prefill gets only the tokens the model predicts fit in
+  `slo_tbt_s`, but at least one KV block, so prompts always progress; with no decodes nobody's
+  TBT is at stake and the full budget goes to prefill, which TTFT wants. Until the model has seen
+  enough steps, it sizes like fcfs. The queue (`SloQueue`) serves streams preempted mid-output
+  first, then requests by TTFT deadline (arrival + `slo_ttft_s`), then those past it.
 Progress is guaranteed: `SchedulerConfig` ensures one `max_model_len` sequence fits the cache and
-all decodes fit the budget, and the oldest running request can preempt every other one.
+all decodes fit the budget, the earliest admitted running request can preempt every other one,
+and a step that can run anything grants at least one token.
 """
 
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from moeserve.scheduler.block_manager import BlockManager
 from moeserve.scheduler.config import SchedulerConfig
+from moeserve.scheduler.policy import ChunkSizer, FcfsQueue, SloQueue, WaitingQueue
 from moeserve.scheduler.request import STATUS_BY_FINISH_REASON, Request, RequestStatus
+from moeserve.scheduler.step_time import StepShape, StepTimeModel
 
 
 class QueueFullError(RuntimeError):
@@ -71,23 +87,51 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+def _is_decode(request: Request) -> bool:
+    """Generating: one token left to feed, after outputs a client is already reading."""
+    return request.num_tokens - request.num_computed_tokens == 1 and request.num_output_tokens > 0
+
+
+@dataclass
+class _StepLoad:
+    """What the chunk sizer needs to know of the grants so far (kept only when there is a sizer,
+    as it costs a little per grant)."""
+
+    shape: StepShape = StepShape()
+    num_decodes: int = 0
+    num_prefill_tokens: int = 0
+
+    def add(self, request: Request, num_tokens: int) -> None:
+        self.shape = self.shape.plus_chunk(num_tokens, request.num_computed_tokens)
+        if _is_decode(request):
+            self.num_decodes += 1
+        else:
+            self.num_prefill_tokens += num_tokens
+
+
 class _StepPlan:
     """Token grants made so far while planning one step."""
 
-    def __init__(self, budget: int) -> None:
+    def __init__(self, budget: int, load: _StepLoad | None) -> None:
         self.budget = budget
         self.grants: dict[str, tuple[Request, int]] = {}  # request_id -> (request, num_new_tokens), in grant order
         self.preempted_ids: list[str] = []
+        self.split_prefill = False  # a prefill chunk stops short of its sequence's end
+        self.load = load
 
     def grant(self, request: Request, num_tokens: int) -> None:
+        self.split_prefill = self.split_prefill or num_tokens < request.num_tokens - request.num_computed_tokens
         self.grants[request.request_id] = (request, num_tokens)
         self.budget -= num_tokens
+        if self.load is not None:
+            self.load.add(request, num_tokens)
 
 
 class Scheduler:
     """Owns every unfinished request and the KV block manager; pure Python, no tensors.
 
-    `clock` stamps admission and token times (TTFT/TBT); tests pass a fake one.
+    `clock` stamps admission and token times (TTFT/TBT) and, under slo, tells which TTFT deadlines
+    have passed; tests pass a fake one. It must share a time base with `Request.arrival_time`.
     """
 
     def __init__(self, config: SchedulerConfig, clock: Callable[[], float] = time.monotonic) -> None:
@@ -95,8 +139,13 @@ class Scheduler:
         self.block_manager = BlockManager(config.num_kv_blocks, config.block_size)
         self._clock = clock
         self._requests: dict[str, Request] = {}  # every unfinished request, by id
-        self._waiting: deque[Request] = deque()  # WAITING and PREEMPTED, in arrival order
-        self._running: list[Request] = []  # RUNNING, in arrival order
+        self._waiting: WaitingQueue = SloQueue(config.slo_ttft_s, clock) if config.policy == "slo" else FcfsQueue()
+        self._running: list[Request] = []  # RUNNING, in admission order
+        self._chunk_sizer = (
+            ChunkSizer(StepTimeModel(), config.slo_tbt_s, min_prefill_tokens=config.block_size)
+            if config.policy == "slo" and config.enable_chunked_prefill
+            else None
+        )
         self._finished_ids: list[str] = []  # finished since the previous schedule()
         self._awaiting_update = False
 
@@ -122,7 +171,7 @@ class Scheduler:
         if self.config.max_waiting is not None and len(self._waiting) >= self.config.max_waiting:
             raise QueueFullError(f"waiting queue is full ({self.config.max_waiting} requests)")
         self._requests[request.request_id] = request
-        self._waiting.append(request)
+        self._waiting.add(request)
 
     def abort_request(self, request_id: str) -> bool:
         """Finish a request as "abort" (e.g. the client went away); False if it is not live."""
@@ -155,6 +204,11 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self._running)
 
+    @property
+    def step_time_model(self) -> StepTimeModel | None:
+        """The model sizing prefill chunks (slo with chunked prefill), else None."""
+        return self._chunk_sizer.model if self._chunk_sizer is not None else None
+
     # ----- the step -----
 
     def schedule(self) -> SchedulerOutput:
@@ -165,16 +219,17 @@ class Scheduler:
           blocks, `num_computed_tokens == 0`) and `_running` (RUNNING);
         - a running request's blocks cover positions `[0, num_computed_tokens)`; no block has two
           owners; `len(_running) <= max_num_seqs`;
-        - `_running + _waiting` is in arrival order: admission pops the queue head and preemption
-          pushes the newest running request back to the head, so `_running[-1]` is the victim;
-        - only `_running[-1]` can be mid-prefill: an admitted prompt chunk takes all the budget
-          left, so nothing is admitted after it until its prefill completes;
+        - `_running` is in admission order and preemption takes its tail, so the victim is always
+          the most recently admitted; under fcfs admission pops the queue head and preemption
+          pushes the victim back to the head, so `_running + _waiting` is in arrival order;
+        - only `_running[-1]` can be mid-prefill: nothing is admitted after a prompt that is split
+          (by the budget or, under slo, the TBT target) until its prefill completes;
         - the plan grants at most `max_num_batched_tokens` tokens, each scheduled request's blocks
           cover `start_position + len(token_ids)`, and `num_computed_tokens` only moves in `update`.
         """
         if self._awaiting_update:
             raise RuntimeError("schedule() called again before update() of the previous step")
-        plan = _StepPlan(self.config.max_num_batched_tokens)
+        plan = _StepPlan(self.config.max_num_batched_tokens, _StepLoad() if self._chunk_sizer is not None else None)
         self._schedule_running(plan)
         if not plan.preempted_ids:
             self._admit_waiting(plan)
@@ -207,42 +262,66 @@ class Scheduler:
                 finished.append(request)
         return finished
 
+    def observe_step(self, output: SchedulerOutput, duration_s: float) -> None:
+        """Learn from a step's measured wall time (model forward plus sampling), so slo can size the
+        next prefill chunks. The engine calls it after every non-empty step; fcfs ignores it."""
+        model = self.step_time_model
+        if model is not None and not output.is_empty:
+            model.observe(StepShape.of((len(s.token_ids), s.start_position) for s in output.scheduled), duration_s)
+
     # ----- planning -----
 
     def _schedule_running(self, plan: _StepPlan) -> None:
-        """Grant every running request its next tokens in arrival order, preempting from the tail
-        when blocks run out. Decodes come first because only the newest request can be mid-prefill."""
+        """Grant every running request its next tokens in admission order, preempting from the
+        tail when blocks run out. Decodes come first because only the newest request can be
+        mid-prefill, so a prefill chunk is sized knowing every decode it shares the step with."""
         index = 0
         while index < len(self._running):  # preemption shortens the list from the tail
             request = self._running[index]
             index += 1
-            num_new_tokens = min(request.num_tokens - request.num_computed_tokens, plan.budget)
+            num_new_tokens = self._num_tokens_to_grant(request, plan)
             assert num_new_tokens > 0, "budget exhausted before every running request got a token"
             if self._allocate_or_preempt(request, num_new_tokens, plan):
                 plan.grant(request, num_new_tokens)
 
     def _admit_waiting(self, plan: _StepPlan) -> None:
-        """Admit queued requests in arrival order until the budget, seats or blocks run out."""
-        while self._waiting and plan.budget > 0 and len(self._running) < self.config.max_num_seqs:
-            request = self._waiting[0]
-            num_new_tokens = request.num_tokens  # a queued request has nothing computed
-            if num_new_tokens > plan.budget:
-                if not self.config.enable_chunked_prefill:
-                    break
-                num_new_tokens = plan.budget
+        """Admit queued requests from the head until the budget, seats or blocks run out, or a
+        prompt is split (only the newest running request may be mid-prefill)."""
+        self._waiting.refresh()
+        while (
+            self._waiting
+            and plan.budget > 0
+            and not plan.split_prefill
+            and len(self._running) < self.config.max_num_seqs
+        ):
+            request = self._waiting.head()
+            num_new_tokens = self._num_tokens_to_grant(request, plan)
+            if num_new_tokens == 0:
+                break  # the TBT target leaves no room
+            if num_new_tokens < request.num_tokens and not self.config.enable_chunked_prefill:
+                break
             if not self.block_manager.allocate(request, num_new_tokens):
                 break
-            self._waiting.popleft()
+            self._waiting.pop()
             request.status = RequestStatus.RUNNING
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = self._clock()
             self._running.append(request)
             plan.grant(request, num_new_tokens)
 
+    def _num_tokens_to_grant(self, request: Request, plan: _StepPlan) -> int:
+        """All the tokens `request` has left to feed, as far as the budget allows and, for a prefill
+        chunk in a step carrying decodes under slo, as far as the TBT target allows."""
+        most = min(request.num_tokens - request.num_computed_tokens, plan.budget)
+        sizer, load = self._chunk_sizer, plan.load
+        if sizer is None or load is None or not load.num_decodes or not sizer.model.ready or _is_decode(request):
+            return most
+        return sizer.chunk_tokens(load.shape, request.num_computed_tokens, most, load.num_prefill_tokens)
+
     def _allocate_or_preempt(self, request: Request, num_new_tokens: int, plan: _StepPlan) -> bool:
         """Get `request` the blocks for its next tokens, preempting the newest running requests
         until they fit; False if `request` itself had to be preempted. Victims are never granted
-        yet: they are newer than `request`, and grants go in arrival order."""
+        yet: they are newer than `request`, and grants go in admission order."""
         while not self.block_manager.allocate(request, num_new_tokens):
             victim = self._running[-1]
             self._preempt(victim, plan)
@@ -251,14 +330,15 @@ class Scheduler:
         return True
 
     def _preempt(self, request: Request, plan: _StepPlan) -> None:
-        """Drop a running request's KV and requeue it at the front, to recompute on readmission."""
+        """Drop a running request's KV and requeue it (fcfs: at the head), to recompute on
+        readmission."""
         self._running.remove(request)
         plan.preempted_ids.append(request.request_id)
         self.block_manager.free(request)
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
-        self._waiting.appendleft(request)
+        self._waiting.requeue(request)
 
     def _build_output(self, plan: _StepPlan) -> SchedulerOutput:
         """Turn the final grants into the runner's view (after all preemptions, so no stale tables)."""
