@@ -184,6 +184,24 @@ class CacheConfig:
 
 
 @dataclass(frozen=True)
+class SLOConfig:
+    """Latency targets: what the `slo` scheduling policy aims for and what /metrics judges
+    every finished request against (attainment counters), whichever policy runs."""
+
+    ttft_s: float = 5.0
+    """Time to first token target, from arrival to the first generated token."""
+    tbt_s: float = 0.025
+    """Time between tokens target: every gap between consecutive tokens of a stream."""
+
+    def __post_init__(self) -> None:
+        if not (self.ttft_s > 0 and self.tbt_s > 0):
+            raise ValueError(f"SLO targets must be > 0 (got ttft_s={self.ttft_s}, tbt_s={self.tbt_s})")
+
+
+SCHEDULING_POLICIES = ("fcfs", "slo")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs besides the checkpoint's own config."""
 
@@ -196,3 +214,10 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     seed: int = 0
+    scheduling_policy: str = "fcfs"  # "fcfs", or "slo": TBT-sized prefill chunks, TTFT-deadline order
+    slo: SLOConfig = field(default_factory=SLOConfig)
+    max_waiting: int | None = None  # most queued requests; beyond it add_request raises QueueFullError
+
+    def __post_init__(self) -> None:
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling policy {self.scheduling_policy!r} is not one of {', '.join(SCHEDULING_POLICIES)}")

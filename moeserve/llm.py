@@ -11,8 +11,9 @@ from typing import Sequence
 
 from tqdm import tqdm
 
-from moeserve.config import CacheConfig, EngineConfig, ParallelConfig, parse_dtype
+from moeserve.config import CacheConfig, EngineConfig, ParallelConfig, SLOConfig, parse_dtype
 from moeserve.engine.engine import LLMEngine
+from moeserve.engine.stats import StatLogger
 from moeserve.engine.outputs import RequestOutput
 from moeserve.sampling_params import SamplingParams
 
@@ -21,47 +22,60 @@ logger = logging.getLogger(__name__)
 Prompt = str | dict | list[int]
 
 
-class LLM:
-    """Load a checkpoint and generate for batches of prompts with continuous batching.
+def engine_config(
+    model: str | None = None,
+    dtype: str = "auto",
+    device: str = "cpu",
+    ep: int = 1,
+    tp: int = 1,
+    max_model_len: int | None = None,
+    max_num_seqs: int = 256,
+    max_num_batched_tokens: int = 8192,
+    block_size: int = 16,
+    kv_cache_blocks: int | None = None,
+    kv_cache_memory: int = 512 * 1024**2,
+    seed: int = 0,
+    scheduling_policy: str = "fcfs",
+    slo_ttft_ms: float = 5000.0,
+    slo_tbt_ms: float = 25.0,
+    max_waiting: int | None = None,
+) -> EngineConfig:
+    """The engine's config from the user-facing knobs `LLM` and `moeserve launch` share.
 
     model: a Hugging Face checkpoint folder; None serves the built-in demo model.
     dtype: "auto" (the checkpoint's dtype), "float32", "bfloat16" or "float16".
     ep, tp: expert / tensor parallel sizes (multi-process EP is a separate launcher; 1 here).
     """
+    if ep != 1 or tp != 1:
+        raise ValueError(f"ep={ep}, tp={tp}: multi-process expert/tensor parallelism is not available in this build; use ep=1, tp=1")
+    if model is None:
+        from moeserve.checkpoints import demo_model_path
 
-    def __init__(
-        self,
-        model: str | None = None,
-        dtype: str = "auto",
-        device: str = "cpu",
-        ep: int = 1,
-        tp: int = 1,
-        max_model_len: int | None = None,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int = 8192,
-        block_size: int = 16,
-        kv_cache_blocks: int | None = None,
-        kv_cache_memory: int = 512 * 1024**2,
-        seed: int = 0,
-    ) -> None:
-        if ep != 1 or tp != 1:
-            raise ValueError(f"ep={ep}, tp={tp}: multi-process expert/tensor parallelism is not available in this build; use ep=1, tp=1")
-        if model is None:
-            from moeserve.checkpoints import demo_model_path
+        model = str(demo_model_path())
+    return EngineConfig(
+        model=model,
+        dtype=parse_dtype(dtype),
+        device=device,
+        max_model_len=max_model_len,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max(max_num_batched_tokens, max_num_seqs),
+        cache=CacheConfig(block_size=block_size, num_blocks=kv_cache_blocks, memory_bytes=kv_cache_memory),
+        parallel=ParallelConfig(ep=ep, tp=tp),
+        seed=seed,
+        scheduling_policy=scheduling_policy,
+        slo=SLOConfig(ttft_s=slo_ttft_ms / 1000.0, tbt_s=slo_tbt_ms / 1000.0),
+        max_waiting=max_waiting,
+    )
 
-            model = str(demo_model_path())
-        config = EngineConfig(
-            model=model,
-            dtype=parse_dtype(dtype),
-            device=device,
-            max_model_len=max_model_len,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max(max_num_batched_tokens, max_num_seqs),
-            cache=CacheConfig(block_size=block_size, num_blocks=kv_cache_blocks, memory_bytes=kv_cache_memory),
-            parallel=ParallelConfig(ep=ep, tp=tp),
-            seed=seed,
-        )
-        self.engine = LLMEngine(config)
+
+class LLM:
+    """Load a checkpoint and generate for batches of prompts with continuous batching.
+
+    Takes `engine_config`'s arguments (model=None serves the built-in demo model).
+    """
+
+    def __init__(self, model: str | None = None, stat_loggers: Sequence[StatLogger] = (), **kwargs) -> None:
+        self.engine = LLMEngine(engine_config(model, **kwargs), stat_loggers)
 
     def get_tokenizer(self):
         return self.engine.tokenizer

@@ -62,6 +62,7 @@ class _Add:
     prompt: str | dict | list[int]
     params: SamplingParams
     request_id: str
+    arrival_time: float  # when the caller asked, so TTFT includes the wait for the engine thread
     stream: _Stream
     accepted: concurrent.futures.Future[None]
 
@@ -77,6 +78,40 @@ class _Stop:
 
 
 _Command = _Add | _Abort | _Stop
+
+
+class RequestStream:
+    """One accepted request's outputs: an async iterator of cumulative `RequestOutput`s.
+
+    Ends after the finished output, or without one if the request was aborted; raises
+    EngineDeadError if the engine dies meanwhile. `aclose()` aborts it if it has not ended.
+    """
+
+    def __init__(self, engine: AsyncEngine, request_id: str, stream: _Stream) -> None:
+        self.request_id = request_id
+        self._engine = engine
+        self._stream = stream
+        self._ended = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._ended:
+            raise StopAsyncIteration
+        item = await self._stream.queue.get()
+        if item is None or isinstance(item, BaseException) or item.finished:
+            self._ended = True
+        if item is None:
+            raise StopAsyncIteration
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    async def aclose(self) -> None:
+        if not self._ended:
+            self._ended = True
+            self._engine._abort_quietly(_Abort(self.request_id, self._stream))
 
 
 class AsyncEngine:
@@ -119,31 +154,37 @@ class AsyncEngine:
 
     # ---- requests (event loop) -------------------------------------------------------------
 
-    async def generate(self, prompt: str | dict | list[int], params: SamplingParams, request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Yield the request's cumulative outputs as the engine makes them; the last is finished.
+    async def submit(self, prompt: str | dict | list[int], params: SamplingParams, request_id: str | None = None) -> RequestStream:
+        """Queue a request and return its stream once the engine has accepted it.
 
-        Raises what `LLMEngine.add_request` raises (ValueError, QueueFullError) before any output,
-        and EngineDeadError if the engine is not running or dies. Leaving the loop early aborts
-        the request; call `aclose()` (or use `contextlib.aclosing`) to abort it at once rather
-        than when the generator is collected.
+        Raises what `LLMEngine.add_request` raises (ValueError, QueueFullError) and EngineDeadError,
+        so a server can answer 400 / 429 / 503 before it starts a response. Close the stream
+        (`aclose()`, or `contextlib.aclosing`) when done with it: an unfinished one is aborted.
         """
         request_id = request_id if request_id is not None else uuid.uuid4().hex
         stream = _Stream(asyncio.get_running_loop())
         accepted: concurrent.futures.Future[None] = concurrent.futures.Future()
-        self._submit(_Add(prompt, params, request_id, stream, accepted))
+        self._submit(_Add(prompt, params, request_id, time.monotonic(), stream, accepted))
         try:
             await asyncio.wrap_future(accepted)
-            while True:
-                item = await stream.queue.get()
-                if item is None:
-                    return
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-                if item.finished:
-                    return
+        except BaseException:
+            self._abort_quietly(_Abort(request_id, stream))  # a cancelled wait may still have been added
+            raise
+        return RequestStream(self, request_id, stream)
+
+    async def generate(self, prompt: str | dict | list[int], params: SamplingParams, request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Yield the request's cumulative outputs as the engine makes them; the last is finished.
+
+        `submit` and iteration in one: errors of `submit` are raised at the first iteration.
+        Leaving the loop early aborts the request; call `aclose()` (or use `contextlib.aclosing`)
+        to abort it at once rather than when the generator is collected.
+        """
+        stream = await self.submit(prompt, params, request_id)
+        try:
+            async for output in stream:
+                yield output
         finally:
-            self._abort_quietly(_Abort(request_id, stream))
+            await stream.aclose()
 
     async def abort(self, request_id: str) -> None:
         """Abort a request by id; its stream ends without a finished output. Unknown ids are ignored."""
@@ -201,7 +242,7 @@ class AsyncEngine:
         if not command.accepted.set_running_or_notify_cancel():
             return  # the caller was cancelled before we got here: nothing to add
         try:
-            self.engine.add_request(command.prompt, command.params, command.request_id)
+            self.engine.add_request(command.prompt, command.params, command.request_id, command.arrival_time)
         except Exception as exc:  # the caller's error to handle (bad input, queue full)
             command.accepted.set_exception(exc)
             return

@@ -14,14 +14,16 @@ import logging
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Sequence
 
 import torch
 
-from moeserve.config import EngineConfig
+from moeserve.config import EngineConfig, SLOConfig
 from moeserve.engine.detokenizer import IncrementalDetokenizer
 from moeserve.engine.kv_cache import allocate_kv_caches, num_blocks_for
 from moeserve.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from moeserve.engine.runner import ModelRunner, SampledToken
+from moeserve.engine.stats import IterationStats, RequestMetrics, StatLogger
 from moeserve.engine.tokenizer import load_tokenizer
 from moeserve.models import load_model, model_config
 from moeserve.models.checkpoint import read_json
@@ -41,6 +43,8 @@ class _Sequence:
     cumulative_logprob: float | None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    last_token_time: float | None = None
+    max_gap_s: float | None = None  # longest time between two consecutive tokens so far
 
     def completion(self) -> CompletionOutput:
         return CompletionOutput(
@@ -59,15 +63,35 @@ class _Parent:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
+    arrival_time: float
     sequences: dict[str, _Sequence] = field(default_factory=dict)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
 
     @property
     def finished(self) -> bool:
         return all(s.finish_reason is not None for s in self.sequences.values())
 
-    def output(self) -> RequestOutput:
+    def output(self, metrics: RequestMetrics | None = None) -> RequestOutput:
         completions = sorted((s.completion() for s in self.sequences.values()), key=lambda c: c.index)
-        return RequestOutput(self.request_id, self.prompt, list(self.prompt_token_ids), completions, self.finished)
+        return RequestOutput(self.request_id, self.prompt, list(self.prompt_token_ids), completions, self.finished, metrics)
+
+    def metrics(self, now: float, finish_reason: str, slo: SLOConfig) -> RequestMetrics:
+        """This request's latencies, judged against `slo`."""
+        ttft = None if self.first_token_time is None else self.first_token_time - self.arrival_time
+        gaps = [s.max_gap_s for s in self.sequences.values() if s.max_gap_s is not None]
+        max_tbt = max(gaps) if gaps else None
+        return RequestMetrics(
+            finish_reason=finish_reason,
+            num_prompt_tokens=len(self.prompt_token_ids),
+            num_generation_tokens=sum(len(s.detokenizer.token_ids) for s in self.sequences.values()),
+            queue_time_s=None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time,
+            ttft_s=ttft,
+            e2e_s=now - self.arrival_time,
+            max_tbt_s=max_tbt,
+            ttft_met=ttft is not None and ttft <= slo.ttft_s,
+            tbt_met=max_tbt is None or max_tbt <= slo.tbt_s,
+        )
 
 
 def generation_eos_ids(folder: Path, config_eos: tuple[int, ...]) -> tuple[int, ...]:
@@ -79,8 +103,11 @@ def generation_eos_ids(folder: Path, config_eos: tuple[int, ...]) -> tuple[int, 
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    """Stat loggers get an `IterationStats` after every step and every abort (engine thread)."""
+
+    def __init__(self, config: EngineConfig, stat_loggers: Sequence[StatLogger] = ()) -> None:
         self.config = config
+        self.stat_loggers = list(stat_loggers)
         folder = Path(config.model)
         started = time.monotonic()
         torch.manual_seed(config.seed)
@@ -101,6 +128,10 @@ class LLMEngine:
                 max_model_len=self.max_model_len,
                 block_size=cache.block_size,
                 num_kv_blocks=num_blocks,
+                max_waiting=config.max_waiting,
+                policy=config.scheduling_policy,
+                slo_ttft_s=config.slo.ttft_s,
+                slo_tbt_s=config.slo.tbt_s,
             )
         )
         kv_caches = allocate_kv_caches(self.model, num_blocks, cache.block_size, self.dtype, config.device)
@@ -164,7 +195,7 @@ class LLMEngine:
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self._parents:
             raise ValueError(f"request id {request_id!r} is already in use")
-        parent = _Parent(request_id, text, prompt_token_ids)
+        parent = _Parent(request_id, text, prompt_token_ids, arrival)
         children = []
         for i in range(params.n):
             child_params = params if params.n == 1 or params.seed is None else replace(params, seed=params.seed + i)
@@ -188,6 +219,7 @@ class LLMEngine:
         return request_id
 
     def abort_request(self, request_id: str) -> None:
+        """Drop a request and free its KV blocks now; unknown or finished ids are ignored."""
         parent = self._parents.pop(request_id, None)
         if parent is None:
             return
@@ -195,6 +227,7 @@ class LLMEngine:
             self.scheduler.abort_request(child_id)
             self._parent_of.pop(child_id, None)
         self.runner.release(list(parent.sequences))
+        self._publish(IterationStats(finished=[parent.metrics(time.monotonic(), "abort", self.config.slo)]))
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._parents)
@@ -205,16 +238,50 @@ class LLMEngine:
         """Run one step; outputs of every request that progressed (cumulative text and tokens)."""
         plan = self.scheduler.schedule()
         requests = {s.request_id: self.scheduler.get_request(s.request_id) for s in plan.scheduled}
+        started = time.monotonic()
+        for child_id, request in requests.items():
+            parent = self._parents[self._parent_of[child_id]]
+            if parent.first_scheduled_time is None:
+                parent.first_scheduled_time = request.first_scheduled_time or started
         sampled = self.runner.execute(plan, requests)
+        now = time.monotonic()
+        if not plan.is_empty:
+            self.scheduler.observe_step(plan, now - started)
         finished = {r.request_id: r for r in self.scheduler.update(plan, {rid: t.token_id for rid, t in sampled.items()})}
-        touched: set[str] = set()
+        stats = IterationStats(step_duration_s=now - started, num_preemptions=len(plan.preempted_request_ids))
+        touched: dict[str, None] = {}
         for child_id, token in sampled.items():
-            touched.add(self._record(child_id, token, finished.get(child_id)))
-        return [self._emit(parent_id) for parent_id in touched]
+            touched[self._record(child_id, token, finished.get(child_id), now, stats)] = None
+        outputs = [self._emit(parent_id, now, stats) for parent_id in touched]
+        self._publish(stats)
+        return outputs
 
-    def _record(self, child_id: str, token: SampledToken, finished: Request | None) -> str:
+    def _publish(self, stats: IterationStats) -> None:
+        """Fill the gauges and hand the stats to every logger; a failing logger never stops serving."""
+        stats.num_running = self.scheduler.num_running
+        stats.num_waiting = self.scheduler.num_waiting
+        stats.kv_blocks_used = self.scheduler.block_manager.num_used_blocks
+        stats.kv_blocks_total = self.scheduler.config.num_kv_blocks
+        for stat_logger in self.stat_loggers:
+            try:
+                stat_logger.record(stats)
+            except Exception:
+                logger.exception("stat logger %r failed; the engine keeps serving", stat_logger)
+
+    def _record(self, child_id: str, token: SampledToken, finished: Request | None, now: float, stats: IterationStats) -> str:
         parent_id = self._parent_of[child_id]
-        seq = self._parents[parent_id].sequences[child_id]
+        parent = self._parents[parent_id]
+        seq = parent.sequences[child_id]
+        stats.num_generation_tokens += 1
+        if parent.first_token_time is None:
+            parent.first_token_time = now
+            stats.ttfts_s.append(now - parent.arrival_time)
+            stats.num_prompt_tokens += len(parent.prompt_token_ids)
+        if seq.last_token_time is not None:
+            gap = now - seq.last_token_time
+            stats.tbts_s.append(gap)
+            seq.max_gap_s = gap if seq.max_gap_s is None else max(seq.max_gap_s, gap)
+        seq.last_token_time = now
         stop = seq.detokenizer.append(token.token_id)
         if seq.logprobs is not None and token.logprob is not None:
             entry = {token.token_id: Logprob(token.logprob)}
@@ -232,11 +299,14 @@ class LLMEngine:
             self.runner.release([child_id])
         return parent_id
 
-    def _emit(self, parent_id: str) -> RequestOutput:
+    def _emit(self, parent_id: str, now: float, stats: IterationStats) -> RequestOutput:
         parent = self._parents[parent_id]
-        output = parent.output()
-        if output.finished:
-            del self._parents[parent_id]
-            for child_id in parent.sequences:
-                self._parent_of.pop(child_id, None)
-        return output
+        if not parent.finished:
+            return parent.output()
+        first = min(parent.sequences.values(), key=lambda s: s.index)
+        metrics = parent.metrics(now, first.finish_reason, self.config.slo)
+        stats.finished.append(metrics)
+        del self._parents[parent_id]
+        for child_id in parent.sequences:
+            self._parent_of.pop(child_id, None)
+        return parent.output(metrics)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from moeserve.engine.stats import RequestMetrics
+
 
 @dataclass(frozen=True)
 class Logprob:
@@ -35,3 +37,4 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
+    metrics: RequestMetrics | None = None  # set on the finished output: latencies and SLO verdicts

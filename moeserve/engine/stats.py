@@ -1,0 +1,96 @@
+"""What each engine step did, in numbers: token counts, latencies, queue and KV occupancy.
+
+The engine measures on its own clock, at the moment a step's tokens exist, so TTFT and TBT do
+not include how long the HTTP layer took to ship them; the SLO counters judge the engine, and a
+load generator (`moeserve bench serve`) measures what clients see. Stat loggers (Prometheus, the
+periodic log line) receive an `IterationStats` after every step and after every abort, on the
+engine's thread, and must be quick and thread-safe.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RequestMetrics:
+    """One finished request's life, as the engine saw it (seconds, monotonic clock)."""
+
+    finish_reason: str
+    """"stop", "length" or "abort": the first sample's reason (the request's, when n is 1)."""
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    """Tokens generated over all samples."""
+    queue_time_s: float | None
+    """Arrival to first scheduled; None if it never ran (aborted while queued)."""
+    ttft_s: float | None
+    """Arrival to the first token of any sample; None if none was generated."""
+    e2e_s: float
+    """Arrival to finish."""
+    max_tbt_s: float | None
+    """The longest gap between consecutive tokens of one sample; None with fewer than two tokens."""
+    ttft_met: bool
+    """A first token came within the TTFT target."""
+    tbt_met: bool
+    """Every gap between consecutive tokens was within the TBT target (true with no gaps)."""
+
+
+@dataclass
+class IterationStats:
+    """One step (or one abort between steps): counters to add and gauges to set."""
+
+    step_duration_s: float | None = None
+    """Wall time of the model step; None for stats sent outside a step (an abort)."""
+    num_prompt_tokens: int = 0
+    """Prompt tokens of requests whose prefill completed in this step."""
+    num_generation_tokens: int = 0
+    """Tokens sampled in this step."""
+    num_preemptions: int = 0
+    ttfts_s: list[float] = field(default_factory=list)
+    """The TTFT of each request that got its first token in this step."""
+    tbts_s: list[float] = field(default_factory=list)
+    """Every gap between a sample's previous token and its token from this step."""
+    finished: list[RequestMetrics] = field(default_factory=list)
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+
+
+class StatLogger(Protocol):
+    """Receives every step's stats on the engine thread; must not block."""
+
+    def record(self, stats: IterationStats) -> None: ...
+
+
+class LoggingStatLogger:
+    """An INFO line every `interval_s` while there is work: throughput, queue and KV usage.
+
+    Operators watching a terminal see that the server is busy and how busy, without /metrics.
+    """
+
+    def __init__(self, interval_s: float = 10.0) -> None:
+        self.interval_s = interval_s
+        self._since = time.monotonic()
+        self._prompt_tokens = 0
+        self._generation_tokens = 0
+
+    def record(self, stats: IterationStats) -> None:
+        self._prompt_tokens += stats.num_prompt_tokens
+        self._generation_tokens += stats.num_generation_tokens
+        now = time.monotonic()
+        elapsed = now - self._since
+        if elapsed < self.interval_s:
+            return
+        if self._prompt_tokens or self._generation_tokens or stats.num_running or stats.num_waiting:
+            usage = 100.0 * stats.kv_blocks_used / max(stats.kv_blocks_total, 1)
+            logger.info(
+                "prompt throughput %.1f tokens/s, generation throughput %.1f tokens/s, running %d, waiting %d, KV cache %.1f%% used",
+                self._prompt_tokens / elapsed, self._generation_tokens / elapsed, stats.num_running, stats.num_waiting, usage,
+            )
+        self._since, self._prompt_tokens, self._generation_tokens = now, 0, 0
