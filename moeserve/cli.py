@@ -1,4 +1,4 @@
-"""The `moeserve` command: `generate` and `make-model` (serving and benchmarks join later)."""
+"""The `moeserve` command: `launch` (the OpenAI-compatible server), `generate` and `make-model`."""
 
 from __future__ import annotations
 
@@ -6,6 +6,8 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
+import re
 import sys
 import typing
 from pathlib import Path
@@ -67,6 +69,66 @@ def _run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_launch(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("launch", help="serve a model over an OpenAI-compatible HTTP API")
+    p.add_argument("--model", help="Hugging Face checkpoint folder (default: the built-in demo model)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on; 0 picks a free one (the log says which)")
+    p.add_argument("--served-model-name", help="model id clients send and /v1/models lists (default: the --model path, or 'moeserve-demo')")
+    p.add_argument("--dtype", default="auto", help="auto (the checkpoint's), float32, bfloat16 or float16")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel size (ranks holding the experts)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size of attention inside each EP group")
+    p.add_argument("--max-model-len", type=int, default=None, help="longest prompt + completion (default: the checkpoint's)")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in the running batch")
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192, help="per-step token budget shared by prefill chunks and decodes")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per paged KV block")
+    kv = p.add_mutually_exclusive_group()
+    kv.add_argument("--kv-cache-blocks", type=int, default=None, help="KV cache size in blocks")
+    kv.add_argument("--kv-cache-memory", type=_parse_bytes, default=512 * 1024**2, help="KV cache size in bytes, e.g. 512MiB or 4GiB (default 512MiB)")
+    p.add_argument("--max-waiting", type=int, default=1024, help="most queued requests; beyond it requests get 429 with Retry-After")
+    p.add_argument("--scheduling-policy", choices=("fcfs", "slo"), default="fcfs",
+                   help="fcfs: arrival order, full prefill chunks; slo: prefill chunks sized so decodes keep the TBT target, TTFT-deadline order")
+    p.add_argument("--slo-ttft-ms", type=float, default=5000.0, help="time-to-first-token target (ms), for the slo policy and /metrics attainment")
+    p.add_argument("--slo-tbt-ms", type=float, default=25.0, help="time-between-tokens target (ms), for the slo policy and /metrics attainment")
+    p.add_argument("--api-key", default=os.environ.get("MOESERVE_API_KEY"), help="require 'Authorization: Bearer KEY' on /v1 routes (default: $MOESERVE_API_KEY)")
+    p.add_argument("--max-request-body", type=_parse_bytes, default=16 * 1024**2, help="largest request body in bytes (413 beyond; default 16MiB)")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds running requests get to finish after SIGTERM")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_run_launch)
+
+
+_UNITS = {"": 1, "b": 1, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "kb": 1000, "mb": 1000**2, "gb": 1000**3}
+
+
+def _parse_bytes(text: str) -> int:
+    """'512MiB', '4GiB', '1000000' -> bytes."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    if match is None or match.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 512MiB, 4GiB or a number of bytes)")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def _run_launch(args: argparse.Namespace) -> int:
+    from moeserve.api.server import ServerSettings, serve
+    from moeserve.config import SLOConfig
+
+    slo = SLOConfig(ttft_s=args.slo_ttft_ms / 1000.0, tbt_s=args.slo_tbt_ms / 1000.0)
+    settings = ServerSettings(
+        served_model_name=args.served_model_name or args.model or "moeserve-demo",
+        api_key=args.api_key or None,
+        max_body_bytes=args.max_request_body,
+        shutdown_timeout_s=args.shutdown_timeout,
+    )
+    engine_kwargs = dict(
+        model=args.model, dtype=args.dtype, device=args.device, ep=args.ep, tp=args.tp, max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
+        kv_cache_blocks=args.kv_cache_blocks, kv_cache_memory=args.kv_cache_memory, seed=args.seed,
+        scheduling_policy=args.scheduling_policy, slo_ttft_ms=args.slo_ttft_ms, slo_tbt_ms=args.slo_tbt_ms, max_waiting=args.max_waiting,
+    )
+    return serve(settings, args.host, args.port, engine_kwargs, slo)
+
+
 def _spec_fields():
     from moeserve.checkpoints import MakeModelSpec
 
@@ -115,6 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moeserve", description="Inference server for Mixture-of-Experts LLMs")
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_launch(sub)
     _add_generate(sub)
     _add_make_model(sub)
     return parser

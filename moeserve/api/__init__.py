@@ -1,5 +1,10 @@
-"""The OpenAI-compatible HTTP layer: protocol models and errors (the app and routes come later)."""
+"""The OpenAI-compatible HTTP layer: the FastAPI app, its protocol models, errors and metrics.
 
+`serve()` is what `moeserve launch` runs; `build_app()` gives the app over a `ServingState` for
+embedding or testing.
+"""
+
+from moeserve.api.app import build_app
 from moeserve.api.errors import APIError, error_body, error_type_for, from_validation_error
 from moeserve.api.protocol import (
     SSE_DONE,
@@ -36,6 +41,9 @@ from moeserve.api.protocol import (
     sse,
     usage_info,
 )
+from moeserve.api.metrics import ServerMetrics
+from moeserve.api.server import serve
+from moeserve.api.state import ModelInfo, ServerSettings, ServingState
 
 __all__ = [
     "APIError",
@@ -55,11 +63,16 @@ __all__ = [
     "CompletionStreamChunk",
     "DeltaMessage",
     "ModelCard",
+    "ModelInfo",
     "ModelList",
     "SSE_DONE",
+    "ServerMetrics",
+    "ServerSettings",
+    "ServingState",
     "StreamOptions",
     "TopLogprob",
     "UsageInfo",
+    "build_app",
     "chat_chunk",
     "chat_logprobs",
     "chat_response",
@@ -73,6 +86,7 @@ __all__ = [
     "from_validation_error",
     "parse_request",
     "random_id",
+    "serve",
     "sse",
     "usage_info",
 ]

@@ -51,6 +51,7 @@ class APIError(Exception):
         type: str | None = None,
         param: str | None = None,
         code: str | int | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
@@ -58,6 +59,8 @@ class APIError(Exception):
         self.type = type or error_type_for(status_code)
         self.param = param
         self.code = code
+        self.headers = headers or {}
+        """Extra response headers, e.g. Retry-After on a 429 or 503."""
 
     def body(self) -> dict[str, Any]:
         """This error as OpenAI's JSON body."""

@@ -345,6 +345,9 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int = Field(default_factory=_now)
     owned_by: str = "moeserve"
+    root: str | None = None
+    """The checkpoint folder it was loaded from (vLLM reports the same)."""
+    max_model_len: int | None = None
 
 
 class ModelList(BaseModel):
@@ -374,15 +377,17 @@ def completion_logprobs(
     logprobs: list[dict[int, Logprob]],
     tokenizer: Tokenizer,
     prompt_token_ids: list[int] | None = None,
+    start_offset: int = 0,
 ) -> CompletionLogprobs:
     """The legacy format for generated tokens, preceded by echoed prompt tokens if given.
 
     Each position's dict holds the sampled token and the top alternatives, so `top_logprobs` may
     have logprobs + 1 entries, as OpenAI documents. Prompt tokens carry null logprobs: the engine
-    does not compute prompt logprobs. `text_offset` counts characters from the start of the text.
+    does not compute prompt logprobs. `text_offset` counts characters from the start of the text;
+    a stream's later chunks pass the characters already sent as `start_offset`.
     """
     result = CompletionLogprobs()
-    offset = 0
+    offset = start_offset
     for token_id in prompt_token_ids or []:
         text = tokenizer.decode([token_id])
         result.tokens.append(text)

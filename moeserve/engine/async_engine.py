@@ -6,8 +6,9 @@ Threading contract:
   thread-safe queue, which the engine thread drains between steps; with no work it blocks on it.
 - Outputs go back to the caller's event loop with `loop.call_soon_threadsafe` into one
   `asyncio.Queue` per request, so no engine work ever runs on the loop thread.
-- An add is a round trip: `generate` awaits a future the engine thread resolves, so `add_request`'s
-  ValueError / QueueFullError reach the caller before any output.
+- An add is a round trip: `submit` awaits a future the engine thread resolves, so `add_request`'s
+  ValueError / QueueFullError reach the caller before any output (a server answers 400 / 429
+  before it starts a response); it returns the request's `RequestStream`.
 - A stream whose consumer goes away (break, cancel, disconnect) aborts its request; its KV blocks
   are freed at the engine's next loop turn. A stream aborted by `abort()` or `shutdown()` ends
   without a finished output. If the engine thread dies, every open stream raises `EngineDeadError`.

@@ -257,5 +257,5 @@ def test_stream_chunks_match_openai():
 def test_ids_and_model_list():
     assert random_id("cmpl").startswith("cmpl-") and len(random_id("chatcmpl")) == len("chatcmpl-") + 32
     body = ModelList(data=[ModelCard(id="m")]).model_dump()
-    assert body["object"] == "list" and set(body["data"][0]) == {"id", "object", "created", "owned_by"}
+    assert body["object"] == "list" and set(body["data"][0]) == {"id", "object", "created", "owned_by", "root", "max_model_len"}
     assert body["data"][0]["object"] == "model"

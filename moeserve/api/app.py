@@ -1,0 +1,94 @@
+"""The FastAPI app: routes, auth, and one error format for every failure.
+
+Every error, ours or the framework's (unknown route, wrong method), leaves as OpenAI's
+`{"error": {...}}` body, and each is logged with its status, so a client's mistake is visible to
+the operator without a traceback. Only a bug gets a traceback (and a 500).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+import moeserve
+from moeserve.api.chat import create_chat_completion
+from moeserve.api.completions import create_completion
+from moeserve.api.errors import APIError, error_body, error_type_for
+from moeserve.api.metrics import CONTENT_TYPE
+from moeserve.api.protocol import ModelCard, ModelList
+from moeserve.api.state import ServingState
+from moeserve.api.transport import ClientDisconnected, check_api_key
+
+logger = logging.getLogger("moeserve.api")
+
+Handler = Callable[[Request, ServingState], Awaitable[Response]]
+
+
+def build_app(state: ServingState) -> FastAPI:
+    """The app over `state`; the engine may be attached later (`state.set_ready`)."""
+    app = FastAPI(title="moeserve", version=moeserve.__version__, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.serving = state
+    _add_error_handlers(app, state)
+
+    def guarded(handler: Handler) -> Callable[[Request], Awaitable[Response]]:
+        async def endpoint(request: Request) -> Response:
+            check_api_key(request, state.settings.api_key)
+            try:
+                response = await handler(request, state)
+            except ClientDisconnected:
+                logger.info("%s %s: client disconnected; its request was aborted", request.method, request.url.path)
+                response = Response(status_code=499)  # nginx's "client closed request"; nobody reads it
+            state.metrics.count_http(request.url.path, response.status_code)
+            return response
+
+        return endpoint
+
+    async def list_models(request: Request, state: ServingState) -> Response:
+        card = ModelCard(id=state.settings.served_model_name)
+        if state.model is not None:
+            card = ModelCard(id=card.id, created=state.model.created, root=state.model.root, max_model_len=state.model.max_model_len)
+        return JSONResponse(ModelList(data=[card]).model_dump())
+
+    app.add_api_route("/v1/completions", guarded(create_completion), methods=["POST"])
+    app.add_api_route("/v1/chat/completions", guarded(create_chat_completion), methods=["POST"])
+    app.add_api_route("/v1/models", guarded(list_models), methods=["GET"])
+
+    @app.get("/health")
+    async def health() -> Response:
+        """200 once the model is loaded and the engine runs; 503 while loading, draining or dead."""
+        return Response(status_code=200 if state.is_ready else 503)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": moeserve.__version__}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.exposition(), media_type=CONTENT_TYPE)
+
+    return app
+
+
+def _add_error_handlers(app: FastAPI, state: ServingState) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        log = logger.warning if exc.status_code >= 500 or exc.status_code == 429 else logger.info
+        log("%s %s -> %d: %s", request.method, request.url.path, exc.status_code, exc.message)
+        state.metrics.count_http(request.url.path, exc.status_code)
+        return JSONResponse(exc.body(), status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = f"{request.method} {request.url.path}: {exc.detail}"
+        logger.info("-> %d: %s", exc.status_code, message)
+        return JSONResponse(error_body(message, error_type_for(exc.status_code)), status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("%s %s failed", request.method, request.url.path)
+        state.metrics.count_http(request.url.path, 500)
+        return JSONResponse(error_body(f"internal server error: {type(exc).__name__}", "internal_error", code=500), status_code=500)

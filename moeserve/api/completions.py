@@ -1,0 +1,121 @@
+"""POST /v1/completions: text or token-id prompts, one or many, streamed or not."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from moeserve.api.generation import (
+    check_context,
+    check_model,
+    close_all,
+    final_outputs,
+    log_finished,
+    logger,
+    submit_all,
+)
+from moeserve.api.protocol import (
+    SSE_DONE,
+    CompletionRequest,
+    completion_chunk,
+    completion_logprobs,
+    completion_response,
+    completion_usage_chunk,
+    parse_request,
+    random_id,
+    sse,
+    usage_info,
+)
+from moeserve.api.state import ModelInfo, ServingState
+from moeserve.api.streaming import SampleCursor, sse_error
+from moeserve.api.transport import merge, read_body, until_disconnected
+from moeserve.engine.async_engine import RequestStream
+from moeserve.engine.outputs import RequestOutput
+from moeserve.sampling_params import SamplingParams
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # proxies must not buffer a stream
+
+
+def _prepare_prompts(request: CompletionRequest, model: ModelInfo) -> list[dict]:
+    """Each prompt as the engine takes it, tokenized here so its length can be checked first."""
+    prompts = []
+    for prompt in request.prompts():
+        if isinstance(prompt, str):
+            prompts.append({"prompt": prompt, "prompt_token_ids": model.tokenizer.encode(prompt)})
+        else:
+            prompts.append({"prompt_token_ids": list(prompt)})
+    return prompts
+
+
+async def create_completion(raw: Request, state: ServingState) -> Response:
+    request = parse_request(CompletionRequest, await read_body(raw, state.settings.max_body_bytes))
+    check_model(request.model, state)
+    engine, model = state.admit()
+    params = request.to_sampling_params(default_max_tokens=None)
+    prompts = _prepare_prompts(request, model)
+    for prompt in prompts:
+        check_context(len(prompt["prompt_token_ids"]), params.max_tokens, model.max_model_len, "prompt")
+    request_id = random_id("cmpl")
+    streams = await submit_all(engine, prompts, params, request_id, "prompt")
+    model_name = state.settings.served_model_name
+    if request.stream:
+        events = _stream_events(streams, request, params, request_id, model_name, model)
+        return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
+    try:
+        outputs = await until_disconnected(raw, final_outputs(streams))
+    finally:
+        await close_all(streams)
+    log_finished(request_id, outputs, streamed=False)
+    body = completion_response(request_id, model_name, outputs, model.tokenizer, echo_prompts=request.echo)
+    return JSONResponse(body.model_dump())
+
+
+async def _stream_events(
+    streams: list[RequestStream], request: CompletionRequest, params: SamplingParams, request_id: str, model_name: str, model: ModelInfo
+) -> AsyncIterator[str]:
+    """SSE events: one chunk per new piece of text of each choice, then usage, then [DONE].
+
+    Choice `i * n + j` is sample j of prompt i. Leaving early (the client disconnected) aborts
+    every unfinished prompt in the `finally`.
+    """
+    created = int(time.time())
+    n = params.n
+    cursors = {(i, j): SampleCursor(params) for i in range(len(streams)) for j in range(n)}
+    finals: dict[int, RequestOutput] = {}
+    try:
+        async with contextlib.aclosing(merge(streams)) as merged:
+            async for prompt_index, output in merged:
+                for sample in output.outputs:
+                    delta = cursors[prompt_index, sample.index].advance(sample)
+                    if delta is None:
+                        continue
+                    text, prompt_ids, offset = delta.text, None, delta.text_offset
+                    if request.echo:  # the prompt goes first, in the choice's first chunk
+                        prompt_text = output.prompt if output.prompt is not None else model.tokenizer.decode(output.prompt_token_ids)
+                        if delta.text_offset == 0:
+                            text, prompt_ids = prompt_text + text, output.prompt_token_ids
+                        else:
+                            offset += len(prompt_text)
+                    logprobs = None
+                    if delta.logprobs is not None:
+                        logprobs = completion_logprobs(delta.token_ids, delta.logprobs, model.tokenizer, prompt_ids, start_offset=offset)
+                    yield sse(completion_chunk(request_id, model_name, created, prompt_index * n + sample.index, text, delta.finish_reason, logprobs))
+                if output.finished:
+                    finals[prompt_index] = output
+        for (prompt_index, index), cursor in cursors.items():
+            if not cursor.finished:  # aborted by the server (shutdown): say so rather than stop silently
+                yield sse(completion_chunk(request_id, model_name, created, prompt_index * n + index, "", "abort"))
+        if request.include_usage:
+            yield sse(completion_usage_chunk(request_id, model_name, created, usage_info(list(finals.values()))))
+        yield SSE_DONE
+        log_finished(request_id, list(finals.values()), streamed=True)
+    except Exception as exc:  # the engine died mid-stream: tell the client in-band, the status is already sent
+        logger.error("%s failed mid-stream: %s", request_id, exc)
+        yield sse_error(str(exc))
+        yield SSE_DONE
+    finally:
+        await close_all(streams)

@@ -1,0 +1,109 @@
+"""What both generation endpoints do around the engine: check a prompt fits, submit it, map the
+engine's refusals to HTTP errors, collect final outputs and log each request's outcome.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+
+from moeserve.api.errors import APIError
+from moeserve.api.state import ServingState
+from moeserve.engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from moeserve.engine.outputs import RequestOutput
+from moeserve.sampling_params import SamplingParams
+from moeserve.scheduler import QueueFullError
+
+logger = logging.getLogger("moeserve.api")
+
+RETRY_AFTER_S = 1
+"""Seconds a shed client is told to wait: the queue drains within a few steps of capacity."""
+
+
+def check_model(requested: str | None, state: ServingState) -> None:
+    """404 for a model this server does not serve (None picks the only one, as vLLM allows)."""
+    served = state.settings.served_model_name
+    if requested is not None and requested != served:
+        raise APIError(f"the model '{requested}' does not exist; this server serves '{served}'", status_code=404, param="model", code="model_not_found")
+
+
+def check_context(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int, prompt_param: str) -> None:
+    """400 unless the prompt and the tokens asked for fit the context, in OpenAI's words."""
+    if num_prompt_tokens >= max_model_len:
+        raise APIError(
+            f"This model's maximum context length is {max_model_len} tokens. However, your prompt has "
+            f"{num_prompt_tokens} tokens, which leaves no room for a completion. Please reduce the length of the prompt.",
+            param=prompt_param, code="context_length_exceeded",
+        )
+    if max_tokens is not None and num_prompt_tokens + max_tokens > max_model_len:
+        raise APIError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, {max_tokens} for the "
+            f"completion). Please reduce the length of the prompt or the completion.",
+            param="max_tokens", code="context_length_exceeded",
+        )
+
+
+def engine_error(exc: BaseException, prompt_param: str) -> APIError | None:
+    """The HTTP error for an engine refusal; None for anything else (a bug: let it become a 500)."""
+    if isinstance(exc, QueueFullError):
+        return APIError(f"the server is at capacity ({exc}); retry later", status_code=429, headers={"Retry-After": str(RETRY_AFTER_S)})
+    if isinstance(exc, EngineDeadError):
+        return APIError(str(exc), status_code=503)
+    if isinstance(exc, ValueError):
+        return APIError(str(exc), status_code=400, param=prompt_param)
+    return None
+
+
+async def submit_all(engine: AsyncEngine, prompts: Sequence[dict], params: SamplingParams, request_id: str, prompt_param: str) -> list[RequestStream]:
+    """Submit every prompt, or none: if one is refused the ones already queued are aborted."""
+    streams: list[RequestStream] = []
+    try:
+        for index, prompt in enumerate(prompts):
+            sub_id = request_id if len(prompts) == 1 else f"{request_id}-{index}"
+            streams.append(await engine.submit(prompt, params, sub_id))
+    except BaseException as exc:
+        await close_all(streams)
+        error = engine_error(exc, prompt_param)
+        if error is None:
+            raise
+        raise error from None
+    return streams
+
+
+async def close_all(streams: Sequence[RequestStream]) -> None:
+    """Abort every stream that has not finished; finished ones are left alone."""
+    for stream in streams:
+        await stream.aclose()
+
+
+async def final_output(stream: RequestStream) -> RequestOutput | None:
+    """The finished output, or None if the request was aborted (server shutdown)."""
+    last = None
+    async for output in stream:
+        last = output
+    return last if last is not None and last.finished else None
+
+
+async def final_outputs(streams: Sequence[RequestStream]) -> list[RequestOutput]:
+    """Every stream's finished output; a 503 if any was aborted by the server."""
+    outputs = await asyncio.gather(*(final_output(s) for s in streams))
+    if any(out is None for out in outputs):
+        raise APIError("the request was aborted because the server is shutting down", status_code=503)
+    return list(outputs)  # type: ignore[arg-type]
+
+
+def log_finished(request_id: str, outputs: Sequence[RequestOutput], streamed: bool) -> None:
+    """One INFO line per finished request: sizes, why it ended, and its latencies."""
+    prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
+    completion_tokens = sum(len(s.token_ids) for o in outputs for s in o.outputs)
+    reasons = sorted({s.finish_reason or "abort" for o in outputs for s in o.outputs})
+    metrics = [o.metrics for o in outputs if o.metrics is not None]
+    ttfts = [m.ttft_s for m in metrics if m.ttft_s is not None]
+    ttft = f"{1000 * max(ttfts):.1f} ms" if ttfts else "-"
+    e2e = f"{1000 * max(m.e2e_s for m in metrics):.1f} ms" if metrics else "-"
+    logger.info(
+        "%s finished (%s): prompt %d tokens, completion %d tokens, finish %s, ttft %s, e2e %s",
+        request_id, "stream" if streamed else "full", prompt_tokens, completion_tokens, "/".join(reasons), ttft, e2e,
+    )

@@ -1,0 +1,106 @@
+"""Prometheus metrics for /metrics: latency histograms, queue and KV gauges, SLO attainment.
+
+Names follow vLLM's (`vllm:` becomes `moeserve:`) so existing dashboards port with a rename.
+Each server owns its own `CollectorRegistry`: several servers in one process (tests) must not
+share counters, and the global registry's process metrics say nothing about the engine.
+
+SLO attainment is three counters over finished requests, aborted ones included (a client that
+gave up waiting is a miss, not an absence): `moeserve:slo_requests_total`, and of those
+`moeserve:slo_ttft_met_requests_total` and `moeserve:slo_tbt_met_requests_total`. Attainment is
+the ratio, e.g. `rate(moeserve:slo_ttft_met_requests_total[5m]) / rate(moeserve:slo_requests_total[5m])`.
+The targets are histogram bucket edges too, so the histograms answer the same question per token.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE  # noqa: F401 - re-exported for the app
+
+from moeserve.config import SLOConfig
+from moeserve.engine.stats import IterationStats
+
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+_TBT_BUCKETS = (0.001, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+_REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+_STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5, 5.0)
+
+
+def _with_edge(buckets: tuple[float, ...], edge: float) -> tuple[float, ...]:
+    """`buckets` plus the SLO target, so `le="<target>"` counts exactly the observations that met it."""
+    return tuple(sorted(set(buckets) | {edge}))
+
+
+class ServerMetrics:
+    """Every metric the server exports; `record` is a `StatLogger` the engine calls each step."""
+
+    def __init__(self, model_name: str, slo: SLOConfig) -> None:
+        self.registry = CollectorRegistry()
+        self.slo = slo
+        labels = ["model_name"]
+        r = self.registry
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, labels, buckets=buckets, registry=r).labels(model_name)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, labels, registry=r).labels(model_name)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, labels, registry=r).labels(model_name)
+
+        self.ttft = histogram("moeserve:time_to_first_token_seconds", "Arrival to first generated token, per request.", _with_edge(_TTFT_BUCKETS, slo.ttft_s))
+        self.tbt = histogram("moeserve:time_between_tokens_seconds", "Every gap between consecutive tokens of a request's sample.", _with_edge(_TBT_BUCKETS, slo.tbt_s))
+        self.e2e = histogram("moeserve:e2e_request_latency_seconds", "Arrival to finish, per finished request.", _REQUEST_BUCKETS)
+        self.queue_time = histogram("moeserve:request_queue_time_seconds", "Arrival to first scheduled step, per request that ran.", _REQUEST_BUCKETS)
+        self.step_time = histogram("moeserve:engine_step_duration_seconds", "Wall time of one engine step (model forward and sampling).", _STEP_BUCKETS)
+
+        self.running = gauge("moeserve:num_requests_running", "Sequences in the running batch.")
+        self.waiting = gauge("moeserve:num_requests_waiting", "Sequences queued for admission (preempted ones included).")
+        self.kv_used = gauge("moeserve:kv_cache_blocks_used", "Paged KV blocks held by sequences.")
+        self.kv_total = gauge("moeserve:kv_cache_blocks_total", "Paged KV blocks in the cache.")
+
+        self.prompt_tokens = counter("moeserve:prompt_tokens", "Prompt tokens prefilled (counted once, when the first token comes).")
+        self.generation_tokens = counter("moeserve:generation_tokens", "Tokens generated.")
+        self.preemptions = counter("moeserve:num_preemptions", "Sequences preempted (KV dropped, to be recomputed).")
+        self._finished = Counter("moeserve:request_success", "Finished requests, by finish reason.", [*labels, "finished_reason"], registry=r)
+        for reason in ("stop", "length", "abort"):
+            self._finished.labels(model_name, reason)  # export zeros, so rates exist before the first one
+        self.slo_total = counter("moeserve:slo_requests", "Finished requests judged against the SLO (aborted ones included).")
+        self.slo_ttft_met = counter("moeserve:slo_ttft_met_requests", "Finished requests whose first token came within the TTFT target.")
+        self.slo_tbt_met = counter("moeserve:slo_tbt_met_requests", "Finished requests all of whose token gaps were within the TBT target.")
+        targets = Gauge("moeserve:slo_target_seconds", "The SLO targets requests are judged against.", [*labels, "kind"], registry=r)
+        targets.labels(model_name, "ttft").set(slo.ttft_s)
+        targets.labels(model_name, "tbt").set(slo.tbt_s)
+        self._http = Counter("moeserve:http_requests", "HTTP requests answered, by route and status code.", ["route", "status"], registry=r)
+        self._model_name = model_name
+
+    def record(self, stats: IterationStats) -> None:
+        """Fold one engine step (or abort) into the metrics; runs on the engine thread."""
+        if stats.step_duration_s is not None:
+            self.step_time.observe(stats.step_duration_s)
+        for value in stats.ttfts_s:
+            self.ttft.observe(value)
+        for value in stats.tbts_s:
+            self.tbt.observe(value)
+        self.prompt_tokens.inc(stats.num_prompt_tokens)
+        self.generation_tokens.inc(stats.num_generation_tokens)
+        self.preemptions.inc(stats.num_preemptions)
+        for request in stats.finished:
+            self._finished.labels(self._model_name, request.finish_reason).inc()
+            self.e2e.observe(request.e2e_s)
+            if request.queue_time_s is not None:
+                self.queue_time.observe(request.queue_time_s)
+            self.slo_total.inc()
+            self.slo_ttft_met.inc(request.ttft_met)
+            self.slo_tbt_met.inc(request.tbt_met)
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.kv_used.set(stats.kv_blocks_used)
+        self.kv_total.set(stats.kv_blocks_total)
+
+    def count_http(self, route: str, status: int) -> None:
+        self._http.labels(route, str(status)).inc()
+
+    def exposition(self) -> bytes:
+        """The Prometheus text format of every metric."""
+        return generate_latest(self.registry)

@@ -1,0 +1,108 @@
+"""Run the server: listen at once, load the model in the background, drain on SIGTERM.
+
+Lifecycle:
+1. Bind the socket and start uvicorn; /health answers 503 while the model loads in a thread.
+2. Loaded: the `AsyncEngine` starts, /health turns 200 and requests are served. A load failure
+   is logged and the process exits 1, so an orchestrator sees it.
+3. SIGTERM or SIGINT: new requests get 503 and the listener closes; running requests have
+   `shutdown_timeout_s` to finish; what is left is aborted, then the process exits 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import socket
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import uvicorn
+
+from moeserve.api.app import build_app
+from moeserve.api.metrics import ServerMetrics
+from moeserve.api.state import ModelInfo, ServerSettings, ServingState
+from moeserve.config import SLOConfig
+from moeserve.engine.async_engine import AsyncEngine
+from moeserve.engine.engine import LLMEngine
+from moeserve.engine.stats import LoggingStatLogger
+from moeserve.engine.tokenizer import load_tokenizer
+from moeserve.llm import engine_config
+
+logger = logging.getLogger("moeserve.server")
+
+
+class _DrainingServer(uvicorn.Server):
+    """uvicorn's server, which also stops admission the moment a shutdown signal arrives."""
+
+    def __init__(self, config: uvicorn.Config, state: ServingState) -> None:
+        super().__init__(config)
+        self.serving = state
+
+    def handle_exit(self, sig: int, frame: object) -> None:
+        if not self.serving.draining:
+            logger.info(
+                "received %s: admitting no new requests; running ones have %.0f s to finish",
+                signal.Signals(sig).name, self.serving.settings.shutdown_timeout_s,
+            )
+        self.serving.draining = True
+        super().handle_exit(sig, frame)
+
+
+def load_engine(state: ServingState, engine_kwargs: dict, on_failure: Callable[[], None]) -> None:
+    """Build the engine and attach it to `state`; on failure log why and call `on_failure`."""
+    try:
+        config = engine_config(**engine_kwargs)
+        logger.info("loading %s", config.model)
+        engine = LLMEngine(config, stat_loggers=[state.metrics, LoggingStatLogger()])
+        async_engine = AsyncEngine(engine)
+        async_engine.start()
+        model = ModelInfo(max_model_len=engine.max_model_len, tokenizer=load_tokenizer(Path(config.model)), root=config.model)
+        state.set_ready(async_engine, model)
+        cfg = engine.model_config
+        logger.info(
+            "serving %s as '%s': %s, %d layers, %d experts (top-%d), dtype %s, max_model_len %d, %d KV blocks of %d tokens, policy %s",
+            config.model, state.settings.served_model_name, cfg.architecture, cfg.num_layers, cfg.num_experts, cfg.router.top_k,
+            str(engine.dtype).removeprefix("torch."), engine.max_model_len, engine.scheduler.config.num_kv_blocks,
+            engine.scheduler.config.block_size, config.scheduling_policy,
+        )
+    except Exception as exc:  # noqa: BLE001 - any load failure ends the server, with the reason logged
+        if isinstance(exc, ValueError):
+            logger.error("could not load the model: %s", exc)
+        else:
+            logger.exception("could not load the model")
+        on_failure()
+
+
+def serve(settings: ServerSettings, host: str, port: int, engine_kwargs: dict, slo: SLOConfig) -> int:
+    """Serve until a shutdown signal; returns the process exit code (0 after a clean drain)."""
+    state = ServingState(settings, ServerMetrics(settings.served_model_name, slo))
+    config = uvicorn.Config(
+        build_app(state), log_config=None, access_log=False, timeout_graceful_shutdown=settings.shutdown_timeout_s, lifespan="off",
+    )
+    server = _DrainingServer(config, state)
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    bound_port = sock.getsockname()[1]
+    logger.info("listening on http://%s:%d (health answers 503 until the model is loaded)", host, bound_port)
+    if settings.api_key is None and host not in ("127.0.0.1", "localhost", "::1"):
+        logger.warning("listening on %s without --api-key: anyone who can reach it can use it", host)
+
+    failed = threading.Event()
+
+    def stop_after_failure() -> None:
+        failed.set()
+        server.should_exit = True
+
+    threading.Thread(target=load_engine, args=(state, engine_kwargs, stop_after_failure), name="moeserve-loader", daemon=True).start()
+    # uvicorn re-raises the shutdown signal once it has drained; absorb it so the exit code is ours.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    server.run(sockets=[sock])
+    if state.engine is not None:
+        state.engine.shutdown(timeout=10.0)
+    if failed.is_set():
+        return 1
+    logger.info("shut down cleanly")
+    return 0

@@ -1,0 +1,154 @@
+"""Bad input, auth, load shedding and shutdown: clear OpenAI-format errors, nothing leaked, and
+the server keeps serving."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+
+import httpx
+import pytest
+
+from server_utils import MAX_MODEL_LEN, ServerProcess
+
+OK_COMPLETION = {"model": "tiny", "prompt": "Hello", "max_tokens": 4, "temperature": 0.0}
+OK_CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+KEY = "sk-test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+BAD_REQUESTS = [
+    # (id, path, body (dict, or raw bytes), status, param)
+    ("invalid-json", "/v1/completions", b'{"model": "tiny", "prompt": ', 400, None),
+    ("not-an-object", "/v1/completions", b"[1, 2, 3]", 400, None),
+    ("missing-prompt", "/v1/completions", {"model": "tiny", "max_tokens": 4}, 400, "prompt"),
+    ("wrong-type", "/v1/completions", {**OK_COMPLETION, "temperature": "hot"}, 400, "temperature"),
+    ("unknown-model", "/v1/completions", {**OK_COMPLETION, "model": "gpt-9"}, 404, "model"),
+    ("empty-messages", "/v1/chat/completions", {**OK_CHAT, "messages": []}, 400, "messages"),
+    ("bad-role", "/v1/chat/completions", {**OK_CHAT, "messages": [{"role": "wizard", "content": "x"}]}, 400, "messages"),
+    ("prompt-too-long", "/v1/completions", {**OK_COMPLETION, "prompt": list(range(3, 3 + MAX_MODEL_LEN + 8))}, 400, "prompt"),
+    ("prompt-plus-max-tokens-too-long", "/v1/completions", {**OK_COMPLETION, "max_tokens": MAX_MODEL_LEN}, 400, "max_tokens"),
+    ("max-tokens-zero", "/v1/completions", {**OK_COMPLETION, "max_tokens": 0}, 400, "max_tokens"),
+    ("max-completion-tokens-negative", "/v1/chat/completions", {**OK_CHAT, "max_completion_tokens": -1}, 400, "max_completion_tokens"),
+    ("temperature-negative", "/v1/completions", {**OK_COMPLETION, "temperature": -0.5}, 400, "temperature"),
+    ("top-p-zero", "/v1/completions", {**OK_COMPLETION, "top_p": 0.0}, 400, "top_p"),
+    ("top-p-above-one", "/v1/chat/completions", {**OK_CHAT, "top_p": 1.5}, 400, "top_p"),
+    ("n-too-large", "/v1/completions", {**OK_COMPLETION, "n": 1000}, 400, "n"),
+    ("token-out-of-vocab", "/v1/completions", {**OK_COMPLETION, "prompt": [1, 2, 10**6]}, 400, "prompt"),
+    ("empty-prompt-list", "/v1/completions", {**OK_COMPLETION, "prompt": []}, 400, "prompt"),
+]
+
+
+def post(server: ServerProcess, path: str, body, headers: dict | None = None, timeout: float = 60) -> httpx.Response:
+    if isinstance(body, bytes):
+        return httpx.post(f"{server.url}{path}", content=body, headers={"Content-Type": "application/json", **(headers or {})}, timeout=timeout)
+    return httpx.post(f"{server.url}{path}", json=body, headers=headers, timeout=timeout)
+
+
+def assert_openai_error(response: httpx.Response, status: int, param: str | None = None) -> None:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert isinstance(error["message"], str) and error["message"]
+    if param is not None:
+        assert error["param"] == param, error
+
+
+@pytest.mark.parametrize("path, body, status, param", [case[1:] for case in BAD_REQUESTS], ids=[case[0] for case in BAD_REQUESTS])
+def test_bad_input_gets_a_clear_error(server: ServerProcess, path: str, body, status: int, param: str | None) -> None:
+    assert_openai_error(post(server, path, body), status, param)
+
+
+def test_unknown_route_and_method_use_the_error_format(server: ServerProcess) -> None:
+    assert_openai_error(httpx.get(f"{server.url}/v1/nothing-here"), 404)
+    assert_openai_error(httpx.get(f"{server.url}/v1/completions"), 405)
+
+
+def test_server_still_serves_after_bad_input_and_leaks_nothing(server: ServerProcess) -> None:
+    for _, path, body, _, _ in BAD_REQUESTS:
+        post(server, path, body)
+    response = post(server, "/v1/completions", OK_COMPLETION)
+    assert response.status_code == 200 and response.json()["choices"][0]["finish_reason"] in ("stop", "length")
+    metrics = server.metrics()
+    assert metrics["moeserve:kv_cache_blocks_used"] == 0
+    assert metrics["moeserve:num_requests_running"] == 0 and metrics["moeserve:num_requests_waiting"] == 0
+
+
+def test_models_health_version(server: ServerProcess) -> None:
+    models = httpx.get(f"{server.url}/v1/models").json()
+    assert models["object"] == "list"
+    assert [m["id"] for m in models["data"]] == ["tiny"]
+    assert models["data"][0]["max_model_len"] == MAX_MODEL_LEN
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    assert httpx.get(f"{server.url}/version").json()["version"]
+
+
+@pytest.fixture(scope="module")
+def guarded_server(start_server):
+    """API key from the environment, a 4 KiB body limit, one running sequence, one waiting."""
+    server = start_server("--max-request-body", "4096", "--max-num-seqs", "1", "--max-waiting", "1", env={"MOESERVE_API_KEY": KEY})
+    yield server
+    server.stop()
+
+
+def test_api_key_is_required_on_v1_only(guarded_server: ServerProcess) -> None:
+    assert_openai_error(post(guarded_server, "/v1/completions", OK_COMPLETION), 401)
+    assert_openai_error(post(guarded_server, "/v1/completions", OK_COMPLETION, {"Authorization": "Bearer wrong"}), 401)
+    assert_openai_error(httpx.get(f"{guarded_server.url}/v1/models"), 401)
+    assert post(guarded_server, "/v1/completions", OK_COMPLETION, AUTH).status_code == 200
+    assert httpx.get(f"{guarded_server.url}/health").status_code == 200
+    assert httpx.get(f"{guarded_server.url}/metrics").status_code == 200
+
+
+def test_oversized_body_is_refused(guarded_server: ServerProcess) -> None:
+    big = {**OK_COMPLETION, "prompt": "x" * 8192}
+    assert_openai_error(post(guarded_server, "/v1/completions", big, AUTH), 413)
+
+    def chunked():  # no Content-Length: the limit must hold while reading
+        yield b'{"model": "tiny", "prompt": "'
+        for _ in range(10):
+            yield b"y" * 1024
+        yield b'"}'
+
+    response = httpx.post(f"{guarded_server.url}/v1/completions", content=chunked(), headers={**AUTH, "Content-Type": "application/json"})
+    assert_openai_error(response, 413)
+    assert post(guarded_server, "/v1/completions", OK_COMPLETION, AUTH).status_code == 200
+
+
+def test_full_queue_sheds_load_with_retry_after(guarded_server: ServerProcess) -> None:
+    """At most one request runs and one waits; the rest get 429 + Retry-After at once, and the
+    admitted ones finish (how many are admitted depends on when the engine steps)."""
+    body = {**OK_COMPLETION, "max_tokens": 60, "ignore_eos": True}
+
+    async def main() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=guarded_server.url, headers=AUTH, timeout=60) as http:
+            return await asyncio.gather(*(http.post("/v1/completions", json=body) for _ in range(6)))
+
+    responses = asyncio.run(main())
+    statuses = sorted(r.status_code for r in responses)
+    assert set(statuses) == {200, 429}, statuses
+    for response in responses:
+        if response.status_code == 429:
+            assert_openai_error(response, 429)
+            assert int(response.headers["Retry-After"]) >= 1
+    assert post(guarded_server, "/v1/completions", OK_COMPLETION, AUTH).status_code == 200
+
+
+def test_sigterm_drains_running_streams_then_exits_zero(start_server) -> None:
+    server = start_server()
+    body = {**OK_COMPLETION, "max_tokens": 80, "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=server.url, timeout=60) as http, http.stream("POST", "/v1/completions", json=body) as response:
+        lines = response.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        server.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        try:
+            refused = httpx.post(f"{server.url}/v1/completions", json=OK_COMPLETION, timeout=5).status_code
+        except httpx.TransportError:
+            refused = None  # the listener is closed
+        assert refused in (None, 503)
+        rest = [line for line in lines if line.startswith("data: ")]
+    assert first and rest[-1] == "data: [DONE]"
+    assert '"finish_reason":"length"' in "".join(rest).replace(" ", "")
+    assert server.proc.wait(30) == 0
+    assert "shut down cleanly" in server.log()

@@ -1,0 +1,88 @@
+"""The HTTP layer's small parts, without a server: stream deltas, metrics, stream merging, sizes."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from moeserve.api.metrics import ServerMetrics
+from moeserve.api.streaming import SampleCursor
+from moeserve.api.transport import merge
+from moeserve.cli import _parse_bytes
+from moeserve.config import SLOConfig
+from moeserve.engine.outputs import CompletionOutput
+from moeserve.engine.stats import IterationStats, RequestMetrics
+from moeserve.sampling_params import SamplingParams
+
+
+def sample(text: str, tokens: int, finish: str | None = None) -> CompletionOutput:
+    return CompletionOutput(index=0, text=text, token_ids=list(range(tokens)), finish_reason=finish)
+
+
+def test_cursor_sends_each_piece_once() -> None:
+    cursor = SampleCursor(SamplingParams())
+    deltas = [cursor.advance(sample(t, n, f)) for t, n, f in [("He", 1, None), ("He", 2, None), ("Hello", 3, None), ("Hello!", 4, "length")]]
+    assert [d.text if d else None for d in deltas] == ["He", None, "llo", "!"]
+    assert deltas[2].token_ids == [1, 2]  # the token that decoded to nothing rides with the next text
+    assert deltas[3].finish_reason == "length" and deltas[3].text_offset == 5
+    assert cursor.advance(sample("Hello!", 4, "length")) is None
+
+
+def test_cursor_holds_back_a_possible_stop_string() -> None:
+    """'EN' could be the start of the stop string 'END': it is not sent until it is not."""
+    cursor = SampleCursor(SamplingParams(stop=["END"]))
+    assert cursor.advance(sample("abEN", 2)).text == "ab"
+    assert cursor.advance(sample("abENx", 3)).text == "E"  # the last two characters are held back
+    assert cursor.advance(sample("abENxy", 4, "length")).text == "Nxy"
+
+
+def test_metrics_record_and_expose() -> None:
+    metrics = ServerMetrics("m", SLOConfig(ttft_s=0.5, tbt_s=0.02))
+    done = RequestMetrics("length", 7, 3, 0.01, 0.2, 0.3, 0.03, ttft_met=True, tbt_met=False)
+    metrics.record(IterationStats(0.01, 7, 3, 1, [0.2], [0.01, 0.03], [done], num_running=2, num_waiting=1, kv_blocks_used=5, kv_blocks_total=9))
+    samples = {
+        (s.name, s.labels.get("finished_reason"), s.labels.get("le")): s.value
+        for family in text_string_to_metric_families(metrics.exposition().decode())
+        for s in family.samples
+    }
+    assert samples["moeserve:time_to_first_token_seconds_count", None, None] == 1
+    assert samples["moeserve:time_between_tokens_seconds_count", None, None] == 2
+    assert samples["moeserve:time_between_tokens_seconds_bucket", None, "0.02"] == 1  # the target is a bucket edge
+    assert samples["moeserve:request_success_total", "length", None] == 1
+    assert samples["moeserve:request_success_total", "abort", None] == 0
+    assert samples["moeserve:slo_ttft_met_requests_total", None, None] == 1
+    assert samples["moeserve:slo_tbt_met_requests_total", None, None] == 0
+    assert samples["moeserve:kv_cache_blocks_used", None, None] == 5
+    assert samples["moeserve:num_preemptions_total", None, None] == 1
+
+
+def test_merge_interleaves_and_propagates_errors() -> None:
+    async def numbers(start: int, fail: bool = False):
+        for i in range(start, start + 3):
+            await asyncio.sleep(0)
+            yield i
+        if fail:
+            raise RuntimeError("boom")
+
+    async def collect(*streams):
+        return [item async for item in merge(list(streams))]
+
+    items = asyncio.run(collect(numbers(0), numbers(10)))
+    assert sorted(items) == [(0, 0), (0, 1), (0, 2), (1, 10), (1, 11), (1, 12)]
+    assert [v for i, v in items if i == 1] == [10, 11, 12]  # each stream's order is kept
+    with pytest.raises(RuntimeError, match="boom"):
+        asyncio.run(collect(numbers(0), numbers(10, fail=True)))
+
+
+@pytest.mark.parametrize("text, expected", [("4096", 4096), ("512MiB", 512 * 1024**2), ("2GiB", 2 * 1024**3), ("1.5KiB", 1536), ("3MB", 3_000_000)])
+def test_parse_bytes(text: str, expected: int) -> None:
+    assert _parse_bytes(text) == expected
+
+
+def test_parse_bytes_refuses_nonsense() -> None:
+    import argparse
+
+    with pytest.raises(argparse.ArgumentTypeError):
+        _parse_bytes("lots")
