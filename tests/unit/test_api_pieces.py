@@ -86,3 +86,18 @@ def test_parse_bytes_refuses_nonsense() -> None:
 
     with pytest.raises(argparse.ArgumentTypeError):
         _parse_bytes("lots")
+
+
+def test_app_before_the_model_is_loaded() -> None:
+    """The server listens while loading: /health is 503 and requests get a 503 saying why."""
+    from fastapi.testclient import TestClient
+
+    from moeserve.api import ServerSettings, ServingState, build_app
+
+    state = ServingState(ServerSettings(served_model_name="m"), ServerMetrics("m", SLOConfig()))
+    http = TestClient(build_app(state))
+    assert http.get("/health").status_code == 503
+    response = http.post("/v1/completions", json={"model": "m", "prompt": "hi"})
+    assert response.status_code == 503 and "loading" in response.json()["error"]["message"]
+    assert http.get("/metrics").status_code == 200
+    assert http.get("/v1/models").json()["data"][0]["id"] == "m"
