@@ -25,7 +25,7 @@ Policies (`SchedulerConfig.policy`) differ only in the queue's order and the siz
   stream waits a full-budget step for each token.
 - slo: the engine reports each step's wall time (`observe_step`) to a `StepTimeModel`. While any
   running request is decoding, the step's prefill gets only the tokens the model predicts fit in
-  `slo_tbt_s`, but at least one KV block, so prompts always progress; with no decodes nobody's
+  `slo_tbt_s` (less a headroom for the work between steps and the model's error), but at least one KV block, so prompts always progress; with no decodes nobody's
   TBT is at stake and the full budget goes to prefill, which TTFT wants. Until the model has seen
   enough steps, it sizes like fcfs. The queue (`SloQueue`) serves streams preempted mid-output
   first, then requests by TTFT deadline (arrival + `slo_ttft_s`), then those past it.
@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 from moeserve.scheduler.block_manager import BlockManager
 from moeserve.scheduler.config import SchedulerConfig
-from moeserve.scheduler.policy import ChunkSizer, FcfsQueue, SloQueue, WaitingQueue
+from moeserve.scheduler.policy import SLO_STEP_HEADROOM, ChunkSizer, FcfsQueue, SloQueue, WaitingQueue
 from moeserve.scheduler.request import STATUS_BY_FINISH_REASON, Request, RequestStatus
 from moeserve.scheduler.step_time import StepShape, StepTimeModel
 
@@ -142,7 +142,7 @@ class Scheduler:
         self._waiting: WaitingQueue = SloQueue(config.slo_ttft_s, clock) if config.policy == "slo" else FcfsQueue()
         self._running: list[Request] = []  # RUNNING, in admission order
         self._chunk_sizer = (
-            ChunkSizer(StepTimeModel(), config.slo_tbt_s, min_prefill_tokens=config.block_size)
+            ChunkSizer(StepTimeModel(), config.slo_tbt_s * SLO_STEP_HEADROOM, min_prefill_tokens=config.block_size)
             if config.policy == "slo" and config.enable_chunked_prefill
             else None
         )
