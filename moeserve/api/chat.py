@@ -9,7 +9,6 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from moeserve.api.completions import SSE_HEADERS
 from moeserve.api.errors import APIError
 from moeserve.api.generation import (
     check_context,
@@ -34,7 +33,7 @@ from moeserve.api.protocol import (
     usage_info,
 )
 from moeserve.api.state import ModelInfo, ServingState
-from moeserve.api.streaming import SampleCursor, sse_error
+from moeserve.api.streaming import SSE_HEADERS, SampleCursor, sse_error
 from moeserve.api.transport import read_body, until_disconnected
 from moeserve.engine.async_engine import RequestStream
 from moeserve.sampling_params import SamplingParams

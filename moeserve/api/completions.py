@@ -31,13 +31,11 @@ from moeserve.api.protocol import (
     usage_info,
 )
 from moeserve.api.state import ModelInfo, ServingState
-from moeserve.api.streaming import SampleCursor, sse_error
+from moeserve.api.streaming import SSE_HEADERS, SampleCursor, sse_error
 from moeserve.api.transport import merge, read_body, until_disconnected
 from moeserve.engine.async_engine import RequestStream
 from moeserve.engine.outputs import RequestOutput
 from moeserve.sampling_params import SamplingParams
-
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # proxies must not buffer a stream
 
 
 def _prepare_prompts(request: CompletionRequest, model: ModelInfo) -> list[dict]:
@@ -86,6 +84,7 @@ async def _stream_events(
     n = params.n
     cursors = {(i, j): SampleCursor(params) for i in range(len(streams)) for j in range(n)}
     finals: dict[int, RequestOutput] = {}
+    prompt_texts: dict[int, str] = {}  # echo: each prompt's text, decoded once rather than per chunk
     try:
         async with contextlib.aclosing(merge(streams)) as merged:
             async for prompt_index, output in merged:
@@ -95,7 +94,9 @@ async def _stream_events(
                         continue
                     text, prompt_ids, offset = delta.text, None, delta.text_offset
                     if request.echo:  # the prompt goes first, in the choice's first chunk
-                        prompt_text = output.prompt if output.prompt is not None else model.tokenizer.decode(output.prompt_token_ids)
+                        if prompt_index not in prompt_texts:
+                            prompt_texts[prompt_index] = output.prompt if output.prompt is not None else model.tokenizer.decode(output.prompt_token_ids)
+                        prompt_text = prompt_texts[prompt_index]
                         if delta.text_offset == 0:
                             text, prompt_ids = prompt_text + text, output.prompt_token_ids
                         else:

@@ -14,6 +14,8 @@ from moeserve.api.errors import error_body
 from moeserve.engine.outputs import CompletionOutput, Logprob
 from moeserve.sampling_params import SamplingParams
 
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # proxies must not buffer a stream
+
 
 @dataclass(frozen=True)
 class Delta:

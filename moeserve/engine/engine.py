@@ -65,8 +65,14 @@ class _Parent:
     prompt_token_ids: list[int]
     arrival_time: float
     sequences: dict[str, _Sequence] = field(default_factory=dict)
-    first_scheduled_time: float | None = None
+    requests: list[Request] = field(default_factory=list)
+    """The scheduler's requests of the samples; the scheduler stamps their first admission."""
     first_token_time: float | None = None
+
+    @property
+    def first_scheduled_time(self) -> float | None:
+        times = [r.first_scheduled_time for r in self.requests if r.first_scheduled_time is not None]
+        return min(times) if times else None
 
     @property
     def finished(self) -> bool:
@@ -85,7 +91,7 @@ class _Parent:
             finish_reason=finish_reason,
             num_prompt_tokens=len(self.prompt_token_ids),
             num_generation_tokens=sum(len(s.detokenizer.token_ids) for s in self.sequences.values()),
-            queue_time_s=None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time,
+            queue_time_s=None if (scheduled := self.first_scheduled_time) is None else scheduled - self.arrival_time,
             ttft_s=ttft,
             e2e_s=now - self.arrival_time,
             max_tbt_s=max_tbt,
@@ -207,6 +213,7 @@ class LLMEngine:
                 logprobs=[] if params.logprobs is not None else None,
                 cumulative_logprob=0.0 if params.logprobs is not None else None,
             )
+        parent.requests = children
         self._parents[request_id] = parent
         for child in children:
             self._parent_of[child.request_id] = request_id
@@ -239,10 +246,6 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         requests = {s.request_id: self.scheduler.get_request(s.request_id) for s in plan.scheduled}
         started = time.monotonic()
-        for child_id, request in requests.items():
-            parent = self._parents[self._parent_of[child_id]]
-            if parent.first_scheduled_time is None:
-                parent.first_scheduled_time = request.first_scheduled_time or started
         sampled = self.runner.execute(plan, requests)
         now = time.monotonic()
         if not plan.is_empty:
