@@ -95,6 +95,8 @@ def _add_launch(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-request-body", type=_parse_bytes, default=16 * 1024**2, help="largest request body in bytes (413 beyond; default 16MiB)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds running requests get to finish after SIGTERM")
     p.add_argument("--seed", type=int, default=0)
+    # Test-only: a server of known capacity for load-test harness checks.
+    p.add_argument("--debug-min-step-time-ms", type=float, default=0.0, help=argparse.SUPPRESS)
     p.set_defaults(func=_run_launch)
 
 
@@ -125,6 +127,7 @@ def _run_launch(args: argparse.Namespace) -> int:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
         kv_cache_blocks=args.kv_cache_blocks, kv_cache_memory=args.kv_cache_memory, seed=args.seed,
         scheduling_policy=args.scheduling_policy, slo_ttft_ms=args.slo_ttft_ms, slo_tbt_ms=args.slo_tbt_ms, max_waiting=args.max_waiting,
+        min_step_time_ms=args.debug_min_step_time_ms,
     )
     return serve(settings, args.host, args.port, engine_kwargs, slo)
 

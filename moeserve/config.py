@@ -217,6 +217,9 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"  # "fcfs", or "slo": TBT-sized prefill chunks, TTFT-deadline order
     slo: SLOConfig = field(default_factory=SLOConfig)
     max_waiting: int | None = None  # most queued requests; beyond it add_request raises QueueFullError
+    min_step_time_s: float = 0.0
+    """Test-only: pad every non-empty step to at least this long, so load tests can build a
+    server with a known capacity (the SLO harness checks its knee search against it)."""
 
     def __post_init__(self) -> None:
         if self.scheduling_policy not in SCHEDULING_POLICIES:

@@ -39,6 +39,7 @@ def engine_config(
     slo_ttft_ms: float = 5000.0,
     slo_tbt_ms: float = 25.0,
     max_waiting: int | None = None,
+    min_step_time_ms: float = 0.0,
 ) -> EngineConfig:
     """The engine's config from the user-facing knobs `LLM` and `moeserve launch` share.
 
@@ -65,6 +66,7 @@ def engine_config(
         scheduling_policy=scheduling_policy,
         slo=SLOConfig(ttft_s=slo_ttft_ms / 1000.0, tbt_s=slo_tbt_ms / 1000.0),
         max_waiting=max_waiting,
+        min_step_time_s=min_step_time_ms / 1000.0,
     )
 
 

@@ -247,6 +247,8 @@ class LLMEngine:
         requests = {s.request_id: self.scheduler.get_request(s.request_id) for s in plan.scheduled}
         started = time.monotonic()
         sampled = self.runner.execute(plan, requests)
+        if not plan.is_empty and self.config.min_step_time_s > 0:
+            time.sleep(max(0.0, started + self.config.min_step_time_s - time.monotonic()))
         now = time.monotonic()
         if not plan.is_empty:
             self.scheduler.observe_step(plan, now - started)

@@ -188,3 +188,15 @@ def test_a_refused_sample_takes_back_its_siblings(qwen3_folder, monkeypatch):
         llm.engine.add_request({"prompt_token_ids": [5, 6]}, SamplingParams(n=2, max_tokens=2))
     assert not scheduler.has_unfinished_requests()
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_min_step_time_pads_every_step(qwen3_folder):
+    """The test-only capacity knob: n decode steps take at least n * floor."""
+    import time
+
+    llm = LLM(str(qwen3_folder), min_step_time_ms=40.0)
+    started = time.monotonic()
+    out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    elapsed = time.monotonic() - started
+    assert len(out[0].outputs[0].token_ids) == 5
+    assert elapsed >= 5 * 0.040
