@@ -1,11 +1,13 @@
 """MoE all-to-all: the Dispatcher interface, its backends and the expert placement."""
 
+from moeserve.dispatch.all_to_all import AllToAllDispatcher
 from moeserve.dispatch.base import DispatchHandle, Dispatcher, DispatchOutput
 from moeserve.dispatch.local import LocalDispatcher
 from moeserve.dispatch.placement import ExpertPlacement
 from moeserve.dispatch.registry import DISPATCHERS, create_dispatcher
 
 __all__ = [
+    "AllToAllDispatcher",
     "DISPATCHERS",
     "DispatchHandle",
     "DispatchOutput",

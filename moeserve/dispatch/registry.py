@@ -2,20 +2,29 @@
 
 from __future__ import annotations
 
-import torch
+import inspect
 
+import torch
+import torch.distributed as dist
+
+from moeserve.dispatch.all_to_all import AllToAllDispatcher
 from moeserve.dispatch.base import Dispatcher
 from moeserve.dispatch.local import LocalDispatcher
 from moeserve.dispatch.placement import ExpertPlacement
 
-DISPATCHERS: dict[str, type[Dispatcher]] = {LocalDispatcher.name: LocalDispatcher}
+DISPATCHERS: dict[str, type[Dispatcher]] = {backend.name: backend for backend in (LocalDispatcher, AllToAllDispatcher)}
 
 
-def create_dispatcher(name: str, placement: ExpertPlacement, device: torch.device | str = "cpu") -> Dispatcher:
+def create_dispatcher(
+    name: str, placement: ExpertPlacement, device: torch.device | str = "cpu", group: dist.ProcessGroup | None = None
+) -> Dispatcher:
+    """group: the EP process group, for backends that communicate (None: their default); others ignore it."""
     if name not in DISPATCHERS:
         raise ValueError(f"unknown dispatcher {name!r}; available: {sorted(DISPATCHERS)}")
     backend = DISPATCHERS[name]
     reason = backend.supports(placement, torch.device(device))
     if reason is not None:
         raise ValueError(f"dispatcher {name!r} cannot run here: {reason}")
+    if "group" in inspect.signature(backend).parameters:
+        return backend(placement, group=group)
     return backend(placement)

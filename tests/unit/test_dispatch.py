@@ -1,11 +1,15 @@
-"""Dispatcher backends against a plain per-token MoE reference (the `local` backend for now;
-EP backends join the same parametrisation)."""
+"""Dispatcher backends against a plain per-token MoE reference, in one process (ep = 1).
+
+Communicating backends run over a one-rank gloo group here; their multi-rank behaviour is in
+tests/distributed/test_torch_dispatcher.py."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
+
+import torch.distributed as dist
 
 from moeserve.dispatch import DISPATCHERS, ExpertPlacement, create_dispatcher
 from moeserve.models.layers.experts import Experts
@@ -22,6 +26,15 @@ def reference_moe(x, topk_ids, topk_weights, w13, w2):
             gate, up = F.linear(x[t], w13[e]).chunk(2)
             out[t] += topk_weights[t, k] * F.linear(F.silu(gate) * up, w2[e])
     return out
+
+
+@pytest.fixture(scope="module")
+def one_rank_group():
+    """A gloo world of one, so a communicating backend can run its collectives to itself."""
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
 
 
 def routing(kind: str, num_tokens: int, num_experts: int, top_k: int, g: torch.Generator):
@@ -43,7 +56,7 @@ def routing(kind: str, num_tokens: int, num_experts: int, top_k: int, g: torch.G
 @pytest.mark.parametrize("backend", sorted(DISPATCHERS))
 @pytest.mark.parametrize("kind", ["uniform", "skewed", "one_expert"])
 @pytest.mark.parametrize("num_tokens,num_experts,top_k", [(0, 8, 2), (1, 8, 1), (13, 8, 2), (40, 16, 8), (7, 6, 4)])
-def test_backend_matches_reference(backend, kind, num_tokens, num_experts, top_k):
+def test_backend_matches_reference(one_rank_group, backend, kind, num_tokens, num_experts, top_k):
     g = torch.Generator().manual_seed(num_tokens * 31 + num_experts + top_k)
     x = torch.randn(num_tokens, H, generator=g)
     ids, weights = routing(kind, num_tokens, num_experts, top_k, g)

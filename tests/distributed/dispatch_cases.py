@@ -1,0 +1,127 @@
+"""Dispatcher cases for `test_torch_dispatcher`: the data every rank builds, and the per-rank body.
+
+Everything a case needs is derived from its seed, so each rank builds its own tokens and routing
+(`rank_inputs`) and the parent rebuilds all ranks' inputs for the `local` reference without any
+tensor crossing a process boundary on the way in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from moeserve.dispatch import AllToAllDispatcher, ExpertPlacement, create_dispatcher
+from moeserve.models.layers.experts import Experts
+
+H, I = 16, 24
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    num_experts: int
+    top_k: int
+    kind: str  # routing: "uniform", "skewed", "one_expert"
+    placement: str  # "contiguous" or "round_robin" (expert e on rank e % ep)
+    tokens_per_rank: tuple[int, ...]
+    dtype: torch.dtype
+    seed: int
+
+
+def placement_for(case: Case, world_size: int, rank: int) -> ExpertPlacement:
+    if case.placement == "contiguous":
+        return ExpertPlacement.contiguous(case.num_experts, world_size, rank)
+    return ExpertPlacement(tuple(e % world_size for e in range(case.num_experts)), world_size, rank)
+
+
+def routing(kind: str, num_tokens: int, num_experts: int, top_k: int, g: torch.Generator) -> torch.Tensor:
+    """topk_ids `[T, K]`, distinct experts per token."""
+    if kind == "uniform":
+        scores = torch.rand(num_tokens, num_experts, generator=g)
+    elif kind == "skewed":  # most picks on the first two experts
+        scores = torch.rand(num_tokens, num_experts, generator=g)
+        scores[:, :2] += torch.tensor([3.0, 2.0])
+    elif kind == "one_expert":  # every token's first choice is the last expert
+        scores = torch.rand(num_tokens, num_experts, generator=g)
+        scores[:, -1] = 2.0
+    else:
+        raise ValueError(kind)
+    return scores.topk(top_k, dim=-1).indices
+
+
+def rank_inputs(case: Case, rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """This rank's hidden `[T, H]`, topk_ids `[T, K]` and topk_weights `[T, K]`."""
+    g = torch.Generator().manual_seed(case.seed * 1000 + rank)
+    num_tokens = case.tokens_per_rank[rank]
+    hidden = torch.randn(num_tokens, H, generator=g).to(case.dtype)
+    ids = routing(case.kind, num_tokens, case.num_experts, case.top_k, g)
+    weights = torch.rand(num_tokens, case.top_k, generator=g)
+    return hidden, ids, weights
+
+
+def expert_weights(case: Case) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every expert's w13 `[E, 2I, H]`, w2 `[E, H, I]`, and the toy experts' scale and shift `[E]`."""
+    g = torch.Generator().manual_seed(case.seed)
+    w13 = torch.randn(case.num_experts, 2 * I, H, generator=g) * 0.3
+    w2 = torch.randn(case.num_experts, H, I, generator=g) * 0.3
+    scale = torch.rand(case.num_experts, generator=g) + 0.5
+    shift = torch.randn(case.num_experts, generator=g)
+    return w13.to(case.dtype), w2.to(case.dtype), scale.to(case.dtype), shift.to(case.dtype)
+
+
+def make_experts(case: Case, experts: tuple[int, ...]) -> Experts:
+    """The gated-MLP experts with the given global ids, in that order."""
+    w13, w2, _, _ = expert_weights(case)
+    module = Experts(len(experts), H, I, case.dtype)
+    index = torch.tensor(experts, dtype=torch.int64)
+    module.w13.copy_(w13[index])
+    module.w2.copy_(w2[index])
+    return module
+
+
+def toy_experts(case: Case, hidden: torch.Tensor, num_tokens_per_expert: tuple[int, ...], experts: tuple[int, ...]) -> torch.Tensor:
+    """Row-wise experts built from correctly rounded elementwise ops only: a row's output does not
+    depend on which other rows share its batch, so `torch` and `local` must agree bit for bit."""
+    _, _, scale, shift = expert_weights(case)
+    row_expert = torch.repeat_interleave(torch.tensor(experts, dtype=torch.int64), torch.tensor(num_tokens_per_expert, dtype=torch.int64))
+    return hidden * hidden * scale[row_expert, None] + shift[row_expert, None]
+
+
+def run_cases(rank: int, world_size: int, cases: list[Case]) -> dict:
+    """Per-rank body: every case through the `torch` backend, plus the refused-group checks.
+
+    One intra-op thread, like the parent's reference: CPU GEMMs round differently with another
+    thread count, and the rows each expert sees are the same, so the outputs can match exactly.
+    """
+    torch.set_num_threads(1)
+    results = []
+    for case in cases:
+        placement = placement_for(case, world_size, rank)
+        dispatcher = create_dispatcher("torch", placement)
+        hidden, ids, weights = rank_inputs(case, rank)
+        received = dispatcher.dispatch(hidden, ids, weights)
+        counts = received.num_tokens_per_expert
+        out = dispatcher.combine(make_experts(case, placement.local_experts)(received.hidden, counts), received.handle)
+        toy_out = dispatcher.combine(toy_experts(case, received.hidden, counts, placement.local_experts), received.handle)
+        results.append({"received": received.hidden, "counts": counts, "out": out, "toy_out": toy_out})
+    return {"cases": results, "refusals": refusals(rank, world_size)}
+
+
+def refusals(rank: int, world_size: int) -> list[str]:
+    """The ValueError messages of dispatchers built for a group of the wrong size, for the wrong
+    rank, and (through the registry) for a one-rank subgroup that the placement does not fit."""
+    own_group, _ = dist.new_subgroups(group_size=1)  # collective: every rank makes its own
+    create_dispatcher("torch", ExpertPlacement.contiguous(8), group=own_group)  # fits: accepted
+    messages = []
+    for build in (
+        lambda: AllToAllDispatcher(ExpertPlacement.contiguous(2 * world_size + 2, world_size + 1, rank)),
+        lambda: AllToAllDispatcher(ExpertPlacement.contiguous(2 * world_size, world_size, (rank + 1) % world_size)),
+        lambda: create_dispatcher("torch", ExpertPlacement.contiguous(2 * world_size, world_size, rank), group=own_group),
+    ):
+        try:
+            build()
+        except ValueError as e:
+            messages.append(str(e))
+    return messages
