@@ -35,7 +35,38 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--json", action="store_true", help='print {"text": ..., "token_ids": [...]}')
+    _add_parallel(p)
     p.set_defaults(func=_run_generate)
+
+
+def _env_int(*names: str) -> int | None:
+    for name in names:
+        if os.environ.get(name, "").strip():
+            return int(os.environ[name])
+    return None
+
+
+def _add_parallel(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("parallelism (one process per rank; torchrun's and Slurm's variables are defaults)")
+    g.add_argument("--ep", type=int, default=1, help="expert-parallel ranks: each holds 1/ep of the experts (default 1: one process)")
+    g.add_argument("--tp", type=int, default=1, help="tensor-parallel size of attention inside each of the ep/tp data-parallel groups")
+    g.add_argument("--nnodes", type=int, default=_env_int("NNODES", "SLURM_NNODES") or 1, help="machines the ranks span (default $NNODES or $SLURM_NNODES, else 1)")
+    g.add_argument("--node-rank", type=int, default=_env_int("NODE_RANK", "GROUP_RANK", "SLURM_NODEID") or 0,
+                   help="this machine's index; 0 serves the API, others only run ranks (default $NODE_RANK, $GROUP_RANK or $SLURM_NODEID)")
+    g.add_argument("--master-addr", default=os.environ.get("MASTER_ADDR", "127.0.0.1"), help="address of node 0 as the other nodes reach it (default $MASTER_ADDR)")
+    g.add_argument("--master-port", type=int, default=_env_int("MASTER_PORT"),
+                   help="node 0's rendezvous port (default $MASTER_PORT; a free one on a single node, 29500 across nodes)")
+    g.add_argument("--distributed-backend", choices=("auto", "gloo", "nccl"), default="auto", help="collectives between ranks (auto: nccl on CUDA, gloo on CPU)")
+    g.add_argument("--collective-timeout", type=float, default=120.0, help="seconds a rank waits in one collective before giving up")
+    g.add_argument("--heartbeat-timeout", type=float, default=5.0, help="seconds of silence after which a rank is declared lost and the server stops")
+
+
+def _parallel_kwargs(args: argparse.Namespace) -> dict:
+    port = args.master_port if args.master_port is not None else (29500 if args.nnodes > 1 else 0)
+    return dict(
+        ep=args.ep, tp=args.tp, nnodes=args.nnodes, master_addr=args.master_addr, master_port=port,
+        distributed_backend=args.distributed_backend, collective_timeout_s=args.collective_timeout, heartbeat_timeout_s=args.heartbeat_timeout,
+    )
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -46,13 +77,26 @@ def _parse_ids(text: str) -> list[int]:
 
 
 def _run_generate(args: argparse.Namespace) -> int:
-    from moeserve import LLM, SamplingParams
+    from moeserve import LLM
+
+    if args.node_rank > 0:
+        raise ValueError("generate runs on node 0; start the other nodes with `moeserve launch --node-rank N`")
+    with LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len, **_parallel_kwargs(args)) as llm:
+        completion = _generate_one(llm, args)
+    if args.json:
+        print(json.dumps({"text": completion.text, "token_ids": completion.token_ids, "finish_reason": completion.finish_reason}))
+    else:
+        print(completion.text)
+    return 0
+
+
+def _generate_one(llm, args: argparse.Namespace):
+    from moeserve import SamplingParams
 
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos,
     )
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len)
     if args.prompt_ids is not None:
         prompt: object = {"prompt_token_ids": _parse_ids(args.prompt_ids)}
     elif args.chat:
@@ -61,12 +105,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         prompt = {"prompt_token_ids": list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))}
     else:
         prompt = args.prompt
-    completion = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
-    if args.json:
-        print(json.dumps({"text": completion.text, "token_ids": completion.token_ids, "finish_reason": completion.finish_reason}))
-    else:
-        print(completion.text)
-    return 0
+    return llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
 
 
 def _add_launch(sub: argparse._SubParsersAction) -> None:
@@ -77,8 +116,7 @@ def _add_launch(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--served-model-name", help="model id clients send and /v1/models lists (default: the --model path, or 'moeserve-demo')")
     p.add_argument("--dtype", default="auto", help="auto (the checkpoint's), float32, bfloat16 or float16")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--ep", type=int, default=1, help="expert-parallel size (ranks holding the experts)")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size of attention inside each EP group")
+    _add_parallel(p)
     p.add_argument("--max-model-len", type=int, default=None, help="longest prompt + completion (default: the checkpoint's)")
     p.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in the running batch")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192, help="per-step token budget shared by prefill chunks and decodes")
@@ -115,6 +153,9 @@ def _run_launch(args: argparse.Namespace) -> int:
     from moeserve.api.server import ServerSettings, serve
     from moeserve.config import SLOConfig
 
+    if args.node_rank > 0:
+        return _run_node(args)
+
     slo = SLOConfig(ttft_s=args.slo_ttft_ms / 1000.0, tbt_s=args.slo_tbt_ms / 1000.0)
     settings = ServerSettings(
         served_model_name=args.served_model_name or args.model or "moeserve-demo",
@@ -123,13 +164,26 @@ def _run_launch(args: argparse.Namespace) -> int:
         shutdown_timeout_s=args.shutdown_timeout,
     )
     engine_kwargs = dict(
-        model=args.model, dtype=args.dtype, device=args.device, ep=args.ep, tp=args.tp, max_model_len=args.max_model_len,
+        model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len, **_parallel_kwargs(args),
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
         kv_cache_blocks=args.kv_cache_blocks, kv_cache_memory=args.kv_cache_memory, seed=args.seed,
         scheduling_policy=args.scheduling_policy, slo_ttft_ms=args.slo_ttft_ms, slo_tbt_ms=args.slo_tbt_ms, max_waiting=args.max_waiting,
         min_step_time_ms=args.debug_min_step_time_ms,
     )
     return serve(settings, args.host, args.port, engine_kwargs, slo)
+
+
+def _run_node(args: argparse.Namespace) -> int:
+    """A machine other than node 0: its ranks only; node 0 tells them what to load."""
+    from moeserve.config import ParallelConfig
+    from moeserve.distributed import run_node
+
+    kw = _parallel_kwargs(args)
+    parallel = ParallelConfig(
+        ep=kw["ep"], tp=kw["tp"], nnodes=kw["nnodes"], node_rank=args.node_rank, master_addr=kw["master_addr"], master_port=kw["master_port"],
+        backend=kw["distributed_backend"], collective_timeout_s=kw["collective_timeout_s"], heartbeat_timeout_s=kw["heartbeat_timeout_s"],
+    )
+    return run_node(parallel)
 
 
 def _spec_fields():

@@ -153,19 +153,55 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Process layout. Expert parallelism over `ep` ranks, attention TP of `tp` inside each DP group."""
+    """Process layout: `ep` ranks hold the experts (E/ep each); attention runs data-parallel
+    over `ep / tp` groups of `tp` tensor-parallel ranks. ep = tp = 1 runs in one process."""
 
     ep: int = 1
     tp: int = 1
-    rank: int = 0
+    nnodes: int = 1
+    """Machines the ranks span; each runs `ep / nnodes` of them."""
+    node_rank: int = 0
+    """This machine's index; node 0 runs the scheduler and the API."""
+    master_addr: str = "127.0.0.1"
+    """Where node 0 listens for the others to rendezvous (its TCP store)."""
+    master_port: int = 0
+    """Port of that store; 0 picks a free one, which only a single node can use."""
+    backend: str = "auto"
+    """Collectives between ranks: gloo, nccl, or auto (nccl on CUDA devices, gloo on CPU)."""
+    collective_timeout_s: float = 120.0
+    """Longest any collective may wait before the rank gives up (a stalled peer)."""
+    heartbeat_timeout_s: float = 5.0
+    """A rank silent for this long is declared lost and the engine stops."""
+    startup_timeout_s: float = 600.0
+    """How long node 0 waits for every rank to join and load its weights."""
 
     def __post_init__(self) -> None:
         if self.ep < 1 or self.tp < 1:
             raise ValueError(f"ep and tp must be >= 1 (got ep={self.ep}, tp={self.tp})")
         if self.ep % self.tp:
             raise ValueError(f"ep={self.ep} must be a multiple of tp={self.tp}")
-        if not 0 <= self.rank < self.ep:
-            raise ValueError(f"rank {self.rank} outside [0, {self.ep})")
+        if self.nnodes < 1 or self.ep % self.nnodes:
+            raise ValueError(f"ep={self.ep} ranks cannot be spread evenly over nnodes={self.nnodes}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank {self.node_rank} outside [0, {self.nnodes})")
+        if self.nnodes > 1 and self.master_port == 0:
+            raise ValueError("a multi-node launch needs a fixed --master-port that every node uses")
+        if self.backend not in ("auto", "gloo", "nccl"):
+            raise ValueError(f"backend {self.backend!r} is not one of auto, gloo, nccl")
+        if min(self.collective_timeout_s, self.heartbeat_timeout_s, self.startup_timeout_s) <= 0:
+            raise ValueError("timeouts must be > 0")
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.ep > 1 or self.tp > 1
+
+    @property
+    def num_dp_groups(self) -> int:
+        return self.ep // self.tp
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.ep // self.nnodes
 
 
 @dataclass(frozen=True)

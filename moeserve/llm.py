@@ -40,15 +40,20 @@ def engine_config(
     slo_tbt_ms: float = 25.0,
     max_waiting: int | None = None,
     min_step_time_ms: float = 0.0,
+    nnodes: int = 1,
+    master_addr: str = "127.0.0.1",
+    master_port: int = 0,
+    distributed_backend: str = "auto",
+    collective_timeout_s: float = 120.0,
+    heartbeat_timeout_s: float = 5.0,
 ) -> EngineConfig:
     """The engine's config from the user-facing knobs `LLM` and `moeserve launch` share.
 
     model: a Hugging Face checkpoint folder; None serves the built-in demo model.
     dtype: "auto" (the checkpoint's dtype), "float32", "bfloat16" or "float16".
-    ep, tp: expert / tensor parallel sizes (multi-process EP is a separate launcher; 1 here).
+    ep, tp: expert-parallel ranks (one process each) and the tensor-parallel size of attention
+        inside each of the ep / tp data-parallel groups; see `ParallelConfig` for the rest.
     """
-    if ep != 1 or tp != 1:
-        raise ValueError(f"ep={ep}, tp={tp}: multi-process expert/tensor parallelism is not available in this build; use ep=1, tp=1")
     if model is None:
         from moeserve.checkpoints import demo_model_path
 
@@ -61,7 +66,10 @@ def engine_config(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max(max_num_batched_tokens, max_num_seqs),
         cache=CacheConfig(block_size=block_size, num_blocks=kv_cache_blocks, memory_bytes=kv_cache_memory),
-        parallel=ParallelConfig(ep=ep, tp=tp),
+        parallel=ParallelConfig(
+            ep=ep, tp=tp, nnodes=nnodes, master_addr=master_addr, master_port=master_port, backend=distributed_backend,
+            collective_timeout_s=collective_timeout_s, heartbeat_timeout_s=heartbeat_timeout_s,
+        ),
         seed=seed,
         scheduling_policy=scheduling_policy,
         slo=SLOConfig(ttft_s=slo_ttft_ms / 1000.0, tbt_s=slo_tbt_ms / 1000.0),
@@ -73,11 +81,22 @@ def engine_config(
 class LLM:
     """Load a checkpoint and generate for batches of prompts with continuous batching.
 
-    Takes `engine_config`'s arguments (model=None serves the built-in demo model).
+    Takes `engine_config`'s arguments (model=None serves the built-in demo model). With ep or
+    tp above 1 it starts one process per rank; `shutdown()` (or leaving a `with` block, or the
+    interpreter's exit) stops them.
     """
 
     def __init__(self, model: str | None = None, stat_loggers: Sequence[StatLogger] = (), **kwargs) -> None:
         self.engine = LLMEngine(engine_config(model, **kwargs), stat_loggers)
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
 
     def get_tokenizer(self):
         return self.engine.tokenizer

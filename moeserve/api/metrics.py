@@ -9,6 +9,12 @@ gave up waiting is a miss, not an absence): `moeserve:slo_requests_total`, and o
 `moeserve:slo_ttft_met_requests_total` and `moeserve:slo_tbt_met_requests_total`. Attainment is
 the ratio, e.g. `rate(moeserve:slo_ttft_met_requests_total[5m]) / rate(moeserve:slo_requests_total[5m])`.
 The targets are histogram bucket edges too, so the histograms answer the same question per token.
+
+Expert parallelism: `moeserve:expert_routed_tokens_total{expert}` (rows routed to each global
+expert, all MoE layers together), `moeserve:ep_rank_routed_tokens_total{rank}` (rows each rank's
+experts received) and `moeserve:expert_load_imbalance{layer}` (max / mean of the ranks' loads
+in each MoE layer over the last report, about a second; 1.0 is perfect balance). Per expert and
+layer would be layers x experts series (15k for DeepSeek-V3), too many for most Prometheus setups.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE  # noqa: F401 - re-exported for the app
 
 from moeserve.config import SLOConfig
-from moeserve.engine.stats import IterationStats
+from moeserve.engine.stats import IterationStats, RoutedTokens
 
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
 _TBT_BUCKETS = (0.001, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
@@ -71,6 +77,9 @@ class ServerMetrics:
         targets = Gauge("moeserve:slo_target_seconds", "The SLO targets requests are judged against.", [*labels, "kind"], registry=r)
         targets.labels(model_name, "ttft").set(slo.ttft_s)
         targets.labels(model_name, "tbt").set(slo.tbt_s)
+        self._expert_rows = Counter("moeserve:expert_routed_tokens", "Token rows routed to each expert, all MoE layers together.", [*labels, "expert"], registry=r)
+        self._rank_rows = Counter("moeserve:ep_rank_routed_tokens", "Token rows the experts of each expert-parallel rank received.", [*labels, "rank"], registry=r)
+        self._imbalance = Gauge("moeserve:expert_load_imbalance", "Max over mean of the ranks' routed rows in each MoE layer, over the last report.", [*labels, "layer"], registry=r)
         self._http = Counter("moeserve:http_requests", "HTTP requests answered, by route and status code.", ["route", "status"], registry=r)
         self._model_name = model_name
 
@@ -97,6 +106,19 @@ class ServerMetrics:
         self.waiting.set(stats.num_waiting)
         self.kv_used.set(stats.kv_blocks_used)
         self.kv_total.set(stats.kv_blocks_total)
+        if stats.routed_tokens is not None:
+            self._record_routing(stats.routed_tokens)
+
+    def _record_routing(self, routed: RoutedTokens) -> None:
+        name = self._model_name
+        for expert, rows in enumerate(map(sum, zip(*routed.counts))):
+            self._expert_rows.labels(name, str(expert)).inc(rows)
+        for i, layer in enumerate(routed.layers):
+            for rank, rows in enumerate(routed.per_rank(i)):
+                self._rank_rows.labels(name, str(rank)).inc(rows)
+            imbalance = routed.imbalance(i)
+            if imbalance is not None:
+                self._imbalance.labels(name, str(layer)).set(imbalance)
 
     def count_http(self, route: str, status: int) -> None:
         self._http.labels(route, str(status)).inc()

@@ -50,12 +50,18 @@ class _DrainingServer(uvicorn.Server):
 
 
 def load_engine(state: ServingState, engine_kwargs: dict, on_failure: Callable[[], None]) -> None:
-    """Build the engine and attach it to `state`; on failure log why and call `on_failure`."""
+    """Build the engine and attach it to `state`; on failure, now or later (a lost rank), log
+    why and call `on_failure`."""
     try:
         config = engine_config(**engine_kwargs)
         logger.info("loading %s", config.model)
         engine = LLMEngine(config, stat_loggers=[state.metrics, LoggingStatLogger()])
-        async_engine = AsyncEngine(engine)
+
+        def engine_died(error: BaseException) -> None:
+            logger.error("the engine stopped (%s); shutting the server down", error)
+            on_failure()
+
+        async_engine = AsyncEngine(engine, on_death=engine_died)
         async_engine.start()
         model = ModelInfo(max_model_len=engine.max_model_len, tokenizer=load_tokenizer(Path(config.model)), root=config.model)
         state.set_ready(async_engine, model)
@@ -63,7 +69,7 @@ def load_engine(state: ServingState, engine_kwargs: dict, on_failure: Callable[[
         logger.info(
             "serving %s as '%s': %s, %d layers, %d experts (top-%d), dtype %s, max_model_len %d, %d KV blocks of %d tokens, policy %s",
             config.model, state.settings.served_model_name, cfg.architecture, cfg.num_layers, cfg.num_experts, cfg.router.top_k,
-            str(engine.dtype).removeprefix("torch."), engine.max_model_len, engine.scheduler.config.num_kv_blocks,
+            str(engine.dtype).removeprefix("torch."), engine.max_model_len, engine.scheduler.num_kv_blocks,
             engine.scheduler.config.block_size, config.scheduling_policy,
         )
     except Exception as exc:  # noqa: BLE001 - any load failure ends the server, with the reason logged

@@ -90,7 +90,12 @@ class _Stop:
     pass
 
 
-_Command = _Add | _Abort | _Stop
+@dataclass
+class _Lost:
+    reason: str  # the executor lost a rank: nothing more can be stepped
+
+
+_Command = _Add | _Abort | _Stop | _Lost
 
 
 class RequestStream:
@@ -132,14 +137,18 @@ class RequestStream:
 class AsyncEngine:
     """Serve an `LLMEngine` to asyncio callers; see the module docstring for the threading contract."""
 
-    def __init__(self, engine: LLMEngine, on_step: StepListener | None = None) -> None:
+    def __init__(self, engine: LLMEngine, on_step: StepListener | None = None, on_death: Callable[[BaseException], None] | None = None) -> None:
+        """on_death(error): called on the engine thread if it dies (not after `shutdown()`),
+        once every open stream has been failed: a server exits then."""
         self.engine = engine
         self._on_step = on_step
+        self._on_death = on_death
         self._commands: queue.Queue[_Command] = queue.Queue()
         self._streams: dict[str, _Stream] = {}  # engine thread only
         self._lock = threading.Lock()  # orders "closed" against submissions, so none is stranded
         self._closed = False
         self._error: BaseException | None = None
+        self._lost_reason: str | None = None
         self._thread: threading.Thread | None = None
 
     # ---- lifecycle (any thread) ------------------------------------------------------------
@@ -149,11 +158,18 @@ class AsyncEngine:
             raise RuntimeError("AsyncEngine.start() was already called")
         self._thread = threading.Thread(target=self._run, name="moeserve-engine", daemon=True)
         self._thread.start()
+        self.engine.add_failure_listener(self._lost)
+
+    def _lost(self, reason: str) -> None:
+        """From the executor's monitor thread: unhealthy now, and wake an idle engine thread so
+        it dies and fails every stream (a busy one fails out of its step by itself)."""
+        self._lost_reason = reason
+        self._commands.put(_Lost(reason))
 
     @property
     def is_healthy(self) -> bool:
-        """True while the engine thread runs; False once it died, stopped or if never started."""
-        return self._thread is not None and self._thread.is_alive() and self._error is None
+        """True while the engine thread runs; False once it died, stopped, lost a rank, or if never started."""
+        return self._thread is not None and self._thread.is_alive() and self._error is None and self._lost_reason is None
 
     def shutdown(self, timeout: float | None = 10.0) -> None:
         """Abort what is running, stop the engine thread and wait up to `timeout` s for it."""
@@ -166,6 +182,7 @@ class AsyncEngine:
         self._thread.join(timeout)
         if self._thread.is_alive():
             logger.warning("engine thread did not stop within %s s", timeout)
+        self.engine.shutdown()
 
     # ---- requests (event loop) -------------------------------------------------------------
 
@@ -224,9 +241,14 @@ class AsyncEngine:
         try:
             self._loop()
         except BaseException as exc:  # noqa: BLE001 - a dead engine must fail its streams, not hang them
-            logger.exception("engine thread died; failing every open request")
+            if self._lost_reason is not None:
+                logger.error("engine stopped: %s; failing every open request", self._lost_reason)
+            else:
+                logger.exception("engine thread died; failing every open request")
             self._error = exc
-            self._close(EngineDeadError(f"the engine thread died: {exc!r}"))
+            self._close(EngineDeadError(f"the engine stopped: {self._lost_reason or repr(exc)}"))
+            if self._on_death is not None:
+                self._on_death(exc)
 
     def _loop(self) -> None:
         """Drain commands between steps; block on the queue only when there is nothing to step."""
@@ -242,6 +264,8 @@ class AsyncEngine:
                     self._abort_all()
                     self._close(EngineDeadError("the engine was shut down"))
                     return
+                if isinstance(command, _Lost):
+                    raise EngineDeadError(command.reason)
                 self._handle(command)
             if self.engine.has_unfinished_requests():
                 self._step()

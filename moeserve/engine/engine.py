@@ -14,23 +14,26 @@ import logging
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
 from moeserve.config import EngineConfig, SLOConfig
 from moeserve.engine.detokenizer import IncrementalDetokenizer
-from moeserve.engine.kv_cache import allocate_kv_caches, num_blocks_for
+from moeserve.engine.executor import create_executor
+from moeserve.engine.kv_cache import num_blocks_for
 from moeserve.engine.outputs import CompletionOutput, Logprob, RequestOutput
-from moeserve.engine.runner import ModelRunner, SampledToken
+from moeserve.engine.runner import SampledToken
 from moeserve.engine.stats import IterationStats, RequestMetrics, StatLogger
 from moeserve.engine.tokenizer import load_tokenizer
-from moeserve.models import load_model, model_config
+from moeserve.models import model_config
 from moeserve.models.checkpoint import read_json
 from moeserve.sampling_params import SamplingParams
-from moeserve.scheduler import Request, Scheduler, SchedulerConfig
+from moeserve.scheduler import DataParallelScheduler, Request, SchedulerConfig
 
 logger = logging.getLogger(__name__)
+
+ROUTING_INTERVAL_S = 1.0  # expert load is reported to the stat loggers about this often
 
 
 @dataclass
@@ -117,17 +120,16 @@ class LLMEngine:
         folder = Path(config.model)
         started = time.monotonic()
         torch.manual_seed(config.seed)
-        self.dtype = config.dtype or model_config(folder).checkpoint_dtype
-        self.model = load_model(folder, self.dtype, config.device)
-        self.model_config = self.model.cfg
+        self.model_config = model_config(folder)
+        self.dtype = config.dtype or self.model_config.checkpoint_dtype
         self.tokenizer = load_tokenizer(folder)
         self.eos_token_ids = generation_eos_ids(folder, self.model_config.eos_token_ids)
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         if self.max_model_len > self.model_config.max_position_embeddings:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings {self.model_config.max_position_embeddings}")
-        cache = config.cache
-        num_blocks = num_blocks_for(self.model, cache, self.dtype, config.max_num_seqs * self.max_model_len)
-        self.scheduler = Scheduler(
+        cache, parallel = config.cache, config.parallel
+        num_blocks = num_blocks_for(self.model_config, cache, self.dtype, config.max_num_seqs * self.max_model_len, parallel.tp)
+        self.scheduler = DataParallelScheduler(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
                 max_num_batched_tokens=config.max_num_batched_tokens,
@@ -138,14 +140,23 @@ class LLMEngine:
                 policy=config.scheduling_policy,
                 slo_ttft_s=config.slo.ttft_s,
                 slo_tbt_s=config.slo.tbt_s,
-            )
+            ),
+            num_groups=parallel.num_dp_groups,
         )
-        kv_caches = allocate_kv_caches(self.model, num_blocks, cache.block_size, self.dtype, config.device)
-        self.runner = ModelRunner(self.model, kv_caches, cache.block_size, self.eos_token_ids, config.device)
+        self.executor = create_executor(config, self.model_config, self.dtype, num_blocks, self.eos_token_ids)
         self._parents: dict[str, _Parent] = {}
         self._parent_of: dict[str, str] = {}
         self._ids = itertools.count()
+        self._routing_asked = 0.0
         logger.info("engine ready in %.1f s (max_model_len %d)", time.monotonic() - started, self.max_model_len)
+
+    def shutdown(self) -> None:
+        """Stop the executor's processes, if any; the engine cannot step afterwards."""
+        self.executor.shutdown()
+
+    def add_failure_listener(self, listener: Callable[[str], None]) -> None:
+        """See `Executor.add_failure_listener`: a lost rank, reported from another thread."""
+        self.executor.add_failure_listener(listener)
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -233,7 +244,7 @@ class LLMEngine:
         for child_id in parent.sequences:
             self.scheduler.abort_request(child_id)
             self._parent_of.pop(child_id, None)
-        self.runner.release(list(parent.sequences))
+        self.executor.release(list(parent.sequences))
         self._publish(IterationStats(finished=[parent.metrics(time.monotonic(), "abort", self.config.slo)]))
 
     def has_unfinished_requests(self) -> bool:
@@ -246,7 +257,7 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         requests = {s.request_id: self.scheduler.get_request(s.request_id) for s in plan.scheduled}
         started = time.monotonic()
-        sampled = self.runner.execute(plan, requests)
+        sampled = self.executor.execute(plan.groups, requests)
         if not plan.is_empty and self.config.min_step_time_s > 0:
             time.sleep(max(0.0, started + self.config.min_step_time_s - time.monotonic()))
         now = time.monotonic()
@@ -265,8 +276,11 @@ class LLMEngine:
         """Fill the gauges and hand the stats to every logger; a failing logger never stops serving."""
         stats.num_running = self.scheduler.num_running
         stats.num_waiting = self.scheduler.num_waiting
-        stats.kv_blocks_used = self.scheduler.block_manager.num_used_blocks
-        stats.kv_blocks_total = self.scheduler.config.num_kv_blocks
+        stats.kv_blocks_used = self.scheduler.num_used_blocks
+        stats.kv_blocks_total = self.scheduler.num_kv_blocks
+        if stats.step_duration_s is not None and time.monotonic() - self._routing_asked >= ROUTING_INTERVAL_S:
+            self._routing_asked = time.monotonic()
+            stats.routed_tokens = self.executor.take_routed_tokens()
         for stat_logger in self.stat_loggers:
             try:
                 stat_logger.record(stats)
@@ -301,7 +315,7 @@ class LLMEngine:
         elif finished is not None:
             seq.finish_reason, seq.stop_reason = finished.finish_reason, finished.stop_reason
         if seq.finish_reason is not None:
-            self.runner.release([child_id])
+            self.executor.release([child_id])
         return parent_id
 
     def _emit(self, parent_id: str, now: float, stats: IterationStats) -> RequestOutput:

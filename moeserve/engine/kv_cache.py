@@ -1,4 +1,9 @@
-"""Allocation of the paged KV cache: one tensor per layer, sized in blocks."""
+"""Allocation of the paged KV cache: one tensor per layer, sized in blocks.
+
+Sizing needs only the model's config and the rank's tensor-parallel place, so the process that
+schedules (and holds no weights when the model runs in worker processes) can size every data-
+parallel group's cache, and each worker allocates exactly what its scheduler planned.
+"""
 
 from __future__ import annotations
 
@@ -7,32 +12,32 @@ import math
 
 import torch
 
-from moeserve.config import CacheConfig
-from moeserve.models import MoECausalLM
+from moeserve.config import CacheConfig, ModelConfig
+from moeserve.models import kv_cache_shape
 
 logger = logging.getLogger(__name__)
 
 
-def bytes_per_block(model: MoECausalLM, block_size: int, dtype: torch.dtype) -> int:
-    per_layer = math.prod(model.kv_cache_shape(1, block_size)) * dtype.itemsize
-    return per_layer * len(model.layers)
+def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype, tp_size: int = 1) -> int:
+    """KV bytes one block costs on one rank, all layers together."""
+    return math.prod(kv_cache_shape(cfg, 1, block_size, tp_size)) * dtype.itemsize * cfg.num_layers
 
 
-def num_blocks_for(model: MoECausalLM, cache: CacheConfig, dtype: torch.dtype, max_tokens: int) -> int:
-    """Blocks that fit the memory budget, but no more than `max_tokens` (every sequence slot
-    at full length) can ever use."""
+def num_blocks_for(cfg: ModelConfig, cache: CacheConfig, dtype: torch.dtype, max_tokens: int, tp_size: int = 1) -> int:
+    """Blocks that fit the per-rank memory budget, but no more than `max_tokens` (every
+    sequence slot at full length) can ever use."""
     if cache.num_blocks is not None:
         return cache.num_blocks
-    fitting = cache.memory_bytes // bytes_per_block(model, cache.block_size, dtype)
+    fitting = cache.memory_bytes // bytes_per_block(cfg, cache.block_size, dtype, tp_size)
     return max(1, min(fitting, -(-max_tokens // cache.block_size)))
 
 
-def allocate_kv_caches(model: MoECausalLM, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | str) -> list[torch.Tensor]:
+def allocate_kv_caches(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | str, tp_size: int = 1) -> list[torch.Tensor]:
     """Zeroed, so a bug that reads an unwritten slot shows up as a wrong token, not as NaN noise."""
-    shape = model.kv_cache_shape(num_blocks, block_size)
-    caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in model.layers]
+    shape = kv_cache_shape(cfg, num_blocks, block_size, tp_size)
+    caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
     logger.info(
         "KV cache: %d blocks of %d tokens (%d tokens), %.1f MiB",
-        num_blocks, block_size, num_blocks * block_size, num_blocks * bytes_per_block(model, block_size, dtype) / 2**20,
+        num_blocks, block_size, num_blocks * block_size, num_blocks * bytes_per_block(cfg, block_size, dtype, tp_size) / 2**20,
     )
     return caches

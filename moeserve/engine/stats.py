@@ -14,6 +14,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from moeserve.dispatch.placement import ExpertPlacement
+
 logger = logging.getLogger(__name__)
 
 
@@ -40,6 +42,29 @@ class RequestMetrics:
     """Every gap between consecutive tokens was within the TBT target (true with no gaps)."""
 
 
+@dataclass(frozen=True)
+class RoutedTokens:
+    """Rows each expert received over a span of steps: `counts[i][e]` for the i-th MoE layer
+    (decoder layer `layers[i]`) and global expert e; `placement` tells which rank holds e."""
+
+    counts: list[list[int]]
+    placement: ExpertPlacement
+    layers: tuple[int, ...]
+
+    def per_rank(self, i: int) -> list[int]:
+        """Rows each rank's experts received in the i-th MoE layer."""
+        load = [0] * self.placement.ep_size
+        for expert, rows in enumerate(self.counts[i]):
+            load[self.placement.expert_to_rank[expert]] += rows
+        return load
+
+    def imbalance(self, i: int) -> float | None:
+        """max / mean of the ranks' loads in the i-th MoE layer (1.0 is perfect balance); None if idle."""
+        load = self.per_rank(i)
+        mean = sum(load) / len(load)
+        return max(load) / mean if mean else None
+
+
 @dataclass
 class IterationStats:
     """One step (or one abort between steps): counters to add and gauges to set."""
@@ -60,6 +85,8 @@ class IterationStats:
     num_waiting: int = 0
     kv_blocks_used: int = 0
     kv_blocks_total: int = 0
+    routed_tokens: RoutedTokens | None = None
+    """Expert load since the previous stats that carried one (sent about once a second)."""
 
 
 class StatLogger(Protocol):

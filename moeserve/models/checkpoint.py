@@ -75,5 +75,12 @@ class CheckpointReader:
     def get(self, name: str) -> torch.Tensor:
         return self._handle(self.weight_map[name]).get_tensor(name)
 
+    def get_part(self, name: str, dim: int, start: int, length: int) -> torch.Tensor:
+        """Entries [start, start + length) of dim `dim`, reading only those bytes (a tensor-
+        parallel rank's heads)."""
+        view = self._handle(self.weight_map[name]).get_slice(name)
+        index = tuple(slice(start, start + length) if d == dim else slice(None) for d in range(len(view.get_shape())))
+        return view[index]
+
     def close(self) -> None:
         self._handles.clear()

@@ -20,14 +20,26 @@ from moeserve.models.layers.moe import MoEBlock
 from moeserve.models.layers.norm import RMSNorm
 from moeserve.models.layers.paged_attention import AttentionMetadata
 from moeserve.models.layers.rotary import RotaryEmbedding
+from moeserve.models.tensor_parallel import SINGLE, TensorParallel
+
+
+def kv_cache_shape(cfg: ModelConfig, num_blocks: int, block_size: int, tp_size: int = 1) -> tuple[int, ...]:
+    """Shape of one layer's KV cache on a rank of a `tp_size`-way group, known without a
+    model, so a process that holds no weights can size the cache."""
+    attention_cls = MLAttention if cfg.is_mla else Attention
+    return attention_cls.cache_shape(cfg, num_blocks, block_size, tp_size)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, dispatcher: Dispatcher, dtype: torch.dtype, device: torch.device | str) -> None:
+    """Attention then FFN, each with a residual. Under tensor parallelism (see
+    `tensor_parallel`) the FFN, dense or MoE, runs on this rank's slice of the tokens."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, dispatcher: Dispatcher, dtype: torch.dtype, device: torch.device | str, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         attention_cls = MLAttention if cfg.is_mla else Attention
+        self.tp = tp
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.attn = attention_cls(cfg, layer, dtype, device)
+        self.attn = attention_cls(cfg, layer, dtype, device, tp)
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         if cfg.moe_layers[layer]:
             self.mlp: nn.Module = MoEBlock(cfg, dispatcher, dtype, device)
@@ -35,8 +47,11 @@ class DecoderLayer(nn.Module):
             self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype, device)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.attn(self.input_norm(x), cos, sin, kv_cache, meta)
-        return x + self.mlp(self.post_attn_norm(x))
+        num_tokens = x.shape[0]
+        attn = self.tp.reduce_scatter_tokens(self.attn(self.input_norm(x), cos, sin, kv_cache, meta))
+        h = x[self.tp.token_slice(num_tokens)] + attn
+        h = h + self.mlp(self.post_attn_norm(h))
+        return self.tp.all_gather_tokens(h, num_tokens)
 
 
 class MoECausalLM(nn.Module):
@@ -45,12 +60,13 @@ class MoECausalLM(nn.Module):
     Parameters are allocated uninitialised; the loader fills every one of them or fails.
     """
 
-    def __init__(self, cfg: ModelConfig, dispatcher: Dispatcher, dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+    def __init__(self, cfg: ModelConfig, dispatcher: Dispatcher, dtype: torch.dtype, device: torch.device | str = "cpu", tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.cfg = cfg
         self.dtype = dtype
+        self.tp = tp
         self.embed_tokens = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device), requires_grad=False)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, dispatcher, dtype, device) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, dispatcher, dtype, device, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.lm_head = None
         if not cfg.tie_word_embeddings:
@@ -58,9 +74,8 @@ class MoECausalLM(nn.Module):
         self.rotary = RotaryEmbedding(cfg.rope, device)
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
-        """Shape of one layer's KV cache (all layers are alike)."""
-        attention_cls = MLAttention if self.cfg.is_mla else Attention
-        return attention_cls.cache_shape(self.cfg, num_blocks, block_size)
+        """Shape of one layer's KV cache on this rank (all layers are alike)."""
+        return kv_cache_shape(self.cfg, num_blocks, block_size, self.tp.size)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_caches: list[torch.Tensor]) -> torch.Tensor:
         """input_ids, positions `[T]` -> final hidden states `[T, H]` (after the last norm)."""
@@ -69,6 +84,10 @@ class MoECausalLM(nn.Module):
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer(x, cos, sin, kv_cache, meta)
         return self.norm(x)
+
+    def take_routed_tokens(self) -> list[list[int]]:
+        """Per MoE layer, rows each local expert received since the last call (then reset)."""
+        return [layer.mlp.take_routed_tokens() for layer in self.layers if isinstance(layer.mlp, MoEBlock)]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden `[S, H]` (only the rows that sample) -> logits `[S, V]` float32."""

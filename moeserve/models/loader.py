@@ -21,6 +21,7 @@ from moeserve.dispatch import Dispatcher, ExpertPlacement, create_dispatcher
 from moeserve.models.architectures import CheckpointNames, resolve_architecture
 from moeserve.models.checkpoint import CheckpointError, CheckpointReader
 from moeserve.models.decoder import MoECausalLM
+from moeserve.models.tensor_parallel import SINGLE, Shard, TensorParallel, shard_of
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +105,12 @@ def _expected_part_shape(source: WeightSource, target: torch.Size) -> tuple[int,
     return (per_part[0] // len(source.parts[0]), *per_part[1:])
 
 
+def _checkpoint_shape(param: torch.Tensor) -> torch.Size:
+    """The shape of the whole tensor a (possibly tensor-parallel sharded) parameter comes from."""
+    shard = shard_of(param)
+    return param.shape if shard is None else torch.Size(shard.full_shape(param.shape))
+
+
 def check_sources(sources: dict[str, WeightSource], targets: dict[str, torch.Tensor], reader: CheckpointReader) -> None:
     """Every tensor present with the shape our parameter expects; otherwise one clear error."""
     missing = [n for s in sources.values() for n in s.names if n not in reader]
@@ -111,14 +118,19 @@ def check_sources(sources: dict[str, WeightSource], targets: dict[str, torch.Ten
         more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
         raise CheckpointError(f"checkpoint {reader.folder} is missing tensors: {', '.join(missing[:5])}{more}")
     for name, source in sources.items():
-        want = _expected_part_shape(source, targets[name].shape)
+        want = _expected_part_shape(source, _checkpoint_shape(targets[name]))
         for tensor_name in source.names:
             got = reader.shape(tensor_name)
             if got != want:
                 raise CheckpointError(f"tensor {tensor_name} has shape {list(got)}, expected {list(want)} from config.json")
 
 
-def read_source(source: WeightSource, reader: CheckpointReader, dtype: torch.dtype) -> torch.Tensor:
+def read_source(source: WeightSource, reader: CheckpointReader, dtype: torch.dtype, shard: Shard | None = None) -> torch.Tensor:
+    """The parameter's value; a sharded one (always a single checkpoint tensor) reads only its part."""
+    if shard is not None:
+        (name,) = source.names
+        part = reader.get_part(name, shard.dim, shard.start, shard.length).to(dtype)
+        return torch.zeros_like(part) if shard.zeros else part
     parts = [torch.cat([reader.get(n).to(dtype) for n in part], dim=0) for part in source.parts]
     return torch.stack(parts) if source.stacked else parts[0]
 
@@ -128,11 +140,13 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     dispatcher: Dispatcher | None = None,
+    tp: TensorParallel = SINGLE,
 ) -> MoECausalLM:
     """Build the model for `folder`'s architecture and load this rank's share of its weights.
 
     The rank's share of the experts is `dispatcher.placement`; without a dispatcher the model
-    holds every expert and uses the `local` backend.
+    holds every expert and uses the `local` backend. Under tensor parallelism the attention
+    layers declare which part of each tensor this rank holds (`tensor_parallel.Shard`).
     """
     reader = CheckpointReader(folder)
     arch, cfg = resolve_architecture(reader.config)
@@ -141,21 +155,39 @@ def load_model(
     placement = dispatcher.placement
     if placement.num_experts != cfg.num_experts:
         raise ValueError(f"placement covers {placement.num_experts} experts, the model has {cfg.num_experts}")
-    model = MoECausalLM(cfg, dispatcher, dtype, device)
+    model = MoECausalLM(cfg, dispatcher, dtype, device, tp)
     targets = {name: p for name, p in model.named_parameters()}
     sources = {name: weight_source(name, arch.names, placement, reader) for name in targets}
     check_sources(sources, targets, reader)
     with torch.no_grad():
         for name, param in targets.items():
             # Router correction bias and fp32 gates keep their own dtype (see Router).
-            param.copy_(read_source(sources[name], reader, param.dtype))
+            param.copy_(read_source(sources[name], reader, param.dtype, shard_of(param)))
     reader.close()
+    sizes = weight_bytes(model)
     logger.info(
-        "loaded %s from %s: %d layers, %d/%d experts on this rank, %.1f MiB of weights (%s)",
+        "loaded %s from %s: %d layers, %d/%d experts on this rank (%.1f MiB), %.1f MiB of other weights (%s)",
         cfg.architecture, folder, cfg.num_layers, placement.num_local_experts, cfg.num_experts,
-        sum(p.numel() * p.element_size() for p in targets.values()) / 2**20, dtype,
+        sizes.experts / 2**20, sizes.other / 2**20, dtype,
     )
     return model
+
+
+@dataclass(frozen=True)
+class WeightBytes:
+    experts: int  # routed experts this rank holds
+    other: int  # everything else: attention (this rank's TP share), dense layers, shared experts, embeddings
+
+
+def weight_bytes(model: MoECausalLM) -> WeightBytes:
+    experts = other = 0
+    for name, param in model.named_parameters():
+        size = param.numel() * param.element_size()
+        if ".experts." in name:
+            experts += size
+        else:
+            other += size
+    return WeightBytes(experts, other)
 
 
 def model_config(folder: str | Path) -> ModelConfig:

@@ -2,12 +2,14 @@
 
 from moeserve.scheduler.block_manager import BlockManager
 from moeserve.scheduler.config import SchedulerConfig
+from moeserve.scheduler.data_parallel import DataParallelScheduler, StepPlan
 from moeserve.scheduler.request import Request, RequestStatus
 from moeserve.scheduler.scheduler import QueueFullError, ScheduledRequest, Scheduler, SchedulerOutput
 from moeserve.scheduler.step_time import StepShape, StepTimeModel
 
 __all__ = [
     "BlockManager",
+    "DataParallelScheduler",
     "QueueFullError",
     "Request",
     "RequestStatus",
@@ -15,6 +17,7 @@ __all__ = [
     "Scheduler",
     "SchedulerConfig",
     "SchedulerOutput",
+    "StepPlan",
     "StepShape",
     "StepTimeModel",
 ]

@@ -93,7 +93,7 @@ def test_batch_where_some_experts_get_no_tokens(make_checkpoint):
     folder = make_checkpoint("mixtral", 1, num_local_experts=7, num_experts_per_tok=1, num_key_value_heads=4, head_dim=32)
     llm = LLM(str(folder), block_size=8, max_model_len=64)
     counts: list[tuple[int, ...]] = []
-    for layer in llm.engine.model.layers:
+    for layer in llm.engine.executor.model.layers:
         layer.mlp.experts.register_forward_pre_hook(lambda mod, args: counts.append(tuple(args[1])))
     ref_model = hf_model(folder)
     prompt = [5, 9, 11]

@@ -1,5 +1,8 @@
 """The server through the official `openai` client: same tokens as `LLM.generate`, under
-concurrency, disconnects and preemption, with exact metrics."""
+concurrency, disconnects and preemption, with exact metrics.
+
+Every test runs against a single-process server and against `--ep 4` (four rank processes,
+four data-parallel attention groups), and compares with the single-process `LLM`."""
 
 from __future__ import annotations
 
@@ -23,6 +26,27 @@ def client(server: ServerProcess, **kwargs) -> openai.OpenAI:
 
 def async_client(server: ServerProcess) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+LAYOUTS = {
+    "ep1": (),
+    "ep4": ("--ep", "4"),
+}
+KV_MEMORY = ("--kv-cache-memory", "64MiB")  # per rank; four ranks need not hold 512 MiB each
+# (blocks per data-parallel group, groups): ep4 spreads the requests over four pools
+SMALL_POOL = {"ep1": (64, 1), "ep4": (48, 4)}
+
+
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def layout(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def server(start_server, layout: str):
+    server = start_server(*LAYOUTS[layout], *KV_MEMORY)
+    yield server
+    server.stop()
 
 
 @pytest.fixture(scope="module")
@@ -195,10 +219,10 @@ def test_metrics_count_every_request_and_gap(server: ServerProcess) -> None:
     assert after["moeserve:slo_target_seconds{kind=tbt}"] == pytest.approx(0.025)
 
 
-def test_small_kv_pool_preempts_and_still_matches(start_server, reference: LLM) -> None:
+def test_small_kv_pool_preempts_and_still_matches(start_server, layout: str, reference: LLM) -> None:
     """A pool of 64 blocks of 4 tokens holds about two of these sequences: the rest wait or are
     preempted and recomputed, and every output is still the solo greedy output."""
-    server = start_server("--block-size", "4", "--kv-cache-blocks", "64")
+    server = start_server(*LAYOUTS[layout], "--block-size", "4", "--kv-cache-blocks", str(SMALL_POOL[layout][0]))
     try:
         prompts = [f"request number {i} asks for many tokens" for i in range(8)]
 
@@ -213,6 +237,7 @@ def test_small_kv_pool_preempts_and_still_matches(start_server, reference: LLM) 
         assert texts == [greedy(reference, p, 100, ignore_eos=True).text for p in prompts]
         metrics = wait_idle(server)
         assert metrics["moeserve:num_preemptions_total"] > 0
-        assert metrics["moeserve:kv_cache_blocks_total"] == 64
+        blocks, groups = SMALL_POOL[layout]
+        assert metrics["moeserve:kv_cache_blocks_total"] == blocks * groups
     finally:
         assert server.stop() == 0

@@ -79,7 +79,7 @@ def test_consumer_that_stops_early_aborts_its_request(llm: LLM):
 
     client = AsyncEngine(llm.engine, on_step=count_step)
     client.start()
-    blocks = llm.engine.scheduler.block_manager
+    blocks = llm.engine.scheduler
 
     async def read_two_then_leave() -> None:
         outputs = []
@@ -97,7 +97,7 @@ def test_consumer_that_stops_early_aborts_its_request(llm: LLM):
 
 
 def test_abort_by_id_ends_the_stream(served: AsyncEngine):
-    blocks = served.engine.scheduler.block_manager
+    blocks = served.engine.scheduler
 
     async def main() -> list:
         outputs = []

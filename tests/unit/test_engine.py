@@ -48,7 +48,7 @@ def test_paged_kv_no_cross_talk_when_blocks_are_reused(qwen3_folder):
     tight = LLM(str(qwen3_folder), block_size=4, max_model_len=64, kv_cache_blocks=24)
     assert token_ids(tight.generate(prompts, GREEDY)) == expected
     scheduler = tight.engine.scheduler
-    assert scheduler.block_manager.num_used_blocks == 0
+    assert scheduler.num_used_blocks == 0
     # Run again on the now fully recycled pool, in the reverse order.
     assert token_ids(tight.generate(prompts[::-1], GREEDY)) == expected[::-1]
 
@@ -142,7 +142,7 @@ def test_bad_input_raises_value_error(qwen3_folder, prompt, params, message):
         llm.generate([prompt], params)
     # Nothing was queued and nothing leaked: the engine still serves.
     assert not llm.engine.has_unfinished_requests()
-    assert llm.engine.scheduler.block_manager.num_used_blocks == 0
+    assert llm.engine.scheduler.num_used_blocks == 0
     assert len(llm.generate([{"prompt_token_ids": [5, 6]}], SamplingParams(max_tokens=2))[0].outputs[0].token_ids) == 2
 
 
@@ -164,8 +164,8 @@ def test_auto_dtype_is_the_checkpoints(tmp_path):
     from moeserve.checkpoints import MakeModelSpec, make_model
 
     folder = make_model(MakeModelSpec(arch="mixtral", vocab=320, dtype="bfloat16"), tmp_path / "bf16")
-    assert LLM(str(folder), max_model_len=64).engine.model.embed_tokens.dtype == torch.bfloat16
-    assert LLM(str(folder), dtype="float32", max_model_len=64).engine.model.embed_tokens.dtype == torch.float32
+    assert LLM(str(folder), max_model_len=64).engine.executor.model.embed_tokens.dtype == torch.bfloat16
+    assert LLM(str(folder), dtype="float32", max_model_len=64).engine.executor.model.embed_tokens.dtype == torch.float32
     with pytest.raises(ValueError, match="unsupported dtype 'float8'"):
         LLM(str(folder), dtype="float8")
 

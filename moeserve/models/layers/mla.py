@@ -16,31 +16,41 @@ from moeserve.models.layers.attention import linear
 from moeserve.models.layers.norm import RMSNorm
 from moeserve.models.layers.paged_attention import AttentionMetadata, causal_attention, gather_from_cache, write_to_cache
 from moeserve.models.layers.rotary import apply_rotary
+from moeserve.models.tensor_parallel import SINGLE, TensorParallel, column_parallel, row_parallel
 
 
 class MLAttention(nn.Module):
-    """KV cache layout for this layer: `[num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]`."""
+    """KV cache layout for this layer: `[num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]`.
 
-    def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+    Tensor parallel: the per-head projections (q / q_b, kv_b) hold this rank's heads and o_proj
+    their input columns; the latent projections and the latent cache are replicated, which is
+    why DeepSeek deployments prefer data-parallel attention (`--tp 1`) for MLA.
+    """
+
+    def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype, device: torch.device | str = "cpu", tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         assert cfg.mla is not None
         m, h = cfg.mla, cfg.hidden_size
-        self.mla, self.num_heads = m, cfg.num_heads
+        self.mla = m
+        self.num_heads = heads = tp.split(cfg.num_heads, "num_attention_heads")
+        first = tp.rank * heads
         self.scale = cfg.attention_scale or m.qk_head_dim**-0.5
         self.interleaved_rope = cfg.rope.interleaved
+        q_out = heads * m.qk_head_dim
         if m.q_lora_rank is None:
-            self.q_proj = linear(h, cfg.num_heads * m.qk_head_dim, False, dtype, device)
+            self.q_proj = column_parallel(linear(h, q_out, False, dtype, device), first * m.qk_head_dim, cfg.num_heads * m.qk_head_dim, tp)
         else:
             self.q_a_proj = linear(h, m.q_lora_rank, cfg.qkv_bias, dtype, device)
             self.q_a_norm = RMSNorm(m.q_lora_rank, cfg.rms_norm_eps, dtype, device)
-            self.q_b_proj = linear(m.q_lora_rank, cfg.num_heads * m.qk_head_dim, False, dtype, device)
+            self.q_b_proj = column_parallel(linear(m.q_lora_rank, q_out, False, dtype, device), first * m.qk_head_dim, cfg.num_heads * m.qk_head_dim, tp)
         self.kv_a_proj = linear(h, m.kv_lora_rank + m.qk_rope_head_dim, cfg.qkv_bias, dtype, device)
         self.kv_a_norm = RMSNorm(m.kv_lora_rank, cfg.rms_norm_eps, dtype, device)
-        self.kv_b_proj = linear(m.kv_lora_rank, cfg.num_heads * (m.qk_nope_head_dim + m.v_head_dim), False, dtype, device)
-        self.o_proj = linear(cfg.num_heads * m.v_head_dim, h, cfg.o_bias, dtype, device)
+        kv_per_head = m.qk_nope_head_dim + m.v_head_dim
+        self.kv_b_proj = column_parallel(linear(m.kv_lora_rank, heads * kv_per_head, False, dtype, device), first * kv_per_head, cfg.num_heads * kv_per_head, tp)
+        self.o_proj = row_parallel(linear(heads * m.v_head_dim, h, cfg.o_bias, dtype, device), first * m.v_head_dim, cfg.num_heads * m.v_head_dim, tp)
 
     @staticmethod
-    def cache_shape(cfg: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
+    def cache_shape(cfg: ModelConfig, num_blocks: int, block_size: int, tp_size: int = 1) -> tuple[int, ...]:
         assert cfg.mla is not None
         return (num_blocks, block_size, cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim)
 
@@ -73,4 +83,4 @@ class MLAttention(nn.Module):
             k, v = self._expand(gather_from_cache(kv_cache, slots))
             out[start : start + qlen] = causal_attention(q[start : start + qlen], k, v, self.scale)
             start += qlen
-        return self.o_proj(out.reshape(num_tokens, -1))
+        return self.o_proj(out.reshape(num_tokens, out.shape[1] * out.shape[2]))  # explicit: T may be 0

@@ -22,6 +22,8 @@ class MoEBlock(nn.Module):
         self.dispatcher = dispatcher
         self.router = Router(cfg.router, cfg.hidden_size, cfg.num_experts, dtype, device)
         self.experts = Experts(dispatcher.placement.num_local_experts, cfg.hidden_size, cfg.moe_intermediate_size, dtype, device)
+        self.routed_tokens = [0] * dispatcher.placement.num_local_experts
+        """Rows each local expert received since `take_routed_tokens()`: the load /metrics reports."""
         self.shared = None
         self.shared_gate = None
         if cfg.shared_expert_intermediate_size:
@@ -29,10 +31,15 @@ class MoEBlock(nn.Module):
             if cfg.shared_expert_gated:
                 self.shared_gate = nn.Parameter(torch.empty(1, cfg.hidden_size, dtype=dtype, device=device), requires_grad=False)
 
+    def take_routed_tokens(self) -> list[int]:
+        counts, self.routed_tokens = self.routed_tokens, [0] * len(self.routed_tokens)
+        return counts
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x `[T, H]` -> `[T, H]`."""
         topk_ids, topk_weights = self.router(x)  # [T, K], [T, K]
         received = self.dispatcher.dispatch(x, topk_ids, topk_weights)
+        self.routed_tokens = [a + b for a, b in zip(self.routed_tokens, received.num_tokens_per_expert)]
         expert_out = self.experts(received.hidden, received.num_tokens_per_expert)  # [N_recv, H]
         out = self.dispatcher.combine(expert_out, received.handle)  # [T, H]
         if self.shared is not None:

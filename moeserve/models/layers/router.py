@@ -27,7 +27,7 @@ class Router(nn.Module):
         logits = F.linear(x.float(), self.weight.float()) if self.cfg.logits_in_fp32 else F.linear(x, self.weight)  # [T, E]
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         if self.cfg.num_groups > 1:  # DeepSeek-V2: experts only from the groups with the best expert
-            grouped = probs.view(x.shape[0], self.cfg.num_groups, -1)  # [T, G, E/G]
+            grouped = probs.view(x.shape[0], self.cfg.num_groups, self.num_experts // self.cfg.num_groups)  # [T, G, E/G]
             top_groups = grouped.amax(dim=-1).topk(self.cfg.topk_groups, dim=-1, sorted=False).indices
             keep = torch.zeros(grouped.shape[:2], dtype=torch.bool, device=x.device).scatter_(1, top_groups, True)
             probs = probs.masked_fill(~keep[:, :, None].expand_as(grouped).reshape_as(probs), 0.0)
@@ -42,11 +42,11 @@ class Router(nn.Module):
         cfg, num_tokens = self.cfg, x.shape[0]
         scores = F.linear(x.float(), self.weight.float()).sigmoid()  # [T, E]
         biased = scores + self.correction_bias if cfg.has_correction_bias else scores
-        grouped = biased.view(num_tokens, cfg.num_groups, -1)  # [T, G, E/G]
+        grouped = biased.view(num_tokens, cfg.num_groups, self.num_experts // cfg.num_groups)  # [T, G, E/G] (explicit: T may be 0)
         group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(dim=-1)  # [T, G]
         top_groups = group_scores.topk(cfg.topk_groups, dim=-1, sorted=False).indices
         group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, top_groups, True)
-        expert_mask = group_mask[:, :, None].expand_as(grouped).reshape(num_tokens, -1)
+        expert_mask = group_mask[:, :, None].expand_as(grouped).reshape(num_tokens, self.num_experts)
         ids = biased.masked_fill(~expert_mask, float("-inf")).topk(cfg.top_k, dim=-1, sorted=False).indices
         weights = scores.gather(1, ids)
         if cfg.renormalize:

@@ -1,0 +1,229 @@
+"""The engine's executor over rank processes: one process per expert-parallel rank.
+
+Node 0 runs the engine (schedulers, detokenizer, API) and no model. It hosts the rendezvous
+store, starts its node's ranks, waits until every rank (its own and other nodes') has loaded
+its share, then drives them in lockstep: each step it publishes every group's plan and collects
+one answer per rank. Ranks only ever learn a request's sampling state once; afterwards the
+sampling rank appends its own tokens, exactly as the scheduler does.
+
+A lost rank (exited, killed, stalled, unreachable) ends the executor: `failure` is set, the
+listeners are told, node 0's ranks are stopped, and a step in flight raises `WorkerLostError`
+within `POLL_S`, so nothing waits for a collective to time out.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+
+from moeserve.config import EngineConfig, ModelConfig
+from moeserve.dispatch import ExpertPlacement
+from moeserve.distributed.channel import ControlServer
+from moeserve.distributed.launcher import start_ranks, stop_ranks
+from moeserve.distributed.messages import LoadReport, RequestState, Shutdown, StepInput, StepOutput, Sync, SyncAck, WorkerSpec
+from moeserve.distributed.monitor import RankMonitor
+from moeserve.distributed.rendezvous import CONTROL_KEY, SPEC_KEY, host_store, put
+from moeserve.engine.executor import Executor
+from moeserve.engine.runner import SampledToken, SamplingRequest
+from moeserve.engine.stats import RoutedTokens
+from moeserve.scheduler import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+POLL_S = 0.1  # how often a waiting node 0 checks whether a rank was lost
+ROUTING_INTERVAL_S = 1.0  # how often ranks are asked for their expert load
+
+
+class WorkerLostError(RuntimeError):
+    """A rank is gone; the engine cannot run another step."""
+
+
+class MultiprocessExecutor(Executor):
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype, num_kv_blocks: int, eos_token_ids: Sequence[int]) -> None:
+        p = config.parallel
+        self.parallel = p
+        self.num_groups = p.num_dp_groups
+        self.num_kv_blocks = num_kv_blocks
+        self.failure: str | None = None
+        self._listeners: list[Callable[[str], None]] = []
+        self._lock = threading.Lock()  # orders a loss against listener registration
+        self._placements = [ExpertPlacement.contiguous(model_config.num_experts, p.ep, r) for r in range(p.ep)]
+        self._moe_layers = tuple(i for i, moe in enumerate(model_config.moe_layers) if moe)
+        self._known: set[str] = set()  # requests whose state the ranks hold
+        self._released: list[str] = []
+        self._step = 0
+        self._routed: list[list[int]] | None = None
+        self._last_routing_ask = 0.0
+        self._closed = False
+        self._monitor: RankMonitor | None = None
+
+        self._store = host_store(p.master_port, p.ep, p.startup_timeout_s)
+        single_node = p.nnodes == 1
+        self._channel = ControlServer("127.0.0.1" if single_node else "*", "127.0.0.1" if single_node else p.master_addr)
+        put(self._store, SPEC_KEY, WorkerSpec(
+            model=config.model, dtype=dtype, device=config.device, parallel=p, block_size=config.cache.block_size,
+            num_kv_blocks=num_kv_blocks, eos_token_ids=tuple(eos_token_ids), seed=config.seed,
+        ))
+        put(self._store, CONTROL_KEY, self._channel.addresses)
+        store_addr = "127.0.0.1" if single_node else p.master_addr
+        logger.info("rendezvous at %s:%d: %d ranks on %d node(s), %d data-parallel group(s) of tp=%d",
+                    store_addr, self._store.port, p.ep, p.nnodes, p.num_dp_groups, p.tp)
+        self._procs = start_ranks(p, store_addr, self._store.port, node_rank=0, watch_parent=True)
+        atexit.register(self.shutdown)
+        self._monitor = RankMonitor(self._store, p, self._procs, self._lost)
+        try:
+            self._wait_loaded()
+            self._synchronize()
+        except BaseException:
+            self.shutdown()
+            raise
+
+    # ---- failure ---------------------------------------------------------------------------
+
+    def add_failure_listener(self, listener: Callable[[str], None]) -> None:
+        """`listener(reason)` is called once, from the monitor's thread, if a rank is lost (at
+        once if one already was)."""
+        with self._lock:
+            if self.failure is None:
+                self._listeners.append(listener)
+                return
+        listener(self.failure)
+
+    def _lost(self, reason: str) -> None:
+        with self._lock:
+            self.failure = reason
+            listeners = list(self._listeners)
+        logger.error("lost a rank: %s; the engine cannot continue", reason)
+        stop_ranks(self._procs, grace_s=2.0)
+        for listener in listeners:
+            try:
+                listener(reason)
+            except Exception:
+                logger.exception("failure listener failed")
+
+    def _check(self) -> None:
+        if self.failure is not None:
+            raise WorkerLostError(self.failure)
+
+    # ---- start-up --------------------------------------------------------------------------
+
+    def _wait_loaded(self) -> None:
+        """Every rank's load report; the first failure ends the start-up with its reason."""
+        reports: dict[int, LoadReport] = {}
+        started = last_note = time.monotonic()
+        while len(reports) < self.parallel.ep:
+            self._check()
+            message = self._channel.receive(POLL_S)
+            if isinstance(message, LoadReport):
+                if message.error is not None:
+                    raise RuntimeError(f"rank {message.rank} (node {message.node_rank}) could not load the model: {message.error}")
+                reports[message.rank] = message
+            now = time.monotonic()
+            if now - last_note > 10.0:
+                logger.info("waiting for ranks to load: %d/%d ready after %.0f s", len(reports), self.parallel.ep, now - started)
+                last_note = now
+        total_experts = sum(r.expert_bytes for r in reports.values())
+        for rank in sorted(reports):
+            r = reports[rank]
+            logger.info(
+                "rank %d (node %d, %s pid %d): %d experts, %.1f MiB of expert weights (%.0f%% of all %.1f MiB), "
+                "%.1f MiB of other weights, %.1f MiB of KV cache",
+                rank, r.node_rank, r.host, r.pid, r.num_local_experts, r.expert_bytes / 2**20,
+                100.0 * r.expert_bytes / max(total_experts, 1), total_experts / 2**20, r.other_bytes / 2**20, r.kv_bytes / 2**20,
+            )
+
+    def _synchronize(self) -> None:
+        """Publish until every rank has answered: then every subscription is live."""
+        acked: set[int] = set()
+        deadline = time.monotonic() + self.parallel.startup_timeout_s
+        while len(acked) < self.parallel.ep:
+            self._check()
+            if time.monotonic() > deadline:
+                raise WorkerLostError(f"ranks {sorted(set(range(self.parallel.ep)) - acked)} never answered on the control channel")
+            self._channel.publish(Sync())
+            message = self._channel.receive(POLL_S)
+            while message is not None:
+                if isinstance(message, SyncAck):
+                    acked.add(message.rank)
+                message = self._channel.receive(0.0)
+
+    # ---- steps -----------------------------------------------------------------------------
+
+    def execute(self, plans: Sequence[SchedulerOutput], requests: Mapping[str, SamplingRequest]) -> dict[str, SampledToken]:
+        self._check()
+        if all(plan.is_empty for plan in plans):
+            return {}
+        new = []
+        for plan in plans:
+            for scheduled in plan.scheduled:
+                if scheduled.request_id not in self._known:
+                    r = requests[scheduled.request_id]
+                    new.append(RequestState(r.request_id, r.sampling_params, list(r.prompt_token_ids), list(r.output_token_ids)))
+                    self._known.add(scheduled.request_id)
+        self._step += 1
+        now = time.monotonic()
+        want_routing = now - self._last_routing_ask >= ROUTING_INTERVAL_S
+        if want_routing:
+            self._last_routing_ask = now
+        self._channel.publish(StepInput(self._step, tuple(plans), tuple(new), tuple(self._released), want_routing))
+        self._released.clear()
+        return self._collect(self._step)
+
+    def _collect(self, step: int) -> dict[str, SampledToken]:
+        sampled: dict[str, SampledToken] = {}
+        pending = set(range(self.parallel.ep))
+        deadline = time.monotonic() + self.parallel.collective_timeout_s
+        while pending:
+            message = self._channel.receive(POLL_S)
+            self._check()
+            if message is None:
+                if time.monotonic() > deadline:
+                    raise WorkerLostError(f"ranks {sorted(pending)} did not finish step {step} within {self.parallel.collective_timeout_s:.0f} s")
+                continue
+            if not isinstance(message, StepOutput) or message.step != step:
+                continue  # a late Sync answer
+            pending.discard(message.rank)
+            sampled.update(message.sampled)
+            if message.routed_tokens is not None:
+                self._add_routed(message.rank, message.routed_tokens)
+        return sampled
+
+    def _add_routed(self, rank: int, per_layer: list[list[int]]) -> None:
+        experts = self._placements[rank].local_experts
+        if self._routed is None:
+            self._routed = [[0] * len(self._placements[0].expert_to_rank) for _ in per_layer]
+        for layer, counts in enumerate(per_layer):
+            for local, rows in enumerate(counts):
+                self._routed[layer][experts[local]] += rows
+
+    def take_routed_tokens(self) -> RoutedTokens | None:
+        routed, self._routed = self._routed, None
+        return None if routed is None else RoutedTokens(routed, self._placements[0], self._moe_layers)
+
+    def release(self, request_ids: Sequence[str]) -> None:
+        for request_id in request_ids:
+            if request_id in self._known:
+                self._known.discard(request_id)
+                self._released.append(request_id)
+
+    # ---- shutdown --------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._monitor is not None:
+            self._monitor.stop()
+        if self.failure is None:
+            self._channel.publish(Shutdown())
+            deadline = time.monotonic() + 10.0
+            while any(p.poll() is None for p in self._procs.values()) and time.monotonic() < deadline:
+                time.sleep(0.05)
+        stop_ranks(self._procs, grace_s=2.0)
+        self._channel.close()
+        logger.info("stopped %d rank process(es) on this node", len(self._procs))

@@ -1,0 +1,96 @@
+"""Starting a node's rank processes, and the process that minds them on nodes other than 0.
+
+Ranks are numbered node by node: node n runs ranks [n * L, (n + 1) * L) with L = ep / nnodes,
+each on its node's `local_rank`-th device. Each is a fresh interpreter
+(`python -m moeserve.distributed.worker`), not a fork: CUDA and the process groups are set up
+in a clean process, and a crash of one rank never takes its siblings' memory with it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from moeserve.config import ParallelConfig
+
+logger = logging.getLogger(__name__)
+
+
+def node_ranks(parallel: ParallelConfig, node_rank: int) -> range:
+    per_node = parallel.ranks_per_node
+    return range(node_rank * per_node, (node_rank + 1) * per_node)
+
+
+def start_ranks(parallel: ParallelConfig, master_addr: str, master_port: int, node_rank: int, watch_parent: bool) -> dict[int, subprocess.Popen]:
+    """Start this node's ranks; with `watch_parent` each exits when this process is gone."""
+    procs = {}
+    for local_rank, rank in enumerate(node_ranks(parallel, node_rank)):
+        command = [
+            sys.executable, "-m", "moeserve.distributed.worker", "--master-addr", master_addr, "--master-port", str(master_port),
+            "--rank", str(rank), "--local-rank", str(local_rank), "--node-rank", str(node_rank),
+            "--log-level", logging.getLevelName(logging.getLogger().getEffectiveLevel()),
+        ]
+        if watch_parent:
+            command += ["--parent-pid", str(os.getpid())]
+        procs[rank] = subprocess.Popen(command)
+    logger.info("node %d: started ranks %d-%d (pids %s)", node_rank, min(procs), max(procs), ", ".join(str(p.pid) for p in procs.values()))
+    return procs
+
+
+def exit_description(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def stop_ranks(procs: dict[int, subprocess.Popen], grace_s: float = 5.0) -> None:
+    """SIGTERM, then SIGKILL whoever is left after `grace_s` (a stopped process ignores SIGTERM)."""
+    for proc in procs.values():
+        if proc.poll() is None:
+            proc.terminate()
+    deadline = time.monotonic() + grace_s
+    for proc in procs.values():
+        try:
+            proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def run_node(parallel: ParallelConfig) -> int:
+    """A node other than 0: run its ranks until they end; exit non-zero if any failed.
+
+    Node 0 drives them; when it stops (or dies) they exit, and so does this process. SIGTERM
+    and SIGINT stop the ranks.
+    """
+    procs = start_ranks(parallel, parallel.master_addr, parallel.master_port, parallel.node_rank, watch_parent=True)
+    logger.info("node %d: ranks join node 0 at %s:%d", parallel.node_rank, parallel.master_addr, parallel.master_port)
+    stopping = False
+
+    def stop(sig: int, _frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+        logger.info("received %s: stopping this node's ranks", signal.Signals(sig).name)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, stop)
+    worst = 0
+    while procs and not stopping:
+        for rank, proc in list(procs.items()):
+            code = proc.poll()
+            if code is None:
+                continue
+            del procs[rank]
+            if code:
+                logger.error("rank %d %s", rank, exit_description(code))
+                worst = worst or 1
+        time.sleep(0.2)
+    stop_ranks(procs)
+    return worst

@@ -1,0 +1,95 @@
+"""What node 0 and the rank processes say to each other over the control channel.
+
+Node 0 (scheduler + API) publishes one `StepInput` per lockstep step to every rank; each rank
+answers with a `StepOutput`. Everything is pickled: the channel runs inside the cluster, between
+processes of one deployment, never facing clients.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from moeserve.config import ParallelConfig
+from moeserve.engine.runner import SampledToken
+from moeserve.sampling_params import SamplingParams
+from moeserve.scheduler import SchedulerOutput
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything a rank needs to build its share of the model; node 0 decides it once."""
+
+    model: str
+    dtype: torch.dtype
+    device: str
+    parallel: ParallelConfig
+    block_size: int
+    num_kv_blocks: int
+    """Per data-parallel group: what that group's scheduler plans with."""
+    eos_token_ids: tuple[int, ...]
+    seed: int
+    dispatcher: str = "torch"
+
+
+@dataclass
+class RequestState:
+    """A rank's copy of what sampling needs of a request. Sent once, when the request is first
+    scheduled; afterwards the sampling rank appends its own tokens, as the scheduler does."""
+
+    request_id: str
+    sampling_params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """A rank's answer once its weights and KV cache are in memory (or why they are not)."""
+
+    rank: int
+    node_rank: int
+    pid: int
+    host: str
+    num_local_experts: int = 0
+    expert_bytes: int = 0
+    other_bytes: int = 0
+    kv_bytes: int = 0
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class Sync:
+    """Repeated until every rank has answered: a subscriber only receives what is published
+    after its connection is up, so the first step must wait for all of them."""
+
+
+@dataclass(frozen=True)
+class SyncAck:
+    rank: int
+
+
+@dataclass(frozen=True)
+class StepInput:
+    step: int
+    plans: tuple[SchedulerOutput, ...]
+    """One per data-parallel group; a rank runs its group's plan (maybe empty: it still steps)."""
+    new_requests: tuple[RequestState, ...] = ()
+    released: tuple[str, ...] = ()
+    want_routed_tokens: bool = False
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    step: int
+    rank: int
+    sampled: dict[str, SampledToken]
+    """Filled by the first rank of each tensor-parallel group, the one that samples."""
+    routed_tokens: list[list[int]] | None = None
+    """Per MoE layer, rows each local expert received since last asked."""
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    pass

@@ -1,0 +1,163 @@
+"""One rank: its experts, its share of attention, and the step loop.
+
+    python -m moeserve.distributed.worker --master-addr A --master-port P --rank R --local-rank L --node-rank N
+
+Started by node 0 (its own ranks) or by `moeserve launch --node-rank N` on other machines.
+The rank reads everything else (model, dtype, layout, KV blocks) from node 0's store, so every
+rank builds exactly what node 0's schedulers plan with. Any failure is written to the store
+for node 0 to report, and the process exits non-zero without waiting on anyone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+import sys
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from moeserve.dispatch import ExpertPlacement, create_dispatcher
+from moeserve.distributed.channel import ControlClient
+from moeserve.distributed.messages import LoadReport, RequestState, Shutdown, StepInput, StepOutput, Sync, SyncAck, WorkerSpec
+from moeserve.distributed.rendezvous import CONTROL_KEY, RANKS_PREFIX, SPEC_KEY, Heartbeat, connect_store, error_key, get
+from moeserve.engine.kv_cache import allocate_kv_caches, bytes_per_block
+from moeserve.engine.runner import ModelRunner
+from moeserve.models import TensorParallel, load_model, model_config
+from moeserve.models.loader import weight_bytes
+
+logger = logging.getLogger("moeserve.worker")
+
+POLL_S = 0.5  # how often an idle rank looks up from the channel (nothing to do but wait)
+
+
+def collective_backend(spec: WorkerSpec) -> str:
+    if spec.parallel.backend != "auto":
+        return spec.parallel.backend
+    return "nccl" if spec.device.startswith("cuda") else "gloo"
+
+
+def rank_device(spec: WorkerSpec, local_rank: int) -> torch.device:
+    """One GPU per rank (the node's `local_rank`-th); on CPU the node's cores are shared out."""
+    if spec.device.startswith("cuda"):
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.parallel.ranks_per_node))
+    return torch.device(spec.device)
+
+
+class Worker:
+    def __init__(self, spec: WorkerSpec, rank: int, node_rank: int, device: torch.device, store: dist.Store) -> None:
+        p = spec.parallel
+        self.spec, self.rank, self.node_rank, self.device = spec, rank, node_rank, device
+        dist.init_process_group(
+            collective_backend(spec), store=dist.PrefixStore(RANKS_PREFIX, store), rank=rank, world_size=p.ep,
+            timeout=timedelta(seconds=p.collective_timeout_s),
+        )
+        self.group_index, tp_rank = divmod(rank, p.tp)
+        tp_group = None
+        for g in range(p.num_dp_groups):  # every rank creates every group, in the same order
+            members = list(range(g * p.tp, (g + 1) * p.tp))
+            group = dist.new_group(members) if p.tp > 1 else None
+            if g == self.group_index:
+                tp_group = group
+        self.tp = TensorParallel(tp_rank, p.tp, tp_group)
+        self.requests: dict[str, RequestState] = {}
+
+    def load(self) -> LoadReport:
+        spec = self.spec
+        placement = ExpertPlacement.contiguous(model_config(spec.model).num_experts, spec.parallel.ep, self.rank)
+        dispatcher = create_dispatcher(spec.dispatcher, placement, self.device, group=dist.group.WORLD)
+        model = load_model(Path(spec.model), spec.dtype, self.device, dispatcher, self.tp)
+        kv_caches = allocate_kv_caches(model.cfg, spec.num_kv_blocks, spec.block_size, spec.dtype, self.device, self.tp.size)
+        self.runner = ModelRunner(model, kv_caches, spec.block_size, spec.eos_token_ids, self.device, lockstep=True, samples=self.tp.rank == 0)
+        sizes = weight_bytes(model)
+        return LoadReport(
+            rank=self.rank, node_rank=self.node_rank, pid=os.getpid(), host=socket.gethostname(),
+            num_local_experts=placement.num_local_experts, expert_bytes=sizes.experts, other_bytes=sizes.other,
+            kv_bytes=spec.num_kv_blocks * bytes_per_block(model.cfg, spec.block_size, spec.dtype, self.tp.size),
+        )
+
+    def step(self, message: StepInput) -> StepOutput:
+        for request_id in message.released:
+            self.requests.pop(request_id, None)
+        self.runner.release(message.released)
+        for state in message.new_requests:
+            self.requests[state.request_id] = state
+        sampled = self.runner.execute(message.plans[self.group_index], self.requests)
+        for request_id, token in sampled.items():
+            self.requests[request_id].output_token_ids.append(token.token_id)
+        routed = self.runner.model.take_routed_tokens() if message.want_routed_tokens else None
+        return StepOutput(message.step, self.rank, sampled, routed)
+
+
+def serve_rank(master_addr: str, master_port: int, rank: int, local_rank: int, node_rank: int, parent_pid: int | None) -> None:
+    """Join, load, then run steps until node 0 says stop. Raises on any failure."""
+    store = connect_store(master_addr, master_port, timeout_s=600.0)
+
+    def orphaned(reason: str) -> None:
+        logger.error("rank %d: %s; exiting", rank, reason)
+        logging.shutdown()
+        os._exit(1)
+
+    Heartbeat(connect_store(master_addr, master_port, timeout_s=30.0), rank, parent_pid, orphaned)
+    spec: WorkerSpec = get(store, SPEC_KEY)
+    channel = ControlClient(*get(store, CONTROL_KEY))
+    device = rank_device(spec, local_rank)
+    worker = Worker(spec, rank, node_rank, device, store)
+    try:
+        report = worker.load()
+    except Exception as exc:  # noqa: BLE001 - node 0 reports it; this rank cannot serve
+        channel.send(LoadReport(rank, node_rank, os.getpid(), socket.gethostname(), error=f"{type(exc).__name__}: {exc}"))
+        raise
+    channel.send(report)
+    while True:
+        message = channel.receive(POLL_S)
+        if message is None:
+            continue
+        if isinstance(message, Shutdown):
+            break
+        if isinstance(message, Sync):
+            channel.send(SyncAck(rank))
+            continue
+        channel.send(worker.step(message))
+    channel.close()
+    dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="moeserve-worker", description="one expert-parallel rank (started by moeserve launch)")
+    parser.add_argument("--master-addr", required=True)
+    parser.add_argument("--master-port", type=int, required=True)
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--local-rank", type=int, required=True)
+    parser.add_argument("--node-rank", type=int, default=0)
+    parser.add_argument("--parent-pid", type=int, default=None, help="exit when this process is gone")
+    parser.add_argument("--log-level", default="INFO")
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), stream=sys.stderr,
+        format=f"%(asctime)s %(levelname)s [rank {args.rank}] %(name)s: %(message)s",
+    )
+    try:
+        serve_rank(args.master_addr, args.master_port, args.rank, args.local_rank, args.node_rank, args.parent_pid)
+    except Exception:  # noqa: BLE001 - leave the reason where node 0 can read it, then die
+        text = traceback.format_exc()
+        logger.error("rank %d failed:\n%s", args.rank, text)
+        try:
+            connect_store(args.master_addr, args.master_port, timeout_s=5.0).set(error_key(args.rank), text.strip().splitlines()[-1])
+        except Exception:  # noqa: BLE001 - node 0 is gone too; the log has it
+            pass
+        logging.shutdown()
+        os._exit(1)
+    logging.shutdown()
+    os._exit(0)  # skip interpreter teardown: the process group's threads may still hold sockets
+
+
+if __name__ == "__main__":
+    sys.exit(main())

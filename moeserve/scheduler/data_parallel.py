@@ -1,0 +1,132 @@
+"""Scheduling over data-parallel attention groups: one `Scheduler` per group, one plan per step.
+
+With `ep` ranks and `tp`-way attention, `ep / tp` groups each own a KV cache and a set of
+requests; the MoE layers join every group in each step. A request is placed in one group for
+its whole life (its KV lives there): the one with the least load when it arrives. All groups
+step together, so one step's plan holds every group's plan, some of which may be empty.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from moeserve.scheduler.config import SchedulerConfig
+from moeserve.scheduler.request import Request
+from moeserve.scheduler.scheduler import QueueFullError, ScheduledRequest, Scheduler, SchedulerOutput
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """Every group's plan for one lockstep step; groups[g] runs on the ranks of group g."""
+
+    groups: tuple[SchedulerOutput, ...]
+
+    @property
+    def scheduled(self) -> list[ScheduledRequest]:
+        return [s for group in self.groups for s in group.scheduled]
+
+    @property
+    def is_empty(self) -> bool:
+        return all(group.is_empty for group in self.groups)
+
+    @property
+    def preempted_request_ids(self) -> list[str]:
+        return [r for group in self.groups for r in group.preempted_request_ids]
+
+    @property
+    def finished_request_ids(self) -> list[str]:
+        return [r for group in self.groups for r in group.finished_request_ids]
+
+
+class DataParallelScheduler:
+    """The engine's scheduler: the `Scheduler` interface over `num_groups` independent groups.
+
+    `max_waiting` bounds the requests queued across all groups, as it would in one.
+    """
+
+    def __init__(self, config: SchedulerConfig, num_groups: int = 1, clock: Callable[[], float] = time.monotonic) -> None:
+        if num_groups < 1:
+            raise ValueError(f"num_groups must be >= 1, got {num_groups}")
+        self.config = config
+        self.max_waiting = config.max_waiting
+        self.groups = [Scheduler(replace(config, max_waiting=None), clock) for _ in range(num_groups)]
+        self._group_of: dict[str, int] = {}
+
+    def _least_loaded(self) -> int:
+        """Queued requests weigh more than running ones (they will all need a prefill), then
+        KV blocks in use break ties, then the lowest group index."""
+        def load(g: int) -> tuple[int, int, int]:
+            s = self.groups[g]
+            return (4 * s.num_waiting + s.num_running, s.block_manager.num_used_blocks, g)
+
+        return min(range(len(self.groups)), key=load)
+
+    def add_request(self, request: Request) -> None:
+        """As `Scheduler.add_request`; the request joins the least-loaded group."""
+        if self.max_waiting is not None and self.num_waiting >= self.max_waiting:
+            raise QueueFullError(f"waiting queue is full ({self.max_waiting} requests)")
+        group = self._least_loaded()
+        self.groups[group].add_request(request)
+        self._group_of[request.request_id] = group
+
+    def group_of(self, request_id: str) -> int | None:
+        return self._group_of.get(request_id)
+
+    def _owner(self, request_id: str) -> Scheduler | None:
+        group = self._group_of.get(request_id)
+        return None if group is None else self.groups[group]
+
+    def abort_request(self, request_id: str) -> bool:
+        owner = self._owner(request_id)
+        if owner is None:
+            return False
+        del self._group_of[request_id]
+        return owner.abort_request(request_id)
+
+    def finish_request(self, request_id: str, reason: str, stop_reason: int | str | None = None) -> bool:
+        owner = self._owner(request_id)
+        if owner is None or not owner.finish_request(request_id, reason, stop_reason):
+            return False
+        del self._group_of[request_id]
+        return True
+
+    def get_request(self, request_id: str) -> Request | None:
+        owner = self._owner(request_id)
+        return None if owner is None else owner.get_request(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return any(s.has_unfinished_requests() for s in self.groups)
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(s.num_waiting for s in self.groups)
+
+    @property
+    def num_running(self) -> int:
+        return sum(s.num_running for s in self.groups)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return sum(s.block_manager.num_used_blocks for s in self.groups)
+
+    @property
+    def num_kv_blocks(self) -> int:
+        """Blocks of every group's cache together."""
+        return self.config.num_kv_blocks * len(self.groups)
+
+    def schedule(self) -> StepPlan:
+        return StepPlan(tuple(s.schedule() for s in self.groups))
+
+    def observe_step(self, plan: StepPlan, duration_s: float) -> None:
+        """Every group with work saw the whole lockstep step's time (the slowest group's)."""
+        for scheduler, output in zip(self.groups, plan.groups):
+            if not output.is_empty:
+                scheduler.observe_step(output, duration_s)
+
+    def update(self, plan: StepPlan, sampled_token_ids: dict[str, int]) -> list[Request]:
+        finished = [r for scheduler, output in zip(self.groups, plan.groups) for r in scheduler.update(output, sampled_token_ids)]
+        for request in finished:
+            self._group_of.pop(request.request_id, None)
+        return finished
