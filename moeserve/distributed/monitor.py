@@ -6,6 +6,10 @@ Two signals, checked every `POLL_S`:
 - every rank's heartbeat counter in the store: one that stops moving for `heartbeat_timeout_s`
   is stalled or unreachable (a frozen process, a dead machine, a cut network). Until a rank has
   beaten once it is still starting, which `startup_timeout_s` bounds instead.
+
+When one rank dies mid-step its peers fail a moment later in the collective they shared with
+it, so one poll often sees several dead ranks. The report names the cause first: a rank killed
+by a signal or failing on its own, before ranks whose error is a broken connection to a peer.
 """
 
 from __future__ import annotations
@@ -25,6 +29,12 @@ from moeserve.distributed.rendezvous import heartbeat_key, read_error
 logger = logging.getLogger(__name__)
 
 POLL_S = 0.25
+SETTLE_S = 0.3  # after a first loss, how long to let the knock-on failures show before reporting
+_PEER_FAILURE_MARKS = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Socket closed")
+
+
+def _caused_by_peer(error: str | None) -> bool:
+    return error is not None and any(mark in error for mark in _PEER_FAILURE_MARKS)
 
 
 class RankMonitor:
@@ -49,6 +59,9 @@ class RankMonitor:
 
     def _run(self) -> None:
         while not self._stop.wait(POLL_S):
+            if self._check() is None:
+                continue
+            time.sleep(SETTLE_S)
             reason = self._check()
             if reason is not None and not self._stop.is_set():
                 self._stop.set()
@@ -56,11 +69,28 @@ class RankMonitor:
                 return
 
     def _check(self) -> str | None:
+        exits = self._exits()
+        if exits:
+            return exits
+        return self._silence()
+
+    def _exits(self) -> str | None:
+        """Node 0's ranks that exited, the likely cause first; None if all run."""
+        dead = []
         for rank, proc in self._procs.items():
             code = proc.poll()
             if code is not None:
                 error = read_error(self._store, rank)
-                return f"rank {rank} (node 0, pid {proc.pid}) {exit_description(code)}" + (f": {error}" if error else "")
+                secondary = code > 0 and _caused_by_peer(error)
+                dead.append((secondary, rank, f"rank {rank} (node 0, pid {proc.pid}) {exit_description(code)}" + (f": {error}" if error else "")))
+        if not dead:
+            return None
+        dead.sort()
+        first = dead[0][2]
+        others = [str(rank) for _, rank, _ in dead[1:]]
+        return first + (f" (then rank(s) {', '.join(others)} failed too)" if others else "")
+
+    def _silence(self) -> str | None:
         now = time.monotonic()
         for rank in range(self._parallel.ep):
             try:
