@@ -54,3 +54,21 @@ def test_layout_matches_single_process(reference, arch, ep, tp):
     with LLM(str(folder), ep=ep, tp=tp, **ENGINE) as llm:
         got = [o.outputs[0].token_ids for o in llm.generate(prompts(), GREEDY, use_tqdm=False)]
     assert got == expected
+
+
+def test_generate_command_with_ep(reference, tmp_path):
+    """`moeserve generate --ep 2 --tp 2`, as a user runs it: the single process's tokens, and
+    no rank process outlives the command."""
+    import json
+    import subprocess
+    import sys
+
+    folder, _ = reference("qwen3_moe")
+    prompt = prompts()[2]["prompt_token_ids"]
+    expected = LLM(str(folder), **ENGINE).generate([{"prompt_token_ids": prompt}], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    command = [sys.executable, "-m", "moeserve", "generate", "--model", str(folder), "--prompt-ids", ",".join(map(str, prompt)),
+               "--max-tokens", str(GREEDY.max_tokens), "--ignore-eos", "--max-model-len", "96", "--ep", "2", "--tp", "2", "--json"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["token_ids"] == expected
+    assert "stopped 2 rank process(es)" in done.stderr

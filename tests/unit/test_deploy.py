@@ -1,0 +1,36 @@
+"""The deployment recipes call `moeserve launch` with flags that exist and mean what they say."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from moeserve.cli import build_parser
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+ENV = {"LWS_GROUP_SIZE": "2", "LWS_WORKER_INDEX": "1", "LWS_LEADER_ADDRESS": "10.0.0.1", "SLURM_NNODES": "2", "SLURM_NODEID": "1",
+       "MODEL": "/models/m", "EP": "16", "TP": "2", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
+
+
+def launch_commands(text: str) -> list[list[str]]:
+    """Every `moeserve launch ...` command, shell continuations joined and variables filled in."""
+    text = text.replace("\\\n", " ")
+    commands = []
+    for match in re.finditer(r"moeserve launch(?= --)((?:[^\n]|\n +(?=--))*)", text):
+        args = re.sub(r"\\?\$\(?\{?(\w+)\)?\}?", lambda m: ENV.get(m.group(1), m.group(0)), match.group(1))
+        commands.append(shlex.split(args.replace("'", "").replace('"', "")))
+    return commands
+
+
+@pytest.mark.parametrize("recipe,count", [("kubernetes/leaderworkerset.yaml", 2), ("slurm/moeserve.sbatch", 1)])
+def test_recipes_use_real_flags(recipe: str, count: int) -> None:
+    commands = launch_commands((DEPLOY / recipe).read_text())
+    assert len(commands) == count, commands  # the LWS leader and worker; the one srun
+    for argv in commands:
+        args = build_parser().parse_args(["launch", *argv])  # exits (fails the test) on an unknown flag
+        assert args.nnodes == 2 and args.node_rank == 1
+        assert args.master_addr == "10.0.0.1" and args.master_port == 29500
+        assert args.ep % args.nnodes == 0 and args.ep % args.tp == 0
