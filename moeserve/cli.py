@@ -1,4 +1,5 @@
-"""The `moeserve` command: `launch` (the OpenAI-compatible server), `generate` and `make-model`."""
+"""The `moeserve` command: `launch` (the OpenAI-compatible server), `generate`, `bench serve`
+(the SLO load test) and `make-model`."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import typing
 from pathlib import Path
 
 from moeserve.config import field_docs
+from moeserve.loadtest.cli import add_bench_parser
 
 logger = logging.getLogger("moeserve.cli")
 
@@ -236,6 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_launch(sub)
     _add_generate(sub)
+    add_bench_parser(sub)
     _add_make_model(sub)
     return parser
 
