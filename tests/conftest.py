@@ -94,3 +94,13 @@ def make_checkpoint(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Pat
         return folder
 
     return make
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked `gpu` skip, with the reason, where there is no CUDA device (CI)."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
