@@ -37,6 +37,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--json", action="store_true", help='print {"text": ..., "token_ids": [...]}')
+    p.add_argument("--kernels", choices=("auto", "torch", "triton"), default="auto", help="layer kernels: auto (Triton on CUDA), torch or triton")
     _add_parallel(p)
     p.set_defaults(func=_run_generate)
 
@@ -83,7 +84,7 @@ def _run_generate(args: argparse.Namespace) -> int:
 
     if args.node_rank > 0:
         raise ValueError("generate runs on node 0; start the other nodes with `moeserve launch --node-rank N`")
-    with LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len, **_parallel_kwargs(args)) as llm:
+    with LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len, kernels=args.kernels, **_parallel_kwargs(args)) as llm:
         completion = _generate_one(llm, args)
     if args.json:
         print(json.dumps({"text": completion.text, "token_ids": completion.token_ids, "finish_reason": completion.finish_reason}))
@@ -118,6 +119,7 @@ def _add_launch(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--served-model-name", help="model id clients send and /v1/models lists (default: the --model path, or 'moeserve-demo')")
     p.add_argument("--dtype", default="auto", help="auto (the checkpoint's), float32, bfloat16 or float16")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--kernels", choices=("auto", "torch", "triton"), default="auto", help="layer kernels: auto (Triton on CUDA), torch or triton")
     _add_parallel(p)
     p.add_argument("--max-model-len", type=int, default=None, help="longest prompt + completion (default: the checkpoint's)")
     p.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in the running batch")
@@ -170,7 +172,7 @@ def _run_launch(args: argparse.Namespace) -> int:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
         kv_cache_blocks=args.kv_cache_blocks, kv_cache_memory=args.kv_cache_memory, seed=args.seed,
         scheduling_policy=args.scheduling_policy, slo_ttft_ms=args.slo_ttft_ms, slo_tbt_ms=args.slo_tbt_ms, max_waiting=args.max_waiting,
-        min_step_time_ms=args.debug_min_step_time_ms,
+        min_step_time_ms=args.debug_min_step_time_ms, kernels=args.kernels,
     )
     return serve(settings, args.host, args.port, engine_kwargs, slo)
 

@@ -235,6 +235,7 @@ class SLOConfig:
 
 
 SCHEDULING_POLICIES = ("fcfs", "slo")
+KERNEL_BACKENDS = ("auto", "torch", "triton")
 
 
 @dataclass(frozen=True)
@@ -253,6 +254,8 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"  # "fcfs", or "slo": TBT-sized prefill chunks, TTFT-deadline order
     slo: SLOConfig = field(default_factory=SLOConfig)
     max_waiting: int | None = None  # most queued requests; beyond it add_request raises QueueFullError
+    kernels: str = "auto"
+    """Layer operations backend: torch, triton, or auto (triton on CUDA when installed, else torch)."""
     min_step_time_s: float = 0.0
     """Test-only: pad every non-empty step to at least this long, so load tests can build a
     server with a known capacity (the SLO harness checks its knee search against it)."""
@@ -260,3 +263,5 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling policy {self.scheduling_policy!r} is not one of {', '.join(SCHEDULING_POLICIES)}")
+        if self.kernels not in KERNEL_BACKENDS:
+            raise ValueError(f"kernels {self.kernels!r} is not one of {', '.join(KERNEL_BACKENDS)}")

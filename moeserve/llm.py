@@ -40,6 +40,7 @@ def engine_config(
     slo_tbt_ms: float = 25.0,
     max_waiting: int | None = None,
     min_step_time_ms: float = 0.0,
+    kernels: str = "auto",
     nnodes: int = 1,
     master_addr: str = "127.0.0.1",
     master_port: int = 0,
@@ -75,6 +76,7 @@ def engine_config(
         slo=SLOConfig(ttft_s=slo_ttft_ms / 1000.0, tbt_s=slo_tbt_ms / 1000.0),
         max_waiting=max_waiting,
         min_step_time_s=min_step_time_ms / 1000.0,
+        kernels=kernels,
     )
 
 

@@ -67,7 +67,7 @@ class MultiprocessExecutor(Executor):
         self._channel = ControlServer("127.0.0.1" if single_node else "*", "127.0.0.1" if single_node else p.master_addr)
         put(self._store, SPEC_KEY, WorkerSpec(
             model=config.model, dtype=dtype, device=config.device, parallel=p, block_size=config.cache.block_size,
-            num_kv_blocks=num_kv_blocks, eos_token_ids=tuple(eos_token_ids), seed=config.seed,
+            num_kv_blocks=num_kv_blocks, eos_token_ids=tuple(eos_token_ids), seed=config.seed, kernels=config.kernels,
         ))
         put(self._store, CONTROL_KEY, self._channel.addresses)
         store_addr = "127.0.0.1" if single_node else p.master_addr

@@ -30,6 +30,7 @@ class WorkerSpec:
     """Per data-parallel group: what that group's scheduler plans with."""
     eos_token_ids: tuple[int, ...]
     seed: int
+    kernels: str = "auto"
     dispatcher: str = "torch"
 
 

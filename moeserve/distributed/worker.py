@@ -30,6 +30,7 @@ from moeserve.engine.kv_cache import allocate_kv_caches, bytes_per_block
 from moeserve.engine.runner import ModelRunner
 from moeserve.models import TensorParallel, load_model, model_config
 from moeserve.models.loader import weight_bytes
+from moeserve.models.ops import create_ops
 
 logger = logging.getLogger("moeserve.worker")
 
@@ -73,7 +74,7 @@ class Worker:
         spec = self.spec
         placement = ExpertPlacement.contiguous(model_config(spec.model).num_experts, spec.parallel.ep, self.rank)
         dispatcher = create_dispatcher(spec.dispatcher, placement, self.device, group=dist.group.WORLD)
-        model = load_model(Path(spec.model), spec.dtype, self.device, dispatcher, self.tp)
+        model = load_model(Path(spec.model), spec.dtype, self.device, dispatcher, self.tp, create_ops(spec.kernels, self.device))
         kv_caches = allocate_kv_caches(model.cfg, spec.num_kv_blocks, spec.block_size, spec.dtype, self.device, self.tp.size)
         self.runner = ModelRunner(model, kv_caches, spec.block_size, spec.eos_token_ids, self.device, lockstep=True, samples=self.tp.rank == 0)
         sizes = weight_bytes(model)

@@ -21,6 +21,7 @@ from moeserve.engine.kv_cache import allocate_kv_caches
 from moeserve.engine.runner import ModelRunner, SampledToken, SamplingRequest
 from moeserve.engine.stats import RoutedTokens
 from moeserve.models import load_model
+from moeserve.models.ops import create_ops
 from moeserve.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -59,7 +60,7 @@ class InProcessExecutor(Executor):
 
     def __init__(self, config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype, num_kv_blocks: int, eos_token_ids: Sequence[int]) -> None:
         self.num_kv_blocks = num_kv_blocks
-        self.model = load_model(Path(config.model), dtype, config.device)
+        self.model = load_model(Path(config.model), dtype, config.device, ops=create_ops(config.kernels, config.device))
         kv_caches = allocate_kv_caches(model_config, num_kv_blocks, config.cache.block_size, dtype, config.device)
         self.runner = ModelRunner(self.model, kv_caches, config.cache.block_size, eos_token_ids, config.device)
         self._placement = ExpertPlacement.contiguous(model_config.num_experts)

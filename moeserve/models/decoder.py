@@ -20,6 +20,7 @@ from moeserve.models.layers.moe import MoEBlock
 from moeserve.models.layers.norm import RMSNorm
 from moeserve.models.layers.paged_attention import AttentionMetadata
 from moeserve.models.layers.rotary import RotaryEmbedding
+from moeserve.models.ops import TORCH_OPS, LayerOps
 from moeserve.models.tensor_parallel import SINGLE, TensorParallel
 
 
@@ -34,15 +35,18 @@ class DecoderLayer(nn.Module):
     """Attention then FFN, each with a residual. Under tensor parallelism (see
     `tensor_parallel`) the FFN, dense or MoE, runs on this rank's slice of the tokens."""
 
-    def __init__(self, cfg: ModelConfig, layer: int, dispatcher: Dispatcher, dtype: torch.dtype, device: torch.device | str, tp: TensorParallel = SINGLE) -> None:
+    def __init__(
+        self, cfg: ModelConfig, layer: int, dispatcher: Dispatcher, dtype: torch.dtype, device: torch.device | str,
+        tp: TensorParallel = SINGLE, ops: LayerOps = TORCH_OPS,
+    ) -> None:
         super().__init__()
         attention_cls = MLAttention if cfg.is_mla else Attention
         self.tp = tp
-        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.attn = attention_cls(cfg, layer, dtype, device, tp)
-        self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, ops)
+        self.attn = attention_cls(cfg, layer, dtype, device, tp, ops)
+        self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, ops)
         if cfg.moe_layers[layer]:
-            self.mlp: nn.Module = MoEBlock(cfg, dispatcher, dtype, device)
+            self.mlp: nn.Module = MoEBlock(cfg, dispatcher, dtype, device, ops)
         else:
             self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype, device)
 
@@ -60,14 +64,18 @@ class MoECausalLM(nn.Module):
     Parameters are allocated uninitialised; the loader fills every one of them or fails.
     """
 
-    def __init__(self, cfg: ModelConfig, dispatcher: Dispatcher, dtype: torch.dtype, device: torch.device | str = "cpu", tp: TensorParallel = SINGLE) -> None:
+    def __init__(
+        self, cfg: ModelConfig, dispatcher: Dispatcher, dtype: torch.dtype, device: torch.device | str = "cpu",
+        tp: TensorParallel = SINGLE, ops: LayerOps = TORCH_OPS,
+    ) -> None:
         super().__init__()
         self.cfg = cfg
         self.dtype = dtype
         self.tp = tp
+        self.ops = ops
         self.embed_tokens = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device), requires_grad=False)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, dispatcher, dtype, device, tp) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, dispatcher, dtype, device, tp, ops) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, ops)
         self.lm_head = None
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device), requires_grad=False)
@@ -79,6 +87,7 @@ class MoECausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_caches: list[torch.Tensor]) -> torch.Tensor:
         """input_ids, positions `[T]` -> final hidden states `[T, H]` (after the last norm)."""
+        meta = self.ops.prepare_attention(meta)
         x = F.embedding(input_ids, self.embed_tokens)  # [T, H]
         cos, sin = self.rotary.cos_sin(positions, self.dtype)  # [T, rotary_dim], once for all layers
         for layer, kv_cache in zip(self.layers, kv_caches):

@@ -21,6 +21,7 @@ from moeserve.dispatch import Dispatcher, ExpertPlacement, create_dispatcher
 from moeserve.models.architectures import CheckpointNames, resolve_architecture
 from moeserve.models.checkpoint import CheckpointError, CheckpointReader
 from moeserve.models.decoder import MoECausalLM
+from moeserve.models.ops import TORCH_OPS, LayerOps
 from moeserve.models.tensor_parallel import SINGLE, Shard, TensorParallel, shard_of
 
 logger = logging.getLogger(__name__)
@@ -141,6 +142,7 @@ def load_model(
     device: str | torch.device = "cpu",
     dispatcher: Dispatcher | None = None,
     tp: TensorParallel = SINGLE,
+    ops: LayerOps = TORCH_OPS,
 ) -> MoECausalLM:
     """Build the model for `folder`'s architecture and load this rank's share of its weights.
 
@@ -155,7 +157,7 @@ def load_model(
     placement = dispatcher.placement
     if placement.num_experts != cfg.num_experts:
         raise ValueError(f"placement covers {placement.num_experts} experts, the model has {cfg.num_experts}")
-    model = MoECausalLM(cfg, dispatcher, dtype, device, tp)
+    model = MoECausalLM(cfg, dispatcher, dtype, device, tp, ops)
     targets = {name: p for name, p in model.named_parameters()}
     sources = {name: weight_source(name, arch.names, placement, reader) for name in targets}
     check_sources(sources, targets, reader)

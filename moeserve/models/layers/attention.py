@@ -7,8 +7,8 @@ from torch import nn
 
 from moeserve.config import ModelConfig
 from moeserve.models.layers.norm import RMSNorm
-from moeserve.models.layers.paged_attention import AttentionMetadata, paged_attention, write_to_cache
-from moeserve.models.layers.rotary import apply_rotary
+from moeserve.models.layers.paged_attention import AttentionMetadata, write_to_cache
+from moeserve.models.ops import TORCH_OPS, LayerOps
 from moeserve.models.tensor_parallel import SINGLE, TensorParallel, column_parallel, kv_heads_of, row_parallel
 
 
@@ -26,8 +26,11 @@ class Attention(nn.Module):
     (row-parallel), so forward() returns this rank's partial sum of the output.
     """
 
-    def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype, device: torch.device | str = "cpu", tp: TensorParallel = SINGLE) -> None:
+    def __init__(
+        self, cfg: ModelConfig, layer: int, dtype: torch.dtype, device: torch.device | str = "cpu", tp: TensorParallel = SINGLE, ops: LayerOps = TORCH_OPS
+    ) -> None:
         super().__init__()
+        self.ops = ops
         h, d = cfg.hidden_size, cfg.head_dim
         self.num_heads = tp.split(cfg.num_heads, "num_attention_heads")
         first_kv, self.num_kv_heads = kv_heads_of(cfg.num_kv_heads, tp.rank, tp.size)
@@ -40,8 +43,8 @@ class Attention(nn.Module):
         self.k_proj = column_parallel(linear(h, kv_cols, cfg.qkv_bias, dtype, device), first_kv * d, cfg.num_kv_heads * d, tp)
         self.v_proj = column_parallel(linear(h, kv_cols, cfg.qkv_bias, dtype, device), first_kv * d, cfg.num_kv_heads * d, tp)
         self.o_proj = row_parallel(linear(q_cols, h, cfg.o_bias, dtype, device), tp.rank * q_cols, cfg.num_heads * d, tp)
-        self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, device, ops) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, device, ops) if cfg.qk_norm else None
 
     @staticmethod
     def cache_shape(cfg: ModelConfig, num_blocks: int, block_size: int, tp_size: int = 1) -> tuple[int, ...]:
@@ -55,9 +58,9 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rotary(q, cos, sin, self.interleaved_rope)
-        k = apply_rotary(k, cos, sin, self.interleaved_rope)
+        q = self.ops.rotary(q, cos, sin, self.interleaved_rope)
+        k = self.ops.rotary(k, cos, sin, self.interleaved_rope)
         write_to_cache(kv_cache[0], k, meta.slot_mapping)
         write_to_cache(kv_cache[1], v, meta.slot_mapping)
-        out = paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window)
+        out = self.ops.paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window)
         return self.o_proj(out.reshape(num_tokens, out.shape[1] * out.shape[2]))  # explicit: T may be 0

@@ -15,7 +15,7 @@ from moeserve.config import ModelConfig
 from moeserve.models.layers.attention import linear
 from moeserve.models.layers.norm import RMSNorm
 from moeserve.models.layers.paged_attention import AttentionMetadata, causal_attention, gather_from_cache, write_to_cache
-from moeserve.models.layers.rotary import apply_rotary
+from moeserve.models.ops import TORCH_OPS, LayerOps
 from moeserve.models.tensor_parallel import SINGLE, TensorParallel, column_parallel, row_parallel
 
 
@@ -27,9 +27,12 @@ class MLAttention(nn.Module):
     why DeepSeek deployments prefer data-parallel attention (`--tp 1`) for MLA.
     """
 
-    def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype, device: torch.device | str = "cpu", tp: TensorParallel = SINGLE) -> None:
+    def __init__(
+        self, cfg: ModelConfig, layer: int, dtype: torch.dtype, device: torch.device | str = "cpu", tp: TensorParallel = SINGLE, ops: LayerOps = TORCH_OPS
+    ) -> None:
         super().__init__()
         assert cfg.mla is not None
+        self.ops = ops
         m, h = cfg.mla, cfg.hidden_size
         self.mla = m
         self.num_heads = heads = tp.split(cfg.num_heads, "num_attention_heads")
@@ -41,10 +44,10 @@ class MLAttention(nn.Module):
             self.q_proj = column_parallel(linear(h, q_out, False, dtype, device), first * m.qk_head_dim, cfg.num_heads * m.qk_head_dim, tp)
         else:
             self.q_a_proj = linear(h, m.q_lora_rank, cfg.qkv_bias, dtype, device)
-            self.q_a_norm = RMSNorm(m.q_lora_rank, cfg.rms_norm_eps, dtype, device)
+            self.q_a_norm = RMSNorm(m.q_lora_rank, cfg.rms_norm_eps, dtype, device, ops)
             self.q_b_proj = column_parallel(linear(m.q_lora_rank, q_out, False, dtype, device), first * m.qk_head_dim, cfg.num_heads * m.qk_head_dim, tp)
         self.kv_a_proj = linear(h, m.kv_lora_rank + m.qk_rope_head_dim, cfg.qkv_bias, dtype, device)
-        self.kv_a_norm = RMSNorm(m.kv_lora_rank, cfg.rms_norm_eps, dtype, device)
+        self.kv_a_norm = RMSNorm(m.kv_lora_rank, cfg.rms_norm_eps, dtype, device, ops)
         kv_per_head = m.qk_nope_head_dim + m.v_head_dim
         self.kv_b_proj = column_parallel(linear(m.kv_lora_rank, heads * kv_per_head, False, dtype, device), first * kv_per_head, cfg.num_heads * kv_per_head, tp)
         self.o_proj = row_parallel(linear(heads * m.v_head_dim, h, cfg.o_bias, dtype, device), first * m.v_head_dim, cfg.num_heads * m.v_head_dim, tp)
@@ -72,9 +75,9 @@ class MLAttention(nn.Module):
         m, num_tokens = self.mla, x.shape[0]
         q = self._queries(x)
         q_nope, q_rope = q.split([m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
-        q = torch.cat((q_nope, apply_rotary(q_rope, cos, sin, self.interleaved_rope)), dim=-1)
+        q = torch.cat((q_nope, self.ops.rotary(q_rope, cos, sin, self.interleaved_rope)), dim=-1)
         kv_nope, k_rope = self.kv_a_proj(x).split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
-        k_rope = apply_rotary(k_rope[:, None, :], cos, sin, self.interleaved_rope)[:, 0]
+        k_rope = self.ops.rotary(k_rope[:, None, :], cos, sin, self.interleaved_rope)[:, 0]
         write_to_cache(kv_cache, torch.cat((self.kv_a_norm(kv_nope), k_rope), dim=-1), meta.slot_mapping)
 
         out = q.new_empty(num_tokens, self.num_heads, m.v_head_dim)

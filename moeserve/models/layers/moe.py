@@ -14,14 +14,15 @@ from moeserve.dispatch import Dispatcher
 from moeserve.models.layers.experts import Experts
 from moeserve.models.layers.mlp import GatedMLP
 from moeserve.models.layers.router import Router
+from moeserve.models.ops import TORCH_OPS, LayerOps
 
 
 class MoEBlock(nn.Module):
-    def __init__(self, cfg: ModelConfig, dispatcher: Dispatcher, dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+    def __init__(self, cfg: ModelConfig, dispatcher: Dispatcher, dtype: torch.dtype, device: torch.device | str = "cpu", ops: LayerOps = TORCH_OPS) -> None:
         super().__init__()
         self.dispatcher = dispatcher
-        self.router = Router(cfg.router, cfg.hidden_size, cfg.num_experts, dtype, device)
-        self.experts = Experts(dispatcher.placement.num_local_experts, cfg.hidden_size, cfg.moe_intermediate_size, dtype, device)
+        self.router = Router(cfg.router, cfg.hidden_size, cfg.num_experts, dtype, device, ops)
+        self.experts = Experts(dispatcher.placement.num_local_experts, cfg.hidden_size, cfg.moe_intermediate_size, dtype, device, ops)
         self.routed_tokens = [0] * dispatcher.placement.num_local_experts
         """Rows each local expert received since `take_routed_tokens()`: the load /metrics reports."""
         self.shared = None

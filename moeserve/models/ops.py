@@ -1,0 +1,145 @@
+"""The numerical operations layers delegate to, with one backend per kind of device.
+
+Layers own parameters and the order of operations; how a norm, a rotation, attention over the
+paged cache, routing or the experts' grouped GEMM is computed is a backend's business:
+`TorchOps` (the reference, and the CPU path) or `TritonOps` (`moeserve/kernels/ops.py`, the GPU
+path, also runnable on CPU through Triton's interpreter for tests). Every backend must give the
+reference's results within its dtype's tolerance.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from moeserve.config import RouterConfig
+from moeserve.models.layers.paged_attention import AttentionMetadata, paged_attention
+from moeserve.models.layers.rotary import apply_rotary
+
+
+class LayerOps(ABC):
+    name: str
+
+    def prepare_attention(self, meta: AttentionMetadata) -> AttentionMetadata:
+        """Once per step, before any layer: add what this backend's attention needs."""
+        return meta
+
+    @abstractmethod
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMSNorm over the last dim: normalise in fp32, cast back, then scale (HF's order)."""
+
+    @abstractmethod
+    def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+        """x `[T, heads, rotary_dim]`; see `layers.rotary.apply_rotary` for the layouts."""
+
+    @abstractmethod
+    def paged_attention(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, sliding_window: int | None
+    ) -> torch.Tensor:
+        """q `[T, Hq, D]` over the step's paged context -> `[T, Hq, Dv]`."""
+
+    @abstractmethod
+    def route(self, cfg: RouterConfig, logits: torch.Tensor, correction_bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Router logits `[T, E]` (fp32 for sigmoid routers) -> (topk_ids int64, topk_weights fp32)."""
+
+    @abstractmethod
+    def experts(self, x: torch.Tensor, num_tokens_per_expert: Sequence[int], w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+        """x `[N, H]` grouped by local expert -> each row through its expert's gated MLP."""
+
+
+class TorchOps(LayerOps):
+    """The reference: plain torch, exact per sequence (batch-invariant attention)."""
+
+    name = "torch"
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+        # Cast before scaling, as HF does: keeps bf16 results bit-identical to the reference.
+        return weight * x32.to(dtype)
+
+    def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+        return apply_rotary(x, cos, sin, interleaved)
+
+    def paged_attention(self, q, k_cache, v_cache, meta, scale, sliding_window):
+        return paged_attention(q, k_cache, v_cache, meta, scale, sliding_window)
+
+    def route(self, cfg: RouterConfig, logits: torch.Tensor, correction_bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        num_tokens, num_experts = logits.shape
+        if cfg.kind == "grouped_sigmoid":
+            return _grouped_sigmoid(cfg, logits, correction_bias)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        if cfg.num_groups > 1:  # DeepSeek-V2: experts only from the groups with the best expert
+            grouped = probs.view(num_tokens, cfg.num_groups, num_experts // cfg.num_groups)  # [T, G, E/G]
+            top_groups = grouped.amax(dim=-1).topk(cfg.topk_groups, dim=-1, sorted=False).indices
+            keep = torch.zeros(grouped.shape[:2], dtype=torch.bool, device=logits.device).scatter_(1, top_groups, True)
+            probs = probs.masked_fill(~keep[:, :, None].expand_as(grouped).reshape_as(probs), 0.0)
+        weights, ids = torch.topk(probs, cfg.top_k, dim=-1)
+        if cfg.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return ids, weights * cfg.routed_scaling_factor
+
+    def experts(self, x: torch.Tensor, num_tokens_per_expert: Sequence[int], w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+        """One GEMM pair per expert that received rows; empty experts cost nothing."""
+        out = torch.empty_like(x)
+        start = 0
+        for expert, count in enumerate(num_tokens_per_expert):
+            if count == 0:
+                continue
+            rows = x[start : start + count]
+            gate, up = F.linear(rows, w13[expert]).chunk(2, dim=-1)
+            out[start : start + count] = F.linear(F.silu(gate) * up, w2[expert])
+            start += count
+        return out
+
+
+def _grouped_sigmoid(cfg: RouterConfig, scores_logits: torch.Tensor, correction_bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3: pick top groups by the sum of their two best biased scores, then top-k
+    experts inside them; weights are the unbiased scores of the chosen experts."""
+    num_tokens, num_experts = scores_logits.shape
+    scores = scores_logits.sigmoid()  # [T, E]
+    biased = scores + correction_bias if correction_bias is not None else scores
+    grouped = biased.view(num_tokens, cfg.num_groups, num_experts // cfg.num_groups)  # [T, G, E/G] (explicit: T may be 0)
+    group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(dim=-1)  # [T, G]
+    top_groups = group_scores.topk(cfg.topk_groups, dim=-1, sorted=False).indices
+    group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, top_groups, True)
+    expert_mask = group_mask[:, :, None].expand_as(grouped).reshape(num_tokens, num_experts)
+    ids = biased.masked_fill(~expert_mask, float("-inf")).topk(cfg.top_k, dim=-1, sorted=False).indices
+    weights = scores.gather(1, ids)
+    if cfg.renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return ids, weights * cfg.routed_scaling_factor
+
+
+TORCH_OPS = TorchOps()
+
+
+def create_ops(name: str, device: torch.device | str) -> LayerOps:
+    """The backend for `name` ("auto": Triton's kernels on CUDA when triton is installed, else
+    torch). Asking for triton where it cannot run is an error, not a silent fallback."""
+    device = torch.device(device)
+    if name == "auto":
+        name = "triton" if device.type == "cuda" and _triton_installed() else "torch"
+    if name == "torch":
+        return TORCH_OPS
+    if name != "triton":
+        raise ValueError(f"unknown kernels backend {name!r}; use auto, torch or triton")
+    if not _triton_installed():
+        raise ValueError("kernels=triton needs the triton package (pip install 'moeserve[gpu]')")
+    import os
+
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"kernels=triton runs on CUDA devices (or, for tests, on CPU with TRITON_INTERPRET=1); device is {device}")
+    from moeserve.kernels.ops import TritonOps
+
+    return TritonOps()
+
+
+def _triton_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None
