@@ -24,12 +24,18 @@ class AttentionMetadata:
     query_lens:      per sequence, how many of its tokens are in this step (sum = T).
     context_lens:    per sequence, context length after this step (cached + new tokens).
     context_slots:   per sequence, `[context_len]` int64 slots of its whole context, in order.
+    block_tables, start_positions, block_size: the plan's inputs, for kernels that walk block
+                     tables themselves; `kernel` holds what a `LayerOps` backend derived from them.
     """
 
     slot_mapping: torch.Tensor
     query_lens: tuple[int, ...]
     context_lens: tuple[int, ...]
     context_slots: tuple[torch.Tensor, ...]
+    block_tables: tuple[tuple[int, ...], ...] = ()
+    start_positions: tuple[int, ...] = ()
+    block_size: int = 0
+    kernel: object | None = None
 
 
 def slots_for(block_ids: Sequence[int], start: int, end: int, block_size: int) -> torch.Tensor:
@@ -62,6 +68,9 @@ def plan_attention(
         query_lens=tuple(int(q) for q in query_lens),
         context_lens=tuple(context_lens),
         context_slots=tuple(context_slots),
+        block_tables=tuple(tuple(b) for b in block_tables),
+        start_positions=tuple(int(s) for s in start_positions),
+        block_size=block_size,
     )
 
 
