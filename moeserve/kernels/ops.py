@@ -13,6 +13,7 @@ import torch
 
 from moeserve.config import RouterConfig
 from moeserve.kernels.fused_moe import block_m_for, fused_moe
+from moeserve.kernels.mla_attention import mla_decode
 from moeserve.kernels.moe_align import moe_align_block_size
 from moeserve.kernels.norm import rms_norm
 from moeserve.kernels.paged_attention import paged_attention, paged_inputs
@@ -44,6 +45,11 @@ class TritonOps(LayerOps):
         if q.shape[0] == 0:
             return q.new_empty(0, q.shape[1], v_cache.shape[-1])
         return paged_attention(q.contiguous(), k_cache, v_cache, meta.kernel, scale, sliding_window)
+
+    def mla_attention(self, q_nope, q_rope, kv_cache, meta, kv_b_weight, mla, scale):
+        if q_nope.shape[0] == 0:
+            return q_nope.new_empty(0, q_nope.shape[1], mla.v_head_dim)
+        return mla_decode(q_nope, q_rope, kv_cache, kv_b_weight, meta.kernel, scale, mla)
 
     def route(self, cfg: RouterConfig, logits: torch.Tensor, correction_bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         if logits.shape[0] == 0:

@@ -15,8 +15,8 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from moeserve.config import RouterConfig
-from moeserve.models.layers.paged_attention import AttentionMetadata, paged_attention
+from moeserve.config import MLAConfig, RouterConfig
+from moeserve.models.layers.paged_attention import AttentionMetadata, causal_attention, gather_from_cache, paged_attention
 from moeserve.models.layers.rotary import apply_rotary
 
 
@@ -40,6 +40,14 @@ class LayerOps(ABC):
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, sliding_window: int | None
     ) -> torch.Tensor:
         """q `[T, Hq, D]` over the step's paged context -> `[T, Hq, Dv]`."""
+
+    @abstractmethod
+    def mla_attention(
+        self, q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+        kv_b_weight: torch.Tensor, mla: MLAConfig, scale: float,
+    ) -> torch.Tensor:
+        """MLA: queries `[T, H, nope]` and rotated `[T, H, rope]` over the latent cache, with
+        kv_b_proj's weight `[H * (nope + v), kv_lora_rank]` -> `[T, H, v]`."""
 
     @abstractmethod
     def route(self, cfg: RouterConfig, logits: torch.Tensor, correction_bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,6 +75,21 @@ class TorchOps(LayerOps):
 
     def paged_attention(self, q, k_cache, v_cache, meta, scale, sliding_window):
         return paged_attention(q, k_cache, v_cache, meta, scale, sliding_window)
+
+    def mla_attention(self, q_nope, q_rope, kv_cache, meta, kv_b_weight, mla, scale):
+        """Expand each sequence's context latents through kv_b_proj, then plain attention."""
+        num_heads = q_nope.shape[1]
+        q = torch.cat((q_nope, q_rope), dim=-1)
+        out = q.new_empty(q.shape[0], num_heads, mla.v_head_dim)
+        start = 0
+        for qlen, slots in zip(meta.query_lens, meta.context_slots):
+            latent, k_rope = gather_from_cache(kv_cache, slots).split([mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
+            kv = F.linear(latent, kv_b_weight).view(latent.shape[0], num_heads, mla.qk_nope_head_dim + mla.v_head_dim)
+            k_nope, v = kv.split([mla.qk_nope_head_dim, mla.v_head_dim], dim=-1)
+            k = torch.cat((k_nope, k_rope[:, None, :].expand(-1, num_heads, -1)), dim=-1)
+            out[start : start + qlen] = causal_attention(q[start : start + qlen], k, v, scale)
+            start += qlen
+        return out
 
     def route(self, cfg: RouterConfig, logits: torch.Tensor, correction_bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         num_tokens, num_experts = logits.shape

@@ -3,7 +3,8 @@
 The cache holds, per token, the normalised KV latent `[kv_lora_rank]` and the already-rotated
 shared rope key `[qk_rope_head_dim]`: (512 + 64) values per token for DeepSeek-V3 instead of
 128 heads x (192 + 128) for full K/V. Attention expands the context latents through kv_b_proj
-(the reference formulation; the GPU path may absorb kv_b_proj into q and o instead).
+(the torch reference, `TorchOps.mla_attention`); the Triton backend absorbs kv_b_proj into the
+query and output instead and attends over the latents themselves.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from torch import nn
 from moeserve.config import ModelConfig
 from moeserve.models.layers.attention import linear
 from moeserve.models.layers.norm import RMSNorm
-from moeserve.models.layers.paged_attention import AttentionMetadata, causal_attention, gather_from_cache, write_to_cache
+from moeserve.models.layers.paged_attention import AttentionMetadata, write_to_cache
 from moeserve.models.ops import TORCH_OPS, LayerOps
 from moeserve.models.tensor_parallel import SINGLE, TensorParallel, column_parallel, row_parallel
 
@@ -61,29 +62,14 @@ class MLAttention(nn.Module):
         q = self.q_proj(x) if self.mla.q_lora_rank is None else self.q_b_proj(self.q_a_norm(self.q_a_proj(x)))
         return q.view(x.shape[0], self.num_heads, self.mla.qk_head_dim)  # [T, Hq, nope + rope]
 
-    def _expand(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Context latents `[L, lora + rope]` -> keys `[L, Hq, nope + rope]`, values `[L, Hq, v]`."""
-        m = self.mla
-        kv_nope, k_rope = latent.split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
-        kv = self.kv_b_proj(kv_nope).view(latent.shape[0], self.num_heads, m.qk_nope_head_dim + m.v_head_dim)
-        k_nope, v = kv.split([m.qk_nope_head_dim, m.v_head_dim], dim=-1)
-        k = torch.cat((k_nope, k_rope[:, None, :].expand(-1, self.num_heads, -1)), dim=-1)
-        return k, v
-
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """x `[T, H]`; cos/sin `[T, rope]` -> `[T, H]`."""
         m, num_tokens = self.mla, x.shape[0]
         q = self._queries(x)
         q_nope, q_rope = q.split([m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
-        q = torch.cat((q_nope, self.ops.rotary(q_rope, cos, sin, self.interleaved_rope)), dim=-1)
+        q_rope = self.ops.rotary(q_rope, cos, sin, self.interleaved_rope)
         kv_nope, k_rope = self.kv_a_proj(x).split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
         k_rope = self.ops.rotary(k_rope[:, None, :], cos, sin, self.interleaved_rope)[:, 0]
         write_to_cache(kv_cache, torch.cat((self.kv_a_norm(kv_nope), k_rope), dim=-1), meta.slot_mapping)
-
-        out = q.new_empty(num_tokens, self.num_heads, m.v_head_dim)
-        start = 0
-        for qlen, slots in zip(meta.query_lens, meta.context_slots):
-            k, v = self._expand(gather_from_cache(kv_cache, slots))
-            out[start : start + qlen] = causal_attention(q[start : start + qlen], k, v, self.scale)
-            start += qlen
+        out = self.ops.mla_attention(q_nope, q_rope, kv_cache, meta, self.kv_b_proj.weight, m, self.scale)
         return self.o_proj(out.reshape(num_tokens, out.shape[1] * out.shape[2]))  # explicit: T may be 0
