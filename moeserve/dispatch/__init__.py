@@ -3,6 +3,7 @@
 from moeserve.dispatch.all_to_all import AllToAllDispatcher
 from moeserve.dispatch.base import DispatchHandle, Dispatcher, DispatchOutput
 from moeserve.dispatch.local import LocalDispatcher
+from moeserve.dispatch.nvshmem import NvshmemDispatcher
 from moeserve.dispatch.placement import ExpertPlacement
 from moeserve.dispatch.registry import DISPATCHERS, create_dispatcher
 
@@ -14,5 +15,6 @@ __all__ = [
     "Dispatcher",
     "ExpertPlacement",
     "LocalDispatcher",
+    "NvshmemDispatcher",
     "create_dispatcher",
 ]

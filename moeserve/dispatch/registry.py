@@ -10,9 +10,10 @@ import torch.distributed as dist
 from moeserve.dispatch.all_to_all import AllToAllDispatcher
 from moeserve.dispatch.base import Dispatcher
 from moeserve.dispatch.local import LocalDispatcher
+from moeserve.dispatch.nvshmem import NvshmemDispatcher
 from moeserve.dispatch.placement import ExpertPlacement
 
-DISPATCHERS: dict[str, type[Dispatcher]] = {backend.name: backend for backend in (LocalDispatcher, AllToAllDispatcher)}
+DISPATCHERS: dict[str, type[Dispatcher]] = {backend.name: backend for backend in (LocalDispatcher, AllToAllDispatcher, NvshmemDispatcher)}
 
 
 def create_dispatcher(
