@@ -37,7 +37,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--json", action="store_true", help='print {"text": ..., "token_ids": [...]}')
-    p.add_argument("--kernels", choices=("auto", "torch", "triton"), default="auto", help="layer kernels: auto (Triton on CUDA), torch or triton")
+    p.add_argument("--kernels", choices=("auto", "torch", "triton"), default="auto", help="layer kernels: torch, triton, or auto (torch until the Triton kernels are verified on a GPU)")
     _add_parallel(p)
     p.set_defaults(func=_run_generate)
 
@@ -119,7 +119,7 @@ def _add_launch(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--served-model-name", help="model id clients send and /v1/models lists (default: the --model path, or 'moeserve-demo')")
     p.add_argument("--dtype", default="auto", help="auto (the checkpoint's), float32, bfloat16 or float16")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--kernels", choices=("auto", "torch", "triton"), default="auto", help="layer kernels: auto (Triton on CUDA), torch or triton")
+    p.add_argument("--kernels", choices=("auto", "torch", "triton"), default="auto", help="layer kernels: torch, triton, or auto (torch until the Triton kernels are verified on a GPU)")
     _add_parallel(p)
     p.add_argument("--max-model-len", type=int, default=None, help="longest prompt + completion (default: the checkpoint's)")
     p.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in the running batch")
