@@ -179,15 +179,10 @@ def _run_launch(args: argparse.Namespace) -> int:
 
 def _run_node(args: argparse.Namespace) -> int:
     """A machine other than node 0: its ranks only; node 0 tells them what to load."""
-    from moeserve.config import ParallelConfig
     from moeserve.distributed import run_node
+    from moeserve.llm import parallel_config
 
-    kw = _parallel_kwargs(args)
-    parallel = ParallelConfig(
-        ep=kw["ep"], tp=kw["tp"], nnodes=kw["nnodes"], node_rank=args.node_rank, master_addr=kw["master_addr"], master_port=kw["master_port"],
-        backend=kw["distributed_backend"], collective_timeout_s=kw["collective_timeout_s"], heartbeat_timeout_s=kw["heartbeat_timeout_s"],
-    )
-    return run_node(parallel)
+    return run_node(parallel_config(**_parallel_kwargs(args), node_rank=args.node_rank))
 
 
 def _spec_fields():

@@ -150,6 +150,11 @@ class ModelConfig:
     def is_mla(self) -> bool:
         return self.mla is not None
 
+    @property
+    def moe_layer_indices(self) -> tuple[int, ...]:
+        """Decoder layers that hold an MoE block, in order."""
+        return tuple(i for i, moe in enumerate(self.moe_layers) if moe)
+
 
 @dataclass(frozen=True)
 class ParallelConfig:

@@ -22,6 +22,24 @@ logger = logging.getLogger(__name__)
 Prompt = str | dict | list[int]
 
 
+def parallel_config(
+    ep: int = 1,
+    tp: int = 1,
+    nnodes: int = 1,
+    master_addr: str = "127.0.0.1",
+    master_port: int = 0,
+    distributed_backend: str = "auto",
+    collective_timeout_s: float = 120.0,
+    heartbeat_timeout_s: float = 5.0,
+    node_rank: int = 0,
+) -> ParallelConfig:
+    """The process layout from the user-facing knobs (node 0's engine and other nodes alike)."""
+    return ParallelConfig(
+        ep=ep, tp=tp, nnodes=nnodes, node_rank=node_rank, master_addr=master_addr, master_port=master_port,
+        backend=distributed_backend, collective_timeout_s=collective_timeout_s, heartbeat_timeout_s=heartbeat_timeout_s,
+    )
+
+
 def engine_config(
     model: str | None = None,
     dtype: str = "auto",
@@ -67,10 +85,7 @@ def engine_config(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max(max_num_batched_tokens, max_num_seqs),
         cache=CacheConfig(block_size=block_size, num_blocks=kv_cache_blocks, memory_bytes=kv_cache_memory),
-        parallel=ParallelConfig(
-            ep=ep, tp=tp, nnodes=nnodes, master_addr=master_addr, master_port=master_port, backend=distributed_backend,
-            collective_timeout_s=collective_timeout_s, heartbeat_timeout_s=heartbeat_timeout_s,
-        ),
+        parallel=parallel_config(ep, tp, nnodes, master_addr, master_port, distributed_backend, collective_timeout_s, heartbeat_timeout_s),
         seed=seed,
         scheduling_policy=scheduling_policy,
         slo=SLOConfig(ttft_s=slo_ttft_ms / 1000.0, tbt_s=slo_tbt_ms / 1000.0),

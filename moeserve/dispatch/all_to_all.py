@@ -101,7 +101,9 @@ class AllToAllDispatcher(Dispatcher):
         device = topk_ids.device
         flat = topk_ids.reshape(-1)
 
-        slot = self.expert_slot.to(device)[flat]  # [T*K]
+        if self.expert_slot.device != device:  # once: the table then lives where the tokens do
+            self.expert_slot = self.expert_slot.to(device)
+        slot = self.expert_slot[flat]  # [T*K]
         send_order = torch.argsort(slot, stable=True)
         send_counts = torch.bincount(slot, minlength=ep * max_local).view(ep, max_local)
         recv_counts = torch.empty_like(send_counts)

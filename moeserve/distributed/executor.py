@@ -36,7 +36,6 @@ from moeserve.scheduler import SchedulerOutput
 logger = logging.getLogger(__name__)
 
 POLL_S = 0.1  # how often a waiting node 0 checks whether a rank was lost
-ROUTING_INTERVAL_S = 1.0  # how often ranks are asked for their expert load
 
 
 class WorkerLostError(RuntimeError):
@@ -53,27 +52,27 @@ class MultiprocessExecutor(Executor):
         self._listeners: list[Callable[[str], None]] = []
         self._lock = threading.Lock()  # orders a loss against listener registration
         self._placements = [ExpertPlacement.contiguous(model_config.num_experts, p.ep, r) for r in range(p.ep)]
-        self._moe_layers = tuple(i for i, moe in enumerate(model_config.moe_layers) if moe)
+        self._moe_layers = model_config.moe_layer_indices
         self._known: set[str] = set()  # requests whose state the ranks hold
         self._released: list[str] = []
         self._step = 0
         self._routed: list[list[int]] | None = None
-        self._last_routing_ask = 0.0
+        self._routing_wanted = True  # ask the ranks for their expert load with the next step
         self._closed = False
         self._monitor: RankMonitor | None = None
 
         self._store = host_store(p.master_port, p.ep, p.startup_timeout_s)
         single_node = p.nnodes == 1
-        self._channel = ControlServer("127.0.0.1" if single_node else "*", "127.0.0.1" if single_node else p.master_addr)
+        node0_addr = "127.0.0.1" if single_node else p.master_addr  # how the ranks reach this process
+        self._channel = ControlServer("127.0.0.1" if single_node else "*", node0_addr)
         put(self._store, SPEC_KEY, WorkerSpec(
             model=config.model, dtype=dtype, device=config.device, parallel=p, block_size=config.cache.block_size,
             num_kv_blocks=num_kv_blocks, eos_token_ids=tuple(eos_token_ids), seed=config.seed, kernels=config.kernels,
         ))
         put(self._store, CONTROL_KEY, self._channel.addresses)
-        store_addr = "127.0.0.1" if single_node else p.master_addr
         logger.info("rendezvous at %s:%d: %d ranks on %d node(s), %d data-parallel group(s) of tp=%d",
-                    store_addr, self._store.port, p.ep, p.nnodes, p.num_dp_groups, p.tp)
-        self._procs = start_ranks(p, store_addr, self._store.port, node_rank=0, watch_parent=True)
+                    node0_addr, self._store.port, p.ep, p.nnodes, p.num_dp_groups, p.tp)
+        self._procs = start_ranks(p, node0_addr, self._store.port, node_rank=0, watch_parent=True)
         atexit.register(self.shutdown)
         self._monitor = RankMonitor(self._store, p, self._procs, self._lost)
         try:
@@ -166,11 +165,8 @@ class MultiprocessExecutor(Executor):
                     new.append(RequestState(r.request_id, r.sampling_params, list(r.prompt_token_ids), list(r.output_token_ids)))
                     self._known.add(scheduled.request_id)
         self._step += 1
-        now = time.monotonic()
-        want_routing = now - self._last_routing_ask >= ROUTING_INTERVAL_S
-        if want_routing:
-            self._last_routing_ask = now
-        self._channel.publish(StepInput(self._step, tuple(plans), tuple(new), tuple(self._released), want_routing))
+        self._channel.publish(StepInput(self._step, tuple(plans), tuple(new), tuple(self._released), self._routing_wanted))
+        self._routing_wanted = False
         self._released.clear()
         return self._collect(self._step)
 
@@ -202,6 +198,9 @@ class MultiprocessExecutor(Executor):
                 self._routed[layer][experts[local]] += rows
 
     def take_routed_tokens(self) -> RoutedTokens | None:
+        """What the ranks reported since the last call; they are asked again with the next step,
+        so the engine's reporting interval is the only one."""
+        self._routing_wanted = True
         routed, self._routed = self._routed, None
         return None if routed is None else RoutedTokens(routed, self._placements[0], self._moe_layers)
 

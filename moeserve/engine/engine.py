@@ -278,8 +278,9 @@ class LLMEngine:
         stats.num_waiting = self.scheduler.num_waiting
         stats.kv_blocks_used = self.scheduler.num_used_blocks
         stats.kv_blocks_total = self.scheduler.num_kv_blocks
-        if stats.step_duration_s is not None and time.monotonic() - self._routing_asked >= ROUTING_INTERVAL_S:
-            self._routing_asked = time.monotonic()
+        now = time.monotonic()
+        if stats.step_duration_s is not None and now - self._routing_asked >= ROUTING_INTERVAL_S:
+            self._routing_asked = now
             stats.routed_tokens = self.executor.take_routed_tokens()
         for stat_logger in self.stat_loggers:
             try:

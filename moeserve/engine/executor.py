@@ -64,7 +64,7 @@ class InProcessExecutor(Executor):
         kv_caches = allocate_kv_caches(model_config, num_kv_blocks, config.cache.block_size, dtype, config.device)
         self.runner = ModelRunner(self.model, kv_caches, config.cache.block_size, eos_token_ids, config.device)
         self._placement = ExpertPlacement.contiguous(model_config.num_experts)
-        self._moe_layers = tuple(i for i, moe in enumerate(model_config.moe_layers) if moe)
+        self._moe_layers = model_config.moe_layer_indices
 
     def execute(self, plans: Sequence[SchedulerOutput], requests: Mapping[str, SamplingRequest]) -> dict[str, SampledToken]:
         (plan,) = plans

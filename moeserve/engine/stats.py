@@ -58,11 +58,11 @@ class RoutedTokens:
             load[self.placement.expert_to_rank[expert]] += rows
         return load
 
-    def imbalance(self, i: int) -> float | None:
-        """max / mean of the ranks' loads in the i-th MoE layer (1.0 is perfect balance); None if idle."""
-        load = self.per_rank(i)
-        mean = sum(load) / len(load)
-        return max(load) / mean if mean else None
+
+def load_imbalance(load: list[int]) -> float | None:
+    """max / mean of the ranks' loads (1.0 is perfect balance); None if nothing was routed."""
+    mean = sum(load) / len(load)
+    return max(load) / mean if mean else None
 
 
 @dataclass

@@ -31,20 +31,15 @@ class TritonOps(LayerOps):
         inputs = paged_inputs(meta.block_tables, meta.start_positions, meta.query_lens, meta.block_size, meta.slot_mapping.device)
         return replace(meta, kernel=inputs)
 
+    # The kernels take strided views and empty steps as they are: no copies on the way in.
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        if x.numel() == 0:
-            return x.clone()
-        return rms_norm(x.reshape(-1, x.shape[-1]).contiguous(), weight, eps).view(x.shape)
+        return rms_norm(x, weight, eps)
 
     def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
-        if x.numel() == 0:
-            return x.clone()
-        return apply_rotary(x.contiguous(), cos.contiguous(), sin.contiguous(), interleaved)
+        return apply_rotary(x, cos, sin, interleaved)
 
     def paged_attention(self, q, k_cache, v_cache, meta, scale, sliding_window):
-        if q.shape[0] == 0:
-            return q.new_empty(0, q.shape[1], v_cache.shape[-1])
-        return paged_attention(q.contiguous(), k_cache, v_cache, meta.kernel, scale, sliding_window)
+        return paged_attention(q, k_cache, v_cache, meta.kernel, scale, sliding_window)
 
     def mla_attention(self, q_nope, q_rope, kv_cache, meta, kv_b_weight, mla, scale):
         if q_nope.shape[0] == 0:
@@ -52,10 +47,7 @@ class TritonOps(LayerOps):
         return mla_decode(q_nope, q_rope, kv_cache, kv_b_weight, meta.kernel, scale, mla)
 
     def route(self, cfg: RouterConfig, logits: torch.Tensor, correction_bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        if logits.shape[0] == 0:
-            return (torch.empty(0, cfg.top_k, dtype=torch.int64, device=logits.device),
-                    torch.empty(0, cfg.top_k, dtype=torch.float32, device=logits.device))
-        return route(cfg, logits.contiguous(), correction_bias)
+        return route(cfg, logits, correction_bias)
 
     def experts(self, x: torch.Tensor, num_tokens_per_expert: Sequence[int], w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
         """Rows arrive grouped by expert (the dispatcher sorted them), so each row is one pair

@@ -50,7 +50,6 @@ class DataParallelScheduler:
         if num_groups < 1:
             raise ValueError(f"num_groups must be >= 1, got {num_groups}")
         self.config = config
-        self.max_waiting = config.max_waiting
         self.groups = [Scheduler(replace(config, max_waiting=None), clock) for _ in range(num_groups)]
         self._group_of: dict[str, int] = {}
 
@@ -65,8 +64,9 @@ class DataParallelScheduler:
 
     def add_request(self, request: Request) -> None:
         """As `Scheduler.add_request`; the request joins the least-loaded group."""
-        if self.max_waiting is not None and self.num_waiting >= self.max_waiting:
-            raise QueueFullError(f"waiting queue is full ({self.max_waiting} requests)")
+        max_waiting = self.config.max_waiting
+        if max_waiting is not None and self.num_waiting >= max_waiting:
+            raise QueueFullError(f"waiting queue is full ({max_waiting} requests)")
         group = self._least_loaded()
         self.groups[group].add_request(request)
         self._group_of[request.request_id] = group
