@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 from moeserve import LLM, SamplingParams  # noqa: E402
 from moeserve.checkpoints import MakeModelSpec, make_model  # noqa: E402
 from moeserve.config import ModelConfig  # noqa: E402
-from moeserve.engine.kv_cache import bytes_per_block  # noqa: E402
+from moeserve.worker.kv_cache import bytes_per_block  # noqa: E402
 from moeserve.models import model_config  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"

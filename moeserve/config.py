@@ -260,7 +260,7 @@ class EngineConfig:
     slo: SLOConfig = field(default_factory=SLOConfig)
     max_waiting: int | None = None  # most queued requests; beyond it add_request raises QueueFullError
     kernels: str = "auto"
-    """Layer operations backend: torch, triton, or auto (see `models.ops.create_ops`)."""
+    """Layer operations backend: torch, triton, or auto (see `ops.create_ops`)."""
     min_step_time_s: float = 0.0
     """Test-only: pad every non-empty step to at least this long, so load tests can build a
     server with a known capacity (the SLO harness checks its knee search against it)."""

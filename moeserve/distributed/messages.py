@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from moeserve.config import ParallelConfig
-from moeserve.engine.runner import SampledToken
+from moeserve.worker.runner import SampledToken
 from moeserve.sampling_params import SamplingParams
 from moeserve.scheduler import SchedulerOutput
 

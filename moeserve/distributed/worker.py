@@ -26,11 +26,11 @@ from moeserve.dispatch import ExpertPlacement, create_dispatcher
 from moeserve.distributed.channel import ControlClient
 from moeserve.distributed.messages import LoadReport, RequestState, Shutdown, StepInput, StepOutput, Sync, SyncAck, WorkerSpec
 from moeserve.distributed.rendezvous import CONTROL_KEY, RANKS_PREFIX, SPEC_KEY, Heartbeat, connect_store, error_key, get
-from moeserve.engine.kv_cache import allocate_kv_caches, bytes_per_block
-from moeserve.engine.runner import ModelRunner
+from moeserve.worker.kv_cache import allocate_kv_caches, bytes_per_block
+from moeserve.worker.runner import ModelRunner
 from moeserve.models import TensorParallel, load_model, model_config
 from moeserve.models.loader import weight_bytes
-from moeserve.models.ops import create_ops
+from moeserve.ops import create_ops
 
 logger = logging.getLogger("moeserve.worker")
 

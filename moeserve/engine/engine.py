@@ -20,10 +20,10 @@ import torch
 
 from moeserve.config import EngineConfig, SLOConfig
 from moeserve.engine.detokenizer import IncrementalDetokenizer
-from moeserve.engine.executor import create_executor
-from moeserve.engine.kv_cache import num_blocks_for
+from moeserve.executor import create_executor
+from moeserve.worker.kv_cache import num_blocks_for
 from moeserve.engine.outputs import CompletionOutput, Logprob, RequestOutput
-from moeserve.engine.runner import SampledToken
+from moeserve.worker.runner import SampledToken
 from moeserve.engine.stats import IterationStats, RequestMetrics, StatLogger
 from moeserve.engine.tokenizer import load_tokenizer
 from moeserve.models import model_config

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from moeserve.dispatch.placement import ExpertPlacement
+from moeserve.dispatch.expert_load import RoutedTokens
 
 logger = logging.getLogger(__name__)
 
@@ -40,29 +40,6 @@ class RequestMetrics:
     """A first token came within the TTFT target."""
     tbt_met: bool
     """Every gap between consecutive tokens was within the TBT target (true with no gaps)."""
-
-
-@dataclass(frozen=True)
-class RoutedTokens:
-    """Rows each expert received over a span of steps: `counts[i][e]` for the i-th MoE layer
-    (decoder layer `layers[i]`) and global expert e; `placement` tells which rank holds e."""
-
-    counts: list[list[int]]
-    placement: ExpertPlacement
-    layers: tuple[int, ...]
-
-    def per_rank(self, i: int) -> list[int]:
-        """Rows each rank's experts received in the i-th MoE layer."""
-        load = [0] * self.placement.ep_size
-        for expert, rows in enumerate(self.counts[i]):
-            load[self.placement.expert_to_rank[expert]] += rows
-        return load
-
-
-def load_imbalance(load: list[int]) -> float | None:
-    """max / mean of the ranks' loads (1.0 is perfect balance); None if nothing was routed."""
-    mean = sum(load) / len(load)
-    return max(load) / mean if mean else None
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Attention over the paged KV cache: one Triton kernel for prefill chunks and decode, plus a
 split-KV ("flash decoding") launch of it for decode batches.
 
-Numerics follow the torch reference `moeserve.models.layers.paged_attention.paged_attention`:
+Numerics follow the torch reference `moeserve.ops.attention.paged_attention`:
 query i of a sequence sits at position `context_len - query_len + i` and sees the keys at
 positions <= its own (and, with a sliding window W, > its own - W); scores and the softmax are
 fp32; the probabilities are rounded to the value dtype before the product with V, which

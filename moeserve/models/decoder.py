@@ -18,9 +18,9 @@ from moeserve.models.layers.mla import MLAttention
 from moeserve.models.layers.mlp import GatedMLP
 from moeserve.models.layers.moe import MoEBlock
 from moeserve.models.layers.norm import RMSNorm
-from moeserve.models.layers.paged_attention import AttentionMetadata
+from moeserve.ops.attention import AttentionMetadata
 from moeserve.models.layers.rotary import RotaryEmbedding
-from moeserve.models.ops import TORCH_OPS, LayerOps
+from moeserve.ops import TORCH_OPS, LayerOps
 from moeserve.models.tensor_parallel import SINGLE, TensorParallel
 
 

@@ -21,7 +21,7 @@ from moeserve.dispatch import Dispatcher, ExpertPlacement, create_dispatcher
 from moeserve.models.architectures import CheckpointNames, resolve_architecture
 from moeserve.models.checkpoint import CheckpointError, CheckpointReader
 from moeserve.models.decoder import MoECausalLM
-from moeserve.models.ops import TORCH_OPS, LayerOps
+from moeserve.ops import TORCH_OPS, LayerOps
 from moeserve.models.tensor_parallel import SINGLE, Shard, TensorParallel, shard_of
 
 logger = logging.getLogger(__name__)

@@ -21,8 +21,9 @@ from moeserve.kernels.mla_attention import mla_decode, mla_latent_attention
 from moeserve.kernels.paged_attention import PagedInputs, paged_inputs
 from moeserve.models.architectures.deepseek import parse_config
 from moeserve.models.layers.mla import MLAttention
-from moeserve.models.layers.paged_attention import AttentionMetadata, causal_attention, gather_from_cache, plan_attention, write_to_cache
-from moeserve.models.layers.rotary import RotaryEmbedding, apply_rotary
+from moeserve.ops.attention import AttentionMetadata, causal_attention, gather_from_cache, plan_attention, write_to_cache
+from moeserve.models.layers.rotary import RotaryEmbedding
+from moeserve.ops.rotary import apply_rotary
 
 MIXED = [(0, 7), (5, 3), (13, 1), (30, 40)]  # (start, query length): prompt, mid-sequence chunk, decode, long chunk
 DECODE = [(0, 1), (3, 1), (17, 1), (40, 1), (90, 1)]

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from moeserve.kernels.paged_attention import PagedInputs, paged_attention, paged_inputs
-from moeserve.models.layers.paged_attention import AttentionMetadata, plan_attention, write_to_cache
-from moeserve.models.layers.paged_attention import paged_attention as reference
+from moeserve.ops.attention import AttentionMetadata, plan_attention, write_to_cache
+from moeserve.ops.attention import paged_attention as reference
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3}
 SCALE = 0.3

@@ -12,7 +12,7 @@ import torch
 from moeserve.config import RopeConfig
 from moeserve.kernels.rotary import apply_rotary, apply_rotary_qk_
 from moeserve.models.layers.rotary import RotaryEmbedding
-from moeserve.models.layers.rotary import apply_rotary as torch_apply_rotary
+from moeserve.ops.rotary import apply_rotary as torch_apply_rotary
 
 TOL = {torch.float32: 1e-6, torch.float16: 1e-3}
 

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from moeserve.engine.sampler import (
+from moeserve.worker.sampler import (
     Sampler,
     SamplingRow,
     apply_min_tokens,

@@ -7,8 +7,8 @@ from torch import nn
 
 from moeserve.config import ModelConfig
 from moeserve.models.layers.norm import RMSNorm
-from moeserve.models.layers.paged_attention import AttentionMetadata, write_to_cache
-from moeserve.models.ops import TORCH_OPS, LayerOps
+from moeserve.ops.attention import AttentionMetadata, write_to_cache
+from moeserve.ops import TORCH_OPS, LayerOps
 from moeserve.models.tensor_parallel import SINGLE, TensorParallel, column_parallel, kv_heads_of, row_parallel
 
 

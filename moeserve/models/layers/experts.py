@@ -7,7 +7,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from moeserve.models.ops import TORCH_OPS, LayerOps
+from moeserve.ops import TORCH_OPS, LayerOps
 
 
 class Experts(nn.Module):

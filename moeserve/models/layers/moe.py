@@ -14,7 +14,7 @@ from moeserve.dispatch import Dispatcher
 from moeserve.models.layers.experts import Experts
 from moeserve.models.layers.mlp import GatedMLP
 from moeserve.models.layers.router import Router
-from moeserve.models.ops import TORCH_OPS, LayerOps
+from moeserve.ops import TORCH_OPS, LayerOps
 
 
 class MoEBlock(nn.Module):

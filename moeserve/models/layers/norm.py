@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moeserve.models.ops import TORCH_OPS, LayerOps
+from moeserve.ops import TORCH_OPS, LayerOps
 
 
 class RMSNorm(nn.Module):

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moeserve.config import RouterConfig
-from moeserve.models.ops import TORCH_OPS, LayerOps
+from moeserve.ops import TORCH_OPS, LayerOps
 
 
 class Router(nn.Module):

@@ -7,6 +7,7 @@ tests use to check that a whole model gives the torch path's greedy tokens.
 from __future__ import annotations
 
 from collections.abc import Sequence
+import os
 from dataclasses import replace
 
 import torch
@@ -19,12 +20,18 @@ from moeserve.kernels.norm import rms_norm
 from moeserve.kernels.paged_attention import paged_attention, paged_inputs
 from moeserve.kernels.rotary import apply_rotary
 from moeserve.kernels.routing import route
-from moeserve.models.layers.paged_attention import AttentionMetadata
-from moeserve.models.ops import LayerOps
+from moeserve.ops.attention import AttentionMetadata
+from moeserve.ops.base import LayerOps
 
 
 class TritonOps(LayerOps):
     name = "triton"
+
+    @classmethod
+    def supports(cls, device: torch.device) -> str | None:
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            return f"the Triton kernels run on CUDA devices (or, for tests, on CPU with TRITON_INTERPRET=1); device is {device}"
+        return None
 
     def prepare_attention(self, meta: AttentionMetadata) -> AttentionMetadata:
         """Block tables and lengths as device tensors, once per step for every layer."""

@@ -1,61 +1,16 @@
-"""The numerical operations layers delegate to, with one backend per kind of device.
-
-Layers own parameters and the order of operations; how a norm, a rotation, attention over the
-paged cache, routing or the experts' grouped GEMM is computed is a backend's business:
-`TorchOps` (the reference, and the CPU path) or `TritonOps` (`moeserve/kernels/ops.py`, the GPU
-path, also runnable on CPU through Triton's interpreter for tests). Every backend must give the
-reference's results within its dtype's tolerance.
-"""
+"""`TorchOps`: the reference `LayerOps` backend, plain torch, and the CPU path."""
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 
-from moeserve.config import MLAConfig, RouterConfig
-from moeserve.models.layers.paged_attention import AttentionMetadata, causal_attention, gather_from_cache, paged_attention
-from moeserve.models.layers.rotary import apply_rotary
-
-
-class LayerOps(ABC):
-    name: str
-
-    def prepare_attention(self, meta: AttentionMetadata) -> AttentionMetadata:
-        """Once per step, before any layer: add what this backend's attention needs."""
-        return meta
-
-    @abstractmethod
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        """RMSNorm over the last dim: normalise in fp32, cast back, then scale (HF's order)."""
-
-    @abstractmethod
-    def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
-        """x `[T, heads, rotary_dim]`; see `layers.rotary.apply_rotary` for the layouts."""
-
-    @abstractmethod
-    def paged_attention(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, sliding_window: int | None
-    ) -> torch.Tensor:
-        """q `[T, Hq, D]` over the step's paged context -> `[T, Hq, Dv]`."""
-
-    @abstractmethod
-    def mla_attention(
-        self, q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-        kv_b_weight: torch.Tensor, mla: MLAConfig, scale: float,
-    ) -> torch.Tensor:
-        """MLA: queries `[T, H, nope]` and rotated `[T, H, rope]` over the latent cache, with
-        kv_b_proj's weight `[H * (nope + v), kv_lora_rank]` -> `[T, H, v]`."""
-
-    @abstractmethod
-    def route(self, cfg: RouterConfig, logits: torch.Tensor, correction_bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Router logits `[T, E]` (fp32 for sigmoid routers) -> (topk_ids int64, topk_weights fp32)."""
-
-    @abstractmethod
-    def experts(self, x: torch.Tensor, num_tokens_per_expert: Sequence[int], w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-        """x `[N, H]` grouped by local expert -> each row through its expert's gated MLP."""
+from moeserve.config import RouterConfig
+from moeserve.ops.attention import causal_attention, gather_from_cache, paged_attention
+from moeserve.ops.base import LayerOps
+from moeserve.ops.rotary import apply_rotary
 
 
 class TorchOps(LayerOps):
@@ -139,36 +94,3 @@ def _grouped_sigmoid(cfg: RouterConfig, scores_logits: torch.Tensor, correction_
 
 
 TORCH_OPS = TorchOps()
-
-
-# The Triton kernels have passed only under the interpreter (fp32/fp16, CPU); until their bf16
-# tests have passed on a GPU, "auto" keeps GPUs on the torch path and triton is opt-in.
-TRITON_VERIFIED_ON_GPU = False
-
-
-def create_ops(name: str, device: torch.device | str) -> LayerOps:
-    """The backend for `name` ("auto": Triton's kernels on CUDA once they are verified there and
-    triton is installed, else torch). Asking for triton where it cannot run is an error, not a
-    silent fallback."""
-    device = torch.device(device)
-    if name == "auto":
-        name = "triton" if device.type == "cuda" and TRITON_VERIFIED_ON_GPU and _triton_installed() else "torch"
-    if name == "torch":
-        return TORCH_OPS
-    if name != "triton":
-        raise ValueError(f"unknown kernels backend {name!r}; use auto, torch or triton")
-    if not _triton_installed():
-        raise ValueError("kernels=triton needs the triton package (pip install 'moeserve[gpu]')")
-    import os
-
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError(f"kernels=triton runs on CUDA devices (or, for tests, on CPU with TRITON_INTERPRET=1); device is {device}")
-    from moeserve.kernels.ops import TritonOps
-
-    return TritonOps()
-
-
-def _triton_installed() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("triton") is not None

@@ -12,7 +12,7 @@ from typing import Mapping, Protocol, Sequence
 
 import torch
 
-from moeserve.engine.sampler import Sampler, SamplerOutput, SamplingRow, make_generator
+from moeserve.worker.sampler import Sampler, SamplerOutput, SamplingRow, make_generator
 from moeserve.models import MoECausalLM, plan_attention
 from moeserve.sampling_params import SamplingParams
 from moeserve.scheduler import SchedulerOutput

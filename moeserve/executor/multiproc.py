@@ -23,14 +23,14 @@ import torch
 
 from moeserve.config import EngineConfig, ModelConfig
 from moeserve.dispatch import ExpertPlacement
+from moeserve.dispatch.expert_load import RoutedTokens
 from moeserve.distributed.channel import ControlServer
 from moeserve.distributed.launcher import start_ranks, stop_ranks
 from moeserve.distributed.messages import LoadReport, RequestState, Shutdown, StepInput, StepOutput, Sync, SyncAck, WorkerSpec
 from moeserve.distributed.monitor import RankMonitor
 from moeserve.distributed.rendezvous import CONTROL_KEY, SPEC_KEY, host_store, put
-from moeserve.engine.executor import Executor
-from moeserve.engine.runner import SampledToken, SamplingRequest
-from moeserve.engine.stats import RoutedTokens
+from moeserve.executor.base import Executor
+from moeserve.worker.runner import SampledToken, SamplingRequest
 from moeserve.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)

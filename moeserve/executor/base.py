@@ -1,0 +1,42 @@
+"""Where the model runs for the engine: in this process, or in worker processes (EP/TP).
+
+The engine owns requests, scheduling and detokenization and never touches weights; an
+`Executor` turns each step's plan (one per data-parallel group) into sampled tokens. Backends:
+`InProcessExecutor` (`in_process.py`: ep = tp = 1, the model in the engine's thread) and
+`MultiprocessExecutor` (`multiproc.py`: one process per rank, all in lockstep).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
+
+from moeserve.dispatch.expert_load import RoutedTokens
+from moeserve.scheduler import SchedulerOutput
+from moeserve.worker.runner import SampledToken, SamplingRequest
+
+
+class Executor(ABC):
+    """Runs every step's plans; `num_groups` plans per step, each group with `num_kv_blocks`."""
+
+    num_groups: int
+    num_kv_blocks: int
+
+    @abstractmethod
+    def execute(self, plans: Sequence[SchedulerOutput], requests: Mapping[str, SamplingRequest]) -> dict[str, SampledToken]:
+        """Run one lockstep step; a token for every scheduled request whose plan says `sample`."""
+
+    @abstractmethod
+    def release(self, request_ids: Sequence[str]) -> None:
+        """These requests are done: drop their per-request state (seeded generators)."""
+
+    @abstractmethod
+    def take_routed_tokens(self) -> RoutedTokens | None:
+        """Expert load since the previous call, or None if nothing new is known yet."""
+
+    def add_failure_listener(self, listener: Callable[[str], None]) -> None:
+        """`listener(reason)` is called once if the executor can no longer run steps (a rank
+        process was lost). The in-process executor has no such failure."""
+
+    def shutdown(self) -> None:
+        """Stop what the executor started; idempotent."""

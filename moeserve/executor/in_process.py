@@ -1,0 +1,42 @@
+"""The whole model in the engine's process (ep = tp = 1)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import torch
+
+from moeserve.config import EngineConfig, ModelConfig
+from moeserve.dispatch import ExpertPlacement
+from moeserve.dispatch.expert_load import RoutedTokens
+from moeserve.executor.base import Executor
+from moeserve.models import load_model
+from moeserve.ops import create_ops
+from moeserve.scheduler import SchedulerOutput
+from moeserve.worker.kv_cache import allocate_kv_caches
+from moeserve.worker.runner import ModelRunner, SampledToken, SamplingRequest
+
+
+class InProcessExecutor(Executor):
+    """The whole model in this process (ep = tp = 1): the `local` dispatcher, one group."""
+
+    num_groups = 1
+
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype, num_kv_blocks: int, eos_token_ids: Sequence[int]) -> None:
+        self.num_kv_blocks = num_kv_blocks
+        self.model = load_model(Path(config.model), dtype, config.device, ops=create_ops(config.kernels, config.device))
+        kv_caches = allocate_kv_caches(model_config, num_kv_blocks, config.cache.block_size, dtype, config.device)
+        self.runner = ModelRunner(self.model, kv_caches, config.cache.block_size, eos_token_ids, config.device)
+        self._placement = ExpertPlacement.contiguous(model_config.num_experts)
+        self._moe_layers = model_config.moe_layer_indices
+
+    def execute(self, plans: Sequence[SchedulerOutput], requests: Mapping[str, SamplingRequest]) -> dict[str, SampledToken]:
+        (plan,) = plans
+        return self.runner.execute(plan, requests)
+
+    def release(self, request_ids: Sequence[str]) -> None:
+        self.runner.release(request_ids)
+
+    def take_routed_tokens(self) -> RoutedTokens | None:
+        return RoutedTokens(self.model.take_routed_tokens(), self._placement, self._moe_layers)

@@ -1,0 +1,61 @@
+"""The numerical operations layers delegate to, with one backend per kind of device.
+
+Layers own parameters and the order of operations; how a norm, a rotation, attention over the
+paged cache, routing or the experts' grouped GEMM is computed is a backend's business:
+`TorchOps` (the reference, and the CPU path) or `TritonOps` (the GPU path, also runnable on CPU
+through Triton's interpreter for tests). Every backend must give the reference's results within
+its dtype's tolerance.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+
+import torch
+
+from moeserve.config import MLAConfig, RouterConfig
+from moeserve.ops.attention import AttentionMetadata
+
+
+class LayerOps(ABC):
+    name: str
+
+    @classmethod
+    def supports(cls, device: torch.device) -> str | None:
+        """None if this backend can run on `device`, else the reason it cannot."""
+        return None
+
+    def prepare_attention(self, meta: AttentionMetadata) -> AttentionMetadata:
+        """Once per step, before any layer: add what this backend's attention needs."""
+        return meta
+
+    @abstractmethod
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMSNorm over the last dim: normalise in fp32, cast back, then scale (HF's order)."""
+
+    @abstractmethod
+    def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+        """x `[T, heads, rotary_dim]`; see `layers.rotary.apply_rotary` for the layouts."""
+
+    @abstractmethod
+    def paged_attention(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, sliding_window: int | None
+    ) -> torch.Tensor:
+        """q `[T, Hq, D]` over the step's paged context -> `[T, Hq, Dv]`."""
+
+    @abstractmethod
+    def mla_attention(
+        self, q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+        kv_b_weight: torch.Tensor, mla: MLAConfig, scale: float,
+    ) -> torch.Tensor:
+        """MLA: queries `[T, H, nope]` and rotated `[T, H, rope]` over the latent cache, with
+        kv_b_proj's weight `[H * (nope + v), kv_lora_rank]` -> `[T, H, v]`."""
+
+    @abstractmethod
+    def route(self, cfg: RouterConfig, logits: torch.Tensor, correction_bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Router logits `[T, E]` (fp32 for sigmoid routers) -> (topk_ids int64, topk_weights fp32)."""
+
+    @abstractmethod
+    def experts(self, x: torch.Tensor, num_tokens_per_expert: Sequence[int], w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+        """x `[N, H]` grouped by local expert -> each row through its expert's gated MLP."""
