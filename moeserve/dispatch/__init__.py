@@ -1,7 +1,7 @@
 """MoE all-to-all: the Dispatcher interface, its backends and the expert placement."""
 
 from moeserve.dispatch.all_to_all import AllToAllDispatcher
-from moeserve.dispatch.base import DispatchHandle, Dispatcher, DispatchOutput
+from moeserve.dispatch.base import DispatchHandle, Dispatcher, DispatchLayout, DispatchOutput
 from moeserve.dispatch.local import LocalDispatcher
 from moeserve.dispatch.nvshmem import NvshmemDispatcher
 from moeserve.dispatch.placement import ExpertPlacement
@@ -11,6 +11,7 @@ __all__ = [
     "AllToAllDispatcher",
     "DISPATCHERS",
     "DispatchHandle",
+    "DispatchLayout",
     "DispatchOutput",
     "Dispatcher",
     "ExpertPlacement",

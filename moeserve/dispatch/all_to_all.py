@@ -2,31 +2,34 @@
 
 Wire format. dispatch() makes two collectives over the EP group:
 
-1. counts: an int64 tensor `[ep, max_local_experts]` per rank, row `r` holding how many of this
-   rank's (token, k) pairs go to each local expert of rank `r` (padded with zeros where `r` holds
-   fewer experts). One equal-split all_to_all_single turns it into the counts this rank receives
-   from every source rank, per local expert.
-2. payload: the hidden rows themselves, in their own dtype, one row per (token, k) pair, with
-   uneven `input_split_sizes` / `output_split_sizes` (zero allowed) taken from those counts.
+1. counts: an int64 tensor `[ep, L]` per rank (L = `placement.max_local_experts`), row `r`
+   holding how many of this rank's (token, k) pairs go to each local expert of rank `r`.
+   One equal-split all_to_all_single turns it into the counts this rank receives from every
+   source rank, per local expert: the receiver learns which expert each row belongs to without
+   any expert ids travelling with the rows.
+2. payload: the hidden rows themselves, in their own dtype, one row per (token, k) pair, each
+   source's rows for one destination sorted by the destination's local expert, in one of two
+   modes:
 
-Why two: an uneven all-to-all needs both sides to know every split before it starts, so the
-counts must travel first; sending them per expert rather than per rank also tells the receiver
-which expert each row belongs to, so no expert ids travel with the rows. Reading the received
-counts back with `.tolist()` is a host sync (once per dispatch, for the split sizes and
-`num_tokens_per_expert`); this backend accepts it. Everything else stays on the tensors' device,
-so the same code runs on gloo (CPU) and NCCL (GPU). gloo carries float32, float16 and bfloat16
-rows as they are, so no dtype conversion happens on the wire.
+   * high-throughput (uneven): splits of exactly the rows sent. An uneven all-to-all needs the
+     split sizes as Python ints on both sides, so the counts are read back once per dispatch:
+     the one host sync of this backend, which it hands on as `num_tokens_per_expert_host`.
+   * low-latency (equal splits, no host sync): when the step's `max_tokens_per_rank` bound is
+     at most `low_latency_max_tokens` (DeepEP's decode regime), every (source, destination)
+     pair exchanges a fixed region of `R = max_tokens_per_rank * min(K, L)` rows, zero-padded:
+     a token sends at most min(K, L) rows to one rank. Slots are computed on the device, so the
+     step is free of host syncs (and of data-dependent shapes) at the cost of sending padding.
 
-Ordering. Each rank sends its pairs stably sorted by (destination rank, local expert there), so
-rows arrive grouped by source rank, then expert, each group in the sender's (token, k) order.
-dispatch() regroups them stably by local expert, then source rank. With the source ranks'
-tokens concatenated in rank order, that is exactly the row order `local` would hand each expert,
-so the experts see identical matrices. combine() reverses both steps and reduces each token's k
-rows in `local`'s pair order (ascending global expert id), with `local`'s arithmetic, so for
-equal expert outputs the result equals `local`'s bit for bit, whatever the placement.
+Ordering. Rows arrive grouped by source rank, then local expert, each group in the sender's
+(token, k) order (then padding, in low-latency mode). dispatch() regroups them stably by local
+expert, so rows come out EXPERT_MAJOR: per expert, the source ranks in order, each in its token
+order -- exactly the rows, in exactly the order, `local` would give each expert on the ranks'
+tokens concatenated in rank order -- then the padding rows at the end. combine() reverses both
+steps, puts each pair's row back at `t * K + k` and reduces with `weighted_sum`, so for equal
+expert outputs its result equals `local`'s bit for bit, whatever the placement or mode.
 
-A rank with no tokens still joins both collectives (with zero splits); every rank of the group
-must call dispatch() and combine() the same number of times, in the same order.
+Everything else stays on the tensors' device, so the same code runs on gloo (CPU) and NCCL
+(GPU); gloo carries float32, float16 and bfloat16 rows as they are.
 """
 
 from __future__ import annotations
@@ -36,31 +39,32 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from moeserve.dispatch.base import DispatchHandle, Dispatcher, DispatchOutput
+from moeserve.dispatch.base import DispatchHandle, Dispatcher, DispatchLayout, DispatchOutput
+from moeserve.dispatch.combine import weighted_sum
+from moeserve.dispatch.counts import count_per_expert
 from moeserve.dispatch.placement import ExpertPlacement
+
+LOW_LATENCY_MAX_TOKENS = 128  # tokens per rank up to which the equal-split mode is used (DeepEP's decode bound)
 
 
 @dataclass(frozen=True)
 class AllToAllHandle(DispatchHandle):
     """What combine() needs to send expert outputs home and reduce them.
 
-    send_splits:   rows sent to each rank by dispatch(); combine() receives as many back.
-    recv_splits:   rows received from each rank by dispatch(); combine() sends as many back.
-    recv_order:    `[N_recv]` for each row of DispatchOutput.hidden, its row in the received
-                   buffer (grouped by source rank, then expert).
-    combine_rows:  `[T*K]` for each pair in `local`'s order, its row in the buffer combine()
-                   receives (send order); None where the two orders coincide (the placement
-                   gives ranks ascending runs of experts, e.g. the contiguous one).
-    src_token:     `[T*K]` source token of each pair, in `local`'s order.
-    weights:       `[T*K]` float32 top-k weight of each pair, in `local`'s order.
+    send_row:      int64 `[T*K]`: each pair's row (pair `t*K + k`) in the send buffer, and so in
+                   the buffer combine() receives back.
+    num_send_rows: rows of that buffer.
+    recv_order:    int64 `[N]`: for each row of DispatchOutput.hidden, its row in the received buffer.
+    splits:        (send, receive) split sizes of the uneven mode; None for equal splits.
+    topk_ids, topk_weights: dispatch()'s inputs, for `weighted_sum`.
     """
 
-    send_splits: tuple[int, ...]
-    recv_splits: tuple[int, ...]
+    send_row: torch.Tensor
+    num_send_rows: int
     recv_order: torch.Tensor
-    combine_rows: torch.Tensor | None
-    src_token: torch.Tensor
-    weights: torch.Tensor
+    splits: tuple[list[int], list[int]] | None
+    topk_ids: torch.Tensor
+    topk_weights: torch.Tensor
 
 
 class AllToAllDispatcher(Dispatcher):
@@ -68,8 +72,12 @@ class AllToAllDispatcher(Dispatcher):
 
     name = "torch"
 
-    def __init__(self, placement: ExpertPlacement, group: dist.ProcessGroup | None = None) -> None:
-        """group: the EP process group (None: the default group); its ranks are the placement's ranks."""
+    def __init__(
+        self, placement: ExpertPlacement, group: dist.ProcessGroup | None = None,
+        low_latency_max_tokens: int = LOW_LATENCY_MAX_TOKENS,
+    ) -> None:
+        """group: the EP process group (None: the default group); its ranks are the placement's ranks.
+        low_latency_max_tokens: the largest step bound served by the equal-split mode (0: never)."""
         super().__init__(placement)
         size, rank = dist.get_world_size(group), dist.get_rank(group)
         if size != placement.ep_size:
@@ -77,15 +85,8 @@ class AllToAllDispatcher(Dispatcher):
         if rank != placement.rank:
             raise ValueError(f"the placement is seen from rank {placement.rank} but this process is rank {rank} of its group")
         self.group = group
-        per_rank = [placement.experts_of(r) for r in range(placement.ep_size)]
-        self.max_local_experts = max(len(experts) for experts in per_rank)
-        slot = [0] * placement.num_experts  # global expert -> dest rank * max_local_experts + local index there
-        for r, experts in enumerate(per_rank):
-            for local_index, expert in enumerate(experts):
-                slot[expert] = r * self.max_local_experts + local_index
-        self.expert_slot = torch.tensor(slot, dtype=torch.int64)
-        # Slots ascend with the expert id iff owners do; then send order already is local's order.
-        self.send_order_is_expert_order = list(placement.expert_to_rank) == sorted(placement.expert_to_rank)
+        self.low_latency_max_tokens = low_latency_max_tokens
+        self._expert_slot = placement.expert_slot  # moved to the tokens' device on first use
 
     @classmethod
     def supports(cls, placement: ExpertPlacement, device: torch.device) -> str | None:
@@ -95,54 +96,64 @@ class AllToAllDispatcher(Dispatcher):
             return "torch.distributed is not initialised (call init_process_group first)"
         return None
 
-    def dispatch(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> DispatchOutput:
-        num_tokens, top_k = topk_ids.shape
-        ep, max_local = self.placement.ep_size, self.max_local_experts
-        device = topk_ids.device
-        flat = topk_ids.reshape(-1)
+    def syncs_host(self, max_tokens_per_rank: int | None) -> bool:
+        """True in the uneven (high-throughput) mode: no bound, or one above `low_latency_max_tokens`."""
+        return max_tokens_per_rank is None or max_tokens_per_rank > self.low_latency_max_tokens
 
-        if self.expert_slot.device != device:  # once: the table then lives where the tokens do
-            self.expert_slot = self.expert_slot.to(device)
-        slot = self.expert_slot[flat]  # [T*K]
+    def dispatch(
+        self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, max_tokens_per_rank: int | None = None,
+    ) -> DispatchOutput:
+        """See `Dispatcher.dispatch`: EXPERT_MAJOR rows; padding at the end in low-latency mode."""
+        num_tokens, top_k = topk_ids.shape
+        if max_tokens_per_rank is not None and num_tokens > max_tokens_per_rank:
+            raise ValueError(f"{num_tokens} tokens exceed this step's max_tokens_per_rank={max_tokens_per_rank}")
+        ep, lmax = self.placement.ep_size, self.placement.max_local_experts
+        num_pairs, device = num_tokens * top_k, topk_ids.device
+        if self._expert_slot.device != device:
+            self._expert_slot = self._expert_slot.to(device)
+        slot = self._expert_slot[topk_ids.reshape(-1)]  # [T*K]: dest rank * L + local expert there
         send_order = torch.argsort(slot, stable=True)
-        send_counts = torch.bincount(slot, minlength=ep * max_local).view(ep, max_local)
+        send_position = torch.empty_like(send_order)  # each pair's position in the sorted order
+        send_position[send_order] = torch.arange(num_pairs, device=device)
+        send_counts = count_per_expert(slot, ep * lmax).view(ep, lmax)
         recv_counts = torch.empty_like(send_counts)
         dist.all_to_all_single(recv_counts, send_counts, group=self.group)
-        host_send, host_recv = torch.stack([send_counts, recv_counts]).tolist()  # the one host sync
-        send_splits = tuple(sum(row) for row in host_send)
-        recv_splits = tuple(sum(row) for row in host_recv)
-        num_recv = sum(recv_splits)
 
-        send = hidden.index_select(0, send_order // top_k)
-        recv = hidden.new_empty(num_recv, hidden.shape[-1])
-        dist.all_to_all_single(recv, send, list(recv_splits), list(send_splits), group=self.group)
-
-        # Received rows are (source rank, expert)-major; a stable sort by expert makes them expert-major.
-        row_expert = torch.repeat_interleave(
-            torch.arange(max_local, device=device).repeat(ep), recv_counts.reshape(-1), output_size=num_recv
-        )
-        recv_order = torch.argsort(row_expert, stable=True)
-
-        if self.send_order_is_expert_order:
-            pair_order, combine_rows = send_order, None
+        host_counts, splits = None, None
+        if self.syncs_host(max_tokens_per_rank):
+            host_send, host_recv = torch.stack([send_counts, recv_counts]).tolist()  # the one host sync
+            splits = ([sum(row) for row in host_send], [sum(row) for row in host_recv])
+            host_counts = tuple(sum(column) for column in zip(*host_recv))[: self.placement.num_local_experts]
+            send_row, num_send, num_recv = send_position, num_pairs, sum(splits[1])
+            recv_padding = torch.zeros(ep, dtype=torch.int64, device=device)
         else:
-            pair_order = torch.argsort(flat, stable=True)
-            send_row = torch.empty_like(send_order)
-            send_row[send_order] = torch.arange(send_order.numel(), device=device)
-            combine_rows = send_row[pair_order]
+            region = max_tokens_per_rank * min(top_k, lmax)  # rows per (source, destination) pair
+            per_dest = send_counts.sum(1)
+            dest = slot // lmax
+            send_row = dest * region + send_position - (torch.cumsum(per_dest, 0) - per_dest)[dest]
+            num_send = num_recv = ep * region
+            recv_padding = region - recv_counts.sum(1)
+
+        send = hidden.new_zeros(num_send, hidden.shape[-1]) if splits is None else hidden.new_empty(num_send, hidden.shape[-1])
+        send.index_copy_(0, send_row, hidden.repeat_interleave(top_k, dim=0))
+        recv = hidden.new_empty(num_recv, hidden.shape[-1])
+        recv_splits, send_splits = (splits[1], splits[0]) if splits else (None, None)  # None: equal splits
+        dist.all_to_all_single(recv, send, recv_splits, send_splits, group=self.group)
+
+        # Received rows are (source, expert)-major, each source's padding last; a stable sort by
+        # expert (padding as expert L) makes them expert-major with all padding at the end.
+        per_group = torch.cat([recv_counts, recv_padding[:, None]], 1).reshape(-1)  # [ep * (L + 1)]
+        row_expert = torch.repeat_interleave(torch.arange(lmax + 1, device=device).repeat(ep), per_group, output_size=num_recv)
+        recv_order = torch.argsort(row_expert, stable=True)
         handle = AllToAllHandle(
-            num_tokens=num_tokens,
-            send_splits=send_splits,
-            recv_splits=recv_splits,
-            recv_order=recv_order,
-            combine_rows=combine_rows,
-            src_token=pair_order // top_k,
-            weights=topk_weights.reshape(-1)[pair_order],
+            num_tokens=num_tokens, send_row=send_row, num_send_rows=num_send, recv_order=recv_order, splits=splits,
+            topk_ids=topk_ids, topk_weights=topk_weights,
         )
-        num_local = self.placement.num_local_experts
         return DispatchOutput(
             hidden=recv.index_select(0, recv_order),
-            num_tokens_per_expert=tuple(sum(column) for column in zip(*host_recv))[:num_local],
+            num_tokens_per_expert=recv_counts.sum(0)[: self.placement.num_local_experts],
+            num_tokens_per_expert_host=host_counts,
+            layout=DispatchLayout.EXPERT_MAJOR,
             handle=handle,
         )
 
@@ -150,14 +161,9 @@ class AllToAllDispatcher(Dispatcher):
         assert isinstance(handle, AllToAllHandle), f"torch combine got a {type(handle).__name__}"
         if expert_output.shape[0] != handle.recv_order.numel():
             raise ValueError(f"combine got {expert_output.shape[0]} rows; dispatch handed out {handle.recv_order.numel()}")
-        hidden_size = expert_output.shape[-1]
         # Back to the received layout, so each source rank's rows are one contiguous split again.
-        send = expert_output.new_empty(expert_output.shape).index_copy_(0, handle.recv_order, expert_output)
-        returned = expert_output.new_empty(sum(handle.send_splits), hidden_size)
-        dist.all_to_all_single(returned, send, list(handle.send_splits), list(handle.recv_splits), group=self.group)
-        if handle.combine_rows is not None:
-            returned = returned.index_select(0, handle.combine_rows)
-        # Same arithmetic, same pair order as `local`.
-        weighted = returned * handle.weights.to(returned.dtype)[:, None]
-        out = returned.new_zeros(handle.num_tokens, hidden_size)
-        return out.index_add_(0, handle.src_token, weighted)
+        send = torch.empty_like(expert_output).index_copy_(0, handle.recv_order, expert_output)
+        returned = expert_output.new_empty(handle.num_send_rows, expert_output.shape[-1])
+        returned_splits, send_splits = handle.splits or (None, None)
+        dist.all_to_all_single(returned, send, returned_splits, send_splits, group=self.group)
+        return weighted_sum(returned.index_select(0, handle.send_row), handle.topk_ids, handle.topk_weights)

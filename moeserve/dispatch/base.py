@@ -3,19 +3,24 @@
 Pipeline of one MoE layer (every backend, every device):
 
     router -> topk_ids [T, K], topk_weights [T, K]
-           -> dispatch(): rows of `hidden` sent to the ranks holding their experts,
-              received grouped by local expert                       -> DispatchOutput
-           -> experts (grouped GEMM over the received rows)
+           -> dispatch(): the rows this rank's experts must process    -> DispatchOutput
+           -> experts (grouped GEMM over those rows; `LayerOps.experts`)
            -> combine(): expert outputs sent back to their source rank and
-              reduced over k with the top-k weights                  -> [T, H]
+              reduced over k with the top-k weights (`combine.weighted_sum`) -> [T, H]
 
 Contract every backend agrees on, bit for bit: for the same inputs `local`, `torch` and
-`nvshmem` return the same combine() result. Nothing of a step is kept on the dispatcher: the
-handle returned by dispatch() carries everything combine() needs.
+`nvshmem` return the same combine() result; they all reduce with the one `weighted_sum`, so this
+holds by construction once the experts' rows agree. Nothing of a step is kept on the dispatcher:
+the handle returned by dispatch() carries everything combine() needs.
+
+No host round trip: a DispatchOutput's counts are a device tensor. A backend that must read
+the device (the `torch` backend's uneven all-to-all needs Python split sizes) says so through
+`syncs_host()` and hands what it read over as `num_tokens_per_expert_host`.
 """
 
 from __future__ import annotations
 
+import enum
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar
@@ -25,9 +30,29 @@ import torch
 from moeserve.dispatch.placement import ExpertPlacement
 
 
+class DispatchLayout(enum.Enum):
+    """How the rows of `DispatchOutput.hidden` are arranged.
+
+    TOKEN_MAJOR:   hidden is the source tokens `[T, H]` as they came, unpermuted; `topk_ids`
+                   (local expert ids) `[T, K]` says which experts each row goes to. The experts
+                   return one row per (token, k) pair, `[T * K, H]`, row `t * K + k`. EP = 1:
+                   nothing moved, so a grouped GEMM can gather rows from the ids itself.
+    EXPERT_MAJOR:  rows grouped by local expert, expert 0's first, `counts[e]` rows each,
+                   possibly followed by padding rows past `sum(counts)` (content unspecified);
+                   the experts return one row per row of hidden (padding rows unspecified).
+    """
+
+    TOKEN_MAJOR = "token_major"
+    EXPERT_MAJOR = "expert_major"
+
+
 @dataclass(frozen=True)
 class DispatchHandle:
-    """Backend-specific routing state from dispatch() to combine(). Subclassed per backend."""
+    """Backend-specific routing state from dispatch() to combine(). Subclassed per backend.
+
+    The handle may reference dispatch()'s inputs (`topk_ids`, `topk_weights`): they must not be
+    modified in place before combine() returns.
+    """
 
     num_tokens: int  # T on the source rank; combine() returns [T, H]
 
@@ -36,18 +61,30 @@ class DispatchHandle:
 class DispatchOutput:
     """Tokens this rank's experts must process.
 
-    hidden:                 `[N_recv, H]`, rows grouped by local expert (expert 0's rows first).
-    num_tokens_per_expert:  per local expert, how many rows of `hidden` are its (sum = N_recv).
-    handle:                 pass unchanged to combine().
+    hidden:                      `[N, H]` in the input's dtype, on its device, arranged as `layout` says.
+    num_tokens_per_expert:       int64 `[E_local]` on hidden's device: rows (pairs) per local expert.
+    num_tokens_per_expert_host:  the same counts as a tuple, only from a backend that already read
+                                 them back (None otherwise); never worth a sync of its own.
+    layout:                      see `DispatchLayout`.
+    topk_ids:                    TOKEN_MAJOR: int64 `[T, K]` local expert ids of each row; else None.
+    handle:                      pass unchanged to combine().
     """
 
     hidden: torch.Tensor
-    num_tokens_per_expert: tuple[int, ...]
+    num_tokens_per_expert: torch.Tensor
+    layout: DispatchLayout
     handle: DispatchHandle
+    num_tokens_per_expert_host: tuple[int, ...] | None = None
+    topk_ids: torch.Tensor | None = None
 
 
 class Dispatcher(ABC):
-    """One all-to-all backend. Stateless between steps; safe to share across layers."""
+    """One all-to-all backend. Stateless between steps; safe to share across layers.
+
+    Every rank of the EP group must call dispatch() and combine() the same number of times, in
+    the same order and with the same `max_tokens_per_rank` (a rank with no tokens still calls,
+    with `T = 0`): a backend that communicates joins collectives in both.
+    """
 
     name: ClassVar[str]
 
@@ -59,10 +96,31 @@ class Dispatcher(ABC):
         """None if this backend can run the layout, else the reason it cannot."""
         return None
 
+    def syncs_host(self, max_tokens_per_rank: int | None) -> bool:
+        """Whether dispatch() with this bound reads device data back to the host."""
+        return False
+
     @abstractmethod
-    def dispatch(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> DispatchOutput:
-        """hidden `[T, H]`; topk_ids `[T, K]` int64 global expert ids; topk_weights `[T, K]` float32."""
+    def dispatch(
+        self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, max_tokens_per_rank: int | None = None,
+    ) -> DispatchOutput:
+        """Send each token's row to the ranks holding its top-k experts.
+
+        hidden:              `[T, H]` float32/float16/bfloat16, this rank's tokens.
+        topk_ids:            int64 `[T, K]` global expert ids, on hidden's device, distinct per token.
+        topk_weights:        float32 `[T, K]`, on hidden's device; applied by combine(), not here.
+        max_tokens_per_rank: a bound on T over every rank of the EP group this step, the same on
+                             every rank and known without communication (None: no bound known).
+                             A backend may use it to pick a fixed-size, sync-free wire format;
+                             T above it raises ValueError.
+        Hazards: topk_ids and topk_weights are referenced by the handle (see DispatchHandle).
+        """
 
     @abstractmethod
     def combine(self, expert_output: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
-        """expert_output `[N_recv, H]` in dispatch order -> `[T, H]`: sum over k of weight * output."""
+        """The experts' rows home again, reduced over k: `[T, H]` in expert_output's dtype.
+
+        expert_output: what `LayerOps.experts` returned for this dispatch (`[T * K, H]` pair rows
+                       for TOKEN_MAJOR, `[N, H]` for EXPERT_MAJOR), same dtype and device as hidden.
+        handle:        the DispatchOutput's, used once.
+        """

@@ -1,8 +1,8 @@
 """`local` backend (EP = 1): the reference every other backend is tested against.
 
-Dispatch is a stable sort of the T*K (token, expert) pairs by expert; combine weights each
-row and scatter-adds it back to its token. Because the sort is stable, each token's k
-contributions are summed in ascending expert order, the same order as the HF reference loop.
+Nothing moves: dispatch() hands the tokens over as they are (TOKEN_MAJOR) with the router's ids,
+so the experts' grouped GEMM gathers rows by expert itself (`fused_moe` does it on the fly), and
+the only work here is counting pairs per expert on the device. combine() is `weighted_sum`.
 """
 
 from __future__ import annotations
@@ -11,24 +11,18 @@ from dataclasses import dataclass
 
 import torch
 
-from moeserve.dispatch.base import DispatchHandle, Dispatcher, DispatchOutput
+from moeserve.dispatch.base import DispatchHandle, Dispatcher, DispatchLayout, DispatchOutput
+from moeserve.dispatch.combine import weighted_sum
+from moeserve.dispatch.counts import count_per_expert
 from moeserve.dispatch.placement import ExpertPlacement
 
 
 @dataclass(frozen=True)
 class LocalHandle(DispatchHandle):
-    """src_token: `[N]` source token of each dispatched row; weights: `[N]` float32 its top-k weight."""
+    """topk_ids `[T, K]` int64 and topk_weights `[T, K]` float32: dispatch()'s own inputs."""
 
-    src_token: torch.Tensor
-    weights: torch.Tensor
-
-
-def sort_by_expert(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Order of the flattened (token, k) pairs grouped by expert, and tokens per expert `[E]`."""
-    flat = topk_ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts)
-    return order, counts
+    topk_ids: torch.Tensor
+    topk_weights: torch.Tensor
 
 
 class LocalDispatcher(Dispatcher):
@@ -40,19 +34,19 @@ class LocalDispatcher(Dispatcher):
             return f"the local backend holds every expert in one process; ep={placement.ep_size} needs an all-to-all backend"
         return None
 
-    def dispatch(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> DispatchOutput:
-        num_tokens, top_k = topk_ids.shape
-        order, counts = sort_by_expert(topk_ids, self.placement.num_experts)
-        src_token = order // top_k  # [N = T*K]
-        handle = LocalHandle(num_tokens=num_tokens, src_token=src_token, weights=topk_weights.reshape(-1)[order])
+    def dispatch(
+        self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, max_tokens_per_rank: int | None = None,
+    ) -> DispatchOutput:
+        """See `Dispatcher.dispatch`; the bound is not needed (nothing is sent)."""
+        num_tokens = topk_ids.shape[0]
         return DispatchOutput(
-            hidden=hidden.index_select(0, src_token),
-            num_tokens_per_expert=tuple(counts.tolist()),
-            handle=handle,
+            hidden=hidden,
+            num_tokens_per_expert=count_per_expert(topk_ids, self.placement.num_experts),
+            layout=DispatchLayout.TOKEN_MAJOR,
+            topk_ids=topk_ids,
+            handle=LocalHandle(num_tokens=num_tokens, topk_ids=topk_ids, topk_weights=topk_weights),
         )
 
     def combine(self, expert_output: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         assert isinstance(handle, LocalHandle), f"local combine got a {type(handle).__name__}"
-        weighted = expert_output * handle.weights.to(expert_output.dtype)[:, None]
-        out = expert_output.new_zeros(handle.num_tokens, expert_output.shape[-1])
-        return out.index_add_(0, handle.src_token, weighted)
+        return weighted_sum(expert_output, handle.topk_ids, handle.topk_weights)

@@ -56,7 +56,9 @@ class NvshmemDispatcher(Dispatcher):
             reasons.append(KERNELS_MISSING)
         return "; ".join(reasons) or None
 
-    def dispatch(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> DispatchOutput:
+    def dispatch(
+        self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, max_tokens_per_rank: int | None = None,
+    ) -> DispatchOutput:
         raise NotImplementedError(KERNELS_MISSING)
 
     def combine(self, expert_output: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:

@@ -198,16 +198,12 @@ def region_rows(mode: str, max_tokens_per_rank: int, top_k: int, max_local_exper
 
 def max_local_experts(placement: ExpertPlacement) -> int:
     """L: the most experts any rank of the placement holds."""
-    return max(len(placement.experts_of(r)) for r in range(placement.ep_size))
+    return placement.max_local_experts
 
 
 def local_index_of_experts(placement: ExpertPlacement) -> torch.Tensor:
     """`[E]` int64: each global expert's index among its owner's local experts (ascending ids)."""
-    index = [0] * placement.num_experts
-    for r in range(placement.ep_size):
-        for i, e in enumerate(placement.experts_of(r)):
-            index[e] = i
-    return torch.tensor(index, dtype=torch.int64)
+    return torch.tensor(placement.local_index, dtype=torch.int64)
 
 
 @dataclass(frozen=True)
@@ -265,7 +261,7 @@ def dispatch_slots(topk_ids: torch.Tensor, placement: ExpertPlacement, max_token
             expert = int(row[1:][row[1:] == row[:-1]][0])
             raise ValueError(f"token {token} names expert {expert} twice; a token's top-k experts must be distinct")
 
-    owner = torch.tensor(placement.expert_to_rank, dtype=torch.int64, device=device)
+    owner = placement.owner.to(device)
     local_index = local_index_of_experts(placement).to(device)
     dest_rank = owner[flat]
     dest_local = local_index[flat]

@@ -1,12 +1,16 @@
 """Which rank holds which expert.
 
 A first-class object so that redundant experts and load balancing can replace the default
-contiguous layout later without touching the loader or the dispatchers.
+contiguous layout later without touching the loader or the dispatchers. The tables derived from
+`expert_to_rank` are computed once per placement (cached properties), not per dispatch.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
+
+import torch
 
 
 @dataclass(frozen=True)
@@ -14,6 +18,9 @@ class ExpertPlacement:
     """Global expert id -> owning rank, seen from `rank`.
 
     expert_to_rank: `[num_experts]`, the rank that holds each global expert.
+
+    Derived tables are `functools.cached_property`: they write straight into the instance's
+    `__dict__`, which a frozen dataclass allows, and take no part in equality or hashing.
     """
 
     expert_to_rank: tuple[int, ...]
@@ -41,14 +48,45 @@ class ExpertPlacement:
     def num_experts(self) -> int:
         return len(self.expert_to_rank)
 
+    @cached_property
+    def experts_by_rank(self) -> tuple[tuple[int, ...], ...]:
+        """Per rank, the global ids of the experts it holds, ascending (its local expert order)."""
+        return tuple(tuple(e for e, r in enumerate(self.expert_to_rank) if r == rank) for rank in range(self.ep_size))
+
     def experts_of(self, rank: int) -> tuple[int, ...]:
         """Global ids of the experts `rank` holds, ascending (its local expert order)."""
-        return tuple(e for e, r in enumerate(self.expert_to_rank) if r == rank)
+        return self.experts_by_rank[rank]
 
     @property
     def local_experts(self) -> tuple[int, ...]:
-        return self.experts_of(self.rank)
+        return self.experts_by_rank[self.rank]
 
     @property
     def num_local_experts(self) -> int:
         return len(self.local_experts)
+
+    @cached_property
+    def max_local_experts(self) -> int:
+        """L: the most experts any rank holds; buffers padded per rank to L experts use it."""
+        return max(len(experts) for experts in self.experts_by_rank)
+
+    @cached_property
+    def local_index(self) -> tuple[int, ...]:
+        """`[E]`: each global expert's index among its owner's local experts."""
+        index = [0] * self.num_experts
+        for experts in self.experts_by_rank:
+            for i, e in enumerate(experts):
+                index[e] = i
+        return tuple(index)
+
+    @cached_property
+    def expert_slot(self) -> torch.Tensor:
+        """`[E]` int64 on the CPU: owner * L + local index, a global expert's (rank, local expert)
+        cell in a `[ep, L]` table; sorting pairs by it groups them by rank, then local expert."""
+        owner = torch.tensor(self.expert_to_rank, dtype=torch.int64)
+        return owner * self.max_local_experts + torch.tensor(self.local_index, dtype=torch.int64)
+
+    @cached_property
+    def owner(self) -> torch.Tensor:
+        """`[E]` int64 on the CPU: `expert_to_rank` as a tensor, for device-side lookups."""
+        return torch.tensor(self.expert_to_rank, dtype=torch.int64)

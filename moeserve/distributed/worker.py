@@ -90,7 +90,9 @@ class Worker:
         self.runner.release(message.released)
         for state in message.new_requests:
             self.requests[state.request_id] = state
-        sampled = self.runner.execute(message.plans[self.group_index], self.requests)
+        # Every rank sees every group's plan, so all agree on this bound without communicating.
+        bound = max(self.tp.largest_slice(plan.num_batched_tokens) for plan in message.plans)
+        sampled = self.runner.execute(message.plans[self.group_index], self.requests, max_tokens_per_rank=bound)
         for request_id, token in sampled.items():
             self.requests[request_id].output_token_ids.append(token.token_id)
         routed = self.runner.model.take_routed_tokens() if message.want_routed_tokens else None

@@ -50,11 +50,16 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype, device)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+        max_tokens_per_rank: int | None = None,
+    ) -> torch.Tensor:
+        """max_tokens_per_rank: this step's bound on the tokens any rank's FFN dispatches (MoE only)."""
         num_tokens = x.shape[0]
         attn = self.tp.reduce_scatter_tokens(self.attn(self.input_norm(x), cos, sin, kv_cache, meta))
         h = x[self.tp.token_slice(num_tokens)] + attn
-        h = h + self.mlp(self.post_attn_norm(h))
+        ffn_in = self.post_attn_norm(h)
+        h = h + (self.mlp(ffn_in, max_tokens_per_rank) if isinstance(self.mlp, MoEBlock) else self.mlp(ffn_in))
         return self.tp.all_gather_tokens(h, num_tokens)
 
 
@@ -85,18 +90,34 @@ class MoECausalLM(nn.Module):
         """Shape of one layer's KV cache on this rank (all layers are alike)."""
         return kv_cache_shape(self.cfg, num_blocks, block_size, self.tp.size)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_caches: list[torch.Tensor]) -> torch.Tensor:
-        """input_ids, positions `[T]` -> final hidden states `[T, H]` (after the last norm)."""
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_caches: list[torch.Tensor],
+        max_tokens_per_rank: int | None = None,
+    ) -> torch.Tensor:
+        """input_ids, positions `[T]` -> final hidden states `[T, H]` (after the last norm).
+
+        max_tokens_per_rank: the most tokens any rank of the EP group dispatches in an MoE layer
+        this step, the same on every rank (None: unknown); lets a dispatcher skip host syncs.
+        """
         meta = self.ops.prepare_attention(meta)
         x = F.embedding(input_ids, self.embed_tokens)  # [T, H]
         cos, sin = self.rotary.cos_sin(positions, self.dtype)  # [T, rotary_dim], once for all layers
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, cos, sin, kv_cache, meta)
+            x = layer(x, cos, sin, kv_cache, meta, max_tokens_per_rank)
         return self.norm(x)
 
     def take_routed_tokens(self) -> list[list[int]]:
-        """Per MoE layer, rows each local expert received since the last call (then reset)."""
-        return [layer.mlp.take_routed_tokens() for layer in self.layers if isinstance(layer.mlp, MoEBlock)]
+        """Per MoE layer, rows each local expert received since the last call (then reset).
+
+        One read of every layer's device counters together: the only sync the counters cost.
+        """
+        blocks = [layer.mlp for layer in self.layers if isinstance(layer.mlp, MoEBlock)]
+        if not blocks:
+            return []
+        counts = torch.stack([block.routed_tokens for block in blocks])
+        for block in blocks:
+            block.routed_tokens.zero_()
+        return counts.tolist()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden `[S, H]` (only the rows that sample) -> logits `[S, V]` float32."""

@@ -45,10 +45,14 @@ class TensorParallel:
             raise ValueError(f"{what} ({total}) is not divisible by the tensor-parallel size {self.size}")
         return total // self.size
 
+    def largest_slice(self, num_tokens: int) -> int:
+        """The most rows `token_slice` gives any rank of the group for `num_tokens` (the first rank's)."""
+        return -(-num_tokens // self.size)
+
     def token_slice(self, num_tokens: int) -> slice:
         """The contiguous rows of a step's tokens this rank's FFN processes (ceil-sized chunks,
         so the last ranks may get fewer or none)."""
-        chunk = -(-num_tokens // self.size)
+        chunk = self.largest_slice(num_tokens)
         start = min(self.rank * chunk, num_tokens)
         return slice(start, min(start + chunk, num_tokens))
 

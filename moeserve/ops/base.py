@@ -10,11 +10,11 @@ its dtype's tolerance.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
 
 import torch
 
 from moeserve.config import MLAConfig, RouterConfig
+from moeserve.dispatch.base import DispatchLayout
 from moeserve.ops.attention import AttentionMetadata
 
 
@@ -57,5 +57,14 @@ class LayerOps(ABC):
         """Router logits `[T, E]` (fp32 for sigmoid routers) -> (topk_ids int64, topk_weights fp32)."""
 
     @abstractmethod
-    def experts(self, x: torch.Tensor, num_tokens_per_expert: Sequence[int], w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-        """x `[N, H]` grouped by local expert -> each row through its expert's gated MLP."""
+    def experts(
+        self, x: torch.Tensor, layout: DispatchLayout, counts: torch.Tensor, topk_ids: torch.Tensor | None,
+        w13: torch.Tensor, w2: torch.Tensor,
+    ) -> torch.Tensor:
+        """A DispatchOutput's rows through their experts' gated MLPs, without a host sync.
+
+        x `[N, H]`, counts int64 `[E_local]` and topk_ids (TOKEN_MAJOR: int64 `[T, K]` local ids)
+        as the DispatchOutput gives them; w13 `[E_local, 2I, H]`, w2 `[E_local, H, I]`.
+        Returns TOKEN_MAJOR: `[T * K, H]`, row `t * K + k` = expert `topk_ids[t, k]` on token t;
+        EXPERT_MAJOR: `[N, H]`, row by row (padding rows past `sum(counts)` unspecified).
+        """

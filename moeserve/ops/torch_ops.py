@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 import torch.nn.functional as F
 
 from moeserve.config import RouterConfig
+from moeserve.dispatch.base import DispatchLayout
 from moeserve.ops.attention import causal_attention, gather_from_cache, paged_attention
 from moeserve.ops.base import LayerOps
+from moeserve.ops.grouped_mlp import grouped_mlp
 from moeserve.ops.rotary import apply_rotary
 
 
@@ -61,18 +61,14 @@ class TorchOps(LayerOps):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return ids, weights * cfg.routed_scaling_factor
 
-    def experts(self, x: torch.Tensor, num_tokens_per_expert: Sequence[int], w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-        """One GEMM pair per expert that received rows; empty experts cost nothing."""
-        out = torch.empty_like(x)
-        start = 0
-        for expert, count in enumerate(num_tokens_per_expert):
-            if count == 0:
-                continue
-            rows = x[start : start + count]
-            gate, up = F.linear(rows, w13[expert]).chunk(2, dim=-1)
-            out[start : start + count] = F.linear(F.silu(gate) * up, w2[expert])
-            start += count
-        return out
+    def experts(self, x, layout, counts, topk_ids, w13, w2):
+        """One grouped GEMM pair over all experts; token-major pairs are sorted by expert first
+        (a stable device sort of static size) and their outputs put back in pair order."""
+        if layout is DispatchLayout.EXPERT_MAJOR:
+            return grouped_mlp(x, counts, w13, w2)
+        order = torch.argsort(topk_ids.reshape(-1), stable=True)  # [T*K] pairs grouped by expert
+        rows = x.index_select(0, order // topk_ids.shape[1])
+        return torch.empty_like(rows).index_copy_(0, order, grouped_mlp(rows, counts, w13, w2))
 
 
 def _grouped_sigmoid(cfg: RouterConfig, scores_logits: torch.Tensor, correction_bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:

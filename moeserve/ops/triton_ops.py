@@ -6,13 +6,13 @@ tests use to check that a whole model gives the torch path's greedy tokens.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 import os
 from dataclasses import replace
 
 import torch
 
 from moeserve.config import RouterConfig
+from moeserve.dispatch.base import DispatchLayout
 from moeserve.kernels.fused_moe import block_m_for, fused_moe
 from moeserve.kernels.mla_attention import mla_decode
 from moeserve.kernels.moe_align import moe_align_block_size
@@ -22,6 +22,7 @@ from moeserve.kernels.rotary import apply_rotary
 from moeserve.kernels.routing import route
 from moeserve.ops.attention import AttentionMetadata
 from moeserve.ops.base import LayerOps
+from moeserve.ops.grouped_mlp import row_experts
 
 
 class TritonOps(LayerOps):
@@ -56,13 +57,13 @@ class TritonOps(LayerOps):
     def route(self, cfg: RouterConfig, logits: torch.Tensor, correction_bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         return route(cfg, logits, correction_bias)
 
-    def experts(self, x: torch.Tensor, num_tokens_per_expert: Sequence[int], w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-        """Rows arrive grouped by expert (the dispatcher sorted them), so each row is one pair
-        with top_k = 1 and the weights stay with combine()."""
-        num_rows, num_experts = x.shape[0], w13.shape[0]
-        if num_rows == 0:
-            return torch.empty_like(x)
-        counts = torch.tensor(list(num_tokens_per_expert), dtype=torch.int64, device=x.device)
-        row_expert = torch.repeat_interleave(torch.arange(num_experts, device=x.device), counts, output_size=num_rows)
-        aligned = moe_align_block_size(row_expert[:, None], num_experts, block_m_for(num_rows, 1, num_experts))
-        return fused_moe(x.contiguous(), w13, w2, aligned, top_k=1)
+    def experts(self, x, layout, counts, topk_ids, w13, w2):
+        """TOKEN_MAJOR: `fused_moe` gathers each pair's token from `topk_ids` itself (top_k = K).
+        EXPERT_MAJOR: each row is one pair of its own (top_k = 1) whose expert follows from the
+        device counts; padding rows get no expert and come out as zeros. The weights stay with combine()."""
+        num_experts = w13.shape[0]
+        if layout is DispatchLayout.EXPERT_MAJOR:
+            topk_ids = row_experts(counts, x.shape[0])[:, None]
+        num_rows, top_k = topk_ids.shape
+        aligned = moe_align_block_size(topk_ids, num_experts, block_m_for(num_rows, top_k, num_experts))
+        return fused_moe(x.contiguous(), w13, w2, aligned, top_k=top_k)

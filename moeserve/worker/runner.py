@@ -71,7 +71,11 @@ class ModelRunner:
         return self._generators[request.request_id]
 
     @torch.inference_mode()
-    def execute(self, plan: SchedulerOutput, requests: Mapping[str, SamplingRequest]) -> dict[str, SampledToken]:
+    def execute(
+        self, plan: SchedulerOutput, requests: Mapping[str, SamplingRequest], max_tokens_per_rank: int | None = None,
+    ) -> dict[str, SampledToken]:
+        """max_tokens_per_rank: the most tokens any rank's MoE layers dispatch this step, the same
+        on every rank of the EP group (see `MoECausalLM.forward`); None where it is not known."""
         scheduled = plan.scheduled
         if not scheduled and not self.lockstep:
             return {}
@@ -89,6 +93,7 @@ class ModelRunner:
             torch.tensor(positions, dtype=torch.int64, device=self.device),
             meta,
             self.kv_caches,
+            max_tokens_per_rank,
         )  # [T, H]
         ends = torch.tensor([len(s.token_ids) for s in scheduled]).cumsum(0) - 1
         sampling = [i for i, s in enumerate(scheduled) if s.sample]

@@ -12,8 +12,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from moeserve.dispatch import AllToAllDispatcher, ExpertPlacement, create_dispatcher
+from moeserve.dispatch import AllToAllDispatcher, DispatchLayout, DispatchOutput, ExpertPlacement, create_dispatcher
 from moeserve.models.layers.experts import Experts
+from moeserve.ops.grouped_mlp import row_experts
 
 H, I = 16, 24
 
@@ -81,16 +82,35 @@ def make_experts(case: Case, experts: tuple[int, ...]) -> Experts:
     return module
 
 
-def toy_experts(case: Case, hidden: torch.Tensor, num_tokens_per_expert: tuple[int, ...], experts: tuple[int, ...]) -> torch.Tensor:
+def toy_experts(case: Case, received: DispatchOutput, experts: tuple[int, ...]) -> torch.Tensor:
     """Row-wise experts built from correctly rounded elementwise ops only: a row's output does not
-    depend on which other rows share its batch, so `torch` and `local` must agree bit for bit."""
+    depend on which other rows share its batch, so `torch` and `local` must agree bit for bit.
+    Returns what `LayerOps.experts` would for the DispatchOutput's layout (padding rows as zeros)."""
     _, _, scale, shift = expert_weights(case)
-    row_expert = torch.repeat_interleave(torch.tensor(experts, dtype=torch.int64), torch.tensor(num_tokens_per_expert, dtype=torch.int64))
-    return hidden * hidden * scale[row_expert, None] + shift[row_expert, None]
+    index = torch.tensor(experts, dtype=torch.int64)
+    scale, shift = torch.cat([scale[index], scale.new_zeros(1)]), torch.cat([shift[index], shift.new_zeros(1)])
+    if received.layout is DispatchLayout.TOKEN_MAJOR:
+        rows = received.hidden.repeat_interleave(received.topk_ids.shape[1], dim=0)
+        row_expert = received.topk_ids.reshape(-1)
+    else:
+        rows = received.hidden
+        row_expert = row_experts(received.num_tokens_per_expert, rows.shape[0])  # padding: the zero expert
+    return rows * rows * scale[row_expert, None] + shift[row_expert, None]
+
+
+def expert_major(received: DispatchOutput) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """The rows each local expert receives, expert after expert without padding, and the counts."""
+    counts = tuple(received.num_tokens_per_expert.tolist())
+    if received.layout is DispatchLayout.EXPERT_MAJOR:
+        return received.hidden[: sum(counts)], counts
+    top_k = received.topk_ids.shape[1]
+    order = torch.argsort(received.topk_ids.reshape(-1), stable=True)
+    return received.hidden.index_select(0, order // top_k), counts
 
 
 def run_cases(rank: int, world_size: int, cases: list[Case]) -> dict:
-    """Per-rank body: every case through the `torch` backend, plus the refused-group checks.
+    """Per-rank body: every case through the `torch` backend in both modes (uneven with a host
+    read, and low-latency with the step bound `bound`), plus the refused-group checks.
 
     One intra-op thread, like the parent's reference: CPU GEMMs round differently with another
     thread count, and the rows each expert sees are the same, so the outputs can match exactly.
@@ -101,12 +121,26 @@ def run_cases(rank: int, world_size: int, cases: list[Case]) -> dict:
         placement = placement_for(case, world_size, rank)
         dispatcher = create_dispatcher("torch", placement)
         hidden, ids, weights = rank_inputs(case, rank)
-        received = dispatcher.dispatch(hidden, ids, weights)
-        counts = received.num_tokens_per_expert
-        out = dispatcher.combine(make_experts(case, placement.local_experts)(received.hidden, counts), received.handle)
-        toy_out = dispatcher.combine(toy_experts(case, received.hidden, counts, placement.local_experts), received.handle)
-        results.append({"received": received.hidden, "counts": counts, "out": out, "toy_out": toy_out})
+        per_mode = {}
+        for mode, bound in modes(case):
+            received = dispatcher.dispatch(hidden, ids, weights, bound)
+            rows, counts = expert_major(received)
+            out = dispatcher.combine(make_experts(case, placement.local_experts)(received), received.handle)
+            toy_out = dispatcher.combine(toy_experts(case, received, placement.local_experts), received.handle)
+            per_mode[mode] = {
+                "received": rows, "counts": counts, "host_counts": received.num_tokens_per_expert_host,
+                "syncs_host": dispatcher.syncs_host(bound), "num_rows": received.hidden.shape[0], "out": out,
+                "toy_out": toy_out,
+            }
+        results.append(per_mode)
     return {"cases": results, "refusals": refusals(rank, world_size)}
+
+
+def modes(case: Case) -> tuple[tuple[str, int | None], ...]:
+    """(name, max_tokens_per_rank) of each mode a case runs in: no bound (uneven splits, one host
+    read), the tightest bound and a looser one (equal splits, padding, no host read)."""
+    tightest = max(case.tokens_per_rank)
+    return (("uneven", None), ("low_latency", tightest), ("low_latency_loose", tightest + 3))
 
 
 def refusals(rank: int, world_size: int) -> list[str]:

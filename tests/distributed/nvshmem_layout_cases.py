@@ -65,7 +65,7 @@ def run_cases(rank: int, world_size: int, cases: list[Case], slack: int) -> list
         max_tokens = max(max(case.tokens_per_rank), 1) + slack
         results.append({
             "torch_hidden": received.hidden,
-            "torch_counts": received.num_tokens_per_expert,
+            "torch_counts": tuple(received.num_tokens_per_expert.tolist()),
             **{mode: simulate(hidden, ids, case, placement, max_tokens, mode) for mode in MODES},
         })
     return results

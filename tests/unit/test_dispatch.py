@@ -11,8 +11,9 @@ import torch.nn.functional as F
 
 import torch.distributed as dist
 
-from moeserve.dispatch import DISPATCHERS, ExpertPlacement, create_dispatcher
+from moeserve.dispatch import DISPATCHERS, DispatchLayout, ExpertPlacement, create_dispatcher
 from moeserve.models.layers.experts import Experts
+from moeserve.ops.grouped_mlp import grouped_mlp, masked_mlp, row_experts
 
 H, I = 16, 24
 
@@ -53,10 +54,11 @@ def routing(kind: str, num_tokens: int, num_experts: int, top_k: int, g: torch.G
     return ids.long(), weights
 
 
+@pytest.mark.parametrize("bound", [None, "tight"], ids=["no-bound", "step-bound"])
 @pytest.mark.parametrize("backend", sorted(DISPATCHERS))
 @pytest.mark.parametrize("kind", ["uniform", "skewed", "one_expert"])
 @pytest.mark.parametrize("num_tokens,num_experts,top_k", [(0, 8, 2), (1, 8, 1), (13, 8, 2), (40, 16, 8), (7, 6, 4)])
-def test_backend_matches_reference(one_rank_group, backend, kind, num_tokens, num_experts, top_k):
+def test_backend_matches_reference(one_rank_group, backend, kind, num_tokens, num_experts, top_k, bound):
     reason = DISPATCHERS[backend].supports(ExpertPlacement.contiguous(num_experts), torch.device("cpu"))
     if reason is not None:
         pytest.skip(f"{backend}: {reason}")
@@ -68,13 +70,42 @@ def test_backend_matches_reference(one_rank_group, backend, kind, num_tokens, nu
     experts.w2.copy_(torch.randn(num_experts, H, I, generator=g) * 0.3)
     dispatcher = create_dispatcher(backend, ExpertPlacement.contiguous(num_experts))
 
-    received = dispatcher.dispatch(x, ids, weights)
-    assert sum(received.num_tokens_per_expert) == received.hidden.shape[0] == num_tokens * top_k
-    assert list(received.num_tokens_per_expert) == torch.bincount(ids.flatten(), minlength=num_experts).tolist()
-    out = dispatcher.combine(experts(received.hidden, list(received.num_tokens_per_expert)), received.handle)
+    received = dispatcher.dispatch(x, ids, weights, num_tokens if bound == "tight" else None)
+    counts = received.num_tokens_per_expert
+    assert counts.dtype == torch.int64 and counts.device == x.device
+    assert counts.tolist() == torch.bincount(ids.flatten(), minlength=num_experts).tolist()
+    assert received.num_tokens_per_expert_host in (None, tuple(counts.tolist()))
+    by_expert = x.index_select(0, torch.argsort(ids.flatten(), stable=True) // top_k)  # [T*K, H]
+    if received.layout is DispatchLayout.TOKEN_MAJOR:
+        assert received.hidden is x and received.topk_ids is ids
+    else:  # grouped by expert, then padding
+        assert torch.equal(received.hidden[: num_tokens * top_k], by_expert)
+    out = dispatcher.combine(experts(received), received.handle)
 
     assert out.shape == (num_tokens, H)
     torch.testing.assert_close(out, reference_moe(x, ids, weights, experts.w13, experts.w2), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_grouped_mlp_equals_a_loop_over_experts(dtype):
+    """The sync-free grouped GEMM gives each expert's rows exactly what a per-expert F.linear
+    pair gives (padding rows past the counts aside); the fallback for a torch without
+    `grouped_mm` within rounding (its GEMMs see more rows)."""
+    g = torch.Generator().manual_seed(5)
+    counts = torch.tensor([3, 0, 5, 2])
+    x = torch.randn(12, H, generator=g).to(dtype)  # 10 rows, then 2 of padding
+    w13 = (torch.randn(4, 2 * I, H, generator=g) * 0.3).to(dtype)
+    w2 = (torch.randn(4, H, I, generator=g) * 0.3).to(dtype)
+    expected = []
+    for e, rows in enumerate(torch.split(x[:10], counts.tolist())):
+        gate, up = F.linear(rows, w13[e]).chunk(2, dim=-1)
+        expected.append(F.linear(F.silu(gate) * up, w2[e]))
+    expected = torch.cat(expected)
+    assert torch.equal(grouped_mlp(x, counts, w13, w2)[:10], expected)
+    fallback = masked_mlp(x, counts, w13, w2)
+    torch.testing.assert_close(fallback[:10], expected)
+    assert not fallback[10:].any()
+    assert row_experts(counts, 12).tolist() == [0, 0, 0, 2, 2, 2, 2, 2, 3, 3, 4, 4]
 
 
 def test_local_refuses_expert_parallel_layouts():

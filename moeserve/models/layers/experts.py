@@ -1,12 +1,11 @@
-"""The routed experts a rank holds, applied to tokens already grouped by expert."""
+"""The routed experts a rank holds, applied to the rows a dispatcher handed over."""
 
 from __future__ import annotations
-
-from typing import Sequence
 
 import torch
 from torch import nn
 
+from moeserve.dispatch import DispatchOutput
 from moeserve.ops import TORCH_OPS, LayerOps
 
 
@@ -23,6 +22,6 @@ class Experts(nn.Module):
         self.w13 = nn.Parameter(torch.empty(num_local_experts, 2 * intermediate, hidden, dtype=dtype, device=device), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(num_local_experts, hidden, intermediate, dtype=dtype, device=device), requires_grad=False)
 
-    def forward(self, x: torch.Tensor, num_tokens_per_expert: Sequence[int]) -> torch.Tensor:
-        """x `[N, H]`, rows grouped by local expert in order, `num_tokens_per_expert[e]` rows each."""
-        return self.ops.experts(x, num_tokens_per_expert, self.w13, self.w2)
+    def forward(self, received: DispatchOutput) -> torch.Tensor:
+        """The rows of a dispatch through their experts: what combine() takes (see `LayerOps.experts`)."""
+        return self.ops.experts(received.hidden, received.layout, received.num_tokens_per_expert, received.topk_ids, self.w13, self.w2)

@@ -1,6 +1,8 @@
 """The MoE block: router -> dispatch -> experts -> combine, plus the optional shared expert.
 
 Model code talks only to the `Dispatcher` interface, so EP backends slot in without changes here.
+Nothing in the forward reads the device back: the load counters accumulate on the device and
+are read once per report (`take_routed_tokens`).
 """
 
 from __future__ import annotations
@@ -21,10 +23,12 @@ class MoEBlock(nn.Module):
     def __init__(self, cfg: ModelConfig, dispatcher: Dispatcher, dtype: torch.dtype, device: torch.device | str = "cpu", ops: LayerOps = TORCH_OPS) -> None:
         super().__init__()
         self.dispatcher = dispatcher
+        num_local = dispatcher.placement.num_local_experts
         self.router = Router(cfg.router, cfg.hidden_size, cfg.num_experts, dtype, device, ops)
-        self.experts = Experts(dispatcher.placement.num_local_experts, cfg.hidden_size, cfg.moe_intermediate_size, dtype, device, ops)
-        self.routed_tokens = [0] * dispatcher.placement.num_local_experts
-        """Rows each local expert received since `take_routed_tokens()`: the load /metrics reports."""
+        self.experts = Experts(num_local, cfg.hidden_size, cfg.moe_intermediate_size, dtype, device, ops)
+        self.register_buffer("routed_tokens", torch.zeros(num_local, dtype=torch.int64, device=device), persistent=False)
+        """int64 `[E_local]`: rows each local expert received since the last read (the load /metrics
+        reports); `MoECausalLM.take_routed_tokens` reads every layer's at once and resets them."""
         self.shared = None
         self.shared_gate = None
         if cfg.shared_expert_intermediate_size:
@@ -32,17 +36,13 @@ class MoEBlock(nn.Module):
             if cfg.shared_expert_gated:
                 self.shared_gate = nn.Parameter(torch.empty(1, cfg.hidden_size, dtype=dtype, device=device), requires_grad=False)
 
-    def take_routed_tokens(self) -> list[int]:
-        counts, self.routed_tokens = self.routed_tokens, [0] * len(self.routed_tokens)
-        return counts
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x `[T, H]` -> `[T, H]`."""
+    def forward(self, x: torch.Tensor, max_tokens_per_rank: int | None = None) -> torch.Tensor:
+        """x `[T, H]` -> `[T, H]`. max_tokens_per_rank: this step's bound on T over the EP group
+        (see `Dispatcher.dispatch`); None where none is known."""
         topk_ids, topk_weights = self.router(x)  # [T, K], [T, K]
-        received = self.dispatcher.dispatch(x, topk_ids, topk_weights)
-        self.routed_tokens = [a + b for a, b in zip(self.routed_tokens, received.num_tokens_per_expert)]
-        expert_out = self.experts(received.hidden, received.num_tokens_per_expert)  # [N_recv, H]
-        out = self.dispatcher.combine(expert_out, received.handle)  # [T, H]
+        received = self.dispatcher.dispatch(x, topk_ids, topk_weights, max_tokens_per_rank)
+        self.routed_tokens += received.num_tokens_per_expert
+        out = self.dispatcher.combine(self.experts(received), received.handle)  # [T, H]
         if self.shared is not None:
             shared = self.shared(x)
             if self.shared_gate is not None:
