@@ -101,7 +101,8 @@ class AllToAllDispatcher(Dispatcher):
         return max_tokens_per_rank is None or max_tokens_per_rank > self.low_latency_max_tokens
 
     def dispatch(
-        self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, max_tokens_per_rank: int | None = None,
+        self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+        max_tokens_per_rank: int | None = None,
     ) -> DispatchOutput:
         """See `Dispatcher.dispatch`: EXPERT_MAJOR rows; padding at the end in low-latency mode."""
         num_tokens, top_k = topk_ids.shape
@@ -134,7 +135,8 @@ class AllToAllDispatcher(Dispatcher):
             num_send = num_recv = ep * region
             recv_padding = region - recv_counts.sum(1)
 
-        send = hidden.new_zeros(num_send, hidden.shape[-1]) if splits is None else hidden.new_empty(num_send, hidden.shape[-1])
+        # Low-latency padding rows are zeros, so the experts see finite values there.
+        send = (hidden.new_zeros if splits is None else hidden.new_empty)(num_send, hidden.shape[-1])
         send.index_copy_(0, send_row, hidden.repeat_interleave(top_k, dim=0))
         recv = hidden.new_empty(num_recv, hidden.shape[-1])
         recv_splits, send_splits = (splits[1], splits[0]) if splits else (None, None)  # None: equal splits
@@ -143,7 +145,8 @@ class AllToAllDispatcher(Dispatcher):
         # Received rows are (source, expert)-major, each source's padding last; a stable sort by
         # expert (padding as expert L) makes them expert-major with all padding at the end.
         per_group = torch.cat([recv_counts, recv_padding[:, None]], 1).reshape(-1)  # [ep * (L + 1)]
-        row_expert = torch.repeat_interleave(torch.arange(lmax + 1, device=device).repeat(ep), per_group, output_size=num_recv)
+        group_expert = torch.arange(lmax + 1, device=device).repeat(ep)
+        row_expert = torch.repeat_interleave(group_expert, per_group, output_size=num_recv)
         recv_order = torch.argsort(row_expert, stable=True)
         handle = AllToAllHandle(
             num_tokens=num_tokens, send_row=send_row, num_send_rows=num_send, recv_order=recv_order, splits=splits,

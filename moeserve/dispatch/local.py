@@ -35,7 +35,8 @@ class LocalDispatcher(Dispatcher):
         return None
 
     def dispatch(
-        self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, max_tokens_per_rank: int | None = None,
+        self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+        max_tokens_per_rank: int | None = None,
     ) -> DispatchOutput:
         """See `Dispatcher.dispatch`; the bound is not needed (nothing is sent)."""
         num_tokens = topk_ids.shape[0]

@@ -57,7 +57,8 @@ class NvshmemDispatcher(Dispatcher):
         return "; ".join(reasons) or None
 
     def dispatch(
-        self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, max_tokens_per_rank: int | None = None,
+        self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+        max_tokens_per_rank: int | None = None,
     ) -> DispatchOutput:
         raise NotImplementedError(KERNELS_MISSING)
 

@@ -17,6 +17,7 @@ from moeserve.worker.kv_cache import allocate_kv_caches
 from moeserve.worker.runner import ModelRunner
 
 BLOCK_SIZE = 8
+GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 
 
 @dataclass
@@ -25,7 +26,7 @@ class Sequence:
 
     request_id: str
     prompt_token_ids: list[int]
-    sampling_params: SamplingParams = field(default_factory=lambda: SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    sampling_params: SamplingParams = field(default_factory=lambda: GREEDY)
     output_token_ids: list[int] = field(default_factory=list)
 
 

@@ -94,7 +94,9 @@ def test_batch_where_some_experts_get_no_tokens(make_checkpoint):
     llm = LLM(str(folder), block_size=8, max_model_len=64)
     counts: list[tuple[int, ...]] = []
     for layer in llm.engine.executor.model.layers:
-        layer.mlp.experts.register_forward_pre_hook(lambda mod, args: counts.append(tuple(args[0].num_tokens_per_expert.tolist())))
+        layer.mlp.experts.register_forward_pre_hook(
+            lambda mod, args: counts.append(tuple(args[0].num_tokens_per_expert.tolist()))
+        )
     ref_model = hf_model(folder)
     prompt = [5, 9, 11]
     out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))[0]

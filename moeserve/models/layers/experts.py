@@ -24,4 +24,6 @@ class Experts(nn.Module):
 
     def forward(self, received: DispatchOutput) -> torch.Tensor:
         """The rows of a dispatch through their experts: what combine() takes (see `LayerOps.experts`)."""
-        return self.ops.experts(received.hidden, received.layout, received.num_tokens_per_expert, received.topk_ids, self.w13, self.w2)
+        return self.ops.experts(
+            received.hidden, received.layout, received.num_tokens_per_expert, received.topk_ids, self.w13, self.w2
+        )

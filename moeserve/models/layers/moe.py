@@ -26,7 +26,8 @@ class MoEBlock(nn.Module):
         num_local = dispatcher.placement.num_local_experts
         self.router = Router(cfg.router, cfg.hidden_size, cfg.num_experts, dtype, device, ops)
         self.experts = Experts(num_local, cfg.hidden_size, cfg.moe_intermediate_size, dtype, device, ops)
-        self.register_buffer("routed_tokens", torch.zeros(num_local, dtype=torch.int64, device=device), persistent=False)
+        routed = torch.zeros(num_local, dtype=torch.int64, device=device)
+        self.register_buffer("routed_tokens", routed, persistent=False)
         """int64 `[E_local]`: rows each local expert received since the last read (the load /metrics
         reports); `MoECausalLM.take_routed_tokens` reads every layer's at once and resets them."""
         self.shared = None
