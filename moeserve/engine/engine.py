@@ -18,7 +18,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from moeserve.config import EngineConfig, SLOConfig
+from moeserve.config import EngineConfig, SLOConfig, parse_dtype
 from moeserve.engine.detokenizer import IncrementalDetokenizer
 from moeserve.executor import create_executor
 from moeserve.worker.kv_cache import num_blocks_for
@@ -121,7 +121,7 @@ class LLMEngine:
         started = time.monotonic()
         torch.manual_seed(config.seed)
         self.model_config = model_config(folder)
-        self.dtype = config.dtype or self.model_config.checkpoint_dtype
+        self.dtype = parse_dtype(config.dtype) or self.model_config.checkpoint_dtype
         self.tokenizer = load_tokenizer(folder)
         self.eos_token_ids = generation_eos_ids(folder, self.model_config.eos_token_ids)
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings

@@ -10,10 +10,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from moeserve.api.metrics import ServerMetrics
 from moeserve.api.streaming import SampleCursor
 from moeserve.api.transport import merge
-from moeserve.cli import _parse_bytes
 from moeserve.config import SLOConfig
 from moeserve.engine.outputs import CompletionOutput
 from moeserve.engine.stats import IterationStats, RequestMetrics
+from moeserve.engine_config import parse_bytes
 from moeserve.sampling_params import SamplingParams
 
 
@@ -78,14 +78,12 @@ def test_merge_interleaves_and_propagates_errors() -> None:
 
 @pytest.mark.parametrize("text, expected", [("4096", 4096), ("512MiB", 512 * 1024**2), ("2GiB", 2 * 1024**3), ("1.5KiB", 1536), ("3MB", 3_000_000)])
 def test_parse_bytes(text: str, expected: int) -> None:
-    assert _parse_bytes(text) == expected
+    assert parse_bytes(text) == expected
 
 
 def test_parse_bytes_refuses_nonsense() -> None:
-    import argparse
-
-    with pytest.raises(argparse.ArgumentTypeError):
-        _parse_bytes("lots")
+    with pytest.raises(ValueError, match="not a size"):
+        parse_bytes("lots")
 
 
 def test_app_before_the_model_is_loaded() -> None:
