@@ -75,7 +75,9 @@ def _add_engine_options(p: argparse.ArgumentParser, launch: bool, exclude: tuple
         shown = f"${' or $'.join(opt.meta.env)}, else {default}" if opt.meta.env else default
         hidden = argparse.SUPPRESS if opt.meta.hidden else f"{opt.help} (default: {shown})"
         group = parallel if opt.path[0] == "parallel" else p
-        group.add_argument(*opt.flags, dest=opt.name, type=_flag_type(opt), default=default, choices=opt.choices, help=hidden)
+        group.add_argument(
+            *opt.flags, dest=opt.name, type=_flag_type(opt), default=default, choices=opt.choices, help=hidden
+        )
         names.append(opt.name)
     p.set_defaults(engine_options=names)
 
@@ -99,7 +101,11 @@ def _run_generate(args: argparse.Namespace) -> int:
     with LLM(**_engine_options(args)) as llm:
         completion = _generate_one(llm, args)
     if args.json:
-        print(json.dumps({"text": completion.text, "token_ids": completion.token_ids, "finish_reason": completion.finish_reason}))
+        print(
+            json.dumps(
+                {"text": completion.text, "token_ids": completion.token_ids, "finish_reason": completion.finish_reason}
+            )
+        )
     else:
         print(completion.text)
     return 0
@@ -109,15 +115,24 @@ def _generate_one(llm, args: argparse.Namespace):
     from moeserve import SamplingParams
 
     params = SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
     )
     if args.prompt_ids is not None:
         prompt: object = {"prompt_token_ids": _parse_ids(args.prompt_ids)}
     elif args.chat:
         tokenizer = llm.get_tokenizer()
         messages = [{"role": "user", "content": args.prompt}]
-        prompt = {"prompt_token_ids": list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))}
+        prompt = {
+            "prompt_token_ids": list(
+                tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+            )
+        }
     else:
         prompt = args.prompt
     return llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
@@ -127,10 +142,24 @@ def _add_launch(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("launch", help="serve a model over an OpenAI-compatible HTTP API")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on; 0 picks a free one (the log says which)")
-    p.add_argument("--served-model-name", help="model id clients send and /v1/models lists (default: the --model path, or 'moeserve-demo')")
-    p.add_argument("--api-key", default=os.environ.get("MOESERVE_API_KEY"), help="require 'Authorization: Bearer KEY' on /v1 routes (default: $MOESERVE_API_KEY)")
-    p.add_argument("--max-request-body", type=_bytes_flag, default=16 * 1024**2, help="largest request body in bytes (413 beyond; default 16MiB)")
-    p.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds running requests get to finish after SIGTERM")
+    p.add_argument(
+        "--served-model-name",
+        help="model id clients send and /v1/models lists (default: the --model path, or 'moeserve-demo')",
+    )
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("MOESERVE_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on /v1 routes (default: $MOESERVE_API_KEY)",
+    )
+    p.add_argument(
+        "--max-request-body",
+        type=_bytes_flag,
+        default=16 * 1024**2,
+        help="largest request body in bytes (413 beyond; default 16MiB)",
+    )
+    p.add_argument(
+        "--shutdown-timeout", type=float, default=30.0, help="seconds running requests get to finish after SIGTERM"
+    )
     _add_engine_options(p, launch=True)
     p.set_defaults(func=_run_launch)
 
@@ -195,7 +224,13 @@ def _add_make_model(sub: argparse._SubParsersAction) -> None:
             continue
         default = None if f.default is dataclasses.MISSING else f.default
         choices = typing.get_args(hint) if typing.get_origin(hint) is typing.Literal else None
-        p.add_argument(flag, type=_arg_type(hint), default=default, choices=choices, help=f"{docs.get(f.name, '')} (default: {default})")
+        p.add_argument(
+            flag,
+            type=_arg_type(hint),
+            default=default,
+            choices=choices,
+            help=f"{docs.get(f.name, '')} (default: {default})",
+        )
     p.set_defaults(func=_run_make_model)
 
 
@@ -222,7 +257,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
     try:
         return args.func(args)
     except ValueError as e:  # bad input: one line, no traceback

@@ -17,8 +17,16 @@ import torch
 from moeserve.engine_config import CacheConfig, EngineConfig, ParallelConfig, SLOConfig, dtype_name
 
 __all__ = [
-    "DTYPES", "CacheConfig", "EngineConfig", "MLAConfig", "ModelConfig", "ParallelConfig", "RopeConfig", "RouterConfig",
-    "SLOConfig", "parse_dtype",
+    "DTYPES",
+    "CacheConfig",
+    "EngineConfig",
+    "MLAConfig",
+    "ModelConfig",
+    "ParallelConfig",
+    "RopeConfig",
+    "RouterConfig",
+    "SLOConfig",
+    "parse_dtype",
 ]
 
 DTYPES: dict[str, torch.dtype] = {
@@ -122,13 +130,17 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_attention_heads {self.num_heads} is not a multiple of num_key_value_heads {self.num_kv_heads}")
+            raise ValueError(
+                f"num_attention_heads {self.num_heads} is not a multiple of num_key_value_heads {self.num_kv_heads}"
+            )
         if not 1 <= self.router.top_k <= max(self.num_experts, 1):
             raise ValueError(f"num_experts_per_tok {self.router.top_k} must be in [1, {self.num_experts}]")
         if len(self.moe_layers) != self.num_layers or len(self.sliding_windows) != self.num_layers:
             raise ValueError("per-layer settings must have num_hidden_layers entries")
         if self.router.kind == "grouped_sigmoid" and self.num_experts % self.router.num_groups:
-            raise ValueError(f"n_routed_experts {self.num_experts} is not divisible by n_group {self.router.num_groups}")
+            raise ValueError(
+                f"n_routed_experts {self.num_experts} is not divisible by n_group {self.router.num_groups}"
+            )
 
     @property
     def is_mla(self) -> bool:

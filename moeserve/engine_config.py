@@ -176,7 +176,9 @@ class EngineConfig:
     max_waiting: int | None = option(None, launch_default=1024)
     """Most queued requests; beyond it the server answers 429 with Retry-After (add_request raises
     QueueFullError). None: no bound, as offline `LLM.generate` queues all its prompts at once."""
-    min_step_time_s: float = option(0.0, name="min_step_time_ms", scale=0.001, aliases=("debug_min_step_time_ms",), hidden=True)
+    min_step_time_s: float = option(
+        0.0, name="min_step_time_ms", scale=0.001, aliases=("debug_min_step_time_ms",), hidden=True
+    )
     """Test-only: pad every non-empty step to at least this long (ms), so load tests can build a
     server with a known capacity (the SLO harness checks its knee search against it)."""
 
@@ -188,7 +190,9 @@ class EngineConfig:
             default = _scheduler_default("max_num_batched_tokens")
             object.__setattr__(self, "max_num_batched_tokens", max(default, self.max_num_seqs))  # type: ignore[call-overload]
         if self.scheduling_policy not in SCHEDULING_POLICIES:
-            raise ValueError(f"scheduling policy {self.scheduling_policy!r} is not one of {', '.join(SCHEDULING_POLICIES)}")
+            raise ValueError(
+                f"scheduling policy {self.scheduling_policy!r} is not one of {', '.join(SCHEDULING_POLICIES)}"
+            )
         if self.kernels not in KERNEL_BACKENDS:
             raise ValueError(f"kernels {self.kernels!r} is not one of {', '.join(KERNEL_BACKENDS)}")
 

@@ -1,20 +1,20 @@
 """The offline API, in vLLM's shape:
 
-    llm = LLM("path/to/checkpoint", dtype="float32")
-    outputs = llm.generate(["Hello"], SamplingParams(max_tokens=32, temperature=0.0))
+llm = LLM("path/to/checkpoint", dtype="float32")
+outputs = llm.generate(["Hello"], SamplingParams(max_tokens=32, temperature=0.0))
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Sequence
+from collections.abc import Sequence
 
 from tqdm import tqdm
 
-from moeserve.engine_config import EngineConfig
 from moeserve.engine.engine import LLMEngine
-from moeserve.engine.stats import StatLogger
 from moeserve.engine.outputs import RequestOutput
+from moeserve.engine.stats import StatLogger
+from moeserve.engine_config import EngineConfig
 from moeserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -38,7 +38,7 @@ class LLM:
     def shutdown(self) -> None:
         self.engine.shutdown()
 
-    def __enter__(self) -> "LLM":
+    def __enter__(self) -> LLM:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -62,7 +62,9 @@ class LLM:
             raise ValueError("no prompts given")
         if sampling_params is None:
             sampling_params = SamplingParams()
-        params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
+        params = (
+            [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
+        )
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
         engine = self.engine
@@ -76,12 +78,21 @@ class LLM:
                         progress.update(1)
         return [results[i] for i in ids]
 
-    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
         """Apply the checkpoint's chat template, then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tokenizer = self.engine.tokenizer
         prompts = [
-            {"prompt_token_ids": list(tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=False))}
+            {
+                "prompt_token_ids": list(
+                    tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=False)
+                )
+            }
             for c in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

@@ -42,7 +42,9 @@ from moeserve.sampling_params import SamplingParams
 def _render(request: ChatCompletionRequest, model: ModelInfo) -> list[int]:
     """The conversation as prompt token ids; a template that rejects it is the client's 400."""
     try:
-        ids = model.tokenizer.apply_chat_template(request.template_messages(), add_generation_prompt=True, tokenize=True, return_dict=False)
+        ids = model.tokenizer.apply_chat_template(
+            request.template_messages(), add_generation_prompt=True, tokenize=True, return_dict=False
+        )
     except Exception as exc:  # jinja raises TemplateError (and friends) on conversations it refuses
         raise APIError(f"the chat template could not render these messages: {exc}", param="messages") from None
     return list(ids)
@@ -71,7 +73,13 @@ async def create_chat_completion(raw: Request, state: ServingState) -> Response:
 
 
 async def _stream_events(
-    stream: RequestStream, request: ChatCompletionRequest, params: SamplingParams, request_id: str, model_name: str, model: ModelInfo, num_top: int
+    stream: RequestStream,
+    request: ChatCompletionRequest,
+    params: SamplingParams,
+    request_id: str,
+    model_name: str,
+    model: ModelInfo,
+    num_top: int,
 ) -> AsyncIterator[str]:
     """SSE events as OpenAI sends them: each choice opens with an assistant role delta, then its
     content deltas, the last with `finish_reason`; a usage chunk if asked; then [DONE]."""
@@ -91,7 +99,11 @@ async def _stream_events(
                     if delta.logprobs is not None:
                         logprobs = chat_logprobs(delta.token_ids, delta.logprobs, model.tokenizer, num_top)
                     content = DeltaMessage(content=delta.text) if delta.text else DeltaMessage()
-                    yield sse(chat_chunk(request_id, model_name, created, sample.index, content, delta.finish_reason, logprobs))
+                    yield sse(
+                        chat_chunk(
+                            request_id, model_name, created, sample.index, content, delta.finish_reason, logprobs
+                        )
+                    )
                 if output.finished:
                     final = output
         for index, cursor in enumerate(cursors):

@@ -73,7 +73,12 @@ async def create_completion(raw: Request, state: ServingState) -> Response:
 
 
 async def _stream_events(
-    streams: list[RequestStream], request: CompletionRequest, params: SamplingParams, request_id: str, model_name: str, model: ModelInfo
+    streams: list[RequestStream],
+    request: CompletionRequest,
+    params: SamplingParams,
+    request_id: str,
+    model_name: str,
+    model: ModelInfo,
 ) -> AsyncIterator[str]:
     """SSE events: one chunk per new piece of text of each choice, then usage, then [DONE].
 
@@ -95,7 +100,11 @@ async def _stream_events(
                     text, prompt_ids, offset = delta.text, None, delta.text_offset
                     if request.echo:  # the prompt goes first, in the choice's first chunk
                         if prompt_index not in prompt_texts:
-                            prompt_texts[prompt_index] = output.prompt if output.prompt is not None else model.tokenizer.decode(output.prompt_token_ids)
+                            prompt_texts[prompt_index] = (
+                                output.prompt
+                                if output.prompt is not None
+                                else model.tokenizer.decode(output.prompt_token_ids)
+                            )
                         prompt_text = prompt_texts[prompt_index]
                         if delta.text_offset == 0:
                             text, prompt_ids = prompt_text + text, output.prompt_token_ids
@@ -103,8 +112,20 @@ async def _stream_events(
                             offset += len(prompt_text)
                     logprobs = None
                     if delta.logprobs is not None:
-                        logprobs = completion_logprobs(delta.token_ids, delta.logprobs, model.tokenizer, prompt_ids, start_offset=offset)
-                    yield sse(completion_chunk(request_id, model_name, created, prompt_index * n + sample.index, text, delta.finish_reason, logprobs))
+                        logprobs = completion_logprobs(
+                            delta.token_ids, delta.logprobs, model.tokenizer, prompt_ids, start_offset=offset
+                        )
+                    yield sse(
+                        completion_chunk(
+                            request_id,
+                            model_name,
+                            created,
+                            prompt_index * n + sample.index,
+                            text,
+                            delta.finish_reason,
+                            logprobs,
+                        )
+                    )
                 if output.finished:
                     finals[prompt_index] = output
         for (prompt_index, index), cursor in cursors.items():

@@ -25,7 +25,12 @@ def check_model(requested: str | None, state: ServingState) -> None:
     """404 for a model this server does not serve (None picks the only one, as vLLM allows)."""
     served = state.settings.served_model_name
     if requested is not None and requested != served:
-        raise APIError(f"the model '{requested}' does not exist; this server serves '{served}'", status_code=404, param="model", code="model_not_found")
+        raise APIError(
+            f"the model '{requested}' does not exist; this server serves '{served}'",
+            status_code=404,
+            param="model",
+            code="model_not_found",
+        )
 
 
 def check_context(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int, prompt_param: str) -> None:
@@ -33,22 +38,29 @@ def check_context(num_prompt_tokens: int, max_tokens: int | None, max_model_len:
     if num_prompt_tokens >= max_model_len:
         raise APIError(
             f"This model's maximum context length is {max_model_len} tokens. However, your prompt has "
-            f"{num_prompt_tokens} tokens, which leaves no room for a completion. Please reduce the length of the prompt.",
-            param=prompt_param, code="context_length_exceeded",
+            f"{num_prompt_tokens} tokens, which leaves no room for a completion. "
+            "Please reduce the length of the prompt.",
+            param=prompt_param,
+            code="context_length_exceeded",
         )
     if max_tokens is not None and num_prompt_tokens + max_tokens > max_model_len:
         raise APIError(
             f"This model's maximum context length is {max_model_len} tokens. However, you requested "
             f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, {max_tokens} for the "
             f"completion). Please reduce the length of the prompt or the completion.",
-            param="max_tokens", code="context_length_exceeded",
+            param="max_tokens",
+            code="context_length_exceeded",
         )
 
 
 def engine_error(exc: BaseException, prompt_param: str) -> APIError | None:
     """The HTTP error for an engine refusal; None for anything else (a bug: let it become a 500)."""
     if isinstance(exc, QueueFullError):
-        return APIError(f"the server is at capacity ({exc}); retry later", status_code=429, headers={"Retry-After": str(RETRY_AFTER_S)})
+        return APIError(
+            f"the server is at capacity ({exc}); retry later",
+            status_code=429,
+            headers={"Retry-After": str(RETRY_AFTER_S)},
+        )
     if isinstance(exc, EngineDeadError):
         return APIError(str(exc), status_code=503)
     if isinstance(exc, ValueError):
@@ -56,7 +68,9 @@ def engine_error(exc: BaseException, prompt_param: str) -> APIError | None:
     return None
 
 
-async def submit_all(engine: AsyncEngine, prompts: Sequence[dict], params: SamplingParams, request_id: str, prompt_param: str) -> list[RequestStream]:
+async def submit_all(
+    engine: AsyncEngine, prompts: Sequence[dict], params: SamplingParams, request_id: str, prompt_param: str
+) -> list[RequestStream]:
     """Submit every prompt, or none: if one is refused the ones already queued are aborted."""
     streams: list[RequestStream] = []
     try:
@@ -105,5 +119,11 @@ def log_finished(request_id: str, outputs: Sequence[RequestOutput], streamed: bo
     e2e = f"{1000 * max(m.e2e_s for m in metrics):.1f} ms" if metrics else "-"
     logger.info(
         "%s finished (%s): prompt %d tokens, completion %d tokens, finish %s, ttft %s, e2e %s",
-        request_id, "stream" if streamed else "full", prompt_tokens, completion_tokens, "/".join(reasons), ttft, e2e,
+        request_id,
+        "stream" if streamed else "full",
+        prompt_tokens,
+        completion_tokens,
+        "/".join(reasons),
+        ttft,
+        e2e,
     )

@@ -10,8 +10,8 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from moeserve.checkpoints.demo import demo_model_path
     from moeserve.checkpoints.builder import make_model
+    from moeserve.checkpoints.demo import demo_model_path
     from moeserve.checkpoints.spec import SUPPORTED_ARCHS, MakeModelSpec
     from moeserve.checkpoints.tokenizer import train_tokenizer
 

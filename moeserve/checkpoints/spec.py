@@ -113,56 +113,59 @@ def _require(ok: bool, message: str) -> None:
 
 
 def _check_common(spec: MakeModelSpec) -> None:
-    _require(spec.arch in SUPPORTED_ARCHS,
-             f"arch={spec.arch!r}: expected one of {SUPPORTED_ARCHS}")
-    _require(spec.dtype in SUPPORTED_DTYPES,
-             f"dtype={spec.dtype!r}: expected one of {SUPPORTED_DTYPES}")
-    for name in ("layers", "hidden", "experts", "top_k", "heads", "max_position_embeddings",
-                 "max_shard_bytes"):
+    _require(spec.arch in SUPPORTED_ARCHS, f"arch={spec.arch!r}: expected one of {SUPPORTED_ARCHS}")
+    _require(spec.dtype in SUPPORTED_DTYPES, f"dtype={spec.dtype!r}: expected one of {SUPPORTED_DTYPES}")
+    for name in ("layers", "hidden", "experts", "top_k", "heads", "max_position_embeddings", "max_shard_bytes"):
         _require(getattr(spec, name) > 0, f"{name}={getattr(spec, name)} must be positive")
     for name in ("intermediate", "moe_intermediate", "shared_expert_intermediate"):
         value = getattr(spec, name)
         _require(value is None or value > 0, f"{name}={value} must be positive")
     _require(spec.hidden >= 2, f"hidden={spec.hidden} must be at least 2")
     _require(spec.top_k <= spec.experts, f"top_k={spec.top_k} exceeds experts={spec.experts}")
-    _require(spec.vocab >= MIN_VOCAB_SIZE,
-             f"vocab={spec.vocab}: a byte-level tokenizer needs at least {MIN_VOCAB_SIZE}")
+    _require(
+        spec.vocab >= MIN_VOCAB_SIZE, f"vocab={spec.vocab}: a byte-level tokenizer needs at least {MIN_VOCAB_SIZE}"
+    )
     _require(spec.init_std > 0, f"init_std={spec.init_std} must be positive")
-    _require(spec.arch != "mixtral" or spec.intermediate is None,
-             "mixtral has no dense MLP: set moe_intermediate, not intermediate")
-    _require(spec.arch == "qwen2_moe" or spec.shared_expert_intermediate is None,
-             "shared_expert_intermediate applies to qwen2_moe only")
+    _require(
+        spec.arch != "mixtral" or spec.intermediate is None,
+        "mixtral has no dense MLP: set moe_intermediate, not intermediate",
+    )
+    _require(
+        spec.arch == "qwen2_moe" or spec.shared_expert_intermediate is None,
+        "shared_expert_intermediate applies to qwen2_moe only",
+    )
 
 
 def _check_gqa(spec: MakeModelSpec) -> None:
     """Checks for the archs with grouped-query attention (all but deepseek_v3)."""
     _require(spec.kv_heads > 0, f"kv_heads={spec.kv_heads} must be positive")
-    _require(spec.heads % spec.kv_heads == 0,
-             f"heads={spec.heads} is not a multiple of kv_heads={spec.kv_heads}")
-    _require(spec.head_dim > 0 and spec.head_dim % 2 == 0,
-             f"head_dim={spec.head_dim} must be positive and even (rotary embeddings rotate pairs)")
+    _require(spec.heads % spec.kv_heads == 0, f"heads={spec.heads} is not a multiple of kv_heads={spec.kv_heads}")
+    _require(
+        spec.head_dim > 0 and spec.head_dim % 2 == 0,
+        f"head_dim={spec.head_dim} must be positive and even (rotary embeddings rotate pairs)",
+    )
 
 
 def _check_deepseek(spec: MakeModelSpec) -> None:
     """Checks for DeepSeek-V3: MLA sizes and group-limited routing."""
     # n_shared_experts too: HF's DeepseekV3 always builds them, and with 0 saves empty tensors.
-    for name in ("kv_lora_rank", "qk_nope_head_dim", "v_head_dim", "n_group", "topk_group",
-                 "n_shared_experts"):
+    for name in ("kv_lora_rank", "qk_nope_head_dim", "v_head_dim", "n_group", "topk_group", "n_shared_experts"):
         _require(getattr(spec, name) > 0, f"{name}={getattr(spec, name)} must be positive")
-    _require(spec.q_lora_rank >= 0,
-             f"q_lora_rank={spec.q_lora_rank} must be positive, or 0 for none")
-    _require(spec.qk_rope_head_dim > 0 and spec.qk_rope_head_dim % 2 == 0,
-             f"qk_rope_head_dim={spec.qk_rope_head_dim} must be positive and even")
-    _require(spec.experts % spec.n_group == 0,
-             f"experts={spec.experts} is not divisible by n_group={spec.n_group}")
+    _require(spec.q_lora_rank >= 0, f"q_lora_rank={spec.q_lora_rank} must be positive, or 0 for none")
+    _require(
+        spec.qk_rope_head_dim > 0 and spec.qk_rope_head_dim % 2 == 0,
+        f"qk_rope_head_dim={spec.qk_rope_head_dim} must be positive and even",
+    )
+    _require(spec.experts % spec.n_group == 0, f"experts={spec.experts} is not divisible by n_group={spec.n_group}")
     per_group = spec.experts // spec.n_group
     # The router scores a group by the sum of its two best experts.
     _require(per_group >= 2, f"n_group={spec.n_group} leaves fewer than 2 experts per group")
-    _require(spec.topk_group <= spec.n_group,
-             f"topk_group={spec.topk_group} exceeds n_group={spec.n_group}")
-    _require(spec.top_k <= spec.topk_group * per_group,
-             f"top_k={spec.top_k} exceeds the {spec.topk_group * per_group} experts in "
-             f"topk_group={spec.topk_group} groups")
-    _require(0 <= spec.first_k_dense_replace < spec.layers,
-             f"first_k_dense_replace={spec.first_k_dense_replace} leaves no MoE layer "
-             f"among layers={spec.layers}")
+    _require(spec.topk_group <= spec.n_group, f"topk_group={spec.topk_group} exceeds n_group={spec.n_group}")
+    _require(
+        spec.top_k <= spec.topk_group * per_group,
+        f"top_k={spec.top_k} exceeds the {spec.topk_group * per_group} experts in topk_group={spec.topk_group} groups",
+    )
+    _require(
+        0 <= spec.first_k_dense_replace < spec.layers,
+        f"first_k_dense_replace={spec.first_k_dense_replace} leaves no MoE layer among layers={spec.layers}",
+    )

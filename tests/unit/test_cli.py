@@ -15,13 +15,33 @@ from moeserve.options import options
 
 
 def run_cli(*args: str, env=None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "moeserve.cli", *args], capture_output=True, text=True, timeout=300, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "moeserve.cli", *args], capture_output=True, text=True, timeout=300, env=env
+    )
 
 
 @pytest.fixture(scope="module")
 def made(tmp_path_factory):
     out = tmp_path_factory.mktemp("cli") / "mixtral"
-    result = run_cli("make-model", "--arch", "mixtral", "--out", str(out), "--layers", "2", "--hidden", "64", "--experts", "6", "--top-k", "2", "--vocab", "300", "--seed", "3")
+    result = run_cli(
+        "make-model",
+        "--arch",
+        "mixtral",
+        "--out",
+        str(out),
+        "--layers",
+        "2",
+        "--hidden",
+        "64",
+        "--experts",
+        "6",
+        "--top-k",
+        "2",
+        "--vocab",
+        "300",
+        "--seed",
+        "3",
+    )
     assert result.returncode == 0, result.stderr
     return out
 
@@ -29,14 +49,21 @@ def made(tmp_path_factory):
 def test_make_model_writes_a_checkpoint_transformers_loads(made):
     model = AutoModelForCausalLM.from_pretrained(made)
     config = model.config
-    assert (config.num_hidden_layers, config.hidden_size, config.num_local_experts, config.num_experts_per_tok) == (2, 64, 6, 2)
+    assert (config.num_hidden_layers, config.hidden_size, config.num_local_experts, config.num_experts_per_tok) == (
+        2,
+        64,
+        6,
+        2,
+    )
     assert config.vocab_size == 300
     assert AutoTokenizer.from_pretrained(made).chat_template
     assert (made / "generation_config.json").exists()
 
 
 def test_generate_json(made):
-    result = run_cli("generate", "--model", str(made), "--prompt-ids", "5,6,7", "--max-tokens", "6", "--ignore-eos", "--json")
+    result = run_cli(
+        "generate", "--model", str(made), "--prompt-ids", "5,6,7", "--max-tokens", "6", "--ignore-eos", "--json"
+    )
     assert result.returncode == 0, result.stderr
     payload = json.loads(result.stdout)
     assert set(payload) == {"text", "token_ids", "finish_reason"}
@@ -44,7 +71,11 @@ def test_generate_json(made):
     # The text is the tokens' decoding; a trailing partial UTF-8 character (U+FFFD) is left out.
     decoded = AutoTokenizer.from_pretrained(made).decode(payload["token_ids"])
     assert payload["text"] and decoded.rstrip("\ufffd") == payload["text"].rstrip("\ufffd")
-    again = json.loads(run_cli("generate", "--model", str(made), "--prompt-ids", "5,6,7", "--max-tokens", "6", "--ignore-eos", "--json").stdout)
+    again = json.loads(
+        run_cli(
+            "generate", "--model", str(made), "--prompt-ids", "5,6,7", "--max-tokens", "6", "--ignore-eos", "--json"
+        ).stdout
+    )
     assert again == payload  # greedy is deterministic
 
 
@@ -85,13 +116,32 @@ def test_launch_flags_are_the_config_fields_with_their_defaults(monkeypatch) -> 
 
 def test_every_flag_name_users_type_keeps_working() -> None:
     args = parse(
-        "launch", "--kv-cache-memory", "4GiB", "--slo-ttft-ms", "250", "--slo-tbt-ms", "20", "--debug-min-step-time-ms", "30",
-        "--collective-timeout", "9", "--heartbeat-timeout", "2", "--distributed-backend", "gloo", "--block-size", "8",
+        "launch",
+        "--kv-cache-memory",
+        "4GiB",
+        "--slo-ttft-ms",
+        "250",
+        "--slo-tbt-ms",
+        "20",
+        "--debug-min-step-time-ms",
+        "30",
+        "--collective-timeout",
+        "9",
+        "--heartbeat-timeout",
+        "2",
+        "--distributed-backend",
+        "gloo",
+        "--block-size",
+        "8",
     )
     config = EngineConfig.from_options(**{n: getattr(args, n) for n in args.engine_options})
     assert config.cache.memory_bytes == 4 * 1024**3 and config.cache.block_size == 8
     assert (config.slo.ttft_s, config.slo.tbt_s, config.min_step_time_s) == pytest.approx((0.25, 0.02, 0.03))
-    assert (config.parallel.collective_timeout_s, config.parallel.heartbeat_timeout_s, config.parallel.backend) == (9.0, 2.0, "gloo")
+    assert (config.parallel.collective_timeout_s, config.parallel.heartbeat_timeout_s, config.parallel.backend) == (
+        9.0,
+        2.0,
+        "gloo",
+    )
 
 
 def test_launcher_variables_are_the_layout_defaults(monkeypatch) -> None:
@@ -127,7 +177,17 @@ def test_the_token_budget_derives_from_max_num_seqs_unless_given() -> None:
 
 
 def test_explicit_budget_below_max_num_seqs_is_one_clear_error(made) -> None:
-    result = run_cli("generate", "--model", str(made), "--prompt-ids", "5", "--max-num-seqs", "300", "--max-num-batched-tokens", "100")
+    result = run_cli(
+        "generate",
+        "--model",
+        str(made),
+        "--prompt-ids",
+        "5",
+        "--max-num-seqs",
+        "300",
+        "--max-num-batched-tokens",
+        "100",
+    )
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "max_num_batched_tokens (100) must be >= max_num_seqs (300)" in result.stderr
 

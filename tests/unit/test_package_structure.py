@@ -19,7 +19,10 @@ PACKAGE = Path(__file__).resolve().parents[2] / "moeserve"
 def torch_loaded_after(code: str) -> bool:
     """Whether torch is in sys.modules after `code` runs in a fresh interpreter."""
     result = subprocess.run(
-        [sys.executable, "-c", f"import sys\n{code}\nprint('torch' in sys.modules)"], capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", f"import sys\n{code}\nprint('torch' in sys.modules)"],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == 0, result.stderr
     return result.stdout.strip().splitlines()[-1] == "True"
@@ -58,7 +61,9 @@ def imported_modules(path: Path, module: str) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                base = ".".join(
+                    package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else [])
+                )
             found.add(base)
             found |= {f"{base}.{alias.name}" for alias in node.names}
     return {m for m in found if m.startswith("moeserve.")}
@@ -72,7 +77,9 @@ def room_graph() -> dict[str, set[str]]:
         if room in ("__init__", "__main__"):  # the lazy front door and the entry point: no room's code
             continue
         targets = {room_of(m) for m in imported_modules(path, module)} - {None, room, "__init__", "__main__"}
-        graph.setdefault(room, set()).update(t for t in targets if (PACKAGE / t).exists() or (PACKAGE / f"{t}.py").exists())
+        graph.setdefault(room, set()).update(
+            t for t in targets if (PACKAGE / t).exists() or (PACKAGE / f"{t}.py").exists()
+        )
     return graph
 
 
