@@ -6,10 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
 
 from moeserve.api.errors import APIError
-from moeserve.api.state import ServingState
+from moeserve.api.protocol import SSE_DONE, RequestT, parse_request
+from moeserve.api.state import ModelInfo, ServingState
+from moeserve.api.streaming import SSE_HEADERS, sse_error
+from moeserve.api.transport import read_body, until_disconnected
 from moeserve.engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from moeserve.engine.outputs import RequestOutput
 from moeserve.sampling_params import SamplingParams
@@ -19,6 +25,17 @@ logger = logging.getLogger("moeserve.api")
 
 RETRY_AFTER_S = 1
 """Seconds a shed client is told to wait: the queue drains within a few steps of capacity."""
+
+
+async def admit(
+    raw: Request, state: ServingState, request_class: type[RequestT]
+) -> tuple[RequestT, AsyncEngine, ModelInfo, SamplingParams]:
+    """The validated body, and the engine to serve it with: a 4xx for a bad body or an unknown
+    model, a 503 while the model loads or the server drains."""
+    request = parse_request(request_class, await read_body(raw, state.settings.max_body_bytes))
+    check_model(request.model, state)
+    engine, model = state.admit()
+    return request, engine, model, request.to_sampling_params(default_max_tokens=None)
 
 
 def check_model(requested: str | None, state: ServingState) -> None:
@@ -106,6 +123,37 @@ async def final_outputs(streams: Sequence[RequestStream]) -> list[RequestOutput]
     if any(out is None for out in outputs):
         raise APIError("the request was aborted because the server is shutting down", status_code=503)
     return list(outputs)  # type: ignore[arg-type]
+
+
+async def collect(raw: Request, streams: Sequence[RequestStream], request_id: str) -> list[RequestOutput]:
+    """A non-streamed request's final outputs, logged; a client that disconnects first aborts them."""
+    try:
+        outputs = await until_disconnected(raw, final_outputs(streams))
+    finally:
+        await close_all(streams)
+    log_finished(request_id, outputs, streamed=False)
+    return outputs
+
+
+def event_stream(events: AsyncIterator[str], streams: Sequence[RequestStream], request_id: str) -> StreamingResponse:
+    """The SSE response: `events`, then [DONE]. The 200 is sent with the first event, so an engine
+    that dies mid-stream is reported in-band, as an error event before [DONE]; a client that leaves
+    early aborts every unfinished stream."""
+
+    async def guarded() -> AsyncIterator[str]:
+        try:
+            try:
+                async for event in events:
+                    yield event
+            except Exception as exc:  # the engine died: the client must not mistake the end for a finish
+                logger.error("%s failed mid-stream: %s", request_id, exc)
+                yield sse_error(str(exc))
+            yield SSE_DONE
+        finally:
+            await events.aclose()  # type: ignore[attr-defined]
+            await close_all(streams)
+
+    return StreamingResponse(guarded(), media_type="text/event-stream", headers=SSE_HEADERS)
 
 
 def log_finished(request_id: str, outputs: Sequence[RequestOutput], streamed: bool) -> None:
