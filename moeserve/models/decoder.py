@@ -56,8 +56,8 @@ class DecoderLayer(nn.Module):
             self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype, device)
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
-        plan: AttentionPlan,
+        self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+        kv_cache: torch.Tensor, plan: AttentionPlan,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The stream `x + residual`, both on this rank's token slice -> (FFN output, residual) on it.
 
@@ -103,7 +103,9 @@ class MoECausalLM(nn.Module):
         """Shape of one layer's KV cache on this rank (all layers are alike)."""
         return kv_cache_shape(self.cfg, num_blocks, block_size, self.tp.size)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, plan: AttentionPlan, kv_caches: list[torch.Tensor]) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, plan: AttentionPlan, kv_caches: list[torch.Tensor]
+    ) -> torch.Tensor:
         """input_ids, positions `[T]` -> final hidden states `[T, H]` (after the last norm).
 
         `plan`: this model's `ops.plan_attention` of the step, made once for every layer.

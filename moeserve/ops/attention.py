@@ -14,8 +14,8 @@ the Triton kernels: block tables and lengths on the device), so no backend pays 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -70,7 +70,9 @@ def attention_batch(
     for i, (blocks, start, qlen) in enumerate(zip(block_tables, start_positions, query_lens)):
         needed = -(-(start + qlen) // block_size)
         if len(blocks) < needed:
-            raise ValueError(f"sequence {i}: block table holds {len(blocks)} blocks, positions up to {start + qlen} need {needed}")
+            raise ValueError(
+                f"sequence {i}: block table holds {len(blocks)} blocks, positions up to {start + qlen} need {needed}"
+            )
         slots.extend(blocks[p // block_size] * block_size + p % block_size for p in range(start, start + qlen))
     return AttentionBatch(
         block_tables=tuple(tuple(int(b) for b in blocks) for blocks in block_tables),

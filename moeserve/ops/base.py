@@ -58,7 +58,8 @@ class LayerOps(ABC, Generic[PlanT]):
 
     @abstractmethod
     def paged_attention(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: PlanT, scale: float, sliding_window: int | None
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: PlanT, scale: float,
+        sliding_window: int | None,
     ) -> torch.Tensor:
         """q `[T, Hq, D]` over the step's paged context -> `[T, Hq, Dv]`."""
 

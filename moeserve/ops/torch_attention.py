@@ -8,8 +8,8 @@ holds, per sequence, the slots of its whole context, which is what that gather n
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 import torch.nn.functional as F

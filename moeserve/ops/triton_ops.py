@@ -42,8 +42,10 @@ class TritonOps(LayerOps[TritonAttentionPlan]):
         return None
 
     def plan_attention(self, batch: AttentionBatch) -> TritonAttentionPlan:
-        paged = paged_inputs(batch.block_tables, batch.start_positions, batch.query_lens, batch.block_size, batch.device)
-        return TritonAttentionPlan(slot_mapping=batch.slot_mapping, paged=paged)
+        paged = paged_inputs(
+            batch.block_tables, batch.start_positions, batch.query_lens, batch.block_size, batch.device
+        )
+        return TritonAttentionPlan(batch.slot_mapping, paged)
 
     # The kernels take strided views and empty steps as they are: no copies on the way in.
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -8,8 +8,8 @@ import dataclasses
 
 import pytest
 import torch
-
 from helpers.tolerances import ATTENTION, ELEMENTWISE
+
 from moeserve.ops import TORCH_OPS, LayerOps, attention_batch
 from moeserve.ops.attention import write_to_cache
 from moeserve.ops.rotary import apply_rotary
@@ -86,7 +86,8 @@ def test_paged_attention_through_each_backends_plan(ops: LayerOps, dtype, device
     q = randn((batch.slot_mapping.shape[0], heads, dim), dtype, device, gen)
 
     got = ops.paged_attention(q, k_cache, v_cache, ops.plan_attention(batch), 0.3, None)
-    want = TORCH_OPS.paged_attention(q.float(), k_cache.float(), v_cache.float(), TORCH_OPS.plan_attention(batch), 0.3, None)
+    reference_plan = TORCH_OPS.plan_attention(batch)
+    want = TORCH_OPS.paged_attention(q.float(), k_cache.float(), v_cache.float(), reference_plan, 0.3, None)
     assert got.dtype == dtype
     torch.testing.assert_close(got.float(), want, atol=ATTENTION[dtype], rtol=ATTENTION[dtype])
 

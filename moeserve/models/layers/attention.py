@@ -50,7 +50,9 @@ class Attention(nn.Module):
     def cache_shape(cfg: ModelConfig, num_blocks: int, block_size: int, tp_size: int = 1) -> tuple[int, ...]:
         return (2, num_blocks, block_size, kv_heads_of(cfg.num_kv_heads, 0, tp_size)[1], cfg.head_dim)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor, plan: AttentionPlan
+    ) -> torch.Tensor:
         """x `[T, H]`; cos/sin `[T, D]` -> `[T, H]` (this rank's partial sum under TP)."""
         num_tokens = x.shape[0]
         q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)  # [T, Hq, D]

@@ -62,7 +62,9 @@ class MLAttention(nn.Module):
         q = self.q_proj(x) if self.mla.q_lora_rank is None else self.q_b_proj(self.q_a_norm(self.q_a_proj(x)))
         return q.view(x.shape[0], self.num_heads, self.mla.qk_head_dim)  # [T, Hq, nope + rope]
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor, plan: AttentionPlan
+    ) -> torch.Tensor:
         """x `[T, H]`; cos/sin `[T, rope]` -> `[T, H]`."""
         m, num_tokens = self.mla, x.shape[0]
         q = self._queries(x)
