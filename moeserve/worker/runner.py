@@ -15,7 +15,8 @@ from typing import Sequence
 import torch
 
 from moeserve.worker.sampler import Sampler, SamplerOutput, SamplingRow, make_generator
-from moeserve.models import MoECausalLM, plan_attention
+from moeserve.models import MoECausalLM
+from moeserve.ops import attention_batch
 from moeserve.sampling_params import SamplingParams
 from moeserve.scheduler import NewRequest, SchedulerOutput
 
@@ -98,7 +99,7 @@ class ModelRunner:
             return {}
         input_ids = [t for s in scheduled for t in s.token_ids]
         positions = [s.start_position + i for s in scheduled for i in range(len(s.token_ids))]
-        meta = plan_attention(
+        batch = attention_batch(
             [s.block_ids for s in scheduled],
             [s.start_position for s in scheduled],
             [len(s.token_ids) for s in scheduled],
@@ -108,7 +109,7 @@ class ModelRunner:
         hidden = self.model(
             torch.tensor(input_ids, dtype=torch.int64, device=self.device),
             torch.tensor(positions, dtype=torch.int64, device=self.device),
-            meta,
+            self.model.ops.plan_attention(batch),
             self.kv_caches,
         )  # [T, H]
         ends = torch.tensor([len(s.token_ids) for s in scheduled]).cumsum(0) - 1
