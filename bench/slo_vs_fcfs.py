@@ -30,7 +30,7 @@ from pathlib import Path
 from moeserve.checkpoints import MakeModelSpec, make_model
 from moeserve.engine.engine import LLMEngine
 from moeserve.engine.stats import IterationStats, RequestMetrics
-from moeserve.llm import engine_config
+from moeserve.engine_config import EngineConfig
 from moeserve.sampling_params import SamplingParams
 
 RESULTS = Path(__file__).parent / "results"
@@ -81,8 +81,8 @@ class Recorder:
 
 
 def make_engine(model: Path, policy: str, ttft_ms: float, tbt_ms: float, recorder: Recorder) -> LLMEngine:
-    config = engine_config(
-        str(model), max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=BUDGET, max_num_seqs=128,
+    config = EngineConfig.from_options(
+        model=str(model), max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=BUDGET, max_num_seqs=128,
         scheduling_policy=policy, slo_ttft_ms=ttft_ms, slo_tbt_ms=tbt_ms, kv_cache_memory=1024**3,
     )
     return LLMEngine(config, stat_loggers=[recorder])

@@ -6,6 +6,7 @@ embedding or testing.
 
 from moeserve.api.app import build_app
 from moeserve.api.errors import APIError, error_body, error_type_for, from_validation_error
+from moeserve.api.metrics import ServerMetrics
 from moeserve.api.protocol import (
     SSE_DONE,
     ChatChoice,
@@ -41,7 +42,6 @@ from moeserve.api.protocol import (
     sse,
     usage_info,
 )
-from moeserve.api.metrics import ServerMetrics
 from moeserve.api.server import serve
 from moeserve.api.state import ModelInfo, ServerSettings, ServingState
 

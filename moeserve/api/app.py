@@ -50,7 +50,9 @@ def build_app(state: ServingState) -> FastAPI:
     async def list_models(request: Request, state: ServingState) -> Response:
         card = ModelCard(id=state.settings.served_model_name)
         if state.model is not None:
-            card = ModelCard(id=card.id, created=state.model.created, root=state.model.root, max_model_len=state.model.max_model_len)
+            card = ModelCard(
+                id=card.id, created=state.model.created, root=state.model.root, max_model_len=state.model.max_model_len
+            )
         return JSONResponse(ModelList(data=[card]).model_dump())
 
     app.add_api_route("/v1/completions", guarded(create_completion), methods=["POST"])
@@ -85,10 +87,16 @@ def _add_error_handlers(app: FastAPI, state: ServingState) -> None:
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = f"{request.method} {request.url.path}: {exc.detail}"
         logger.info("-> %d: %s", exc.status_code, message)
-        return JSONResponse(error_body(message, error_type_for(exc.status_code)), status_code=exc.status_code, headers=getattr(exc, "headers", None))
+        return JSONResponse(
+            error_body(message, error_type_for(exc.status_code)),
+            status_code=exc.status_code,
+            headers=getattr(exc, "headers", None),
+        )
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("%s %s failed", request.method, request.url.path)
         state.metrics.count_http(request.url.path, 500)
-        return JSONResponse(error_body(f"internal server error: {type(exc).__name__}", "internal_error", code=500), status_code=500)
+        return JSONResponse(
+            error_body(f"internal server error: {type(exc).__name__}", "internal_error", code=500), status_code=500
+        )

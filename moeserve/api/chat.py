@@ -7,34 +7,23 @@ import time
 from collections.abc import AsyncIterator
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from moeserve.api.errors import APIError
-from moeserve.api.generation import (
-    check_context,
-    check_model,
-    close_all,
-    final_outputs,
-    log_finished,
-    logger,
-    submit_all,
-)
+from moeserve.api.generation import admit, check_context, collect, event_stream, log_finished, submit_all
 from moeserve.api.protocol import (
-    SSE_DONE,
     ChatCompletionRequest,
     DeltaMessage,
     chat_chunk,
     chat_logprobs,
     chat_response,
     chat_usage_chunk,
-    parse_request,
     random_id,
     sse,
     usage_info,
 )
 from moeserve.api.state import ModelInfo, ServingState
-from moeserve.api.streaming import SSE_HEADERS, SampleCursor, sse_error
-from moeserve.api.transport import read_body, until_disconnected
+from moeserve.api.streaming import SampleCursor
 from moeserve.engine.async_engine import RequestStream
 from moeserve.sampling_params import SamplingParams
 
@@ -42,17 +31,16 @@ from moeserve.sampling_params import SamplingParams
 def _render(request: ChatCompletionRequest, model: ModelInfo) -> list[int]:
     """The conversation as prompt token ids; a template that rejects it is the client's 400."""
     try:
-        ids = model.tokenizer.apply_chat_template(request.template_messages(), add_generation_prompt=True, tokenize=True, return_dict=False)
+        ids = model.tokenizer.apply_chat_template(
+            request.template_messages(), add_generation_prompt=True, tokenize=True, return_dict=False
+        )
     except Exception as exc:  # jinja raises TemplateError (and friends) on conversations it refuses
         raise APIError(f"the chat template could not render these messages: {exc}", param="messages") from None
     return list(ids)
 
 
 async def create_chat_completion(raw: Request, state: ServingState) -> Response:
-    request = parse_request(ChatCompletionRequest, await read_body(raw, state.settings.max_body_bytes))
-    check_model(request.model, state)
-    engine, model = state.admit()
-    params = request.to_sampling_params(default_max_tokens=None)
+    request, engine, model, params = await admit(raw, state, ChatCompletionRequest)
     prompt_ids = _render(request, model)
     check_context(len(prompt_ids), params.max_tokens, model.max_model_len, "messages")
     request_id = random_id("chatcmpl")
@@ -61,50 +49,46 @@ async def create_chat_completion(raw: Request, state: ServingState) -> Response:
     num_top = request.top_logprobs or 0
     if request.stream:
         events = _stream_events(streams[0], request, params, request_id, model_name, model, num_top)
-        return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
-    try:
-        outputs = await until_disconnected(raw, final_outputs(streams))
-    finally:
-        await close_all(streams)
-    log_finished(request_id, outputs, streamed=False)
+        return event_stream(events, streams, request_id)
+    outputs = await collect(raw, streams, request_id)
     return JSONResponse(chat_response(request_id, model_name, outputs[0], model.tokenizer, num_top).model_dump())
 
 
 async def _stream_events(
-    stream: RequestStream, request: ChatCompletionRequest, params: SamplingParams, request_id: str, model_name: str, model: ModelInfo, num_top: int
+    stream: RequestStream,
+    request: ChatCompletionRequest,
+    params: SamplingParams,
+    request_id: str,
+    model_name: str,
+    model: ModelInfo,
+    num_top: int,
 ) -> AsyncIterator[str]:
     """SSE events as OpenAI sends them: each choice opens with an assistant role delta, then its
-    content deltas, the last with `finish_reason`; a usage chunk if asked; then [DONE]."""
+    content deltas, the last with `finish_reason`; a usage chunk if asked (`event_stream` adds [DONE])."""
     created = int(time.time())
     cursors = [SampleCursor(params) for _ in range(params.n)]
     final = None
-    try:
-        for index in range(params.n):
-            yield sse(chat_chunk(request_id, model_name, created, index, DeltaMessage(role="assistant", content="")))
-        async with contextlib.aclosing(stream):
-            async for output in stream:
-                for sample in output.outputs:
-                    delta = cursors[sample.index].advance(sample)
-                    if delta is None:
-                        continue
-                    logprobs = None
-                    if delta.logprobs is not None:
-                        logprobs = chat_logprobs(delta.token_ids, delta.logprobs, model.tokenizer, num_top)
-                    content = DeltaMessage(content=delta.text) if delta.text else DeltaMessage()
-                    yield sse(chat_chunk(request_id, model_name, created, sample.index, content, delta.finish_reason, logprobs))
-                if output.finished:
-                    final = output
-        for index, cursor in enumerate(cursors):
-            if not cursor.finished:  # aborted by the server (shutdown): say so rather than stop silently
-                yield sse(chat_chunk(request_id, model_name, created, index, DeltaMessage(), "abort"))
-        if request.include_usage and final is not None:
-            yield sse(chat_usage_chunk(request_id, model_name, created, usage_info([final])))
-        yield SSE_DONE
-        if final is not None:
-            log_finished(request_id, [final], streamed=True)
-    except Exception as exc:  # the engine died mid-stream: tell the client in-band, the status is already sent
-        logger.error("%s failed mid-stream: %s", request_id, exc)
-        yield sse_error(str(exc))
-        yield SSE_DONE
-    finally:
-        await close_all([stream])
+    for index in range(params.n):
+        yield sse(chat_chunk(request_id, model_name, created, index, DeltaMessage(role="assistant", content="")))
+    async with contextlib.aclosing(stream):
+        async for output in stream:
+            for sample in output.outputs:
+                delta = cursors[sample.index].advance(sample)
+                if delta is None:
+                    continue
+                logprobs = None
+                if delta.logprobs is not None:
+                    logprobs = chat_logprobs(delta.token_ids, delta.logprobs, model.tokenizer, num_top)
+                content = DeltaMessage(content=delta.text) if delta.text else DeltaMessage()
+                yield sse(
+                    chat_chunk(request_id, model_name, created, sample.index, content, delta.finish_reason, logprobs)
+                )
+            if output.finished:
+                final = output
+    for index, cursor in enumerate(cursors):
+        if not cursor.finished:  # aborted by the server (shutdown): say so rather than stop silently
+            yield sse(chat_chunk(request_id, model_name, created, index, DeltaMessage(), "abort"))
+    if request.include_usage and final is not None:
+        yield sse(chat_usage_chunk(request_id, model_name, created, usage_info([final])))
+    if final is not None:
+        log_finished(request_id, [final], streamed=True)

@@ -7,32 +7,22 @@ import time
 from collections.abc import AsyncIterator
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
-from moeserve.api.generation import (
-    check_context,
-    check_model,
-    close_all,
-    final_outputs,
-    log_finished,
-    logger,
-    submit_all,
-)
+from moeserve.api.generation import admit, check_context, collect, event_stream, log_finished, submit_all
 from moeserve.api.protocol import (
-    SSE_DONE,
     CompletionRequest,
     completion_chunk,
     completion_logprobs,
     completion_response,
     completion_usage_chunk,
-    parse_request,
     random_id,
     sse,
     usage_info,
 )
 from moeserve.api.state import ModelInfo, ServingState
-from moeserve.api.streaming import SSE_HEADERS, SampleCursor, sse_error
-from moeserve.api.transport import merge, read_body, until_disconnected
+from moeserve.api.streaming import SampleCursor
+from moeserve.api.transport import merge
 from moeserve.engine.async_engine import RequestStream
 from moeserve.engine.outputs import RequestOutput
 from moeserve.sampling_params import SamplingParams
@@ -50,10 +40,7 @@ def _prepare_prompts(request: CompletionRequest, model: ModelInfo) -> list[dict]
 
 
 async def create_completion(raw: Request, state: ServingState) -> Response:
-    request = parse_request(CompletionRequest, await read_body(raw, state.settings.max_body_bytes))
-    check_model(request.model, state)
-    engine, model = state.admit()
-    params = request.to_sampling_params(default_max_tokens=None)
+    request, engine, model, params = await admit(raw, state, CompletionRequest)
     prompts = _prepare_prompts(request, model)
     for prompt in prompts:
         check_context(len(prompt["prompt_token_ids"]), params.max_tokens, model.max_model_len, "prompt")
@@ -62,61 +49,70 @@ async def create_completion(raw: Request, state: ServingState) -> Response:
     model_name = state.settings.served_model_name
     if request.stream:
         events = _stream_events(streams, request, params, request_id, model_name, model)
-        return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
-    try:
-        outputs = await until_disconnected(raw, final_outputs(streams))
-    finally:
-        await close_all(streams)
-    log_finished(request_id, outputs, streamed=False)
+        return event_stream(events, streams, request_id)
+    outputs = await collect(raw, streams, request_id)
     body = completion_response(request_id, model_name, outputs, model.tokenizer, echo_prompts=request.echo)
     return JSONResponse(body.model_dump())
 
 
 async def _stream_events(
-    streams: list[RequestStream], request: CompletionRequest, params: SamplingParams, request_id: str, model_name: str, model: ModelInfo
+    streams: list[RequestStream],
+    request: CompletionRequest,
+    params: SamplingParams,
+    request_id: str,
+    model_name: str,
+    model: ModelInfo,
 ) -> AsyncIterator[str]:
-    """SSE events: one chunk per new piece of text of each choice, then usage, then [DONE].
+    """SSE events: one chunk per new piece of text of each choice, then usage (`event_stream`
+    adds [DONE], and aborts every unfinished prompt when the client leaves early).
 
-    Choice `i * n + j` is sample j of prompt i. Leaving early (the client disconnected) aborts
-    every unfinished prompt in the `finally`.
+    Choice `i * n + j` is sample j of prompt i.
     """
     created = int(time.time())
     n = params.n
     cursors = {(i, j): SampleCursor(params) for i in range(len(streams)) for j in range(n)}
     finals: dict[int, RequestOutput] = {}
     prompt_texts: dict[int, str] = {}  # echo: each prompt's text, decoded once rather than per chunk
-    try:
-        async with contextlib.aclosing(merge(streams)) as merged:
-            async for prompt_index, output in merged:
-                for sample in output.outputs:
-                    delta = cursors[prompt_index, sample.index].advance(sample)
-                    if delta is None:
-                        continue
-                    text, prompt_ids, offset = delta.text, None, delta.text_offset
-                    if request.echo:  # the prompt goes first, in the choice's first chunk
-                        if prompt_index not in prompt_texts:
-                            prompt_texts[prompt_index] = output.prompt if output.prompt is not None else model.tokenizer.decode(output.prompt_token_ids)
-                        prompt_text = prompt_texts[prompt_index]
-                        if delta.text_offset == 0:
-                            text, prompt_ids = prompt_text + text, output.prompt_token_ids
-                        else:
-                            offset += len(prompt_text)
-                    logprobs = None
-                    if delta.logprobs is not None:
-                        logprobs = completion_logprobs(delta.token_ids, delta.logprobs, model.tokenizer, prompt_ids, start_offset=offset)
-                    yield sse(completion_chunk(request_id, model_name, created, prompt_index * n + sample.index, text, delta.finish_reason, logprobs))
-                if output.finished:
-                    finals[prompt_index] = output
-        for (prompt_index, index), cursor in cursors.items():
-            if not cursor.finished:  # aborted by the server (shutdown): say so rather than stop silently
-                yield sse(completion_chunk(request_id, model_name, created, prompt_index * n + index, "", "abort"))
-        if request.include_usage:
-            yield sse(completion_usage_chunk(request_id, model_name, created, usage_info(list(finals.values()))))
-        yield SSE_DONE
-        log_finished(request_id, list(finals.values()), streamed=True)
-    except Exception as exc:  # the engine died mid-stream: tell the client in-band, the status is already sent
-        logger.error("%s failed mid-stream: %s", request_id, exc)
-        yield sse_error(str(exc))
-        yield SSE_DONE
-    finally:
-        await close_all(streams)
+    async with contextlib.aclosing(merge(streams)) as merged:
+        async for prompt_index, output in merged:
+            for sample in output.outputs:
+                delta = cursors[prompt_index, sample.index].advance(sample)
+                if delta is None:
+                    continue
+                text, prompt_ids, offset = delta.text, None, delta.text_offset
+                if request.echo:  # the prompt goes first, in the choice's first chunk
+                    if prompt_index not in prompt_texts:
+                        prompt_texts[prompt_index] = (
+                            output.prompt
+                            if output.prompt is not None
+                            else model.tokenizer.decode(output.prompt_token_ids)
+                        )
+                    prompt_text = prompt_texts[prompt_index]
+                    if delta.text_offset == 0:
+                        text, prompt_ids = prompt_text + text, output.prompt_token_ids
+                    else:
+                        offset += len(prompt_text)
+                logprobs = None
+                if delta.logprobs is not None:
+                    logprobs = completion_logprobs(
+                        delta.token_ids, delta.logprobs, model.tokenizer, prompt_ids, start_offset=offset
+                    )
+                yield sse(
+                    completion_chunk(
+                        request_id,
+                        model_name,
+                        created,
+                        prompt_index * n + sample.index,
+                        text,
+                        delta.finish_reason,
+                        logprobs,
+                    )
+                )
+            if output.finished:
+                finals[prompt_index] = output
+    for (prompt_index, index), cursor in cursors.items():
+        if not cursor.finished:  # aborted by the server (shutdown): say so rather than stop silently
+            yield sse(completion_chunk(request_id, model_name, created, prompt_index * n + index, "", "abort"))
+    if request.include_usage:
+        yield sse(completion_usage_chunk(request_id, model_name, created, usage_info(list(finals.values()))))
+    log_finished(request_id, list(finals.values()), streamed=True)

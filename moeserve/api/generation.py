@@ -6,10 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
 
 from moeserve.api.errors import APIError
-from moeserve.api.state import ServingState
+from moeserve.api.protocol import SSE_DONE, RequestT, parse_request
+from moeserve.api.state import ModelInfo, ServingState
+from moeserve.api.streaming import SSE_HEADERS, sse_error
+from moeserve.api.transport import read_body, until_disconnected
 from moeserve.engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from moeserve.engine.outputs import RequestOutput
 from moeserve.sampling_params import SamplingParams
@@ -21,11 +27,27 @@ RETRY_AFTER_S = 1
 """Seconds a shed client is told to wait: the queue drains within a few steps of capacity."""
 
 
+async def admit(
+    raw: Request, state: ServingState, request_class: type[RequestT]
+) -> tuple[RequestT, AsyncEngine, ModelInfo, SamplingParams]:
+    """The validated body, and the engine to serve it with: a 4xx for a bad body or an unknown
+    model, a 503 while the model loads or the server drains."""
+    request = parse_request(request_class, await read_body(raw, state.settings.max_body_bytes))
+    check_model(request.model, state)
+    engine, model = state.admit()
+    return request, engine, model, request.to_sampling_params(default_max_tokens=None)
+
+
 def check_model(requested: str | None, state: ServingState) -> None:
     """404 for a model this server does not serve (None picks the only one, as vLLM allows)."""
     served = state.settings.served_model_name
     if requested is not None and requested != served:
-        raise APIError(f"the model '{requested}' does not exist; this server serves '{served}'", status_code=404, param="model", code="model_not_found")
+        raise APIError(
+            f"the model '{requested}' does not exist; this server serves '{served}'",
+            status_code=404,
+            param="model",
+            code="model_not_found",
+        )
 
 
 def check_context(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int, prompt_param: str) -> None:
@@ -33,22 +55,29 @@ def check_context(num_prompt_tokens: int, max_tokens: int | None, max_model_len:
     if num_prompt_tokens >= max_model_len:
         raise APIError(
             f"This model's maximum context length is {max_model_len} tokens. However, your prompt has "
-            f"{num_prompt_tokens} tokens, which leaves no room for a completion. Please reduce the length of the prompt.",
-            param=prompt_param, code="context_length_exceeded",
+            f"{num_prompt_tokens} tokens, which leaves no room for a completion. "
+            "Please reduce the length of the prompt.",
+            param=prompt_param,
+            code="context_length_exceeded",
         )
     if max_tokens is not None and num_prompt_tokens + max_tokens > max_model_len:
         raise APIError(
             f"This model's maximum context length is {max_model_len} tokens. However, you requested "
             f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, {max_tokens} for the "
             f"completion). Please reduce the length of the prompt or the completion.",
-            param="max_tokens", code="context_length_exceeded",
+            param="max_tokens",
+            code="context_length_exceeded",
         )
 
 
 def engine_error(exc: BaseException, prompt_param: str) -> APIError | None:
     """The HTTP error for an engine refusal; None for anything else (a bug: let it become a 500)."""
     if isinstance(exc, QueueFullError):
-        return APIError(f"the server is at capacity ({exc}); retry later", status_code=429, headers={"Retry-After": str(RETRY_AFTER_S)})
+        return APIError(
+            f"the server is at capacity ({exc}); retry later",
+            status_code=429,
+            headers={"Retry-After": str(RETRY_AFTER_S)},
+        )
     if isinstance(exc, EngineDeadError):
         return APIError(str(exc), status_code=503)
     if isinstance(exc, ValueError):
@@ -56,7 +85,9 @@ def engine_error(exc: BaseException, prompt_param: str) -> APIError | None:
     return None
 
 
-async def submit_all(engine: AsyncEngine, prompts: Sequence[dict], params: SamplingParams, request_id: str, prompt_param: str) -> list[RequestStream]:
+async def submit_all(
+    engine: AsyncEngine, prompts: Sequence[dict], params: SamplingParams, request_id: str, prompt_param: str
+) -> list[RequestStream]:
     """Submit every prompt, or none: if one is refused the ones already queued are aborted."""
     streams: list[RequestStream] = []
     try:
@@ -94,6 +125,37 @@ async def final_outputs(streams: Sequence[RequestStream]) -> list[RequestOutput]
     return list(outputs)  # type: ignore[arg-type]
 
 
+async def collect(raw: Request, streams: Sequence[RequestStream], request_id: str) -> list[RequestOutput]:
+    """A non-streamed request's final outputs, logged; a client that disconnects first aborts them."""
+    try:
+        outputs = await until_disconnected(raw, final_outputs(streams))
+    finally:
+        await close_all(streams)
+    log_finished(request_id, outputs, streamed=False)
+    return outputs
+
+
+def event_stream(events: AsyncIterator[str], streams: Sequence[RequestStream], request_id: str) -> StreamingResponse:
+    """The SSE response: `events`, then [DONE]. The 200 is sent with the first event, so an engine
+    that dies mid-stream is reported in-band, as an error event before [DONE]; a client that leaves
+    early aborts every unfinished stream."""
+
+    async def guarded() -> AsyncIterator[str]:
+        try:
+            try:
+                async for event in events:
+                    yield event
+            except Exception as exc:  # the engine died: the client must not mistake the end for a finish
+                logger.error("%s failed mid-stream: %s", request_id, exc)
+                yield sse_error(str(exc))
+            yield SSE_DONE
+        finally:
+            await events.aclose()  # type: ignore[attr-defined]
+            await close_all(streams)
+
+    return StreamingResponse(guarded(), media_type="text/event-stream", headers=SSE_HEADERS)
+
+
 def log_finished(request_id: str, outputs: Sequence[RequestOutput], streamed: bool) -> None:
     """One INFO line per finished request: sizes, why it ended, and its latencies."""
     prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
@@ -105,5 +167,11 @@ def log_finished(request_id: str, outputs: Sequence[RequestOutput], streamed: bo
     e2e = f"{1000 * max(m.e2e_s for m in metrics):.1f} ms" if metrics else "-"
     logger.info(
         "%s finished (%s): prompt %d tokens, completion %d tokens, finish %s, ttft %s, e2e %s",
-        request_id, "stream" if streamed else "full", prompt_tokens, completion_tokens, "/".join(reasons), ttft, e2e,
+        request_id,
+        "stream" if streamed else "full",
+        prompt_tokens,
+        completion_tokens,
+        "/".join(reasons),
+        ttft,
+        e2e,
     )

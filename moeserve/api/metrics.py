@@ -19,17 +19,106 @@ layer would be layers x experts series (15k for DeepSeek-V3), too many for most 
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE  # noqa: F401 - re-exported for the app
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from moeserve.config import SLOConfig
 from moeserve.dispatch.expert_load import RoutedTokens, load_imbalance
 from moeserve.engine.stats import IterationStats
 
-_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
-_TBT_BUCKETS = (0.001, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
-_REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
-_STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5, 5.0)
+_TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+)
+_TBT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.015,
+    0.02,
+    0.025,
+    0.03,
+    0.04,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+_REQUEST_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
+_STEP_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.015,
+    0.02,
+    0.025,
+    0.03,
+    0.04,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+)
 
 
 def _with_edge(buckets: tuple[float, ...], edge: float) -> tuple[float, ...]:
@@ -55,33 +144,85 @@ class ServerMetrics:
         def gauge(name: str, doc: str) -> Gauge:
             return Gauge(name, doc, labels, registry=r).labels(model_name)
 
-        self.ttft = histogram("moeserve:time_to_first_token_seconds", "Arrival to first generated token, per request.", _with_edge(_TTFT_BUCKETS, slo.ttft_s))
-        self.tbt = histogram("moeserve:time_between_tokens_seconds", "Every gap between consecutive tokens of a request's sample.", _with_edge(_TBT_BUCKETS, slo.tbt_s))
-        self.e2e = histogram("moeserve:e2e_request_latency_seconds", "Arrival to finish, per finished request.", _REQUEST_BUCKETS)
-        self.queue_time = histogram("moeserve:request_queue_time_seconds", "Arrival to first scheduled step, per request that ran.", _REQUEST_BUCKETS)
-        self.step_time = histogram("moeserve:engine_step_duration_seconds", "Wall time of one engine step (model forward and sampling).", _STEP_BUCKETS)
+        self.ttft = histogram(
+            "moeserve:time_to_first_token_seconds",
+            "Arrival to first generated token, per request.",
+            _with_edge(_TTFT_BUCKETS, slo.ttft_s),
+        )
+        self.tbt = histogram(
+            "moeserve:time_between_tokens_seconds",
+            "Every gap between consecutive tokens of a request's sample.",
+            _with_edge(_TBT_BUCKETS, slo.tbt_s),
+        )
+        self.e2e = histogram(
+            "moeserve:e2e_request_latency_seconds", "Arrival to finish, per finished request.", _REQUEST_BUCKETS
+        )
+        self.queue_time = histogram(
+            "moeserve:request_queue_time_seconds",
+            "Arrival to first scheduled step, per request that ran.",
+            _REQUEST_BUCKETS,
+        )
+        self.step_time = histogram(
+            "moeserve:engine_step_duration_seconds",
+            "Wall time of one engine step (model forward and sampling).",
+            _STEP_BUCKETS,
+        )
 
         self.running = gauge("moeserve:num_requests_running", "Sequences in the running batch.")
-        self.waiting = gauge("moeserve:num_requests_waiting", "Sequences queued for admission (preempted ones included).")
+        self.waiting = gauge(
+            "moeserve:num_requests_waiting", "Sequences queued for admission (preempted ones included)."
+        )
         self.kv_used = gauge("moeserve:kv_cache_blocks_used", "Paged KV blocks held by sequences.")
         self.kv_total = gauge("moeserve:kv_cache_blocks_total", "Paged KV blocks in the cache.")
 
-        self.prompt_tokens = counter("moeserve:prompt_tokens", "Prompt tokens prefilled (counted once, when the first token comes).")
+        self.prompt_tokens = counter(
+            "moeserve:prompt_tokens", "Prompt tokens prefilled (counted once, when the first token comes)."
+        )
         self.generation_tokens = counter("moeserve:generation_tokens", "Tokens generated.")
         self.preemptions = counter("moeserve:num_preemptions", "Sequences preempted (KV dropped, to be recomputed).")
-        self._finished = Counter("moeserve:request_success", "Finished requests, by finish reason.", [*labels, "finished_reason"], registry=r)
+        self._finished = Counter(
+            "moeserve:request_success", "Finished requests, by finish reason.", [*labels, "finished_reason"], registry=r
+        )
         for reason in ("stop", "length", "abort"):
             self._finished.labels(model_name, reason)  # export zeros, so rates exist before the first one
-        self.slo_total = counter("moeserve:slo_requests", "Finished requests judged against the SLO (aborted ones included).")
-        self.slo_ttft_met = counter("moeserve:slo_ttft_met_requests", "Finished requests whose first token came within the TTFT target.")
-        self.slo_tbt_met = counter("moeserve:slo_tbt_met_requests", "Finished requests all of whose token gaps were within the TBT target.")
-        targets = Gauge("moeserve:slo_target_seconds", "The SLO targets requests are judged against.", [*labels, "kind"], registry=r)
+        self.slo_total = counter(
+            "moeserve:slo_requests", "Finished requests judged against the SLO (aborted ones included)."
+        )
+        self.slo_ttft_met = counter(
+            "moeserve:slo_ttft_met_requests", "Finished requests whose first token came within the TTFT target."
+        )
+        self.slo_tbt_met = counter(
+            "moeserve:slo_tbt_met_requests", "Finished requests all of whose token gaps were within the TBT target."
+        )
+        targets = Gauge(
+            "moeserve:slo_target_seconds", "The SLO targets requests are judged against.", [*labels, "kind"], registry=r
+        )
         targets.labels(model_name, "ttft").set(slo.ttft_s)
         targets.labels(model_name, "tbt").set(slo.tbt_s)
-        self._expert_rows = Counter("moeserve:expert_routed_tokens", "Token rows routed to each expert, all MoE layers together.", [*labels, "expert"], registry=r)
-        self._rank_rows = Counter("moeserve:ep_rank_routed_tokens", "Token rows the experts of each expert-parallel rank received.", [*labels, "rank"], registry=r)
-        self._imbalance = Gauge("moeserve:expert_load_imbalance", "Max over mean of the ranks' routed rows in each MoE layer, over the last report.", [*labels, "layer"], registry=r)
-        self._http = Counter("moeserve:http_requests", "HTTP requests answered, by route and status code.", ["route", "status"], registry=r)
+        self._expert_rows = Counter(
+            "moeserve:expert_routed_tokens",
+            "Token rows routed to each expert, all MoE layers together.",
+            [*labels, "expert"],
+            registry=r,
+        )
+        self._rank_rows = Counter(
+            "moeserve:ep_rank_routed_tokens",
+            "Token rows the experts of each expert-parallel rank received.",
+            [*labels, "rank"],
+            registry=r,
+        )
+        self._imbalance = Gauge(
+            "moeserve:expert_load_imbalance",
+            "Max over mean of the ranks' routed rows in each MoE layer, over the last report.",
+            [*labels, "layer"],
+            registry=r,
+        )
+        self._http = Counter(
+            "moeserve:http_requests",
+            "HTTP requests answered, by route and status code.",
+            ["route", "status"],
+            registry=r,
+        )
         self._model_name = model_name
 
     def record(self, stats: IterationStats) -> None:

@@ -72,7 +72,6 @@ def parse_request(model: type[RequestT], body: bytes | str | dict[str, Any]) -> 
         raise from_validation_error(e) from None
 
 
-
 class StreamOptions(OpenAIModel):
     include_usage: bool = False
     """Send one last chunk with `usage` and no choices before `[DONE]`."""
@@ -108,7 +107,9 @@ class _SamplingRequest(OpenAIModel):
         """Whether a stream ends with a usage chunk."""
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def _build_sampling_params(self, max_tokens: int | None, logprobs: int | None, rename: dict[str, str]) -> SamplingParams:
+    def _build_sampling_params(
+        self, max_tokens: int | None, logprobs: int | None, rename: dict[str, str]
+    ) -> SamplingParams:
         """SamplingParams from the shared fields; a bad value becomes a 400 naming the body field.
 
         SamplingParams starts every ValueError message with its field name; `rename` maps that name
@@ -399,7 +400,9 @@ def completion_logprobs(
         text = _token_text(tokenizer, token_id, alternatives[token_id])
         result.tokens.append(text)
         result.token_logprobs.append(_clamp(alternatives[token_id].logprob))
-        result.top_logprobs.append({_token_text(tokenizer, t, lp): _clamp(lp.logprob) for t, lp in _by_likelihood(alternatives)})
+        result.top_logprobs.append(
+            {_token_text(tokenizer, t, lp): _clamp(lp.logprob) for t, lp in _by_likelihood(alternatives)}
+        )
         result.text_offset.append(offset)
         offset += len(text)
     return result
@@ -410,7 +413,9 @@ def _top_logprob(tokenizer: Tokenizer, token_id: int, logprob: Logprob) -> TopLo
     return TopLogprob(token=text, logprob=_clamp(logprob.logprob), bytes=list(text.encode("utf-8")))
 
 
-def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]], tokenizer: Tokenizer, num_top: int) -> ChatLogprobs:
+def chat_logprobs(
+    token_ids: list[int], logprobs: list[dict[int, Logprob]], tokenizer: Tokenizer, num_top: int
+) -> ChatLogprobs:
     """The chat format: per token its logprob, UTF-8 bytes and exactly `num_top` alternatives."""
     content = []
     for token_id, alternatives in zip(token_ids, logprobs):
@@ -435,7 +440,9 @@ def _prompt_text(output: RequestOutput, tokenizer: Tokenizer) -> str:
     return output.prompt if output.prompt is not None else tokenizer.decode(output.prompt_token_ids)
 
 
-def _completion_choice(index: int, output: RequestOutput, sample: CompletionOutput, tokenizer: Tokenizer, echo: bool) -> CompletionChoice:
+def _completion_choice(
+    index: int, output: RequestOutput, sample: CompletionOutput, tokenizer: Tokenizer, echo: bool
+) -> CompletionChoice:
     logprobs = None
     if sample.logprobs is not None:
         echoed = output.prompt_token_ids if echo else None
@@ -456,13 +463,17 @@ def completion_response(
     return CompletionResponse(id=request_id, model=model, choices=choices, usage=usage_info(outputs))
 
 
-def chat_response(request_id: str, model: str, output: RequestOutput, tokenizer: Tokenizer, num_top_logprobs: int = 0) -> ChatCompletionResponse:
+def chat_response(
+    request_id: str, model: str, output: RequestOutput, tokenizer: Tokenizer, num_top_logprobs: int = 0
+) -> ChatCompletionResponse:
     """A chat response with one choice per sample; logprobs where the engine returned them."""
     choices = [
         ChatChoice(
             index=sample.index,
             message=ChatMessage(content=sample.text),
-            logprobs=None if sample.logprobs is None else chat_logprobs(sample.token_ids, sample.logprobs, tokenizer, num_top_logprobs),
+            logprobs=None
+            if sample.logprobs is None
+            else chat_logprobs(sample.token_ids, sample.logprobs, tokenizer, num_top_logprobs),
             finish_reason=sample.finish_reason,
         )
         for sample in output.outputs
@@ -482,8 +493,13 @@ def sse(chunk: BaseModel) -> str:
 
 
 def completion_chunk(
-    request_id: str, model: str, created: int, index: int, text: str,
-    finish_reason: str | None = None, logprobs: CompletionLogprobs | None = None,
+    request_id: str,
+    model: str,
+    created: int,
+    index: int,
+    text: str,
+    finish_reason: str | None = None,
+    logprobs: CompletionLogprobs | None = None,
 ) -> CompletionStreamChunk:
     """A streamed piece of completion choice `index`."""
     choice = CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=finish_reason)
@@ -491,8 +507,13 @@ def completion_chunk(
 
 
 def chat_chunk(
-    request_id: str, model: str, created: int, index: int, delta: DeltaMessage,
-    finish_reason: str | None = None, logprobs: ChatLogprobs | None = None,
+    request_id: str,
+    model: str,
+    created: int,
+    index: int,
+    delta: DeltaMessage,
+    finish_reason: str | None = None,
+    logprobs: ChatLogprobs | None = None,
 ) -> ChatCompletionStreamChunk:
     """A streamed piece of chat choice `index`; the first one carries `DeltaMessage(role="assistant", content="")`."""
     choice = ChatStreamChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason)

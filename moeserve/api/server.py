@@ -22,12 +22,11 @@ import uvicorn
 from moeserve.api.app import build_app
 from moeserve.api.metrics import ServerMetrics
 from moeserve.api.state import ModelInfo, ServerSettings, ServingState
-from moeserve.config import SLOConfig
+from moeserve.config import EngineConfig
 from moeserve.engine.async_engine import AsyncEngine
 from moeserve.engine.engine import LLMEngine
 from moeserve.engine.stats import LoggingStatLogger
 from moeserve.engine.tokenizer import load_tokenizer
-from moeserve.llm import engine_config
 
 logger = logging.getLogger("moeserve.server")
 
@@ -43,17 +42,18 @@ class _DrainingServer(uvicorn.Server):
         if not self.serving.draining:
             logger.info(
                 "received %s: admitting no new requests; running ones have %.0f s to finish",
-                signal.Signals(sig).name, self.serving.settings.shutdown_timeout_s,
+                signal.Signals(sig).name,
+                self.serving.settings.shutdown_timeout_s,
             )
         self.serving.draining = True
         super().handle_exit(sig, frame)
 
 
-def load_engine(state: ServingState, engine_kwargs: dict, on_failure: Callable[[], None]) -> None:
+def load_engine(state: ServingState, config: EngineConfig, on_failure: Callable[[], None]) -> None:
     """Build the engine and attach it to `state`; on failure, now or later (a lost rank), log
     why and call `on_failure`."""
     try:
-        config = engine_config(**engine_kwargs)
+        config = config.with_model_folder()
         logger.info("loading %s", config.model)
         engine = LLMEngine(config, stat_loggers=[state.metrics, LoggingStatLogger()])
 
@@ -63,14 +63,25 @@ def load_engine(state: ServingState, engine_kwargs: dict, on_failure: Callable[[
 
         async_engine = AsyncEngine(engine, on_death=engine_died)
         async_engine.start()
-        model = ModelInfo(max_model_len=engine.max_model_len, tokenizer=load_tokenizer(Path(config.model)), root=config.model)
+        model = ModelInfo(
+            max_model_len=engine.max_model_len, tokenizer=load_tokenizer(Path(config.model)), root=config.model
+        )
         state.set_ready(async_engine, model)
         cfg = engine.model_config
         logger.info(
-            "serving %s as '%s': %s, %d layers, %d experts (top-%d), dtype %s, max_model_len %d, %d KV blocks of %d tokens, policy %s",
-            config.model, state.settings.served_model_name, cfg.architecture, cfg.num_layers, cfg.num_experts, cfg.router.top_k,
-            str(engine.dtype).removeprefix("torch."), engine.max_model_len, engine.scheduler.num_kv_blocks,
-            engine.scheduler.config.block_size, config.scheduling_policy,
+            "serving %s as '%s': %s, %d layers, %d experts (top-%d), dtype %s, max_model_len %d, "
+            "%d KV blocks of %d tokens, policy %s",
+            config.model,
+            state.settings.served_model_name,
+            cfg.architecture,
+            cfg.num_layers,
+            cfg.num_experts,
+            cfg.router.top_k,
+            str(engine.dtype).removeprefix("torch."),
+            engine.max_model_len,
+            engine.scheduler.num_kv_blocks,
+            engine.scheduler.config.block_size,
+            config.scheduling_policy,
         )
     except Exception as exc:  # noqa: BLE001 - any load failure ends the server, with the reason logged
         if isinstance(exc, ValueError):
@@ -80,11 +91,15 @@ def load_engine(state: ServingState, engine_kwargs: dict, on_failure: Callable[[
         on_failure()
 
 
-def serve(settings: ServerSettings, host: str, port: int, engine_kwargs: dict, slo: SLOConfig) -> int:
+def serve(settings: ServerSettings, host: str, port: int, engine_config: EngineConfig) -> int:
     """Serve until a shutdown signal; returns the process exit code (0 after a clean drain)."""
-    state = ServingState(settings, ServerMetrics(settings.served_model_name, slo))
+    state = ServingState(settings, ServerMetrics(settings.served_model_name, engine_config.slo))
     config = uvicorn.Config(
-        build_app(state), log_config=None, access_log=False, timeout_graceful_shutdown=settings.shutdown_timeout_s, lifespan="off",
+        build_app(state),
+        log_config=None,
+        access_log=False,
+        timeout_graceful_shutdown=settings.shutdown_timeout_s,
+        lifespan="off",
     )
     server = _DrainingServer(config, state)
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
@@ -101,7 +116,9 @@ def serve(settings: ServerSettings, host: str, port: int, engine_kwargs: dict, s
         failed.set()
         server.should_exit = True
 
-    threading.Thread(target=load_engine, args=(state, engine_kwargs, stop_after_failure), name="moeserve-loader", daemon=True).start()
+    threading.Thread(
+        target=load_engine, args=(state, engine_config, stop_after_failure), name="moeserve-loader", daemon=True
+    ).start()
     # uvicorn re-raises the shutdown signal once it has drained; absorb it so the exit code is ours.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)

@@ -40,7 +40,9 @@ def check_api_key(request: Request, api_key: str | None) -> None:
         return
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
     if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), api_key.encode()):
-        raise APIError("invalid or missing API key: send 'Authorization: Bearer <key>'", status_code=401, code="invalid_api_key")
+        raise APIError(
+            "invalid or missing API key: send 'Authorization: Bearer <key>'", status_code=401, code="invalid_api_key"
+        )
 
 
 class ClientDisconnected(Exception):

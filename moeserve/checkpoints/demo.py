@@ -28,7 +28,8 @@ from pathlib import Path
 import torch
 import transformers
 
-from moeserve.checkpoints.make_model import MakeModelSpec, make_model
+from moeserve.checkpoints.builder import make_model
+from moeserve.checkpoints.spec import MakeModelSpec
 
 logger = logging.getLogger("moeserve.checkpoints")
 

@@ -7,13 +7,12 @@ processes of one deployment, never facing clients.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from moeserve.config import ParallelConfig
 from moeserve.worker.runner import SampledToken
-from moeserve.sampling_params import SamplingParams
 from moeserve.scheduler import SchedulerOutput
 
 
@@ -32,17 +31,6 @@ class WorkerSpec:
     seed: int
     kernels: str = "auto"
     dispatcher: str = "torch"
-
-
-@dataclass
-class RequestState:
-    """A rank's copy of what sampling needs of a request. Sent once, when the request is first
-    scheduled; afterwards the sampling rank appends its own tokens, as the scheduler does."""
-
-    request_id: str
-    sampling_params: SamplingParams
-    prompt_token_ids: list[int]
-    output_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -75,9 +63,8 @@ class SyncAck:
 class StepInput:
     step: int
     plans: tuple[SchedulerOutput, ...]
-    """One per data-parallel group; a rank runs its group's plan (maybe empty: it still steps)."""
-    new_requests: tuple[RequestState, ...] = ()
-    released: tuple[str, ...] = ()
+    """One per data-parallel group; a rank runs its group's plan (maybe empty: it still steps).
+    The plans carry what the ranks learn of requests: new ones' data, finished ones' ids."""
     want_routed_tokens: bool = False
 
 

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from moeserve.dispatch import ExpertPlacement, create_dispatcher
 from moeserve.distributed.channel import ControlClient
-from moeserve.distributed.messages import LoadReport, RequestState, Shutdown, StepInput, StepOutput, Sync, SyncAck, WorkerSpec
+from moeserve.distributed.messages import LoadReport, Shutdown, StepInput, StepOutput, Sync, SyncAck, WorkerSpec
 from moeserve.distributed.rendezvous import CONTROL_KEY, RANKS_PREFIX, SPEC_KEY, Heartbeat, connect_store, error_key, get
 from moeserve.worker.kv_cache import allocate_kv_caches, bytes_per_block
 from moeserve.worker.runner import ModelRunner
@@ -68,7 +68,6 @@ class Worker:
             if g == self.group_index:
                 tp_group = group
         self.tp = TensorParallel(tp_rank, p.tp, tp_group)
-        self.requests: dict[str, RequestState] = {}
 
     def load(self) -> LoadReport:
         spec = self.spec
@@ -76,7 +75,10 @@ class Worker:
         dispatcher = create_dispatcher(spec.dispatcher, placement, self.device, group=dist.group.WORLD)
         model = load_model(Path(spec.model), spec.dtype, self.device, dispatcher, self.tp, create_ops(spec.kernels, self.device))
         kv_caches = allocate_kv_caches(model.cfg, spec.num_kv_blocks, spec.block_size, spec.dtype, self.device, self.tp.size)
-        self.runner = ModelRunner(model, kv_caches, spec.block_size, spec.eos_token_ids, self.device, lockstep=True, samples=self.tp.rank == 0)
+        self.runner = ModelRunner(
+            model, kv_caches, spec.block_size, spec.eos_token_ids, self.device,
+            seed=spec.seed, lockstep=True, samples=self.tp.rank == 0,
+        )
         sizes = weight_bytes(model)
         return LoadReport(
             rank=self.rank, node_rank=self.node_rank, pid=os.getpid(), host=socket.gethostname(),
@@ -85,16 +87,9 @@ class Worker:
         )
 
     def step(self, message: StepInput) -> StepOutput:
-        for request_id in message.released:
-            self.requests.pop(request_id, None)
-        self.runner.release(message.released)
-        for state in message.new_requests:
-            self.requests[state.request_id] = state
         # Every rank sees every group's plan, so all agree on this bound without communicating.
         bound = max(self.tp.largest_slice(plan.num_batched_tokens) for plan in message.plans)
-        sampled = self.runner.execute(message.plans[self.group_index], self.requests, max_tokens_per_rank=bound)
-        for request_id, token in sampled.items():
-            self.requests[request_id].output_token_ids.append(token.token_id)
+        sampled = self.runner.execute(message.plans[self.group_index], max_tokens_per_rank=bound)
         routed = self.runner.model.take_routed_tokens() if message.want_routed_tokens else None
         return StepOutput(message.step, self.rank, sampled, routed)
 

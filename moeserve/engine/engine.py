@@ -1,7 +1,7 @@
 """The engine: requests in, tokens out, one scheduler step at a time.
 
-    step():  scheduler.schedule() -> runner.execute(...) -> scheduler.update(...)
-             -> detokenize, match stop strings -> RequestOutputs
+    step():  scheduler.schedule() -> executor.execute(plan) -> scheduler.update(plan, tokens, time)
+             -> output_processor.process(...) -> RequestOutputs, and stop-string matches finished
 
 A request with n > 1 fans out into n sequences (`<id>#<i>`) scheduled independently; its
 output gathers them. Bad input raises ValueError before anything is queued.
@@ -12,95 +12,26 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Sequence
 
-import torch
-
-from moeserve.config import EngineConfig, SLOConfig
-from moeserve.engine.detokenizer import IncrementalDetokenizer
-from moeserve.executor import create_executor
-from moeserve.worker.kv_cache import num_blocks_for
-from moeserve.engine.outputs import CompletionOutput, Logprob, RequestOutput
-from moeserve.worker.runner import SampledToken
-from moeserve.engine.stats import IterationStats, RequestMetrics, StatLogger
+from moeserve.config import EngineConfig, parse_dtype
+from moeserve.engine.output_processor import OutputProcessor
+from moeserve.engine.outputs import RequestOutput
+from moeserve.engine.stats import IterationStats, StatLogger
 from moeserve.engine.tokenizer import load_tokenizer
+from moeserve.executor import create_executor
 from moeserve.models import model_config
 from moeserve.models.checkpoint import read_json
 from moeserve.sampling_params import SamplingParams
-from moeserve.scheduler import DataParallelScheduler, Request, SchedulerConfig
+from moeserve.scheduler import DataParallelScheduler, Request, SchedulerConfig, StepPlan
+from moeserve.worker.kv_cache import num_blocks_for
+from moeserve.worker.runner import SampledToken
 
 logger = logging.getLogger(__name__)
 
 ROUTING_INTERVAL_S = 1.0  # expert load is reported to the stat loggers about this often
-
-
-@dataclass
-class _Sequence:
-    """Output state of one generated sequence."""
-
-    index: int
-    detokenizer: IncrementalDetokenizer
-    logprobs: list[dict[int, Logprob]] | None
-    cumulative_logprob: float | None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    last_token_time: float | None = None
-    max_gap_s: float | None = None  # longest time between two consecutive tokens so far
-
-    def completion(self) -> CompletionOutput:
-        return CompletionOutput(
-            index=self.index,
-            text=self.detokenizer.text,
-            token_ids=list(self.detokenizer.token_ids),
-            cumulative_logprob=self.cumulative_logprob,
-            logprobs=list(self.logprobs) if self.logprobs is not None else None,
-            finish_reason=self.finish_reason,
-            stop_reason=self.stop_reason,
-        )
-
-
-@dataclass
-class _Parent:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    arrival_time: float
-    sequences: dict[str, _Sequence] = field(default_factory=dict)
-    requests: list[Request] = field(default_factory=list)
-    """The scheduler's requests of the samples; the scheduler stamps their first admission."""
-    first_token_time: float | None = None
-
-    @property
-    def first_scheduled_time(self) -> float | None:
-        times = [r.first_scheduled_time for r in self.requests if r.first_scheduled_time is not None]
-        return min(times) if times else None
-
-    @property
-    def finished(self) -> bool:
-        return all(s.finish_reason is not None for s in self.sequences.values())
-
-    def output(self, metrics: RequestMetrics | None = None) -> RequestOutput:
-        completions = sorted((s.completion() for s in self.sequences.values()), key=lambda c: c.index)
-        return RequestOutput(self.request_id, self.prompt, list(self.prompt_token_ids), completions, self.finished, metrics)
-
-    def metrics(self, now: float, finish_reason: str, slo: SLOConfig) -> RequestMetrics:
-        """This request's latencies, judged against `slo`."""
-        ttft = None if self.first_token_time is None else self.first_token_time - self.arrival_time
-        gaps = [s.max_gap_s for s in self.sequences.values() if s.max_gap_s is not None]
-        max_tbt = max(gaps) if gaps else None
-        return RequestMetrics(
-            finish_reason=finish_reason,
-            num_prompt_tokens=len(self.prompt_token_ids),
-            num_generation_tokens=sum(len(s.detokenizer.token_ids) for s in self.sequences.values()),
-            queue_time_s=None if (scheduled := self.first_scheduled_time) is None else scheduled - self.arrival_time,
-            ttft_s=ttft,
-            e2e_s=now - self.arrival_time,
-            max_tbt_s=max_tbt,
-            ttft_met=ttft is not None and ttft <= slo.ttft_s,
-            tbt_met=max_tbt is None or max_tbt <= slo.tbt_s,
-        )
 
 
 def generation_eos_ids(folder: Path, config_eos: tuple[int, ...]) -> tuple[int, ...]:
@@ -119,9 +50,8 @@ class LLMEngine:
         self.stat_loggers = list(stat_loggers)
         folder = Path(config.model)
         started = time.monotonic()
-        torch.manual_seed(config.seed)
         self.model_config = model_config(folder)
-        self.dtype = config.dtype or self.model_config.checkpoint_dtype
+        self.dtype = parse_dtype(config.dtype) or self.model_config.checkpoint_dtype
         self.tokenizer = load_tokenizer(folder)
         self.eos_token_ids = generation_eos_ids(folder, self.model_config.eos_token_ids)
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
@@ -144,8 +74,7 @@ class LLMEngine:
             num_groups=parallel.num_dp_groups,
         )
         self.executor = create_executor(config, self.model_config, self.dtype, num_blocks, self.eos_token_ids)
-        self._parents: dict[str, _Parent] = {}
-        self._parent_of: dict[str, str] = {}
+        self.output_processor = OutputProcessor(self.tokenizer, config.slo)
         self._ids = itertools.count()
         self._routing_asked = 0.0
         logger.info("engine ready in %.1f s (max_model_len %d)", time.monotonic() - started, self.max_model_len)
@@ -210,24 +139,14 @@ class LLMEngine:
 
     def _enqueue(self, text: str | None, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None, arrival: float) -> str:
         request_id = request_id if request_id is not None else str(next(self._ids))
-        if request_id in self._parents:
+        if request_id in self.output_processor:
             raise ValueError(f"request id {request_id!r} is already in use")
-        parent = _Parent(request_id, text, prompt_token_ids, arrival)
         children = []
         for i in range(params.n):
             child_params = params if params.n == 1 or params.seed is None else replace(params, seed=params.seed + i)
             child_id = request_id if params.n == 1 else f"{request_id}#{i}"
             children.append(Request(child_id, list(prompt_token_ids), child_params, self.eos_token_ids, arrival))
-            parent.sequences[child_id] = _Sequence(
-                index=i,
-                detokenizer=IncrementalDetokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output, params.skip_special_tokens),
-                logprobs=[] if params.logprobs is not None else None,
-                cumulative_logprob=0.0 if params.logprobs is not None else None,
-            )
-        parent.requests = children
-        self._parents[request_id] = parent
-        for child in children:
-            self._parent_of[child.request_id] = request_id
+        self.output_processor.add_request(request_id, text, params, arrival, children)
         try:
             for child in children:
                 self.scheduler.add_request(child)
@@ -238,39 +157,38 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> None:
         """Drop a request and free its KV blocks now; unknown or finished ids are ignored."""
-        parent = self._parents.pop(request_id, None)
-        if parent is None:
+        aborted = self.output_processor.abort_request(request_id, time.monotonic())
+        if aborted is None:
             return
-        for child_id in parent.sequences:
+        child_ids, metrics = aborted
+        for child_id in child_ids:
             self.scheduler.abort_request(child_id)
-            self._parent_of.pop(child_id, None)
-        self.executor.release(list(parent.sequences))
-        self._publish(IterationStats(finished=[parent.metrics(time.monotonic(), "abort", self.config.slo)]))
+        self._publish(IterationStats(finished=[metrics]))
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._parents)
+        return self.output_processor.has_unfinished_requests()
 
     # ---- the step ---------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         """Run one step; outputs of every request that progressed (cumulative text and tokens)."""
         plan = self.scheduler.schedule()
-        requests = {s.request_id: self.scheduler.get_request(s.request_id) for s in plan.scheduled}
+        sampled, stats = self._execute(plan)
+        finished = self.scheduler.update(plan, {rid: t.token_id for rid, t in sampled.items()}, stats.step_duration_s)
+        processed = self.output_processor.process(sampled, finished, time.monotonic(), stats)
+        for request_id, stop in processed.stopped.items():
+            self.scheduler.finish_request(request_id, "stop", stop)
+        self._publish(stats)
+        return processed.outputs
+
+    def _execute(self, plan: StepPlan) -> tuple[dict[str, SampledToken], IterationStats]:
+        """Run the plan, padded to `min_step_time_s` (the test-only capacity knob) if it ran anything."""
         started = time.monotonic()
-        sampled = self.executor.execute(plan.groups, requests)
+        sampled = self.executor.execute(plan)
         if not plan.is_empty and self.config.min_step_time_s > 0:
             time.sleep(max(0.0, started + self.config.min_step_time_s - time.monotonic()))
-        now = time.monotonic()
-        if not plan.is_empty:
-            self.scheduler.observe_step(plan, now - started)
-        finished = {r.request_id: r for r in self.scheduler.update(plan, {rid: t.token_id for rid, t in sampled.items()})}
-        stats = IterationStats(step_duration_s=now - started, num_preemptions=len(plan.preempted_request_ids))
-        touched: dict[str, None] = {}
-        for child_id, token in sampled.items():
-            touched[self._record(child_id, token, finished.get(child_id), now, stats)] = None
-        outputs = [self._emit(parent_id, now, stats) for parent_id in touched]
-        self._publish(stats)
-        return outputs
+        duration_s = time.monotonic() - started
+        return sampled, IterationStats(step_duration_s=duration_s, num_preemptions=len(plan.preempted_request_ids))
 
     def _publish(self, stats: IterationStats) -> None:
         """Fill the gauges and hand the stats to every logger; a failing logger never stops serving."""
@@ -287,46 +205,3 @@ class LLMEngine:
                 stat_logger.record(stats)
             except Exception:
                 logger.exception("stat logger %r failed; the engine keeps serving", stat_logger)
-
-    def _record(self, child_id: str, token: SampledToken, finished: Request | None, now: float, stats: IterationStats) -> str:
-        parent_id = self._parent_of[child_id]
-        parent = self._parents[parent_id]
-        seq = parent.sequences[child_id]
-        stats.num_generation_tokens += 1
-        if parent.first_token_time is None:
-            parent.first_token_time = now
-            stats.ttfts_s.append(now - parent.arrival_time)
-            stats.num_prompt_tokens += len(parent.prompt_token_ids)
-        if seq.last_token_time is not None:
-            gap = now - seq.last_token_time
-            stats.tbts_s.append(gap)
-            seq.max_gap_s = gap if seq.max_gap_s is None else max(seq.max_gap_s, gap)
-        seq.last_token_time = now
-        stop = seq.detokenizer.append(token.token_id)
-        if seq.logprobs is not None and token.logprob is not None:
-            entry = {token.token_id: Logprob(token.logprob)}
-            for rank, (alt_id, alt_lp) in enumerate(token.top_logprobs, start=1):
-                entry.setdefault(alt_id, Logprob(alt_lp, rank))
-            seq.logprobs.append(entry)
-            seq.cumulative_logprob += token.logprob
-        if stop is not None:
-            if finished is None:
-                self.scheduler.finish_request(child_id, "stop", stop)
-            seq.finish_reason, seq.stop_reason = "stop", stop
-        elif finished is not None:
-            seq.finish_reason, seq.stop_reason = finished.finish_reason, finished.stop_reason
-        if seq.finish_reason is not None:
-            self.executor.release([child_id])
-        return parent_id
-
-    def _emit(self, parent_id: str, now: float, stats: IterationStats) -> RequestOutput:
-        parent = self._parents[parent_id]
-        if not parent.finished:
-            return parent.output()
-        first = min(parent.sequences.values(), key=lambda s: s.index)
-        metrics = parent.metrics(now, first.finish_reason, self.config.slo)
-        stats.finished.append(metrics)
-        del self._parents[parent_id]
-        for child_id in parent.sequences:
-            self._parent_of.pop(child_id, None)
-        return parent.output(metrics)

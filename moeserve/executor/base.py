@@ -3,17 +3,18 @@
 The engine owns requests, scheduling and detokenization and never touches weights; an
 `Executor` turns each step's plan (one per data-parallel group) into sampled tokens. Backends:
 `InProcessExecutor` (`in_process.py`: ep = tp = 1, the model in the engine's thread) and
-`MultiprocessExecutor` (`multiproc.py`: one process per rank, all in lockstep).
+`MultiprocessExecutor` (`multiproc.py`: one process per rank, all in lockstep). The plan is all
+an executor needs: it carries what the runners must learn of requests (see `SchedulerOutput`).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 
 from moeserve.dispatch.expert_load import RoutedTokens
-from moeserve.scheduler import SchedulerOutput
-from moeserve.worker.runner import SampledToken, SamplingRequest
+from moeserve.scheduler import StepPlan
+from moeserve.worker.runner import SampledToken
 
 
 class Executor(ABC):
@@ -23,12 +24,8 @@ class Executor(ABC):
     num_kv_blocks: int
 
     @abstractmethod
-    def execute(self, plans: Sequence[SchedulerOutput], requests: Mapping[str, SamplingRequest]) -> dict[str, SampledToken]:
+    def execute(self, plan: StepPlan) -> dict[str, SampledToken]:
         """Run one lockstep step; a token for every scheduled request whose plan says `sample`."""
-
-    @abstractmethod
-    def release(self, request_ids: Sequence[str]) -> None:
-        """These requests are done: drop their per-request state (seeded generators)."""
 
     @abstractmethod
     def take_routed_tokens(self) -> RoutedTokens | None:

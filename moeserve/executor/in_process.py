@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -13,9 +13,9 @@ from moeserve.dispatch.expert_load import RoutedTokens
 from moeserve.executor.base import Executor
 from moeserve.models import load_model
 from moeserve.ops import create_ops
-from moeserve.scheduler import SchedulerOutput
+from moeserve.scheduler import StepPlan
 from moeserve.worker.kv_cache import allocate_kv_caches
-from moeserve.worker.runner import ModelRunner, SampledToken, SamplingRequest
+from moeserve.worker.runner import ModelRunner, SampledToken
 
 
 class InProcessExecutor(Executor):
@@ -27,16 +27,15 @@ class InProcessExecutor(Executor):
         self.num_kv_blocks = num_kv_blocks
         self.model = load_model(Path(config.model), dtype, config.device, ops=create_ops(config.kernels, config.device))
         kv_caches = allocate_kv_caches(model_config, num_kv_blocks, config.cache.block_size, dtype, config.device)
-        self.runner = ModelRunner(self.model, kv_caches, config.cache.block_size, eos_token_ids, config.device)
+        self.runner = ModelRunner(
+            self.model, kv_caches, config.cache.block_size, eos_token_ids, config.device, seed=config.seed
+        )
         self._placement = ExpertPlacement.contiguous(model_config.num_experts)
         self._moe_layers = model_config.moe_layer_indices
 
-    def execute(self, plans: Sequence[SchedulerOutput], requests: Mapping[str, SamplingRequest]) -> dict[str, SampledToken]:
-        (plan,) = plans
-        return self.runner.execute(plan, requests)
-
-    def release(self, request_ids: Sequence[str]) -> None:
-        self.runner.release(request_ids)
+    def execute(self, plan: StepPlan) -> dict[str, SampledToken]:
+        (group,) = plan.groups
+        return self.runner.execute(group)
 
     def take_routed_tokens(self) -> RoutedTokens | None:
         return RoutedTokens(self.model.take_routed_tokens(), self._placement, self._moe_layers)

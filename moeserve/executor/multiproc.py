@@ -2,9 +2,10 @@
 
 Node 0 runs the engine (schedulers, detokenizer, API) and no model. It hosts the rendezvous
 store, starts its node's ranks, waits until every rank (its own and other nodes') has loaded
-its share, then drives them in lockstep: each step it publishes every group's plan and collects
-one answer per rank. Ranks only ever learn a request's sampling state once; afterwards the
-sampling rank appends its own tokens, exactly as the scheduler does.
+its share, then drives them in lockstep: each step it publishes every group's plan, as the
+schedulers made it, and collects one answer per rank. The plan is all the ranks learn of
+requests: a request's sampling data comes with its first plan, its id with the plan after it
+finished; in between the sampling rank appends its own tokens, exactly as the scheduler does.
 
 A lost rank (exited, killed, stalled, unreachable) ends the executor: `failure` is set, the
 listeners are told, node 0's ranks are stopped, and a step in flight raises `WorkerLostError`
@@ -17,7 +18,7 @@ import atexit
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -26,12 +27,12 @@ from moeserve.dispatch import ExpertPlacement
 from moeserve.dispatch.expert_load import RoutedTokens
 from moeserve.distributed.channel import ControlServer
 from moeserve.distributed.launcher import start_ranks, stop_ranks
-from moeserve.distributed.messages import LoadReport, RequestState, Shutdown, StepInput, StepOutput, Sync, SyncAck, WorkerSpec
+from moeserve.distributed.messages import LoadReport, Shutdown, StepInput, StepOutput, Sync, SyncAck, WorkerSpec
 from moeserve.distributed.monitor import RankMonitor
 from moeserve.distributed.rendezvous import CONTROL_KEY, SPEC_KEY, host_store, put
 from moeserve.executor.base import Executor
-from moeserve.worker.runner import SampledToken, SamplingRequest
-from moeserve.scheduler import SchedulerOutput
+from moeserve.scheduler import StepPlan
+from moeserve.worker.runner import SampledToken
 
 logger = logging.getLogger(__name__)
 
@@ -53,8 +54,6 @@ class MultiprocessExecutor(Executor):
         self._lock = threading.Lock()  # orders a loss against listener registration
         self._placements = [ExpertPlacement.contiguous(model_config.num_experts, p.ep, r) for r in range(p.ep)]
         self._moe_layers = model_config.moe_layer_indices
-        self._known: set[str] = set()  # requests whose state the ranks hold
-        self._released: list[str] = []
         self._step = 0
         self._routed: list[list[int]] | None = None
         self._routing_wanted = True  # ask the ranks for their expert load with the next step
@@ -153,21 +152,14 @@ class MultiprocessExecutor(Executor):
 
     # ---- steps -----------------------------------------------------------------------------
 
-    def execute(self, plans: Sequence[SchedulerOutput], requests: Mapping[str, SamplingRequest]) -> dict[str, SampledToken]:
+    def execute(self, plan: StepPlan) -> dict[str, SampledToken]:
+        """Publish the plan; an idle one (nothing to run, no finished ids) is not worth a step."""
         self._check()
-        if all(plan.is_empty for plan in plans):
+        if plan.is_idle:
             return {}
-        new = []
-        for plan in plans:
-            for scheduled in plan.scheduled:
-                if scheduled.request_id not in self._known:
-                    r = requests[scheduled.request_id]
-                    new.append(RequestState(r.request_id, r.sampling_params, list(r.prompt_token_ids), list(r.output_token_ids)))
-                    self._known.add(scheduled.request_id)
         self._step += 1
-        self._channel.publish(StepInput(self._step, tuple(plans), tuple(new), tuple(self._released), self._routing_wanted))
+        self._channel.publish(StepInput(self._step, plan.groups, self._routing_wanted))
         self._routing_wanted = False
-        self._released.clear()
         return self._collect(self._step)
 
     def _collect(self, step: int) -> dict[str, SampledToken]:
@@ -203,12 +195,6 @@ class MultiprocessExecutor(Executor):
         self._routing_wanted = True
         routed, self._routed = self._routed, None
         return None if routed is None else RoutedTokens(routed, self._placements[0], self._moe_layers)
-
-    def release(self, request_ids: Sequence[str]) -> None:
-        for request_id in request_ids:
-            if request_id in self._known:
-                self._known.discard(request_id)
-                self._released.append(request_id)
 
     # ---- shutdown --------------------------------------------------------------------------
 

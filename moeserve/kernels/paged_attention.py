@@ -1,7 +1,7 @@
 """Attention over the paged KV cache: one Triton kernel for prefill chunks and decode, plus a
 split-KV ("flash decoding") launch of it for decode batches.
 
-Numerics follow the torch reference `moeserve.ops.attention.paged_attention`:
+Numerics follow the torch reference `moeserve.ops.torch_attention.paged_attention`:
 query i of a sequence sits at position `context_len - query_len + i` and sees the keys at
 positions <= its own (and, with a sliding window W, > its own - W); scores and the softmax are
 fp32; the probabilities are rounded to the value dtype before the product with V, which
@@ -75,7 +75,7 @@ def paged_inputs(
 ) -> PagedInputs:
     """Kernel inputs for sequences whose tokens [start, start + query_len) are in this step.
 
-    Same arguments as `plan_attention`; every sequence must bring at least one token.
+    Same arguments as `ops.attention.attention_batch`; every sequence must bring at least one token.
     """
     if not len(block_tables) == len(start_positions) == len(query_lens):
         raise ValueError(

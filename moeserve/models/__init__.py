@@ -3,19 +3,16 @@
 from moeserve.models.architectures import resolve_architecture, supported_architectures
 from moeserve.models.checkpoint import CheckpointError
 from moeserve.models.decoder import MoECausalLM, kv_cache_shape
-from moeserve.ops.attention import AttentionMetadata, plan_attention
 from moeserve.models.loader import load_model, model_config
 from moeserve.models.tensor_parallel import TensorParallel
 
 __all__ = [
-    "AttentionMetadata",
     "CheckpointError",
     "MoECausalLM",
     "TensorParallel",
     "kv_cache_shape",
     "load_model",
     "model_config",
-    "plan_attention",
     "resolve_architecture",
     "supported_architectures",
 ]

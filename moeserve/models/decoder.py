@@ -18,7 +18,7 @@ from moeserve.models.layers.mla import MLAttention
 from moeserve.models.layers.mlp import GatedMLP
 from moeserve.models.layers.moe import MoEBlock
 from moeserve.models.layers.norm import RMSNorm
-from moeserve.ops.attention import AttentionMetadata
+from moeserve.ops.attention import AttentionPlan
 from moeserve.models.layers.rotary import RotaryEmbedding
 from moeserve.ops import TORCH_OPS, LayerOps
 from moeserve.models.tensor_parallel import SINGLE, TensorParallel
@@ -33,7 +33,12 @@ def kv_cache_shape(cfg: ModelConfig, num_blocks: int, block_size: int, tp_size: 
 
 class DecoderLayer(nn.Module):
     """Attention then FFN, each with a residual. Under tensor parallelism (see
-    `tensor_parallel`) the FFN, dense or MoE, runs on this rank's slice of the tokens."""
+    `tensor_parallel`) the FFN, dense or MoE, runs on this rank's slice of the tokens.
+
+    The residual stream travels between layers as two terms, as in vLLM: a sub-layer's output and
+    the residual it is to be added to. Each add is done by the norm that follows it
+    (`RMSNorm.add`), which a backend fuses into one pass over the activations.
+    """
 
     def __init__(
         self, cfg: ModelConfig, layer: int, dispatcher: Dispatcher, dtype: torch.dtype, device: torch.device | str,
@@ -51,16 +56,27 @@ class DecoderLayer(nn.Module):
             self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype, device)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-        max_tokens_per_rank: int | None = None,
-    ) -> torch.Tensor:
-        """max_tokens_per_rank: this step's bound on the tokens any rank's FFN dispatches (MoE only)."""
-        num_tokens = x.shape[0]
-        attn = self.tp.reduce_scatter_tokens(self.attn(self.input_norm(x), cos, sin, kv_cache, meta))
-        h = x[self.tp.token_slice(num_tokens)] + attn
-        ffn_in = self.post_attn_norm(h)
-        h = h + (self.mlp(ffn_in, max_tokens_per_rank) if isinstance(self.mlp, MoEBlock) else self.mlp(ffn_in))
-        return self.tp.all_gather_tokens(h, num_tokens)
+        self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+        kv_cache: torch.Tensor, plan: AttentionPlan, max_tokens_per_rank: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stream `x + residual`, both on this rank's token slice -> (FFN output, residual) on it.
+
+        For the first layer residual is None and x the embedded tokens, the same on every rank.
+        Under tensor parallelism the input norm runs on the slice and its output is gathered for
+        attention: the same rows, and the same bytes moved, as gathering the stream itself.
+        max_tokens_per_rank: this step's bound on the tokens any rank's FFN dispatches (MoE only).
+        """
+        num_tokens = plan.num_tokens
+        if residual is None:
+            normed, residual = self.input_norm(x), x[self.tp.token_slice(num_tokens)]
+        else:
+            normed_slice, residual = self.input_norm.add(x, residual)
+            normed = self.tp.all_gather_tokens(normed_slice, num_tokens)
+        attn = self.tp.reduce_scatter_tokens(self.attn(normed, cos, sin, kv_cache, plan))
+        normed, residual = self.post_attn_norm.add(attn, residual)
+        if isinstance(self.mlp, MoEBlock):
+            return self.mlp(normed, max_tokens_per_rank), residual
+        return self.mlp(normed), residual
 
 
 class MoECausalLM(nn.Module):
@@ -91,20 +107,22 @@ class MoECausalLM(nn.Module):
         return kv_cache_shape(self.cfg, num_blocks, block_size, self.tp.size)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_caches: list[torch.Tensor],
+        self, input_ids: torch.Tensor, positions: torch.Tensor, plan: AttentionPlan, kv_caches: list[torch.Tensor],
         max_tokens_per_rank: int | None = None,
     ) -> torch.Tensor:
         """input_ids, positions `[T]` -> final hidden states `[T, H]` (after the last norm).
 
+        `plan`: this model's `ops.plan_attention` of the step, made once for every layer.
         max_tokens_per_rank: the most tokens any rank of the EP group dispatches in an MoE layer
         this step, the same on every rank (None: unknown); lets a dispatcher skip host syncs.
         """
-        meta = self.ops.prepare_attention(meta)
-        x = F.embedding(input_ids, self.embed_tokens)  # [T, H]
+        embedded = F.embedding(input_ids, self.embed_tokens)  # [T, H]
         cos, sin = self.rotary.cos_sin(positions, self.dtype)  # [T, rotary_dim], once for all layers
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, cos, sin, kv_cache, meta, max_tokens_per_rank)
-        return self.norm(x)
+        x, residual = self.layers[0](embedded, None, cos, sin, kv_caches[0], plan, max_tokens_per_rank)
+        for layer, kv_cache in zip(self.layers[1:], kv_caches[1:]):
+            x, residual = layer(x, residual, cos, sin, kv_cache, plan, max_tokens_per_rank)
+        hidden, _ = self.norm.add(x, residual)
+        return self.tp.all_gather_tokens(hidden, input_ids.shape[0])
 
     def take_routed_tokens(self) -> list[list[int]]:
         """Per MoE layer, rows each local expert received since the last call (then reset).

@@ -6,7 +6,8 @@ Layout of a decoder layer over the `size` ranks of a group (sequence-parallel st
       -> attention on this rank's heads; o_proj holds this rank's input columns  -> partial [T, H]
       -> reduce-scatter over tokens: rank t gets the summed rows of its slice    -> [T_t, H]
       -> residual, norm, FFN (MoE dispatches only this slice: no duplicated traffic)
-      -> all-gather over tokens                                                   -> [T, H]
+      -> residual and the next layer's input norm, still on the slice
+      -> all-gather of the normed rows over tokens                                -> [T, H]
 
 One reduce-scatter plus one all-gather per layer moves what one all-reduce would, and the
 FFN, the MoE all-to-all above all, runs on 1/size of the tokens on each rank. With size 1

@@ -1,77 +1,101 @@
-"""Paged attention, torch reference path (CPU and correctness baseline for the GPU kernels).
+"""What a step's attention is, whatever backend computes it, and the paged KV cache it runs over.
 
 The KV cache is a pool of fixed-size blocks; each sequence owns a block table mapping its
 logical block i to a physical block id. A token at position p of a sequence lives in slot
 `block_table[p // block_size] * block_size + p % block_size` of the flattened pool.
 
-`AttentionMetadata` is planned once per step (`plan_attention`) and reused by every layer:
-the slot of every new token and, per sequence, the slots of its whole context.
+Attention is planned once per step and run per layer: the runner describes the step once
+(`attention_batch`: per sequence its block table, start position and query length, plus the
+slot each new token's K/V goes to), and the model's `LayerOps` turns that into its own
+`AttentionPlan` subclass, which every layer then passes back to the same backend. A backend
+derives only what its own attention needs (the torch reference: every sequence's context slots;
+the Triton kernels: block tables and lengths on the device), so no backend pays for another's.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
 
 @dataclass(frozen=True)
-class AttentionMetadata:
-    """Per-step attention plan. B = sequences in the step, T = tokens in the step.
+class AttentionBatch:
+    """The step's sequences as the scheduler planned them; B sequences, T tokens.
 
-    slot_mapping:    `[T]` int64, cache slot each new token's K/V is written to.
-    query_lens:      per sequence, how many of its tokens are in this step (sum = T).
-    context_lens:    per sequence, context length after this step (cached + new tokens).
-    context_slots:   per sequence, `[context_len]` int64 slots of its whole context, in order.
-    block_tables, start_positions, block_size: the plan's inputs, for kernels that walk block
-                     tables themselves; `kernel` holds what a `LayerOps` backend derived from them.
+    block_tables:    per sequence, the physical block of each of its logical blocks.
+    start_positions: per sequence, the position of its first token in this step (tokens cached).
+    query_lens:      per sequence, how many of its tokens are in this step (they add up to T).
+    block_size:      tokens per cache block.
+    slot_mapping:    `[T]` int64 on the model's device, cache slot each new token's K/V is written to.
     """
 
-    slot_mapping: torch.Tensor
+    block_tables: tuple[tuple[int, ...], ...]
+    start_positions: tuple[int, ...]
     query_lens: tuple[int, ...]
-    context_lens: tuple[int, ...]
-    context_slots: tuple[torch.Tensor, ...]
-    block_tables: tuple[tuple[int, ...], ...] = ()
-    start_positions: tuple[int, ...] = ()
-    block_size: int = 0
-    kernel: object | None = None
+    block_size: int
+    slot_mapping: torch.Tensor
+
+    @property
+    def context_lens(self) -> tuple[int, ...]:
+        """Per sequence, its context length after this step (cached + new tokens)."""
+        return tuple(start + qlen for start, qlen in zip(self.start_positions, self.query_lens))
+
+    @property
+    def device(self) -> torch.device:
+        return self.slot_mapping.device
 
 
-def slots_for(block_ids: Sequence[int], start: int, end: int, block_size: int) -> torch.Tensor:
-    """Cache slots of positions [start, end) for a sequence with block table `block_ids`."""
-    positions = torch.arange(start, end, dtype=torch.int64)
-    table = torch.as_tensor(list(block_ids), dtype=torch.int64)
-    needed = (end + block_size - 1) // block_size
-    if table.numel() < needed:
-        raise ValueError(f"block table holds {table.numel()} blocks, positions up to {end} need {needed}")
-    return table[positions // block_size] * block_size + positions % block_size
-
-
-def plan_attention(
+def attention_batch(
     block_tables: Sequence[Sequence[int]],
     start_positions: Sequence[int],
     query_lens: Sequence[int],
     block_size: int,
     device: torch.device | str = "cpu",
-) -> AttentionMetadata:
-    """Build the step's attention plan from each sequence's block table and token range."""
-    context_slots, new_slots, context_lens = [], [], []
-    for blocks, start, qlen in zip(block_tables, start_positions, query_lens):
-        ctx = slots_for(blocks, 0, start + qlen, block_size)
-        context_slots.append(ctx.to(device))
-        new_slots.append(ctx[start:])
-        context_lens.append(start + qlen)
-    slot_mapping = torch.cat(new_slots) if new_slots else torch.empty(0, dtype=torch.int64)
-    return AttentionMetadata(
-        slot_mapping=slot_mapping.to(device),
-        query_lens=tuple(int(q) for q in query_lens),
-        context_lens=tuple(context_lens),
-        context_slots=tuple(context_slots),
-        block_tables=tuple(tuple(b) for b in block_tables),
+) -> AttentionBatch:
+    """The step's `AttentionBatch`: sequence i brings its tokens [start_i, start_i + query_len_i).
+
+    Only the new tokens' slots are computed (O(T)); what a backend needs about whole contexts is
+    its own plan's business.
+    """
+    if not len(block_tables) == len(start_positions) == len(query_lens):
+        raise ValueError(
+            f"block_tables, start_positions and query_lens differ in length: "
+            f"{len(block_tables)}, {len(start_positions)}, {len(query_lens)}"
+        )
+    if block_size < 1:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    slots: list[int] = []
+    for i, (blocks, start, qlen) in enumerate(zip(block_tables, start_positions, query_lens)):
+        needed = -(-(start + qlen) // block_size)
+        if len(blocks) < needed:
+            raise ValueError(
+                f"sequence {i}: block table holds {len(blocks)} blocks, positions up to {start + qlen} need {needed}"
+            )
+        slots.extend(blocks[p // block_size] * block_size + p % block_size for p in range(start, start + qlen))
+    return AttentionBatch(
+        block_tables=tuple(tuple(int(b) for b in blocks) for blocks in block_tables),
         start_positions=tuple(int(s) for s in start_positions),
+        query_lens=tuple(int(q) for q in query_lens),
         block_size=block_size,
+        slot_mapping=torch.tensor(slots, dtype=torch.int64).to(device),
     )
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """What every backend's plan holds: where the step's new K/V go. A backend subclasses it
+    with what its attention needs and gets its own subclass back in every attention call.
+
+    slot_mapping: `[T]` int64, the `AttentionBatch`'s; layers write the cache with it.
+    """
+
+    slot_mapping: torch.Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        return self.slot_mapping.shape[0]
 
 
 def write_to_cache(cache: torch.Tensor, values: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -83,57 +107,3 @@ def write_to_cache(cache: torch.Tensor, values: torch.Tensor, slot_mapping: torc
 def gather_from_cache(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """Read `[len(slots), ...]` entries of `cache [num_blocks, block_size, ...]`."""
     return cache.view(-1, *cache.shape[2:]).index_select(0, slots)
-
-
-def causal_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    scale: float,
-    sliding_window: int | None = None,
-) -> torch.Tensor:
-    """Attention of the last Lq context positions over all Lk of them.
-
-    q `[Lq, Hq, Dk]`, k `[Lk, Hkv, Dk]`, v `[Lk, Hkv, Dv]` with Lq <= Lk; query i sits at
-    position Lk - Lq + i and sees keys at positions <= its own (and inside the window).
-    Returns `[Lq, Hq, Dv]`. Softmax in float32 as the reference implementations do.
-    """
-    lq, hq, _ = q.shape
-    lk, hkv, _ = k.shape
-    group = hq // hkv
-    if group > 1:  # GQA: each KV head serves `group` query heads
-        k = k.repeat_interleave(group, dim=1)
-        v = v.repeat_interleave(group, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q, k) * scale  # [Hq, Lq, Lk]
-    q_pos = torch.arange(lk - lq, lk, device=q.device)[:, None]
-    k_pos = torch.arange(lk, device=q.device)[None, :]
-    visible = k_pos <= q_pos
-    if sliding_window is not None:
-        visible &= k_pos > q_pos - sliding_window
-    scores = scores.masked_fill(~visible, float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
-    return torch.einsum("hqk,khd->qhd", probs, v)
-
-
-def paged_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    scale: float,
-    sliding_window: int | None = None,
-) -> torch.Tensor:
-    """Attention for every sequence of the step over its paged context.
-
-    q `[T, Hq, D]`; caches `[num_blocks, block_size, Hkv, D]` already holding this step's K/V.
-    Returns `[T, Hq, Dv]`. One sequence at a time: exact, and each sequence's result does not
-    depend on what else is in the batch (batch invariance).
-    """
-    out = q.new_empty(q.shape[0], q.shape[1], v_cache.shape[-1])
-    start = 0
-    for qlen, slots in zip(meta.query_lens, meta.context_slots):
-        k = gather_from_cache(k_cache, slots)
-        v = gather_from_cache(v_cache, slots)
-        out[start : start + qlen] = causal_attention(q[start : start + qlen], k, v, scale, sliding_window)
-        start += qlen
-    return out

@@ -10,15 +10,21 @@ its dtype's tolerance.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import Generic, TypeVar
 
 import torch
 
 from moeserve.config import MLAConfig, RouterConfig
 from moeserve.dispatch.base import DispatchLayout
-from moeserve.ops.attention import AttentionMetadata
+from moeserve.ops.attention import AttentionBatch, AttentionPlan
+
+PlanT = TypeVar("PlanT", bound=AttentionPlan)
 
 
-class LayerOps(ABC):
+class LayerOps(ABC, Generic[PlanT]):
+    """`PlanT`: the backend's own attention plan, made by its `plan_attention` once per step and
+    handed back to its attention methods by every layer."""
+
     name: str
 
     @classmethod
@@ -26,27 +32,40 @@ class LayerOps(ABC):
         """None if this backend can run on `device`, else the reason it cannot."""
         return None
 
-    def prepare_attention(self, meta: AttentionMetadata) -> AttentionMetadata:
-        """Once per step, before any layer: add what this backend's attention needs."""
-        return meta
+    @abstractmethod
+    def plan_attention(self, batch: AttentionBatch) -> PlanT:
+        """Once per step, before any layer: what this backend's attention needs about the step."""
 
     @abstractmethod
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """RMSNorm over the last dim: normalise in fp32, cast back, then scale (HF's order)."""
 
     @abstractmethod
-    def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
-        """x `[T, heads, rotary_dim]`; see `layers.rotary.apply_rotary` for the layouts."""
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`h = x + residual` in their dtype, then `(rms_norm(h), h)`: the residual add that closes
+        a sub-layer and the norm that opens the next, in one pass where the backend can fuse them.
+        Neither input is modified."""
+
+    @abstractmethod
+    def rotary_qk(
+        self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q `[T, Hq, R]`, k `[T, Hk, R]` rotated by cos/sin `[T, R]` (see `ops.rotary.apply_rotary`
+        for the layouts) -> (q, k). A backend may rotate in place and return q and k themselves, so
+        callers pass tensors they own (strided views into them are fine) and use what is returned."""
 
     @abstractmethod
     def paged_attention(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, sliding_window: int | None
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: PlanT, scale: float,
+        sliding_window: int | None,
     ) -> torch.Tensor:
         """q `[T, Hq, D]` over the step's paged context -> `[T, Hq, Dv]`."""
 
     @abstractmethod
     def mla_attention(
-        self, q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+        self, q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor, plan: PlanT,
         kv_b_weight: torch.Tensor, mla: MLAConfig, scale: float,
     ) -> torch.Tensor:
         """MLA: queries `[T, H, nope]` and rotated `[T, H, rope]` over the latent cache, with

@@ -5,18 +5,22 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from moeserve.config import RouterConfig
+from moeserve.config import MLAConfig, RouterConfig
 from moeserve.dispatch.base import DispatchLayout
-from moeserve.ops.attention import causal_attention, gather_from_cache, paged_attention
+from moeserve.ops.attention import AttentionBatch
 from moeserve.ops.base import LayerOps
 from moeserve.ops.grouped_mlp import grouped_mlp
 from moeserve.ops.rotary import apply_rotary
+from moeserve.ops.torch_attention import TorchAttentionPlan, mla_attention, paged_attention, torch_attention_plan
 
 
-class TorchOps(LayerOps):
+class TorchOps(LayerOps[TorchAttentionPlan]):
     """The reference: plain torch, exact per sequence (batch-invariant attention)."""
 
     name = "torch"
+
+    def plan_attention(self, batch: AttentionBatch) -> TorchAttentionPlan:
+        return torch_attention_plan(batch)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         dtype = x.dtype
@@ -25,26 +29,28 @@ class TorchOps(LayerOps):
         # Cast before scaling, as HF does: keeps bf16 results bit-identical to the reference.
         return weight * x32.to(dtype)
 
-    def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
-        return apply_rotary(x, cos, sin, interleaved)
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        h = x + residual
+        return self.rms_norm(h, weight, eps), h
 
-    def paged_attention(self, q, k_cache, v_cache, meta, scale, sliding_window):
-        return paged_attention(q, k_cache, v_cache, meta, scale, sliding_window)
+    def rotary_qk(
+        self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return apply_rotary(q, cos, sin, interleaved), apply_rotary(k, cos, sin, interleaved)
 
-    def mla_attention(self, q_nope, q_rope, kv_cache, meta, kv_b_weight, mla, scale):
-        """Expand each sequence's context latents through kv_b_proj, then plain attention."""
-        num_heads = q_nope.shape[1]
-        q = torch.cat((q_nope, q_rope), dim=-1)
-        out = q.new_empty(q.shape[0], num_heads, mla.v_head_dim)
-        start = 0
-        for qlen, slots in zip(meta.query_lens, meta.context_slots):
-            latent, k_rope = gather_from_cache(kv_cache, slots).split([mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
-            kv = F.linear(latent, kv_b_weight).view(latent.shape[0], num_heads, mla.qk_nope_head_dim + mla.v_head_dim)
-            k_nope, v = kv.split([mla.qk_nope_head_dim, mla.v_head_dim], dim=-1)
-            k = torch.cat((k_nope, k_rope[:, None, :].expand(-1, num_heads, -1)), dim=-1)
-            out[start : start + qlen] = causal_attention(q[start : start + qlen], k, v, scale)
-            start += qlen
-        return out
+    def paged_attention(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: TorchAttentionPlan, scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
+        return paged_attention(q, k_cache, v_cache, plan, scale, sliding_window)
+
+    def mla_attention(
+        self, q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor, plan: TorchAttentionPlan,
+        kv_b_weight: torch.Tensor, mla: MLAConfig, scale: float,
+    ) -> torch.Tensor:
+        return mla_attention(q_nope, q_rope, kv_cache, plan, kv_b_weight, mla, scale)
 
     def route(self, cfg: RouterConfig, logits: torch.Tensor, correction_bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         num_tokens, num_experts = logits.shape

@@ -7,25 +7,33 @@ tests use to check that a whole model gives the torch path's greedy tokens.
 from __future__ import annotations
 
 import os
-from dataclasses import replace
+from dataclasses import dataclass
 
 import torch
 
-from moeserve.config import RouterConfig
+from moeserve.config import MLAConfig, RouterConfig
 from moeserve.dispatch.base import DispatchLayout
 from moeserve.kernels.fused_moe import block_m_for, fused_moe
 from moeserve.kernels.mla_attention import mla_decode
 from moeserve.kernels.moe_align import moe_align_block_size
-from moeserve.kernels.norm import rms_norm
-from moeserve.kernels.paged_attention import paged_attention, paged_inputs
-from moeserve.kernels.rotary import apply_rotary
+from moeserve.kernels.norm import fused_add_rms_norm, rms_norm
+from moeserve.kernels.paged_attention import PagedInputs, paged_attention, paged_inputs
+from moeserve.kernels.rotary import apply_rotary_qk_
 from moeserve.kernels.routing import route
-from moeserve.ops.attention import AttentionMetadata
+from moeserve.ops.attention import AttentionBatch, AttentionPlan
 from moeserve.ops.base import LayerOps
 from moeserve.ops.grouped_mlp import row_experts
 
 
-class TritonOps(LayerOps):
+@dataclass(frozen=True)
+class TritonAttentionPlan(AttentionPlan):
+    """paged: block tables and lengths as device tensors; the kernels walk the block tables
+    themselves, so no per-sequence slot list is ever built."""
+
+    paged: PagedInputs
+
+
+class TritonOps(LayerOps[TritonAttentionPlan]):
     name = "triton"
 
     @classmethod
@@ -34,25 +42,41 @@ class TritonOps(LayerOps):
             return f"the Triton kernels run on CUDA devices (or, for tests, on CPU with TRITON_INTERPRET=1); device is {device}"
         return None
 
-    def prepare_attention(self, meta: AttentionMetadata) -> AttentionMetadata:
-        """Block tables and lengths as device tensors, once per step for every layer."""
-        inputs = paged_inputs(meta.block_tables, meta.start_positions, meta.query_lens, meta.block_size, meta.slot_mapping.device)
-        return replace(meta, kernel=inputs)
+    def plan_attention(self, batch: AttentionBatch) -> TritonAttentionPlan:
+        paged = paged_inputs(
+            batch.block_tables, batch.start_positions, batch.query_lens, batch.block_size, batch.device
+        )
+        return TritonAttentionPlan(batch.slot_mapping, paged)
 
     # The kernels take strided views and empty steps as they are: no copies on the way in.
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return rms_norm(x, weight, eps)
 
-    def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
-        return apply_rotary(x, cos, sin, interleaved)
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return fused_add_rms_norm(x, residual, weight, eps)
 
-    def paged_attention(self, q, k_cache, v_cache, meta, scale, sliding_window):
-        return paged_attention(q, k_cache, v_cache, meta.kernel, scale, sliding_window)
+    def rotary_qk(
+        self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """In place, one launch for both."""
+        apply_rotary_qk_(q, k, cos, sin, interleaved)
+        return q, k
 
-    def mla_attention(self, q_nope, q_rope, kv_cache, meta, kv_b_weight, mla, scale):
+    def paged_attention(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: TritonAttentionPlan, scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
+        return paged_attention(q, k_cache, v_cache, plan.paged, scale, sliding_window)
+
+    def mla_attention(
+        self, q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor, plan: TritonAttentionPlan,
+        kv_b_weight: torch.Tensor, mla: MLAConfig, scale: float,
+    ) -> torch.Tensor:
         if q_nope.shape[0] == 0:
             return q_nope.new_empty(0, q_nope.shape[1], mla.v_head_dim)
-        return mla_decode(q_nope, q_rope, kv_cache, kv_b_weight, meta.kernel, scale, mla)
+        return mla_decode(q_nope, q_rope, kv_cache, kv_b_weight, plan.paged, scale, mla)
 
     def route(self, cfg: RouterConfig, logits: torch.Tensor, correction_bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         return route(cfg, logits, correction_bias)

@@ -9,7 +9,7 @@ step together, so one step's plan holds every group's plan, some of which may be
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
 from moeserve.scheduler.config import SchedulerConfig
@@ -38,6 +38,11 @@ class StepPlan:
     @property
     def finished_request_ids(self) -> list[str]:
         return [r for group in self.groups for r in group.finished_request_ids]
+
+    @property
+    def is_idle(self) -> bool:
+        """Nothing to run and nothing to tell the runners: an executor may skip this plan."""
+        return self.is_empty and not self.finished_request_ids
 
 
 class DataParallelScheduler:
@@ -92,10 +97,6 @@ class DataParallelScheduler:
         del self._group_of[request_id]
         return True
 
-    def get_request(self, request_id: str) -> Request | None:
-        owner = self._owner(request_id)
-        return None if owner is None else owner.get_request(request_id)
-
     def has_unfinished_requests(self) -> bool:
         return any(s.has_unfinished_requests() for s in self.groups)
 
@@ -119,14 +120,16 @@ class DataParallelScheduler:
     def schedule(self) -> StepPlan:
         return StepPlan(tuple(s.schedule() for s in self.groups))
 
-    def observe_step(self, plan: StepPlan, duration_s: float) -> None:
-        """Every group with work saw the whole lockstep step's time (the slowest group's)."""
-        for scheduler, output in zip(self.groups, plan.groups):
-            if not output.is_empty:
-                scheduler.observe_step(output, duration_s)
-
-    def update(self, plan: StepPlan, sampled_token_ids: dict[str, int]) -> list[Request]:
-        finished = [r for scheduler, output in zip(self.groups, plan.groups) for r in scheduler.update(output, sampled_token_ids)]
+    def update(
+        self, plan: StepPlan, sampled_token_ids: Mapping[str, int], duration_s: float | None = None
+    ) -> list[Request]:
+        """As `Scheduler.update` for every group; each group with work saw the whole lockstep
+        step's time (the slowest group's)."""
+        finished = [
+            request
+            for scheduler, output in zip(self.groups, plan.groups)
+            for request in scheduler.update(output, sampled_token_ids, duration_s)
+        ]
         for request in finished:
             self._group_of.pop(request.request_id, None)
         return finished

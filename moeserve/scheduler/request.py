@@ -67,10 +67,6 @@ class Request:
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
     """When the request first ran (arrival -> first schedule is its queueing time)."""
-    first_token_time: float | None = None
-    """When its first output token was sampled (arrival -> here is TTFT)."""
-    last_token_time: float | None = None
-    """When its latest output token was sampled (the gap between tokens is TBT)."""
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

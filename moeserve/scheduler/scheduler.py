@@ -1,12 +1,15 @@
 """Continuous batching: which requests run in each engine step, with which tokens and KV blocks.
 
 In one engine step `schedule()` and `update()` strictly alternate; in between, the engine runs the
-plan and reports how long that took, which the slo policy learns from:
+plan, and hands back the sampled tokens and how long the step took, which the slo policy learns from:
 
-    output = scheduler.schedule()                 # per request: tokens to feed, positions, block table
-    sampled = runner.run(output)                  # {request_id: token_id} for every `sample=True`
-    scheduler.observe_step(output, seconds)       # forward + sampling time of a non-empty step
-    finished = scheduler.update(output, sampled)  # append tokens, check stops, free finished blocks
+    output = scheduler.schedule()                          # per request: tokens, positions, block table
+    sampled = runner.execute(output)                       # {request_id: token_id} for every `sample=True`
+    finished = scheduler.update(output, sampled, seconds)  # append tokens, check stops, free blocks
+
+The plan is all the runners ever learn of requests: it carries each request's sampling data once,
+when the request is first scheduled, and its id once more after it finished, so whoever keeps
+per-request state (a rank's copy of the tokens, a seeded generator) knows when to make and drop it.
 
 Mechanics shared by both policies: iteration-level batching, preemption by recompute.
 - Running requests go first, in admission order: every decode costs one token of the step's
@@ -23,7 +26,7 @@ Policies (`SchedulerConfig.policy`) differ only in the queue's order and the siz
 - fcfs: the queue is in arrival order (preempted requests at its head) and every step may fill
   `max_num_batched_tokens`. Best throughput, but while a long prompt is chunked every running
   stream waits a full-budget step for each token.
-- slo: the engine reports each step's wall time (`observe_step`) to a `StepTimeModel`. While any
+- slo: the engine reports each step's wall time (with `update`) to a `StepTimeModel`. While any
   running request is decoding, the step's prefill gets only the tokens the model predicts fit in
   `slo_tbt_s` (less a headroom for the work between steps and the model's error), but at least one KV block, so prompts always progress; with no decodes nobody's
   TBT is at stake and the full budget goes to prefill, which TTFT wants. Until the model has seen
@@ -37,9 +40,10 @@ and a step that can run anything grants at least one token.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from moeserve.sampling_params import SamplingParams
 from moeserve.scheduler.block_manager import BlockManager
 from moeserve.scheduler.config import SchedulerConfig
 from moeserve.scheduler.policy import SLO_STEP_HEADROOM, ChunkSizer, FcfsQueue, SloQueue, WaitingQueue
@@ -68,6 +72,21 @@ class ScheduledRequest:
 
 
 @dataclass(frozen=True)
+class NewRequest:
+    """What a runner needs to sample for a request, sent in the plan that first schedules it.
+
+    Sent once in the request's life: the runner keeps it (and appends the tokens it samples)
+    until the id comes back in `finished_request_ids`. A preempted request keeps that state
+    while it waits, so readmission sends nothing: its seeded generator must go on where it
+    stopped, and its tokens on the runner are the scheduler's, sampled there in the first place.
+    """
+
+    request_id: str
+    sampling_params: SamplingParams
+    prompt_token_ids: list[int]
+
+
+@dataclass(frozen=True)
 class SchedulerOutput:
     """The plan of one engine step."""
 
@@ -77,13 +96,16 @@ class SchedulerOutput:
     """Sum of `len(token_ids)`; at most `max_num_batched_tokens`."""
     preempted_request_ids: list[str]
     """Requests preempted while planning this step (their KV is gone)."""
+    new_requests: list[NewRequest]
+    """Requests scheduled for the first time in this plan, with what sampling needs of them."""
     finished_request_ids: list[str]
     """Requests that finished since the previous plan: aborted, stopped by `finish_request`, or
-    finished in `update`. Whoever keeps per-request state (e.g. a seeded generator) drops it."""
+    finished in `update`. Runners drop their state before reading `new_requests`, as an id may
+    be reused by a new request. An executor must deliver these even with an empty plan."""
 
     @property
     def is_empty(self) -> bool:
-        """Nothing to run this step (the finished ids may still be worth reading)."""
+        """Nothing to run this step (the finished ids must still reach the runners)."""
         return not self.scheduled
 
 
@@ -116,6 +138,7 @@ class _StepPlan:
         self.budget = budget
         self.grants: dict[str, tuple[Request, int]] = {}  # request_id -> (request, num_new_tokens), in grant order
         self.preempted_ids: list[str] = []
+        self.new_requests: list[NewRequest] = []
         self.split_prefill = False  # a prefill chunk stops short of its sequence's end
         self.load = load
 
@@ -130,8 +153,8 @@ class _StepPlan:
 class Scheduler:
     """Owns every unfinished request and the KV block manager; pure Python, no tensors.
 
-    `clock` stamps admission and token times (TTFT/TBT) and, under slo, tells which TTFT deadlines
-    have passed; tests pass a fake one. It must share a time base with `Request.arrival_time`.
+    `clock` stamps first admission (queue time) and, under slo, tells which TTFT deadlines have
+    passed; tests pass a fake one. It must share a time base with `Request.arrival_time`.
     """
 
     def __init__(self, config: SchedulerConfig, clock: Callable[[], float] = time.monotonic) -> None:
@@ -189,10 +212,6 @@ class Scheduler:
         self._finish(request, reason, stop_reason)
         return True
 
-    def get_request(self, request_id: str) -> Request | None:
-        """The unfinished request with this id, or None."""
-        return self._requests.get(request_id)
-
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
 
@@ -237,16 +256,22 @@ class Scheduler:
         self._awaiting_update = not output.is_empty
         return output
 
-    def update(self, output: SchedulerOutput, sampled_token_ids: dict[str, int]) -> list[Request]:
+    def update(
+        self, output: SchedulerOutput, sampled_token_ids: Mapping[str, int], duration_s: float | None = None
+    ) -> list[Request]:
         """Apply a step's results: advance each scheduled request's computed tokens, append the
         sampled tokens, and finish requests whose stop rule fires (blocks freed now).
 
         `sampled_token_ids` must hold a token for every scheduled request with `sample=True`.
-        Requests aborted or finished while the step ran are skipped. Returns the requests that
-        finished, so the caller can emit their final outputs.
+        Requests aborted or finished while the step ran are skipped. `duration_s`, the step's
+        measured wall time (forward plus sampling), teaches slo how long a step of this shape
+        takes, so it can size the next prefill chunks; None for a step nobody timed. Returns the
+        requests that finished, so the caller can emit their final outputs.
         """
         self._awaiting_update = False
-        now = self._clock()
+        model = self.step_time_model
+        if model is not None and duration_s is not None and not output.is_empty:
+            model.observe(StepShape.of((len(s.token_ids), s.start_position) for s in output.scheduled), duration_s)
         finished: list[Request] = []
         for scheduled in output.scheduled:
             request = self._requests.get(scheduled.request_id)
@@ -255,19 +280,12 @@ class Scheduler:
             request.num_computed_tokens += len(scheduled.token_ids)
             if not scheduled.sample:
                 continue
-            self._append_token(request, sampled_token_ids[scheduled.request_id], now)
+            request.output_token_ids.append(sampled_token_ids[scheduled.request_id])
             stop = self._check_stop(request)
             if stop is not None:
                 self._finish(request, *stop)
                 finished.append(request)
         return finished
-
-    def observe_step(self, output: SchedulerOutput, duration_s: float) -> None:
-        """Learn from a step's measured wall time (model forward plus sampling), so slo can size the
-        next prefill chunks. The engine calls it after every non-empty step; fcfs ignores it."""
-        model = self.step_time_model
-        if model is not None and not output.is_empty:
-            model.observe(StepShape.of((len(s.token_ids), s.start_position) for s in output.scheduled), duration_s)
 
     # ----- planning -----
 
@@ -303,9 +321,11 @@ class Scheduler:
             if not self.block_manager.allocate(request, num_new_tokens):
                 break
             self._waiting.pop()
-            request.status = RequestStatus.RUNNING
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = self._clock()
+                prompt = list(request.prompt_token_ids)  # the plan may travel to other processes
+                plan.new_requests.append(NewRequest(request.request_id, request.sampling_params, prompt))
+            request.status = RequestStatus.RUNNING
             self._running.append(request)
             plan.grant(request, num_new_tokens)
 
@@ -360,16 +380,11 @@ class Scheduler:
             scheduled=scheduled,
             num_batched_tokens=self.config.max_num_batched_tokens - plan.budget,
             preempted_request_ids=plan.preempted_ids,
+            new_requests=plan.new_requests,
             finished_request_ids=finished_ids,
         )
 
     # ----- results -----
-
-    def _append_token(self, request: Request, token_id: int, now: float) -> None:
-        request.output_token_ids.append(token_id)
-        if request.first_token_time is None:
-            request.first_token_time = now
-        request.last_token_time = now
 
     def _check_stop(self, request: Request) -> tuple[str, int | None] | None:
         """(finish_reason, stop_reason) if the token just appended ends the request, else None.

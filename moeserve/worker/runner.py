@@ -2,29 +2,37 @@
 
 `execute()` turns the step plan into packed inputs (all sequences concatenated, no padding),
 plans attention once for every layer, runs the model, and samples only the rows whose chunk
-reached the end of their known tokens.
+reached the end of their known tokens. What sampling needs of each request (its parameters,
+tokens and seeded generator) the runner learns from the plans alone: a request's data comes with
+the plan that first schedules it, and its id with the first plan after it finished.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Mapping, Protocol, Sequence
+from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 
 from moeserve.worker.sampler import Sampler, SamplerOutput, SamplingRow, make_generator
-from moeserve.models import MoECausalLM, plan_attention
+from moeserve.models import MoECausalLM
+from moeserve.ops import attention_batch
 from moeserve.sampling_params import SamplingParams
-from moeserve.scheduler import SchedulerOutput
+from moeserve.scheduler import NewRequest, SchedulerOutput
 
 
-class SamplingRequest(Protocol):
-    """What sampling needs of a request: the scheduler's `Request`, or a worker's copy of it."""
+@dataclass
+class _RequestState:
+    """The runner's copy of a request, from its first plan until it finished. The sampling rank
+    appends the tokens it samples, exactly as the scheduler does, so the copy stays in step."""
 
     request_id: str
     sampling_params: SamplingParams
     prompt_token_ids: list[int]
-    output_token_ids: list[int]
+    generator: torch.Generator | None
+    """Lives as long as the request (preemption included), so a seeded request draws the same
+    numbers whatever else shares its batches."""
+    output_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -37,7 +45,12 @@ class SampledToken:
 class ModelRunner:
     """`lockstep`: run the model even for an empty plan, because other ranks wait for this one
     in every MoE layer's all-to-all. `samples`: this rank samples (the first rank of a tensor-
-    parallel group; the others only help compute the hidden states)."""
+    parallel group; the others only help compute the hidden states).
+
+    `seed` seeds the process's global generator, from which requests without a seed of their
+    own draw: seeded here, after the model is loaded, it is in the same state at the first
+    sampling step whatever the layout, so ep=1 and ep>1 sample the same tokens.
+    """
 
     def __init__(
         self,
@@ -46,6 +59,8 @@ class ModelRunner:
         block_size: int,
         eos_token_ids: Sequence[int],
         device: torch.device | str = "cpu",
+        *,
+        seed: int,
         lockstep: bool = False,
         samples: bool = True,
     ) -> None:
@@ -57,31 +72,36 @@ class ModelRunner:
         self.lockstep = lockstep
         self.samples = samples
         self.sampler = Sampler()
-        # Per-request generators live as long as the request, so a seeded request draws the
-        # same numbers whatever else shares its batches.
-        self._generators: dict[str, torch.Generator | None] = {}
+        self._requests: dict[str, _RequestState] = {}
+        torch.manual_seed(seed)
 
-    def release(self, request_ids: Sequence[str]) -> None:
-        for request_id in request_ids:
-            self._generators.pop(request_id, None)
+    @property
+    def request_ids(self) -> list[str]:
+        """The requests whose state this runner holds."""
+        return list(self._requests)
 
-    def _generator(self, request: SamplingRequest) -> torch.Generator | None:
-        if request.request_id not in self._generators:
-            self._generators[request.request_id] = make_generator(request.sampling_params.seed, self.device)
-        return self._generators[request.request_id]
+    def _track(self, plan: SchedulerOutput) -> None:
+        """Forget the finished requests first: a new request may reuse a finished one's id."""
+        for request_id in plan.finished_request_ids:
+            self._requests.pop(request_id, None)
+        for new in plan.new_requests:
+            self._requests[new.request_id] = self._state(new)
+
+    def _state(self, new: NewRequest) -> _RequestState:
+        generator = make_generator(new.sampling_params.seed, self.device)
+        return _RequestState(new.request_id, new.sampling_params, list(new.prompt_token_ids), generator)
 
     @torch.inference_mode()
-    def execute(
-        self, plan: SchedulerOutput, requests: Mapping[str, SamplingRequest], max_tokens_per_rank: int | None = None,
-    ) -> dict[str, SampledToken]:
+    def execute(self, plan: SchedulerOutput, max_tokens_per_rank: int | None = None) -> dict[str, SampledToken]:
         """max_tokens_per_rank: the most tokens any rank's MoE layers dispatch this step, the same
         on every rank of the EP group (see `MoECausalLM.forward`); None where it is not known."""
+        self._track(plan)
         scheduled = plan.scheduled
         if not scheduled and not self.lockstep:
             return {}
         input_ids = [t for s in scheduled for t in s.token_ids]
         positions = [s.start_position + i for s in scheduled for i in range(len(s.token_ids))]
-        meta = plan_attention(
+        batch = attention_batch(
             [s.block_ids for s in scheduled],
             [s.start_position for s in scheduled],
             [len(s.token_ids) for s in scheduled],
@@ -91,7 +111,7 @@ class ModelRunner:
         hidden = self.model(
             torch.tensor(input_ids, dtype=torch.int64, device=self.device),
             torch.tensor(positions, dtype=torch.int64, device=self.device),
-            meta,
+            self.model.ops.plan_attention(batch),
             self.kv_caches,
             max_tokens_per_rank,
         )  # [T, H]
@@ -100,16 +120,18 @@ class ModelRunner:
         if not sampling or not self.samples:
             return {}
         logits = self.model.compute_logits(hidden[ends[sampling].to(self.device)])  # [S, V]
-        sampled_requests = [requests[scheduled[i].request_id] for i in sampling]
+        sampled_requests = [self._requests[scheduled[i].request_id] for i in sampling]
         rows = [
-            SamplingRow(r.sampling_params, r.prompt_token_ids, r.output_token_ids, self._generator(r))
+            SamplingRow(r.sampling_params, r.prompt_token_ids, r.output_token_ids, r.generator)
             for r in sampled_requests
         ]
-        out = self.sampler(logits, rows, self.eos_token_ids)
-        return self._unpack(out, sampled_requests)
+        result = self._unpack(self.sampler(logits, rows, self.eos_token_ids), sampled_requests)
+        for request in sampled_requests:
+            request.output_token_ids.append(result[request.request_id].token_id)
+        return result
 
     @staticmethod
-    def _unpack(out: SamplerOutput, sampled_requests: list[SamplingRequest]) -> dict[str, SampledToken]:
+    def _unpack(out: SamplerOutput, sampled_requests: list[_RequestState]) -> dict[str, SampledToken]:
         token_ids = out.token_ids.tolist()
         logprobs = out.logprobs.tolist() if out.logprobs is not None else None
         top = None

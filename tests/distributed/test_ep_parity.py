@@ -56,6 +56,23 @@ def test_layout_matches_single_process(reference, arch, ep, tp):
     assert got == expected
 
 
+@pytest.mark.parametrize("ep,tp,num_prompts", [(2, 1, 1), (2, 2, 7)], ids=["ep2-tp1", "ep2-tp2"])
+def test_unseeded_sampling_matches_single_process(reference, ep, tp, num_prompts):
+    """Requests without a seed draw from the sampling rank's global generator, which every rank
+    seeds from the engine's seed as the in-process runner does. With one data-parallel group the
+    sampling rank sees ep=1's batches, so it draws the same numbers; with several, each group
+    samples its own share, so only a lone request can match."""
+    folder, _ = reference("qwen3_moe")
+    unseeded = SamplingParams(max_tokens=10, temperature=1.0, ignore_eos=True)
+    batch = prompts(num_prompts)
+    expected = [o.outputs[0].token_ids for o in LLM(str(folder), **ENGINE).generate(batch, unseeded, use_tqdm=False)]
+    with LLM(str(folder), ep=ep, tp=tp, **ENGINE) as llm:
+        got = [o.outputs[0].token_ids for o in llm.generate(batch, unseeded, use_tqdm=False)]
+    assert got == expected
+    with LLM(str(folder), seed=1, **ENGINE) as other:  # the engine's seed does decide
+        assert [o.outputs[0].token_ids for o in other.generate(batch, unseeded, use_tqdm=False)] != expected
+
+
 def test_generate_command_with_ep(reference, tmp_path):
     """`moeserve generate --ep 2 --tp 2`, as a user runs it: the single process's tokens, and
     no rank process outlives the command."""

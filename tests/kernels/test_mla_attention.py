@@ -21,7 +21,8 @@ from moeserve.kernels.mla_attention import mla_decode, mla_latent_attention
 from moeserve.kernels.paged_attention import PagedInputs, paged_inputs
 from moeserve.models.architectures.deepseek import parse_config
 from moeserve.models.layers.mla import MLAttention
-from moeserve.ops.attention import AttentionMetadata, causal_attention, gather_from_cache, plan_attention, write_to_cache
+from moeserve.ops.attention import attention_batch, gather_from_cache, write_to_cache
+from moeserve.ops.torch_attention import TorchAttentionPlan, causal_attention, torch_attention_plan
 from moeserve.models.layers.rotary import RotaryEmbedding
 from moeserve.ops.rotary import apply_rotary
 
@@ -40,17 +41,18 @@ def tiny_deepseek(**overrides: int) -> ModelConfig:
     return parse_config({**raw, **overrides})
 
 
-def make_plan(seqs, block_size: int, gen: torch.Generator, device) -> tuple[int, AttentionMetadata, PagedInputs]:
+def make_plan(seqs, block_size: int, gen: torch.Generator, device) -> tuple[int, TorchAttentionPlan, PagedInputs]:
     """(pool size, reference plan, kernel inputs) with block tables scattered over a larger pool."""
     needed = [-(-(start + qlen) // block_size) for start, qlen in seqs]
     num_blocks = sum(needed) + 3
     pool = torch.randperm(num_blocks, generator=gen).tolist()
     tables = [pool[sum(needed[:i]) : sum(needed[: i + 1])] for i in range(len(seqs))]
     starts, qlens = [s for s, _ in seqs], [q for _, q in seqs]
-    return num_blocks, plan_attention(tables, starts, qlens, block_size, device), paged_inputs(tables, starts, qlens, block_size, device)
+    meta = torch_attention_plan(attention_batch(tables, starts, qlens, block_size, device))
+    return num_blocks, meta, paged_inputs(tables, starts, qlens, block_size, device)
 
 
-def expanded(q_nope, q_rope, cache, weight, meta: AttentionMetadata, scale: float, m: MLAConfig) -> torch.Tensor:
+def expanded(q_nope, q_rope, cache, weight, meta: TorchAttentionPlan, scale: float, m: MLAConfig) -> torch.Tensor:
     """The reference formulation (`MLAttention._expand` + causal attention) in the inputs' dtype."""
     num_heads = q_nope.shape[1]
     out, start = [], 0

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers.tolerances import ELEMENTWISE
 from moeserve.kernels import norm as norm_kernels
 from moeserve.kernels.norm import fused_add_rms_norm, rms_norm
 from moeserve.models.layers.norm import RMSNorm
 
 EPS = 1e-6
-TOL = {torch.float32: 1e-6, torch.float16: 1e-3}
 
 
 def reference(x: torch.Tensor, weight: torch.Tensor, eps: float = EPS) -> torch.Tensor:
@@ -29,7 +29,7 @@ def inputs(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, see
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
     assert actual.dtype == expected.dtype and actual.shape == expected.shape
-    tol = TOL[expected.dtype]
+    tol = ELEMENTWISE[expected.dtype]
     torch.testing.assert_close(actual, expected, rtol=tol, atol=tol)
 
 

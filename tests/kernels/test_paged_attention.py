@@ -1,4 +1,4 @@
-"""Paged attention kernels against the torch reference `layers.paged_attention.paged_attention`.
+"""Paged attention kernels against the torch reference `ops.torch_attention.paged_attention`.
 
 The reference is evaluated in fp32 on the very values given to the kernel (fp16 ones upcast):
 the fp16 reference itself rounds scores and products to fp16 and is up to ~2.4e-3 off the exact
@@ -15,11 +15,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers.tolerances import ATTENTION
 from moeserve.kernels.paged_attention import PagedInputs, paged_attention, paged_inputs
-from moeserve.ops.attention import AttentionMetadata, plan_attention, write_to_cache
-from moeserve.ops.attention import paged_attention as reference
-
-TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3}
+from moeserve.ops.attention import attention_batch, write_to_cache
+from moeserve.ops.torch_attention import TorchAttentionPlan, torch_attention_plan
+from moeserve.ops.torch_attention import paged_attention as reference
 SCALE = 0.3
 
 # (start position, query length) per sequence. MIXED: a prompt from position 0, a chunk starting
@@ -32,7 +32,7 @@ HEADS = [(4, 2, 16), (4, 1, 32), (2, 2, 16)]  # (Hq, Hkv, D): GQA, MQA, MHA
 def make_step(
     seqs: list[tuple[int, int]], block_size: int, num_heads: int, num_kv_heads: int, dk: int, dv: int,
     dtype: torch.dtype, device: torch.device, seed: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, PagedInputs]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, TorchAttentionPlan, PagedInputs]:
     """q, a NaN-filled K/V pool holding every sequence's context, and both forms of the plan."""
     gen = torch.Generator().manual_seed(seed)
     needed = [-(-(start + qlen) // block_size) for start, qlen in seqs]
@@ -43,7 +43,7 @@ def make_step(
         tables.append(pool[used : used + n])
         used += n
     starts, qlens = [s for s, _ in seqs], [q for _, q in seqs]
-    meta = plan_attention(tables, starts, qlens, block_size, device)
+    meta = torch_attention_plan(attention_batch(tables, starts, qlens, block_size, device))
     k_cache = torch.full((num_blocks, block_size, num_kv_heads, dk), float("nan"), dtype=dtype, device=device)
     v_cache = torch.full((num_blocks, block_size, num_kv_heads, dv), float("nan"), dtype=dtype, device=device)
     for slots in meta.context_slots:
@@ -59,7 +59,7 @@ def assert_matches_reference(seqs, block_size, heads, dtype, device, window=None
     got = paged_attention(q, k_cache, v_cache, inputs, SCALE, window, **kwargs)
     want = reference(q.float(), k_cache.float(), v_cache.float(), meta, SCALE, window)
     assert got.dtype == dtype and got.shape == want.shape
-    torch.testing.assert_close(got.float(), want, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+    torch.testing.assert_close(got.float(), want, atol=ATTENTION[dtype], rtol=ATTENTION[dtype])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

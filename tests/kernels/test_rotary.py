@@ -9,12 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers.tolerances import ELEMENTWISE
 from moeserve.config import RopeConfig
 from moeserve.kernels.rotary import apply_rotary, apply_rotary_qk_
 from moeserve.models.layers.rotary import RotaryEmbedding
 from moeserve.ops.rotary import apply_rotary as torch_apply_rotary
-
-TOL = {torch.float32: 1e-6, torch.float16: 1e-3}
 
 
 def reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
@@ -31,7 +30,7 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
     """Within tolerance; in fp16 also bit-identical, since each product and sum is rounded where
     torch rounds it (a tolerance of 1e-3 alone would let a fused fp32 multiply-add through)."""
     assert actual.dtype == expected.dtype and actual.shape == expected.shape
-    tol = TOL[expected.dtype]
+    tol = ELEMENTWISE[expected.dtype]
     torch.testing.assert_close(actual, expected, rtol=tol, atol=tol)
     if expected.dtype == torch.float16:
         assert torch.equal(actual, expected)

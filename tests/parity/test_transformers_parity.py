@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from moeserve import LLM, SamplingParams
-from moeserve.models import load_model, plan_attention
+from moeserve.models import load_model
+from moeserve.ops import attention_batch
 
 CASES = [
     ("mixtral", 0, dict(num_local_experts=6, num_experts_per_tok=2)),
@@ -60,9 +61,9 @@ def test_prefill_logits_match(make_checkpoint, arch, seed, overrides):
         tables.append(list(range(next_block + n - 1, next_block - 1, -1)))
         next_block += n
     caches = [torch.zeros(ours.kv_cache_shape(next_block, block_size)) for _ in ours.layers]
-    meta = plan_attention(tables, [0] * len(prompts), [len(p) for p in prompts], block_size)
+    plan = ours.ops.plan_attention(attention_batch(tables, [0] * len(prompts), [len(p) for p in prompts], block_size))
     with torch.inference_mode():
-        hidden = ours(torch.tensor(sum(prompts, [])), torch.cat([torch.arange(len(p)) for p in prompts]), meta, caches)
+        hidden = ours(torch.tensor(sum(prompts, [])), torch.cat([torch.arange(len(p)) for p in prompts]), plan, caches)
         logits = ours.compute_logits(hidden)
         start = 0
         for p in prompts:

@@ -10,10 +10,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from moeserve.api.metrics import ServerMetrics
 from moeserve.api.streaming import SampleCursor
 from moeserve.api.transport import merge
-from moeserve.cli import _parse_bytes
 from moeserve.config import SLOConfig
 from moeserve.engine.outputs import CompletionOutput
 from moeserve.engine.stats import IterationStats, RequestMetrics
+from moeserve.engine_config import parse_bytes
 from moeserve.sampling_params import SamplingParams
 
 
@@ -23,7 +23,10 @@ def sample(text: str, tokens: int, finish: str | None = None) -> CompletionOutpu
 
 def test_cursor_sends_each_piece_once() -> None:
     cursor = SampleCursor(SamplingParams())
-    deltas = [cursor.advance(sample(t, n, f)) for t, n, f in [("He", 1, None), ("He", 2, None), ("Hello", 3, None), ("Hello!", 4, "length")]]
+    deltas = [
+        cursor.advance(sample(t, n, f))
+        for t, n, f in [("He", 1, None), ("He", 2, None), ("Hello", 3, None), ("Hello!", 4, "length")]
+    ]
     assert [d.text if d else None for d in deltas] == ["He", None, "llo", "!"]
     assert deltas[2].token_ids == [1, 2]  # the token that decoded to nothing rides with the next text
     assert deltas[3].finish_reason == "length" and deltas[3].text_offset == 5
@@ -41,7 +44,21 @@ def test_cursor_holds_back_a_possible_stop_string() -> None:
 def test_metrics_record_and_expose() -> None:
     metrics = ServerMetrics("m", SLOConfig(ttft_s=0.5, tbt_s=0.02))
     done = RequestMetrics("length", 7, 3, 0.01, 0.2, 0.3, 0.03, ttft_met=True, tbt_met=False)
-    metrics.record(IterationStats(0.01, 7, 3, 1, [0.2], [0.01, 0.03], [done], num_running=2, num_waiting=1, kv_blocks_used=5, kv_blocks_total=9))
+    metrics.record(
+        IterationStats(
+            0.01,
+            7,
+            3,
+            1,
+            [0.2],
+            [0.01, 0.03],
+            [done],
+            num_running=2,
+            num_waiting=1,
+            kv_blocks_used=5,
+            kv_blocks_total=9,
+        )
+    )
     samples = {
         (s.name, s.labels.get("finished_reason"), s.labels.get("le")): s.value
         for family in text_string_to_metric_families(metrics.exposition().decode())
@@ -76,16 +93,17 @@ def test_merge_interleaves_and_propagates_errors() -> None:
         asyncio.run(collect(numbers(0), numbers(10, fail=True)))
 
 
-@pytest.mark.parametrize("text, expected", [("4096", 4096), ("512MiB", 512 * 1024**2), ("2GiB", 2 * 1024**3), ("1.5KiB", 1536), ("3MB", 3_000_000)])
+@pytest.mark.parametrize(
+    "text, expected",
+    [("4096", 4096), ("512MiB", 512 * 1024**2), ("2GiB", 2 * 1024**3), ("1.5KiB", 1536), ("3MB", 3_000_000)],
+)
 def test_parse_bytes(text: str, expected: int) -> None:
-    assert _parse_bytes(text) == expected
+    assert parse_bytes(text) == expected
 
 
 def test_parse_bytes_refuses_nonsense() -> None:
-    import argparse
-
-    with pytest.raises(argparse.ArgumentTypeError):
-        _parse_bytes("lots")
+    with pytest.raises(ValueError, match="not a size"):
+        parse_bytes("lots")
 
 
 def test_app_before_the_model_is_loaded() -> None:

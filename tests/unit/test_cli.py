@@ -9,32 +9,73 @@ import sys
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from moeserve.cli import build_parser
+from moeserve.engine_config import EngineConfig
+from moeserve.options import options
+
 
 def run_cli(*args: str, env=None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "moeserve.cli", *args], capture_output=True, text=True, timeout=300, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "moeserve.cli", *args], capture_output=True, text=True, timeout=300, env=env
+    )
 
 
 @pytest.fixture(scope="module")
 def made(tmp_path_factory):
     out = tmp_path_factory.mktemp("cli") / "mixtral"
-    result = run_cli("make-model", "--arch", "mixtral", "--out", str(out), "--layers", "2", "--hidden", "64", "--experts", "6", "--top-k", "2", "--vocab", "300", "--seed", "3")
+    result = run_cli(
+        "make-model",
+        "--arch",
+        "mixtral",
+        "--out",
+        str(out),
+        "--layers",
+        "2",
+        "--hidden",
+        "64",
+        "--experts",
+        "6",
+        "--top-k",
+        "2",
+        "--vocab",
+        "300",
+        "--seed",
+        "3",
+    )
     assert result.returncode == 0, result.stderr
     return out
 
 
 def test_make_model_writes_a_checkpoint_transformers_loads(made):
     model = AutoModelForCausalLM.from_pretrained(made)
-    assert model.config.num_local_experts == 6 and model.config.vocab_size == 300
+    config = model.config
+    assert (config.num_hidden_layers, config.hidden_size, config.num_local_experts, config.num_experts_per_tok) == (
+        2,
+        64,
+        6,
+        2,
+    )
+    assert config.vocab_size == 300
     assert AutoTokenizer.from_pretrained(made).chat_template
     assert (made / "generation_config.json").exists()
 
 
 def test_generate_json(made):
-    result = run_cli("generate", "--model", str(made), "--prompt-ids", "5,6,7", "--max-tokens", "6", "--ignore-eos", "--json")
+    result = run_cli(
+        "generate", "--model", str(made), "--prompt-ids", "5,6,7", "--max-tokens", "6", "--ignore-eos", "--json"
+    )
     assert result.returncode == 0, result.stderr
     payload = json.loads(result.stdout)
-    assert len(payload["token_ids"]) == 6 and isinstance(payload["text"], str)
-    again = json.loads(run_cli("generate", "--model", str(made), "--prompt-ids", "5,6,7", "--max-tokens", "6", "--ignore-eos", "--json").stdout)
+    assert set(payload) == {"text", "token_ids", "finish_reason"}
+    assert len(payload["token_ids"]) == 6 and payload["finish_reason"] == "length"
+    # The text is the tokens' decoding; a trailing partial UTF-8 character (U+FFFD) is left out.
+    decoded = AutoTokenizer.from_pretrained(made).decode(payload["token_ids"])
+    assert payload["text"] and decoded.rstrip("\ufffd") == payload["text"].rstrip("\ufffd")
+    again = json.loads(
+        run_cli(
+            "generate", "--model", str(made), "--prompt-ids", "5,6,7", "--max-tokens", "6", "--ignore-eos", "--json"
+        ).stdout
+    )
     assert again == payload  # greedy is deterministic
 
 
@@ -42,14 +83,117 @@ def test_generate_on_the_demo_model(tmp_path):
     import os
 
     env = {**os.environ, "MOESERVE_CACHE_DIR": str(tmp_path)}
-    result = run_cli("generate", "--prompt", "Hello", "--max-tokens", "4", "--json", env=env)
+    result = run_cli("generate", "--prompt", "Hello", "--max-tokens", "4", "--ignore-eos", "--json", env=env)
     assert result.returncode == 0, result.stderr
-    assert len(json.loads(result.stdout)["token_ids"]) <= 4
+    payload = json.loads(result.stdout)
+    assert len(payload["token_ids"]) == 4 and payload["finish_reason"] == "length"
     assert any(p.name.startswith("demo-") for p in tmp_path.iterdir())
 
 
 def test_bad_input_is_one_clear_line(made):
     result = run_cli("generate", "--model", str(made), "--prompt-ids", "5,99999", "--json")
-    assert result.returncode == 2
-    assert "out of the vocabulary" in result.stderr
+    assert result.returncode == 2 and result.stdout == ""
+    errors = [line for line in result.stderr.splitlines() if " ERROR " in line]
+    assert len(errors) == 1 and "prompt token id 99999 is out of the vocabulary [0, 300)" in errors[0], result.stderr
     assert "Traceback" not in result.stderr
+
+
+def parse(*argv: str):
+    return build_parser().parse_args(list(argv))
+
+
+def test_launch_flags_are_the_config_fields_with_their_defaults(monkeypatch) -> None:
+    for name in ("NNODES", "SLURM_NNODES", "NODE_RANK", "GROUP_RANK", "SLURM_NODEID", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    args = parse("launch")
+    for opt in options(EngineConfig):
+        expected = opt.meta.launch_default if opt.meta.launch_default is not None else opt.default
+        assert getattr(args, opt.name) == expected, opt.name
+        assert opt.help or opt.meta.hidden, f"{opt.name} has no field doc to serve as its help"
+    assert args.max_waiting == 1024  # a server sheds load; offline LLM.generate queues all its prompts
+    assert EngineConfig.from_options(**{n: getattr(args, n) for n in args.engine_options}).max_waiting == 1024
+
+
+def test_every_flag_name_users_type_keeps_working() -> None:
+    args = parse(
+        "launch",
+        "--kv-cache-memory",
+        "4GiB",
+        "--slo-ttft-ms",
+        "250",
+        "--slo-tbt-ms",
+        "20",
+        "--debug-min-step-time-ms",
+        "30",
+        "--collective-timeout",
+        "9",
+        "--heartbeat-timeout",
+        "2",
+        "--distributed-backend",
+        "gloo",
+        "--block-size",
+        "8",
+    )
+    config = EngineConfig.from_options(**{n: getattr(args, n) for n in args.engine_options})
+    assert config.cache.memory_bytes == 4 * 1024**3 and config.cache.block_size == 8
+    assert (config.slo.ttft_s, config.slo.tbt_s, config.min_step_time_s) == pytest.approx((0.25, 0.02, 0.03))
+    assert (config.parallel.collective_timeout_s, config.parallel.heartbeat_timeout_s, config.parallel.backend) == (
+        9.0,
+        2.0,
+        "gloo",
+    )
+
+
+def test_launcher_variables_are_the_layout_defaults(monkeypatch) -> None:
+    monkeypatch.setenv("NNODES", "2")
+    monkeypatch.setenv("NODE_RANK", "1")
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.1")
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    args = parse("launch", "--ep", "4")
+    config = EngineConfig.from_options(**{n: getattr(args, n) for n in args.engine_options})
+    assert (config.parallel.nnodes, config.parallel.node_rank, config.parallel.master_addr) == (2, 1, "10.0.0.1")
+    assert config.parallel.master_port == 29500  # unset across nodes: the port every node can agree on
+
+
+def test_a_bad_size_is_a_usage_error_that_says_why(capsys) -> None:
+    with pytest.raises(SystemExit):
+        parse("launch", "--kv-cache-memory", "lots")
+    assert "not a size: 'lots'" in capsys.readouterr().err
+
+
+def test_llm_takes_the_flag_names_and_refuses_others(made) -> None:
+    from moeserve import LLM
+
+    with pytest.raises(TypeError, match=r"unknown option\(s\) max_num_seq; valid options: .*\bmax_num_seqs\b"):
+        LLM(str(made), max_num_seq=4)
+    assert EngineConfig.from_options(slo_ttft_ms=100.0, kv_cache_blocks=7).slo.ttft_s == pytest.approx(0.1)
+
+
+def test_the_token_budget_derives_from_max_num_seqs_unless_given() -> None:
+    assert EngineConfig.from_options().max_num_batched_tokens == 8192
+    assert EngineConfig.from_options(max_num_seqs=10_000).max_num_batched_tokens == 10_000
+    explicit = EngineConfig.from_options(max_num_seqs=300, max_num_batched_tokens=100)
+    assert explicit.max_num_batched_tokens == 100  # no silent clamp: SchedulerConfig refuses it by name
+
+
+def test_explicit_budget_below_max_num_seqs_is_one_clear_error(made) -> None:
+    result = run_cli(
+        "generate",
+        "--model",
+        str(made),
+        "--prompt-ids",
+        "5",
+        "--max-num-seqs",
+        "300",
+        "--max-num-batched-tokens",
+        "100",
+    )
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "max_num_batched_tokens (100) must be >= max_num_seqs (300)" in result.stderr
+
+
+def test_device_auto_is_the_gpu_when_there_is_one() -> None:
+    import torch
+
+    assert EngineConfig.from_options().device == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert EngineConfig.from_options(device="cpu").device == "cpu"

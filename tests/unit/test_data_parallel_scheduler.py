@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from moeserve.sampling_params import SamplingParams
-from moeserve.scheduler import DataParallelScheduler, QueueFullError, Request, SchedulerConfig
+from moeserve.scheduler import DataParallelScheduler, QueueFullError, Request, SchedulerConfig, StepShape
 
 EOS = 2
 
@@ -73,3 +73,27 @@ def test_abort_and_finish_forget_the_owner():
     dp.update(plan, {"b": 7})
     assert dp.finish_request("b", "stop", "\n") and dp.group_of("b") is None
     assert not dp.has_unfinished_requests() and dp.num_used_blocks == 0
+
+
+def test_a_timed_step_teaches_every_group_that_ran_and_only_those():
+    dp = scheduler(2, policy="slo")
+    dp.add_request(request("a", max_tokens=5))  # group 0; group 1 stays idle
+    probe = StepShape.of([(4, 0)])
+    plan = dp.schedule()
+    dp.update(plan, {"a": 7}, duration_s=0.01)
+    busy, idle = (group.step_time_model for group in dp.groups)
+    assert busy.predict(probe) > 0.0 and idle.predict(probe) == 0.0  # 0.0: never observed a step
+
+
+def test_each_group_plan_introduces_its_requests_and_reports_its_finishes():
+    dp = scheduler(2)
+    dp.add_request(request("a", max_tokens=1))
+    dp.add_request(request("b", max_tokens=1))
+    plan = dp.schedule()
+    assert [[n.request_id for n in group.new_requests] for group in plan.groups] == [["a"], ["b"]]
+    dp.update(plan, {"a": 7, "b": 7})
+    assert dp.abort_request("a") is False  # finished by length already
+    plan = dp.schedule()
+    assert [group.finished_request_ids for group in plan.groups] == [["a"], ["b"]]
+    assert plan.is_empty and not plan.is_idle  # nothing to run, but the ranks must hear of it
+    assert dp.schedule().is_idle

@@ -122,8 +122,47 @@ def test_text_prompt_and_chat(qwen3_folder):
     out = llm.generate("def main():", SamplingParams(max_tokens=4, temperature=0.0))[0]
     assert out.prompt == "def main():"
     assert out.prompt_token_ids == llm.get_tokenizer().encode("def main():")
-    chat = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=3, temperature=0.0))[0]
-    assert len(chat.outputs[0].token_ids) <= 3
+    messages = [{"role": "user", "content": "hi"}]
+    chat = llm.chat(messages, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))[0]
+    tokenizer = llm.get_tokenizer()
+    rendered = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False))
+    assert chat.prompt_token_ids == rendered
+    assert len(chat.outputs[0].token_ids) == 3 and chat.outputs[0].finish_reason == "length"
+    # The chat is the templated prompt, generated like any other.
+    plain = llm.generate({"prompt_token_ids": rendered}, GREEDY)[0].outputs[0]
+    assert chat.outputs[0].token_ids == plain.token_ids[:3]
+
+
+def test_a_stop_string_frees_the_requests_blocks_in_the_step_that_matched_it(qwen3_folder):
+    llm = LLM(str(qwen3_folder), max_model_len=128)
+    prompt = random_prompts(1, seed=6)[0]
+    text = llm.generate([prompt], GREEDY)[0].outputs[0].text
+    engine = llm.engine
+    engine.add_request(prompt, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop=[text[3:5]]))
+    while True:
+        (output,) = engine.step()
+        if output.finished:
+            break
+        assert engine.scheduler.num_used_blocks > 0
+    assert output.outputs[0].finish_reason == "stop" and len(output.outputs[0].token_ids) < 24
+    assert engine.scheduler.num_used_blocks == 0 and not engine.scheduler.has_unfinished_requests()
+
+
+def test_finished_requests_reach_the_runner_which_drops_their_state(qwen3_folder):
+    """Sampling state (tokens, seeded generators) lives on the runner from a request's first plan
+    to the plan after it finished, whichever way it finished."""
+    llm = LLM(str(qwen3_folder), max_model_len=128)
+    engine, runner = llm.engine, llm.engine.executor.runner
+    seeded = SamplingParams(max_tokens=4, temperature=1.0, seed=5, ignore_eos=True)
+    llm.generate(random_prompts(3, seed=10), seeded, use_tqdm=False)
+    first = set(runner.request_ids)
+    assert first  # the last step's finishes are told with the next plan
+    engine.add_request(random_prompts(1, seed=11)[0], SamplingParams(max_tokens=8), request_id="doomed")
+    engine.step()
+    assert not first & set(runner.request_ids) and "doomed" in runner.request_ids
+    engine.abort_request("doomed")
+    llm.generate(random_prompts(1, seed=12), seeded, use_tqdm=False)
+    assert "doomed" not in runner.request_ids
 
 
 @pytest.mark.parametrize(

@@ -11,50 +11,23 @@ from collections.abc import Callable
 
 import pytest
 
-from moeserve.sampling_params import SamplingParams
-from moeserve.scheduler import (
-    QueueFullError,
-    Request,
-    RequestStatus,
-    Scheduler,
-    SchedulerConfig,
-    SchedulerOutput,
-)
+from helpers.clock import TickingClock
+from helpers.scheduler import EOS, RecordingScheduler, check_output, make_request, token_for
 
-EOS = 0
-
-
-class FakeClock:
-    """Advances one second per reading, so every timestamp is distinct and predictable."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        self.now += 1.0
-        return self.now
-
+from moeserve.scheduler import QueueFullError, Request, RequestStatus, SchedulerConfig, SchedulerOutput, StepShape
 
 def make_config(**overrides) -> SchedulerConfig:
     fields = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64, block_size=4, num_kv_blocks=64)
     return SchedulerConfig(**(fields | overrides))
 
 
-def make_scheduler(**overrides) -> Scheduler:
-    return Scheduler(make_config(**overrides), clock=FakeClock())
+def make_scheduler(**overrides) -> RecordingScheduler:
+    return RecordingScheduler(make_config(**overrides), clock=TickingClock())
 
 
-def make_request(request_id: str, prompt_len: int = 4, max_tokens: int | None = 4, **params) -> Request:
-    prompt = [100 + (sum(map(ord, request_id)) + i) % 50 for i in range(prompt_len)]
-    return Request(request_id, prompt, SamplingParams(max_tokens=max_tokens, **params), (EOS,), arrival_time=0.0)
-
-
-def token_for(request_id: str, position: int) -> int:
-    """A deterministic non-EOS token, so a recomputed sequence must come out identical."""
-    return 1 + (sum(map(ord, request_id)) * 31 + position) % 97
-
-
-def step(scheduler: Scheduler, sample: Callable[[str, int], int] = token_for) -> tuple[SchedulerOutput, list[Request]]:
+def step(
+    scheduler: RecordingScheduler, sample: Callable[[str, int], int] = token_for
+) -> tuple[SchedulerOutput, list[Request]]:
     """One engine step with a fake runner; `sample(request_id, position)` picks each new token."""
     output = scheduler.schedule()
     check_output(scheduler, output)
@@ -65,7 +38,7 @@ def step(scheduler: Scheduler, sample: Callable[[str, int], int] = token_for) ->
     return output, finished
 
 
-def run_to_completion(scheduler: Scheduler, max_steps: int = 1000, **kwargs) -> list[SchedulerOutput]:
+def run_to_completion(scheduler: RecordingScheduler, max_steps: int = 1000, **kwargs) -> list[SchedulerOutput]:
     outputs = []
     while scheduler.has_unfinished_requests():
         assert len(outputs) < max_steps, "scheduler made no progress"
@@ -73,26 +46,7 @@ def run_to_completion(scheduler: Scheduler, max_steps: int = 1000, **kwargs) -> 
     return outputs
 
 
-def check_output(scheduler: Scheduler, output: SchedulerOutput) -> None:
-    """The plan respects the limits and hands the runner consistent, sufficient block tables."""
-    config = scheduler.config
-    assert output.num_batched_tokens == sum(len(s.token_ids) for s in output.scheduled)
-    assert output.num_batched_tokens <= config.max_num_batched_tokens
-    assert len(output.scheduled) <= config.max_num_seqs
-    assert len({s.request_id for s in output.scheduled}) == len(output.scheduled)
-    if output.preempted_request_ids:  # no admission in a step that had to preempt
-        assert all(s.start_position > 0 for s in output.scheduled)
-    for s in output.scheduled:
-        request = scheduler.get_request(s.request_id)
-        assert request is not None and request.status is RequestStatus.RUNNING
-        assert s.token_ids and s.start_position == request.num_computed_tokens
-        assert s.token_ids == request.all_token_ids[s.start_position : s.start_position + len(s.token_ids)]
-        assert s.block_ids == request.block_ids
-        assert len(s.block_ids) * config.block_size >= s.start_position + len(s.token_ids)
-        assert s.sample == (s.start_position + len(s.token_ids) == request.num_tokens)
-
-
-def check_state(scheduler: Scheduler, request_ids: list[str]) -> None:
+def check_state(scheduler: RecordingScheduler, request_ids: list[str]) -> None:
     """Blocks: each live request owns its own, running ones cover their computed tokens, and the
     manager's counts add up. Queued requests hold nothing. `request_ids` in arrival order."""
     manager = scheduler.block_manager
@@ -100,9 +54,9 @@ def check_state(scheduler: Scheduler, request_ids: list[str]) -> None:
     running: list[Request] = []
     num_waiting = 0
     for request_id in request_ids:  # in arrival order
-        request = scheduler.get_request(request_id)
-        if request is None:
+        if not scheduler.is_live(request_id):
             continue
+        request = scheduler.added[request_id]
         if request.status is RequestStatus.RUNNING:
             running.append(request)
             assert len(request.block_ids) * manager.block_size >= request.num_computed_tokens
@@ -181,7 +135,7 @@ def test_finished_requests_leave_at_once_and_free_their_blocks():
     assert [r.request_id for r in finished] == ["short"]
     short = finished[0]
     assert short.status is RequestStatus.FINISHED_LENGTH and short.finish_reason == "length"
-    assert short.block_ids == [] and scheduler.get_request("short") is None
+    assert short.block_ids == [] and not scheduler.is_live("short")
     assert scheduler.block_manager.num_used_blocks == 1  # "long": 4 computed tokens, one block of 4
     out, _ = step(scheduler)
     assert [s.request_id for s in out.scheduled] == ["long"]
@@ -190,13 +144,17 @@ def test_finished_requests_leave_at_once_and_free_their_blocks():
     assert scheduler.block_manager.num_free_blocks == scheduler.block_manager.num_blocks
 
 
-def test_timestamps_come_from_the_clock():
-    scheduler = make_scheduler()
-    request = make_request("a", max_tokens=3)
-    scheduler.add_request(request)
-    step(scheduler)  # clock: 1 = first scheduled, 2 = first token
-    step(scheduler)  # 3 = second token
-    assert (request.first_scheduled_time, request.first_token_time, request.last_token_time) == (1.0, 2.0, 3.0)
+def test_first_admission_is_stamped_by_the_clock_and_readmission_keeps_it():
+    clock = TickingClock()
+    config = make_config(max_model_len=16, block_size=2, num_kv_blocks=8, max_num_batched_tokens=16)
+    scheduler = RecordingScheduler(config, clock)
+    for request_id in ("old", "new"):
+        scheduler.add_request(make_request(request_id, prompt_len=4, max_tokens=8))
+    old, new = scheduler.added["old"], scheduler.added["new"]
+    step(scheduler)  # the clock's only readings: 1 and 2, one per first admission
+    assert (old.first_scheduled_time, new.first_scheduled_time) == (1.0, 2.0)
+    run_to_completion(scheduler)
+    assert new.num_preemptions >= 1 and new.first_scheduled_time == 2.0 and clock.now == 2.0
 
 
 def test_schedule_twice_without_update_is_an_error():
@@ -235,7 +193,7 @@ def test_chunked_prefill_splits_a_long_prompt_while_decodes_run_every_step():
         if long.sample:
             break
     assert chunks == [(0, 6, False), (6, 6, False), (12, 6, False), (18, 2, True)]
-    assert scheduler.get_request("long").num_output_tokens == 1
+    assert scheduler.added["long"].num_output_tokens == 1
 
 
 def test_without_chunked_prefill_a_prompt_waits_for_a_step_with_room():
@@ -262,7 +220,7 @@ def test_preemption_recomputes_and_yields_the_full_sequence():
     ids = ["old", "new"]
     for request_id in ids:
         scheduler.add_request(make_request(request_id, prompt_len=4, max_tokens=8))
-    old, new = (scheduler.get_request(request_id) for request_id in ids)
+    old, new = (scheduler.added[request_id] for request_id in ids)
     outputs = []
     while scheduler.has_unfinished_requests():
         outputs.append(step(scheduler)[0])
@@ -273,6 +231,8 @@ def test_preemption_recomputes_and_yields_the_full_sequence():
             assert 0 < new.num_output_tokens < 8  # its outputs are kept for the recompute
             assert [s.request_id for s in outputs[-1].scheduled] == ["old"]
     assert new.num_preemptions >= 1 and old.num_preemptions == 0
+    introduced = [n.request_id for output in outputs for n in output.new_requests]
+    assert introduced == ["old", "new"]  # once each: a readmitted request's runner state outlived its KV
     for request in (old, new):
         assert request.output_token_ids == [token_for(request.request_id, 4 + i) for i in range(8)]
         assert request.finish_reason == "length"
@@ -283,7 +243,7 @@ def test_resumed_request_recomputes_prompt_plus_outputs_from_position_zero():
     scheduler = make_scheduler(max_model_len=16, block_size=2, num_kv_blocks=8, max_num_batched_tokens=16)
     for request_id in ("old", "new"):
         scheduler.add_request(make_request(request_id, prompt_len=4, max_tokens=8))
-    new = scheduler.get_request("new")
+    new = scheduler.added["new"]
     while not new.num_preemptions:
         step(scheduler)
     while True:
@@ -314,13 +274,44 @@ def test_a_request_can_preempt_itself_when_it_is_the_newest():
 # ----- abort and external finish -----
 
 
+def test_a_plan_introduces_its_first_timers_with_what_sampling_needs():
+    scheduler = make_scheduler(max_num_seqs=1)
+    scheduler.add_request(make_request("a", max_tokens=2, temperature=0.5, seed=3))
+    scheduler.add_request(make_request("b", max_tokens=2))
+    first, _ = step(scheduler)
+    (new,) = first.new_requests
+    a = scheduler.added["a"]
+    assert (new.request_id, new.sampling_params, new.prompt_token_ids) == ("a", a.sampling_params, a.prompt_token_ids)
+    assert new.prompt_token_ids is not a.prompt_token_ids  # a copy: the plan may travel to other processes
+    second, _ = step(scheduler)
+    assert second.new_requests == [] and second.finished_request_ids == []
+    third, _ = step(scheduler)
+    assert [n.request_id for n in third.new_requests] == ["b"] and third.finished_request_ids == ["a"]
+
+
+def test_update_teaches_the_step_time_model_only_timed_non_empty_steps():
+    scheduler = make_scheduler(policy="slo")
+    model, probe = scheduler.step_time_model, StepShape.of([(4, 0)])
+    scheduler.add_request(make_request("a"))
+    scheduler.update(scheduler.schedule(), {"a": 5})  # untimed
+    assert model.predict(probe) == 0.0  # what it predicts before any observation
+    scheduler.update(scheduler.schedule(), {"a": 5}, duration_s=0.01)
+    learned = model.predict(probe)
+    assert learned > 0.0
+    scheduler.abort_request("a")
+    empty = scheduler.schedule()
+    assert empty.is_empty
+    scheduler.update(empty, {}, duration_s=0.01)
+    assert model.predict(probe) == learned
+
+
 def test_abort_frees_blocks_at_once_and_is_reported_next_step():
     scheduler = make_scheduler()
     scheduler.add_request(make_request("a", max_tokens=10))
     scheduler.add_request(make_request("b", max_tokens=10))
     step(scheduler)
     used = scheduler.block_manager.num_used_blocks
-    a = scheduler.get_request("a")
+    a = scheduler.added["a"]
     held = len(a.block_ids)
     assert scheduler.abort_request("a")
     assert a.status is RequestStatus.FINISHED_ABORTED and a.finish_reason == "abort"
@@ -462,10 +453,12 @@ def test_random_workload_keeps_invariants_and_frees_everything(seed):
         num_kv_blocks=rng.randint(min_blocks, 3 * min_blocks),
         enable_chunked_prefill=chunked,
     )
-    scheduler = Scheduler(config, clock=FakeClock())
+    scheduler = RecordingScheduler(config, clock=TickingClock())
     ids: list[str] = []
     sampled_log: dict[str, list[int]] = {}
     finished: dict[str, Request] = {}
+    introduced: list[str] = []
+    reported: list[str] = []
     pending = 40
 
     def sample(request_id: str, _position: int) -> int:
@@ -485,10 +478,11 @@ def test_random_workload_keeps_invariants_and_frees_everything(seed):
             pending -= 1
         if ids and rng.random() < 0.03:
             victim = rng.choice(ids)
-            request = scheduler.get_request(victim)
             if scheduler.abort_request(victim):
-                finished[victim] = request
-        _, done = step(scheduler, sample)
+                finished[victim] = scheduler.added[victim]
+        output, done = step(scheduler, sample)
+        introduced += [n.request_id for n in output.new_requests]
+        reported += output.finished_request_ids
         finished.update((r.request_id, r) for r in done)
         check_state(scheduler, ids)
         if not pending and not scheduler.has_unfinished_requests():
@@ -496,6 +490,10 @@ def test_random_workload_keeps_invariants_and_frees_everything(seed):
     assert not scheduler.has_unfinished_requests(), "workload did not finish"
     assert scheduler.block_manager.num_free_blocks == config.num_kv_blocks
     assert set(finished) == set(ids)
+    reported += scheduler.schedule().finished_request_ids
+    assert sorted(reported) == sorted(ids)  # every finish reaches the runners, once
+    ran = [r for r in ids if finished[r].first_scheduled_time is not None]
+    assert sorted(introduced) == sorted(ran)  # introduced once, preemptions notwithstanding
     for request_id, request in finished.items():
         assert request.status.is_finished and request.block_ids == []
         assert request.output_token_ids == sampled_log[request_id]  # preemption lost nothing

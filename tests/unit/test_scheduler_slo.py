@@ -9,35 +9,19 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
-from test_scheduler import check_output, make_request, token_for
+from helpers.clock import ManualClock
+from helpers.scheduler import RecordingScheduler, check_output, make_request, token_for
 
 from moeserve.sampling_params import SamplingParams
-from moeserve.scheduler import (
-    Request,
-    RequestStatus,
-    Scheduler,
-    SchedulerConfig,
-    SchedulerOutput,
-    StepShape,
-    StepTimeModel,
-)
+from moeserve.scheduler import Request, RequestStatus, SchedulerConfig, SchedulerOutput, StepShape, StepTimeModel
 from moeserve.scheduler.policy import SLO_STEP_HEADROOM, SloQueue
 
 # Coefficients of `StepShape.features()`: fixed, per token, per sequence, per KV read, per pair.
 TRUE_COEFFICIENTS = (2e-3, 50e-6, 100e-6, 20e-9, 0.5e-9)
-
-
-class ManualClock:
-    """Reads the same time until the test advances it."""
-
-    def __init__(self, now: float = 0.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def true_cost(shape: StepShape, coefficients: tuple[float, ...] = TRUE_COEFFICIENTS) -> float:
@@ -66,11 +50,11 @@ def make_config(**overrides) -> SchedulerConfig:
     return SchedulerConfig(**(fields | overrides))
 
 
-def make_scheduler(clock: ManualClock | None = None, **overrides) -> Scheduler:
-    return Scheduler(make_config(**overrides), clock=clock or ManualClock())
+def make_scheduler(clock: ManualClock | None = None, **overrides) -> RecordingScheduler:
+    return RecordingScheduler(make_config(**overrides), clock=clock or ManualClock())
 
 
-def trained(scheduler: Scheduler) -> Scheduler:
+def trained(scheduler: RecordingScheduler) -> RecordingScheduler:
     """Teach the scheduler's step-time model `token_cost` on a spread of step shapes."""
     rng = random.Random(4)
     for _ in range(100):
@@ -79,13 +63,22 @@ def trained(scheduler: Scheduler) -> Scheduler:
     return scheduler
 
 
-def step(scheduler: Scheduler) -> SchedulerOutput:
-    """One engine step with the deterministic fake sampler."""
+Timer = Callable[[SchedulerOutput], float]
+"""A step's made-up duration, from its plan."""
+
+
+def step(scheduler: RecordingScheduler, duration_s: Timer | None = None) -> SchedulerOutput:
+    """One engine step with the deterministic fake sampler; `duration_s(plan)` times it, if given."""
     output = scheduler.schedule()
     check_output(scheduler, output)
-    positions = {s.request_id: s.start_position + len(s.token_ids) for s in output.scheduled if s.sample}
-    scheduler.update(output, {request_id: token_for(request_id, position) for request_id, position in positions.items()})
+    scheduler.update(output, fake_samples(output), None if duration_s is None else duration_s(output))
     return output
+
+
+def fake_samples(output: SchedulerOutput) -> dict[str, int]:
+    """The deterministic fake sampler's tokens for a plan."""
+    positions = {s.request_id: s.start_position + len(s.token_ids) for s in output.scheduled if s.sample}
+    return {request_id: token_for(request_id, position) for request_id, position in positions.items()}
 
 
 # ----- the step-time model -----
@@ -187,7 +180,7 @@ def test_config_rejects_unknown_policies_and_impossible_targets(overrides):
 # ----- chunk sizing -----
 
 
-def decodes_and_a_long_prompt(scheduler: Scheduler) -> SchedulerOutput:
+def decodes_and_a_long_prompt(scheduler: RecordingScheduler) -> SchedulerOutput:
     """Four streams decoding, then a 400-token prompt arrives: the step that must split it."""
     for request_id in "abcd":
         scheduler.add_request(make_request(request_id, prompt_len=4, max_tokens=50))
@@ -218,11 +211,11 @@ def test_slo_finishes_the_split_prompt_in_target_sized_chunks_and_admits_nothing
     slo = trained(make_scheduler(policy="slo", slo_tbt_s=0.010))
     decodes_and_a_long_prompt(slo)
     slo.add_request(make_request("next", prompt_len=4))
-    while slo.get_request("long").num_output_tokens == 0:
+    while slo.added["long"].num_output_tokens == 0:
         output = step(slo)
         assert token_cost(shape_of(output)) <= 0.010 * SLO_STEP_HEADROOM * (1 + 1e-6)
         if output.scheduled[-1].request_id == "long" and not output.scheduled[-1].sample:
-            assert slo.get_request("next").status is RequestStatus.WAITING  # never two mid-prefill
+            assert slo.added["next"].status is RequestStatus.WAITING  # never two mid-prefill
 
 
 def test_slo_takes_the_full_budget_when_nobody_is_decoding():
@@ -242,19 +235,18 @@ def test_untrained_slo_sizes_like_fcfs():
     assert len(decodes_and_a_long_prompt(slo).scheduled[4].token_ids) == 256 - 4
 
 
-def test_observe_step_trains_the_model_from_real_steps_and_fcfs_has_none():
+def test_timed_updates_train_the_model_from_real_steps_and_fcfs_has_none():
     slo = make_scheduler(policy="slo")
     for index in range(40):
         slo.add_request(make_request(f"r{index}", prompt_len=1 + index % 37, max_tokens=3))
-        output = step(slo)
-        slo.observe_step(output, token_cost(shape_of(output)))
+        step(slo, lambda output: token_cost(shape_of(output)))
     prompt = StepShape.of([(100, 0)])
     assert slo.step_time_model.ready
     assert slo.step_time_model.predict(prompt) == pytest.approx(token_cost(prompt), rel=0.05)
 
     fcfs = make_scheduler(policy="fcfs")
     fcfs.add_request(make_request("a"))
-    fcfs.observe_step(step(fcfs), 1.0)
+    step(fcfs, lambda output: 1.0)
     assert fcfs.step_time_model is None
 
 
@@ -300,7 +292,7 @@ def test_a_late_request_yields_to_one_that_can_still_meet_its_deadline():
     clock.now = 6.0
     assert [s.request_id for s in step(slo).scheduled] == ["new"]
     assert [s.request_id for s in step(fcfs).scheduled] == ["old"]
-    while slo.get_request("new") is not None:
+    while slo.is_live("new"):
         step(slo)
     assert [s.request_id for s in step(slo).scheduled] == ["old"]  # late, but not dropped
 
@@ -323,7 +315,7 @@ def test_a_preempted_stream_is_readmitted_before_an_earlier_deadline():
     slo.add_request(timed_request("new", arrival_time=9.5, max_tokens=8))
     step(slo)
     slo.add_request(timed_request("early", arrival_time=9.2))
-    new = slo.get_request("new")
+    new = slo.added["new"]
     while not new.num_preemptions:
         step(slo)
     assert new.num_output_tokens > 0 and new.status is RequestStatus.PREEMPTED
@@ -392,9 +384,9 @@ class AdmissionOrder:
     def __init__(self) -> None:
         self.order: list[str] = []
 
-    def running(self, scheduler: Scheduler) -> list[Request]:
-        requests = (scheduler.get_request(request_id) for request_id in self.order)
-        return [r for r in requests if r is not None and r.status is RequestStatus.RUNNING]
+    def running(self, scheduler: RecordingScheduler) -> list[Request]:
+        requests = (scheduler.added[request_id] for request_id in self.order)
+        return [r for r in requests if r.status is RequestStatus.RUNNING]
 
     def record(self, output: SchedulerOutput) -> None:
         for s in output.scheduled:
@@ -414,14 +406,14 @@ class BeforeStep:
     model_ready: bool
 
     @classmethod
-    def of(cls, scheduler: Scheduler, admission: AdmissionOrder) -> BeforeStep:
+    def of(cls, scheduler: RecordingScheduler, admission: AdmissionOrder) -> BeforeStep:
         running = admission.running(scheduler)
         decodes = [r.request_id for r in running if r.num_tokens - r.num_computed_tokens == 1 and r.num_output_tokens]
         model = scheduler.step_time_model
         return cls([r.request_id for r in running], decodes, model is not None and model.ready)
 
 
-def check_slo_step(scheduler: Scheduler, output: SchedulerOutput, before: BeforeStep) -> None:
+def check_slo_step(scheduler: RecordingScheduler, output: SchedulerOutput, before: BeforeStep) -> None:
     """Decodes are never skipped, victims are the newest admitted, and a step carrying decodes is
     predicted within the TBT target unless it holds no more prefill than the one-block floor."""
     scheduled = {s.request_id: s for s in output.scheduled}
@@ -438,16 +430,16 @@ def check_slo_step(scheduler: Scheduler, output: SchedulerOutput, before: Before
         assert within_target or num_prefill <= scheduler.config.block_size
 
 
-def check_blocks_and_prefill(scheduler: Scheduler, ids: list[str], admission: AdmissionOrder) -> None:
+def check_blocks_and_prefill(scheduler: RecordingScheduler, ids: list[str], admission: AdmissionOrder) -> None:
     """Every block has one owner, queued requests hold nothing, and only the most recently
     admitted running request can be mid-prefill."""
     manager = scheduler.block_manager
     owned: list[int] = []
     num_waiting = 0
     for request_id in ids:
-        request = scheduler.get_request(request_id)
-        if request is None:
+        if not scheduler.is_live(request_id):
             continue
+        request = scheduler.added[request_id]
         if request.status is RequestStatus.RUNNING:
             assert len(request.block_ids) * manager.block_size >= request.num_computed_tokens
         else:
@@ -464,7 +456,7 @@ def check_blocks_and_prefill(scheduler: Scheduler, ids: list[str], admission: Ad
 
 def run_workload(workload: Workload, policy: str) -> Outcome:
     clock = ManualClock(0.0)
-    scheduler = Scheduler(SchedulerConfig(**workload.config, policy=policy), clock=clock)
+    scheduler = RecordingScheduler(SchedulerConfig(**workload.config, policy=policy), clock=clock)
     rng = random.Random(0)  # measurement noise
     admission = AdmissionOrder()
     ids: list[str] = []
@@ -481,15 +473,15 @@ def run_workload(workload: Workload, policy: str) -> Outcome:
                 outcome.aborted.add(request_id)
         had_work = scheduler.has_unfinished_requests()
         before = BeforeStep.of(scheduler, admission)
-        output = step(scheduler)
+        output = scheduler.schedule()
+        check_output(scheduler, output)
         assert output.is_empty == (not had_work), "a step with runnable requests scheduled nothing"
-        check_slo_step(scheduler, output, before)
+        check_slo_step(scheduler, output, before)  # judged by the model that sized it, before it learns
+        duration = 0.0 if output.is_empty else true_cost(shape_of(output), workload.cost) * rng.uniform(0.9, 1.1)
+        scheduler.update(output, fake_samples(output), duration)
         admission.record(output)
         check_blocks_and_prefill(scheduler, ids, admission)
-        if not output.is_empty:
-            duration = true_cost(shape_of(output), workload.cost) * rng.uniform(0.9, 1.1)
-            scheduler.observe_step(output, duration)
-            clock.now += duration
+        clock.now += duration
         if index > max(workload.arrivals) and not scheduler.has_unfinished_requests():
             break
     assert not scheduler.has_unfinished_requests(), "workload did not finish"

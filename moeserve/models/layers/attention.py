@@ -7,7 +7,7 @@ from torch import nn
 
 from moeserve.config import ModelConfig
 from moeserve.models.layers.norm import RMSNorm
-from moeserve.ops.attention import AttentionMetadata, write_to_cache
+from moeserve.ops.attention import AttentionPlan, write_to_cache
 from moeserve.ops import TORCH_OPS, LayerOps
 from moeserve.models.tensor_parallel import SINGLE, TensorParallel, column_parallel, kv_heads_of, row_parallel
 
@@ -50,7 +50,9 @@ class Attention(nn.Module):
     def cache_shape(cfg: ModelConfig, num_blocks: int, block_size: int, tp_size: int = 1) -> tuple[int, ...]:
         return (2, num_blocks, block_size, kv_heads_of(cfg.num_kv_heads, 0, tp_size)[1], cfg.head_dim)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor, plan: AttentionPlan
+    ) -> torch.Tensor:
         """x `[T, H]`; cos/sin `[T, D]` -> `[T, H]` (this rank's partial sum under TP)."""
         num_tokens = x.shape[0]
         q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)  # [T, Hq, D]
@@ -58,9 +60,8 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = self.ops.rotary(q, cos, sin, self.interleaved_rope)
-        k = self.ops.rotary(k, cos, sin, self.interleaved_rope)
-        write_to_cache(kv_cache[0], k, meta.slot_mapping)
-        write_to_cache(kv_cache[1], v, meta.slot_mapping)
-        out = self.ops.paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window)
+        q, k = self.ops.rotary_qk(q, k, cos, sin, self.interleaved_rope)  # q and k are ours: may rotate in place
+        write_to_cache(kv_cache[0], k, plan.slot_mapping)
+        write_to_cache(kv_cache[1], v, plan.slot_mapping)
+        out = self.ops.paged_attention(q, kv_cache[0], kv_cache[1], plan, self.scale, self.sliding_window)
         return self.o_proj(out.reshape(num_tokens, out.shape[1] * out.shape[2]))  # explicit: T may be 0

@@ -15,7 +15,7 @@ from torch import nn
 from moeserve.config import ModelConfig
 from moeserve.models.layers.attention import linear
 from moeserve.models.layers.norm import RMSNorm
-from moeserve.ops.attention import AttentionMetadata, write_to_cache
+from moeserve.ops.attention import AttentionPlan, write_to_cache
 from moeserve.ops import TORCH_OPS, LayerOps
 from moeserve.models.tensor_parallel import SINGLE, TensorParallel, column_parallel, row_parallel
 
@@ -62,14 +62,16 @@ class MLAttention(nn.Module):
         q = self.q_proj(x) if self.mla.q_lora_rank is None else self.q_b_proj(self.q_a_norm(self.q_a_proj(x)))
         return q.view(x.shape[0], self.num_heads, self.mla.qk_head_dim)  # [T, Hq, nope + rope]
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor, plan: AttentionPlan
+    ) -> torch.Tensor:
         """x `[T, H]`; cos/sin `[T, rope]` -> `[T, H]`."""
         m, num_tokens = self.mla, x.shape[0]
         q = self._queries(x)
         q_nope, q_rope = q.split([m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
-        q_rope = self.ops.rotary(q_rope, cos, sin, self.interleaved_rope)
         kv_nope, k_rope = self.kv_a_proj(x).split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
-        k_rope = self.ops.rotary(k_rope[:, None, :], cos, sin, self.interleaved_rope)[:, 0]
-        write_to_cache(kv_cache, torch.cat((self.kv_a_norm(kv_nope), k_rope), dim=-1), meta.slot_mapping)
-        out = self.ops.mla_attention(q_nope, q_rope, kv_cache, meta, self.kv_b_proj.weight, m, self.scale)
+        # Views into q and kv_a_proj's output, which are ours: a backend may rotate them in place.
+        q_rope, k_rope = self.ops.rotary_qk(q_rope, k_rope[:, None, :], cos, sin, self.interleaved_rope)
+        write_to_cache(kv_cache, torch.cat((self.kv_a_norm(kv_nope), k_rope[:, 0]), dim=-1), plan.slot_mapping)
+        out = self.ops.mla_attention(q_nope, q_rope, kv_cache, plan, self.kv_b_proj.weight, m, self.scale)
         return self.o_proj(out.reshape(num_tokens, out.shape[1] * out.shape[2]))  # explicit: T may be 0

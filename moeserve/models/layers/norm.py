@@ -17,3 +17,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.ops.rms_norm(x, self.weight, self.eps)
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(norm(x + residual), x + residual)`: the residual add before the norm, fused where the
+        backend can (`LayerOps.add_rms_norm`)."""
+        return self.ops.add_rms_norm(x, residual, self.weight, self.eps)

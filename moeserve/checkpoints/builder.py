@@ -1,0 +1,185 @@
+"""Tiny, randomly initialised Hugging Face MoE checkpoints, made locally.
+
+Why: tests, parity checks and the demo server need real checkpoints, in exactly the layout of
+those on the hub (``config.json``; safetensors, sharded with ``model.safetensors.index.json``
+above a size; ``generation_config.json``; tokenizer), without downloading gigabytes. The model
+is built by transformers itself and written by its ``save_pretrained``, so the layout is HF's own
+and not our imitation of it. With transformers 5.x the experts live fused in memory but are saved
+one tensor per expert, as the hub checkpoints are: ``block_sparse_moe.experts.E.w1/w2/w3`` for
+Mixtral, ``mlp.experts.E.{gate,up,down}_proj`` for the others.
+
+Two departures from HF's own random init, both so that the tiny models test something:
+- ``init_std`` defaults to 0.2, not HF's 0.02. At 0.02 the logits of a 2-layer model are nearly
+  flat (std ~0.15) and greedy decoding often falls into one repeated token; at 0.2 greedy text
+  is varied, next-token distributions are peaked enough for sampling settings to matter, and the
+  router spreads tokens over the experts.
+- DeepSeek-V3's ``e_score_correction_bias`` (zero in HF's init) gets small random float32 values,
+  else the bias path of its router would go untested.
+"""
+
+import dataclasses
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    DeepseekV3Config,
+    GenerationConfig,
+    MixtralConfig,
+    PreTrainedConfig,
+    PreTrainedModel,
+    Qwen2MoeConfig,
+    Qwen3MoeConfig,
+)
+
+from moeserve.checkpoints.spec import SUPPORTED_ARCHS, MakeModelSpec
+from moeserve.checkpoints.tokenizer import BOS_ID, EOS_ID, IM_END_ID, PAD_ID, train_tokenizer
+
+logger = logging.getLogger("moeserve.checkpoints")
+
+__all__ = ["SUPPORTED_ARCHS", "MakeModelSpec", "make_model"]
+
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_CORRECTION_BIAS_STD = 0.05  # flips the choice of some, not all, tokens' experts (sigmoid scores)
+
+
+def make_model(spec: MakeModelSpec, out_dir: Path) -> Path:
+    """Build the model ``spec`` describes, with its tokenizer, into ``out_dir``; return it.
+
+    ``out_dir`` must be missing or empty, so no file of an older model can linger beside the new
+    one. The same spec always gives the same weights (the seed is applied to a forked RNG, so
+    the caller's torch RNG is left as it was).
+    """
+    out_dir = Path(out_dir)
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise FileExistsError(f"{out_dir} is not empty")
+    config = _ARCH_CONFIGS[spec.arch](spec)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(spec.seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=_TORCH_DTYPES[spec.dtype])
+        if spec.arch == "deepseek_v3":
+            _randomise_correction_bias(model)
+    model.generation_config = _generation_config()
+    model.save_pretrained(out_dir, max_shard_size=spec.max_shard_bytes)
+    train_tokenizer(spec.vocab, out_dir, model_max_length=spec.max_position_embeddings)
+    logger.info("made %s model (%s) in %s", spec.arch, _describe(spec), out_dir)
+    return out_dir
+
+
+def _describe(spec: MakeModelSpec) -> str:
+    """The spec's non-default fields, for the log."""
+    defaults = MakeModelSpec(arch=spec.arch)
+    changed = [f"{f.name}={getattr(spec, f.name)}" for f in dataclasses.fields(spec)
+               if f.name != "arch" and getattr(spec, f.name) != getattr(defaults, f.name)]
+    return ", ".join(changed) or "defaults"
+
+
+def _randomise_correction_bias(model: PreTrainedModel) -> None:
+    """Give every DeepSeek router's ``e_score_correction_bias`` small random float32 values.
+
+    Random, so that the bias changes which experts some tokens get (about a fifth of them at the
+    default sizes). Float32 whatever the model's dtype, as in DeepSeek's own checkpoints, so
+    loaders meet a checkpoint of mixed dtypes (HF would otherwise save it in the model's dtype).
+    """
+    for module in model.modules():
+        bias = getattr(module, "e_score_correction_bias", None)
+        if isinstance(bias, torch.Tensor):
+            module.e_score_correction_bias = torch.randn(bias.shape) * _CORRECTION_BIAS_STD
+
+
+def _generation_config() -> GenerationConfig:
+    """Greedy by default; stop at ``</s>`` or at ChatML's ``<|im_end|>`` (ending a chat turn)."""
+    return GenerationConfig(
+        bos_token_id=BOS_ID, eos_token_id=[EOS_ID, IM_END_ID], pad_token_id=PAD_ID, do_sample=False
+    )
+
+
+def _common_config(spec: MakeModelSpec, architecture: str) -> dict[str, object]:
+    """Config fields that every architecture names the same way."""
+    return {
+        "architectures": [architecture],
+        "vocab_size": spec.vocab,
+        "hidden_size": spec.hidden,
+        "num_hidden_layers": spec.layers,
+        "num_attention_heads": spec.heads,
+        "num_experts_per_tok": spec.top_k,
+        "max_position_embeddings": spec.max_position_embeddings,
+        "initializer_range": spec.init_std,
+        "tie_word_embeddings": False,
+        "bos_token_id": BOS_ID,
+        "eos_token_id": EOS_ID,
+        "pad_token_id": PAD_ID,
+    }
+
+
+def _mixtral_config(spec: MakeModelSpec) -> PreTrainedConfig:
+    """Mixtral: every layer MoE, softmax router, experts sized by ``intermediate_size``."""
+    return MixtralConfig(
+        **_common_config(spec, "MixtralForCausalLM"),
+        num_key_value_heads=spec.kv_heads,
+        head_dim=spec.head_dim,
+        intermediate_size=spec.expert_intermediate,
+        num_local_experts=spec.experts,
+    )
+
+
+def _qwen2_moe_config(spec: MakeModelSpec) -> PreTrainedConfig:
+    """Qwen2-MoE: QKV bias, a gated shared expert, top-k weights not renormalised (as Qwen1.5)."""
+    return Qwen2MoeConfig(
+        **_common_config(spec, "Qwen2MoeForCausalLM"),
+        num_key_value_heads=spec.kv_heads,
+        head_dim=spec.head_dim,
+        intermediate_size=spec.dense_intermediate,
+        moe_intermediate_size=spec.expert_intermediate,
+        shared_expert_intermediate_size=spec.shared_intermediate,
+        num_experts=spec.experts,
+        norm_topk_prob=False,
+    )
+
+
+def _qwen3_moe_config(spec: MakeModelSpec) -> PreTrainedConfig:
+    """Qwen3-MoE: q/k RMSNorm, no shared expert, top-k weights renormalised (as Qwen3-30B-A3B)."""
+    return Qwen3MoeConfig(
+        **_common_config(spec, "Qwen3MoeForCausalLM"),
+        num_key_value_heads=spec.kv_heads,
+        head_dim=spec.head_dim,
+        intermediate_size=spec.dense_intermediate,
+        moe_intermediate_size=spec.expert_intermediate,
+        num_experts=spec.experts,
+        norm_topk_prob=True,
+    )
+
+
+def _deepseek_v3_config(spec: MakeModelSpec) -> PreTrainedConfig:
+    """DeepSeek-V3: MLA attention, sigmoid group-limited router with a correction bias, shared
+    experts, dense first layers. No multi-token-prediction layer: HF neither builds nor saves
+    one, so the config says 0 rather than HF's default 1."""
+    return DeepseekV3Config(
+        **_common_config(spec, "DeepseekV3ForCausalLM"),
+        num_key_value_heads=spec.heads,  # MLA; HF's default (128) would be wrong here
+        intermediate_size=spec.dense_intermediate,
+        moe_intermediate_size=spec.expert_intermediate,
+        n_routed_experts=spec.experts,
+        n_shared_experts=spec.n_shared_experts,
+        routed_scaling_factor=spec.routed_scaling_factor,
+        q_lora_rank=spec.q_lora_rank or None,
+        kv_lora_rank=spec.kv_lora_rank,
+        qk_rope_head_dim=spec.qk_rope_head_dim,
+        qk_nope_head_dim=spec.qk_nope_head_dim,
+        v_head_dim=spec.v_head_dim,
+        n_group=spec.n_group,
+        topk_group=spec.topk_group,
+        first_k_dense_replace=spec.first_k_dense_replace,
+        norm_topk_prob=True,
+        num_mtp_layers=0,
+    )
+
+
+_ARCH_CONFIGS: dict[str, Callable[[MakeModelSpec], PreTrainedConfig]] = {
+    "mixtral": _mixtral_config,
+    "qwen2_moe": _qwen2_moe_config,
+    "qwen3_moe": _qwen3_moe_config,
+    "deepseek_v3": _deepseek_v3_config,
+}

@@ -1,0 +1,171 @@
+"""What `make_model` builds: the spec of a tiny checkpoint and its checks.
+
+Apart from `builder.py` so that `moeserve make-model`'s flags, generated from the spec's
+fields, can be listed without importing torch and transformers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+from moeserve.checkpoints.tokenizer import MIN_VOCAB_SIZE
+
+Arch = Literal["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3"]
+DType = Literal["float32", "bfloat16", "float16"]
+SUPPORTED_ARCHS: tuple[str, ...] = get_args(Arch)
+SUPPORTED_DTYPES: tuple[str, ...] = get_args(DType)
+
+
+@dataclass(frozen=True)
+class MakeModelSpec:
+    """What to build. The defaults give a model that builds and runs in well under a second.
+
+    Fields that belong to one architecture are ignored by the others, except where a value would
+    mean something the architecture cannot do (``__post_init__`` says so with a ``ValueError``).
+    """
+
+    arch: Arch
+    """Architecture: mixtral, qwen2_moe, qwen3_moe or deepseek_v3."""
+    layers: int = 2
+    """Decoder layers."""
+    hidden: int = 64
+    """Hidden size."""
+    experts: int = 8
+    """Routed experts per MoE layer."""
+    top_k: int = 2
+    """Experts each token is routed to."""
+    vocab: int = 512
+    """Vocabulary size, of the tokenizer and the embeddings alike."""
+    heads: int = 4
+    """Attention heads."""
+    kv_heads: int = 2
+    """Key/value heads (GQA). Ignored by deepseek_v3, whose MLA has one per query head."""
+    head_dim: int = 16
+    """Attention head size. Ignored by deepseek_v3, which has the qk_*/v_head_dim fields."""
+    intermediate: int | None = None
+    """Dense MLP size (deepseek_v3's first layers; qwen writes it but uses it nowhere);
+    default 2*hidden. Mixtral has no dense MLP."""
+    moe_intermediate: int | None = None
+    """One expert's MLP size; default hidden/2, unlike hidden so a transposed weight fails."""
+    shared_expert_intermediate: int | None = None
+    """qwen2_moe only: the shared expert's MLP size; default 4*moe_intermediate (Qwen1.5-MoE)."""
+    q_lora_rank: int = 32
+    """deepseek_v3: low-rank size of the query projection; 0 for a plain q_proj (V2-Lite)."""
+    kv_lora_rank: int = 32
+    """deepseek_v3: size of the compressed KV latent (what its KV cache holds)."""
+    qk_rope_head_dim: int = 8
+    """deepseek_v3: rotary part of a query/key head."""
+    qk_nope_head_dim: int = 16
+    """deepseek_v3: non-rotary part of a query/key head."""
+    v_head_dim: int = 16
+    """deepseek_v3: value head size."""
+    n_group: int = 4
+    """deepseek_v3: expert groups for group-limited routing (V3: 8 groups of 32)."""
+    topk_group: int = 2
+    """deepseek_v3: groups each token may take experts from (V3: 4 of 8)."""
+    first_k_dense_replace: int = 1
+    """deepseek_v3: leading layers with a dense MLP instead of MoE."""
+    n_shared_experts: int = 1
+    """deepseek_v3: shared experts, which every token goes through."""
+    routed_scaling_factor: float = 2.5
+    """deepseek_v3: scale of the routed experts' weights (V3's value)."""
+    init_std: float = 0.2
+    """Std of the random init; HF's 0.02 leaves tiny models' greedy text repeating one token."""
+    seed: int = 0
+    """Torch seed: the same spec gives the same weights, byte for byte."""
+    dtype: DType = "float32"
+    """Dtype of the saved weights: float32, bfloat16 or float16."""
+    max_position_embeddings: int = 2048
+    """Longest sequence; also the tokenizer's model_max_length."""
+    max_shard_bytes: int = 1 << 30
+    """Largest safetensors file; above it HF writes shards and model.safetensors.index.json."""
+
+    def __post_init__(self) -> None:
+        _check_common(self)
+        if self.arch == "deepseek_v3":
+            _check_deepseek(self)
+        else:
+            _check_gqa(self)
+
+    @property
+    def dense_intermediate(self) -> int:
+        """The dense MLP size, with its default applied."""
+        return self.intermediate if self.intermediate is not None else 2 * self.hidden
+
+    @property
+    def expert_intermediate(self) -> int:
+        """One expert's MLP size, with its default applied (differs from ``hidden`` so that a
+        transposed weight cannot go unnoticed)."""
+        return self.moe_intermediate if self.moe_intermediate is not None else self.hidden // 2
+
+    @property
+    def shared_intermediate(self) -> int:
+        """qwen2_moe's shared expert size, with its default applied (as in Qwen1.5-MoE: 4x)."""
+        if self.shared_expert_intermediate is not None:
+            return self.shared_expert_intermediate
+        return 4 * self.expert_intermediate
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def _check_common(spec: MakeModelSpec) -> None:
+    _require(spec.arch in SUPPORTED_ARCHS, f"arch={spec.arch!r}: expected one of {SUPPORTED_ARCHS}")
+    _require(spec.dtype in SUPPORTED_DTYPES, f"dtype={spec.dtype!r}: expected one of {SUPPORTED_DTYPES}")
+    for name in ("layers", "hidden", "experts", "top_k", "heads", "max_position_embeddings", "max_shard_bytes"):
+        _require(getattr(spec, name) > 0, f"{name}={getattr(spec, name)} must be positive")
+    for name in ("intermediate", "moe_intermediate", "shared_expert_intermediate"):
+        value = getattr(spec, name)
+        _require(value is None or value > 0, f"{name}={value} must be positive")
+    _require(spec.hidden >= 2, f"hidden={spec.hidden} must be at least 2")
+    _require(spec.top_k <= spec.experts, f"top_k={spec.top_k} exceeds experts={spec.experts}")
+    _require(
+        spec.vocab >= MIN_VOCAB_SIZE, f"vocab={spec.vocab}: a byte-level tokenizer needs at least {MIN_VOCAB_SIZE}"
+    )
+    _require(spec.init_std > 0, f"init_std={spec.init_std} must be positive")
+    _require(
+        spec.arch != "mixtral" or spec.intermediate is None,
+        "mixtral has no dense MLP: set moe_intermediate, not intermediate",
+    )
+    _require(
+        spec.arch == "qwen2_moe" or spec.shared_expert_intermediate is None,
+        "shared_expert_intermediate applies to qwen2_moe only",
+    )
+
+
+def _check_gqa(spec: MakeModelSpec) -> None:
+    """Checks for the archs with grouped-query attention (all but deepseek_v3)."""
+    _require(spec.kv_heads > 0, f"kv_heads={spec.kv_heads} must be positive")
+    _require(spec.heads % spec.kv_heads == 0, f"heads={spec.heads} is not a multiple of kv_heads={spec.kv_heads}")
+    _require(
+        spec.head_dim > 0 and spec.head_dim % 2 == 0,
+        f"head_dim={spec.head_dim} must be positive and even (rotary embeddings rotate pairs)",
+    )
+
+
+def _check_deepseek(spec: MakeModelSpec) -> None:
+    """Checks for DeepSeek-V3: MLA sizes and group-limited routing."""
+    # n_shared_experts too: HF's DeepseekV3 always builds them, and with 0 saves empty tensors.
+    for name in ("kv_lora_rank", "qk_nope_head_dim", "v_head_dim", "n_group", "topk_group", "n_shared_experts"):
+        _require(getattr(spec, name) > 0, f"{name}={getattr(spec, name)} must be positive")
+    _require(spec.q_lora_rank >= 0, f"q_lora_rank={spec.q_lora_rank} must be positive, or 0 for none")
+    _require(
+        spec.qk_rope_head_dim > 0 and spec.qk_rope_head_dim % 2 == 0,
+        f"qk_rope_head_dim={spec.qk_rope_head_dim} must be positive and even",
+    )
+    _require(spec.experts % spec.n_group == 0, f"experts={spec.experts} is not divisible by n_group={spec.n_group}")
+    per_group = spec.experts // spec.n_group
+    # The router scores a group by the sum of its two best experts.
+    _require(per_group >= 2, f"n_group={spec.n_group} leaves fewer than 2 experts per group")
+    _require(spec.topk_group <= spec.n_group, f"topk_group={spec.topk_group} exceeds n_group={spec.n_group}")
+    _require(
+        spec.top_k <= spec.topk_group * per_group,
+        f"top_k={spec.top_k} exceeds the {spec.topk_group * per_group} experts in topk_group={spec.topk_group} groups",
+    )
+    _require(
+        0 <= spec.first_k_dense_replace < spec.layers,
+        f"first_k_dense_replace={spec.first_k_dense_replace} leaves no MoE layer among layers={spec.layers}",
+    )

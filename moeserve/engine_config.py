@@ -1,0 +1,212 @@
+"""What users set about the engine: process layout, KV cache, latency targets and the rest.
+
+Each knob is a documented field of exactly one dataclass here, with its one default; the flags of
+`moeserve launch` / `generate` and the keywords of `LLM(...)` are generated from these fields (see
+`moeserve.options`). Scheduler limits take their defaults from `SchedulerConfig`, which documents
+what they do to batching.
+
+Imports no torch, so the command's parser can be built without it: dtypes are names here and
+become torch dtypes in `moeserve.config.parse_dtype`; device "auto" is resolved on construction.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from typing import Literal
+
+from moeserve.options import build, option
+from moeserve.scheduler.config import POLICIES, SchedulerConfig
+
+DTYPE_NAMES = ("float32", "float16", "bfloat16")
+DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16"}
+KERNEL_BACKENDS = ("auto", "torch", "triton")
+SCHEDULING_POLICIES = POLICIES
+
+_BYTE_UNITS = {"": 1, "b": 1, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "kb": 1000, "mb": 1000**2, "gb": 1000**3}
+
+
+def parse_bytes(text: str) -> int:
+    """'512MiB', '4GiB', '1000000' -> bytes."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    if match is None or match.group(2).lower() not in _BYTE_UNITS:
+        raise ValueError(f"not a size: {text!r} (use e.g. 512MiB, 4GiB or a number of bytes)")
+    return int(float(match.group(1)) * _BYTE_UNITS[match.group(2).lower()])
+
+
+def dtype_name(dtype: object) -> str:
+    """'auto' or a canonical dtype name from a name, an alias or a torch dtype."""
+    name = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
+    name = DTYPE_ALIASES.get(name, name)
+    if name != "auto" and name not in DTYPE_NAMES:
+        raise ValueError(f"unsupported dtype {dtype!r}; choose auto or one of {', '.join(DTYPE_NAMES)}")
+    return name
+
+
+def _scheduler_default(name: str) -> object:
+    """A scheduler limit's default, from `SchedulerConfig`, its one home."""
+    return SchedulerConfig.__dataclass_fields__[name].default
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Process layout: `ep` ranks hold the experts (E/ep each); attention runs data-parallel
+    over `ep / tp` groups of `tp` tensor-parallel ranks. ep = tp = 1 runs in one process."""
+
+    ep: int = 1
+    """Expert-parallel ranks, one process each; each holds 1/ep of the experts."""
+    tp: int = 1
+    """Tensor-parallel size of attention inside each of the ep/tp data-parallel groups."""
+    nnodes: int = option(1, env=("NNODES", "SLURM_NNODES"))
+    """Machines the ranks span; each runs `ep / nnodes` of them."""
+    node_rank: int = option(0, env=("NODE_RANK", "GROUP_RANK", "SLURM_NODEID"))
+    """This machine's index; node 0 runs the scheduler and the API, the others only run ranks."""
+    master_addr: str = option("127.0.0.1", env=("MASTER_ADDR",))
+    """Where node 0 listens for the others to rendezvous (its TCP store), as they reach it."""
+    master_port: int | None = option(None, env=("MASTER_PORT",))
+    """Port of that store, the same on every node. None: a free one on a single node, 29500 across
+    nodes (0 always picks a free one, which only a single node can use)."""
+    backend: Literal["auto", "gloo", "nccl"] = option("auto", name="distributed_backend")
+    """Collectives between ranks: gloo, nccl, or auto (nccl on CUDA devices, gloo on CPU)."""
+    collective_timeout_s: float = option(120.0, name="collective_timeout", aliases=("collective_timeout_s",))
+    """Seconds any collective may wait before the rank gives up (a stalled peer)."""
+    heartbeat_timeout_s: float = option(5.0, name="heartbeat_timeout", aliases=("heartbeat_timeout_s",))
+    """Seconds of silence after which a rank is declared lost and the engine stops."""
+    startup_timeout_s: float = option(600.0, name="startup_timeout")
+    """Seconds node 0 waits for every rank to join and load its weights."""
+
+    def __post_init__(self) -> None:
+        if self.master_port is None:
+            object.__setattr__(self, "master_port", 29500 if self.nnodes > 1 else 0)
+        if self.ep < 1 or self.tp < 1:
+            raise ValueError(f"ep and tp must be >= 1 (got ep={self.ep}, tp={self.tp})")
+        if self.ep % self.tp:
+            raise ValueError(f"ep={self.ep} must be a multiple of tp={self.tp}")
+        if self.nnodes < 1 or self.ep % self.nnodes:
+            raise ValueError(f"ep={self.ep} ranks cannot be spread evenly over nnodes={self.nnodes}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank {self.node_rank} outside [0, {self.nnodes})")
+        if self.nnodes > 1 and self.master_port == 0:
+            raise ValueError("a multi-node launch needs a fixed --master-port that every node uses")
+        if self.backend not in ("auto", "gloo", "nccl"):
+            raise ValueError(f"backend {self.backend!r} is not one of auto, gloo, nccl")
+        if min(self.collective_timeout_s, self.heartbeat_timeout_s, self.startup_timeout_s) <= 0:
+            raise ValueError("timeouts must be > 0")
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.ep > 1 or self.tp > 1
+
+    @property
+    def num_dp_groups(self) -> int:
+        return self.ep // self.tp
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.ep // self.nnodes
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache sizing."""
+
+    block_size: int = _scheduler_default("block_size")  # type: ignore[assignment]
+    """Tokens per paged KV block: small enough to waste little, large enough to gather fast."""
+    num_blocks: int | None = option(None, name="kv_cache_blocks")
+    """KV cache size in blocks; None: as many as kv_cache_memory holds."""
+    memory_bytes: int = option(512 * 1024**2, name="kv_cache_memory", parse=parse_bytes)
+    """KV cache size in bytes when kv_cache_blocks is not given, e.g. 512MiB or 4GiB."""
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError("block_size must be >= 1")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError("num_blocks must be >= 1")
+
+
+@dataclass(frozen=True)
+class SLOConfig:
+    """Latency targets: what the `slo` scheduling policy aims for and what /metrics judges
+    every finished request against (attainment counters), whichever policy runs."""
+
+    ttft_s: float = option(_scheduler_default("slo_ttft_s"), name="slo_ttft_ms", scale=0.001)
+    """Time-to-first-token target (ms), from arrival to the first generated token."""
+    tbt_s: float = option(_scheduler_default("slo_tbt_s"), name="slo_tbt_ms", scale=0.001)
+    """Time-between-tokens target (ms): every gap between consecutive tokens of a stream."""
+
+    def __post_init__(self) -> None:
+        if not (self.ttft_s > 0 and self.tbt_s > 0):
+            raise ValueError(f"SLO targets must be > 0 (got ttft_s={self.ttft_s}, tbt_s={self.tbt_s})")
+
+
+def _auto_device() -> str:
+    import torch  # only when a device is chosen: building the command's parser needs no torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs besides the checkpoint's own config."""
+
+    model: str | None = None
+    """Hugging Face checkpoint folder; None: the built-in demo model (made on first use)."""
+    dtype: str = "auto"
+    """Weights and activations: auto (the checkpoint's own), float32, bfloat16 or float16."""
+    device: str = "auto"
+    """cuda, cpu, or auto: cuda when a GPU is visible, else cpu."""
+    kernels: Literal["auto", "torch", "triton"] = "auto"
+    """Layer operations backend: torch, triton, or auto (see `ops.create_ops`)."""
+    max_model_len: int | None = None
+    """Longest prompt + completion; None: the checkpoint's max_position_embeddings."""
+    max_num_seqs: int = _scheduler_default("max_num_seqs")  # type: ignore[assignment]
+    """Most sequences in the running batch."""
+    max_num_batched_tokens: int | None = None
+    """Per-step token budget shared by prefill chunks and decodes; None: 8192, or max_num_seqs if
+    larger (every running sequence must be able to decode in every step)."""
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    seed: int = 0
+    """Seed of the engine's random state (sampling of requests that give no seed)."""
+    scheduling_policy: Literal["fcfs", "slo"] = _scheduler_default("policy")  # type: ignore[assignment]
+    """fcfs: arrival order, full prefill chunks; slo: prefill chunks sized so decodes keep the TBT
+    target, TTFT-deadline order."""
+    slo: SLOConfig = field(default_factory=SLOConfig)
+    max_waiting: int | None = option(None, launch_default=1024)
+    """Most queued requests; beyond it the server answers 429 with Retry-After (add_request raises
+    QueueFullError). None: no bound, as offline `LLM.generate` queues all its prompts at once."""
+    min_step_time_s: float = option(
+        0.0, name="min_step_time_ms", scale=0.001, aliases=("debug_min_step_time_ms",), hidden=True
+    )
+    """Test-only: pad every non-empty step to at least this long (ms), so load tests can build a
+    server with a known capacity (the SLO harness checks its knee search against it)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", dtype_name(self.dtype))
+        if self.device == "auto":
+            object.__setattr__(self, "device", _auto_device())
+        if self.max_num_batched_tokens is None:
+            default = _scheduler_default("max_num_batched_tokens")
+            object.__setattr__(self, "max_num_batched_tokens", max(default, self.max_num_seqs))  # type: ignore[call-overload]
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"scheduling policy {self.scheduling_policy!r} is not one of {', '.join(SCHEDULING_POLICIES)}"
+            )
+        if self.kernels not in KERNEL_BACKENDS:
+            raise ValueError(f"kernels {self.kernels!r} is not one of {', '.join(KERNEL_BACKENDS)}")
+
+    @classmethod
+    def from_options(cls, **values: object) -> EngineConfig:
+        """From option names as `LLM(...)` and the command's flags take them (`slo_ttft_ms`,
+        `kv_cache_memory`, ...)."""
+        return build(cls, values)
+
+    def with_model_folder(self) -> EngineConfig:
+        """This config with model=None replaced by the built-in demo model's folder, which is
+        made on first use (seconds), so the server does it after it starts listening."""
+        if self.model is not None:
+            return self
+        from moeserve.checkpoints import demo_model_path
+
+        return dataclasses.replace(self, model=str(demo_model_path()))

@@ -1,0 +1,62 @@
+"""Scheduler test factories: requests with predictable tokens, a scheduler that remembers what it
+was given, and the check every plan must pass."""
+
+from __future__ import annotations
+
+from moeserve.scheduler import Request, RequestStatus, Scheduler, SchedulerOutput
+from moeserve.sampling_params import SamplingParams
+
+EOS = 0
+
+
+class RecordingScheduler(Scheduler):
+    """A `Scheduler` that remembers every request it accepted, by id, so a test can inspect
+    requests it did not keep a name for (the scheduler itself lends none out)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.added: dict[str, Request] = {}
+
+    def add_request(self, request: Request) -> None:
+        super().add_request(request)
+        self.added[request.request_id] = request
+
+    def is_live(self, request_id: str) -> bool:
+        """Accepted and not finished: the scheduler still owns it."""
+        request = self.added.get(request_id)
+        return request is not None and not request.status.is_finished
+
+
+def make_request(request_id: str, prompt_len: int = 4, max_tokens: int | None = 4, **params) -> Request:
+    prompt = [100 + (sum(map(ord, request_id)) + i) % 50 for i in range(prompt_len)]
+    return Request(request_id, prompt, SamplingParams(max_tokens=max_tokens, **params), (EOS,), arrival_time=0.0)
+
+
+def token_for(request_id: str, position: int) -> int:
+    """A deterministic non-EOS token, so a recomputed sequence must come out identical."""
+    return 1 + (sum(map(ord, request_id)) * 31 + position) % 97
+
+
+def check_output(scheduler: RecordingScheduler, output: SchedulerOutput) -> None:
+    """The plan respects the limits, hands the runner consistent, sufficient block tables, and
+    introduces exactly the requests it runs for the first time."""
+    config = scheduler.config
+    assert output.num_batched_tokens == sum(len(s.token_ids) for s in output.scheduled)
+    assert output.num_batched_tokens <= config.max_num_batched_tokens
+    assert len(output.scheduled) <= config.max_num_seqs
+    assert len({s.request_id for s in output.scheduled}) == len(output.scheduled)
+    if output.preempted_request_ids:  # no admission in a step that had to preempt
+        assert all(s.start_position > 0 for s in output.scheduled)
+    for s in output.scheduled:
+        request = scheduler.added[s.request_id]
+        assert request.status is RequestStatus.RUNNING
+        assert s.token_ids and s.start_position == request.num_computed_tokens
+        assert s.token_ids == request.all_token_ids[s.start_position : s.start_position + len(s.token_ids)]
+        assert s.block_ids == request.block_ids
+        assert len(s.block_ids) * config.block_size >= s.start_position + len(s.token_ids)
+        assert s.sample == (s.start_position + len(s.token_ids) == request.num_tokens)
+    scheduled = {s.request_id for s in output.scheduled}
+    for new in output.new_requests:
+        request = scheduler.added[new.request_id]
+        assert new.request_id in scheduled and request.num_preemptions == 0
+        assert (new.sampling_params, new.prompt_token_ids) == (request.sampling_params, request.prompt_token_ids)
