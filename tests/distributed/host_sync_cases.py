@@ -22,11 +22,12 @@ def step(prompts: dict[str, list[int]], last_tokens: dict[str, int] | None) -> S
     """The prefill of every prompt (last_tokens None), or one decode step feeding each last token."""
     scheduled, new = [], []
     for i, (request_id, prompt) in enumerate(prompts.items()):
+        blocks = [2 * i, 2 * i + 1]
         if last_tokens is None:
-            scheduled.append(ScheduledRequest(request_id, prompt, 0, [2 * i, 2 * i + 1], sample=True))
+            scheduled.append(ScheduledRequest(request_id, prompt, 0, blocks, sample=True))
             new.append(NewRequest(request_id, GREEDY, prompt))
         else:
-            scheduled.append(ScheduledRequest(request_id, [last_tokens[request_id]], len(prompt), [2 * i, 2 * i + 1], True))
+            scheduled.append(ScheduledRequest(request_id, [last_tokens[request_id]], len(prompt), blocks, sample=True))
     return SchedulerOutput(scheduled, sum(len(s.token_ids) for s in scheduled), [], new, [])
 
 
