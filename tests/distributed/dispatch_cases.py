@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from helpers.routing import routing
 
 from moeserve.dispatch import AllToAllDispatcher, DispatchLayout, DispatchOutput, ExpertPlacement, create_dispatcher
 from moeserve.models.layers.experts import Experts
@@ -35,21 +36,6 @@ def placement_for(case: Case, world_size: int, rank: int) -> ExpertPlacement:
     if case.placement == "contiguous":
         return ExpertPlacement.contiguous(case.num_experts, world_size, rank)
     return ExpertPlacement(tuple(e % world_size for e in range(case.num_experts)), world_size, rank)
-
-
-def routing(kind: str, num_tokens: int, num_experts: int, top_k: int, g: torch.Generator) -> torch.Tensor:
-    """topk_ids `[T, K]`, distinct experts per token."""
-    if kind == "uniform":
-        scores = torch.rand(num_tokens, num_experts, generator=g)
-    elif kind == "skewed":  # most picks on the first two experts
-        scores = torch.rand(num_tokens, num_experts, generator=g)
-        scores[:, :2] += torch.tensor([3.0, 2.0])
-    elif kind == "one_expert":  # every token's first choice is the last expert
-        scores = torch.rand(num_tokens, num_experts, generator=g)
-        scores[:, -1] = 2.0
-    else:
-        raise ValueError(kind)
-    return scores.topk(top_k, dim=-1).indices
 
 
 def rank_inputs(case: Case, rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -128,8 +114,12 @@ def run_cases(rank: int, world_size: int, cases: list[Case]) -> dict:
             out = dispatcher.combine(make_experts(case, placement.local_experts)(received), received.handle)
             toy_out = dispatcher.combine(toy_experts(case, received, placement.local_experts), received.handle)
             per_mode[mode] = {
-                "received": rows, "counts": counts, "host_counts": received.num_tokens_per_expert_host,
-                "syncs_host": dispatcher.syncs_host(bound), "num_rows": received.hidden.shape[0], "out": out,
+                "received": rows,
+                "counts": counts,
+                "host_counts": received.num_tokens_per_expert_host,
+                "syncs_host": dispatcher.syncs_host(bound),
+                "num_rows": received.hidden.shape[0],
+                "out": out,
                 "toy_out": toy_out,
             }
         results.append(per_mode)
@@ -152,7 +142,9 @@ def refusals(rank: int, world_size: int) -> list[str]:
     for build in (
         lambda: AllToAllDispatcher(ExpertPlacement.contiguous(2 * world_size + 2, world_size + 1, rank)),
         lambda: AllToAllDispatcher(ExpertPlacement.contiguous(2 * world_size, world_size, (rank + 1) % world_size)),
-        lambda: create_dispatcher("torch", ExpertPlacement.contiguous(2 * world_size, world_size, rank), group=own_group),
+        lambda: create_dispatcher(
+            "torch", ExpertPlacement.contiguous(2 * world_size, world_size, rank), group=own_group
+        ),
     ):
         try:
             build()

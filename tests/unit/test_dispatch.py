@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
-
 import torch.distributed as dist
+import torch.nn.functional as F
+from helpers.routing import routing
 
 from moeserve.dispatch import DISPATCHERS, DispatchLayout, ExpertPlacement, create_dispatcher
 from moeserve.models.layers.experts import Experts
@@ -38,22 +38,6 @@ def one_rank_group():
     dist.destroy_process_group()
 
 
-def routing(kind: str, num_tokens: int, num_experts: int, top_k: int, g: torch.Generator):
-    if num_tokens == 0:  # a rank with nothing to send still takes part
-        ids = torch.empty(0, top_k, dtype=torch.int64)
-    elif kind == "uniform":
-        ids = torch.stack([torch.randperm(num_experts, generator=g)[:top_k] for _ in range(num_tokens)])
-    elif kind == "skewed":  # most picks on the first two experts
-        scores = torch.rand(num_tokens, num_experts, generator=g) + torch.tensor([3.0, 2.0] + [0.0] * (num_experts - 2))
-        ids = scores.topk(top_k, dim=-1).indices
-    elif kind == "one_expert":  # every token's first choice is expert 3
-        ids = torch.stack([torch.cat([torch.tensor([3]), torch.tensor([e for e in torch.randperm(num_experts, generator=g).tolist() if e != 3][: top_k - 1])]) for _ in range(num_tokens)])
-    else:
-        raise ValueError(kind)
-    weights = torch.rand(num_tokens, top_k, generator=g)
-    return ids.long(), weights
-
-
 @pytest.mark.parametrize("bound", [None, "tight"], ids=["no-bound", "step-bound"])
 @pytest.mark.parametrize("backend", sorted(DISPATCHERS))
 @pytest.mark.parametrize("kind", ["uniform", "skewed", "one_expert"])
@@ -64,7 +48,8 @@ def test_backend_matches_reference(one_rank_group, backend, kind, num_tokens, nu
         pytest.skip(f"{backend}: {reason}")
     g = torch.Generator().manual_seed(num_tokens * 31 + num_experts + top_k)
     x = torch.randn(num_tokens, H, generator=g)
-    ids, weights = routing(kind, num_tokens, num_experts, top_k, g)
+    ids = routing(kind, num_tokens, num_experts, top_k, g)
+    weights = torch.rand(num_tokens, top_k, generator=g)
     experts = Experts(num_experts, H, I, torch.float32)
     experts.w13.copy_(torch.randn(num_experts, 2 * I, H, generator=g) * 0.3)
     experts.w2.copy_(torch.randn(num_experts, H, I, generator=g) * 0.3)

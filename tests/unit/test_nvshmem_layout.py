@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.routing import ROUTING_KINDS, routing
 
 import moeserve.dispatch.nvshmem_layout as layout
 from moeserve.dispatch import ExpertPlacement
@@ -16,7 +17,6 @@ from moeserve.dispatch.nvshmem_layout import (
     local_index_of_experts,
     receive_order,
 )
-
 
 # ---------------------------------------------------------------- sizing
 
@@ -88,17 +88,8 @@ def placements() -> list[ExpertPlacement]:
 
 
 def routings(num_experts: int, top_k: int, g: torch.Generator) -> dict[str, torch.Tensor]:
-    scores = torch.rand(23, num_experts, generator=g)
-    skewed = scores.clone()
-    skewed[:, :2] += 3
-    one = scores.clone()
-    one[:, -1] = 5
-    return {
-        "random": scores.topk(top_k, dim=-1).indices,
-        "skewed": skewed.topk(top_k, dim=-1).indices,
-        "one_expert": one.topk(top_k, dim=-1).indices,
-        "no_tokens": torch.empty(0, top_k, dtype=torch.int64),
-    }
+    cases = {kind: routing(kind, 23, num_experts, top_k, g) for kind in ROUTING_KINDS}
+    return {**cases, "no_tokens": torch.empty(0, top_k, dtype=torch.int64)}
 
 
 def brute_force(ids: torch.Tensor, placement: ExpertPlacement, max_tokens: int, mode: str):
