@@ -37,12 +37,23 @@ sys.path.insert(0, str(ROOT))
 from moeserve import LLM, SamplingParams  # noqa: E402
 from moeserve.checkpoints import MakeModelSpec, make_model  # noqa: E402
 from moeserve.config import ModelConfig  # noqa: E402
-from moeserve.worker.kv_cache import bytes_per_block  # noqa: E402
 from moeserve.models import model_config  # noqa: E402
+from moeserve.worker.kv_cache import bytes_per_block  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
-SPEC = dict(arch="qwen3_moe", layers=8, hidden=2048, experts=64, top_k=8, heads=16, kv_heads=4, head_dim=128,
-            moe_intermediate=768, dtype="bfloat16", max_position_embeddings=4096)
+SPEC = dict(
+    arch="qwen3_moe",
+    layers=8,
+    hidden=2048,
+    experts=64,
+    top_k=8,
+    heads=16,
+    kv_heads=4,
+    head_dim=128,
+    moe_intermediate=768,
+    dtype="bfloat16",
+    max_position_embeddings=4096,
+)
 
 
 def expected_distinct_experts(num_experts: int, picks: int) -> float:
@@ -85,8 +96,16 @@ def copy_bandwidth() -> float:
 
 def engine_decode_step_s(folder: Path, kernels: str, batch: int, context: int, steps: int) -> float:
     """Median wall time of the engine's steps once every sequence decodes."""
-    llm = LLM(str(folder), device="cuda", dtype="bfloat16", kernels=kernels, max_num_seqs=batch,
-              max_num_batched_tokens=max(8192, batch * context), max_model_len=context + steps + 8, kv_cache_memory=8 << 30)
+    llm = LLM(
+        str(folder),
+        device="cuda",
+        dtype="bfloat16",
+        kernels=kernels,
+        max_num_seqs=batch,
+        max_num_batched_tokens=max(8192, batch * context),
+        max_model_len=context + steps + 8,
+        kv_cache_memory=8 << 30,
+    )
     engine = llm.engine
     g = torch.Generator().manual_seed(0)
     params = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
@@ -144,8 +163,16 @@ def main() -> int:
             rows.append(row)
             print(json.dumps(row), flush=True)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "host": platform.node(),
-              "copy_gb_per_s": bandwidth, "model": SPEC, "context": args.context, "steps": args.steps, "rows": rows}
+    result = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "host": platform.node(),
+        "copy_gb_per_s": bandwidth,
+        "model": SPEC,
+        "context": args.context,
+        "steps": args.steps,
+        "rows": rows,
+    }
     (RESULTS / "decode_step.json").write_text(json.dumps(result, indent=2) + "\n")
     return 0
 

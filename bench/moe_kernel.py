@@ -31,9 +31,9 @@ import json
 import platform
 import statistics
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -99,9 +99,19 @@ class Routing:
         order = torch.argsort(torch.where(valid, flat, num_experts), stable=True)[: int(valid.sum())]
         counts = torch.bincount(flat[order], minlength=num_experts)
         return cls(
-            top_k=topk_ids.shape[1], num_pairs=flat.numel(), order=order, counts=tuple(counts.tolist()),
-            offsets=torch.cumsum(counts, 0).to(torch.int32), sorted_weights=pair_weights[order],
+            top_k=topk_ids.shape[1],
+            num_pairs=flat.numel(),
+            order=order,
+            counts=tuple(counts.tolist()),
+            offsets=torch.cumsum(counts, 0).to(torch.int32),
+            sorted_weights=pair_weights[order],
         )
+
+
+def _fused_with_align(hidden, w13, w2, topk_ids, block_m, shape, weights) -> torch.Tensor:
+    """The fused path including the alignment it needs each step."""
+    aligned = moe_align_block_size(topk_ids, shape.num_experts, block_m)
+    return fused_moe(hidden, w13, w2, aligned, shape.top_k, weights)
 
 
 def torch_loop(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, routing: Routing) -> torch.Tensor:
@@ -167,23 +177,37 @@ def measure_ceilings(flush: torch.Tensor, reps: int) -> dict[str, float]:
     src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
     copy_us = time_us(lambda: dst.copy_(src), warmup=3, reps=reps, flush=flush)
-    return {"gemm_tflops": 2 * n**3 / gemm_us / 1e6, "copy_gbps": 2 * src.numel() / copy_us / 1e3,
-            "gemm_shape": [n, n, n], "copy_bytes": src.numel()}
+    return {
+        "gemm_tflops": 2 * n**3 / gemm_us / 1e6,
+        "copy_gbps": 2 * src.numel() / copy_us / 1e3,
+        "gemm_shape": [n, n, n],
+        "copy_bytes": src.numel(),
+    }
 
 
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-12)).item()
 
 
-def bench_shape(shape: MoEShape, tokens: tuple[int, ...], ceilings: dict[str, float],
-                timer: Callable[[Callable[[], object]], float], grouped_ok: bool,
-                device: torch.device | str = "cuda", dtype: torch.dtype = torch.bfloat16) -> list[dict]:
+def bench_shape(
+    shape: MoEShape,
+    tokens: tuple[int, ...],
+    ceilings: dict[str, float],
+    timer: Callable[[Callable[[], object]], float],
+    grouped_ok: bool,
+    device: torch.device | str = "cuda",
+    dtype: torch.dtype = torch.bfloat16,
+) -> list[dict]:
     """Rows of results for one model shape; `timer(fn)` gives fn's time in microseconds."""
     gen = torch.Generator(device=device).manual_seed(0)
-    w13 = (torch.randn(shape.num_experts, 2 * shape.inter, shape.hidden, device=device, generator=gen, dtype=dtype)
-           * shape.hidden**-0.5)
-    w2 = (torch.randn(shape.num_experts, shape.hidden, shape.inter, device=device, generator=gen, dtype=dtype)
-          * shape.inter**-0.5)
+    w13 = (
+        torch.randn(shape.num_experts, 2 * shape.inter, shape.hidden, device=device, generator=gen, dtype=dtype)
+        * shape.hidden**-0.5
+    )
+    w2 = (
+        torch.randn(shape.num_experts, shape.hidden, shape.inter, device=device, generator=gen, dtype=dtype)
+        * shape.inter**-0.5
+    )
     rows = []
     for num_tokens in tokens:
         hidden = torch.randn(num_tokens, shape.hidden, device=device, generator=gen, dtype=dtype)
@@ -194,19 +218,24 @@ def bench_shape(shape: MoEShape, tokens: tuple[int, ...], ceilings: dict[str, fl
         aligned = moe_align_block_size(topk_ids, shape.num_experts, block_m)
         routing = Routing.build(topk_ids, weights, shape.num_experts)
         paths: dict[str, Callable[[], torch.Tensor]] = {
-            "fused": lambda: fused_moe(hidden, w13, w2, aligned, shape.top_k, weights),
-            "fused+align": lambda: fused_moe(
-                hidden, w13, w2, moe_align_block_size(topk_ids, shape.num_experts, block_m), shape.top_k, weights),
-            "torch_loop": lambda: torch_loop(hidden, w13, w2, routing),
+            "fused": functools.partial(fused_moe, hidden, w13, w2, aligned, shape.top_k, weights),
+            "fused+align": functools.partial(_fused_with_align, hidden, w13, w2, topk_ids, block_m, shape, weights),
+            "torch_loop": functools.partial(torch_loop, hidden, w13, w2, routing),
         }
         if grouped_ok:
-            paths["torch_grouped_mm"] = lambda: torch_grouped(hidden, w13, w2, routing)
+            paths["torch_grouped_mm"] = functools.partial(torch_grouped, hidden, w13, w2, routing)
         flops = moe_flops(shape, num_tokens)
         nbytes = weight_bytes(shape, topk_ids, w13.element_size())
         want = paths["torch_loop"]()
         for path, fn in paths.items():
-            row = dict(model=shape.name, tokens=num_tokens, path=path, flops=flops, weight_bytes=nbytes,
-                       experts_touched=experts_touched(topk_ids, shape.num_experts))
+            row = dict(
+                model=shape.name,
+                tokens=num_tokens,
+                path=path,
+                flops=flops,
+                weight_bytes=nbytes,
+                experts_touched=experts_touched(topk_ids, shape.num_experts),
+            )
             if path.startswith("fused"):
                 row["config"] = asdict(config_for(num_tokens, shape.top_k, shape.num_experts))
             try:  # one failing path (say an arch torch._grouped_mm rejects) must not lose the others
@@ -217,12 +246,24 @@ def bench_shape(shape: MoEShape, tokens: tuple[int, ...], ceilings: dict[str, fl
                 print(f"{shape.name:16s} T={num_tokens:5d} {path:17s} failed: {type(e).__name__}: {e}", flush=True)
                 continue
             tflops, gbps = flops / us / 1e6, nbytes / us / 1e3
-            rows.append(dict(row, us=us, tflops=tflops, weight_gbps=gbps, frac_peak_tflops=tflops / ceilings["gemm_tflops"],
-                             frac_copy_gbps=gbps / ceilings["copy_gbps"], rel_err_vs_torch_loop=err))
-            print(f"{shape.name:16s} T={num_tokens:5d} {path:17s} {us:10.1f} us  {tflops:7.1f} TFLOP/s "
-                  f"({tflops / ceilings['gemm_tflops']:6.1%})  {gbps:7.0f} GB/s ({gbps / ceilings['copy_gbps']:6.1%})"
-                  f"  err {err:.1e}", flush=True)
-        del hidden, aligned, routing, want
+            rows.append(
+                dict(
+                    row,
+                    us=us,
+                    tflops=tflops,
+                    weight_gbps=gbps,
+                    frac_peak_tflops=tflops / ceilings["gemm_tflops"],
+                    frac_copy_gbps=gbps / ceilings["copy_gbps"],
+                    rel_err_vs_torch_loop=err,
+                )
+            )
+            print(
+                f"{shape.name:16s} T={num_tokens:5d} {path:17s} {us:10.1f} us  {tflops:7.1f} TFLOP/s "
+                f"({tflops / ceilings['gemm_tflops']:6.1%})  {gbps:7.0f} GB/s ({gbps / ceilings['copy_gbps']:6.1%})"
+                f"  err {err:.1e}",
+                flush=True,
+            )
+        del hidden, aligned, routing, want, paths
     return rows
 
 
@@ -242,14 +283,22 @@ def main() -> int:
     flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device=device)
     ceilings = measure_ceilings(flush, args.reps)
     grouped_ok = grouped_mm_supported(torch.bfloat16, device)
-    print(f"device {torch.cuda.get_device_name()}  bf16 GEMM {ceilings['gemm_tflops']:.0f} TFLOP/s  "
-          f"copy {ceilings['copy_gbps']:.0f} GB/s  torch._grouped_mm: {'yes' if grouped_ok else 'no'}", flush=True)
+    print(
+        f"device {torch.cuda.get_device_name()}  bf16 GEMM {ceilings['gemm_tflops']:.0f} TFLOP/s  "
+        f"copy {ceilings['copy_gbps']:.0f} GB/s  torch._grouped_mm: {'yes' if grouped_ok else 'no'}",
+        flush=True,
+    )
     result = {
         "device": torch.cuda.get_device_name(),
         "sm_count": default_max_programs(device),
-        "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
-        "dtype": "bfloat16", "ceilings": ceilings, "torch_grouped_mm": grouped_ok,
-        "shapes": [asdict(s) for s in SHAPES if s.name in args.models], "results": [],
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+        "dtype": "bfloat16",
+        "ceilings": ceilings,
+        "torch_grouped_mm": grouped_ok,
+        "shapes": [asdict(s) for s in SHAPES if s.name in args.models],
+        "results": [],
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     timer = functools.partial(time_us, warmup=5, reps=args.reps, flush=flush)

@@ -70,7 +70,14 @@ def baseline_step_s(model: str | None, streams: int, tokens: int, max_model_len:
 
 async def one_stream(http: httpx.AsyncClient, tokens: int) -> tuple[float, int, list[float]]:
     """(client TBT of this stream, tokens received, arrival times of chunks)."""
-    body = {"prompt": PROMPT, "max_tokens": tokens, "temperature": 0.0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "prompt": PROMPT,
+        "max_tokens": tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     times, usage = [], None
     async with http.stream("POST", "/v1/completions", json=body) as response:
         response.raise_for_status()
@@ -97,11 +104,25 @@ def scrape(url: str) -> dict[str, float]:
 
 
 def start_server(model: str | None, streams: int, max_model_len: int, log: Path) -> tuple[subprocess.Popen, str]:
-    args = [sys.executable, "-m", "moeserve", "launch", "--port", "0", "--max-model-len", str(max_model_len), "--max-num-seqs", str(streams)]
+    args = [
+        sys.executable,
+        "-m",
+        "moeserve",
+        "launch",
+        "--port",
+        "0",
+        "--max-model-len",
+        str(max_model_len),
+        "--max-num-seqs",
+        str(streams),
+    ]
     if model:
         args += ["--model", model]
     proc = subprocess.Popen(
-        args, stdout=open(log, "w"), stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        args,
+        stdout=open(log, "w"),
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
         preexec_fn=lambda: os.sched_setaffinity(0, {SERVER_CPU}),
     )
     deadline = time.monotonic() + 120
@@ -160,7 +181,10 @@ def main() -> None:
     client_tbt = statistics.median(client_tbts)
     gaps.sort()
     result = {
-        "device": f"CPU: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; engine and HTTP loop pinned to core {SERVER_CPU} (1 torch thread), clients to core {CLIENT_CPU}",
+        "device": (
+            f"CPU: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; engine and HTTP loop "
+            f"pinned to core {SERVER_CPU} (1 torch thread), clients to core {CLIENT_CPU}"
+        ),
         "model": args.model or "built-in demo (qwen3_moe, bf16)",
         "streams": args.streams,
         "tokens_per_stream": args.tokens,

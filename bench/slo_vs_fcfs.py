@@ -37,8 +37,18 @@ RESULTS = Path(__file__).parent / "results"
 # Wide enough that a token costs real compute: on CPU a narrow model's step time is all
 # per-sequence overhead, and a long prompt would cost no more than a decode step.
 SPEC = MakeModelSpec(
-    arch="qwen3_moe", layers=4, hidden=512, experts=8, top_k=2, vocab=512, heads=8, kv_heads=2, head_dim=64,
-    moe_intermediate=768, dtype="float32", max_position_embeddings=4096,
+    arch="qwen3_moe",
+    layers=4,
+    hidden=512,
+    experts=8,
+    top_k=2,
+    vocab=512,
+    heads=8,
+    kv_heads=2,
+    head_dim=64,
+    moe_intermediate=768,
+    dtype="float32",
+    max_position_embeddings=4096,
 )
 MAX_MODEL_LEN = 2304
 BUDGET = 2048  # max_num_batched_tokens: a whole long prompt fits one fcfs step
@@ -82,8 +92,14 @@ class Recorder:
 
 def make_engine(model: Path, policy: str, ttft_ms: float, tbt_ms: float, recorder: Recorder) -> LLMEngine:
     config = EngineConfig.from_options(
-        model=str(model), max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=BUDGET, max_num_seqs=128,
-        scheduling_policy=policy, slo_ttft_ms=ttft_ms, slo_tbt_ms=tbt_ms, kv_cache_memory=1024**3,
+        model=str(model),
+        max_model_len=MAX_MODEL_LEN,
+        max_num_batched_tokens=BUDGET,
+        max_num_seqs=128,
+        scheduling_policy=policy,
+        slo_ttft_ms=ttft_ms,
+        slo_tbt_ms=tbt_ms,
+        kv_cache_memory=1024**3,
     )
     return LLMEngine(config, stat_loggers=[recorder])
 
@@ -113,7 +129,9 @@ def warm_up(engine: LLMEngine) -> None:
         engine.step()
 
 
-def run(model: Path, policy: str, arrivals: list[Arrival], ttft_ms: float, tbt_ms: float) -> tuple[dict[str, RequestMetrics], Recorder, dict[str, str]]:
+def run(
+    model: Path, policy: str, arrivals: list[Arrival], ttft_ms: float, tbt_ms: float
+) -> tuple[dict[str, RequestMetrics], Recorder, dict[str, str]]:
     recorder = Recorder()
     engine = make_engine(model, policy, ttft_ms, tbt_ms, recorder)
     warm_up(engine)
@@ -144,7 +162,10 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def summarize(finished: dict[str, RequestMetrics], recorder: Recorder, kinds: dict[str, str]) -> dict:
-    summary: dict = {"tbt_p50_ms": 1000 * percentile(recorder.tbts, 0.5), "tbt_p99_ms": 1000 * percentile(recorder.tbts, 0.99)}
+    summary: dict = {
+        "tbt_p50_ms": 1000 * percentile(recorder.tbts, 0.5),
+        "tbt_p99_ms": 1000 * percentile(recorder.tbts, 0.99),
+    }
     for kind in ("stream", "document"):
         metrics = [m for rid, m in finished.items() if kinds[rid] == kind]
         ttfts = [m.ttft_s for m in metrics if m.ttft_s is not None]
@@ -152,7 +173,8 @@ def summarize(finished: dict[str, RequestMetrics], recorder: Recorder, kinds: di
             "requests": len(metrics),
             "ttft_p50_ms": 1000 * percentile(ttfts, 0.5),
             "ttft_p99_ms": 1000 * percentile(ttfts, 0.99),
-            "max_tbt_p50_ms": 1000 * percentile([m.max_tbt_s for m in metrics if m.max_tbt_s is not None] or [0.0], 0.5),
+            "max_tbt_p50_ms": 1000
+            * percentile([m.max_tbt_s for m in metrics if m.max_tbt_s is not None] or [0.0], 0.5),
             "ttft_attained": sum(m.ttft_met for m in metrics) / len(metrics),
             "tbt_attained": sum(m.tbt_met for m in metrics) / len(metrics),
             "both_attained": sum(m.ttft_met and m.tbt_met for m in metrics) / len(metrics),
@@ -165,7 +187,10 @@ def summarize(finished: dict[str, RequestMetrics], recorder: Recorder, kinds: di
 def mean_of_runs(runs: list[dict]) -> dict:
     """Field-wise mean of summaries with the same shape."""
     first = runs[0]
-    return {k: mean_of_runs([r[k] for r in runs]) if isinstance(v, dict) else statistics.fmean(r[k] for r in runs) for k, v in first.items()}
+    return {
+        k: mean_of_runs([r[k] for r in runs]) if isinstance(v, dict) else statistics.fmean(r[k] for r in runs)
+        for k, v in first.items()
+    }
 
 
 def main() -> None:
@@ -183,8 +208,11 @@ def main() -> None:
     decode_step = calibrate_decode_step(model, 16)
     tbt_ms = args.tbt_ms or 2.5 * 1000 * decode_step
     arrivals = workload(args.seconds, args.stream_rate, args.document_rate, args.seed)
-    print(f"decode step (16 seqs) {1000 * decode_step:.1f} ms; TBT target {tbt_ms:.1f} ms, TTFT target {args.ttft_ms:.0f} ms; "
-          f"{sum(a.kind == 'stream' for a in arrivals)} streams, {sum(a.kind == 'document' for a in arrivals)} documents")
+    print(
+        f"decode step (16 seqs) {1000 * decode_step:.1f} ms; TBT target {tbt_ms:.1f} ms, TTFT target "
+        f"{args.ttft_ms:.0f} ms; "
+        f"{sum(a.kind == 'stream' for a in arrivals)} streams, {sum(a.kind == 'document' for a in arrivals)} documents"
+    )
 
     by_policy: dict[str, list[dict]] = {"fcfs": [], "slo": []}
     for repeat in range(args.repeats):
@@ -195,10 +223,18 @@ def main() -> None:
 
     result = {
         "device": f"CPU: {platform.processor() or platform.machine()}, {os.cpu_count()} cores",
-        "model": f"random qwen3_moe, {SPEC.layers} layers, hidden {SPEC.hidden}, {SPEC.experts} experts top-{SPEC.top_k}, float32",
-        "load": {"seconds": args.seconds, "stream_rate_per_s": args.stream_rate, "document_rate_per_s": args.document_rate,
-                 "streams": "prompt 24-64, output 64-160 tokens", "documents": "prompt 1024-2048, output 8-16 tokens",
-                 "max_num_batched_tokens": BUDGET},
+        "model": (
+            f"random qwen3_moe, {SPEC.layers} layers, hidden {SPEC.hidden}, "
+            f"{SPEC.experts} experts top-{SPEC.top_k}, float32"
+        ),
+        "load": {
+            "seconds": args.seconds,
+            "stream_rate_per_s": args.stream_rate,
+            "document_rate_per_s": args.document_rate,
+            "streams": "prompt 24-64, output 64-160 tokens",
+            "documents": "prompt 1024-2048, output 8-16 tokens",
+            "max_num_batched_tokens": BUDGET,
+        },
         "decode_step_16_ms": 1000 * decode_step,
         "targets_ms": {"ttft": args.ttft_ms, "tbt": tbt_ms},
         "repeats": args.repeats,

@@ -18,7 +18,12 @@ if TYPE_CHECKING:
 
 __version__ = "0.1.0"
 
-_LAZY = {"LLM": "llm", "CompletionOutput": "engine.outputs", "RequestOutput": "engine.outputs", "SamplingParams": "sampling_params"}
+_LAZY = {
+    "LLM": "llm",
+    "CompletionOutput": "engine.outputs",
+    "RequestOutput": "engine.outputs",
+    "SamplingParams": "sampling_params",
+}
 
 __all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "__version__"]
 

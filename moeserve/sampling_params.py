@@ -93,8 +93,7 @@ class SamplingParams:
                 f"must be in [0, {MAX_LOGPROBS}] or None",
             ),
             (
-                self.min_tokens >= 0
-                and (self.max_tokens is None or self.min_tokens <= self.max_tokens),
+                self.min_tokens >= 0 and (self.max_tokens is None or self.min_tokens <= self.max_tokens),
                 "min_tokens",
                 "must be >= 0 and <= max_tokens",
             ),

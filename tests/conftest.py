@@ -5,8 +5,9 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
@@ -19,32 +20,74 @@ def hf_config(arch: str, **overrides: Any):
     from transformers import DeepseekV2Config, DeepseekV3Config, MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
     common = dict(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-        initializer_range=0.1, bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False,
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        initializer_range=0.1,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        tie_word_embeddings=False,
     )
     if arch == "mixtral":
         cfg = dict(common, num_local_experts=6, num_experts_per_tok=2, head_dim=16)
         cls = MixtralConfig
     elif arch == "qwen2_moe":
-        cfg = dict(common, moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=7, num_experts_per_tok=3, head_dim=16)
+        cfg = dict(
+            common,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            num_experts=7,
+            num_experts_per_tok=3,
+            head_dim=16,
+        )
         cls = Qwen2MoeConfig
     elif arch == "qwen3_moe":
-        cfg = dict(common, moe_intermediate_size=32, num_experts=6, num_experts_per_tok=2, head_dim=16, norm_topk_prob=True)
+        cfg = dict(
+            common, moe_intermediate_size=32, num_experts=6, num_experts_per_tok=2, head_dim=16, norm_topk_prob=True
+        )
         cls = Qwen3MoeConfig
     elif arch == "deepseek_v3":
         cfg = dict(
-            common, num_key_value_heads=4, moe_intermediate_size=32, n_routed_experts=8, n_group=4, topk_group=2,
-            num_experts_per_tok=3, q_lora_rank=24, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16,
-            v_head_dim=12, first_k_dense_replace=1, n_shared_experts=1, routed_scaling_factor=2.5,
+            common,
+            num_key_value_heads=4,
+            moe_intermediate_size=32,
+            n_routed_experts=8,
+            n_group=4,
+            topk_group=2,
+            num_experts_per_tok=3,
+            q_lora_rank=24,
+            kv_lora_rank=16,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=16,
+            v_head_dim=12,
+            first_k_dense_replace=1,
+            n_shared_experts=1,
+            routed_scaling_factor=2.5,
         )
         cls = DeepseekV3Config
     elif arch == "deepseek_v2":
         cfg = dict(
-            common, num_key_value_heads=4, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=3,
-            q_lora_rank=24, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12,
-            first_k_dense_replace=1, n_shared_experts=2, routed_scaling_factor=1.5,
-            topk_method="group_limited_greedy", n_group=4, topk_group=2,
+            common,
+            num_key_value_heads=4,
+            moe_intermediate_size=32,
+            n_routed_experts=8,
+            num_experts_per_tok=3,
+            q_lora_rank=24,
+            kv_lora_rank=16,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=16,
+            v_head_dim=12,
+            first_k_dense_replace=1,
+            n_shared_experts=2,
+            routed_scaling_factor=1.5,
+            topk_method="group_limited_greedy",
+            n_group=4,
+            topk_group=2,
         )
         cls = DeepseekV2Config
     else:

@@ -71,8 +71,11 @@ def make_model(spec: MakeModelSpec, out_dir: Path) -> Path:
 def _describe(spec: MakeModelSpec) -> str:
     """The spec's non-default fields, for the log."""
     defaults = MakeModelSpec(arch=spec.arch)
-    changed = [f"{f.name}={getattr(spec, f.name)}" for f in dataclasses.fields(spec)
-               if f.name != "arch" and getattr(spec, f.name) != getattr(defaults, f.name)]
+    changed = [
+        f"{f.name}={getattr(spec, f.name)}"
+        for f in dataclasses.fields(spec)
+        if f.name != "arch" and getattr(spec, f.name) != getattr(defaults, f.name)
+    ]
     return ", ".join(changed) or "defaults"
 
 
@@ -91,9 +94,7 @@ def _randomise_correction_bias(model: PreTrainedModel) -> None:
 
 def _generation_config() -> GenerationConfig:
     """Greedy by default; stop at ``</s>`` or at ChatML's ``<|im_end|>`` (ending a chat turn)."""
-    return GenerationConfig(
-        bos_token_id=BOS_ID, eos_token_id=[EOS_ID, IM_END_ID], pad_token_id=PAD_ID, do_sample=False
-    )
+    return GenerationConfig(bos_token_id=BOS_ID, eos_token_id=[EOS_ID, IM_END_ID], pad_token_id=PAD_ID, do_sample=False)
 
 
 def _common_config(spec: MakeModelSpec, architecture: str) -> dict[str, object]:

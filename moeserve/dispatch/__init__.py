@@ -1,7 +1,7 @@
 """MoE all-to-all: the Dispatcher interface, its backends and the expert placement."""
 
 from moeserve.dispatch.all_to_all import AllToAllDispatcher
-from moeserve.dispatch.base import DispatchHandle, Dispatcher, DispatchLayout, DispatchOutput
+from moeserve.dispatch.base import Dispatcher, DispatchHandle, DispatchLayout, DispatchOutput
 from moeserve.dispatch.local import LocalDispatcher
 from moeserve.dispatch.nvshmem import NvshmemDispatcher
 from moeserve.dispatch.placement import ExpertPlacement

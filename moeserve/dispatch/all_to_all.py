@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from moeserve.dispatch.base import DispatchHandle, Dispatcher, DispatchLayout, DispatchOutput
+from moeserve.dispatch.base import Dispatcher, DispatchHandle, DispatchLayout, DispatchOutput
 from moeserve.dispatch.combine import weighted_sum
 from moeserve.dispatch.counts import count_per_expert
 from moeserve.dispatch.placement import ExpertPlacement
@@ -73,7 +73,9 @@ class AllToAllDispatcher(Dispatcher):
     name = "torch"
 
     def __init__(
-        self, placement: ExpertPlacement, group: dist.ProcessGroup | None = None,
+        self,
+        placement: ExpertPlacement,
+        group: dist.ProcessGroup | None = None,
         low_latency_max_tokens: int = LOW_LATENCY_MAX_TOKENS,
     ) -> None:
         """group: the EP process group (None: the default group); its ranks are the placement's ranks.
@@ -81,9 +83,13 @@ class AllToAllDispatcher(Dispatcher):
         super().__init__(placement)
         size, rank = dist.get_world_size(group), dist.get_rank(group)
         if size != placement.ep_size:
-            raise ValueError(f"the placement spreads experts over ep_size={placement.ep_size} ranks but the process group has {size}")
+            raise ValueError(
+                f"the placement spreads experts over ep_size={placement.ep_size} ranks but the process group has {size}"
+            )
         if rank != placement.rank:
-            raise ValueError(f"the placement is seen from rank {placement.rank} but this process is rank {rank} of its group")
+            raise ValueError(
+                f"the placement is seen from rank {placement.rank} but this process is rank {rank} of its group"
+            )
         self.group = group
         self.low_latency_max_tokens = low_latency_max_tokens
         self._expert_slot = placement.expert_slot  # moved to the tokens' device on first use
@@ -101,7 +107,10 @@ class AllToAllDispatcher(Dispatcher):
         return max_tokens_per_rank is None or max_tokens_per_rank > self.low_latency_max_tokens
 
     def dispatch(
-        self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+        self,
+        hidden: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
         max_tokens_per_rank: int | None = None,
     ) -> DispatchOutput:
         """See `Dispatcher.dispatch`: EXPERT_MAJOR rows; padding at the end in low-latency mode."""
@@ -149,8 +158,13 @@ class AllToAllDispatcher(Dispatcher):
         row_expert = torch.repeat_interleave(group_expert, per_group, output_size=num_recv)
         recv_order = torch.argsort(row_expert, stable=True)
         handle = AllToAllHandle(
-            num_tokens=num_tokens, send_row=send_row, num_send_rows=num_send, recv_order=recv_order, splits=splits,
-            topk_ids=topk_ids, topk_weights=topk_weights,
+            num_tokens=num_tokens,
+            send_row=send_row,
+            num_send_rows=num_send,
+            recv_order=recv_order,
+            splits=splits,
+            topk_ids=topk_ids,
+            topk_weights=topk_weights,
         )
         return DispatchOutput(
             hidden=recv.index_select(0, recv_order),
@@ -163,7 +177,9 @@ class AllToAllDispatcher(Dispatcher):
     def combine(self, expert_output: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         assert isinstance(handle, AllToAllHandle), f"torch combine got a {type(handle).__name__}"
         if expert_output.shape[0] != handle.recv_order.numel():
-            raise ValueError(f"combine got {expert_output.shape[0]} rows; dispatch handed out {handle.recv_order.numel()}")
+            raise ValueError(
+                f"combine got {expert_output.shape[0]} rows; dispatch handed out {handle.recv_order.numel()}"
+            )
         # Back to the received layout, so each source rank's rows are one contiguous split again.
         send = torch.empty_like(expert_output).index_copy_(0, handle.recv_order, expert_output)
         returned = expert_output.new_empty(handle.num_send_rows, expert_output.shape[-1])

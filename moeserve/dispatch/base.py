@@ -102,7 +102,10 @@ class Dispatcher(ABC):
 
     @abstractmethod
     def dispatch(
-        self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+        self,
+        hidden: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
         max_tokens_per_rank: int | None = None,
     ) -> DispatchOutput:
         """Send each token's row to the ranks holding its top-k experts.

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moeserve.dispatch.base import DispatchHandle, Dispatcher, DispatchLayout, DispatchOutput
+from moeserve.dispatch.base import Dispatcher, DispatchHandle, DispatchLayout, DispatchOutput
 from moeserve.dispatch.combine import weighted_sum
 from moeserve.dispatch.counts import count_per_expert
 from moeserve.dispatch.placement import ExpertPlacement
@@ -31,11 +31,17 @@ class LocalDispatcher(Dispatcher):
     @classmethod
     def supports(cls, placement: ExpertPlacement, device: torch.device) -> str | None:
         if placement.ep_size != 1:
-            return f"the local backend holds every expert in one process; ep={placement.ep_size} needs an all-to-all backend"
+            return (
+                f"the local backend holds every expert in one process; ep={placement.ep_size} "
+                "needs an all-to-all backend"
+            )
         return None
 
     def dispatch(
-        self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+        self,
+        hidden: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
         max_tokens_per_rank: int | None = None,
     ) -> DispatchOutput:
         """See `Dispatcher.dispatch`; the bound is not needed (nothing is sent)."""

@@ -14,7 +14,7 @@ import importlib.util
 import torch
 import torch.distributed as dist
 
-from moeserve.dispatch.base import DispatchHandle, Dispatcher, DispatchOutput
+from moeserve.dispatch.base import Dispatcher, DispatchHandle, DispatchOutput
 from moeserve.dispatch.placement import ExpertPlacement
 
 # Flipped when the Triton/NVSHMEM dispatch and combine kernels exist and pass on a GPU.
@@ -34,11 +34,17 @@ class NvshmemDispatcher(Dispatcher):
 
     name = "nvshmem"
 
-    def __init__(self, placement: ExpertPlacement, group: dist.ProcessGroup | None = None,
-                 device: torch.device | str | None = None) -> None:
+    def __init__(
+        self,
+        placement: ExpertPlacement,
+        group: dist.ProcessGroup | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
         """device: the CUDA device of this rank (None: the current one, or cpu without CUDA)."""
         if device is None:
-            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+            device = (
+                torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+            )
         reason = self.supports(placement, torch.device(device))
         if reason is not None:
             raise ValueError(f"the nvshmem dispatcher cannot run here: {reason}")
@@ -49,7 +55,9 @@ class NvshmemDispatcher(Dispatcher):
     def supports(cls, placement: ExpertPlacement, device: torch.device) -> str | None:
         reasons = []
         if device.type != "cuda" or not torch.cuda.is_available():
-            reasons.append(f"it needs a CUDA device (got {device}; torch.cuda.is_available()={torch.cuda.is_available()})")
+            reasons.append(
+                f"it needs a CUDA device (got {device}; torch.cuda.is_available()={torch.cuda.is_available()})"
+            )
         if not _nvshmem_importable():
             reasons.append("nvshmem.core (nvshmem4py) is not importable")
         if not DEVICE_KERNELS_BUILT:
@@ -57,7 +65,10 @@ class NvshmemDispatcher(Dispatcher):
         return "; ".join(reasons) or None
 
     def dispatch(
-        self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+        self,
+        hidden: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
         max_tokens_per_rank: int | None = None,
     ) -> DispatchOutput:
         raise NotImplementedError(KERNELS_MISSING)

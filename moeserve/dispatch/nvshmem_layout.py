@@ -96,23 +96,46 @@ class NvshmemBufferConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{field} must be a positive int, got {value!r}")
         if self.top_k > self.num_experts:
-            raise ValueError(f"top_k={self.top_k} exceeds num_experts={self.num_experts} (a token picks distinct experts)")
+            raise ValueError(
+                f"top_k={self.top_k} exceeds num_experts={self.num_experts} (a token picks distinct experts)"
+            )
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
             raise ValueError(f"dtype must be a floating torch.dtype, got {self.dtype!r}")
         row_bytes = self.hidden * self.element_size
         if row_bytes % ROW_ALIGN_BYTES:
-            raise ValueError(f"a row of hidden={self.hidden} {self.dtype} is {row_bytes} bytes; the kernels need a multiple of {ROW_ALIGN_BYTES}")
+            raise ValueError(
+                f"a row of hidden={self.hidden} {self.dtype} is {row_bytes} bytes; the kernels need a multiple of "
+                f"{ROW_ALIGN_BYTES}"
+            )
         least = math.ceil(self.num_experts / self.ep_size)
         if self.max_local_experts is not None and not least <= self.max_local_experts <= self.num_experts:
-            raise ValueError(f"max_local_experts={self.max_local_experts} outside [{least}, {self.num_experts}] for {self.num_experts} experts on {self.ep_size} ranks")
+            raise ValueError(
+                f"max_local_experts={self.max_local_experts} outside [{least}, {self.num_experts}] for "
+                f"{self.num_experts} experts on {self.ep_size} ranks"
+            )
 
     @classmethod
-    def for_placement(cls, placement: ExpertPlacement, hidden: int, top_k: int, max_tokens_per_rank: int,
-                      dtype: torch.dtype = torch.bfloat16, mode: str = "low_latency") -> "NvshmemBufferConfig":
-        return cls(placement.ep_size, placement.num_experts, hidden, top_k, max_tokens_per_rank, dtype, mode,
-                   max_local_experts=max_local_experts(placement))
+    def for_placement(
+        cls,
+        placement: ExpertPlacement,
+        hidden: int,
+        top_k: int,
+        max_tokens_per_rank: int,
+        dtype: torch.dtype = torch.bfloat16,
+        mode: str = "low_latency",
+    ) -> NvshmemBufferConfig:
+        return cls(
+            placement.ep_size,
+            placement.num_experts,
+            hidden,
+            top_k,
+            max_tokens_per_rank,
+            dtype,
+            mode,
+            max_local_experts=max_local_experts(placement),
+        )
 
     @property
     def element_size(self) -> int:
@@ -150,8 +173,15 @@ class BufferSizes:
 
     @property
     def total(self) -> int:
-        return (self.dispatch_recv + self.dispatch_meta + self.dispatch_signal + self.dispatch_send
-                + self.combine_recv + self.combine_signal + self.combine_send)
+        return (
+            self.dispatch_recv
+            + self.dispatch_meta
+            + self.dispatch_signal
+            + self.dispatch_send
+            + self.combine_recv
+            + self.combine_signal
+            + self.combine_send
+        )
 
 
 def buffer_sizes(config: NvshmemBufferConfig) -> BufferSizes:
@@ -228,8 +258,9 @@ class DispatchSlots:
     max_local_experts: int
 
 
-def dispatch_slots(topk_ids: torch.Tensor, placement: ExpertPlacement, max_tokens_per_rank: int,
-                   mode: str = "low_latency") -> DispatchSlots:
+def dispatch_slots(
+    topk_ids: torch.Tensor, placement: ExpertPlacement, max_tokens_per_rank: int, mode: str = "low_latency"
+) -> DispatchSlots:
     """Destination rank, local expert and receive-buffer slot of every (token, k) pair of this rank.
 
     Uses only this rank's `topk_ids` `[T, K]` (global expert ids, distinct per token) and the
@@ -243,8 +274,10 @@ def dispatch_slots(topk_ids: torch.Tensor, placement: ExpertPlacement, max_token
         raise ValueError(f"topk_ids must be [T, K], got shape {tuple(topk_ids.shape)}")
     num_tokens, top_k = topk_ids.shape
     if num_tokens > max_tokens_per_rank:
-        raise ValueError(f"{num_tokens} tokens on rank {placement.rank} exceed max_tokens_per_rank={max_tokens_per_rank}; "
-                         "the buffers were sized for fewer")
+        raise ValueError(
+            f"{num_tokens} tokens on rank {placement.rank} exceed max_tokens_per_rank={max_tokens_per_rank}; "
+            "the buffers were sized for fewer"
+        )
     ep, num_experts = placement.ep_size, placement.num_experts
     lmax = max_local_experts(placement)
     rows = region_rows(mode, max_tokens_per_rank, top_k, lmax)
@@ -287,12 +320,25 @@ def dispatch_slots(topk_ids: torch.Tensor, placement: ExpertPlacement, max_token
     if slot.numel() and int(slot.max()) >= rows:
         raise AssertionError(f"slot {int(slot.max())} outside a {rows}-row {mode} region (a bug in this layout)")
     shape = topk_ids.shape
-    return DispatchSlots(dest_rank.view(shape), dest_local.view(shape), slot.view(shape), buffer_row.view(shape),
-                         counts, mode, rows, lmax)
+    return DispatchSlots(
+        dest_rank.view(shape),
+        dest_local.view(shape),
+        slot.view(shape),
+        buffer_row.view(shape),
+        counts,
+        mode,
+        rows,
+        lmax,
+    )
 
 
-def receive_order(counts_from_each_source: torch.Tensor, max_tokens_per_rank: int, mode: str = "low_latency",
-                  top_k: int | None = None, max_local_experts: int | None = None) -> torch.Tensor:
+def receive_order(
+    counts_from_each_source: torch.Tensor,
+    max_tokens_per_rank: int,
+    mode: str = "low_latency",
+    top_k: int | None = None,
+    max_local_experts: int | None = None,
+) -> torch.Tensor:
     """`[N_recv]` int64: for each row of the `torch` backend's DispatchOutput.hidden, its flat row
     in this rank's dispatch receive buffer.
 
@@ -311,7 +357,9 @@ def receive_order(counts_from_each_source: torch.Tensor, max_tokens_per_rank: in
         if n_local > max_local_experts:
             raise ValueError(f"counts name {n_local} local experts, more than max_local_experts={max_local_experts}")
     rows = region_rows(mode, max_tokens_per_rank, top_k or 1, max_local_experts or n_local)
-    if counts.numel() and (int(counts.min()) < 0 or int(counts.sum(1).max() if mode == "high_throughput" else counts.max()) > rows):
+    if counts.numel() and (
+        int(counts.min()) < 0 or int(counts.sum(1).max() if mode == "high_throughput" else counts.max()) > rows
+    ):
         raise ValueError(f"counts exceed the {rows}-row {mode} regions")
 
     # Output groups g = (expert e, source s) in order e-major; each group's start in the buffer.

@@ -34,7 +34,7 @@ class ExpertPlacement:
             raise ValueError("expert_to_rank names a rank outside the EP group")
 
     @classmethod
-    def contiguous(cls, num_experts: int, ep_size: int = 1, rank: int = 0) -> "ExpertPlacement":
+    def contiguous(cls, num_experts: int, ep_size: int = 1, rank: int = 0) -> ExpertPlacement:
         """Experts split in contiguous runs; the first `num_experts % ep_size` ranks hold one more."""
         if num_experts < ep_size:
             raise ValueError(f"{num_experts} experts cannot be spread over {ep_size} ranks")

@@ -13,7 +13,9 @@ from moeserve.dispatch.local import LocalDispatcher
 from moeserve.dispatch.nvshmem import NvshmemDispatcher
 from moeserve.dispatch.placement import ExpertPlacement
 
-DISPATCHERS: dict[str, type[Dispatcher]] = {backend.name: backend for backend in (LocalDispatcher, AllToAllDispatcher, NvshmemDispatcher)}
+DISPATCHERS: dict[str, type[Dispatcher]] = {
+    backend.name: backend for backend in (LocalDispatcher, AllToAllDispatcher, NvshmemDispatcher)
+}
 
 
 def create_dispatcher(

@@ -25,19 +25,39 @@ def node_ranks(parallel: ParallelConfig, node_rank: int) -> range:
     return range(node_rank * per_node, (node_rank + 1) * per_node)
 
 
-def start_ranks(parallel: ParallelConfig, master_addr: str, master_port: int, node_rank: int, watch_parent: bool) -> dict[int, subprocess.Popen]:
+def start_ranks(
+    parallel: ParallelConfig, master_addr: str, master_port: int, node_rank: int, watch_parent: bool
+) -> dict[int, subprocess.Popen]:
     """Start this node's ranks; with `watch_parent` each exits when this process is gone."""
     procs = {}
     for local_rank, rank in enumerate(node_ranks(parallel, node_rank)):
         command = [
-            sys.executable, "-m", "moeserve.distributed.worker", "--master-addr", master_addr, "--master-port", str(master_port),
-            "--rank", str(rank), "--local-rank", str(local_rank), "--node-rank", str(node_rank),
-            "--log-level", logging.getLevelName(logging.getLogger().getEffectiveLevel()),
+            sys.executable,
+            "-m",
+            "moeserve.distributed.worker",
+            "--master-addr",
+            master_addr,
+            "--master-port",
+            str(master_port),
+            "--rank",
+            str(rank),
+            "--local-rank",
+            str(local_rank),
+            "--node-rank",
+            str(node_rank),
+            "--log-level",
+            logging.getLevelName(logging.getLogger().getEffectiveLevel()),
         ]
         if watch_parent:
             command += ["--parent-pid", str(os.getpid())]
         procs[rank] = subprocess.Popen(command)
-    logger.info("node %d: started ranks %d-%d (pids %s)", node_rank, min(procs), max(procs), ", ".join(str(p.pid) for p in procs.values()))
+    logger.info(
+        "node %d: started ranks %d-%d (pids %s)",
+        node_rank,
+        min(procs),
+        max(procs),
+        ", ".join(str(p.pid) for p in procs.values()),
+    )
     return procs
 
 

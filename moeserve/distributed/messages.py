@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import torch
 
 from moeserve.config import ParallelConfig
-from moeserve.worker.runner import SampledToken
 from moeserve.scheduler import SchedulerOutput
+from moeserve.worker.runner import SampledToken
 
 
 @dataclass(frozen=True)

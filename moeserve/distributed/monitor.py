@@ -82,7 +82,14 @@ class RankMonitor:
             if code is not None:
                 error = read_error(self._store, rank)
                 secondary = code > 0 and _caused_by_peer(error)
-                dead.append((secondary, rank, f"rank {rank} (node 0, pid {proc.pid}) {exit_description(code)}" + (f": {error}" if error else "")))
+                dead.append(
+                    (
+                        secondary,
+                        rank,
+                        f"rank {rank} (node 0, pid {proc.pid}) {exit_description(code)}"
+                        + (f": {error}" if error else ""),
+                    )
+                )
         if not dead:
             return None
         dead.sort()
@@ -106,6 +113,8 @@ class RankMonitor:
                 return f"rank {rank} (node {node}) did not join within {self._parallel.startup_timeout_s:.0f} s"
             if beats > 0 and now - moved > self._parallel.heartbeat_timeout_s:
                 error = read_error(self._store, rank)
-                return (f"rank {rank} (node {node}) sent no heartbeat for {now - moved:.1f} s: stalled or unreachable"
-                        + (f" ({error})" if error else ""))
+                return (
+                    f"rank {rank} (node {node}) sent no heartbeat for {now - moved:.1f} s: stalled or unreachable"
+                    + (f" ({error})" if error else "")
+                )
         return None

@@ -35,7 +35,9 @@ def error_key(rank: int) -> str:
 
 def host_store(port: int, world_size: int, timeout_s: float) -> dist.TCPStore:
     """Node 0's store, listening on every interface (`port` 0: a free one, see `.port`)."""
-    return dist.TCPStore("0.0.0.0", port, world_size, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
+    return dist.TCPStore(
+        "0.0.0.0", port, world_size, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s)
+    )
 
 
 def connect_store(addr: str, port: int, timeout_s: float) -> dist.TCPStore:
@@ -68,7 +70,14 @@ class Heartbeat:
     than waiting for a collective to time out.
     """
 
-    def __init__(self, store: dist.Store, rank: int, parent_pid: int | None, on_orphaned: Callable[[str], None], interval_s: float = 0.5) -> None:
+    def __init__(
+        self,
+        store: dist.Store,
+        rank: int,
+        parent_pid: int | None,
+        on_orphaned: Callable[[str], None],
+        interval_s: float = 0.5,
+    ) -> None:
         self._store, self._rank, self._parent_pid = store, rank, parent_pid
         self._on_orphaned, self._interval_s = on_orphaned, interval_s
         threading.Thread(target=self._run, name="moeserve-heartbeat", daemon=True).start()

@@ -25,12 +25,20 @@ import torch.distributed as dist
 from moeserve.dispatch import ExpertPlacement, create_dispatcher
 from moeserve.distributed.channel import ControlClient
 from moeserve.distributed.messages import LoadReport, Shutdown, StepInput, StepOutput, Sync, SyncAck, WorkerSpec
-from moeserve.distributed.rendezvous import CONTROL_KEY, RANKS_PREFIX, SPEC_KEY, Heartbeat, connect_store, error_key, get
-from moeserve.worker.kv_cache import allocate_kv_caches, bytes_per_block
-from moeserve.worker.runner import ModelRunner
+from moeserve.distributed.rendezvous import (
+    CONTROL_KEY,
+    RANKS_PREFIX,
+    SPEC_KEY,
+    Heartbeat,
+    connect_store,
+    error_key,
+    get,
+)
 from moeserve.models import TensorParallel, load_model, model_config
 from moeserve.models.loader import weight_bytes
 from moeserve.ops import create_ops
+from moeserve.worker.kv_cache import allocate_kv_caches, bytes_per_block
+from moeserve.worker.runner import ModelRunner
 
 logger = logging.getLogger("moeserve.worker")
 
@@ -57,7 +65,10 @@ class Worker:
         p = spec.parallel
         self.spec, self.rank, self.node_rank, self.device = spec, rank, node_rank, device
         dist.init_process_group(
-            collective_backend(spec), store=dist.PrefixStore(RANKS_PREFIX, store), rank=rank, world_size=p.ep,
+            collective_backend(spec),
+            store=dist.PrefixStore(RANKS_PREFIX, store),
+            rank=rank,
+            world_size=p.ep,
             timeout=timedelta(seconds=p.collective_timeout_s),
         )
         self.group_index, tp_rank = divmod(rank, p.tp)
@@ -73,16 +84,31 @@ class Worker:
         spec = self.spec
         placement = ExpertPlacement.contiguous(model_config(spec.model).num_experts, spec.parallel.ep, self.rank)
         dispatcher = create_dispatcher(spec.dispatcher, placement, self.device, group=dist.group.WORLD)
-        model = load_model(Path(spec.model), spec.dtype, self.device, dispatcher, self.tp, create_ops(spec.kernels, self.device))
-        kv_caches = allocate_kv_caches(model.cfg, spec.num_kv_blocks, spec.block_size, spec.dtype, self.device, self.tp.size)
+        model = load_model(
+            Path(spec.model), spec.dtype, self.device, dispatcher, self.tp, create_ops(spec.kernels, self.device)
+        )
+        kv_caches = allocate_kv_caches(
+            model.cfg, spec.num_kv_blocks, spec.block_size, spec.dtype, self.device, self.tp.size
+        )
         self.runner = ModelRunner(
-            model, kv_caches, spec.block_size, spec.eos_token_ids, self.device,
-            seed=spec.seed, lockstep=True, samples=self.tp.rank == 0,
+            model,
+            kv_caches,
+            spec.block_size,
+            spec.eos_token_ids,
+            self.device,
+            seed=spec.seed,
+            lockstep=True,
+            samples=self.tp.rank == 0,
         )
         sizes = weight_bytes(model)
         return LoadReport(
-            rank=self.rank, node_rank=self.node_rank, pid=os.getpid(), host=socket.gethostname(),
-            num_local_experts=placement.num_local_experts, expert_bytes=sizes.experts, other_bytes=sizes.other,
+            rank=self.rank,
+            node_rank=self.node_rank,
+            pid=os.getpid(),
+            host=socket.gethostname(),
+            num_local_experts=placement.num_local_experts,
+            expert_bytes=sizes.experts,
+            other_bytes=sizes.other,
             kv_bytes=spec.num_kv_blocks * bytes_per_block(model.cfg, spec.block_size, spec.dtype, self.tp.size),
         )
 
@@ -94,7 +120,9 @@ class Worker:
         return StepOutput(message.step, self.rank, sampled, routed)
 
 
-def serve_rank(master_addr: str, master_port: int, rank: int, local_rank: int, node_rank: int, parent_pid: int | None) -> None:
+def serve_rank(
+    master_addr: str, master_port: int, rank: int, local_rank: int, node_rank: int, parent_pid: int | None
+) -> None:
     """Join, load, then run steps until node 0 says stop. Raises on any failure."""
     store = connect_store(master_addr, master_port, timeout_s=600.0)
 
@@ -111,7 +139,9 @@ def serve_rank(master_addr: str, master_port: int, rank: int, local_rank: int, n
     try:
         report = worker.load()
     except Exception as exc:  # noqa: BLE001 - node 0 reports it; this rank cannot serve
-        channel.send(LoadReport(rank, node_rank, os.getpid(), socket.gethostname(), error=f"{type(exc).__name__}: {exc}"))
+        channel.send(
+            LoadReport(rank, node_rank, os.getpid(), socket.gethostname(), error=f"{type(exc).__name__}: {exc}")
+        )
         raise
     channel.send(report)
     while True:
@@ -129,7 +159,9 @@ def serve_rank(master_addr: str, master_port: int, rank: int, local_rank: int, n
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="moeserve-worker", description="one expert-parallel rank (started by moeserve launch)")
+    parser = argparse.ArgumentParser(
+        prog="moeserve-worker", description="one expert-parallel rank (started by moeserve launch)"
+    )
     parser.add_argument("--master-addr", required=True)
     parser.add_argument("--master-port", type=int, required=True)
     parser.add_argument("--rank", type=int, required=True)
@@ -139,7 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     logging.basicConfig(
-        level=args.log_level.upper(), stream=sys.stderr,
+        level=args.log_level.upper(),
+        stream=sys.stderr,
         format=f"%(asctime)s %(levelname)s [rank {args.rank}] %(name)s: %(message)s",
     )
     try:
@@ -148,7 +181,9 @@ def main(argv: list[str] | None = None) -> int:
         text = traceback.format_exc()
         logger.error("rank %d failed:\n%s", args.rank, text)
         try:
-            connect_store(args.master_addr, args.master_port, timeout_s=5.0).set(error_key(args.rank), text.strip().splitlines()[-1])
+            connect_store(args.master_addr, args.master_port, timeout_s=5.0).set(
+                error_key(args.rank), text.strip().splitlines()[-1]
+            )
         except Exception:  # noqa: BLE001 - node 0 is gone too; the log has it
             pass
         logging.shutdown()

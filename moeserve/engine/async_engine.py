@@ -25,8 +25,8 @@ import queue
 import threading
 import time
 import uuid
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable
 
 from moeserve.engine.engine import LLMEngine
 from moeserve.engine.outputs import RequestOutput
@@ -137,7 +137,12 @@ class RequestStream:
 class AsyncEngine:
     """Serve an `LLMEngine` to asyncio callers; see the module docstring for the threading contract."""
 
-    def __init__(self, engine: LLMEngine, on_step: StepListener | None = None, on_death: Callable[[BaseException], None] | None = None) -> None:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        on_step: StepListener | None = None,
+        on_death: Callable[[BaseException], None] | None = None,
+    ) -> None:
         """on_death(error): called on the engine thread if it dies (not after `shutdown()`),
         once every open stream has been failed: a server exits then."""
         self.engine = engine
@@ -169,7 +174,9 @@ class AsyncEngine:
     @property
     def is_healthy(self) -> bool:
         """True while the engine thread runs; False once it died, stopped, lost a rank, or if never started."""
-        return self._thread is not None and self._thread.is_alive() and self._error is None and self._lost_reason is None
+        return (
+            self._thread is not None and self._thread.is_alive() and self._error is None and self._lost_reason is None
+        )
 
     def shutdown(self, timeout: float | None = 10.0) -> None:
         """Abort what is running, stop the engine thread and wait up to `timeout` s for it."""
@@ -186,7 +193,9 @@ class AsyncEngine:
 
     # ---- requests (event loop) -------------------------------------------------------------
 
-    async def submit(self, prompt: str | dict | list[int], params: SamplingParams, request_id: str | None = None) -> RequestStream:
+    async def submit(
+        self, prompt: str | dict | list[int], params: SamplingParams, request_id: str | None = None
+    ) -> RequestStream:
         """Queue a request and return its stream once the engine has accepted it.
 
         Raises what `LLMEngine.add_request` raises (ValueError, QueueFullError) and EngineDeadError,
@@ -204,7 +213,9 @@ class AsyncEngine:
             raise
         return RequestStream(self, request_id, stream)
 
-    async def generate(self, prompt: str | dict | list[int], params: SamplingParams, request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self, prompt: str | dict | list[int], params: SamplingParams, request_id: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
         """Yield the request's cumulative outputs as the engine makes them; the last is finished.
 
         `submit` and iteration in one: errors of `submit` are raised at the first iteration.

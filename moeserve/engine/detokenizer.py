@@ -7,8 +7,8 @@ sequence (the prefix/read offset scheme of text-generation-inference and vLLM).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 INCOMPLETE = "\ufffd"  # what a byte-level BPE decodes a partial UTF-8 character to
 

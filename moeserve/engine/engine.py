@@ -12,9 +12,9 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Callable, Sequence
 
 from moeserve.config import EngineConfig, parse_dtype
 from moeserve.engine.output_processor import OutputProcessor
@@ -56,9 +56,14 @@ class LLMEngine:
         self.eos_token_ids = generation_eos_ids(folder, self.model_config.eos_token_ids)
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         if self.max_model_len > self.model_config.max_position_embeddings:
-            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings {self.model_config.max_position_embeddings}")
+            raise ValueError(
+                f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings "
+                f"{self.model_config.max_position_embeddings}"
+            )
         cache, parallel = config.cache, config.parallel
-        num_blocks = num_blocks_for(self.model_config, cache, self.dtype, config.max_num_seqs * self.max_model_len, parallel.tp)
+        num_blocks = num_blocks_for(
+            self.model_config, cache, self.dtype, config.max_num_seqs * self.max_model_len, parallel.tp
+        )
         self.scheduler = DataParallelScheduler(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
@@ -99,7 +104,9 @@ class LLMEngine:
             return prompt.get("prompt"), list(prompt["prompt_token_ids"])
         if isinstance(prompt, (list, tuple)):
             return None, list(prompt)
-        raise ValueError(f"a prompt is a string, a list of token ids or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
+        raise ValueError(
+            f"a prompt is a string, a list of token ids or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}"
+        )
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingParams:
         """Reject what the model cannot run; returns params with max_tokens fitted to the context."""
@@ -118,7 +125,13 @@ class LLMEngine:
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         return replace(params, max_tokens=max_tokens, min_tokens=min(params.min_tokens, max_tokens))
 
-    def add_request(self, prompt: str | dict | list[int], params: SamplingParams, request_id: str | None = None, arrival_time: float | None = None) -> str:
+    def add_request(
+        self,
+        prompt: str | dict | list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        arrival_time: float | None = None,
+    ) -> str:
         return self.add_requests([(prompt, params)], [request_id], arrival_time)[0]
 
     def add_requests(
@@ -135,9 +148,19 @@ class LLMEngine:
             prepared.append((text, prompt_token_ids, self.validate(prompt_token_ids, params)))
         ids = request_ids or [None] * len(batch)
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        return [self._enqueue(text, token_ids, params, rid, arrival) for (text, token_ids, params), rid in zip(prepared, ids)]
+        return [
+            self._enqueue(text, token_ids, params, rid, arrival)
+            for (text, token_ids, params), rid in zip(prepared, ids)
+        ]
 
-    def _enqueue(self, text: str | None, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None, arrival: float) -> str:
+    def _enqueue(
+        self,
+        text: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None,
+        arrival: float,
+    ) -> str:
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.output_processor:
             raise ValueError(f"request id {request_id!r} is already in use")

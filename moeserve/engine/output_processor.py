@@ -180,7 +180,9 @@ class OutputProcessor:
         step.outputs = [self._output(parent_id, now, stats) for parent_id in touched]
         return step
 
-    def _append(self, parent: _Parent, child_id: str, token: SampledToken, now: float, stats: IterationStats) -> str | None:
+    def _append(
+        self, parent: _Parent, child_id: str, token: SampledToken, now: float, stats: IterationStats
+    ) -> str | None:
         """Count the token in the latencies, then add it to its sequence; a matched stop string."""
         seq = parent.sequences[child_id]
         stats.num_generation_tokens += 1

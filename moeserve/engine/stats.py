@@ -94,7 +94,12 @@ class LoggingStatLogger:
         if self._prompt_tokens or self._generation_tokens or stats.num_running or stats.num_waiting:
             usage = 100.0 * stats.kv_blocks_used / max(stats.kv_blocks_total, 1)
             logger.info(
-                "prompt throughput %.1f tokens/s, generation throughput %.1f tokens/s, running %d, waiting %d, KV cache %.1f%% used",
-                self._prompt_tokens / elapsed, self._generation_tokens / elapsed, stats.num_running, stats.num_waiting, usage,
+                "prompt throughput %.1f tokens/s, generation throughput %.1f tokens/s, running %d, waiting %d, KV "
+                "cache %.1f%% used",
+                self._prompt_tokens / elapsed,
+                self._generation_tokens / elapsed,
+                stats.num_running,
+                stats.num_waiting,
+                usage,
             )
         self._since, self._prompt_tokens, self._generation_tokens = now, 0, 0

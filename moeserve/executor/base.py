@@ -31,9 +31,9 @@ class Executor(ABC):
     def take_routed_tokens(self) -> RoutedTokens | None:
         """Expert load since the previous call, or None if nothing new is known yet."""
 
-    def add_failure_listener(self, listener: Callable[[str], None]) -> None:
+    def add_failure_listener(self, listener: Callable[[str], None]) -> None:  # noqa: B027 - a no-op is right here
         """`listener(reason)` is called once if the executor can no longer run steps (a rank
         process was lost). The in-process executor has no such failure."""
 
-    def shutdown(self) -> None:
+    def shutdown(self) -> None:  # noqa: B027 - an executor that started nothing has nothing to stop
         """Stop what the executor started; idempotent."""

@@ -23,7 +23,14 @@ class InProcessExecutor(Executor):
 
     num_groups = 1
 
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype, num_kv_blocks: int, eos_token_ids: Sequence[int]) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_config: ModelConfig,
+        dtype: torch.dtype,
+        num_kv_blocks: int,
+        eos_token_ids: Sequence[int],
+    ) -> None:
         self.num_kv_blocks = num_kv_blocks
         self.model = load_model(Path(config.model), dtype, config.device, ops=create_ops(config.kernels, config.device))
         kv_caches = allocate_kv_caches(model_config, num_kv_blocks, config.cache.block_size, dtype, config.device)

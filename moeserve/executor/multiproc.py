@@ -44,7 +44,14 @@ class WorkerLostError(RuntimeError):
 
 
 class MultiprocessExecutor(Executor):
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype, num_kv_blocks: int, eos_token_ids: Sequence[int]) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_config: ModelConfig,
+        dtype: torch.dtype,
+        num_kv_blocks: int,
+        eos_token_ids: Sequence[int],
+    ) -> None:
         p = config.parallel
         self.parallel = p
         self.num_groups = p.num_dp_groups
@@ -64,13 +71,31 @@ class MultiprocessExecutor(Executor):
         single_node = p.nnodes == 1
         node0_addr = "127.0.0.1" if single_node else p.master_addr  # how the ranks reach this process
         self._channel = ControlServer("127.0.0.1" if single_node else "*", node0_addr)
-        put(self._store, SPEC_KEY, WorkerSpec(
-            model=config.model, dtype=dtype, device=config.device, parallel=p, block_size=config.cache.block_size,
-            num_kv_blocks=num_kv_blocks, eos_token_ids=tuple(eos_token_ids), seed=config.seed, kernels=config.kernels,
-        ))
+        put(
+            self._store,
+            SPEC_KEY,
+            WorkerSpec(
+                model=config.model,
+                dtype=dtype,
+                device=config.device,
+                parallel=p,
+                block_size=config.cache.block_size,
+                num_kv_blocks=num_kv_blocks,
+                eos_token_ids=tuple(eos_token_ids),
+                seed=config.seed,
+                kernels=config.kernels,
+            ),
+        )
         put(self._store, CONTROL_KEY, self._channel.addresses)
-        logger.info("rendezvous at %s:%d: %d ranks on %d node(s), %d data-parallel group(s) of tp=%d",
-                    node0_addr, self._store.port, p.ep, p.nnodes, p.num_dp_groups, p.tp)
+        logger.info(
+            "rendezvous at %s:%d: %d ranks on %d node(s), %d data-parallel group(s) of tp=%d",
+            node0_addr,
+            self._store.port,
+            p.ep,
+            p.nnodes,
+            p.num_dp_groups,
+            p.tp,
+        )
         self._procs = start_ranks(p, node0_addr, self._store.port, node_rank=0, watch_parent=True)
         atexit.register(self.shutdown)
         self._monitor = RankMonitor(self._store, p, self._procs, self._lost)
@@ -119,11 +144,15 @@ class MultiprocessExecutor(Executor):
             message = self._channel.receive(POLL_S)
             if isinstance(message, LoadReport):
                 if message.error is not None:
-                    raise RuntimeError(f"rank {message.rank} (node {message.node_rank}) could not load the model: {message.error}")
+                    raise RuntimeError(
+                        f"rank {message.rank} (node {message.node_rank}) could not load the model: {message.error}"
+                    )
                 reports[message.rank] = message
             now = time.monotonic()
             if now - last_note > 10.0:
-                logger.info("waiting for ranks to load: %d/%d ready after %.0f s", len(reports), self.parallel.ep, now - started)
+                logger.info(
+                    "waiting for ranks to load: %d/%d ready after %.0f s", len(reports), self.parallel.ep, now - started
+                )
                 last_note = now
         total_experts = sum(r.expert_bytes for r in reports.values())
         for rank in sorted(reports):
@@ -131,8 +160,16 @@ class MultiprocessExecutor(Executor):
             logger.info(
                 "rank %d (node %d, %s pid %d): %d experts, %.1f MiB of expert weights (%.0f%% of all %.1f MiB), "
                 "%.1f MiB of other weights, %.1f MiB of KV cache",
-                rank, r.node_rank, r.host, r.pid, r.num_local_experts, r.expert_bytes / 2**20,
-                100.0 * r.expert_bytes / max(total_experts, 1), total_experts / 2**20, r.other_bytes / 2**20, r.kv_bytes / 2**20,
+                rank,
+                r.node_rank,
+                r.host,
+                r.pid,
+                r.num_local_experts,
+                r.expert_bytes / 2**20,
+                100.0 * r.expert_bytes / max(total_experts, 1),
+                total_experts / 2**20,
+                r.other_bytes / 2**20,
+                r.kv_bytes / 2**20,
             )
 
     def _synchronize(self) -> None:
@@ -142,7 +179,9 @@ class MultiprocessExecutor(Executor):
         while len(acked) < self.parallel.ep:
             self._check()
             if time.monotonic() > deadline:
-                raise WorkerLostError(f"ranks {sorted(set(range(self.parallel.ep)) - acked)} never answered on the control channel")
+                raise WorkerLostError(
+                    f"ranks {sorted(set(range(self.parallel.ep)) - acked)} never answered on the control channel"
+                )
             self._channel.publish(Sync())
             message = self._channel.receive(POLL_S)
             while message is not None:
@@ -171,7 +210,10 @@ class MultiprocessExecutor(Executor):
             self._check()
             if message is None:
                 if time.monotonic() > deadline:
-                    raise WorkerLostError(f"ranks {sorted(pending)} did not finish step {step} within {self.parallel.collective_timeout_s:.0f} s")
+                    raise WorkerLostError(
+                        f"ranks {sorted(pending)} did not finish step {step} within "
+                        f"{self.parallel.collective_timeout_s:.0f} s"
+                    )
                 continue
             if not isinstance(message, StepOutput) or message.step != step:
                 continue  # a late Sync answer

@@ -84,7 +84,9 @@ KERNEL_CONFIGS: tuple[tuple[float, KernelConfig], ...] = (
 def config_for(num_tokens: int, top_k: int, num_experts: int) -> KernelConfig:
     """The config for `num_tokens` rows routed `top_k` ways over `num_experts` (local) experts."""
     if num_tokens < 0 or top_k < 1 or num_experts < 1:
-        raise ValueError(f"need num_tokens >= 0, top_k >= 1, num_experts >= 1; got {num_tokens}, {top_k}, {num_experts}")
+        raise ValueError(
+            f"need num_tokens >= 0, top_k >= 1, num_experts >= 1; got {num_tokens}, {top_k}, {num_experts}"
+        )
     tokens_per_expert = num_tokens * top_k / num_experts
     return next(cfg for limit, cfg in KERNEL_CONFIGS if tokens_per_expert <= limit)
 
@@ -102,12 +104,12 @@ def _config_for_block_m(block_m: int) -> KernelConfig:
     raise ValueError(f"alignment block_m={block_m} has no kernel config (known: {known}); align with block_m_for(...)")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _shared_memory_budget(device_index: int) -> int:
     props = torch.cuda.get_device_properties(device_index)
     return getattr(props, "shared_memory_per_block_optin", SM90_SHARED_MEMORY)
@@ -148,11 +150,29 @@ def _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 @triton.jit
 def _gate_up_kernel(
-    hidden_ptr, w13_ptr, act_ptr, sorted_ids_ptr, block_experts_ptr, num_padded_ptr,
-    num_pairs, top_k, hidden_size, inter_size,
-    stride_hm, stride_hk, stride_we, stride_wn, stride_wk, stride_am, stride_an,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+    hidden_ptr,
+    w13_ptr,
+    act_ptr,
+    sorted_ids_ptr,
+    block_experts_ptr,
+    num_padded_ptr,
+    num_pairs,
+    top_k,
+    hidden_size,
+    inter_size,
+    stride_hm,
+    stride_hk,
+    stride_we,
+    stride_wn,
+    stride_wk,
+    stride_am,
+    stride_an,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """act[s, n] = silu(hidden[pair_s // top_k] . w_gate[n]) * (hidden[pair_s // top_k] . w_up[n])."""
     pid = tl.program_id(0)
@@ -196,11 +216,30 @@ def _gate_up_kernel(
 
 @triton.jit
 def _down_kernel(
-    act_ptr, w2_ptr, out_ptr, weights_ptr, sorted_ids_ptr, block_experts_ptr, num_padded_ptr,
-    num_pairs, hidden_size, inter_size,
-    stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_om, stride_on,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    EVEN_K: tl.constexpr, HAS_WEIGHTS: tl.constexpr, PRECISION: tl.constexpr,
+    act_ptr,
+    w2_ptr,
+    out_ptr,
+    weights_ptr,
+    sorted_ids_ptr,
+    block_experts_ptr,
+    num_padded_ptr,
+    num_pairs,
+    hidden_size,
+    inter_size,
+    stride_am,
+    stride_ak,
+    stride_we,
+    stride_wn,
+    stride_wk,
+    stride_om,
+    stride_on,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    HAS_WEIGHTS: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """out[pair_s, n] = (act[s] . w2[n]) * pair_weights[pair_s], for real (non-padding) pairs."""
     pid = tl.program_id(0)
@@ -238,19 +277,29 @@ def _down_kernel(
 
 
 def _validate(
-    hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, aligned: AlignedPairs, top_k: int,
-    pair_weights: torch.Tensor | None, max_programs: int | None,
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    aligned: AlignedPairs,
+    top_k: int,
+    pair_weights: torch.Tensor | None,
+    max_programs: int | None,
 ) -> int:
     """Checks shapes, dtypes and devices; returns the alignment's block_m."""
     if hidden.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
         raise ValueError(
-            f"need hidden [T, H], w13 [E, 2I, H], w2 [E, H, I]; got {tuple(hidden.shape)}, {tuple(w13.shape)}, {tuple(w2.shape)}"
+            f"need hidden [T, H], w13 [E, 2I, H], w2 [E, H, I]; got {tuple(hidden.shape)}, {tuple(w13.shape)}, "
+            f"{tuple(w2.shape)}"
         )
     num_experts, two_inter, hidden_size = w13.shape
     if hidden.shape[1] != hidden_size or two_inter % 2 or tuple(w2.shape) != (num_experts, hidden_size, two_inter // 2):
-        raise ValueError(f"inconsistent shapes: hidden {tuple(hidden.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}")
+        raise ValueError(
+            f"inconsistent shapes: hidden {tuple(hidden.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}"
+        )
     if hidden.dtype not in SUPPORTED_DTYPES or w13.dtype != hidden.dtype or w2.dtype != hidden.dtype:
-        raise ValueError(f"hidden, w13, w2 must share one of {SUPPORTED_DTYPES}; got {hidden.dtype}, {w13.dtype}, {w2.dtype}")
+        raise ValueError(
+            f"hidden, w13, w2 must share one of {SUPPORTED_DTYPES}; got {hidden.dtype}, {w13.dtype}, {w2.dtype}"
+        )
     if not isinstance(top_k, int) or top_k < 1:
         raise ValueError(f"top_k must be a positive int, got {top_k!r}")
     if max_programs is not None and max_programs < 1:
@@ -266,7 +315,10 @@ def _validate(
         if t.dtype != torch.int32 or t.dim() != 1:
             raise ValueError(f"aligned.{name} must be a 1-D int32 tensor, got {t.dtype} {tuple(t.shape)}")
     if num_padded.numel() != 1 or experts.numel() == 0 or ids.numel() % experts.numel():
-        raise ValueError(f"bad alignment: {ids.numel()} sorted ids, {experts.numel()} blocks, num_padded of {num_padded.numel()} elements")
+        raise ValueError(
+            f"bad alignment: {ids.numel()} sorted ids, {experts.numel()} blocks, num_padded of {num_padded.numel()} "
+            "elements"
+        )
     block_m = ids.numel() // experts.numel()
     num_pairs = hidden.shape[0] * top_k
     expected = triton.cdiv(num_pairs + num_experts * (block_m - 1), block_m) * block_m
@@ -276,7 +328,9 @@ def _validate(
             f"{num_experts} experts at block_m={block_m}: was it built for another batch or expert count?"
         )
     if pair_weights is not None and (pair_weights.dtype != torch.float32 or pair_weights.shape != (num_pairs,)):
-        raise ValueError(f"pair_weights must be float32 [{num_pairs}], got {pair_weights.dtype} {tuple(pair_weights.shape)}")
+        raise ValueError(
+            f"pair_weights must be float32 [{num_pairs}], got {pair_weights.dtype} {tuple(pair_weights.shape)}"
+        )
     return block_m
 
 
@@ -302,7 +356,9 @@ def fused_moe(
     """
     block_m = _validate(hidden, w13, w2, aligned, top_k, pair_weights, max_programs)
     if hidden.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError(f"fused_moe runs on CUDA, or elsewhere only under TRITON_INTERPRET=1; hidden is on {hidden.device}")
+        raise ValueError(
+            f"fused_moe runs on CUDA, or elsewhere only under TRITON_INTERPRET=1; hidden is on {hidden.device}"
+        )
     cfg = _config_for_block_m(block_m)
     num_experts, two_inter, hidden_size = w13.shape
     inter_size = two_inter // 2
@@ -316,26 +372,63 @@ def fused_moe(
     num_blocks = num_slots // block_m
     # fp32 stays exact (no tf32), like torch's default matmul: it is a checking dtype, not a serving one.
     precision = "ieee" if hidden.dtype == torch.float32 else "tf32"
-    launch = dict(BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-                  PRECISION=precision, num_warps=cfg.num_warps)
+    launch = dict(
+        BLOCK_M=block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m,
+        PRECISION=precision,
+        num_warps=cfg.num_warps,
+    )
     budget = _shared_memory_budget(_device_index(hidden.device)) if hidden.device.type == "cuda" else SM90_SHARED_MEMORY
 
     # Grids are capped by the tile count of a fully padded alignment, a host-side bound.
     grid = (min(programs, num_blocks * triton.cdiv(inter_size, cfg.block_n)),)
     _gate_up_kernel[grid](
-        hidden, w13, act, aligned.sorted_pair_ids, aligned.block_experts, aligned.num_padded,
-        num_pairs, top_k, hidden_size, inter_size,
-        hidden.stride(0), hidden.stride(1), w13.stride(0), w13.stride(1), w13.stride(2), act.stride(0), act.stride(1),
-        EVEN_K=hidden_size % cfg.block_k == 0, num_stages=fit_num_stages(cfg, hidden.element_size(), 2, budget), **launch,
+        hidden,
+        w13,
+        act,
+        aligned.sorted_pair_ids,
+        aligned.block_experts,
+        aligned.num_padded,
+        num_pairs,
+        top_k,
+        hidden_size,
+        inter_size,
+        hidden.stride(0),
+        hidden.stride(1),
+        w13.stride(0),
+        w13.stride(1),
+        w13.stride(2),
+        act.stride(0),
+        act.stride(1),
+        EVEN_K=hidden_size % cfg.block_k == 0,
+        num_stages=fit_num_stages(cfg, hidden.element_size(), 2, budget),
+        **launch,
     )
     grid = (min(programs, num_blocks * triton.cdiv(hidden_size, cfg.block_n)),)
     _down_kernel[grid](
-        act, w2, out, pair_weights if pair_weights is not None else out, aligned.sorted_pair_ids,
-        aligned.block_experts, aligned.num_padded,
-        num_pairs, hidden_size, inter_size,
-        act.stride(0), act.stride(1), w2.stride(0), w2.stride(1), w2.stride(2), out.stride(0), out.stride(1),
-        EVEN_K=inter_size % cfg.block_k == 0, HAS_WEIGHTS=pair_weights is not None,
-        num_stages=fit_num_stages(cfg, hidden.element_size(), 1, budget), **launch,
+        act,
+        w2,
+        out,
+        pair_weights if pair_weights is not None else out,
+        aligned.sorted_pair_ids,
+        aligned.block_experts,
+        aligned.num_padded,
+        num_pairs,
+        hidden_size,
+        inter_size,
+        act.stride(0),
+        act.stride(1),
+        w2.stride(0),
+        w2.stride(1),
+        w2.stride(2),
+        out.stride(0),
+        out.stride(1),
+        EVEN_K=inter_size % cfg.block_k == 0,
+        HAS_WEIGHTS=pair_weights is not None,
+        num_stages=fit_num_stages(cfg, hidden.element_size(), 1, budget),
+        **launch,
     )
     return out
 
@@ -373,4 +466,3 @@ def fused_moe_reference(
             y = y * pair_weights[pairs, None]
         out[pairs] = y.to(hidden.dtype)
     return out
-

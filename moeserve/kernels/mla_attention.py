@@ -51,16 +51,46 @@ NUM_WARPS = 8  # a 32 x 512 fp32 accumulator spills on 4 warps (sm_90 build: 255
 
 @triton.jit
 def _mla_attention_kernel(
-    q_lat_ptr, q_rope_ptr, cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
-    block_table_ptr, context_lens_ptr, query_start_ptr,
-    qk_scale, block_size, num_heads,
-    stride_qlt, stride_qlh, stride_qld, stride_qrt, stride_qrh, stride_qrd,
-    stride_cb, stride_cs, stride_cd,
-    stride_ot, stride_oh, stride_od,
-    stride_bt, stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
-    HEADS_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    LORA: tl.constexpr, ROPE: tl.constexpr, BLOCK_LORA: tl.constexpr, BLOCK_ROPE: tl.constexpr,
-    PARTITION: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    q_lat_ptr,
+    q_rope_ptr,
+    cache_ptr,
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    block_table_ptr,
+    context_lens_ptr,
+    query_start_ptr,
+    qk_scale,
+    block_size,
+    num_heads,
+    stride_qlt,
+    stride_qlh,
+    stride_qld,
+    stride_qrt,
+    stride_qrh,
+    stride_qrd,
+    stride_cb,
+    stride_cs,
+    stride_cd,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    stride_bt,
+    stride_pt,
+    stride_ph,
+    stride_ps,
+    stride_lt,
+    stride_lh,
+    HEADS_P: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    LORA: tl.constexpr,
+    ROPE: tl.constexpr,
+    BLOCK_LORA: tl.constexpr,
+    BLOCK_ROPE: tl.constexpr,
+    PARTITION: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
 ):
     """Grid: (query tiles, or partitions when PARTITION > 0; sequences; head tiles).
 
@@ -94,11 +124,13 @@ def _mla_attention_kernel(
         rope_ok = dr < ROPE
         q_lat = tl.load(
             q_lat_ptr + row_tok[:, None] * stride_qlt + head[:, None] * stride_qlh + dl[None, :] * stride_qld,
-            mask=row_ok[:, None] & lora_ok[None, :], other=0.0,
+            mask=row_ok[:, None] & lora_ok[None, :],
+            other=0.0,
         )
         q_rope = tl.load(
             q_rope_ptr + row_tok[:, None] * stride_qrt + head[:, None] * stride_qrh + dr[None, :] * stride_qrd,
-            mask=row_ok[:, None] & rope_ok[None, :], other=0.0,
+            mask=row_ok[:, None] & rope_ok[None, :],
+            other=0.0,
         )
 
         m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)  # finite: fully masked tiles give p = 0, not NaN
@@ -109,9 +141,13 @@ def _mla_attention_kernel(
             key_ok = key_pos < hi
             block, in_block = cache_slots(block_table_ptr, seq, stride_bt, key_pos, key_ok, block_size)
             slot = block * stride_cb + in_block * stride_cs
-            latent = tl.load(cache_ptr + slot[:, None] + dl[None, :] * stride_cd, mask=key_ok[:, None] & lora_ok[None, :], other=0.0)
+            latent = tl.load(
+                cache_ptr + slot[:, None] + dl[None, :] * stride_cd, mask=key_ok[:, None] & lora_ok[None, :], other=0.0
+            )
             k_rope = tl.load(
-                cache_ptr + slot[:, None] + (LORA + dr[None, :]) * stride_cd, mask=key_ok[:, None] & rope_ok[None, :], other=0.0
+                cache_ptr + slot[:, None] + (LORA + dr[None, :]) * stride_cd,
+                mask=key_ok[:, None] & rope_ok[None, :],
+                other=0.0,
             )
             s = tl.dot(q_lat, tl.trans(latent), input_precision=INPUT_PRECISION)
             s = tl.dot(q_rope, tl.trans(k_rope), acc=s, input_precision=INPUT_PRECISION) * qk_scale
@@ -120,9 +156,27 @@ def _mla_attention_kernel(
             acc = acc * alpha[:, None] + tl.dot(p.to(latent.dtype), latent, input_precision=INPUT_PRECISION)
 
         store_result(
-            acc, m_i, l_i, row_tok, head, row_ok, dl, lora_ok, split, num_splits,
-            out_ptr, stride_ot, stride_oh, stride_od,
-            part_out_ptr, part_lse_ptr, stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
+            acc,
+            m_i,
+            l_i,
+            row_tok,
+            head,
+            row_ok,
+            dl,
+            lora_ok,
+            split,
+            num_splits,
+            out_ptr,
+            stride_ot,
+            stride_oh,
+            stride_od,
+            part_out_ptr,
+            part_lse_ptr,
+            stride_pt,
+            stride_ph,
+            stride_ps,
+            stride_lt,
+            stride_lh,
         )
 
 
@@ -152,13 +206,19 @@ def mla_latent_attention(
     rope = q_rope.shape[2]
     if lora != kv_lora_rank or q_rope.shape[:2] != q_latent.shape[:2] or kv_cache.shape[2] != lora + rope:
         raise ValueError(
-            f"shapes disagree with kv_lora_rank {kv_lora_rank}: q_latent {tuple(q_latent.shape)}, q_rope {tuple(q_rope.shape)}, "
+            f"shapes disagree with kv_lora_rank {kv_lora_rank}: q_latent {tuple(q_latent.shape)}, q_rope "
+            f"{tuple(q_rope.shape)}, "
             f"kv_cache {tuple(kv_cache.shape)}"
         )
     if not q_latent.dtype == q_rope.dtype == kv_cache.dtype:
-        raise ValueError(f"q_latent, q_rope and kv_cache must share a dtype, got {q_latent.dtype}, {q_rope.dtype}, {kv_cache.dtype}")
+        raise ValueError(
+            f"q_latent, q_rope and kv_cache must share a dtype, got {q_latent.dtype}, {q_rope.dtype}, {kv_cache.dtype}"
+        )
     if not q_latent.device == q_rope.device == kv_cache.device:
-        raise ValueError(f"q_latent, q_rope and kv_cache must be on one device, got {q_latent.device}, {q_rope.device}, {kv_cache.device}")
+        raise ValueError(
+            f"q_latent, q_rope and kv_cache must be on one device, got {q_latent.device}, {q_rope.device}, "
+            f"{kv_cache.device}"
+        )
     if kv_cache.shape[1] != inputs.block_size:
         raise ValueError(f"cache block size {kv_cache.shape[1]} differs from the paged inputs' {inputs.block_size}")
     if decode_partition < 1:
@@ -177,16 +237,40 @@ def mla_latent_attention(
     else:
         block_q, partition, num_splits = max(1, PREFILL_ROWS // heads_p), 0, 1
         grid_0 = triton.cdiv(inputs.max_query_len, block_q)
-    part_out, part_lse = split_buffers(num_tokens, num_heads, num_splits, lora, q_latent.device) if num_splits > 1 else (out, out)
+    part_out, part_lse = (
+        split_buffers(num_tokens, num_heads, num_splits, lora, q_latent.device) if num_splits > 1 else (out, out)
+    )
     _mla_attention_kernel[(grid_0, len(inputs.context_lens), triton.cdiv(num_heads, heads_p))](
-        q_latent, q_rope, kv_cache, out, part_out, part_lse,
-        inputs.block_table, inputs.context_lens, inputs.query_start,
-        scale * LOG2E, inputs.block_size, num_heads,
-        *q_latent.stride(), *q_rope.stride(), *kv_cache.stride(), *out.stride(),
-        inputs.block_table.stride(0), *part_out.stride()[:3], *part_lse.stride()[:2],
-        HEADS_P=heads_p, BLOCK_Q=block_q, BLOCK_M=max(MIN_ROWS, block_q * heads_p), BLOCK_N=BLOCK_N,
-        LORA=lora, ROPE=rope, BLOCK_LORA=max(16, triton.next_power_of_2(lora)), BLOCK_ROPE=max(16, triton.next_power_of_2(rope)),
-        PARTITION=partition, INPUT_PRECISION=dot_precision(q_latent.dtype), num_warps=NUM_WARPS,
+        q_latent,
+        q_rope,
+        kv_cache,
+        out,
+        part_out,
+        part_lse,
+        inputs.block_table,
+        inputs.context_lens,
+        inputs.query_start,
+        scale * LOG2E,
+        inputs.block_size,
+        num_heads,
+        *q_latent.stride(),
+        *q_rope.stride(),
+        *kv_cache.stride(),
+        *out.stride(),
+        inputs.block_table.stride(0),
+        *part_out.stride()[:3],
+        *part_lse.stride()[:2],
+        HEADS_P=heads_p,
+        BLOCK_Q=block_q,
+        BLOCK_M=max(MIN_ROWS, block_q * heads_p),
+        BLOCK_N=BLOCK_N,
+        LORA=lora,
+        ROPE=rope,
+        BLOCK_LORA=max(16, triton.next_power_of_2(lora)),
+        BLOCK_ROPE=max(16, triton.next_power_of_2(rope)),
+        PARTITION=partition,
+        INPUT_PRECISION=dot_precision(q_latent.dtype),
+        num_warps=NUM_WARPS,
     )
     if num_splits > 1:
         combine_splits(part_out, part_lse, out, inputs, None, partition)
@@ -215,20 +299,28 @@ def mla_decode(
     """
     m = mla_config
     if q_nope.dim() != 3 or q_rope.dim() != 3:
-        raise ValueError(f"expected q_nope [T, H, nope] and q_rope [T, H, rope], got {tuple(q_nope.shape)}, {tuple(q_rope.shape)}")
+        raise ValueError(
+            f"expected q_nope [T, H, nope] and q_rope [T, H, rope], got {tuple(q_nope.shape)}, {tuple(q_rope.shape)}"
+        )
     num_tokens, num_heads, nope = q_nope.shape
     if nope != m.qk_nope_head_dim or q_rope.shape != (num_tokens, num_heads, m.qk_rope_head_dim):
         raise ValueError(
-            f"q_nope {tuple(q_nope.shape)} / q_rope {tuple(q_rope.shape)} do not match qk_nope_head_dim {m.qk_nope_head_dim}, "
+            f"q_nope {tuple(q_nope.shape)} / q_rope {tuple(q_rope.shape)} do not match qk_nope_head_dim "
+            f"{m.qk_nope_head_dim}, "
             f"qk_rope_head_dim {m.qk_rope_head_dim}"
         )
     per_head = m.qk_nope_head_dim + m.v_head_dim
     if kv_b_proj_weight.shape != (num_heads * per_head, m.kv_lora_rank):
-        raise ValueError(f"kv_b_proj_weight {tuple(kv_b_proj_weight.shape)} should be {(num_heads * per_head, m.kv_lora_rank)} for {num_heads} heads")
+        raise ValueError(
+            f"kv_b_proj_weight {tuple(kv_b_proj_weight.shape)} should be {(num_heads * per_head, m.kv_lora_rank)} for "
+            f"{num_heads} heads"
+        )
     if kv_b_proj_weight.dtype != q_nope.dtype:
         raise ValueError(f"kv_b_proj_weight dtype {kv_b_proj_weight.dtype} differs from q's {q_nope.dtype}")
     w = kv_b_proj_weight.reshape(num_heads, per_head, m.kv_lora_rank)
     w_uk, w_uv = w[:, : m.qk_nope_head_dim], w[:, m.qk_nope_head_dim :]  # [H, nope, lora], [H, v, lora]
     q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, lora], a view of [H, T, lora]
-    out_latent = mla_latent_attention(q_latent, q_rope, kv_cache, inputs, scale, m.kv_lora_rank, decode_partition=decode_partition)
+    out_latent = mla_latent_attention(
+        q_latent, q_rope, kv_cache, inputs, scale, m.kv_lora_rank, decode_partition=decode_partition
+    )
     return torch.bmm(out_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1).contiguous()  # [T, H, v]

@@ -73,7 +73,9 @@ def moe_align_reference(topk_ids: torch.Tensor, num_experts: int, block_m: int) 
     p_max = padded_capacity(num_pairs, num_experts, block_m)
     flat = topk_ids.reshape(-1).long()
     expert = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts)  # E: skipped
-    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=device).scatter_add_(0, expert, torch.ones_like(expert))
+    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=device).scatter_add_(
+        0, expert, torch.ones_like(expert)
+    )
     padded = (counts[:num_experts] + block_m - 1) // block_m * block_m
     ends = padded.cumsum(0)
     starts = torch.cat([ends - padded, ends.new_full((1,), p_max)])  # skipped pairs go to slot P_max
@@ -101,8 +103,14 @@ def _count_kernel(ids_ptr, chunk_counts_ptr, num_pairs, num_experts, BLOCK_P: tl
 
 @triton.jit
 def _prefix_kernel(
-    chunk_counts_ptr, starts_ptr, num_padded_ptr, num_chunks, num_experts, block_m,
-    E_PAD: tl.constexpr, BLOCK_C: tl.constexpr,
+    chunk_counts_ptr,
+    starts_ptr,
+    num_padded_ptr,
+    num_chunks,
+    num_experts,
+    block_m,
+    E_PAD: tl.constexpr,
+    BLOCK_C: tl.constexpr,
 ):
     expert = tl.arange(0, E_PAD)
     carry = tl.zeros([E_PAD], dtype=tl.int32)
@@ -121,7 +129,13 @@ def _prefix_kernel(
 
 @triton.jit
 def _scatter_kernel(
-    ids_ptr, chunk_offsets_ptr, starts_ptr, sorted_ptr, num_pairs, num_experts, BLOCK_P: tl.constexpr,
+    ids_ptr,
+    chunk_offsets_ptr,
+    starts_ptr,
+    sorted_ptr,
+    num_pairs,
+    num_experts,
+    BLOCK_P: tl.constexpr,
 ):
     chunk = tl.program_id(0)
     lane = tl.arange(0, BLOCK_P)
@@ -138,8 +152,14 @@ def _scatter_kernel(
 
 @triton.jit
 def _block_kernel(
-    starts_ptr, num_padded_ptr, block_experts_ptr, num_blocks, num_experts, block_m,
-    E_PAD: tl.constexpr, BLOCK_B: tl.constexpr,
+    starts_ptr,
+    num_padded_ptr,
+    block_experts_ptr,
+    num_blocks,
+    num_experts,
+    block_m,
+    E_PAD: tl.constexpr,
+    BLOCK_B: tl.constexpr,
 ):
     block = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
     expert = tl.arange(0, E_PAD)
@@ -169,15 +189,36 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int)
     if num_chunks:
         _count_kernel[(num_chunks,)](topk_ids, chunk_counts, num_pairs, num_experts, BLOCK_P=BLOCK_P)
     _prefix_kernel[(1,)](
-        chunk_counts, starts, num_padded, num_chunks, num_experts, block_m, E_PAD=e_pad, BLOCK_C=BLOCK_C,
+        chunk_counts,
+        starts,
+        num_padded,
+        num_chunks,
+        num_experts,
+        block_m,
+        E_PAD=e_pad,
+        BLOCK_C=BLOCK_C,
         num_warps=4 if e_pad <= 256 else 8,
     )
     if num_chunks:
         _scatter_kernel[(num_chunks,)](
-            topk_ids, chunk_counts, starts, sorted_pair_ids, num_pairs, num_experts, BLOCK_P=BLOCK_P, num_warps=8,
+            topk_ids,
+            chunk_counts,
+            starts,
+            sorted_pair_ids,
+            num_pairs,
+            num_experts,
+            BLOCK_P=BLOCK_P,
+            num_warps=8,
         )
     if num_blocks:
         _block_kernel[(triton.cdiv(num_blocks, BLOCK_B),)](
-            starts, num_padded, block_experts, num_blocks, num_experts, block_m, E_PAD=e_pad, BLOCK_B=BLOCK_B,
+            starts,
+            num_padded,
+            block_experts,
+            num_blocks,
+            num_experts,
+            block_m,
+            E_PAD=e_pad,
+            BLOCK_B=BLOCK_B,
         )
     return AlignedPairs(sorted_pair_ids, block_experts, num_padded)

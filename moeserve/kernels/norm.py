@@ -31,10 +31,20 @@ MAX_BLOCK = 8192  # widest row held in registers: every hidden size of the suppo
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
-    H, eps,
-    stride_x, stride_res, stride_out, stride_res_out,
-    ADD_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr,
+    x_ptr,
+    res_ptr,
+    w_ptr,
+    out_ptr,
+    res_out_ptr,
+    H,
+    eps,
+    stride_x,
+    stride_res,
+    stride_out,
+    stride_res_out,
+    ADD_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
+    NUM_CHUNKS: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
@@ -104,7 +114,9 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
-def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _launch(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     hidden = x.shape[-1]
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     res_out = torch.empty_like(out) if residual is not None else None
@@ -116,10 +128,20 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
     block = min(triton.next_power_of_2(hidden), MAX_BLOCK)
     num_warps = 16 if block >= 8192 else 8 if block >= 2048 else 4 if block >= 512 else 1
     _rms_norm_kernel[(x_rows.shape[0],)](
-        x_rows, res_rows, weight.contiguous(), out_rows, res_out_rows,
-        hidden, float(eps),
-        x_rows.stride(0), res_rows.stride(0), out_rows.stride(0), res_out_rows.stride(0),
-        ADD_RESIDUAL=residual is not None, BLOCK=block, NUM_CHUNKS=triton.cdiv(hidden, block),
+        x_rows,
+        res_rows,
+        weight.contiguous(),
+        out_rows,
+        res_out_rows,
+        hidden,
+        float(eps),
+        x_rows.stride(0),
+        res_rows.stride(0),
+        out_rows.stride(0),
+        res_out_rows.stride(0),
+        ADD_RESIDUAL=residual is not None,
+        BLOCK=block,
+        NUM_CHUNKS=triton.cdiv(hidden, block),
         num_warps=num_warps,
     )
     return out, res_out
@@ -135,7 +157,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return _launch(x, None, weight, eps)[0]
 
 
-def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`h = x + residual`, then `(RMSNorm(h), h)`, reading x and residual once.
 
     A decoder layer adds each sub-layer's output to the residual stream and normalises the sum

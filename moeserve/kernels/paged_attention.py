@@ -31,8 +31,8 @@ only read the cache.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 import triton
@@ -79,17 +79,22 @@ def paged_inputs(
     """
     if not len(block_tables) == len(start_positions) == len(query_lens):
         raise ValueError(
-            f"block_tables, start_positions and query_lens differ in length: {len(block_tables)}, {len(start_positions)}, {len(query_lens)}"
+            f"block_tables, start_positions and query_lens differ in length: {len(block_tables)}, "
+            f"{len(start_positions)}, {len(query_lens)}"
         )
     if block_size < 1:
         raise ValueError(f"block_size must be positive, got {block_size}")
     context_lens, query_start = [], [0]
     for i, (blocks, start, qlen) in enumerate(zip(block_tables, start_positions, query_lens)):
         if qlen < 1 or start < 0:
-            raise ValueError(f"sequence {i}: query_len must be >= 1 and start >= 0, got query_len {qlen}, start {start}")
+            raise ValueError(
+                f"sequence {i}: query_len must be >= 1 and start >= 0, got query_len {qlen}, start {start}"
+            )
         needed = -(-(start + qlen) // block_size)
         if len(blocks) < needed:
-            raise ValueError(f"sequence {i}: block table holds {len(blocks)} blocks, positions up to {start + qlen} need {needed}")
+            raise ValueError(
+                f"sequence {i}: block table holds {len(blocks)} blocks, positions up to {start + qlen} need {needed}"
+            )
         context_lens.append(start + qlen)
         query_start.append(query_start[-1] + qlen)
     width = max((len(b) for b in block_tables), default=0)
@@ -111,7 +116,16 @@ def paged_inputs(
 
 
 @triton.jit
-def key_range(context_len, query_len, tile, split, window, BLOCK_Q: tl.constexpr, PARTITION: tl.constexpr, HAS_WINDOW: tl.constexpr):
+def key_range(
+    context_len,
+    query_len,
+    tile,
+    split,
+    window,
+    BLOCK_Q: tl.constexpr,
+    PARTITION: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+):
     """Keys [lo, hi) a query tile can see, and (split-KV) the part of them this program takes.
 
     Returns lo, hi and the number of partitions the tile's range has (1 without split-KV).
@@ -149,9 +163,27 @@ def online_softmax(s, m_i, l_i):
 
 @triton.jit
 def store_result(
-    acc, m_i, l_i, row_tok, row_head, row_ok, cols, col_ok, split, num_splits,
-    out_ptr, stride_ot, stride_oh, stride_od,
-    part_out_ptr, part_lse_ptr, stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
+    acc,
+    m_i,
+    l_i,
+    row_tok,
+    row_head,
+    row_ok,
+    cols,
+    col_ok,
+    split,
+    num_splits,
+    out_ptr,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    part_out_ptr,
+    part_lse_ptr,
+    stride_pt,
+    stride_ph,
+    stride_ps,
+    stride_lt,
+    stride_lh,
 ):
     """Write the normalised output of each row, or, when the sequence's context was split over
     several programs, this partition's normalised output and log-sum-exp (base 2) for the merge."""
@@ -170,9 +202,24 @@ def store_result(
 
 @triton.jit
 def _combine_splits_kernel(
-    part_out_ptr, part_lse_ptr, out_ptr, context_lens_ptr, window,
-    stride_pt, stride_ph, stride_ps, stride_lt, stride_lh, stride_ot, stride_oh, stride_od,
-    DV: tl.constexpr, BLOCK_DV: tl.constexpr, PARTITION: tl.constexpr, MAX_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    part_out_ptr,
+    part_lse_ptr,
+    out_ptr,
+    context_lens_ptr,
+    window,
+    stride_pt,
+    stride_ph,
+    stride_ps,
+    stride_lt,
+    stride_lh,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    DV: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    PARTITION: tl.constexpr,
+    MAX_SPLITS: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
 ):
     """Decode: merge one (token, head)'s partition outputs, weighting each by its share of the
     softmax mass. Token t is sequence t (one token each). Single-partition rows are already done."""
@@ -191,12 +238,20 @@ def _combine_splits_kernel(
         lse = tl.load(part_lse_ptr + tok64 * stride_lt + head * stride_lh + splits, mask=split_ok, other=float("-inf"))
         weight = tl.exp2(lse - tl.max(lse, 0))
         base = tok64 * stride_pt + head * stride_ph + splits * stride_ps
-        parts = tl.load(part_out_ptr + base[:, None] + cols[None, :], mask=split_ok[:, None] & (cols[None, :] < DV), other=0.0)
+        parts = tl.load(
+            part_out_ptr + base[:, None] + cols[None, :], mask=split_ok[:, None] & (cols[None, :] < DV), other=0.0
+        )
         o = tl.sum(parts * weight[:, None], 0) / tl.sum(weight, 0)
-        tl.store(out_ptr + tok64 * stride_ot + head * stride_oh + cols * stride_od, o.to(out_ptr.dtype.element_ty), mask=cols < DV)
+        tl.store(
+            out_ptr + tok64 * stride_ot + head * stride_oh + cols * stride_od,
+            o.to(out_ptr.dtype.element_ty),
+            mask=cols < DV,
+        )
 
 
-def split_buffers(num_tokens: int, num_heads: int, num_splits: int, dv: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def split_buffers(
+    num_tokens: int, num_heads: int, num_splits: int, dv: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 partial outputs `[T, H, splits, Dv]` and log-sum-exps `[T, H, splits]` for split-KV decode."""
     return (
         torch.empty(num_tokens, num_heads, num_splits, dv, dtype=torch.float32, device=device),
@@ -204,15 +259,35 @@ def split_buffers(num_tokens: int, num_heads: int, num_splits: int, dv: int, dev
     )
 
 
-def combine_splits(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor, inputs: PagedInputs, window: int | None, partition: int) -> None:
+def combine_splits(
+    part_out: torch.Tensor,
+    part_lse: torch.Tensor,
+    out: torch.Tensor,
+    inputs: PagedInputs,
+    window: int | None,
+    partition: int,
+) -> None:
     """Merge split-KV decode partials into `out [T, H, Dv]` (rows with one partition are skipped)."""
     num_tokens, num_heads, num_splits, dv = part_out.shape
     _combine_splits_kernel[(num_tokens, num_heads)](
-        part_out, part_lse, out, inputs.context_lens, window or 0,
-        part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
-        out.stride(0), out.stride(1), out.stride(2),
-        DV=dv, BLOCK_DV=triton.next_power_of_2(dv), PARTITION=partition,
-        MAX_SPLITS=triton.next_power_of_2(num_splits), HAS_WINDOW=window is not None,
+        part_out,
+        part_lse,
+        out,
+        inputs.context_lens,
+        window or 0,
+        part_out.stride(0),
+        part_out.stride(1),
+        part_out.stride(2),
+        part_lse.stride(0),
+        part_lse.stride(1),
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+        DV=dv,
+        BLOCK_DV=triton.next_power_of_2(dv),
+        PARTITION=partition,
+        MAX_SPLITS=triton.next_power_of_2(num_splits),
+        HAS_WINDOW=window is not None,
     )
 
 
@@ -239,17 +314,50 @@ def check_inputs(q: torch.Tensor, inputs: PagedInputs, scale: float) -> None:
 
 @triton.jit
 def _paged_attention_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, part_out_ptr, part_lse_ptr,
-    block_table_ptr, context_lens_ptr, query_start_ptr,
-    qk_scale, window, block_size,
-    stride_qt, stride_qh, stride_qd,
-    stride_kb, stride_ks, stride_kh, stride_kd,
-    stride_vb, stride_vs, stride_vh, stride_vd,
-    stride_ot, stride_oh, stride_od,
-    stride_bt, stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
-    GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
-    PARTITION: tl.constexpr, HAS_WINDOW: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    block_table_ptr,
+    context_lens_ptr,
+    query_start_ptr,
+    qk_scale,
+    window,
+    block_size,
+    stride_qt,
+    stride_qh,
+    stride_qd,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_kd,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_vd,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    stride_bt,
+    stride_pt,
+    stride_ph,
+    stride_ps,
+    stride_lt,
+    stride_lh,
+    GROUP: tl.constexpr,
+    GROUP_P: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    BLOCK_DK: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    PARTITION: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
 ):
     """Grid: (query tiles, or partitions when PARTITION > 0; sequences; KV heads).
 
@@ -292,7 +400,8 @@ def _paged_attention_kernel(
             k_slot = block * stride_kb + in_block * stride_ks
             k = tl.load(
                 k_ptr + k_slot[None, :] + kv_head * stride_kh + dk[:, None] * stride_kd,
-                mask=key_ok[None, :] & (dk[:, None] < DK), other=0.0,
+                mask=key_ok[None, :] & (dk[:, None] < DK),
+                other=0.0,
             )  # [BLOCK_DK, BLOCK_N]
             s = tl.dot(q, k, input_precision=INPUT_PRECISION) * qk_scale
             visible = key_ok[None, :] & (key_pos[None, :] <= q_pos[:, None])
@@ -303,14 +412,33 @@ def _paged_attention_kernel(
             v_slot = block * stride_vb + in_block * stride_vs
             v = tl.load(
                 v_ptr + v_slot[:, None] + kv_head * stride_vh + dv[None, :] * stride_vd,
-                mask=key_ok[:, None] & (dv[None, :] < DV), other=0.0,
+                mask=key_ok[:, None] & (dv[None, :] < DV),
+                other=0.0,
             )  # [BLOCK_N, BLOCK_DV]
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
 
         store_result(
-            acc, m_i, l_i, row_tok, head, row_ok, dv, dv < DV, split, num_splits,
-            out_ptr, stride_ot, stride_oh, stride_od,
-            part_out_ptr, part_lse_ptr, stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
+            acc,
+            m_i,
+            l_i,
+            row_tok,
+            head,
+            row_ok,
+            dv,
+            dv < DV,
+            split,
+            num_splits,
+            out_ptr,
+            stride_ot,
+            stride_oh,
+            stride_od,
+            part_out_ptr,
+            part_lse_ptr,
+            stride_pt,
+            stride_ph,
+            stride_ps,
+            stride_lt,
+            stride_lh,
         )
 
 
@@ -336,10 +464,13 @@ def paged_attention(
     """
     if q.dim() != 3 or k_cache.dim() != 4 or v_cache.dim() != 4:
         raise ValueError(
-            f"expected q [T, Hq, D] and caches [num_blocks, block_size, Hkv, D], got {tuple(q.shape)}, {tuple(k_cache.shape)}, {tuple(v_cache.shape)}"
+            f"expected q [T, Hq, D] and caches [num_blocks, block_size, Hkv, D], got {tuple(q.shape)}, "
+            f"{tuple(k_cache.shape)}, {tuple(v_cache.shape)}"
         )
     if k_cache.shape[:3] != v_cache.shape[:3]:
-        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ in blocks, block size or heads")
+        raise ValueError(
+            f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ in blocks, block size or heads"
+        )
     num_tokens, num_heads, dk = q.shape
     num_kv_heads, dv = k_cache.shape[2], v_cache.shape[3]
     if k_cache.shape[3] != dk:
@@ -349,7 +480,9 @@ def paged_attention(
     if not q.dtype == k_cache.dtype == v_cache.dtype:
         raise ValueError(f"q, k_cache and v_cache must share a dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
     if not q.device == k_cache.device == v_cache.device:
-        raise ValueError(f"q, k_cache and v_cache must be on one device, got {q.device}, {k_cache.device}, {v_cache.device}")
+        raise ValueError(
+            f"q, k_cache and v_cache must be on one device, got {q.device}, {k_cache.device}, {v_cache.device}"
+        )
     if k_cache.shape[1] != inputs.block_size:
         raise ValueError(f"cache block size {k_cache.shape[1]} differs from the paged inputs' {inputs.block_size}")
     if sliding_window is not None and sliding_window < 1:
@@ -372,16 +505,41 @@ def paged_attention(
         block_q, partition, num_splits = max(1, PREFILL_ROWS // group_p), 0, 1
         grid_0 = triton.cdiv(inputs.max_query_len, block_q)
     block_m = max(MIN_ROWS, block_q * group_p)
-    part_out, part_lse = split_buffers(num_tokens, num_heads, num_splits, dv, q.device) if num_splits > 1 else (out, out)
+    part_out, part_lse = (
+        split_buffers(num_tokens, num_heads, num_splits, dv, q.device) if num_splits > 1 else (out, out)
+    )
     _paged_attention_kernel[(grid_0, len(inputs.context_lens), num_kv_heads)](
-        q, k_cache, v_cache, out, part_out, part_lse,
-        inputs.block_table, inputs.context_lens, inputs.query_start,
-        scale * LOG2E, sliding_window or 0, inputs.block_size,
-        *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
-        inputs.block_table.stride(0), *part_out.stride()[:3], *part_lse.stride()[:2],
-        GROUP=group, GROUP_P=group_p, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
-        DK=dk, DV=dv, BLOCK_DK=max(16, triton.next_power_of_2(dk)), BLOCK_DV=max(16, triton.next_power_of_2(dv)),
-        PARTITION=partition, HAS_WINDOW=sliding_window is not None, INPUT_PRECISION=dot_precision(q.dtype),
+        q,
+        k_cache,
+        v_cache,
+        out,
+        part_out,
+        part_lse,
+        inputs.block_table,
+        inputs.context_lens,
+        inputs.query_start,
+        scale * LOG2E,
+        sliding_window or 0,
+        inputs.block_size,
+        *q.stride(),
+        *k_cache.stride(),
+        *v_cache.stride(),
+        *out.stride(),
+        inputs.block_table.stride(0),
+        *part_out.stride()[:3],
+        *part_lse.stride()[:2],
+        GROUP=group,
+        GROUP_P=group_p,
+        BLOCK_Q=block_q,
+        BLOCK_M=block_m,
+        BLOCK_N=BLOCK_N,
+        DK=dk,
+        DV=dv,
+        BLOCK_DK=max(16, triton.next_power_of_2(dk)),
+        BLOCK_DV=max(16, triton.next_power_of_2(dv)),
+        PARTITION=partition,
+        HAS_WINDOW=sliding_window is not None,
+        INPUT_PRECISION=dot_precision(q.dtype),
     )
     if num_splits > 1:
         combine_splits(part_out, part_lse, out, inputs, sliding_window, partition)

@@ -35,9 +35,26 @@ def _mul_round(a, b):
 
 @triton.jit
 def _rotate_heads(
-    x_ptr, out_ptr, cos_row, sin_row, token, head0, num_heads,
-    stride_xt, stride_xh, stride_xd, stride_ot, stride_oh, stride_od, stride_cd, stride_sd, R,
-    INTERLEAVED: tl.constexpr, IN_PLACE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    x_ptr,
+    out_ptr,
+    cos_row,
+    sin_row,
+    token,
+    head0,
+    num_heads,
+    stride_xt,
+    stride_xh,
+    stride_xd,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    stride_cd,
+    stride_sd,
+    R,
+    INTERLEAVED: tl.constexpr,
+    IN_PLACE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
 ):
     """Rotate the first R dims of heads head0..head0+BLOCK_H of one token (masked to num_heads)."""
     half = R // 2
@@ -71,19 +88,52 @@ def _rotate_heads(
 
 @triton.jit
 def _rotary_kernel(
-    x_ptr, out_ptr, cos_ptr, sin_ptr, num_heads,
-    stride_xt, stride_xh, stride_xd, stride_ot, stride_oh, stride_od,
-    stride_ct, stride_cd, stride_st, stride_sd,
-    R, D,
-    INTERLEAVED: tl.constexpr, COPY_TAIL: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_TAIL: tl.constexpr,
+    x_ptr,
+    out_ptr,
+    cos_ptr,
+    sin_ptr,
+    num_heads,
+    stride_xt,
+    stride_xh,
+    stride_xd,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    stride_ct,
+    stride_cd,
+    stride_st,
+    stride_sd,
+    R,
+    D,
+    INTERLEAVED: tl.constexpr,
+    COPY_TAIL: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    BLOCK_TAIL: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     head0 = tl.program_id(1) * BLOCK_H
     _rotate_heads(
-        x_ptr, out_ptr, cos_ptr + token * stride_ct, sin_ptr + token * stride_st, token, head0, num_heads,
-        stride_xt, stride_xh, stride_xd, stride_ot, stride_oh, stride_od, stride_cd, stride_sd, R,
-        INTERLEAVED, False, BLOCK_H, BLOCK_HALF,
+        x_ptr,
+        out_ptr,
+        cos_ptr + token * stride_ct,
+        sin_ptr + token * stride_st,
+        token,
+        head0,
+        num_heads,
+        stride_xt,
+        stride_xh,
+        stride_xd,
+        stride_ot,
+        stride_oh,
+        stride_od,
+        stride_cd,
+        stride_sd,
+        R,
+        INTERLEAVED,
+        False,
+        BLOCK_H,
+        BLOCK_HALF,
     )
     if COPY_TAIL:  # dims R..D pass through
         heads = head0 + tl.arange(0, BLOCK_H)
@@ -95,11 +145,27 @@ def _rotary_kernel(
 
 @triton.jit
 def _rotary_qk_kernel(
-    q_ptr, k_ptr, cos_ptr, sin_ptr, num_q_heads, num_k_heads, q_blocks,
-    stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
-    stride_ct, stride_cd, stride_st, stride_sd,
+    q_ptr,
+    k_ptr,
+    cos_ptr,
+    sin_ptr,
+    num_q_heads,
+    num_k_heads,
+    q_blocks,
+    stride_qt,
+    stride_qh,
+    stride_qd,
+    stride_kt,
+    stride_kh,
+    stride_kd,
+    stride_ct,
+    stride_cd,
+    stride_st,
+    stride_sd,
     R,
-    INTERLEAVED: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
 ):
     """Head blocks 0..q_blocks-1 of axis 1 rotate q, the rest rotate k: one launch for both."""
     token = tl.program_id(0).to(tl.int64)
@@ -108,15 +174,49 @@ def _rotary_qk_kernel(
     sin_row = sin_ptr + token * stride_st
     if block < q_blocks:
         _rotate_heads(
-            q_ptr, q_ptr, cos_row, sin_row, token, block * BLOCK_H, num_q_heads,
-            stride_qt, stride_qh, stride_qd, stride_qt, stride_qh, stride_qd, stride_cd, stride_sd, R,
-            INTERLEAVED, True, BLOCK_H, BLOCK_HALF,
+            q_ptr,
+            q_ptr,
+            cos_row,
+            sin_row,
+            token,
+            block * BLOCK_H,
+            num_q_heads,
+            stride_qt,
+            stride_qh,
+            stride_qd,
+            stride_qt,
+            stride_qh,
+            stride_qd,
+            stride_cd,
+            stride_sd,
+            R,
+            INTERLEAVED,
+            True,
+            BLOCK_H,
+            BLOCK_HALF,
         )
     else:
         _rotate_heads(
-            k_ptr, k_ptr, cos_row, sin_row, token, (block - q_blocks) * BLOCK_H, num_k_heads,
-            stride_kt, stride_kh, stride_kd, stride_kt, stride_kh, stride_kd, stride_cd, stride_sd, R,
-            INTERLEAVED, True, BLOCK_H, BLOCK_HALF,
+            k_ptr,
+            k_ptr,
+            cos_row,
+            sin_row,
+            token,
+            (block - q_blocks) * BLOCK_H,
+            num_k_heads,
+            stride_kt,
+            stride_kh,
+            stride_kd,
+            stride_kt,
+            stride_kh,
+            stride_kd,
+            stride_cd,
+            stride_sd,
+            R,
+            INTERLEAVED,
+            True,
+            BLOCK_H,
+            BLOCK_HALF,
         )
 
 
@@ -126,14 +226,18 @@ def _check(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, name: str = "x
     if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"{name} must be float32, float16 or bfloat16, got {x.dtype}")
     if cos.dim() != 2 or cos.shape != sin.shape:
-        raise ValueError(f"cos and sin must both be [tokens, rotary_dim], got {tuple(cos.shape)} and {tuple(sin.shape)}")
+        raise ValueError(
+            f"cos and sin must both be [tokens, rotary_dim], got {tuple(cos.shape)} and {tuple(sin.shape)}"
+        )
     tokens, rotary_dim = cos.shape
     if x.shape[0] != tokens:
         raise ValueError(f"{name} has {x.shape[0]} tokens but cos/sin have {tokens}")
     if rotary_dim == 0 or rotary_dim % 2 or rotary_dim > x.shape[2]:
         raise ValueError(f"rotary_dim must be even, positive and <= {name}'s head_dim {x.shape[2]}, got {rotary_dim}")
     if cos.dtype != x.dtype or sin.dtype != x.dtype:
-        raise ValueError(f"cos/sin dtypes {cos.dtype}/{sin.dtype} must equal {name}'s {x.dtype} (torch would promote the result)")
+        raise ValueError(
+            f"cos/sin dtypes {cos.dtype}/{sin.dtype} must equal {name}'s {x.dtype} (torch would promote the result)"
+        )
     if cos.device != x.device or sin.device != x.device:
         raise ValueError(f"cos/sin are on {cos.device}/{sin.device}, {name} on {x.device}")
 
@@ -158,12 +262,24 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interlea
         return out
     block_half, block_h = _blocks(rotary_dim, heads)
     _rotary_kernel[(tokens, triton.cdiv(heads, block_h))](
-        x, out, cos, sin, heads,
-        *x.stride(), *out.stride(), *cos.stride(), *sin.stride(),
-        rotary_dim, head_dim,
-        INTERLEAVED=interleaved, COPY_TAIL=head_dim > rotary_dim,
-        BLOCK_H=block_h, BLOCK_HALF=block_half, BLOCK_TAIL=triton.next_power_of_2(max(head_dim - rotary_dim, 1)),
-        num_warps=4, enable_fp_fusion=False,  # round each product, as torch does
+        x,
+        out,
+        cos,
+        sin,
+        heads,
+        *x.stride(),
+        *out.stride(),
+        *cos.stride(),
+        *sin.stride(),
+        rotary_dim,
+        head_dim,
+        INTERLEAVED=interleaved,
+        COPY_TAIL=head_dim > rotary_dim,
+        BLOCK_H=block_h,
+        BLOCK_HALF=block_half,
+        BLOCK_TAIL=triton.next_power_of_2(max(head_dim - rotary_dim, 1)),
+        num_warps=4,
+        enable_fp_fusion=False,  # round each product, as torch does
     )
     return out
 
@@ -184,9 +300,21 @@ def apply_rotary_qk_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: t
     block_half, block_h = _blocks(rotary_dim, max(q_heads, k_heads))
     q_blocks = triton.cdiv(q_heads, block_h)
     _rotary_qk_kernel[(tokens, q_blocks + triton.cdiv(k_heads, block_h))](
-        q, k, cos, sin, q_heads, k_heads, q_blocks,
-        *q.stride(), *k.stride(), *cos.stride(), *sin.stride(),
+        q,
+        k,
+        cos,
+        sin,
+        q_heads,
+        k_heads,
+        q_blocks,
+        *q.stride(),
+        *k.stride(),
+        *cos.stride(),
+        *sin.stride(),
         rotary_dim,
-        INTERLEAVED=interleaved, BLOCK_H=block_h, BLOCK_HALF=block_half,
-        num_warps=4, enable_fp_fusion=False,  # round each product, as torch does
+        INTERLEAVED=interleaved,
+        BLOCK_H=block_h,
+        BLOCK_HALF=block_half,
+        num_warps=4,
+        enable_fp_fusion=False,  # round each product, as torch does
     )

@@ -33,11 +33,22 @@ MAX_EXPERTS = 1024  # the row lives in one program's registers
 
 @triton.jit
 def _route_kernel(
-    logits_ptr, bias_ptr, ids_ptr, weights_ptr,
-    stride_logits, scaling,
-    NUM_GROUPS: tl.constexpr, GROUP_SIZE: tl.constexpr, G_PAD: tl.constexpr, GS_PAD: tl.constexpr,
-    TOP_K: tl.constexpr, K_PAD: tl.constexpr, TOPK_GROUPS: tl.constexpr,
-    SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr,
+    logits_ptr,
+    bias_ptr,
+    ids_ptr,
+    weights_ptr,
+    stride_logits,
+    scaling,
+    NUM_GROUPS: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,
+    G_PAD: tl.constexpr,
+    GS_PAD: tl.constexpr,
+    TOP_K: tl.constexpr,
+    K_PAD: tl.constexpr,
+    TOPK_GROUPS: tl.constexpr,
+    SIGMOID: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     group = tl.arange(0, G_PAD)[:, None]
@@ -129,8 +140,14 @@ def _check_logits(logits: torch.Tensor, top_k: int, num_groups: int, topk_groups
 
 
 def _launch(
-    logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, num_groups: int, topk_groups: int,
-    sigmoid: bool, renormalize: bool, routed_scaling_factor: float,
+    logits: torch.Tensor,
+    bias: torch.Tensor | None,
+    top_k: int,
+    num_groups: int,
+    topk_groups: int,
+    sigmoid: bool,
+    renormalize: bool,
+    routed_scaling_factor: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     num_tokens, num_experts = logits.shape
     ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=logits.device)
@@ -140,18 +157,34 @@ def _launch(
     group_size = num_experts // num_groups
     g_pad, gs_pad = triton.next_power_of_2(num_groups), triton.next_power_of_2(group_size)
     _route_kernel[(num_tokens,)](
-        logits, bias if bias is not None else logits, ids, weights,
-        logits.stride(0), float(routed_scaling_factor),
-        NUM_GROUPS=num_groups, GROUP_SIZE=group_size, G_PAD=g_pad, GS_PAD=gs_pad,
-        TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), TOPK_GROUPS=topk_groups,
-        SIGMOID=sigmoid, HAS_BIAS=bias is not None, RENORMALIZE=renormalize,
+        logits,
+        bias if bias is not None else logits,
+        ids,
+        weights,
+        logits.stride(0),
+        float(routed_scaling_factor),
+        NUM_GROUPS=num_groups,
+        GROUP_SIZE=group_size,
+        G_PAD=g_pad,
+        GS_PAD=gs_pad,
+        TOP_K=top_k,
+        K_PAD=triton.next_power_of_2(top_k),
+        TOPK_GROUPS=topk_groups,
+        SIGMOID=sigmoid,
+        HAS_BIAS=bias is not None,
+        RENORMALIZE=renormalize,
         num_warps=1 if g_pad * gs_pad <= 256 else 4,
     )
     return ids, weights
 
 
 def softmax_topk(
-    logits: torch.Tensor, top_k: int, *, renormalize: bool, num_groups: int = 1, topk_groups: int = 1,
+    logits: torch.Tensor,
+    top_k: int,
+    *,
+    renormalize: bool,
+    num_groups: int = 1,
+    topk_groups: int = 1,
     routed_scaling_factor: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax routing (Mixtral, Qwen; DeepSeek-V2 group-limited greedy with `num_groups > 1`).
@@ -163,8 +196,14 @@ def softmax_topk(
 
 
 def grouped_sigmoid_topk(
-    logits: torch.Tensor, top_k: int, *, num_groups: int, topk_groups: int,
-    correction_bias: torch.Tensor | None = None, renormalize: bool = True, routed_scaling_factor: float = 1.0,
+    logits: torch.Tensor,
+    top_k: int,
+    *,
+    num_groups: int,
+    topk_groups: int,
+    correction_bias: torch.Tensor | None = None,
+    renormalize: bool = True,
+    routed_scaling_factor: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek-V3 routing: the bias (float32 `[E]`) steers the choice, unbiased scores weigh it.
 
@@ -174,7 +213,8 @@ def grouped_sigmoid_topk(
     if correction_bias is not None:
         if correction_bias.shape != (logits.shape[1],) or correction_bias.dtype != torch.float32:
             raise ValueError(
-                f"correction_bias must be float32 [{logits.shape[1]}], got {correction_bias.dtype} {tuple(correction_bias.shape)}"
+                f"correction_bias must be float32 [{logits.shape[1]}], got {correction_bias.dtype} "
+                f"{tuple(correction_bias.shape)}"
             )
         if correction_bias.device != logits.device:
             raise ValueError(f"correction_bias is on {correction_bias.device}, logits on {logits.device}")
@@ -184,7 +224,9 @@ def grouped_sigmoid_topk(
 
 
 def route(
-    router_config: RouterConfig, logits: torch.Tensor, correction_bias: torch.Tensor | None = None,
+    router_config: RouterConfig,
+    logits: torch.Tensor,
+    correction_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`Router.forward`'s math from its logits: the one call the model's GPU path makes.
 
@@ -193,16 +235,27 @@ def route(
     """
     cfg = router_config
     if cfg.has_correction_bias != (correction_bias is not None):
-        raise ValueError(f"config has_correction_bias={cfg.has_correction_bias} but correction_bias is "
-                         f"{'missing' if correction_bias is None else 'given'}")
+        raise ValueError(
+            f"config has_correction_bias={cfg.has_correction_bias} but correction_bias is "
+            f"{'missing' if correction_bias is None else 'given'}"
+        )
     if cfg.kind == "grouped_sigmoid":
         return grouped_sigmoid_topk(
-            logits, cfg.top_k, num_groups=cfg.num_groups, topk_groups=cfg.topk_groups, correction_bias=correction_bias,
-            renormalize=cfg.renormalize, routed_scaling_factor=cfg.routed_scaling_factor,
+            logits,
+            cfg.top_k,
+            num_groups=cfg.num_groups,
+            topk_groups=cfg.topk_groups,
+            correction_bias=correction_bias,
+            renormalize=cfg.renormalize,
+            routed_scaling_factor=cfg.routed_scaling_factor,
         )
     if correction_bias is not None:
         raise ValueError("softmax routing takes no correction_bias")
     return softmax_topk(
-        logits, cfg.top_k, renormalize=cfg.renormalize, num_groups=cfg.num_groups, topk_groups=cfg.topk_groups,
+        logits,
+        cfg.top_k,
+        renormalize=cfg.renormalize,
+        num_groups=cfg.num_groups,
+        topk_groups=cfg.topk_groups,
         routed_scaling_factor=cfg.routed_scaling_factor,
     )

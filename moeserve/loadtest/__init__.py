@@ -22,7 +22,14 @@ if TYPE_CHECKING:
     from moeserve.loadtest.metrics import Objectives
     from moeserve.loadtest.serve import BenchConfig, BenchResult, bench_serve
 
-_LAZY = {"add_bench_parser": "cli", "main": "cli", "BenchConfig": "serve", "BenchResult": "serve", "bench_serve": "serve", "Objectives": "metrics"}
+_LAZY = {
+    "add_bench_parser": "cli",
+    "main": "cli",
+    "BenchConfig": "serve",
+    "BenchResult": "serve",
+    "bench_serve": "serve",
+    "Objectives": "metrics",
+}
 
 __all__ = ["BenchConfig", "BenchResult", "Objectives", "add_bench_parser", "bench_serve", "main"]
 

@@ -31,7 +31,9 @@ def _objective(text: str) -> tuple[str, float]:
     kind, sep, value = text.partition(":")
     kind = kind.strip().lower()
     if not sep or kind not in OBJECTIVE_KINDS:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected KIND:MS with KIND one of {', '.join(OBJECTIVE_KINDS)}, e.g. ttft:500")
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected KIND:MS with KIND one of {', '.join(OBJECTIVE_KINDS)}, e.g. ttft:500"
+        )
     try:
         ms = float(value)
     except ValueError:
@@ -71,51 +73,136 @@ def _fraction(text: str) -> float:
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "serve", help="load-test an OpenAI-compatible server: latency, goodput, SLO attainment",
-        description="Send a bounded, open-loop load to an OpenAI-compatible server and measure TTFT, every TBT gap, TPOT and "
-                    "E2E latency from the client; report goodput and SLO attainment, sweep rates or search for the highest "
-                    "rate that meets the SLOs. See docs/bench-serve.md.",
+        "serve",
+        help="load-test an OpenAI-compatible server: latency, goodput, SLO attainment",
+        description="Send a bounded, open-loop load to an OpenAI-compatible server and measure TTFT, every TBT gap, "
+        "TPOT and E2E latency from the client; report goodput and SLO attainment, sweep rates or search for the "
+        "highest rate that meets the SLOs. See docs/bench-serve.md.",
     )
-    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (default: %(default)s); /v1/... and /metrics hang off it")
+    p.add_argument(
+        "--base-url",
+        default="http://127.0.0.1:8000",
+        help="server root (default: %(default)s); /v1/... and /metrics hang off it",
+    )
     p.add_argument("--model", help="model id to request (default: the first one /v1/models lists)")
-    p.add_argument("--endpoint", choices=("completions", "chat"), default="completions", help="/v1/completions or /v1/chat/completions")
-    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="sent as 'Authorization: Bearer KEY' (default: $OPENAI_API_KEY)")
+    p.add_argument(
+        "--endpoint",
+        choices=("completions", "chat"),
+        default="completions",
+        help="/v1/completions or /v1/chat/completions",
+    )
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("OPENAI_API_KEY"),
+        help="sent as 'Authorization: Bearer KEY' (default: $OPENAI_API_KEY)",
+    )
 
     data = p.add_argument_group("prompts")
     data.add_argument("--dataset-name", choices=("random", "jsonl", "sharegpt"), default="random")
-    data.add_argument("--dataset-path", help="file for jsonl ({\"prompt\": text or [ids], \"output_len\": N} per line) or sharegpt")
+    data.add_argument(
+        "--dataset-path", help='file for jsonl ({"prompt": text or [ids], "output_len": N} per line) or sharegpt'
+    )
     data.add_argument("--num-prompts", type=int, default=1000, help="requests per run (default: %(default)s)")
     data.add_argument("--random-input-len", type=int, default=1024, help="prompt tokens (default: %(default)s)")
-    data.add_argument("--random-output-len", type=int, default=128, help="max_tokens; also for jsonl lines without output_len (default: %(default)s)")
-    data.add_argument("--random-range-ratio", type=float, default=0.0, help="lengths drawn uniformly in [len*(1-r), len*(1+r)] (default: %(default)s)")
-    data.add_argument("--random-vocab-size", type=int, default=300, help="random prompt token ids are drawn from [10, this) (default: %(default)s)")
-    data.add_argument("--tokenizer", help="Hugging Face tokenizer to count tokens when the server sends no usage, and for sharegpt lengths")
-    data.add_argument("--ignore-eos", action="store_true", help="ask the server to ignore EOS (vLLM extension), so every request generates max_tokens")
+    data.add_argument(
+        "--random-output-len",
+        type=int,
+        default=128,
+        help="max_tokens; also for jsonl lines without output_len (default: %(default)s)",
+    )
+    data.add_argument(
+        "--random-range-ratio",
+        type=float,
+        default=0.0,
+        help="lengths drawn uniformly in [len*(1-r), len*(1+r)] (default: %(default)s)",
+    )
+    data.add_argument(
+        "--random-vocab-size",
+        type=int,
+        default=300,
+        help="random prompt token ids are drawn from [10, this) (default: %(default)s)",
+    )
+    data.add_argument(
+        "--tokenizer",
+        help="Hugging Face tokenizer to count tokens when the server sends no usage, and for sharegpt lengths",
+    )
+    data.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="ask the server to ignore EOS (vLLM extension), so every request generates max_tokens",
+    )
 
     load = p.add_argument_group("load")
-    load.add_argument("--request-rate", type=_rate, default=None, help="requests/s, or inf to send all at once (default: inf)")
-    load.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of inter-arrival times: 1 = Poisson, larger = more regular")
-    load.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight; due requests wait for a slot")
+    load.add_argument(
+        "--request-rate", type=_rate, default=None, help="requests/s, or inf to send all at once (default: inf)"
+    )
+    load.add_argument(
+        "--burstiness",
+        type=float,
+        default=1.0,
+        help="gamma shape of inter-arrival times: 1 = Poisson, larger = more regular",
+    )
+    load.add_argument(
+        "--max-concurrency", type=int, default=None, help="most requests in flight; due requests wait for a slot"
+    )
     load.add_argument("--seed", type=int, default=0, help="seeds prompts and arrivals (default: %(default)s)")
-    load.add_argument("--timeout", type=float, default=300.0, help="seconds a request may take in all before it is cancelled (default: %(default)s)")
-    load.add_argument("--duration", type=float, default=3600.0, help="seconds after which a run sends nothing more (default: %(default)s)")
-    load.add_argument("--warmup-requests", type=int, default=0, help="requests sent one at a time before measuring (default: 0)")
+    load.add_argument(
+        "--timeout",
+        type=float,
+        default=300.0,
+        help="seconds a request may take in all before it is cancelled (default: %(default)s)",
+    )
+    load.add_argument(
+        "--duration",
+        type=float,
+        default=3600.0,
+        help="seconds after which a run sends nothing more (default: %(default)s)",
+    )
+    load.add_argument(
+        "--warmup-requests", type=int, default=0, help="requests sent one at a time before measuring (default: 0)"
+    )
 
     slo = p.add_argument_group("SLOs and rate search")
-    slo.add_argument("--goodput", nargs="+", type=_objective, metavar="KIND:MS",
-                     help="objectives a request must meet to count as good: ttft, tbt (EVERY gap between tokens), tpot, e2el")
+    slo.add_argument(
+        "--goodput",
+        nargs="+",
+        type=_objective,
+        metavar="KIND:MS",
+        help="objectives a request must meet to count as good: ttft, tbt (EVERY gap between tokens), tpot, e2el",
+    )
     rates = slo.add_mutually_exclusive_group()
     rates.add_argument("--sweep-rates", type=_rates, help="one run per rate, e.g. 1,2,4,8")
-    rates.add_argument("--find-max-goodput-rate", action="store_true", help="search for the highest rate whose attainment (all objectives) >= --slo-attainment")
-    slo.add_argument("--slo-attainment", type=_fraction, default=0.99, help="attainment target for the search (default: %(default)s)")
-    slo.add_argument("--search-start-rate", type=_rate, default=1.0, help="first rate the search probes (default: %(default)s)")
-    slo.add_argument("--search-tolerance", type=float, default=0.05, help="stop when the knee is bracketed within this fraction (default: %(default)s)")
-    slo.add_argument("--search-max-probes", type=int, default=16, help="most runs a search makes (default: %(default)s)")
-    slo.add_argument("--no-cross-check", action="store_true", help="do not read the server's /metrics SLO counters before and after each run")
+    rates.add_argument(
+        "--find-max-goodput-rate",
+        action="store_true",
+        help="search for the highest rate whose attainment (all objectives) >= --slo-attainment",
+    )
+    slo.add_argument(
+        "--slo-attainment", type=_fraction, default=0.99, help="attainment target for the search (default: %(default)s)"
+    )
+    slo.add_argument(
+        "--search-start-rate", type=_rate, default=1.0, help="first rate the search probes (default: %(default)s)"
+    )
+    slo.add_argument(
+        "--search-tolerance",
+        type=float,
+        default=0.05,
+        help="stop when the knee is bracketed within this fraction (default: %(default)s)",
+    )
+    slo.add_argument(
+        "--search-max-probes", type=int, default=16, help="most runs a search makes (default: %(default)s)"
+    )
+    slo.add_argument(
+        "--no-cross-check",
+        action="store_true",
+        help="do not read the server's /metrics SLO counters before and after each run",
+    )
 
     out = p.add_argument_group("output")
     out.add_argument("--save-result", type=Path, help="write the JSON result here (schema: docs/bench-serve.md)")
-    out.add_argument("--plot", type=Path, help="write PNG plots here: latency CDFs, and metrics against rate for sweeps and searches")
+    out.add_argument(
+        "--plot", type=Path, help="write PNG plots here: latency CDFs, and metrics against rate for sweeps and searches"
+    )
     out.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
     p.set_defaults(func=run_bench_serve, bench_serve_parser=p)
 
@@ -133,20 +220,42 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     from moeserve.loadtest.serve import BenchConfig
 
     if args.request_rate is not None and (args.sweep_rates or args.find_max_goodput_rate):
-        raise ValueError("--request-rate is for a single run; a sweep takes --sweep-rates, a search starts at --search-start-rate")
+        raise ValueError(
+            "--request-rate is for a single run; a sweep takes --sweep-rates, a search starts at --search-start-rate"
+        )
     objectives = dict(args.goodput or ())
     if len(objectives) != len(args.goodput or ()):
         raise ValueError("--goodput names an objective twice")
     return BenchConfig(
-        base_url=args.base_url, model=args.model, endpoint=args.endpoint, dataset_name=args.dataset_name, dataset_path=args.dataset_path,
-        num_prompts=args.num_prompts, random_input_len=args.random_input_len, random_output_len=args.random_output_len,
-        random_range_ratio=args.random_range_ratio, random_vocab_size=args.random_vocab_size, tokenizer=args.tokenizer,
-        request_rate=math.inf if args.request_rate is None else args.request_rate, burstiness=args.burstiness,
-        max_concurrency=args.max_concurrency, objectives=Objectives(**objectives), sweep_rates=args.sweep_rates or (),
-        find_max_goodput_rate=args.find_max_goodput_rate, slo_attainment=args.slo_attainment,
-        search_start_rate=args.search_start_rate, search_tolerance=args.search_tolerance, search_max_probes=args.search_max_probes,
-        ignore_eos=args.ignore_eos, seed=args.seed, api_key=args.api_key, timeout_s=args.timeout, duration_s=args.duration,
-        warmup_requests=args.warmup_requests, cross_check=not args.no_cross_check, progress=not args.disable_tqdm,
+        base_url=args.base_url,
+        model=args.model,
+        endpoint=args.endpoint,
+        dataset_name=args.dataset_name,
+        dataset_path=args.dataset_path,
+        num_prompts=args.num_prompts,
+        random_input_len=args.random_input_len,
+        random_output_len=args.random_output_len,
+        random_range_ratio=args.random_range_ratio,
+        random_vocab_size=args.random_vocab_size,
+        tokenizer=args.tokenizer,
+        request_rate=math.inf if args.request_rate is None else args.request_rate,
+        burstiness=args.burstiness,
+        max_concurrency=args.max_concurrency,
+        objectives=Objectives(**objectives),
+        sweep_rates=args.sweep_rates or (),
+        find_max_goodput_rate=args.find_max_goodput_rate,
+        slo_attainment=args.slo_attainment,
+        search_start_rate=args.search_start_rate,
+        search_tolerance=args.search_tolerance,
+        search_max_probes=args.search_max_probes,
+        ignore_eos=args.ignore_eos,
+        seed=args.seed,
+        api_key=args.api_key,
+        timeout_s=args.timeout,
+        duration_s=args.duration,
+        warmup_requests=args.warmup_requests,
+        cross_check=not args.no_cross_check,
+        progress=not args.disable_tqdm,
     )
 
 

@@ -158,15 +158,22 @@ def parse_event(data: str) -> StreamEvent:
 
 
 async def send_request(
-    open_stream: Opener, settings: RequestSettings, index: int, prompt: Prompt,
-    *, clock: Callable[[], float] = time.monotonic, count_tokens: Callable[[str], int] | None = None,
+    open_stream: Opener,
+    settings: RequestSettings,
+    index: int,
+    prompt: Prompt,
+    *,
+    clock: Callable[[], float] = time.monotonic,
+    count_tokens: Callable[[str], int] | None = None,
 ) -> RequestRecord:
     """Send one streamed request and time it; never raises for what the server or network does."""
     path, payload = request_payload(settings, prompt)
     record = RequestRecord(index=index, send_time=clock())
     completion_tokens = None
     try:
-        completion_tokens = await asyncio.wait_for(_exchange(open_stream, path, payload, record, clock), settings.timeout_s)
+        completion_tokens = await asyncio.wait_for(
+            _exchange(open_stream, path, payload, record, clock), settings.timeout_s
+        )
     except asyncio.TimeoutError:
         record.error, record.error_detail = "timeout", f"no complete answer within {settings.timeout_s:g} s"
         record.end_time = clock()
@@ -187,14 +194,19 @@ async def send_request(
     return record
 
 
-async def _exchange(open_stream: Opener, path: str, payload: dict[str, Any], record: RequestRecord, clock: Callable[[], float]) -> int | None:
+async def _exchange(
+    open_stream: Opener, path: str, payload: dict[str, Any], record: RequestRecord, clock: Callable[[], float]
+) -> int | None:
     """Read the response into `record` (which outlives a cancellation); the usage's completion
     tokens, if the server sent them."""
     completion_tokens = None
     async with open_stream(path, payload) as response:
         if response.status != 200:
             body = b"".join([piece async for piece in response.body]).decode("utf-8", errors="replace")
-            record.error, record.error_detail = f"http_{response.status // 100}xx", f"HTTP {response.status}: {body[:300]}"
+            record.error, record.error_detail = (
+                f"http_{response.status // 100}xx",
+                f"HTTP {response.status}: {body[:300]}",
+            )
             record.end_time = clock()
             return None
         decoder = SSEDecoder()
@@ -217,5 +229,9 @@ async def _exchange(open_stream: Opener, path: str, payload: dict[str, Any], rec
                 if event.usage is not None:
                     completion_tokens = event.usage.get("completion_tokens", completion_tokens)
                     record.prompt_tokens = event.usage.get("prompt_tokens", record.prompt_tokens)
-        record.error, record.error_detail, record.end_time = "connection_error", "the stream ended before [DONE]", clock()
+        record.error, record.error_detail, record.end_time = (
+            "connection_error",
+            "the stream ended before [DONE]",
+            clock(),
+        )
         return None

@@ -45,7 +45,9 @@ def _lengths(rng: np.random.Generator, num: int, mean: int, range_ratio: float) 
     return [int(n) for n in rng.integers(low, high + 1, size=num)]
 
 
-def random_prompts(num: int, input_len: int, output_len: int, range_ratio: float, vocab_size: int, seed: int, as_text: bool) -> list[Prompt]:
+def random_prompts(
+    num: int, input_len: int, output_len: int, range_ratio: float, vocab_size: int, seed: int, as_text: bool
+) -> list[Prompt]:
     """`num` prompts of random tokens (or random words when `as_text`), lengths drawn per prompt."""
     if vocab_size <= RANDOM_MIN_TOKEN_ID:
         raise ValueError(f"--random-vocab-size must exceed {RANDOM_MIN_TOKEN_ID}, got {vocab_size}")
@@ -80,10 +82,16 @@ def jsonl_prompts(path: Path, num: int, default_output_len: int) -> list[Prompt]
                 prompt = item["prompt"]
                 output_len = int(item.get("output_len", default_output_len))
             except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
-                raise ValueError(f"{path}:{lineno}: expected {{\"prompt\": ..., \"output_len\": N}}: {e}") from None
+                raise ValueError(f'{path}:{lineno}: expected {{"prompt": ..., "output_len": N}}: {e}') from None
             ids = isinstance(prompt, list)
-            if not (isinstance(prompt, str) or (ids and all(isinstance(t, int) for t in prompt))) or not prompt or output_len < 1:
-                raise ValueError(f"{path}:{lineno}: prompt must be a non-empty text or list of token ids, output_len >= 1")
+            if (
+                not (isinstance(prompt, str) or (ids and all(isinstance(t, int) for t in prompt)))
+                or not prompt
+                or output_len < 1
+            ):
+                raise ValueError(
+                    f"{path}:{lineno}: prompt must be a non-empty text or list of token ids, output_len >= 1"
+                )
             prompts.append(Prompt(prompt, len(prompt) if ids else None, output_len))
             if len(prompts) == num:
                 break

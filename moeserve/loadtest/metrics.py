@@ -70,15 +70,38 @@ class RequestMetrics:
 def request_metrics(record: RequestRecord, run_start: float) -> RequestMetrics:
     """The figures of one request; a failed one keeps only its error and when it was sent."""
     if record.error is not None:
-        return RequestMetrics(record.index, record.error, record.error_detail, record.send_time - run_start,
-                              record.prompt_tokens, 0, "", None, (), None, None)
+        return RequestMetrics(
+            record.index,
+            record.error,
+            record.error_detail,
+            record.send_time - run_start,
+            record.prompt_tokens,
+            0,
+            "",
+            None,
+            (),
+            None,
+            None,
+        )
     times = record.chunk_times
     ttft = times[0] - record.send_time
     e2el = record.end_time - record.send_time
     gaps = tuple(b - a for a, b in zip(times, times[1:]))
     n_out = record.output_tokens
     tpot = (e2el - ttft) / (n_out - 1) if n_out > 1 else None
-    return RequestMetrics(record.index, None, "", record.send_time - run_start, record.prompt_tokens, n_out, record.token_source, ttft, gaps, tpot, e2el)
+    return RequestMetrics(
+        record.index,
+        None,
+        "",
+        record.send_time - run_start,
+        record.prompt_tokens,
+        n_out,
+        record.token_source,
+        ttft,
+        gaps,
+        tpot,
+        e2el,
+    )
 
 
 def verdicts(m: RequestMetrics, objectives: Objectives) -> dict[str, bool]:
@@ -141,14 +164,28 @@ class LatencyStats:
     max: float
 
     def scaled(self, factor: float) -> LatencyStats:
-        return LatencyStats(self.count, self.mean * factor, self.median * factor, self.p90 * factor, self.p99 * factor, self.max * factor)
+        return LatencyStats(
+            self.count,
+            self.mean * factor,
+            self.median * factor,
+            self.p90 * factor,
+            self.p99 * factor,
+            self.max * factor,
+        )
 
 
 def summarize(values: Sequence[float]) -> LatencyStats | None:
     """mean, median, p90, p99 and max; None for no values (no successful request)."""
     if not values:
         return None
-    return LatencyStats(len(values), math.fsum(values) / len(values), percentile(values, 50), percentile(values, 90), percentile(values, 99), max(values))
+    return LatencyStats(
+        len(values),
+        math.fsum(values) / len(values),
+        percentile(values, 50),
+        percentile(values, 90),
+        percentile(values, 99),
+        max(values),
+    )
 
 
 @dataclass(frozen=True)

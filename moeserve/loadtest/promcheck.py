@@ -110,14 +110,22 @@ def compare(before: SLOCounters, after: SLOCounters, requests: Sequence[RequestM
         return CrossCheck.skipped("the server counted no finished request during the run")
     client = attainment(requests, Objectives(ttft=after.ttft_target_s, tbt=after.tbt_target_s))
     return CrossCheck(
-        available=True, reason=None, ttft_target_s=after.ttft_target_s, tbt_target_s=after.tbt_target_s,
-        server_requests=round(total), client_requests=len(requests),
-        server_ttft=(after.ttft_met - before.ttft_met) / total, server_tbt=(after.tbt_met - before.tbt_met) / total,
-        client_ttft=client["ttft"], client_tbt=client["tbt"],
+        available=True,
+        reason=None,
+        ttft_target_s=after.ttft_target_s,
+        tbt_target_s=after.tbt_target_s,
+        server_requests=round(total),
+        client_requests=len(requests),
+        server_ttft=(after.ttft_met - before.ttft_met) / total,
+        server_tbt=(after.tbt_met - before.tbt_met) / total,
+        client_ttft=client["ttft"],
+        client_tbt=client["tbt"],
     )
 
 
-async def settle(session: aiohttp.ClientSession, base_url: str, before: SLOCounters, expected: int, wait_s: float = 5.0) -> SLOCounters:
+async def settle(
+    session: aiohttp.ClientSession, base_url: str, before: SLOCounters, expected: int, wait_s: float = 5.0
+) -> SLOCounters:
     """The counters once the server has judged `expected` more requests, or after `wait_s`.
 
     The server counts a request when its engine lets go of it, which for a request the client

@@ -43,9 +43,18 @@ def _stats_json(stats: LatencyStats | None) -> dict[str, float] | None:
 
 def _request_json(m: RequestMetrics) -> dict[str, Any]:
     return {
-        "index": m.index, "ok": m.ok, "error": m.error, "error_detail": m.error_detail, "send_time_s": m.send_offset,
-        "prompt_tokens": m.prompt_tokens, "output_tokens": m.output_tokens, "token_source": m.token_source,
-        "ttft_ms": _ms(m.ttft), "tpot_ms": _ms(m.tpot), "e2el_ms": _ms(m.e2el), "tbt_ms": [g * 1000.0 for g in m.gaps],
+        "index": m.index,
+        "ok": m.ok,
+        "error": m.error,
+        "error_detail": m.error_detail,
+        "send_time_s": m.send_offset,
+        "prompt_tokens": m.prompt_tokens,
+        "output_tokens": m.output_tokens,
+        "token_source": m.token_source,
+        "ttft_ms": _ms(m.ttft),
+        "tpot_ms": _ms(m.tpot),
+        "e2el_ms": _ms(m.e2el),
+        "tbt_ms": [g * 1000.0 for g in m.gaps],
     }
 
 
@@ -54,10 +63,13 @@ def _cross_check_json(c: CrossCheck) -> dict[str, Any]:
         return None if ttft is None else {"ttft": ttft, "tbt": tbt}
 
     return {
-        "available": c.available, "reason": c.reason,
+        "available": c.available,
+        "reason": c.reason,
         "targets_ms": pair(_ms(c.ttft_target_s), _ms(c.tbt_target_s)),
-        "server_requests": c.server_requests, "client_requests": c.client_requests,
-        "server": pair(c.server_ttft, c.server_tbt), "client": pair(c.client_ttft, c.client_tbt),
+        "server_requests": c.server_requests,
+        "client_requests": c.client_requests,
+        "server": pair(c.server_ttft, c.server_tbt),
+        "client": pair(c.client_ttft, c.client_tbt),
     }
 
 
@@ -86,14 +98,21 @@ def run_json(report: RunReport) -> dict[str, Any]:
 def search_json(search: SearchResult, settings: SearchSettings, reports: Sequence[RunReport]) -> dict[str, Any]:
     at_max = [r.summary.goodput for r in reports if r.request_rate == search.max_rate]
     return {
-        "target_attainment": settings.target, "start_rate": settings.start_rate, "tolerance": settings.tolerance,
-        "max_probes": settings.max_probes, "max_goodput_rate": search.max_rate, "goodput_at_max_rate": at_max[-1] if at_max else None,
-        "min_failing_rate": search.min_failing_rate, "bracketed": search.bracketed,
+        "target_attainment": settings.target,
+        "start_rate": settings.start_rate,
+        "tolerance": settings.tolerance,
+        "max_probes": settings.max_probes,
+        "max_goodput_rate": search.max_rate,
+        "goodput_at_max_rate": at_max[-1] if at_max else None,
+        "min_failing_rate": search.min_failing_rate,
+        "bracketed": search.bracketed,
         "probes": [{"request_rate": p.rate, "attainment": p.attainment, "passed": p.passed} for p in search.probes],
     }
 
 
-def document(mode: str, config: dict[str, Any], reports: Sequence[RunReport], search: dict[str, Any] | None) -> dict[str, Any]:
+def document(
+    mode: str, config: dict[str, Any], reports: Sequence[RunReport], search: dict[str, Any] | None
+) -> dict[str, Any]:
     """The whole result file; `search` is `search_json(...)` in search mode, else None."""
     return {
         "schema_version": SCHEMA_VERSION,
@@ -142,7 +161,9 @@ def run_table(report: RunReport, objectives: Objectives) -> str:
             lines.append(f"{label:<16}{'no completed request':>48}")
             continue
         ms = stats.scaled(1000.0)
-        lines.append(f"{label:<16}{ms.mean:>9.2f}{ms.median:>9.2f}{ms.p90:>9.2f}{ms.p99:>9.2f}{ms.max:>9.2f}{ms.count:>7}")
+        lines.append(
+            f"{label:<16}{ms.mean:>9.2f}{ms.median:>9.2f}{ms.p90:>9.2f}{ms.p99:>9.2f}{ms.max:>9.2f}{ms.count:>7}"
+        )
     if s.attainment:
         lines.append(" SLO attainment ".center(width, "-"))
         for kind, target in objectives.given().items():
@@ -163,19 +184,24 @@ def run_table(report: RunReport, objectives: Objectives) -> str:
 def cross_check_text(c: CrossCheck) -> str:
     if not c.available:
         return f"Cross-check with server /metrics skipped: {c.reason}"
-    return "\n".join([
-        " Cross-check with server /metrics ".center(64, "-"),
-        f"server targets: TTFT {c.ttft_target_s * 1000:g} ms, TBT {c.tbt_target_s * 1000:g} ms; "
-        f"requests: server {c.server_requests}, client {c.client_requests}",
-        f"{'attainment':<24}{'client':>12}{'server':>12}",
-        f"{'TTFT met':<24}{_pct(c.client_ttft):>12}{_pct(c.server_ttft):>12}",
-        f"{'TBT met (every gap)':<24}{_pct(c.client_tbt):>12}{_pct(c.server_tbt):>12}",
-    ])
+    return "\n".join(
+        [
+            " Cross-check with server /metrics ".center(64, "-"),
+            f"server targets: TTFT {c.ttft_target_s * 1000:g} ms, TBT {c.tbt_target_s * 1000:g} ms; "
+            f"requests: server {c.server_requests}, client {c.client_requests}",
+            f"{'attainment':<24}{'client':>12}{'server':>12}",
+            f"{'TTFT met':<24}{_pct(c.client_ttft):>12}{_pct(c.server_ttft):>12}",
+            f"{'TBT met (every gap)':<24}{_pct(c.client_tbt):>12}{_pct(c.server_tbt):>12}",
+        ]
+    )
 
 
 def rate_table(reports: Sequence[RunReport], search: SearchResult | None = None) -> str:
     """One line per run (a sweep's rates, or a search's probes in the order they ran)."""
-    header = f"{'rate':>10}{'sent':>6}{'ok':>6}{'req/s':>8}{'tok/s':>9}{'goodput':>9}{'attain':>8}{'TTFT p99':>10}{'TBT p99':>9}  server TTFT/TBT"
+    header = (
+        f"{'rate':>10}{'sent':>6}{'ok':>6}{'req/s':>8}{'tok/s':>9}{'goodput':>9}{'attain':>8}"
+        f"{'TTFT p99':>10}{'TBT p99':>9}  server TTFT/TBT"
+    )
     lines = [header, "-" * len(header)]
     for r in reports:
         s = r.summary
@@ -184,15 +210,26 @@ def rate_table(reports: Sequence[RunReport], search: SearchResult | None = None)
         ttft = _num(_ms(s.ttft.p99 if s.ttft else None), 1)
         tbt = _num(_ms(s.tbt.p99 if s.tbt else None), 1)
         rate = "inf" if math.isinf(r.request_rate) else f"{r.request_rate:.4g}"
-        lines.append(f"{rate:>10}{s.num_sent:>6}{s.num_completed:>6}{s.request_throughput:>8.2f}{s.output_throughput:>9.1f}"
-                     f"{_num(s.goodput):>9}{_pct(s.attainment.get('all')):>8}{ttft:>10}{tbt:>9}  {server}")
+        lines.append(
+            f"{rate:>10}{s.num_sent:>6}{s.num_completed:>6}{s.request_throughput:>8.2f}{s.output_throughput:>9.1f}"
+            f"{_num(s.goodput):>9}{_pct(s.attainment.get('all')):>8}{ttft:>10}{tbt:>9}  {server}"
+        )
     if search is not None:
         if search.max_rate is None:
-            lines.append(f"No probed rate met the attainment target (lowest tried: {min(p.rate for p in search.probes):.4g} req/s).")
+            lines.append(
+                f"No probed rate met the attainment target (lowest tried: {min(p.rate for p in search.probes):.4g} "
+                "req/s)."
+            )
         elif not search.bracketed:
-            lines.append(f"Every probed rate met the target; the highest, {search.max_rate:.4g} req/s, is a lower bound (raise --search-max-probes).")
+            lines.append(
+                f"Every probed rate met the target; the highest, {search.max_rate:.4g} req/s, is a lower bound (raise "
+                "--search-max-probes)."
+            )
         else:
-            lines.append(f"Max goodput rate: {search.max_rate:.4g} req/s (the lowest failing rate was {search.min_failing_rate:.4g} req/s)")
+            lines.append(
+                f"Max goodput rate: {search.max_rate:.4g} req/s (the lowest failing rate was "
+                f"{search.min_failing_rate:.4g} req/s)"
+            )
     return "\n".join(lines)
 
 
@@ -224,7 +261,12 @@ def _cdf_row(axes: Sequence[Any], reports: Sequence[RunReport], objectives: Obje
             values = _latency_samples(report)[kind]
             if values:
                 several = len(by_rate) > 1
-                _cdf(ax, values, _rate_text(report.request_rate) if several else None, cmap(i / max(len(by_rate) - 1, 1)) if several else "tab:blue")
+                _cdf(
+                    ax,
+                    values,
+                    _rate_text(report.request_rate) if several else None,
+                    cmap(i / max(len(by_rate) - 1, 1)) if several else "tab:blue",
+                )
         target = getattr(objectives, kind)
         if target is not None:
             ax.axvline(target * 1000, color="tab:red", linestyle="--", label=f"objective {target * 1000:g} ms")
@@ -237,7 +279,13 @@ def _cdf_row(axes: Sequence[Any], reports: Sequence[RunReport], objectives: Obje
             ax.legend(fontsize=7, loc="lower right")
 
 
-def _rate_row(axes: Sequence[Any], reports: Sequence[RunReport], objectives: Objectives, search: SearchResult | None, target: float | None) -> None:
+def _rate_row(
+    axes: Sequence[Any],
+    reports: Sequence[RunReport],
+    objectives: Objectives,
+    search: SearchResult | None,
+    target: float | None,
+) -> None:
     ordered = sorted(reports, key=lambda r: r.request_rate)
     rates = [r.request_rate for r in ordered]
 
@@ -260,23 +308,45 @@ def _rate_row(axes: Sequence[Any], reports: Sequence[RunReport], objectives: Obj
     if objectives.given():
         ax.plot(rates, [r.summary.goodput for r in ordered], marker="o", color="tab:green", label="goodput")
         twin = ax.twinx()
-        extra = twin.plot(rates, [100 * r.summary.attainment["all"] for r in ordered], marker="^", color="tab:orange", label="attainment (all)")
+        extra = twin.plot(
+            rates,
+            [100 * r.summary.attainment["all"] for r in ordered],
+            marker="^",
+            color="tab:orange",
+            label="attainment (all)",
+        )
         if target is not None:
-            extra.append(twin.axhline(100 * target, color="tab:orange", linestyle="--", linewidth=0.8, label=f"target {100 * target:g}%"))
+            extra.append(
+                twin.axhline(
+                    100 * target, color="tab:orange", linestyle="--", linewidth=0.8, label=f"target {100 * target:g}%"
+                )
+            )
         twin.set_ylabel("SLO attainment, all objectives (%)", color="tab:orange")
         twin.set_ylim(0, 105)
     for ax in axes:
         ax.set_xlabel("request rate (req/s)")
         ax.grid(alpha=0.3)
         if search is not None and search.max_rate is not None:
-            ax.axvline(search.max_rate, color="tab:purple", linestyle="-.", linewidth=1, label=f"max goodput rate {search.max_rate:.3g}")
+            ax.axvline(
+                search.max_rate,
+                color="tab:purple",
+                linestyle="-.",
+                linewidth=1,
+                label=f"max goodput rate {search.max_rate:.3g}",
+            )
     axes[0].legend(fontsize=7)
     axes[1].legend(fontsize=7)
     handles, labels = axes[2].get_legend_handles_labels()
     axes[2].legend(handles + extra, labels + [h.get_label() for h in extra], fontsize=7, loc="best")
 
 
-def plot(path: Path, reports: Sequence[RunReport], objectives: Objectives, search: SearchResult | None = None, target: float | None = None) -> None:
+def plot(
+    path: Path,
+    reports: Sequence[RunReport],
+    objectives: Objectives,
+    search: SearchResult | None = None,
+    target: float | None = None,
+) -> None:
     """One run: CDFs of TTFT, TBT gaps and E2EL with the objectives. Several (a sweep or a
     search): TTFT p99, TBT p99 and goodput/attainment against rate, above the CDFs of every run."""
     from matplotlib.figure import Figure
@@ -288,7 +358,9 @@ def plot(path: Path, reports: Sequence[RunReport], objectives: Objectives, searc
         _rate_row(axes[0], reports, objectives, search, target)
     _cdf_row(axes[-1], reports, objectives)
     if search is not None and search.max_rate is not None:
-        title = f"search: max goodput rate {search.max_rate:.4g} req/s" + (f" (attainment >= {100 * target:g}%)" if target is not None else "")
+        title = f"search: max goodput rate {search.max_rate:.4g} req/s" + (
+            f" (attainment >= {100 * target:g}%)" if target is not None else ""
+        )
     elif several:
         title = f"sweep over {len(reports)} rates"
     else:

@@ -57,13 +57,17 @@ class RunResult:
         return max((r.end_time for r in self.records), default=self.start_time) - self.start_time
 
 
-async def run_at_rate(send: Send, prompts: Sequence[Prompt], rate: float, load: LoadSettings, *, progress: bool = True) -> RunResult:
+async def run_at_rate(
+    send: Send, prompts: Sequence[Prompt], rate: float, load: LoadSettings, *, progress: bool = True
+) -> RunResult:
     """Offer `prompts` at `rate` requests/s (math.inf: all at once) and wait for every answer."""
     offsets = arrival_offsets(len(prompts), rate, load.burstiness, load.seed)
     slots = asyncio.Semaphore(load.max_concurrency) if load.max_concurrency else None
     start = time.monotonic()
     deadline = start + load.duration_s
-    bar = tqdm(total=len(prompts), desc=f"{rate:g} req/s", unit="req", file=sys.stderr, disable=not progress, leave=False)
+    bar = tqdm(
+        total=len(prompts), desc=f"{rate:g} req/s", unit="req", file=sys.stderr, disable=not progress, leave=False
+    )
 
     async def one(index: int, prompt: Prompt) -> RequestRecord | None:
         if slots is None:

@@ -76,17 +76,32 @@ class BenchConfig:
         object.__setattr__(self, "base_url", url.removesuffix("/v1"))
         problems = [
             (self.endpoint not in ENDPOINTS, f"endpoint must be one of {', '.join(ENDPOINTS)}"),
-            (self.dataset_name not in ("random", "jsonl", "sharegpt"), "dataset_name must be random, jsonl or sharegpt"),
-            (self.dataset_name != "random" and not self.dataset_path, f"--dataset-name {self.dataset_name} needs --dataset-path"),
+            (
+                self.dataset_name not in ("random", "jsonl", "sharegpt"),
+                "dataset_name must be random, jsonl or sharegpt",
+            ),
+            (
+                self.dataset_name != "random" and not self.dataset_path,
+                f"--dataset-name {self.dataset_name} needs --dataset-path",
+            ),
             (self.num_prompts < 1, "--num-prompts must be at least 1"),
-            (self.random_input_len < 1 or self.random_output_len < 1, "--random-input-len and --random-output-len must be at least 1"),
+            (
+                self.random_input_len < 1 or self.random_output_len < 1,
+                "--random-input-len and --random-output-len must be at least 1",
+            ),
             (not 0 <= self.random_range_ratio < 1, "--random-range-ratio must be in [0, 1)"),
             (not self.request_rate > 0, "--request-rate must be positive (or inf)"),
             (not self.burstiness > 0, "--burstiness must be positive"),
             (self.max_concurrency is not None and self.max_concurrency < 1, "--max-concurrency must be at least 1"),
             (any(not (0 < r < math.inf) for r in self.sweep_rates), "--sweep-rates must be positive finite rates"),
-            (bool(self.sweep_rates) and self.find_max_goodput_rate, "--sweep-rates and --find-max-goodput-rate exclude each other"),
-            (self.find_max_goodput_rate and not self.objectives.given(), "--find-max-goodput-rate needs --goodput objectives"),
+            (
+                bool(self.sweep_rates) and self.find_max_goodput_rate,
+                "--sweep-rates and --find-max-goodput-rate exclude each other",
+            ),
+            (
+                self.find_max_goodput_rate and not self.objectives.given(),
+                "--find-max-goodput-rate needs --goodput objectives",
+            ),
             (not 0 < self.slo_attainment <= 1, "--slo-attainment must be in (0, 1]"),
             (not 0 < self.search_start_rate < math.inf, "--search-start-rate must be a positive finite rate"),
             (not self.search_tolerance > 0, "--search-tolerance must be positive"),
@@ -104,7 +119,11 @@ class BenchConfig:
 
     def as_json(self) -> dict[str, Any]:
         """The settings for the result file; the API key is left out."""
-        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("api_key", "objectives", "progress")}
+        data = {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if f.name not in ("api_key", "objectives", "progress")
+        }
         data["request_rate"] = json_rate(self.request_rate)
         data["sweep_rates"] = list(self.sweep_rates)
         data["goodput_objectives_ms"] = {kind: target * 1000.0 for kind, target in self.objectives.given().items()}
@@ -124,8 +143,13 @@ def load_prompts(config: BenchConfig, count_tokens: Callable[[str], int] | None)
     """The prompts of every run; ValueError for a dataset the endpoint cannot take."""
     if config.dataset_name == "random":
         return random_prompts(
-            config.num_prompts, config.random_input_len, config.random_output_len, config.random_range_ratio,
-            config.random_vocab_size, config.seed, as_text=config.endpoint == "chat",
+            config.num_prompts,
+            config.random_input_len,
+            config.random_output_len,
+            config.random_range_ratio,
+            config.random_vocab_size,
+            config.seed,
+            as_text=config.endpoint == "chat",
         )
     path = Path(config.dataset_path)
     if config.dataset_name == "jsonl":
@@ -152,7 +176,9 @@ async def _first_model(session: aiohttp.ClientSession, base_url: str) -> str:
         async with session.get(f"{base_url}/v1/models", timeout=aiohttp.ClientTimeout(total=30)) as response:
             body = await response.json(content_type=None) if response.status == 200 else None
     except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError) as e:
-        raise ValueError(f"cannot list models at {base_url}/v1/models ({type(e).__name__}: {e}); is the server up? (or pass --model)") from None
+        raise ValueError(
+            f"cannot list models at {base_url}/v1/models ({type(e).__name__}: {e}); is the server up? (or pass --model)"
+        ) from None
     models = body.get("data") if isinstance(body, dict) else None
     if not models or not isinstance(models[0], dict) or "id" not in models[0]:
         raise ValueError(f"{base_url}/v1/models lists no model; pass --model")
@@ -162,8 +188,15 @@ async def _first_model(session: aiohttp.ClientSession, base_url: str) -> str:
 class _Session:
     """The pieces every run of a benchmark shares: HTTP session, prompts, settings."""
 
-    def __init__(self, config: BenchConfig, http: aiohttp.ClientSession, settings: RequestSettings, prompts: list[Prompt],
-                 count_tokens: Callable[[str], int] | None, on_run: Callable[[RunReport], None] | None) -> None:
+    def __init__(
+        self,
+        config: BenchConfig,
+        http: aiohttp.ClientSession,
+        settings: RequestSettings,
+        prompts: list[Prompt],
+        count_tokens: Callable[[str], int] | None,
+        on_run: Callable[[RunReport], None] | None,
+    ) -> None:
         self.config = config
         self.http = http
         self.prompts = prompts
@@ -217,7 +250,9 @@ async def bench_serve(config: BenchConfig, on_run: Callable[[RunReport], None] |
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
     # No connection limit beyond --max-concurrency: aiohttp's default of 100 would be a hidden cap.
     connector = aiohttp.TCPConnector(limit=config.max_concurrency or 0)
-    async with aiohttp.ClientSession(headers=headers, connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as http:
+    async with aiohttp.ClientSession(
+        headers=headers, connector=connector, timeout=aiohttp.ClientTimeout(total=None)
+    ) as http:
         model = config.model or await _first_model(http, config.base_url)
         settings = RequestSettings(config.endpoint, model, config.ignore_eos, config.timeout_s)
         session = _Session(config, http, settings, prompts, count_tokens, on_run)
@@ -230,7 +265,9 @@ async def bench_serve(config: BenchConfig, on_run: Callable[[RunReport], None] |
             for rate in config.sweep_rates:
                 await session.run(rate)
         else:
-            search_settings = SearchSettings(config.slo_attainment, config.search_start_rate, config.search_tolerance, config.search_max_probes)
+            search_settings = SearchSettings(
+                config.slo_attainment, config.search_start_rate, config.search_tolerance, config.search_max_probes
+            )
 
             async def probe(rate: float) -> float:
                 return (await session.run(rate)).summary.attainment["all"]

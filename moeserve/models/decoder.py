@@ -18,10 +18,10 @@ from moeserve.models.layers.mla import MLAttention
 from moeserve.models.layers.mlp import GatedMLP
 from moeserve.models.layers.moe import MoEBlock
 from moeserve.models.layers.norm import RMSNorm
-from moeserve.ops.attention import AttentionPlan
 from moeserve.models.layers.rotary import RotaryEmbedding
-from moeserve.ops import TORCH_OPS, LayerOps
 from moeserve.models.tensor_parallel import SINGLE, TensorParallel
+from moeserve.ops import TORCH_OPS, LayerOps
+from moeserve.ops.attention import AttentionPlan
 
 
 def kv_cache_shape(cfg: ModelConfig, num_blocks: int, block_size: int, tp_size: int = 1) -> tuple[int, ...]:
@@ -41,8 +41,14 @@ class DecoderLayer(nn.Module):
     """
 
     def __init__(
-        self, cfg: ModelConfig, layer: int, dispatcher: Dispatcher, dtype: torch.dtype, device: torch.device | str,
-        tp: TensorParallel = SINGLE, ops: LayerOps = TORCH_OPS,
+        self,
+        cfg: ModelConfig,
+        layer: int,
+        dispatcher: Dispatcher,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        tp: TensorParallel = SINGLE,
+        ops: LayerOps = TORCH_OPS,
     ) -> None:
         super().__init__()
         attention_cls = MLAttention if cfg.is_mla else Attention
@@ -56,8 +62,14 @@ class DecoderLayer(nn.Module):
             self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype, device)
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
-        kv_cache: torch.Tensor, plan: AttentionPlan, max_tokens_per_rank: int | None = None,
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        plan: AttentionPlan,
+        max_tokens_per_rank: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The stream `x + residual`, both on this rank's token slice -> (FFN output, residual) on it.
 
@@ -86,20 +98,31 @@ class MoECausalLM(nn.Module):
     """
 
     def __init__(
-        self, cfg: ModelConfig, dispatcher: Dispatcher, dtype: torch.dtype, device: torch.device | str = "cpu",
-        tp: TensorParallel = SINGLE, ops: LayerOps = TORCH_OPS,
+        self,
+        cfg: ModelConfig,
+        dispatcher: Dispatcher,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+        tp: TensorParallel = SINGLE,
+        ops: LayerOps = TORCH_OPS,
     ) -> None:
         super().__init__()
         self.cfg = cfg
         self.dtype = dtype
         self.tp = tp
         self.ops = ops
-        self.embed_tokens = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device), requires_grad=False)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, dispatcher, dtype, device, tp, ops) for i in range(cfg.num_layers))
+        self.embed_tokens = nn.Parameter(
+            torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device), requires_grad=False
+        )
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, i, dispatcher, dtype, device, tp, ops) for i in range(cfg.num_layers)
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, ops)
         self.lm_head = None
         if not cfg.tie_word_embeddings:
-            self.lm_head = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device), requires_grad=False)
+            self.lm_head = nn.Parameter(
+                torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device), requires_grad=False
+            )
         self.rotary = RotaryEmbedding(cfg.rope, device)
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
@@ -107,7 +130,11 @@ class MoECausalLM(nn.Module):
         return kv_cache_shape(self.cfg, num_blocks, block_size, self.tp.size)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, plan: AttentionPlan, kv_caches: list[torch.Tensor],
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        plan: AttentionPlan,
+        kv_caches: list[torch.Tensor],
         max_tokens_per_rank: int | None = None,
     ) -> torch.Tensor:
         """input_ids, positions `[T]` -> final hidden states `[T, H]` (after the last norm).

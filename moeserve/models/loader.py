@@ -21,8 +21,8 @@ from moeserve.dispatch import Dispatcher, ExpertPlacement, create_dispatcher
 from moeserve.models.architectures import CheckpointNames, resolve_architecture
 from moeserve.models.checkpoint import CheckpointError, CheckpointReader
 from moeserve.models.decoder import MoECausalLM
-from moeserve.ops import TORCH_OPS, LayerOps
 from moeserve.models.tensor_parallel import SINGLE, Shard, TensorParallel, shard_of
+from moeserve.ops import TORCH_OPS, LayerOps
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ class WeightSource:
     stacked: bool = False
 
     @classmethod
-    def one(cls, name: str) -> "WeightSource":
+    def one(cls, name: str) -> WeightSource:
         return cls(((name,),))
 
     @property
@@ -74,9 +74,13 @@ def layer_source(layer: int, suffix: str, names: CheckpointNames, placement: Exp
         return WeightSource.one(f"{moe}{names.router}.{names.correction_bias}")
     if suffix == "mlp.experts.w13":
         experts = [f"{moe}experts.{e}." for e in placement.local_experts]
-        return WeightSource(tuple((f"{e}{names.expert_gate}.weight", f"{e}{names.expert_up}.weight") for e in experts), stacked=True)
+        return WeightSource(
+            tuple((f"{e}{names.expert_gate}.weight", f"{e}{names.expert_up}.weight") for e in experts), stacked=True
+        )
     if suffix == "mlp.experts.w2":
-        return WeightSource(tuple((f"{moe}experts.{e}.{names.expert_down}.weight",) for e in placement.local_experts), stacked=True)
+        return WeightSource(
+            tuple((f"{moe}experts.{e}.{names.expert_down}.weight",) for e in placement.local_experts), stacked=True
+        )
     if suffix == "mlp.shared.gate_up":
         s = f"{moe}{names.shared_expert}."
         return WeightSource(((f"{s}gate_proj.weight", f"{s}up_proj.weight"),))
@@ -87,7 +91,9 @@ def layer_source(layer: int, suffix: str, names: CheckpointNames, placement: Exp
     raise KeyError(f"no checkpoint mapping for layer parameter {suffix!r}")
 
 
-def weight_source(name: str, names: CheckpointNames, placement: ExpertPlacement, reader: CheckpointReader) -> WeightSource:
+def weight_source(
+    name: str, names: CheckpointNames, placement: ExpertPlacement, reader: CheckpointReader
+) -> WeightSource:
     if name == "embed_tokens":
         return WeightSource.one("model.embed_tokens.weight")
     if name == "lm_head":
@@ -123,10 +129,14 @@ def check_sources(sources: dict[str, WeightSource], targets: dict[str, torch.Ten
         for tensor_name in source.names:
             got = reader.shape(tensor_name)
             if got != want:
-                raise CheckpointError(f"tensor {tensor_name} has shape {list(got)}, expected {list(want)} from config.json")
+                raise CheckpointError(
+                    f"tensor {tensor_name} has shape {list(got)}, expected {list(want)} from config.json"
+                )
 
 
-def read_source(source: WeightSource, reader: CheckpointReader, dtype: torch.dtype, shard: Shard | None = None) -> torch.Tensor:
+def read_source(
+    source: WeightSource, reader: CheckpointReader, dtype: torch.dtype, shard: Shard | None = None
+) -> torch.Tensor:
     """The parameter's value; a sharded one (always a single checkpoint tensor) reads only its part."""
     if shard is not None:
         (name,) = source.names
@@ -169,8 +179,14 @@ def load_model(
     sizes = weight_bytes(model)
     logger.info(
         "loaded %s from %s: %d layers, %d/%d experts on this rank (%.1f MiB), %.1f MiB of other weights (%s)",
-        cfg.architecture, folder, cfg.num_layers, placement.num_local_experts, cfg.num_experts,
-        sizes.experts / 2**20, sizes.other / 2**20, dtype,
+        cfg.architecture,
+        folder,
+        cfg.num_layers,
+        placement.num_local_experts,
+        cfg.num_experts,
+        sizes.experts / 2**20,
+        sizes.other / 2**20,
+        dtype,
     )
     return model
 

@@ -146,4 +146,6 @@ def kv_heads_of(num_kv_heads: int, tp_rank: int, tp_size: int) -> tuple[int, int
         return tp_rank * count, count
     if tp_size % num_kv_heads == 0:
         return tp_rank // (tp_size // num_kv_heads), 1
-    raise ValueError(f"{num_kv_heads} KV heads cannot be spread over {tp_size} tensor-parallel ranks (neither divides the other)")
+    raise ValueError(
+        f"{num_kv_heads} KV heads cannot be spread over {tp_size} tensor-parallel ranks (neither divides the other)"
+    )

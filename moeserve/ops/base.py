@@ -58,27 +58,45 @@ class LayerOps(ABC, Generic[PlanT]):
 
     @abstractmethod
     def paged_attention(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: PlanT, scale: float,
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        plan: PlanT,
+        scale: float,
         sliding_window: int | None,
     ) -> torch.Tensor:
         """q `[T, Hq, D]` over the step's paged context -> `[T, Hq, Dv]`."""
 
     @abstractmethod
     def mla_attention(
-        self, q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor, plan: PlanT,
-        kv_b_weight: torch.Tensor, mla: MLAConfig, scale: float,
+        self,
+        q_nope: torch.Tensor,
+        q_rope: torch.Tensor,
+        kv_cache: torch.Tensor,
+        plan: PlanT,
+        kv_b_weight: torch.Tensor,
+        mla: MLAConfig,
+        scale: float,
     ) -> torch.Tensor:
         """MLA: queries `[T, H, nope]` and rotated `[T, H, rope]` over the latent cache, with
         kv_b_proj's weight `[H * (nope + v), kv_lora_rank]` -> `[T, H, v]`."""
 
     @abstractmethod
-    def route(self, cfg: RouterConfig, logits: torch.Tensor, correction_bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def route(
+        self, cfg: RouterConfig, logits: torch.Tensor, correction_bias: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Router logits `[T, E]` (fp32 for sigmoid routers) -> (topk_ids int64, topk_weights fp32)."""
 
     @abstractmethod
     def experts(
-        self, x: torch.Tensor, layout: DispatchLayout, counts: torch.Tensor, topk_ids: torch.Tensor | None,
-        w13: torch.Tensor, w2: torch.Tensor,
+        self,
+        x: torch.Tensor,
+        layout: DispatchLayout,
+        counts: torch.Tensor,
+        topk_ids: torch.Tensor | None,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
     ) -> torch.Tensor:
         """A DispatchOutput's rows through their experts' gated MLPs, without a host sync.
 

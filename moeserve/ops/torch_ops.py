@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from moeserve.config import MLAConfig, RouterConfig
 from moeserve.dispatch.base import DispatchLayout
@@ -41,18 +40,31 @@ class TorchOps(LayerOps[TorchAttentionPlan]):
         return apply_rotary(q, cos, sin, interleaved), apply_rotary(k, cos, sin, interleaved)
 
     def paged_attention(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: TorchAttentionPlan, scale: float,
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        plan: TorchAttentionPlan,
+        scale: float,
         sliding_window: int | None,
     ) -> torch.Tensor:
         return paged_attention(q, k_cache, v_cache, plan, scale, sliding_window)
 
     def mla_attention(
-        self, q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor, plan: TorchAttentionPlan,
-        kv_b_weight: torch.Tensor, mla: MLAConfig, scale: float,
+        self,
+        q_nope: torch.Tensor,
+        q_rope: torch.Tensor,
+        kv_cache: torch.Tensor,
+        plan: TorchAttentionPlan,
+        kv_b_weight: torch.Tensor,
+        mla: MLAConfig,
+        scale: float,
     ) -> torch.Tensor:
         return mla_attention(q_nope, q_rope, kv_cache, plan, kv_b_weight, mla, scale)
 
-    def route(self, cfg: RouterConfig, logits: torch.Tensor, correction_bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def route(
+        self, cfg: RouterConfig, logits: torch.Tensor, correction_bias: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         num_tokens, num_experts = logits.shape
         if cfg.kind == "grouped_sigmoid":
             return _grouped_sigmoid(cfg, logits, correction_bias)
@@ -77,13 +89,17 @@ class TorchOps(LayerOps[TorchAttentionPlan]):
         return torch.empty_like(rows).index_copy_(0, order, grouped_mlp(rows, counts, w13, w2))
 
 
-def _grouped_sigmoid(cfg: RouterConfig, scores_logits: torch.Tensor, correction_bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def _grouped_sigmoid(
+    cfg: RouterConfig, scores_logits: torch.Tensor, correction_bias: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek-V3: pick top groups by the sum of their two best biased scores, then top-k
     experts inside them; weights are the unbiased scores of the chosen experts."""
     num_tokens, num_experts = scores_logits.shape
     scores = scores_logits.sigmoid()  # [T, E]
     biased = scores + correction_bias if correction_bias is not None else scores
-    grouped = biased.view(num_tokens, cfg.num_groups, num_experts // cfg.num_groups)  # [T, G, E/G] (explicit: T may be 0)
+    grouped = biased.view(
+        num_tokens, cfg.num_groups, num_experts // cfg.num_groups
+    )  # [T, G, E/G] (explicit: T may be 0)
     group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(dim=-1)  # [T, G]
     top_groups = group_scores.topk(cfg.topk_groups, dim=-1, sorted=False).indices
     group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, top_groups, True)

@@ -39,7 +39,10 @@ class TritonOps(LayerOps[TritonAttentionPlan]):
     @classmethod
     def supports(cls, device: torch.device) -> str | None:
         if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-            return f"the Triton kernels run on CUDA devices (or, for tests, on CPU with TRITON_INTERPRET=1); device is {device}"
+            return (
+                "the Triton kernels run on CUDA devices (or, for tests, on CPU with TRITON_INTERPRET=1); "
+                f"device is {device}"
+            )
         return None
 
     def plan_attention(self, batch: AttentionBatch) -> TritonAttentionPlan:
@@ -65,20 +68,33 @@ class TritonOps(LayerOps[TritonAttentionPlan]):
         return q, k
 
     def paged_attention(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: TritonAttentionPlan, scale: float,
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        plan: TritonAttentionPlan,
+        scale: float,
         sliding_window: int | None,
     ) -> torch.Tensor:
         return paged_attention(q, k_cache, v_cache, plan.paged, scale, sliding_window)
 
     def mla_attention(
-        self, q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor, plan: TritonAttentionPlan,
-        kv_b_weight: torch.Tensor, mla: MLAConfig, scale: float,
+        self,
+        q_nope: torch.Tensor,
+        q_rope: torch.Tensor,
+        kv_cache: torch.Tensor,
+        plan: TritonAttentionPlan,
+        kv_b_weight: torch.Tensor,
+        mla: MLAConfig,
+        scale: float,
     ) -> torch.Tensor:
         if q_nope.shape[0] == 0:
             return q_nope.new_empty(0, q_nope.shape[1], mla.v_head_dim)
         return mla_decode(q_nope, q_rope, kv_cache, kv_b_weight, plan.paged, scale, mla)
 
-    def route(self, cfg: RouterConfig, logits: torch.Tensor, correction_bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def route(
+        self, cfg: RouterConfig, logits: torch.Tensor, correction_bias: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         return route(cfg, logits, correction_bias)
 
     def experts(self, x, layout, counts, topk_ids, w13, w2):

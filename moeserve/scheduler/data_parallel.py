@@ -51,7 +51,9 @@ class DataParallelScheduler:
     `max_waiting` bounds the requests queued across all groups, as it would in one.
     """
 
-    def __init__(self, config: SchedulerConfig, num_groups: int = 1, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, config: SchedulerConfig, num_groups: int = 1, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         if num_groups < 1:
             raise ValueError(f"num_groups must be >= 1, got {num_groups}")
         self.config = config
@@ -61,6 +63,7 @@ class DataParallelScheduler:
     def _least_loaded(self) -> int:
         """Queued requests weigh more than running ones (they will all need a prefill), then
         KV blocks in use break ties, then the lowest group index."""
+
         def load(g: int) -> tuple[int, int, int]:
             s = self.groups[g]
             return (4 * s.num_waiting + s.num_running, s.block_manager.num_used_blocks, g)

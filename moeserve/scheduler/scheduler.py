@@ -28,8 +28,9 @@ Policies (`SchedulerConfig.policy`) differ only in the queue's order and the siz
   stream waits a full-budget step for each token.
 - slo: the engine reports each step's wall time (with `update`) to a `StepTimeModel`. While any
   running request is decoding, the step's prefill gets only the tokens the model predicts fit in
-  `slo_tbt_s` (less a headroom for the work between steps and the model's error), but at least one KV block, so prompts always progress; with no decodes nobody's
-  TBT is at stake and the full budget goes to prefill, which TTFT wants. Until the model has seen
+  `slo_tbt_s` (less a headroom for the work between steps and the model's error), but at least
+  one KV block, so prompts always progress; with no decodes nobody's TBT is at stake and the full
+  budget goes to prefill, which TTFT wants. Until the model has seen
   enough steps, it sizes like fcfs. The queue (`SloQueue`) serves streams preempted mid-output
   first, then requests by TTFT deadline (arrival + `slo_ttft_s`), then those past it.
 Progress is guaranteed: `SchedulerConfig` ensures one `max_model_len` sequence fits the cache and

@@ -32,12 +32,17 @@ def num_blocks_for(cfg: ModelConfig, cache: CacheConfig, dtype: torch.dtype, max
     return max(1, min(fitting, -(-max_tokens // cache.block_size)))
 
 
-def allocate_kv_caches(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | str, tp_size: int = 1) -> list[torch.Tensor]:
+def allocate_kv_caches(
+    cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | str, tp_size: int = 1
+) -> list[torch.Tensor]:
     """Zeroed, so a bug that reads an unwritten slot shows up as a wrong token, not as NaN noise."""
     shape = kv_cache_shape(cfg, num_blocks, block_size, tp_size)
     caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
     logger.info(
         "KV cache: %d blocks of %d tokens (%d tokens), %.1f MiB",
-        num_blocks, block_size, num_blocks * block_size, num_blocks * bytes_per_block(cfg, block_size, dtype, tp_size) / 2**20,
+        num_blocks,
+        block_size,
+        num_blocks * block_size,
+        num_blocks * bytes_per_block(cfg, block_size, dtype, tp_size) / 2**20,
     )
     return caches

@@ -9,16 +9,16 @@ the plan that first schedules it, and its id with the first plan after it finish
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import torch
 
-from moeserve.worker.sampler import Sampler, SamplerOutput, SamplingRow, make_generator
 from moeserve.models import MoECausalLM
 from moeserve.ops import attention_batch
 from moeserve.sampling_params import SamplingParams
 from moeserve.scheduler import NewRequest, SchedulerOutput
+from moeserve.worker.sampler import Sampler, SamplerOutput, SamplingRow, make_generator
 
 
 @dataclass

@@ -71,9 +71,7 @@ def make_generator(seed: int | None, device: torch.device | str) -> torch.Genera
     return torch.Generator(device=device).manual_seed(seed)
 
 
-def apply_min_tokens(
-    logits: torch.Tensor, rows: Sequence[SamplingRow], eos_token_ids: Sequence[int]
-) -> None:
+def apply_min_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow], eos_token_ids: Sequence[int]) -> None:
     """In place: -inf on EOS (unless ignore_eos) and stop_token_ids of rows below min_tokens.
 
     logits: `[B, V]` float32.
@@ -127,21 +125,16 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
         seen = [list(rows[i].prompt_token_ids) + list(rows[i].output_token_ids) for i in rep]
         if any(seen):
             r, t, _ = _seen_pairs(seen, rep, vocab_size, logits.device)
-            penalty = torch.tensor(
-                [row.params.repetition_penalty for row in rows], device=logits.device
-            )[r]  # [P]
+            penalty = torch.tensor([row.params.repetition_penalty for row in rows], device=logits.device)[r]  # [P]
             vals = logits[r, t]  # [P]
             logits[r, t] = torch.where(vals > 0, vals / penalty, vals * penalty)
     freq = [
         i
         for i, row in enumerate(rows)
-        if (row.params.frequency_penalty or row.params.presence_penalty)
-        and len(row.output_token_ids) > 0
+        if (row.params.frequency_penalty or row.params.presence_penalty) and len(row.output_token_ids) > 0
     ]
     if freq:
-        r, t, counts = _seen_pairs(
-            [rows[i].output_token_ids for i in freq], freq, vocab_size, logits.device
-        )
+        r, t, counts = _seen_pairs([rows[i].output_token_ids for i in freq], freq, vocab_size, logits.device)
         fp = torch.tensor([row.params.frequency_penalty for row in rows], device=logits.device)
         pp = torch.tensor([row.params.presence_penalty for row in rows], device=logits.device)
         logits[r, t] -= fp[r] * counts + pp[r]
@@ -179,9 +172,7 @@ def _apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     return sorted_logits.scatter(1, order, sorted_logits)
 
 
-def _exponential_race(
-    probs: torch.Tensor, generators: list[torch.Generator | None]
-) -> torch.Tensor:
+def _exponential_race(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
     """Sample one token per row: argmax(probs / E), E ~ Exp(1) i.i.d. (same law as multinomial).
 
     Each seeded row draws its V exponentials from its own generator, so its result does not
@@ -277,9 +268,7 @@ class Sampler:
         return token_ids
 
     @staticmethod
-    def _gather_logprobs(
-        logprobs_src: torch.Tensor, token_ids: torch.Tensor, rows: list[SamplingRow]
-    ) -> SamplerOutput:
+    def _gather_logprobs(logprobs_src: torch.Tensor, token_ids: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         """The sampled tokens' logprobs `[B]` and the top-k `[B, k]` pair from `[B, V]`."""
         sampled = logprobs_src.gather(1, token_ids.unsqueeze(1)).squeeze(1)  # [B]
         k = max(row.params.logprobs or 0 for row in rows)

@@ -63,9 +63,11 @@ def run_cases(rank: int, world_size: int, cases: list[Case], slack: int) -> list
         hidden, ids, weights = rank_inputs(case, rank)
         received = create_dispatcher("torch", placement).dispatch(hidden, ids, weights)
         max_tokens = max(max(case.tokens_per_rank), 1) + slack
-        results.append({
-            "torch_hidden": received.hidden,
-            "torch_counts": tuple(received.num_tokens_per_expert.tolist()),
-            **{mode: simulate(hidden, ids, case, placement, max_tokens, mode) for mode in MODES},
-        })
+        results.append(
+            {
+                "torch_hidden": received.hidden,
+                "torch_counts": tuple(received.num_tokens_per_expert.tolist()),
+                **{mode: simulate(hidden, ids, case, placement, max_tokens, mode) for mode in MODES},
+            }
+        )
     return results

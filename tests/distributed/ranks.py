@@ -25,8 +25,9 @@ import pickle
 import queue
 import time
 import traceback
+from collections.abc import Callable
 from multiprocessing.process import BaseProcess
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -53,7 +54,9 @@ def _rank_main(rank: int, world_size: int, port: int, timeout: float, job: bytes
         # Many ranks share few cores: one intra-op pool per rank sized to its share, not one per core.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
         store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=timeout))
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout))
+        dist.init_process_group(
+            "gloo", store=store, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout)
+        )
         report = (rank, "ok", pickle.dumps(fn(rank, world_size, *args)))
     except BaseException:  # noqa: BLE001 - everything goes back to the parent, KeyboardInterrupt included
         report = (rank, "error", traceback.format_exc())
@@ -72,7 +75,9 @@ def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any, timeout: floa
     """
     ctx = mp.get_context("spawn")
     # The parent hosts the store on a port the OS picks, so there is no free-port race to lose.
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout))
+    store = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout)
+    )
     job = pickle.dumps((fn, args))
     results = ctx.Queue()
     procs = [
@@ -97,7 +102,9 @@ def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any, timeout: floa
                     raise RankError(f"ranks {pending} of {world_size} did not finish within {timeout:g} s") from None
                 for r, p in enumerate(procs):
                     if r not in values and p.exitcode is not None and now - exited_at.setdefault(r, now) > _GRACE_S:
-                        raise RankError(f"rank {r} of {world_size} exited with code {p.exitcode} without reporting") from None
+                        raise RankError(
+                            f"rank {r} of {world_size} exited with code {p.exitcode} without reporting"
+                        ) from None
                 continue
             if status == "error":
                 raise RankError(f"rank {rank} of {world_size} failed:\n{payload}{_silent_exits(procs, values)}")
@@ -116,5 +123,9 @@ def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any, timeout: floa
 
 def _silent_exits(procs: list[BaseProcess], values: dict[int, Any]) -> str:
     """A note on ranks that already exited without reporting: often the real cause of a peer's error."""
-    dead = [f"rank {r} exited with code {p.exitcode}" for r, p in enumerate(procs) if r not in values and p.exitcode not in (None, 0)]
+    dead = [
+        f"rank {r} exited with code {p.exitcode}"
+        for r, p in enumerate(procs)
+        if r not in values and p.exitcode not in (None, 0)
+    ]
     return f"\n(meanwhile, without reporting: {', '.join(dead)})" if dead else ""

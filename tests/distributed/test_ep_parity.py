@@ -82,9 +82,32 @@ def test_generate_command_with_ep(reference, tmp_path):
 
     folder, _ = reference("qwen3_moe")
     prompt = prompts()[2]["prompt_token_ids"]
-    expected = LLM(str(folder), **ENGINE).generate([{"prompt_token_ids": prompt}], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
-    command = [sys.executable, "-m", "moeserve", "generate", "--model", str(folder), "--prompt-ids", ",".join(map(str, prompt)),
-               "--max-tokens", str(GREEDY.max_tokens), "--ignore-eos", "--max-model-len", "96", "--ep", "2", "--tp", "2", "--json"]
+    expected = (
+        LLM(str(folder), **ENGINE)
+        .generate([{"prompt_token_ids": prompt}], GREEDY, use_tqdm=False)[0]
+        .outputs[0]
+        .token_ids
+    )
+    command = [
+        sys.executable,
+        "-m",
+        "moeserve",
+        "generate",
+        "--model",
+        str(folder),
+        "--prompt-ids",
+        ",".join(map(str, prompt)),
+        "--max-tokens",
+        str(GREEDY.max_tokens),
+        "--ignore-eos",
+        "--max-model-len",
+        "96",
+        "--ep",
+        "2",
+        "--tp",
+        "2",
+        "--json",
+    ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["token_ids"] == expected

@@ -19,10 +19,15 @@ TOKENS = (0, 1, 13, 40, 7, 3, 22, 5)
 
 def cases_for(world_size: int) -> list[Case]:
     uneven = 7 if world_size < 8 else 12
-    shapes = [(8, 1, "one_expert", "contiguous"),  # every pair to one expert
-              (8, 2, "uniform", "contiguous"), (8, 2, "uniform", "round_robin"),
-              (16, 8, "skewed", "contiguous"), (16, 8, "uniform", "round_robin"),
-              (uneven, 3, "skewed", "round_robin"), (uneven, 3, "one_expert", "contiguous")]
+    shapes = [
+        (8, 1, "one_expert", "contiguous"),  # every pair to one expert
+        (8, 2, "uniform", "contiguous"),
+        (8, 2, "uniform", "round_robin"),
+        (16, 8, "skewed", "contiguous"),
+        (16, 8, "uniform", "round_robin"),
+        (uneven, 3, "skewed", "round_robin"),
+        (uneven, 3, "one_expert", "contiguous"),
+    ]
     cases = []
     for num_experts, top_k, kind, placement in shapes:
         for dtype in (torch.float32, torch.bfloat16) if kind == "skewed" else (torch.float32,):

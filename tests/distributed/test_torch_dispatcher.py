@@ -91,7 +91,9 @@ def test_torch_equals_local(world: tuple[int, list[Case], list[dict]], one_threa
                 assert torch.equal(got["toy_out"], ref_toy[mine]), f"{where}: combine order differs from local's"
                 tol = 1e-6 if case.dtype == torch.float32 else 1e-2
                 # real GEMMs: bit-equal too on this CPU at equal thread counts, but BLAS does not promise it
-                torch.testing.assert_close(got["out"], ref_out[mine], rtol=tol, atol=tol, msg=lambda m: f"{where}: {m}")
+                torch.testing.assert_close(
+                    got["out"], ref_out[mine], rtol=tol, atol=tol, msg=lambda m, where=where: f"{where}: {m}"
+                )
 
 
 def max_local(case: Case, world_size: int) -> int:

@@ -30,9 +30,9 @@ class HostSyncs:
 class HostSyncCounter:
     """Context manager: patches the sync-making calls and hooks every module of `moe_blocks`.
 
-        with HostSyncCounter(blocks) as syncs:
-            model(...)
-        assert not syncs.inside_moe
+    with HostSyncCounter(blocks) as syncs:
+        model(...)
+    assert not syncs.inside_moe
     """
 
     def __init__(self, moe_blocks: Iterable[nn.Module]) -> None:

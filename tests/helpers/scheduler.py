@@ -3,8 +3,8 @@ was given, and the check every plan must pass."""
 
 from __future__ import annotations
 
-from moeserve.scheduler import Request, RequestStatus, Scheduler, SchedulerOutput
 from moeserve.sampling_params import SamplingParams
+from moeserve.scheduler import Request, RequestStatus, Scheduler, SchedulerOutput
 
 EOS = 0
 

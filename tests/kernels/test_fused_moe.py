@@ -130,8 +130,10 @@ def test_reference_matches_dense_loop(device):
     hidden = torch.randn(9, H, device=device)
     aligned = align_reference(topk_ids, E, 16)
     torch.testing.assert_close(
-        fused_moe_reference(hidden, w13, w2, aligned, K, weights), dense_expected(hidden, w13, w2, topk_ids, weights),
-        rtol=1e-5, atol=1e-5,
+        fused_moe_reference(hidden, w13, w2, aligned, K, weights),
+        dense_expected(hidden, w13, w2, topk_ids, weights),
+        rtol=1e-5,
+        atol=1e-5,
     )
 
 
@@ -255,7 +257,9 @@ def test_validation(device):
     with pytest.raises(ValueError, match="pair_weights"):
         fused_moe(hidden, w13, w2, aligned, K, weights.double())
     with pytest.raises(ValueError, match="int32"):
-        fused_moe(hidden, w13, w2, type(aligned)(aligned.sorted_pair_ids.long(), aligned.block_experts, aligned.num_padded), K)
+        fused_moe(
+            hidden, w13, w2, type(aligned)(aligned.sorted_pair_ids.long(), aligned.block_experts, aligned.num_padded), K
+        )
     with pytest.raises(ValueError, match="max_programs"):
         fused_moe(hidden, w13, w2, aligned, K, max_programs=0)
 
@@ -314,7 +318,9 @@ def test_bench_shape_rows(device):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU exit")
 def test_bench_exits_2_without_cuda():
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "moe_kernel.py")], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "moe_kernel.py")], capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 2
     assert len(proc.stdout.strip().splitlines()) + len(proc.stderr.strip().splitlines()) == 1
 
@@ -372,7 +378,9 @@ def test_gpu_cuda_graph_replay_follows_routing():
     topk_ids, weights = random_routing(num_tokens, num_experts, top_k, "cuda", seed=0)
 
     def step() -> torch.Tensor:
-        return fused_moe(hidden, w13, w2, moe_align.moe_align_block_size(topk_ids, num_experts, block_m), top_k, weights)
+        return fused_moe(
+            hidden, w13, w2, moe_align.moe_align_block_size(topk_ids, num_experts, block_m), top_k, weights
+        )
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())

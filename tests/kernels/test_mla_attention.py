@@ -21,10 +21,10 @@ from moeserve.kernels.mla_attention import mla_decode, mla_latent_attention
 from moeserve.kernels.paged_attention import PagedInputs, paged_inputs
 from moeserve.models.architectures.deepseek import parse_config
 from moeserve.models.layers.mla import MLAttention
-from moeserve.ops.attention import attention_batch, gather_from_cache, write_to_cache
-from moeserve.ops.torch_attention import TorchAttentionPlan, causal_attention, torch_attention_plan
 from moeserve.models.layers.rotary import RotaryEmbedding
+from moeserve.ops.attention import attention_batch, gather_from_cache, write_to_cache
 from moeserve.ops.rotary import apply_rotary
+from moeserve.ops.torch_attention import TorchAttentionPlan, causal_attention, torch_attention_plan
 
 MIXED = [(0, 7), (5, 3), (13, 1), (30, 40)]  # (start, query length): prompt, mid-sequence chunk, decode, long chunk
 DECODE = [(0, 1), (3, 1), (17, 1), (40, 1), (90, 1)]
@@ -33,10 +33,28 @@ STEPS = [(MIXED, 512), (DECODE, 512), (DECODE, 16)]  # (sequences, decode_partit
 
 def tiny_deepseek(**overrides: int) -> ModelConfig:
     raw = dict(
-        architectures=["DeepseekV3ForCausalLM"], vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256, rms_norm_eps=1e-6, moe_intermediate_size=32,
-        n_routed_experts=8, n_group=4, topk_group=2, num_experts_per_tok=3, q_lora_rank=24, kv_lora_rank=16, qk_rope_head_dim=8,
-        qk_nope_head_dim=16, v_head_dim=12, first_k_dense_replace=1, n_shared_experts=1, routed_scaling_factor=2.5,
+        architectures=["DeepseekV3ForCausalLM"],
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+        moe_intermediate_size=32,
+        n_routed_experts=8,
+        n_group=4,
+        topk_group=2,
+        num_experts_per_tok=3,
+        q_lora_rank=24,
+        kv_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=16,
+        v_head_dim=12,
+        first_k_dense_replace=1,
+        n_shared_experts=1,
+        routed_scaling_factor=2.5,
     )
     return parse_config({**raw, **overrides})
 

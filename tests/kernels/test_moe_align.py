@@ -62,7 +62,8 @@ def _check(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> None:
 def test_worked_example() -> None:
     ids = torch.tensor([[2, 0], [2, 3], [0, 2]])
     aligned = moe_align_reference(ids, num_experts=4, block_m=2)
-    # expert 0: pairs 1, 4; expert 1: none; expert 2: 0, 2, 5 + pad; expert 3: 3 + pad. P_max = round_up(6 + 4 * 1, 2) = 10.
+    # expert 0: pairs 1, 4; expert 1: none; expert 2: 0, 2, 5 + pad; expert 3: 3 + pad.
+    # P_max = round_up(6 + 4 * 1, 2) = 10.
     assert aligned.sorted_pair_ids.tolist() == [1, 4, 0, 2, 5, 6, 3, 6, 6, 6]
     assert aligned.block_experts.tolist() == [0, 2, 2, 3, -1]
     assert aligned.num_padded.tolist() == [8]
@@ -70,7 +71,14 @@ def test_worked_example() -> None:
 
 @pytest.mark.parametrize(
     ("num_tokens", "top_k", "num_experts", "block_m", "skip"),
-    [(0, 2, 8, 16, 0.0), (1, 1, 1, 16, 0.0), (5, 3, 7, 4, 0.3), (20, 2, 8, 16, 0.0), (9, 8, 256, 64, 0.2), (33, 4, 12, 1, 0.1)],
+    [
+        (0, 2, 8, 16, 0.0),
+        (1, 1, 1, 16, 0.0),
+        (5, 3, 7, 4, 0.3),
+        (20, 2, 8, 16, 0.0),
+        (9, 8, 256, 64, 0.2),
+        (33, 4, 12, 1, 0.1),
+    ],
 )
 def test_reference_matches_spec(num_tokens: int, top_k: int, num_experts: int, block_m: int, skip: float) -> None:
     ids = _random_ids(num_tokens, top_k, num_experts, seed=num_tokens, skip_fraction=skip)
@@ -94,7 +102,9 @@ def test_reference_matches_spec(num_tokens: int, top_k: int, num_experts: int, b
         (300, 8, 64),  # more chunks than one step of the prefix kernel
     ],
 )
-def test_kernel_matches_reference(num_tokens: int, top_k: int, num_experts: int, block_m: int, device: torch.device) -> None:
+def test_kernel_matches_reference(
+    num_tokens: int, top_k: int, num_experts: int, block_m: int, device: torch.device
+) -> None:
     _check(_random_ids(num_tokens, top_k, num_experts, seed=num_tokens).to(device), num_experts, block_m)
 
 
@@ -125,7 +135,9 @@ def test_skipped_ids(block_m: int, device: torch.device) -> None:
 
 def test_int32_ids_and_top1(device: torch.device) -> None:
     """The expert-parallel path aligns `[N, 1]` rows that arrive grouped by local expert."""
-    ids = torch.arange(4, dtype=torch.int32, device=device).repeat_interleave(torch.tensor([3, 0, 20, 1], device=device))[:, None]
+    ids = torch.arange(4, dtype=torch.int32, device=device).repeat_interleave(
+        torch.tensor([3, 0, 20, 1], device=device)
+    )[:, None]
     _check(ids.contiguous(), 4, 16)
 
 
@@ -147,7 +159,9 @@ def test_validation(device: torch.device) -> None:
 @pytest.mark.parametrize("block_m", [16, 64])
 @pytest.mark.parametrize("num_tokens", [1, 64, 4096])
 @pytest.mark.parametrize(("top_k", "num_experts"), [(8, 256), (8, 128), (2, 8)])
-def test_kernel_matches_reference_gpu(top_k: int, num_experts: int, num_tokens: int, block_m: int, device: torch.device) -> None:
+def test_kernel_matches_reference_gpu(
+    top_k: int, num_experts: int, num_tokens: int, block_m: int, device: torch.device
+) -> None:
     _check(_random_ids(num_tokens, top_k, num_experts, seed=num_tokens).to(device), num_experts, block_m)
     # Expert parallelism over 8 ranks: this rank holds E/8 experts, the others' ids are -1.
     local = num_experts // 8

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from helpers.tolerances import ELEMENTWISE
+
 from moeserve.kernels import norm as norm_kernels
 from moeserve.kernels.norm import fused_add_rms_norm, rms_norm
 from moeserve.models.layers.norm import RMSNorm
@@ -19,7 +19,9 @@ def reference(x: torch.Tensor, weight: torch.Tensor, eps: float = EPS) -> torch.
     return layer(x)
 
 
-def inputs(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def inputs(
+    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(shape, generator=gen, dtype=torch.float32).to(dtype).to(device)
     residual = torch.randn(shape, generator=gen, dtype=torch.float32).to(dtype).to(device)
@@ -44,7 +46,9 @@ def test_rms_norm_matches_reference(device: torch.device, dtype: torch.dtype, to
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("tokens", [0, 1, 7])
 @pytest.mark.parametrize("hidden", [16, 64])
-def test_fused_add_rms_norm_matches_reference(device: torch.device, dtype: torch.dtype, tokens: int, hidden: int) -> None:
+def test_fused_add_rms_norm_matches_reference(
+    device: torch.device, dtype: torch.dtype, tokens: int, hidden: int
+) -> None:
     x, residual, weight = inputs((tokens, hidden), dtype, device)
     x_before, residual_before = x.clone(), residual.clone()
     normed, new_residual = fused_add_rms_norm(x, residual, weight, EPS)
@@ -65,7 +69,9 @@ def test_fp16_rounds_where_the_reference_rounds(device: torch.device) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("hidden", [40, 64])
-def test_rows_wider_than_a_block_loop_over_chunks(device: torch.device, dtype: torch.dtype, hidden: int, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_rows_wider_than_a_block_loop_over_chunks(
+    device: torch.device, dtype: torch.dtype, hidden: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(norm_kernels, "MAX_BLOCK", 16)  # 40: 3 chunks, the last one masked
     x, residual, weight = inputs((5, hidden), dtype, device)
     assert_close(rms_norm(x, weight, EPS), reference(x, weight))

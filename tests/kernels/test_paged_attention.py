@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from helpers.tolerances import ATTENTION
+
 from moeserve.kernels.paged_attention import PagedInputs, paged_attention, paged_inputs
 from moeserve.ops.attention import attention_batch, write_to_cache
 from moeserve.ops.torch_attention import TorchAttentionPlan, torch_attention_plan
 from moeserve.ops.torch_attention import paged_attention as reference
+
 SCALE = 0.3
 
 # (start position, query length) per sequence. MIXED: a prompt from position 0, a chunk starting
@@ -30,8 +31,15 @@ HEADS = [(4, 2, 16), (4, 1, 32), (2, 2, 16)]  # (Hq, Hkv, D): GQA, MQA, MHA
 
 
 def make_step(
-    seqs: list[tuple[int, int]], block_size: int, num_heads: int, num_kv_heads: int, dk: int, dv: int,
-    dtype: torch.dtype, device: torch.device, seed: int = 0,
+    seqs: list[tuple[int, int]],
+    block_size: int,
+    num_heads: int,
+    num_kv_heads: int,
+    dk: int,
+    dv: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    seed: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, TorchAttentionPlan, PagedInputs]:
     """q, a NaN-filled K/V pool holding every sequence's context, and both forms of the plan."""
     gen = torch.Generator().manual_seed(seed)
@@ -55,7 +63,9 @@ def make_step(
 
 def assert_matches_reference(seqs, block_size, heads, dtype, device, window=None, dv=None, **kwargs) -> None:
     num_heads, num_kv_heads, dk = heads
-    q, k_cache, v_cache, meta, inputs = make_step(seqs, block_size, num_heads, num_kv_heads, dk, dv or dk, dtype, device)
+    q, k_cache, v_cache, meta, inputs = make_step(
+        seqs, block_size, num_heads, num_kv_heads, dk, dv or dk, dtype, device
+    )
     got = paged_attention(q, k_cache, v_cache, inputs, SCALE, window, **kwargs)
     want = reference(q.float(), k_cache.float(), v_cache.float(), meta, SCALE, window)
     assert got.dtype == dtype and got.shape == want.shape
@@ -101,7 +111,9 @@ def test_decode_result_does_not_depend_on_the_batch(device):
     q, k_cache, v_cache, _, inputs = make_step(DECODE, 4, 4, 2, 16, 16, torch.float32, device)
     batched = paged_attention(q, k_cache, v_cache, inputs, SCALE, decode_partition=16)
     table = inputs.block_table[4].tolist()
-    alone = paged_attention(q[4:5], k_cache, v_cache, paged_inputs([table], [90], [1], 4, device), SCALE, decode_partition=16)
+    alone = paged_attention(
+        q[4:5], k_cache, v_cache, paged_inputs([table], [90], [1], 4, device), SCALE, decode_partition=16
+    )
     assert torch.equal(alone, batched[4:5])
 
 
@@ -146,7 +158,9 @@ def test_paged_attention_rejects_bad_inputs(device):
     with pytest.raises(ValueError, match="add up to 5"):
         paged_attention(q[:4], cache, cache, inputs, SCALE)
     with pytest.raises(ValueError, match="block size"):
-        paged_attention(q, torch.zeros(3, 8, 2, 16, device=device), torch.zeros(3, 8, 2, 16, device=device), inputs, SCALE)
+        paged_attention(
+            q, torch.zeros(3, 8, 2, 16, device=device), torch.zeros(3, 8, 2, 16, device=device), inputs, SCALE
+        )
     with pytest.raises(ValueError, match="sliding_window"):
         paged_attention(q, cache, cache, inputs, SCALE, sliding_window=0)
 
@@ -184,6 +198,8 @@ def test_gpu_bf16_prefill_chunks_and_decodes(window, device):
 @pytest.mark.gpu
 def test_gpu_fp32_matches_reference(device):
     """fp32 must use IEEE products, not TF32, to stay this close."""
-    q, k_cache, v_cache, meta, inputs = make_step([(0, 300), (700, 1), (90, 40)], 16, 32, 4, 128, 128, torch.float32, device)
+    q, k_cache, v_cache, meta, inputs = make_step(
+        [(0, 300), (700, 1), (90, 40)], 16, 32, 4, 128, 128, torch.float32, device
+    )
     got = paged_attention(q, k_cache, v_cache, inputs, 128**-0.5)
     torch.testing.assert_close(got, reference(q, k_cache, v_cache, meta, 128**-0.5), atol=2e-5, rtol=2e-5)

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from helpers.tolerances import ELEMENTWISE
+
 from moeserve.config import RopeConfig
 from moeserve.kernels.rotary import apply_rotary, apply_rotary_qk_
 from moeserve.models.layers.rotary import RotaryEmbedding
@@ -62,7 +62,9 @@ def test_apply_rotary_matches_reference(
 @pytest.mark.parametrize("tokens", [0, 1, 7])
 @pytest.mark.parametrize(("head_dim", "rotary_dim"), [(16, 16), (32, 16)])
 @pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "interleaved"])
-def test_apply_rotary_qk_in_place(device: torch.device, dtype: torch.dtype, tokens: int, head_dim: int, rotary_dim: int, interleaved: bool) -> None:
+def test_apply_rotary_qk_in_place(
+    device: torch.device, dtype: torch.dtype, tokens: int, head_dim: int, rotary_dim: int, interleaved: bool
+) -> None:
     """GQA shapes: 4 query heads, 1 key head, one launch, written back into q and k."""
     gen = torch.Generator().manual_seed(tokens + head_dim + rotary_dim)
     q, k = randn((tokens, 4, head_dim), dtype, device, gen), randn((tokens, 1, head_dim), dtype, device, gen)
@@ -146,8 +148,14 @@ def test_bf16_deepseek_mla(device: torch.device, tokens: int) -> None:
     them), YaRN; and the same 64 as the *first* dims of a head, the rest passed through."""
     gen = torch.Generator().manual_seed(tokens)
     cfg = RopeConfig(
-        theta=10_000.0, rotary_dim=64, kind="yarn", factor=40.0, original_max_position_embeddings=4096,
-        mscale=1.0, mscale_all_dim=1.0, interleaved=True,
+        theta=10_000.0,
+        rotary_dim=64,
+        kind="yarn",
+        factor=40.0,
+        original_max_position_embeddings=4096,
+        mscale=1.0,
+        mscale_all_dim=1.0,
+        interleaved=True,
     )
     cos, sin = _cos_sin(cfg, tokens, device)
     q = randn((tokens, 16, 192), torch.bfloat16, device, gen)

@@ -21,17 +21,33 @@ NEAR_TIE = 1e-6
 MIXTRAL = RouterConfig("softmax", top_k=2, renormalize=True)
 QWEN2 = RouterConfig("softmax", top_k=4, renormalize=False)
 QWEN3 = RouterConfig("softmax", top_k=8, renormalize=True)
-DEEPSEEK_V2 = RouterConfig("softmax", top_k=6, renormalize=False, num_groups=8, topk_groups=3, routed_scaling_factor=16.0)
+DEEPSEEK_V2 = RouterConfig(
+    "softmax", top_k=6, renormalize=False, num_groups=8, topk_groups=3, routed_scaling_factor=16.0
+)
 DEEPSEEK_V3 = RouterConfig(
-    "grouped_sigmoid", top_k=8, renormalize=True, num_groups=8, topk_groups=4, routed_scaling_factor=2.5,
-    has_correction_bias=True, logits_in_fp32=True,
+    "grouped_sigmoid",
+    top_k=8,
+    renormalize=True,
+    num_groups=8,
+    topk_groups=4,
+    routed_scaling_factor=2.5,
+    has_correction_bias=True,
+    logits_in_fp32=True,
 )
 TINY_V3 = RouterConfig(
-    "grouped_sigmoid", top_k=3, renormalize=True, num_groups=4, topk_groups=2, routed_scaling_factor=2.5,
-    has_correction_bias=True, logits_in_fp32=True,
+    "grouped_sigmoid",
+    top_k=3,
+    renormalize=True,
+    num_groups=4,
+    topk_groups=2,
+    routed_scaling_factor=2.5,
+    has_correction_bias=True,
+    logits_in_fp32=True,
 )
 SIGMOID_PLAIN = RouterConfig("grouped_sigmoid", top_k=4, renormalize=False, num_groups=1, topk_groups=1)
-SINGLETON_GROUPS = RouterConfig("grouped_sigmoid", top_k=2, renormalize=True, num_groups=8, topk_groups=3, has_correction_bias=True)
+SINGLETON_GROUPS = RouterConfig(
+    "grouped_sigmoid", top_k=2, renormalize=True, num_groups=8, topk_groups=3, has_correction_bias=True
+)
 
 # (config, num_experts): E = 60 and 160 (groups of 20) exercise padded tiles.
 CPU_CASES = {
@@ -76,7 +92,9 @@ def _near_ties(cfg: RouterConfig, logits: torch.Tensor, bias: torch.Tensor | Non
         ranked = group_score.sort(-1, descending=True).values
         if cfg.topk_groups < cfg.num_groups:
             near |= (ranked[:, cfg.topk_groups - 1] - ranked[:, cfg.topk_groups]) < NEAR_TIE
-        kept = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, group_score.topk(cfg.topk_groups, -1).indices, True)
+        kept = torch.zeros_like(group_score, dtype=torch.bool).scatter_(
+            1, group_score.topk(cfg.topk_groups, -1).indices, True
+        )
         choice = choice.masked_fill(~kept.repeat_interleave(num_experts // cfg.num_groups, dim=1), dropped)
     if cfg.top_k < num_experts:
         ranked = choice.sort(-1, descending=True).values
@@ -109,7 +127,9 @@ def _logits(num_tokens: int, num_experts: int, dtype: torch.dtype, device: torch
     return ((ranks - num_experts // 2) / 32.0).to(dtype).to(device)
 
 
-def _check_against_router(cfg: RouterConfig, num_experts: int, num_tokens: int, dtype: torch.dtype, device: torch.device, seed: int = 0) -> None:
+def _check_against_router(
+    cfg: RouterConfig, num_experts: int, num_tokens: int, dtype: torch.dtype, device: torch.device, seed: int = 0
+) -> None:
     logits = _logits(num_tokens, num_experts, dtype, device, seed)
     router = _router(cfg, num_experts, dtype, device, seed)
     bias = router.correction_bias.detach() if cfg.has_correction_bias else None
@@ -184,14 +204,21 @@ def test_validation(device: torch.device) -> None:
     with pytest.raises(ValueError, match="contiguous"):
         softmax_topk(logits.t(), 2, renormalize=True)
     with pytest.raises(ValueError, match="correction_bias must be float32"):
-        grouped_sigmoid_topk(logits, 2, num_groups=4, topk_groups=2, correction_bias=torch.zeros(8, dtype=torch.float16, device=device))
+        grouped_sigmoid_topk(
+            logits, 2, num_groups=4, topk_groups=2, correction_bias=torch.zeros(8, dtype=torch.float16, device=device)
+        )
     with pytest.raises(ValueError, match="missing"):
         route(TINY_V3, logits)
     with pytest.raises(ValueError, match="given"):
         route(MIXTRAL, logits, torch.zeros(8, device=device))
 
 
-GPU_CASES = {"deepseek_v3": (DEEPSEEK_V3, 256), "qwen3": (QWEN3, 128), "mixtral": (MIXTRAL, 8), "deepseek_v2": (DEEPSEEK_V2, 160)}
+GPU_CASES = {
+    "deepseek_v3": (DEEPSEEK_V3, 256),
+    "qwen3": (QWEN3, 128),
+    "mixtral": (MIXTRAL, 8),
+    "deepseek_v2": (DEEPSEEK_V2, 160),
+}
 
 
 @pytest.mark.gpu

@@ -56,7 +56,9 @@ def opener(clock: FakeClock, script: Sequence[tuple[float, bytes]], status: int 
 def completion_script(chunk_times: Sequence[float], completion_tokens: int | None) -> list[tuple[float, bytes]]:
     """A streamed completion: one text chunk per time, the last with finish_reason, then usage
     (when given) and [DONE] at the last chunk's time."""
-    script = [(t, text_chunk(f"t{i}", "length" if i == len(chunk_times) - 1 else None)) for i, t in enumerate(chunk_times)]
+    script = [
+        (t, text_chunk(f"t{i}", "length" if i == len(chunk_times) - 1 else None)) for i, t in enumerate(chunk_times)
+    ]
     end = chunk_times[-1]
     if completion_tokens is not None:
         script.append((end, usage_chunk(completion_tokens)))
@@ -64,7 +66,23 @@ def completion_script(chunk_times: Sequence[float], completion_tokens: int | Non
     return script
 
 
-def record(clock: FakeClock, send_time: float, script: Sequence[tuple[float, bytes]], status: int = 200, index: int = 0, **kwargs: Any) -> RequestRecord:
+def record(
+    clock: FakeClock,
+    send_time: float,
+    script: Sequence[tuple[float, bytes]],
+    status: int = 200,
+    index: int = 0,
+    **kwargs: Any,
+) -> RequestRecord:
     """Send one request at `send_time` to a server answering `script`."""
     clock.now = send_time
-    return asyncio.run(send_request(opener(clock, script, status), kwargs.pop("settings", SETTINGS), index, kwargs.pop("prompt", PROMPT), clock=clock, **kwargs))
+    return asyncio.run(
+        send_request(
+            opener(clock, script, status),
+            kwargs.pop("settings", SETTINGS),
+            index,
+            kwargs.pop("prompt", PROMPT),
+            clock=clock,
+            **kwargs,
+        )
+    )

@@ -10,14 +10,21 @@ from typing import Any
 import pytest
 from loadtest_fakes import DONE, PROMPT, SETTINGS, FakeClock, completion_script, record, sse, text_chunk, usage_chunk
 
-from moeserve.loadtest.client import HTTPResponse, RequestSettings, SSEDecoder, parse_event, request_payload, send_request
+from moeserve.loadtest.client import (
+    HTTPResponse,
+    RequestSettings,
+    SSEDecoder,
+    parse_event,
+    request_payload,
+    send_request,
+)
 from moeserve.loadtest.datasets import Prompt
 
 
 def test_sse_events_split_across_reads_and_packed_into_one():
     decoder = SSEDecoder()
     assert decoder.feed(b'data: {"a"') == []
-    assert decoder.feed(b': 1}\r\n\r\n: keep-alive comment\n\ndata: x\ndata: y\n\ndata: [DO') == ['{"a": 1}', "x\ny"]
+    assert decoder.feed(b": 1}\r\n\r\n: keep-alive comment\n\ndata: x\ndata: y\n\ndata: [DO") == ['{"a": 1}', "x\ny"]
     assert decoder.feed(b"NE]\n") == []
     assert decoder.feed(b"\n") == ["[DONE]"]
     assert decoder.feed("data: é\n\n".encode()[:7]) == []  # a character cut between reads
@@ -64,7 +71,12 @@ def test_token_counts_come_from_usage_then_tokenizer_then_chunks():
     [
         (429, [(0.1, b"queue full")], "http_4xx", "HTTP 429: queue full"),
         (500, [(0.1, b"")], "http_5xx", "HTTP 500"),
-        (200, [(0.125, text_chunk("a")), (0.25, sse({"error": {"message": "boom"}})), (0.25, DONE)], "stream_error", "boom"),
+        (
+            200,
+            [(0.125, text_chunk("a")), (0.25, sse({"error": {"message": "boom"}})), (0.25, DONE)],
+            "stream_error",
+            "boom",
+        ),
         (200, [(0.125, text_chunk("a")), (0.25, text_chunk("", "abort")), (0.25, DONE)], "stream_error", "aborted"),
         (200, [(0.125, text_chunk("a"))], "connection_error", "before [DONE]"),
         (200, [(0.125, usage_chunk(0)), (0.125, DONE)], "empty_output", "without any content"),
@@ -110,10 +122,15 @@ def test_timeout_cancels_and_keeps_what_arrived():
 def test_request_payloads():
     path, body = request_payload(SETTINGS, PROMPT)
     assert path == "/v1/completions"
-    assert body == {"model": "m", "stream": True, "stream_options": {"include_usage": True}, "prompt": [11, 12, 13], "max_tokens": 8}
+    assert body == {
+        "model": "m",
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "prompt": [11, 12, 13],
+        "max_tokens": 8,
+    }
     chat = RequestSettings("chat", "m", True, 60.0)
     path, body = request_payload(chat, Prompt("hi", None, 4))
     assert path == "/v1/chat/completions"
     assert body["messages"] == [{"role": "user", "content": "hi"}]
     assert (body["max_completion_tokens"], body["ignore_eos"]) == (4, True)
-

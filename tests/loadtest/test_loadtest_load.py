@@ -100,6 +100,10 @@ def test_search_halves_from_a_start_above_the_knee():
 
 def test_search_reports_an_unbracketed_knee():
     never_fails = asyncio.run(find_max_rate(_knee(1e9), SearchSettings(target=0.99, max_probes=4)))
-    assert ([p.rate for p in never_fails.probes], never_fails.max_rate, never_fails.bracketed) == ([1, 2, 4, 8], 8, False)
+    assert ([p.rate for p in never_fails.probes], never_fails.max_rate, never_fails.bracketed) == (
+        [1, 2, 4, 8],
+        8,
+        False,
+    )
     never_passes = asyncio.run(find_max_rate(_knee(0.0), SearchSettings(target=0.99, max_probes=3)))
     assert ([p.rate for p in never_passes.probes], never_passes.max_rate) == ([1, 0.5, 0.25], None)

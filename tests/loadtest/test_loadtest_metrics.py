@@ -13,7 +13,16 @@ import numpy as np
 import pytest
 from loadtest_fakes import DONE, FakeClock, completion_script, record, text_chunk, usage_chunk
 
-from moeserve.loadtest.metrics import LatencyStats, Objectives, attainment, percentile, request_metrics, summarize, summarize_run, verdicts
+from moeserve.loadtest.metrics import (
+    LatencyStats,
+    Objectives,
+    attainment,
+    percentile,
+    request_metrics,
+    summarize,
+    summarize_run,
+    verdicts,
+)
 
 OBJECTIVES = Objectives(ttft=0.25, tbt=0.125, tpot=0.125, e2el=1.0)
 

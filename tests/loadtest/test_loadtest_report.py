@@ -21,10 +21,19 @@ from moeserve.loadtest.serve import BenchConfig, load_prompts
 OBJECTIVES = Objectives(ttft=0.25, tbt=0.125)
 
 
-def exposition(requests: float, ttft_met: float, tbt_met: float, targets: tuple[float, float] = (0.5, 0.025), models: tuple[str, ...] = ("a",)) -> str:
+def exposition(
+    requests: float,
+    ttft_met: float,
+    tbt_met: float,
+    targets: tuple[float, float] = (0.5, 0.025),
+    models: tuple[str, ...] = ("a",),
+) -> str:
     """/metrics as a server exporting the SLO counters would write it (prometheus_client itself)."""
     registry = CollectorRegistry()
-    counters = [Counter(name, "doc", ["model_name"], registry=registry) for name in ("moeserve:slo_requests", "moeserve:slo_ttft_met_requests", "moeserve:slo_tbt_met_requests")]
+    counters = [
+        Counter(name, "doc", ["model_name"], registry=registry)
+        for name in ("moeserve:slo_requests", "moeserve:slo_ttft_met_requests", "moeserve:slo_tbt_met_requests")
+    ]
     target = Gauge("moeserve:slo_target_seconds", "doc", ["model_name", "kind"], registry=registry)
     for model in models:
         for counter, value in zip(counters, (requests, ttft_met, tbt_met)):
@@ -75,12 +84,26 @@ def _report(rate: float, requests, cross: CrossCheck | None = None) -> RunReport
 def test_run_json_in_milliseconds():
     report = _report(2.0, _metrics([(0.125, [0.0625, 0.25]), (0.5, [])]))
     doc = run_json(report)
-    assert doc["ttft_ms"] == {"count": 2, "mean": 312.5, "median": 312.5, "p90": pytest.approx(462.5), "p99": pytest.approx(496.25), "max": 500.0}
+    assert doc["ttft_ms"] == {
+        "count": 2,
+        "mean": 312.5,
+        "median": 312.5,
+        "p90": pytest.approx(462.5),
+        "p99": pytest.approx(496.25),
+        "max": 500.0,
+    }
     assert doc["requests"][0]["tbt_ms"] == [62.5, 250.0]
     assert doc["requests"][1]["tpot_ms"] is None
     assert doc["attainment"] == {"ttft": 0.5, "tbt": 0.5, "all": 0.0}
-    assert doc["cross_check"] == {"available": False, "reason": "disabled (--no-cross-check)", "targets_ms": None,
-                                  "server_requests": None, "client_requests": None, "server": None, "client": None}
+    assert doc["cross_check"] == {
+        "available": False,
+        "reason": "disabled (--no-cross-check)",
+        "targets_ms": None,
+        "server_requests": None,
+        "client_requests": None,
+        "server": None,
+        "client": None,
+    }
     json.dumps(doc, allow_nan=False)
 
 
@@ -112,7 +135,9 @@ def test_plots_are_pngs(tmp_path):
 def test_random_prompts_are_seeded_token_ids_in_range():
     prompts = random_prompts(200, input_len=20, output_len=10, range_ratio=0.5, vocab_size=50, seed=1, as_text=False)
     assert prompts == random_prompts(200, 20, 10, 0.5, 50, seed=1, as_text=False)
-    assert {len(p.prompt) for p in prompts} == set(range(10, 31)) and all(p.prompt_len == len(p.prompt) for p in prompts)
+    assert {len(p.prompt) for p in prompts} == set(range(10, 31)) and all(
+        p.prompt_len == len(p.prompt) for p in prompts
+    )
     assert {p.output_len for p in prompts} == set(range(5, 16))
     assert min(min(p.prompt) for p in prompts) == RANDOM_MIN_TOKEN_ID and max(max(p.prompt) for p in prompts) == 49
     text = random_prompts(3, input_len=7, output_len=2, range_ratio=0.0, vocab_size=300, seed=1, as_text=True)
@@ -122,22 +147,35 @@ def test_random_prompts_are_seeded_token_ids_in_range():
 def test_jsonl_and_sharegpt(tmp_path):
     lines = tmp_path / "p.jsonl"
     lines.write_text('{"prompt": "hi", "output_len": 3}\n\n{"prompt": [5, 6]}\n')
-    assert [(p.prompt, p.prompt_len, p.output_len) for p in jsonl_prompts(lines, 3, default_output_len=9)] == [("hi", None, 3), ([5, 6], 2, 9), ("hi", None, 3)]
+    assert [(p.prompt, p.prompt_len, p.output_len) for p in jsonl_prompts(lines, 3, default_output_len=9)] == [
+        ("hi", None, 3),
+        ([5, 6], 2, 9),
+        ("hi", None, 3),
+    ]
     (tmp_path / "bad.jsonl").write_text('{"prompt": "ok"}\n{"text": "no prompt"}\n')
     with pytest.raises(ValueError, match="bad.jsonl:2"):
         jsonl_prompts(tmp_path / "bad.jsonl", 5, 9)
     share = tmp_path / "sg.json"
-    share.write_text(json.dumps([
-        {"conversations": [{"from": "human", "value": "q1"}, {"from": "gpt", "value": "a" * 40}]},
-        {"conversations": [{"from": "human", "value": "lonely"}]},
-    ]))
-    assert [(p.prompt, p.output_len) for p in sharegpt_prompts(share, 2, seed=0, count_tokens=None)] == [("q1", 10), ("q1", 10)]
+    share.write_text(
+        json.dumps(
+            [
+                {"conversations": [{"from": "human", "value": "q1"}, {"from": "gpt", "value": "a" * 40}]},
+                {"conversations": [{"from": "human", "value": "lonely"}]},
+            ]
+        )
+    )
+    assert [(p.prompt, p.output_len) for p in sharegpt_prompts(share, 2, seed=0, count_tokens=None)] == [
+        ("q1", 10),
+        ("q1", 10),
+    ]
     assert sharegpt_prompts(share, 1, seed=0, count_tokens=len)[0].output_len == 40
 
 
 def test_chat_refuses_token_id_prompts_before_sending_anything(tmp_path):
     (tmp_path / "ids.jsonl").write_text('{"prompt": [5, 6]}\n')
-    config = BenchConfig("http://x", endpoint="chat", dataset_name="jsonl", dataset_path=str(tmp_path / "ids.jsonl"), num_prompts=1)
+    config = BenchConfig(
+        "http://x", endpoint="chat", dataset_name="jsonl", dataset_path=str(tmp_path / "ids.jsonl"), num_prompts=1
+    )
     with pytest.raises(ValueError, match="chat endpoint takes text only"):
         load_prompts(config, None)
 

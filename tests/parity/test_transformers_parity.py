@@ -18,20 +18,71 @@ from moeserve.ops import attention_batch
 CASES = [
     ("mixtral", 0, dict(num_local_experts=6, num_experts_per_tok=2)),
     ("mixtral", 1, dict(num_local_experts=7, num_experts_per_tok=1, num_key_value_heads=4, head_dim=32)),
-    ("mixtral", 2, dict(num_local_experts=6, num_experts_per_tok=4, num_attention_heads=8, num_key_value_heads=2, head_dim=16)),
+    (
+        "mixtral",
+        2,
+        dict(num_local_experts=6, num_experts_per_tok=4, num_attention_heads=8, num_key_value_heads=2, head_dim=16),
+    ),
     ("qwen2_moe", 0, dict(num_experts=7, num_experts_per_tok=3)),
-    ("qwen2_moe", 1, dict(num_experts=6, num_experts_per_tok=1, norm_topk_prob=True, num_key_value_heads=4, head_dim=32)),
+    (
+        "qwen2_moe",
+        1,
+        dict(num_experts=6, num_experts_per_tok=1, norm_topk_prob=True, num_key_value_heads=4, head_dim=32),
+    ),
     ("qwen3_moe", 0, dict(num_experts=6, num_experts_per_tok=2)),
-    ("qwen3_moe", 1, dict(num_experts=7, num_experts_per_tok=4, num_attention_heads=8, num_key_value_heads=2, head_dim=32, norm_topk_prob=False)),
+    (
+        "qwen3_moe",
+        1,
+        dict(
+            num_experts=7,
+            num_experts_per_tok=4,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            head_dim=32,
+            norm_topk_prob=False,
+        ),
+    ),
     ("qwen3_moe", 2, dict(num_experts=6, num_experts_per_tok=3, num_key_value_heads=4, mlp_only_layers=[0])),
     ("deepseek_v3", 0, dict()),
-    ("deepseek_v3", 1, dict(n_routed_experts=6, n_group=2, topk_group=1, num_experts_per_tok=2, q_lora_rank=None, norm_topk_prob=False)),
-    ("deepseek_v3", 2, dict(n_routed_experts=8, n_group=1, topk_group=1, num_experts_per_tok=4, num_hidden_layers=3, first_k_dense_replace=0)),
+    (
+        "deepseek_v3",
+        1,
+        dict(
+            n_routed_experts=6, n_group=2, topk_group=1, num_experts_per_tok=2, q_lora_rank=None, norm_topk_prob=False
+        ),
+    ),
+    (
+        "deepseek_v3",
+        2,
+        dict(
+            n_routed_experts=8,
+            n_group=1,
+            topk_group=1,
+            num_experts_per_tok=4,
+            num_hidden_layers=3,
+            first_k_dense_replace=0,
+        ),
+    ),
     ("deepseek_v2", 0, dict()),
     ("deepseek_v2", 1, dict(topk_method="greedy", q_lora_rank=None, n_routed_experts=7, num_experts_per_tok=2)),
     # Long-context variants: DeepSeek-V3's YaRN rope with mscale, Mixtral's sliding window,
     # and tied embeddings.
-    ("deepseek_v3", 3, dict(rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=8.0, original_max_position_embeddings=32, beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0))),
+    (
+        "deepseek_v3",
+        3,
+        dict(
+            rope_parameters=dict(
+                rope_type="yarn",
+                rope_theta=10000.0,
+                factor=8.0,
+                original_max_position_embeddings=32,
+                beta_fast=32,
+                beta_slow=1,
+                mscale=1.0,
+                mscale_all_dim=1.0,
+            )
+        ),
+    ),
     ("mixtral", 3, dict(sliding_window=12, tie_word_embeddings=True)),
 ]
 IDS = [f"{arch}-{seed}" for arch, seed, _ in CASES]
@@ -79,11 +130,18 @@ def test_greedy_generation_matches(make_checkpoint, arch, seed, overrides):
     ref_model = hf_model(folder)
     llm = LLM(str(folder), block_size=8, max_model_len=128, max_num_seqs=8)
     prompts = prompts_for(seed, ref_model.config.vocab_size)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    )
     for p, out in zip(prompts, outs):
         ref = ref_model.generate(
-            torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-            max_new_tokens=32, min_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=0,
+            torch.tensor([p]),
+            attention_mask=torch.ones(1, len(p), dtype=torch.long),
+            max_new_tokens=32,
+            min_new_tokens=32,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
         )[0, len(p) :].tolist()
         assert out.outputs[0].token_ids == ref, f"prompt of {len(p)} tokens"
         assert out.outputs[0].finish_reason == "length"
@@ -91,7 +149,9 @@ def test_greedy_generation_matches(make_checkpoint, arch, seed, overrides):
 
 def test_batch_where_some_experts_get_no_tokens(make_checkpoint):
     """Decoding one sequence with top-1 of 7 experts leaves at least 6 experts empty each step."""
-    folder = make_checkpoint("mixtral", 1, num_local_experts=7, num_experts_per_tok=1, num_key_value_heads=4, head_dim=32)
+    folder = make_checkpoint(
+        "mixtral", 1, num_local_experts=7, num_experts_per_tok=1, num_key_value_heads=4, head_dim=32
+    )
     llm = LLM(str(folder), block_size=8, max_model_len=64)
     counts: list[tuple[int, ...]] = []
     for layer in llm.engine.executor.model.layers:
@@ -100,7 +160,11 @@ def test_batch_where_some_experts_get_no_tokens(make_checkpoint):
         )
     ref_model = hf_model(folder)
     prompt = [5, 9, 11]
-    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))[0]
+    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))[
+        0
+    ]
     assert any(c.count(0) >= 6 for c in counts), counts
-    ref = ref_model.generate(torch.tensor([prompt]), max_new_tokens=8, min_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
+    ref = ref_model.generate(
+        torch.tensor([prompt]), max_new_tokens=8, min_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
     assert out.outputs[0].token_ids == ref[0, 3:].tolist()

@@ -6,7 +6,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-
 from server_utils import MAX_MODEL_LEN, ServerProcess
 
 
@@ -16,14 +15,24 @@ def server_checkpoint(make_checkpoint: Callable[..., Path]) -> Path:
 
 
 @pytest.fixture(scope="session")
-def start_server(tmp_path_factory: pytest.TempPathFactory, server_checkpoint: Path) -> Iterator[Callable[..., ServerProcess]]:
+def start_server(
+    tmp_path_factory: pytest.TempPathFactory, server_checkpoint: Path
+) -> Iterator[Callable[..., ServerProcess]]:
     """start_server(*extra_args, env=None) -> a healthy server on the test checkpoint; all are
     stopped at the end of the session."""
     started: list[ServerProcess] = []
 
     def start(*extra: str, env: dict[str, str] | None = None, wait: bool = True) -> ServerProcess:
         log = tmp_path_factory.mktemp("server") / "server.log"
-        args = ["--model", str(server_checkpoint), "--served-model-name", "tiny", "--max-model-len", str(MAX_MODEL_LEN), *extra]
+        args = [
+            "--model",
+            str(server_checkpoint),
+            "--served-model-name",
+            "tiny",
+            "--max-model-len",
+            str(MAX_MODEL_LEN),
+            *extra,
+        ]
         server = ServerProcess(args, log, env)
         started.append(server)
         if wait:

@@ -30,7 +30,9 @@ class ServerProcess:
         self._log = open(log_path, "w")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "moeserve", "launch", "--port", "0", *args],
-            stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
         )
         self.url = self._wait_listening()
 
@@ -82,5 +84,3 @@ class ServerProcess:
                 self.proc.wait()
         self._log.close()
         return self.proc.returncode
-
-

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from server_utils import ServerProcess
 
 from moeserve.loadtest.datasets import random_prompts
-from server_utils import ServerProcess
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "bench-serve.md"
 STEP_MS = 40.0  # the slowed server's step floor: far above the tiny model's ~2 ms of compute
@@ -40,7 +40,11 @@ def ascii_checkpoint(server_checkpoint: Path, tmp_path_factory: pytest.TempPathF
     folder = tmp_path_factory.mktemp("ascii") / "checkpoint"
     shutil.copytree(server_checkpoint, folder)
     tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
-    ascii_ids = [i for i in range(tokenizer.get_vocab_size()) if (text := tokenizer.decode([i], skip_special_tokens=True)) and text.isascii()]
+    ascii_ids = [
+        i
+        for i in range(tokenizer.get_vocab_size())
+        if (text := tokenizer.decode([i], skip_special_tokens=True)) and text.isascii()
+    ]
     weights = load_file(folder / "model.safetensors")
     head = weights["lm_head.weight"]
     scale = torch.zeros(head.shape[0], dtype=head.dtype)
@@ -56,8 +60,17 @@ def slow_server(start_server, ascii_checkpoint: Path):
 
     One torch thread, so a busy 2-core machine stalls its steps less."""
     server = start_server(
-        "--model", str(ascii_checkpoint), "--max-num-seqs", "1", "--debug-min-step-time-ms", str(STEP_MS),
-        "--slo-ttft-ms", str(CROSS_CHECK_TTFT_MS), "--slo-tbt-ms", str(CROSS_CHECK_TBT_MS), env={"OMP_NUM_THREADS": "1"},
+        "--model",
+        str(ascii_checkpoint),
+        "--max-num-seqs",
+        "1",
+        "--debug-min-step-time-ms",
+        str(STEP_MS),
+        "--slo-ttft-ms",
+        str(CROSS_CHECK_TTFT_MS),
+        "--slo-tbt-ms",
+        str(CROSS_CHECK_TBT_MS),
+        env={"OMP_NUM_THREADS": "1"},
     )
     yield server
     server.stop()
@@ -66,7 +79,18 @@ def slow_server(start_server, ascii_checkpoint: Path):
 def bench(out_dir: Path, server: ServerProcess, *args: str) -> tuple[dict, str]:
     """Run `bench serve` against `server`; its JSON document and terminal output."""
     result_file = out_dir / "result.json"
-    command = [sys.executable, "-m", "moeserve.loadtest.cli", "serve", "--base-url", server.url, "--disable-tqdm", "--save-result", str(result_file), *args]
+    command = [
+        sys.executable,
+        "-m",
+        "moeserve.loadtest.cli",
+        "serve",
+        "--base-url",
+        server.url,
+        "--disable-tqdm",
+        "--save-result",
+        str(result_file),
+        *args,
+    ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, f"{done.stdout}\n{done.stderr}"
     return json.loads(result_file.read_text()), done.stdout
@@ -107,14 +131,37 @@ def test_a_run_of_30_requests_fills_the_documented_schema(start_server, ascii_ch
     """Acceptance 2: 30 requests at 10 req/s; every request succeeds and every documented field is there."""
     server = start_server("--model", str(ascii_checkpoint))
     doc, stdout = bench(
-        tmp_path, server, "--num-prompts", "30", "--request-rate", "10", "--random-input-len", "8", "--random-output-len", "8",
-        "--random-range-ratio", "0.5", "--ignore-eos", "--goodput", "ttft:2000", "tbt:1000", "tpot:1000", "e2el:10000",
-        "--plot", str(tmp_path / "run.png"),
+        tmp_path,
+        server,
+        "--num-prompts",
+        "30",
+        "--request-rate",
+        "10",
+        "--random-input-len",
+        "8",
+        "--random-output-len",
+        "8",
+        "--random-range-ratio",
+        "0.5",
+        "--ignore-eos",
+        "--goodput",
+        "ttft:2000",
+        "tbt:1000",
+        "tpot:1000",
+        "e2el:10000",
+        "--plot",
+        str(tmp_path / "run.png"),
     )
     check_schema(doc, search=False)
     assert (doc["mode"], doc["config"]["model"], doc["config"]["request_rate"]) == ("single", "tiny", 10.0)
     run = doc["runs"][0]
-    assert (run["num_prompts"], run["num_sent"], run["num_completed"], run["num_failed"], run["errors"]) == (30, 30, 30, 0, {})
+    assert (run["num_prompts"], run["num_sent"], run["num_completed"], run["num_failed"], run["errors"]) == (
+        30,
+        30,
+        30,
+        0,
+        {},
+    )
     prompts = random_prompts(30, 8, 8, 0.5, 300, seed=0, as_text=False)  # what the harness sent
     requests = run["requests"]
     assert [r["index"] for r in requests] == list(range(30))
@@ -152,16 +199,40 @@ def test_find_max_goodput_rate_finds_the_analytic_knee(slow_server: ServerProces
     service_s, step_s = output_len * STEP_MS / 1000, STEP_MS / 1000
     knee = 1 / (service_s - (ttft_ms / 1000 - step_s) / (math.ceil(attainment * n) - 1))
     doc, stdout = bench(
-        tmp_path, slow_server, "--num-prompts", str(n), "--random-input-len", "4", "--random-output-len", str(output_len),
-        "--ignore-eos", "--burstiness", "10000", "--goodput", f"ttft:{ttft_ms:g}", "--find-max-goodput-rate",
-        "--slo-attainment", str(attainment), "--search-start-rate", "4", "--search-tolerance", "0.05",
-        "--duration", "15", "--timeout", "15", "--plot", str(tmp_path / "search.png"),
+        tmp_path,
+        slow_server,
+        "--num-prompts",
+        str(n),
+        "--random-input-len",
+        "4",
+        "--random-output-len",
+        str(output_len),
+        "--ignore-eos",
+        "--burstiness",
+        "10000",
+        "--goodput",
+        f"ttft:{ttft_ms:g}",
+        "--find-max-goodput-rate",
+        "--slo-attainment",
+        str(attainment),
+        "--search-start-rate",
+        "4",
+        "--search-tolerance",
+        "0.05",
+        "--duration",
+        "15",
+        "--timeout",
+        "15",
+        "--plot",
+        str(tmp_path / "search.png"),
     )
     check_schema(doc, search=True)
     search = doc["search"]
     probes = [(p["request_rate"], p["attainment"]) for p in search["probes"]]
     assert search["bracketed"], probes
-    assert abs(search["max_goodput_rate"] - knee) <= 0.25 * knee, f"found {search['max_goodput_rate']}, expected {knee:.3f}; probes {probes}"
+    assert abs(search["max_goodput_rate"] - knee) <= 0.25 * knee, (
+        f"found {search['max_goodput_rate']}, expected {knee:.3f}; probes {probes}"
+    )
     assert [r["request_rate"] for r in doc["runs"]] == [rate for rate, _ in probes]
     assert f"Max goodput rate: {search['max_goodput_rate']:.4g} req/s" in stdout
     assert (tmp_path / "search.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -180,8 +251,21 @@ def test_cross_check_agrees_with_the_servers_slo_counters(slow_server: ServerPro
     dataset = tmp_path / "prompts.jsonl"
     dataset.write_text("".join(json.dumps({"prompt": [11, 12, 13, 14], "output_len": n}) + "\n" for n in lengths))
     doc, stdout = bench(
-        tmp_path, slow_server, "--dataset-name", "jsonl", "--dataset-path", str(dataset), "--num-prompts", "20",
-        "--request-rate", "10", "--burstiness", "10000", "--ignore-eos", "--timeout", "30",
+        tmp_path,
+        slow_server,
+        "--dataset-name",
+        "jsonl",
+        "--dataset-path",
+        str(dataset),
+        "--num-prompts",
+        "20",
+        "--request-rate",
+        "10",
+        "--burstiness",
+        "10000",
+        "--ignore-eos",
+        "--timeout",
+        "30",
     )
     run = doc["runs"][0]
     assert run["num_completed"] == 20

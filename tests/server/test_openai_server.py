@@ -13,11 +13,16 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-
-from moeserve import LLM, SamplingParams
 from server_utils import MAX_MODEL_LEN, ServerProcess
 
-PROMPTS = ["Hello there", "The quick brown fox jumps over", "a", "Mixture of experts models route every token to a few experts, so"]
+from moeserve import LLM, SamplingParams
+
+PROMPTS = [
+    "Hello there",
+    "The quick brown fox jumps over",
+    "a",
+    "Mixture of experts models route every token to a few experts, so",
+]
 
 
 def client(server: ServerProcess, **kwargs) -> openai.OpenAI:
@@ -81,7 +86,16 @@ def test_completions_equal_llm_generate(server: ServerProcess, reference: LLM, s
     for prompt, max_tokens in zip(PROMPTS, (16, 24, 8, 32)):
         expected = greedy(reference, prompt, max_tokens)
         if stream:
-            chunks = list(api.completions.create(model="tiny", prompt=prompt, max_tokens=max_tokens, temperature=0.0, stream=True, stream_options={"include_usage": True}))
+            chunks = list(
+                api.completions.create(
+                    model="tiny",
+                    prompt=prompt,
+                    max_tokens=max_tokens,
+                    temperature=0.0,
+                    stream=True,
+                    stream_options={"include_usage": True},
+                )
+            )
             text = "".join(c.choices[0].text for c in chunks if c.choices)
             finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
             usage = chunks[-1].usage
@@ -110,12 +124,18 @@ def test_chat_equals_llm_chat(server: ServerProcess, reference: LLM, stream: boo
     expected = greedy(reference, messages, 20)
     api = client(server)
     if stream:
-        chunks = list(api.chat.completions.create(model="tiny", messages=messages, max_completion_tokens=20, temperature=0.0, stream=True))
+        chunks = list(
+            api.chat.completions.create(
+                model="tiny", messages=messages, max_completion_tokens=20, temperature=0.0, stream=True
+            )
+        )
         assert chunks[0].choices[0].delta.role == "assistant"
         text = "".join(c.choices[0].delta.content or "" for c in chunks)
         assert chunks[-1].choices[0].finish_reason == expected.finish_reason
     else:
-        response = api.chat.completions.create(model="tiny", messages=messages, max_completion_tokens=20, temperature=0.0)
+        response = api.chat.completions.create(
+            model="tiny", messages=messages, max_completion_tokens=20, temperature=0.0
+        )
         text = response.choices[0].message.content
         assert response.choices[0].finish_reason == expected.finish_reason
         assert response.usage.completion_tokens == len(expected.token_ids)
@@ -126,20 +146,40 @@ def test_sampling_fields_reach_the_engine(server: ServerProcess, reference: LLM)
     """Seeded sampling, n, stop strings, vLLM's extra fields and logprobs behave as offline."""
     api = client(server)
     params = dict(temperature=0.9, top_p=0.9, seed=7)
-    response = api.completions.create(model="tiny", prompt="Hello there", max_tokens=12, n=2, extra_body={"top_k": 20, "min_p": 0.05}, **params)
-    expected = reference.generate(["Hello there"], SamplingParams(max_tokens=12, n=2, top_k=20, min_p=0.05, **params), use_tqdm=False)[0]
+    response = api.completions.create(
+        model="tiny", prompt="Hello there", max_tokens=12, n=2, extra_body={"top_k": 20, "min_p": 0.05}, **params
+    )
+    expected = reference.generate(
+        ["Hello there"], SamplingParams(max_tokens=12, n=2, top_k=20, min_p=0.05, **params), use_tqdm=False
+    )[0]
     assert [c.text for c in response.choices] == [o.text for o in expected.outputs]
 
     base = greedy(reference, "The quick brown fox jumps over", 24, ignore_eos=True)
     stop = base.text[4:7]
-    stopped = api.completions.create(model="tiny", prompt="The quick brown fox jumps over", max_tokens=24, temperature=0.0, stop=[stop], extra_body={"ignore_eos": True})
+    stopped = api.completions.create(
+        model="tiny",
+        prompt="The quick brown fox jumps over",
+        max_tokens=24,
+        temperature=0.0,
+        stop=[stop],
+        extra_body={"ignore_eos": True},
+    )
     assert stopped.choices[0].text == base.text[: base.text.find(stop)]
     assert stopped.choices[0].finish_reason == "stop"
 
-    scored = api.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=5, temperature=0.0, logprobs=True, top_logprobs=3)
+    scored = api.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=5,
+        temperature=0.0,
+        logprobs=True,
+        top_logprobs=3,
+    )
     tokens = scored.choices[0].logprobs.content
     assert len(tokens) == scored.usage.completion_tokens
-    assert all(len(t.top_logprobs) == 3 and t.logprob == pytest.approx(t.top_logprobs[0].logprob, abs=1e-5) for t in tokens)
+    assert all(
+        len(t.top_logprobs) == 3 and t.logprob == pytest.approx(t.top_logprobs[0].logprob, abs=1e-5) for t in tokens
+    )
 
 
 def test_concurrent_requests_equal_solo_outputs(server: ServerProcess) -> None:
@@ -152,7 +192,9 @@ def test_concurrent_requests_equal_solo_outputs(server: ServerProcess) -> None:
             response = await api.completions.create(model="tiny", prompt=prompt, max_tokens=max_tokens, temperature=0.0)
             return response.choices[0].text
         pieces = []
-        async for chunk in await api.completions.create(model="tiny", prompt=prompt, max_tokens=max_tokens, temperature=0.0, stream=True):
+        async for chunk in await api.completions.create(
+            model="tiny", prompt=prompt, max_tokens=max_tokens, temperature=0.0, stream=True
+        ):
             pieces.extend(c.text for c in chunk.choices)
         return "".join(pieces)
 
@@ -169,7 +211,14 @@ def test_concurrent_requests_equal_solo_outputs(server: ServerProcess) -> None:
 
 def test_disconnect_mid_stream_aborts_and_frees_blocks(server: ServerProcess) -> None:
     before = wait_idle(server)
-    body = {"model": "tiny", "prompt": "Hello there", "max_tokens": 150, "temperature": 0.0, "ignore_eos": True, "stream": True}
+    body = {
+        "model": "tiny",
+        "prompt": "Hello there",
+        "max_tokens": 150,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     with httpx.Client(base_url=server.url, timeout=30) as http:
         with http.stream("POST", "/v1/completions", json=body) as response:
             assert response.status_code == 200
@@ -201,7 +250,9 @@ def test_metrics_count_every_request_and_gap(server: ServerProcess) -> None:
     api = client(server)
     lengths = [1, 5, 9, 13]
     for max_tokens in lengths:
-        api.completions.create(model="tiny", prompt="count me", max_tokens=max_tokens, temperature=0.0, extra_body={"ignore_eos": True})
+        api.completions.create(
+            model="tiny", prompt="count me", max_tokens=max_tokens, temperature=0.0, extra_body={"ignore_eos": True}
+        )
     after = wait_idle(server)
 
     def delta(name: str) -> float:
@@ -228,9 +279,14 @@ def test_small_kv_pool_preempts_and_still_matches(start_server, layout: str, ref
 
         async def main() -> list[str]:
             api = async_client(server)
-            responses = await asyncio.gather(*(
-                api.completions.create(model="tiny", prompt=p, max_tokens=100, temperature=0.0, extra_body={"ignore_eos": True}) for p in prompts
-            ))
+            responses = await asyncio.gather(
+                *(
+                    api.completions.create(
+                        model="tiny", prompt=p, max_tokens=100, temperature=0.0, extra_body={"ignore_eos": True}
+                    )
+                    for p in prompts
+                )
+            )
             return [r.choices[0].text for r in responses]
 
         texts = asyncio.run(main())

@@ -9,7 +9,6 @@ import time
 
 import httpx
 import pytest
-
 from server_utils import MAX_MODEL_LEN, ServerProcess
 
 OK_COMPLETION = {"model": "tiny", "prompt": "Hello", "max_tokens": 4, "temperature": 0.0}
@@ -25,11 +24,35 @@ BAD_REQUESTS = [
     ("wrong-type", "/v1/completions", {**OK_COMPLETION, "temperature": "hot"}, 400, "temperature"),
     ("unknown-model", "/v1/completions", {**OK_COMPLETION, "model": "gpt-9"}, 404, "model"),
     ("empty-messages", "/v1/chat/completions", {**OK_CHAT, "messages": []}, 400, "messages"),
-    ("bad-role", "/v1/chat/completions", {**OK_CHAT, "messages": [{"role": "wizard", "content": "x"}]}, 400, "messages"),
-    ("prompt-too-long", "/v1/completions", {**OK_COMPLETION, "prompt": list(range(3, 3 + MAX_MODEL_LEN + 8))}, 400, "prompt"),
-    ("prompt-plus-max-tokens-too-long", "/v1/completions", {**OK_COMPLETION, "max_tokens": MAX_MODEL_LEN}, 400, "max_tokens"),
+    (
+        "bad-role",
+        "/v1/chat/completions",
+        {**OK_CHAT, "messages": [{"role": "wizard", "content": "x"}]},
+        400,
+        "messages",
+    ),
+    (
+        "prompt-too-long",
+        "/v1/completions",
+        {**OK_COMPLETION, "prompt": list(range(3, 3 + MAX_MODEL_LEN + 8))},
+        400,
+        "prompt",
+    ),
+    (
+        "prompt-plus-max-tokens-too-long",
+        "/v1/completions",
+        {**OK_COMPLETION, "max_tokens": MAX_MODEL_LEN},
+        400,
+        "max_tokens",
+    ),
     ("max-tokens-zero", "/v1/completions", {**OK_COMPLETION, "max_tokens": 0}, 400, "max_tokens"),
-    ("max-completion-tokens-negative", "/v1/chat/completions", {**OK_CHAT, "max_completion_tokens": -1}, 400, "max_completion_tokens"),
+    (
+        "max-completion-tokens-negative",
+        "/v1/chat/completions",
+        {**OK_CHAT, "max_completion_tokens": -1},
+        400,
+        "max_completion_tokens",
+    ),
     ("temperature-negative", "/v1/completions", {**OK_COMPLETION, "temperature": -0.5}, 400, "temperature"),
     ("top-p-zero", "/v1/completions", {**OK_COMPLETION, "top_p": 0.0}, 400, "top_p"),
     ("top-p-above-one", "/v1/chat/completions", {**OK_CHAT, "top_p": 1.5}, 400, "top_p"),
@@ -41,7 +64,12 @@ BAD_REQUESTS = [
 
 def post(server: ServerProcess, path: str, body, headers: dict | None = None, timeout: float = 60) -> httpx.Response:
     if isinstance(body, bytes):
-        return httpx.post(f"{server.url}{path}", content=body, headers={"Content-Type": "application/json", **(headers or {})}, timeout=timeout)
+        return httpx.post(
+            f"{server.url}{path}",
+            content=body,
+            headers={"Content-Type": "application/json", **(headers or {})},
+            timeout=timeout,
+        )
     return httpx.post(f"{server.url}{path}", json=body, headers=headers, timeout=timeout)
 
 
@@ -54,7 +82,9 @@ def assert_openai_error(response: httpx.Response, status: int, param: str | None
         assert error["param"] == param, error
 
 
-@pytest.mark.parametrize("path, body, status, param", [case[1:] for case in BAD_REQUESTS], ids=[case[0] for case in BAD_REQUESTS])
+@pytest.mark.parametrize(
+    "path, body, status, param", [case[1:] for case in BAD_REQUESTS], ids=[case[0] for case in BAD_REQUESTS]
+)
 def test_bad_input_gets_a_clear_error(server: ServerProcess, path: str, body, status: int, param: str | None) -> None:
     assert_openai_error(post(server, path, body), status, param)
 
@@ -86,7 +116,9 @@ def test_models_health_version(server: ServerProcess) -> None:
 @pytest.fixture(scope="module")
 def guarded_server(start_server):
     """API key from the environment, a 4 KiB body limit, one running sequence, one waiting."""
-    server = start_server("--max-request-body", "4096", "--max-num-seqs", "1", "--max-waiting", "1", env={"MOESERVE_API_KEY": KEY})
+    server = start_server(
+        "--max-request-body", "4096", "--max-num-seqs", "1", "--max-waiting", "1", env={"MOESERVE_API_KEY": KEY}
+    )
     yield server
     server.stop()
 
@@ -110,7 +142,9 @@ def test_oversized_body_is_refused(guarded_server: ServerProcess) -> None:
             yield b"y" * 1024
         yield b'"}'
 
-    response = httpx.post(f"{guarded_server.url}/v1/completions", content=chunked(), headers={**AUTH, "Content-Type": "application/json"})
+    response = httpx.post(
+        f"{guarded_server.url}/v1/completions", content=chunked(), headers={**AUTH, "Content-Type": "application/json"}
+    )
     assert_openai_error(response, 413)
     assert post(guarded_server, "/v1/completions", OK_COMPLETION, AUTH).status_code == 200
 
@@ -137,7 +171,10 @@ def test_full_queue_sheds_load_with_retry_after(guarded_server: ServerProcess) -
 def test_sigterm_drains_running_streams_then_exits_zero(start_server) -> None:
     server = start_server()
     body = {**OK_COMPLETION, "max_tokens": 80, "ignore_eos": True, "stream": True}
-    with httpx.Client(base_url=server.url, timeout=60) as http, http.stream("POST", "/v1/completions", json=body) as response:
+    with (
+        httpx.Client(base_url=server.url, timeout=60) as http,
+        http.stream("POST", "/v1/completions", json=body) as response,
+    ):
         lines = response.iter_lines()
         first = next(line for line in lines if line.startswith("data: "))
         server.proc.send_signal(signal.SIGTERM)

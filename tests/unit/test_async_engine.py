@@ -32,7 +32,10 @@ def mixed_requests(n: int, seed: int) -> list[tuple[dict, SamplingParams]]:
     g = torch.Generator().manual_seed(seed)
     requests = []
     for _ in range(n):
-        prompt_len, max_tokens = torch.randint(1, 40, (1,), generator=g).item(), torch.randint(1, 20, (1,), generator=g).item()
+        prompt_len, max_tokens = (
+            torch.randint(1, 40, (1,), generator=g).item(),
+            torch.randint(1, 20, (1,), generator=g).item(),
+        )
         prompt = {"prompt_token_ids": torch.randint(3, 300, (prompt_len,), generator=g).tolist()}
         requests.append((prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)))
     return requests
@@ -101,7 +104,9 @@ def test_abort_by_id_ends_the_stream(served: AsyncEngine):
 
     async def main() -> list:
         outputs = []
-        async for output in served.generate([7] * 10, SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True), request_id="r1"):
+        async for output in served.generate(
+            [7] * 10, SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True), request_id="r1"
+        ):
             outputs.append(output)
             await served.abort("r1")
         await wait_until(lambda: blocks.num_used_blocks == 0)

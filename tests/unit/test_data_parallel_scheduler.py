@@ -11,11 +11,15 @@ EOS = 2
 
 
 def request(request_id: str, prompt_len: int = 4, max_tokens: int = 3) -> Request:
-    return Request(request_id, list(range(10, 10 + prompt_len)), SamplingParams(max_tokens=max_tokens), (EOS,), arrival_time=0.0)
+    return Request(
+        request_id, list(range(10, 10 + prompt_len)), SamplingParams(max_tokens=max_tokens), (EOS,), arrival_time=0.0
+    )
 
 
 def scheduler(groups: int, **overrides) -> DataParallelScheduler:
-    config = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64, block_size=4, num_kv_blocks=32) | overrides
+    config = (
+        dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64, block_size=4, num_kv_blocks=32) | overrides
+    )
     return DataParallelScheduler(SchedulerConfig(**config), groups)
 
 

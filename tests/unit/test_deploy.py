@@ -11,8 +11,18 @@ import pytest
 from moeserve.cli import build_parser
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
-ENV = {"LWS_GROUP_SIZE": "2", "LWS_WORKER_INDEX": "1", "LWS_LEADER_ADDRESS": "10.0.0.1", "SLURM_NNODES": "2", "SLURM_NODEID": "1",
-       "MODEL": "/models/m", "EP": "16", "TP": "2", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
+ENV = {
+    "LWS_GROUP_SIZE": "2",
+    "LWS_WORKER_INDEX": "1",
+    "LWS_LEADER_ADDRESS": "10.0.0.1",
+    "SLURM_NNODES": "2",
+    "SLURM_NODEID": "1",
+    "MODEL": "/models/m",
+    "EP": "16",
+    "TP": "2",
+    "MASTER_ADDR": "10.0.0.1",
+    "MASTER_PORT": "29500",
+}
 
 
 def launch_commands(text: str) -> list[list[str]]:

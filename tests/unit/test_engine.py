@@ -68,10 +68,14 @@ def test_seeded_sampling_is_reproducible_and_top_k_1_is_greedy(qwen3_folder):
     assert token_ids(llm.generate(prompts, seeded)) == first
     # The same seeded request alone gives the same tokens as in the batch.
     assert token_ids(llm.generate([prompts[2]], seeded))[0] == first[2]
-    other_seed = token_ids(llm.generate(prompts, SamplingParams(max_tokens=16, temperature=1.0, seed=7, ignore_eos=True)))
+    other_seed = token_ids(
+        llm.generate(prompts, SamplingParams(max_tokens=16, temperature=1.0, seed=7, ignore_eos=True))
+    )
     assert other_seed != first
     top1 = SamplingParams(max_tokens=16, temperature=1.0, top_k=1, ignore_eos=True)
-    assert token_ids(llm.generate(prompts, top1)) == token_ids(llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)))
+    assert token_ids(llm.generate(prompts, top1)) == token_ids(
+        llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+    )
 
 
 def test_n_returns_distinct_seeded_samples(qwen3_folder):
@@ -88,12 +92,17 @@ def test_stop_string_cuts_text_and_sets_finish_reason(qwen3_folder):
     text = full.text
     assert len(text) > 6
     stop = text[3:5]
-    cut = llm.generate([prompt], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop=[stop]))[0].outputs[0]
+    cut = llm.generate([prompt], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop=[stop]))[
+        0
+    ].outputs[0]
     assert cut.finish_reason == "stop"
     assert cut.stop_reason == stop
     assert cut.text == text[: text.find(stop)]
     assert stop not in cut.text
-    kept = llm.generate([prompt], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop=[stop], include_stop_str_in_output=True))[0].outputs[0]
+    kept = llm.generate(
+        [prompt],
+        SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop=[stop], include_stop_str_in_output=True),
+    )[0].outputs[0]
     assert kept.text == text[: text.find(stop) + len(stop)]
 
 
@@ -102,14 +111,18 @@ def test_stop_token_ids_and_eos(qwen3_folder):
     prompt = random_prompts(1, seed=8)[0]
     full = llm.generate([prompt], GREEDY)[0].outputs[0].token_ids
     stop_id = full[5]
-    out = llm.generate([prompt], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop_token_ids=[stop_id]))[0].outputs[0]
+    out = llm.generate(
+        [prompt], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop_token_ids=[stop_id])
+    )[0].outputs[0]
     assert out.finish_reason == "stop" and out.stop_reason == stop_id
     assert out.token_ids == full[: full.index(stop_id) + 1]
 
 
 def test_logprobs_are_returned(qwen3_folder):
     llm = LLM(str(qwen3_folder), max_model_len=128)
-    out = llm.generate([random_prompts(1, seed=9)[0]], SamplingParams(max_tokens=5, temperature=0.0, logprobs=3, ignore_eos=True))[0].outputs[0]
+    out = llm.generate(
+        [random_prompts(1, seed=9)[0]], SamplingParams(max_tokens=5, temperature=0.0, logprobs=3, ignore_eos=True)
+    )[0].outputs[0]
     assert len(out.logprobs) == 5
     for token, entry in zip(out.token_ids, out.logprobs):
         assert token in entry and entry[token].logprob <= 0
@@ -235,7 +248,11 @@ def test_min_step_time_pads_every_step(qwen3_folder):
 
     llm = LLM(str(qwen3_folder), min_step_time_ms=40.0)
     started = time.monotonic()
-    out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    out = llm.generate(
+        [{"prompt_token_ids": [5, 6, 7]}],
+        SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True),
+        use_tqdm=False,
+    )
     elapsed = time.monotonic() - started
     assert len(out[0].outputs[0].token_ids) == 5
     assert elapsed >= 5 * 0.040

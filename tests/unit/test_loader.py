@@ -35,7 +35,9 @@ def expert_bytes(model) -> int:
 def sharded(tmp_path_factory):
     """A DeepSeek-style checkpoint split over several safetensors shards with an index."""
     folder = tmp_path_factory.mktemp("sharded") / "ckpt"
-    make_model(MakeModelSpec(arch="deepseek_v3", layers=3, experts=8, top_k=2, vocab=320, max_shard_bytes=64 * 1024), folder)
+    make_model(
+        MakeModelSpec(arch="deepseek_v3", layers=3, experts=8, top_k=2, vocab=320, max_shard_bytes=64 * 1024), folder
+    )
     assert (folder / "model.safetensors.index.json").exists()
     return folder
 
@@ -99,7 +101,9 @@ def test_wrong_shape_is_named(single_file):
         t["model.layers.0.self_attn.k_proj.weight"] = t["model.layers.0.self_attn.k_proj.weight"].T.contiguous()
 
     rewrite_weights(single_file, transpose)
-    with pytest.raises(CheckpointError, match=r"model\.layers\.0\.self_attn\.k_proj\.weight has shape \[64, 32\], expected \[32, 64\]"):
+    with pytest.raises(
+        CheckpointError, match=r"model\.layers\.0\.self_attn\.k_proj\.weight has shape \[64, 32\], expected \[32, 64\]"
+    ):
         load_model(single_file)
 
 

@@ -22,23 +22,32 @@ from moeserve.checkpoints.tokenizer import BOS_ID, EOS_ID, IM_END_ID, IM_START_I
 
 # How transformers 5.x saves one expert's weights (fused in memory, one tensor per expert on disk).
 EXPERT_WEIGHTS = {
-    "mixtral": ("block_sparse_moe.experts.{e}.w1", "block_sparse_moe.experts.{e}.w2",
-                "block_sparse_moe.experts.{e}.w3"),
-    "qwen2_moe": ("mlp.experts.{e}.gate_proj", "mlp.experts.{e}.up_proj",
-                  "mlp.experts.{e}.down_proj"),
+    "mixtral": (
+        "block_sparse_moe.experts.{e}.w1",
+        "block_sparse_moe.experts.{e}.w2",
+        "block_sparse_moe.experts.{e}.w3",
+    ),
+    "qwen2_moe": ("mlp.experts.{e}.gate_proj", "mlp.experts.{e}.up_proj", "mlp.experts.{e}.down_proj"),
 }
 EXPERT_WEIGHTS["qwen3_moe"] = EXPERT_WEIGHTS["deepseek_v3"] = EXPERT_WEIGHTS["qwen2_moe"]
 
-ARCHITECTURE = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-                "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
-NUM_EXPERTS_FIELD = {"mixtral": "num_local_experts", "qwen2_moe": "num_experts",
-                     "qwen3_moe": "num_experts", "deepseek_v3": "n_routed_experts"}
+ARCHITECTURE = {
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+}
+NUM_EXPERTS_FIELD = {
+    "mixtral": "num_local_experts",
+    "qwen2_moe": "num_experts",
+    "qwen3_moe": "num_experts",
+    "deepseek_v3": "n_routed_experts",
+}
 SMALL_SHARDS = 64 * 1024  # bytes; every default-sized model is several times larger
 
 
 @pytest.fixture(scope="module", params=SUPPORTED_ARCHS)
-def built(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-          ) -> tuple[MakeModelSpec, Path]:
+def built(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[MakeModelSpec, Path]:
     """One sharded float32 model per architecture, shared by the tests of this module."""
     spec = MakeModelSpec(arch=request.param, max_shard_bytes=SMALL_SHARDS)
     return spec, make_model(spec, tmp_path_factory.mktemp(request.param))
@@ -56,7 +65,7 @@ def test_loads_in_transformers_and_generates_varied_text(
     assert logits.shape == (1, ids.shape[1], spec.vocab)
     assert torch.isfinite(logits).all()
     out = model.generate(ids, max_new_tokens=24, min_new_tokens=24, do_sample=False)
-    out = out[0, ids.shape[1]:]  # [24]
+    out = out[0, ids.shape[1] :]  # [24]
     assert len(set(out.tolist())) > 8, f"greedy text is degenerate: {out.tolist()}"
 
 
@@ -197,8 +206,9 @@ def test_bad_spec_is_a_value_error(fields: dict[str, object], message: str) -> N
         MakeModelSpec(**fields)
 
 
-def test_demo_model_is_built_once_and_reused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                            caplog: pytest.LogCaptureFixture) -> None:
+def test_demo_model_is_built_once_and_reused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     monkeypatch.setenv("MOESERVE_CACHE_DIR", str(tmp_path))
     caplog.set_level(logging.INFO, logger="moeserve.checkpoints")
     path = demo_model_path()
@@ -212,8 +222,7 @@ def test_demo_model_is_built_once_and_reused(tmp_path: Path, monkeypatch: pytest
     assert (path / "model.safetensors.index.json").is_file()
 
 
-def test_demo_model_race_lost_uses_the_winners_model(tmp_path: Path,
-                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+def test_demo_model_race_lost_uses_the_winners_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     final = tmp_path / f"demo-{demo.DEMO_SPEC.arch}-{demo._demo_key()}"
 
     def build_while_another_process_wins(spec: MakeModelSpec, out_dir: Path) -> Path:

@@ -82,11 +82,29 @@ def test_completion_defaults_follow_openai():
 
 def test_completion_openai_and_vllm_fields_reach_sampling_params():
     body = completion_body(
-        max_tokens=7, temperature=0.5, top_p=0.9, n=2, stop="\n", seed=3, presence_penalty=0.1,
-        frequency_penalty=0.2, logprobs=3, echo=True, user="u", stream=True, stream_options={"include_usage": True},
-        top_k=5, min_p=0.05, repetition_penalty=1.1, ignore_eos=True, stop_token_ids=[9],
-        min_tokens=2, include_stop_str_in_output=True, skip_special_tokens=False,
-        logit_bias={"1": 2}, suffix="ignored",  # unknown to us: ignored, as OpenAI and vLLM do
+        max_tokens=7,
+        temperature=0.5,
+        top_p=0.9,
+        n=2,
+        stop="\n",
+        seed=3,
+        presence_penalty=0.1,
+        frequency_penalty=0.2,
+        logprobs=3,
+        echo=True,
+        user="u",
+        stream=True,
+        stream_options={"include_usage": True},
+        top_k=5,
+        min_p=0.05,
+        repetition_penalty=1.1,
+        ignore_eos=True,
+        stop_token_ids=[9],
+        min_tokens=2,
+        include_stop_str_in_output=True,
+        skip_special_tokens=False,
+        logit_bias={"1": 2},
+        suffix="ignored",  # unknown to us: ignored, as OpenAI and vLLM do
     )
     req = parse_request(CompletionRequest, json.dumps(body))
     p = req.to_sampling_params(None)
@@ -98,7 +116,9 @@ def test_completion_openai_and_vllm_fields_reach_sampling_params():
 
 
 def test_chat_max_completion_tokens_wins_and_logprobs_map():
-    req = parse_request(ChatCompletionRequest, chat_body(max_tokens=5, max_completion_tokens=9, logprobs=True, top_logprobs=4))
+    req = parse_request(
+        ChatCompletionRequest, chat_body(max_tokens=5, max_completion_tokens=9, logprobs=True, top_logprobs=4)
+    )
     params = req.to_sampling_params(100)
     assert (params.max_tokens, params.logprobs) == (9, 4)
     assert parse_request(ChatCompletionRequest, chat_body(max_tokens=5)).to_sampling_params(100).max_tokens == 5
@@ -234,22 +254,41 @@ def test_chat_response_shape_and_logprobs():
     assert choice["message"] == {"role": "assistant", "content": " world!"}
     first, second = choice["logprobs"]["content"]
     assert set(first) == {"token", "logprob", "bytes", "top_logprobs"}
-    assert first == {"token": " world", "logprob": -0.1, "bytes": list(b" world"), "top_logprobs": [{"token": " world", "logprob": -0.1, "bytes": list(b" world")}]}
+    assert first == {
+        "token": " world",
+        "logprob": -0.1,
+        "bytes": list(b" world"),
+        "top_logprobs": [{"token": " world", "logprob": -0.1, "bytes": list(b" world")}],
+    }
     assert second["token"] == "!" and [t["token"] for t in second["top_logprobs"]] == ["</s>"]
     assert chat_response("c", "m", request_output(), TOK).choices[0].logprobs is None
 
 
 def test_stream_chunks_match_openai():
-    first = json.loads(chat_chunk("chatcmpl-1", "m", 7, 0, DeltaMessage(role="assistant", content="")).model_dump_json())
+    first = json.loads(
+        chat_chunk("chatcmpl-1", "m", 7, 0, DeltaMessage(role="assistant", content="")).model_dump_json()
+    )
     assert set(first) == {"id", "object", "created", "model", "system_fingerprint", "choices", "usage"}
     assert first["object"] == "chat.completion.chunk" and first["created"] == 7
-    assert first["choices"][0] == {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+    assert first["choices"][0] == {
+        "index": 0,
+        "delta": {"role": "assistant", "content": ""},
+        "logprobs": None,
+        "finish_reason": None,
+    }
     last = chat_chunk("chatcmpl-1", "m", 7, 0, DeltaMessage(), finish_reason="stop").model_dump()
     assert last["choices"][0]["delta"] == {} and last["choices"][0]["finish_reason"] == "stop"
-    usage = chat_usage_chunk("chatcmpl-1", "m", 7, UsageInfo(prompt_tokens=1, completion_tokens=2, total_tokens=3)).model_dump()
+    usage = chat_usage_chunk(
+        "chatcmpl-1", "m", 7, UsageInfo(prompt_tokens=1, completion_tokens=2, total_tokens=3)
+    ).model_dump()
     assert usage["choices"] == [] and usage["usage"]["total_tokens"] == 3
     text = completion_chunk("cmpl-1", "m", 7, 1, "hi").model_dump()
-    assert text["object"] == "text_completion" and text["choices"][0] == {"index": 1, "text": "hi", "logprobs": None, "finish_reason": None}
+    assert text["object"] == "text_completion" and text["choices"][0] == {
+        "index": 1,
+        "text": "hi",
+        "logprobs": None,
+        "finish_reason": None,
+    }
     event = sse(completion_chunk("cmpl-1", "m", 7, 0, "x"))
     assert event.startswith("data: {") and event.endswith("\n\n") and SSE_DONE == "data: [DONE]\n\n"
 
@@ -257,5 +296,12 @@ def test_stream_chunks_match_openai():
 def test_ids_and_model_list():
     assert random_id("cmpl").startswith("cmpl-") and len(random_id("chatcmpl")) == len("chatcmpl-") + 32
     body = ModelList(data=[ModelCard(id="m")]).model_dump()
-    assert body["object"] == "list" and set(body["data"][0]) == {"id", "object", "created", "owned_by", "root", "max_model_len"}
+    assert body["object"] == "list" and set(body["data"][0]) == {
+        "id",
+        "object",
+        "created",
+        "owned_by",
+        "root",
+        "max_model_len",
+    }
     assert body["data"][0]["object"] == "model"

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from moeserve.sampling_params import SamplingParams
 from moeserve.worker.sampler import (
     Sampler,
     SamplingRow,
@@ -14,7 +15,6 @@ from moeserve.worker.sampler import (
     apply_penalties,
     make_generator,
 )
-from moeserve.sampling_params import SamplingParams
 
 EOS = 3
 # A known distribution over 6 tokens for the statistical checks.
@@ -50,7 +50,12 @@ def test_params_defaults_and_normalisation():
     assert (p.top_k, p.stop, p.seed, p.stop_token_ids) == (0, ["###"], None, [7, 8])
     d = SamplingParams()
     assert (d.n, d.max_tokens, d.temperature, d.top_p, d.stop, d.stop_token_ids) == (
-        1, 16, 1.0, 1.0, [], [],
+        1,
+        16,
+        1.0,
+        1.0,
+        [],
+        [],
     )
     assert not d.greedy
     assert SamplingParams(temperature=0.0).greedy and SamplingParams(top_k=1).greedy
@@ -185,9 +190,7 @@ def _run_steps(
 
 
 def test_seeded_request_reproducible_alone_and_in_any_batch():
-    target = SamplingParams(
-        seed=42, temperature=0.9, top_p=0.95, repetition_penalty=1.2, logprobs=2
-    )
+    target = SamplingParams(seed=42, temperature=0.9, top_p=0.95, repetition_penalty=1.2, logprobs=2)
     alone = _run_steps(target, 0, [])
     neighbours = [
         SamplingParams(),

@@ -10,11 +10,11 @@ import random
 from collections.abc import Callable
 
 import pytest
-
 from helpers.clock import TickingClock
 from helpers.scheduler import EOS, RecordingScheduler, check_output, make_request, token_for
 
 from moeserve.scheduler import QueueFullError, Request, RequestStatus, SchedulerConfig, SchedulerOutput, StepShape
+
 
 def make_config(**overrides) -> SchedulerConfig:
     fields = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64, block_size=4, num_kv_blocks=64)
@@ -363,13 +363,21 @@ def run_one(request: Request, tokens: list[int], **config) -> Request:
 def test_max_tokens_finishes_with_length():
     request = run_one(make_request("a", max_tokens=3), [5, 6, 7, 8])
     assert request.output_token_ids == [5, 6, 7]
-    assert (request.status, request.finish_reason, request.stop_reason) == (RequestStatus.FINISHED_LENGTH, "length", None)
+    assert (request.status, request.finish_reason, request.stop_reason) == (
+        RequestStatus.FINISHED_LENGTH,
+        "length",
+        None,
+    )
 
 
 def test_eos_stops_and_is_kept_as_the_last_output():
     request = run_one(make_request("a", max_tokens=10), [5, EOS, 6])
     assert request.output_token_ids == [5, EOS]
-    assert (request.status, request.finish_reason, request.stop_reason) == (RequestStatus.FINISHED_STOPPED, "stop", None)
+    assert (request.status, request.finish_reason, request.stop_reason) == (
+        RequestStatus.FINISHED_STOPPED,
+        "stop",
+        None,
+    )
 
 
 def test_eos_as_the_last_allowed_token_reports_stop():

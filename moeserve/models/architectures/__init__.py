@@ -22,10 +22,14 @@ def resolve_architecture(raw_config: dict[str, Any]) -> tuple[Architecture, Mode
     """The architecture serving this config.json, and the config normalised by it."""
     names = raw_config.get("architectures") or []
     if not names:
-        raise CheckpointError(f"config.json has no 'architectures' entry; supported: {', '.join(supported_architectures())}")
+        raise CheckpointError(
+            f"config.json has no 'architectures' entry; supported: {', '.join(supported_architectures())}"
+        )
     arch = ARCHITECTURES.get(names[0])
     if arch is None:
-        raise CheckpointError(f"architecture {names[0]!r} is not supported; supported: {', '.join(supported_architectures())}")
+        raise CheckpointError(
+            f"architecture {names[0]!r} is not supported; supported: {', '.join(supported_architectures())}"
+        )
     try:
         return arch, arch.parse_config(raw_config)
     except CheckpointError:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -51,7 +52,9 @@ class HFConfig:
                 if kind is float and isinstance(value, int) and not isinstance(value, bool):
                     value = float(value)
                 if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-                    raise CheckpointError(f"config.json key {key!r} should be {kind.__name__}, got {value!r} ({self.architecture})")
+                    raise CheckpointError(
+                        f"config.json key {key!r} should be {kind.__name__}, got {value!r} ({self.architecture})"
+                    )
                 return value
         names = " or ".join(repr(k) for k in keys)
         raise CheckpointError(f"config.json is missing {names}, needed by {self.architecture}")
@@ -77,7 +80,9 @@ class HFConfig:
             rotary_dim=rotary_dim,
             kind=kind,
             factor=float(params.get("factor", 1.0)),
-            original_max_position_embeddings=params.get("original_max_position_embeddings", self.raw.get("max_position_embeddings")),
+            original_max_position_embeddings=params.get(
+                "original_max_position_embeddings", self.raw.get("max_position_embeddings")
+            ),
             beta_fast=float(params.get("beta_fast") or 32),
             beta_slow=float(params.get("beta_slow") or 1),
             mscale=params.get("mscale"),
@@ -105,7 +110,9 @@ class HFConfig:
             raise CheckpointError("MLP biases (mlp_bias: true) are not supported")
         if self.raw.get("quantization_config"):
             method = self.raw["quantization_config"].get("quant_method", "?")
-            raise CheckpointError(f"quantized checkpoints ({method}) are not supported yet; use a bf16/fp16/fp32 checkpoint")
+            raise CheckpointError(
+                f"quantized checkpoints ({method}) are not supported yet; use a bf16/fp16/fp32 checkpoint"
+            )
 
     def sliding_windows(self, num_layers: int, enabled: bool) -> tuple[int | None, ...]:
         """Per-layer window from `layer_types` when present, else one window for all layers."""

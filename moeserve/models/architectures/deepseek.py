@@ -34,13 +34,23 @@ def _router(c: HFConfig) -> RouterConfig:
             raise CheckpointError(f"DeepSeek-V2 topk_method {method!r} is not supported (greedy, group_limited_greedy)")
         grouped = method == "group_limited_greedy"
         return RouterConfig(
-            kind="softmax", top_k=top_k, renormalize=False, routed_scaling_factor=scale, logits_in_fp32=True,
-            num_groups=c.require("n_group") if grouped else 1, topk_groups=c.require("topk_group") if grouped else 1,
+            kind="softmax",
+            top_k=top_k,
+            renormalize=False,
+            routed_scaling_factor=scale,
+            logits_in_fp32=True,
+            num_groups=c.require("n_group") if grouped else 1,
+            topk_groups=c.require("topk_group") if grouped else 1,
         )
     return RouterConfig(
-        kind="grouped_sigmoid", top_k=top_k, renormalize=bool(c.get("norm_topk_prob", True)),
-        num_groups=c.get("n_group", 1), topk_groups=c.get("topk_group", 1), routed_scaling_factor=scale,
-        has_correction_bias=True, logits_in_fp32=True,
+        kind="grouped_sigmoid",
+        top_k=top_k,
+        renormalize=bool(c.get("norm_topk_prob", True)),
+        num_groups=c.get("n_group", 1),
+        topk_groups=c.get("topk_group", 1),
+        routed_scaling_factor=scale,
+        has_correction_bias=True,
+        logits_in_fp32=True,
     )
 
 

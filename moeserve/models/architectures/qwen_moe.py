@@ -38,7 +38,9 @@ def parse_config(raw: dict[str, Any]) -> ModelConfig:
         intermediate_size=c.require("intermediate_size"),
         moe_intermediate_size=c.require("moe_intermediate_size"),
         num_experts=num_experts,
-        router=RouterConfig(kind="softmax", top_k=c.require("num_experts_per_tok"), renormalize=bool(c.get("norm_topk_prob", False))),
+        router=RouterConfig(
+            kind="softmax", top_k=c.require("num_experts_per_tok"), renormalize=bool(c.get("norm_topk_prob", False))
+        ),
         rope=c.rope(head_dim),
         rms_norm_eps=c.require("rms_norm_eps", kind=float),
         max_position_embeddings=c.require("max_position_embeddings"),

@@ -7,9 +7,9 @@ from torch import nn
 
 from moeserve.config import ModelConfig
 from moeserve.models.layers.norm import RMSNorm
-from moeserve.ops.attention import AttentionPlan, write_to_cache
-from moeserve.ops import TORCH_OPS, LayerOps
 from moeserve.models.tensor_parallel import SINGLE, TensorParallel, column_parallel, kv_heads_of, row_parallel
+from moeserve.ops import TORCH_OPS, LayerOps
+from moeserve.ops.attention import AttentionPlan, write_to_cache
 
 
 def linear(in_dim: int, out_dim: int, bias: bool, dtype: torch.dtype, device: torch.device | str) -> nn.Linear:
@@ -27,7 +27,13 @@ class Attention(nn.Module):
     """
 
     def __init__(
-        self, cfg: ModelConfig, layer: int, dtype: torch.dtype, device: torch.device | str = "cpu", tp: TensorParallel = SINGLE, ops: LayerOps = TORCH_OPS
+        self,
+        cfg: ModelConfig,
+        layer: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+        tp: TensorParallel = SINGLE,
+        ops: LayerOps = TORCH_OPS,
     ) -> None:
         super().__init__()
         self.ops = ops
@@ -39,10 +45,18 @@ class Attention(nn.Module):
         self.sliding_window = cfg.sliding_windows[layer]
         self.interleaved_rope = cfg.rope.interleaved
         q_cols, kv_cols = self.num_heads * d, self.num_kv_heads * d
-        self.q_proj = column_parallel(linear(h, q_cols, cfg.qkv_bias, dtype, device), tp.rank * q_cols, cfg.num_heads * d, tp)
-        self.k_proj = column_parallel(linear(h, kv_cols, cfg.qkv_bias, dtype, device), first_kv * d, cfg.num_kv_heads * d, tp)
-        self.v_proj = column_parallel(linear(h, kv_cols, cfg.qkv_bias, dtype, device), first_kv * d, cfg.num_kv_heads * d, tp)
-        self.o_proj = row_parallel(linear(q_cols, h, cfg.o_bias, dtype, device), tp.rank * q_cols, cfg.num_heads * d, tp)
+        self.q_proj = column_parallel(
+            linear(h, q_cols, cfg.qkv_bias, dtype, device), tp.rank * q_cols, cfg.num_heads * d, tp
+        )
+        self.k_proj = column_parallel(
+            linear(h, kv_cols, cfg.qkv_bias, dtype, device), first_kv * d, cfg.num_kv_heads * d, tp
+        )
+        self.v_proj = column_parallel(
+            linear(h, kv_cols, cfg.qkv_bias, dtype, device), first_kv * d, cfg.num_kv_heads * d, tp
+        )
+        self.o_proj = row_parallel(
+            linear(q_cols, h, cfg.o_bias, dtype, device), tp.rank * q_cols, cfg.num_heads * d, tp
+        )
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, device, ops) if cfg.qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, device, ops) if cfg.qk_norm else None
 

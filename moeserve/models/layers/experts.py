@@ -16,11 +16,23 @@ class Experts(nn.Module):
     w2  `[E_local, H, I]`.
     """
 
-    def __init__(self, num_local_experts: int, hidden: int, intermediate: int, dtype: torch.dtype, device: torch.device | str = "cpu", ops: LayerOps = TORCH_OPS) -> None:
+    def __init__(
+        self,
+        num_local_experts: int,
+        hidden: int,
+        intermediate: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+        ops: LayerOps = TORCH_OPS,
+    ) -> None:
         super().__init__()
         self.ops = ops
-        self.w13 = nn.Parameter(torch.empty(num_local_experts, 2 * intermediate, hidden, dtype=dtype, device=device), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(num_local_experts, hidden, intermediate, dtype=dtype, device=device), requires_grad=False)
+        self.w13 = nn.Parameter(
+            torch.empty(num_local_experts, 2 * intermediate, hidden, dtype=dtype, device=device), requires_grad=False
+        )
+        self.w2 = nn.Parameter(
+            torch.empty(num_local_experts, hidden, intermediate, dtype=dtype, device=device), requires_grad=False
+        )
 
     def forward(self, received: DispatchOutput) -> torch.Tensor:
         """The rows of a dispatch through their experts: what combine() takes (see `LayerOps.experts`)."""

@@ -15,9 +15,9 @@ from torch import nn
 from moeserve.config import ModelConfig
 from moeserve.models.layers.attention import linear
 from moeserve.models.layers.norm import RMSNorm
-from moeserve.ops.attention import AttentionPlan, write_to_cache
-from moeserve.ops import TORCH_OPS, LayerOps
 from moeserve.models.tensor_parallel import SINGLE, TensorParallel, column_parallel, row_parallel
+from moeserve.ops import TORCH_OPS, LayerOps
+from moeserve.ops.attention import AttentionPlan, write_to_cache
 
 
 class MLAttention(nn.Module):
@@ -29,7 +29,13 @@ class MLAttention(nn.Module):
     """
 
     def __init__(
-        self, cfg: ModelConfig, layer: int, dtype: torch.dtype, device: torch.device | str = "cpu", tp: TensorParallel = SINGLE, ops: LayerOps = TORCH_OPS
+        self,
+        cfg: ModelConfig,
+        layer: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+        tp: TensorParallel = SINGLE,
+        ops: LayerOps = TORCH_OPS,
     ) -> None:
         super().__init__()
         assert cfg.mla is not None
@@ -42,16 +48,33 @@ class MLAttention(nn.Module):
         self.interleaved_rope = cfg.rope.interleaved
         q_out = heads * m.qk_head_dim
         if m.q_lora_rank is None:
-            self.q_proj = column_parallel(linear(h, q_out, False, dtype, device), first * m.qk_head_dim, cfg.num_heads * m.qk_head_dim, tp)
+            self.q_proj = column_parallel(
+                linear(h, q_out, False, dtype, device), first * m.qk_head_dim, cfg.num_heads * m.qk_head_dim, tp
+            )
         else:
             self.q_a_proj = linear(h, m.q_lora_rank, cfg.qkv_bias, dtype, device)
             self.q_a_norm = RMSNorm(m.q_lora_rank, cfg.rms_norm_eps, dtype, device, ops)
-            self.q_b_proj = column_parallel(linear(m.q_lora_rank, q_out, False, dtype, device), first * m.qk_head_dim, cfg.num_heads * m.qk_head_dim, tp)
+            self.q_b_proj = column_parallel(
+                linear(m.q_lora_rank, q_out, False, dtype, device),
+                first * m.qk_head_dim,
+                cfg.num_heads * m.qk_head_dim,
+                tp,
+            )
         self.kv_a_proj = linear(h, m.kv_lora_rank + m.qk_rope_head_dim, cfg.qkv_bias, dtype, device)
         self.kv_a_norm = RMSNorm(m.kv_lora_rank, cfg.rms_norm_eps, dtype, device, ops)
         kv_per_head = m.qk_nope_head_dim + m.v_head_dim
-        self.kv_b_proj = column_parallel(linear(m.kv_lora_rank, heads * kv_per_head, False, dtype, device), first * kv_per_head, cfg.num_heads * kv_per_head, tp)
-        self.o_proj = row_parallel(linear(heads * m.v_head_dim, h, cfg.o_bias, dtype, device), first * m.v_head_dim, cfg.num_heads * m.v_head_dim, tp)
+        self.kv_b_proj = column_parallel(
+            linear(m.kv_lora_rank, heads * kv_per_head, False, dtype, device),
+            first * kv_per_head,
+            cfg.num_heads * kv_per_head,
+            tp,
+        )
+        self.o_proj = row_parallel(
+            linear(heads * m.v_head_dim, h, cfg.o_bias, dtype, device),
+            first * m.v_head_dim,
+            cfg.num_heads * m.v_head_dim,
+            tp,
+        )
 
     @staticmethod
     def cache_shape(cfg: ModelConfig, num_blocks: int, block_size: int, tp_size: int = 1) -> tuple[int, ...]:

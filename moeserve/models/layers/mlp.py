@@ -12,7 +12,9 @@ class GatedMLP(nn.Module):
         super().__init__()
         self.intermediate = intermediate
         # gate and up stacked in one GEMM: [2I, H]
-        self.gate_up = nn.Parameter(torch.empty(2 * intermediate, hidden, dtype=dtype, device=device), requires_grad=False)
+        self.gate_up = nn.Parameter(
+            torch.empty(2 * intermediate, hidden, dtype=dtype, device=device), requires_grad=False
+        )
         self.down = nn.Parameter(torch.empty(hidden, intermediate, dtype=dtype, device=device), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

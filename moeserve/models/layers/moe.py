@@ -20,7 +20,14 @@ from moeserve.ops import TORCH_OPS, LayerOps
 
 
 class MoEBlock(nn.Module):
-    def __init__(self, cfg: ModelConfig, dispatcher: Dispatcher, dtype: torch.dtype, device: torch.device | str = "cpu", ops: LayerOps = TORCH_OPS) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        dispatcher: Dispatcher,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+        ops: LayerOps = TORCH_OPS,
+    ) -> None:
         super().__init__()
         self.dispatcher = dispatcher
         num_local = dispatcher.placement.num_local_experts
@@ -35,7 +42,9 @@ class MoEBlock(nn.Module):
         if cfg.shared_expert_intermediate_size:
             self.shared = GatedMLP(cfg.hidden_size, cfg.shared_expert_intermediate_size, dtype, device)
             if cfg.shared_expert_gated:
-                self.shared_gate = nn.Parameter(torch.empty(1, cfg.hidden_size, dtype=dtype, device=device), requires_grad=False)
+                self.shared_gate = nn.Parameter(
+                    torch.empty(1, cfg.hidden_size, dtype=dtype, device=device), requires_grad=False
+                )
 
     def forward(self, x: torch.Tensor, max_tokens_per_rank: int | None = None) -> torch.Tensor:
         """x `[T, H]` -> `[T, H]`. max_tokens_per_rank: this step's bound on T over the EP group

@@ -9,7 +9,9 @@ from moeserve.ops import TORCH_OPS, LayerOps
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, dtype: torch.dtype, device: torch.device | str = "cpu", ops: LayerOps = TORCH_OPS) -> None:
+    def __init__(
+        self, dim: int, eps: float, dtype: torch.dtype, device: torch.device | str = "cpu", ops: LayerOps = TORCH_OPS
+    ) -> None:
         super().__init__()
         self.eps = eps
         self.ops = ops

@@ -11,16 +11,28 @@ from moeserve.ops import TORCH_OPS, LayerOps
 
 
 class Router(nn.Module):
-    def __init__(self, cfg: RouterConfig, hidden: int, num_experts: int, dtype: torch.dtype, device: torch.device | str = "cpu", ops: LayerOps = TORCH_OPS) -> None:
+    def __init__(
+        self,
+        cfg: RouterConfig,
+        hidden: int,
+        num_experts: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+        ops: LayerOps = TORCH_OPS,
+    ) -> None:
         super().__init__()
         self.cfg = cfg
         self.ops = ops
         self.num_experts = num_experts
         gate_dtype = torch.float32 if cfg.logits_in_fp32 else dtype
-        self.weight = nn.Parameter(torch.empty(num_experts, hidden, dtype=gate_dtype, device=device), requires_grad=False)
+        self.weight = nn.Parameter(
+            torch.empty(num_experts, hidden, dtype=gate_dtype, device=device), requires_grad=False
+        )
         if cfg.has_correction_bias:
             # Kept in float32 whatever the model dtype: it shifts sigmoid scores by small amounts.
-            self.correction_bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32, device=device), requires_grad=False)
+            self.correction_bias = nn.Parameter(
+                torch.zeros(num_experts, dtype=torch.float32, device=device), requires_grad=False
+            )
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x `[T, H]` -> (topk_ids `[T, K]` int64, topk_weights `[T, K]` float32)."""
