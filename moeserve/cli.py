@@ -13,9 +13,10 @@ import typing
 from collections.abc import Callable
 from pathlib import Path
 
-from moeserve.engine_config import EngineConfig, ParallelConfig, parse_bytes
+from moeserve.engine_config import EngineConfig, ParallelConfig
 from moeserve.loadtest.cli import add_bench_parser
 from moeserve.options import Option, build, field_docs, options
+from moeserve.server_config import ServerSettings
 
 logger = logging.getLogger("moeserve.cli")
 
@@ -61,25 +62,40 @@ def _flag_type(opt: Option) -> Callable[[str], object]:
 
 
 def _add_engine_options(p: argparse.ArgumentParser, launch: bool, exclude: tuple[str, ...] = ()) -> None:
-    """A flag for every `EngineConfig` option: name, type, default and help from its field."""
-    parallel = p.add_argument_group("parallelism (one process per rank; torchrun's and Slurm's variables are defaults)")
+    """A flag for every `EngineConfig` option."""
+    _add_config_flags(p, EngineConfig, "engine_options", launch, exclude)
+
+
+def _add_config_flags(
+    p: argparse.ArgumentParser, config: type, key: str, launch: bool, exclude: tuple[str, ...] = ()
+) -> None:
+    """A flag for every option of `config`: name, type, default and help from its field; the
+    option names are kept under `key` so the command can build the config back from them."""
+    parallel = None
     names = []
-    for opt in options(EngineConfig):
+    for opt in options(config):
         if opt.name in exclude:
             continue
         default = opt.default
         if launch and opt.meta.launch_default is not None:
             default = opt.meta.launch_default
+        # The help names the variables, never their values: one of them may hold a secret (the API key).
+        shown = f"${' or $'.join(opt.meta.env)}, else {default}" if opt.meta.env else default
         env_value = _env_default(opt)
         default = env_value if env_value is not None else default
-        shown = f"${' or $'.join(opt.meta.env)}, else {default}" if opt.meta.env else default
         hidden = argparse.SUPPRESS if opt.meta.hidden else f"{opt.help} (default: {shown})"
-        group = parallel if opt.path[0] == "parallel" else p
+        group = p
+        if opt.path[0] == "parallel":
+            if parallel is None:
+                parallel = p.add_argument_group(
+                    "parallelism (one process per rank; torchrun's and Slurm's variables are defaults)"
+                )
+            group = parallel
         group.add_argument(
             *opt.flags, dest=opt.name, type=_flag_type(opt), default=default, choices=opt.choices, help=hidden
         )
         names.append(opt.name)
-    p.set_defaults(engine_options=names)
+    p.set_defaults(**{key: names})
 
 
 def _engine_options(args: argparse.Namespace) -> dict[str, object]:
@@ -140,50 +156,20 @@ def _generate_one(llm, args: argparse.Namespace):
 
 def _add_launch(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("launch", help="serve a model over an OpenAI-compatible HTTP API")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
-    p.add_argument("--port", type=int, default=8000, help="port to listen on; 0 picks a free one (the log says which)")
-    p.add_argument(
-        "--served-model-name",
-        help="model id clients send and /v1/models lists (default: the --model path, or 'moeserve-demo')",
-    )
-    p.add_argument(
-        "--api-key",
-        default=os.environ.get("MOESERVE_API_KEY"),
-        help="require 'Authorization: Bearer KEY' on /v1 routes (default: $MOESERVE_API_KEY)",
-    )
-    p.add_argument(
-        "--max-request-body",
-        type=_bytes_flag,
-        default=16 * 1024**2,
-        help="largest request body in bytes (413 beyond; default 16MiB)",
-    )
-    p.add_argument(
-        "--shutdown-timeout", type=float, default=30.0, help="seconds running requests get to finish after SIGTERM"
-    )
+    _add_config_flags(p, ServerSettings, "server_options", launch=True)
     _add_engine_options(p, launch=True)
     p.set_defaults(func=_run_launch)
 
 
-def _bytes_flag(text: str) -> int:
-    try:
-        return parse_bytes(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
 def _run_launch(args: argparse.Namespace) -> int:
-    from moeserve.api.server import ServerSettings, serve
+    from moeserve.api.server import serve
 
     engine_options = _engine_options(args)
     if args.node_rank > 0:
         return _run_node(engine_options)
-    settings = ServerSettings(
-        served_model_name=args.served_model_name or args.model or "moeserve-demo",
-        api_key=args.api_key or None,
-        max_body_bytes=args.max_request_body,
-        shutdown_timeout_s=args.shutdown_timeout,
-    )
-    return serve(settings, args.host, args.port, EngineConfig.from_options(**engine_options))
+    settings = build(ServerSettings, {name: getattr(args, name) for name in args.server_options})
+    settings = dataclasses.replace(settings, served_model_name=settings.model_name(args.model))
+    return serve(settings, EngineConfig.from_options(**engine_options))
 
 
 def _run_node(engine_options: dict[str, object]) -> int:

@@ -91,7 +91,7 @@ def load_engine(state: ServingState, config: EngineConfig, on_failure: Callable[
         on_failure()
 
 
-def serve(settings: ServerSettings, host: str, port: int, engine_config: EngineConfig) -> int:
+def serve(settings: ServerSettings, engine_config: EngineConfig) -> int:
     """Serve until a shutdown signal; returns the process exit code (0 after a clean drain)."""
     state = ServingState(settings, ServerMetrics(settings.served_model_name, engine_config.slo))
     config = uvicorn.Config(
@@ -102,13 +102,13 @@ def serve(settings: ServerSettings, host: str, port: int, engine_config: EngineC
         lifespan="off",
     )
     server = _DrainingServer(config, state)
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock = socket.socket(socket.AF_INET6 if ":" in settings.host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
+    sock.bind((settings.host, settings.port))
     bound_port = sock.getsockname()[1]
-    logger.info("listening on http://%s:%d (health answers 503 until the model is loaded)", host, bound_port)
-    if settings.api_key is None and host not in ("127.0.0.1", "localhost", "::1"):
-        logger.warning("listening on %s without --api-key: anyone who can reach it can use it", host)
+    logger.info("listening on http://%s:%d (health answers 503 until the model is loaded)", settings.host, bound_port)
+    if settings.api_key is None and settings.host not in ("127.0.0.1", "localhost", "::1"):
+        logger.warning("listening on %s without --api-key: anyone who can reach it can use it", settings.host)
 
     failed = threading.Event()
 

@@ -12,20 +12,7 @@ from dataclasses import dataclass, field
 from moeserve.api.errors import APIError
 from moeserve.api.metrics import ServerMetrics
 from moeserve.engine.async_engine import AsyncEngine
-
-
-@dataclass(frozen=True)
-class ServerSettings:
-    """How the HTTP server behaves, independent of the model it serves."""
-
-    served_model_name: str
-    """The model id clients send and /v1/models lists."""
-    api_key: str | None = None
-    """If set, /v1 routes require `Authorization: Bearer <key>`; /health, /metrics, /version stay open."""
-    max_body_bytes: int = 16 * 1024**2
-    """Largest request body accepted (413 beyond): a prompt of token ids for a 128k context fits."""
-    shutdown_timeout_s: float = 30.0
-    """On SIGTERM, how long running requests may take to finish before they are aborted."""
+from moeserve.server_config import ServerSettings
 
 
 @dataclass

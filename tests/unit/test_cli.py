@@ -11,7 +11,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from moeserve.cli import build_parser
 from moeserve.engine_config import EngineConfig
-from moeserve.options import options
+from moeserve.options import build, options
+from moeserve.server_config import ServerSettings
 
 
 def run_cli(*args: str, env=None) -> subprocess.CompletedProcess:
@@ -112,6 +113,19 @@ def test_launch_flags_are_the_config_fields_with_their_defaults(monkeypatch) -> 
         assert opt.help or opt.meta.hidden, f"{opt.name} has no field doc to serve as its help"
     assert args.max_waiting == 1024  # a server sheds load; offline LLM.generate queues all its prompts
     assert EngineConfig.from_options(**{n: getattr(args, n) for n in args.engine_options}).max_waiting == 1024
+
+
+def test_server_flags_are_the_settings_fields_and_help_never_shows_the_key(monkeypatch, capsys) -> None:
+    monkeypatch.setenv("MOESERVE_API_KEY", "not-for-your-eyes")
+    args = parse("launch", "--max-request-body", "1MiB", "--port", "0")
+    settings = build(ServerSettings, {n: getattr(args, n) for n in args.server_options})
+    assert settings == ServerSettings(api_key="not-for-your-eyes", max_body_bytes=1024**2, port=0)
+    for opt in options(ServerSettings):
+        assert opt.help, f"{opt.name} has no field doc to serve as its help"
+    with pytest.raises(SystemExit):
+        parse("launch", "--help")
+    help_text = capsys.readouterr().out
+    assert "$MOESERVE_API_KEY" in help_text and "not-for-your-eyes" not in help_text
 
 
 def test_every_flag_name_users_type_keeps_working() -> None:

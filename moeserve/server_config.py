@@ -1,0 +1,37 @@
+"""How the HTTP server behaves, independent of the model it serves: the settings behind
+`moeserve launch`'s server flags, which are generated from these fields (`moeserve.options`).
+
+Imports no torch, so the command's parser can be built without it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from moeserve.engine_config import parse_bytes
+from moeserve.options import option
+
+DEMO_MODEL_NAME = "moeserve-demo"
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """The server's own knobs, one documented field and one default each."""
+
+    served_model_name: str | None = None
+    """Model id clients send and /v1/models lists; None: the --model path, or 'moeserve-demo'."""
+    host: str = "127.0.0.1"
+    """Address to listen on; the default is loopback only."""
+    port: int = 8000
+    """Port to listen on; 0 picks a free one (the log says which)."""
+    api_key: str | None = option(None, env=("MOESERVE_API_KEY",))
+    """Require 'Authorization: Bearer KEY' on /v1 routes; /health, /metrics and /version stay open."""
+    max_body_bytes: int = option(16 * 1024**2, name="max_request_body", parse=parse_bytes)
+    """Largest request body in bytes, e.g. 16MiB (413 beyond): a prompt of token ids for a 128k
+    context fits."""
+    shutdown_timeout_s: float = option(30.0, name="shutdown_timeout")
+    """Seconds running requests get to finish after SIGTERM before they are aborted."""
+
+    def model_name(self, model: str | None) -> str:
+        """The id to serve under: the one given, else the checkpoint path, else the demo's."""
+        return self.served_model_name or model or DEMO_MODEL_NAME
