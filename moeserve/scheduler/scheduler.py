@@ -84,7 +84,8 @@ class NewRequest:
 
     request_id: str
     sampling_params: SamplingParams
-    prompt_token_ids: list[int]
+    prompt_token_ids: tuple[int, ...]
+    """A snapshot, immutable, so every holder (the plan, an in-process runner) can share it."""
 
 
 @dataclass(frozen=True)
@@ -324,7 +325,7 @@ class Scheduler:
             self._waiting.pop()
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = self._clock()
-                prompt = list(request.prompt_token_ids)  # the plan may travel to other processes
+                prompt = tuple(request.prompt_token_ids)
                 plan.new_requests.append(NewRequest(request.request_id, request.sampling_params, prompt))
             request.status = RequestStatus.RUNNING
             self._running.append(request)

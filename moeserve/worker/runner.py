@@ -28,7 +28,7 @@ class _RequestState:
 
     request_id: str
     sampling_params: SamplingParams
-    prompt_token_ids: list[int]
+    prompt_token_ids: Sequence[int]
     generator: torch.Generator | None
     """Lives as long as the request (preemption included), so a seeded request draws the same
     numbers whatever else shares its batches."""
@@ -89,7 +89,7 @@ class ModelRunner:
 
     def _state(self, new: NewRequest) -> _RequestState:
         generator = make_generator(new.sampling_params.seed, self.device)
-        return _RequestState(new.request_id, new.sampling_params, list(new.prompt_token_ids), generator)
+        return _RequestState(new.request_id, new.sampling_params, new.prompt_token_ids, generator)
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput, max_tokens_per_rank: int | None = None) -> dict[str, SampledToken]:

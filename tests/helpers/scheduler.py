@@ -59,4 +59,4 @@ def check_output(scheduler: RecordingScheduler, output: SchedulerOutput) -> None
     for new in output.new_requests:
         request = scheduler.added[new.request_id]
         assert new.request_id in scheduled and request.num_preemptions == 0
-        assert (new.sampling_params, new.prompt_token_ids) == (request.sampling_params, request.prompt_token_ids)
+        assert (new.sampling_params, new.prompt_token_ids) == (request.sampling_params, tuple(request.prompt_token_ids))

@@ -281,8 +281,12 @@ def test_a_plan_introduces_its_first_timers_with_what_sampling_needs():
     first, _ = step(scheduler)
     (new,) = first.new_requests
     a = scheduler.added["a"]
-    assert (new.request_id, new.sampling_params, new.prompt_token_ids) == ("a", a.sampling_params, a.prompt_token_ids)
-    assert new.prompt_token_ids is not a.prompt_token_ids  # a copy: the plan may travel to other processes
+    assert (new.request_id, new.sampling_params, new.prompt_token_ids) == (
+        "a",
+        a.sampling_params,
+        tuple(a.prompt_token_ids),
+    )
+    assert new.prompt_token_ids is not a.prompt_token_ids  # a snapshot: the plan may travel to other processes
     second, _ = step(scheduler)
     assert second.new_requests == [] and second.finished_request_ids == []
     third, _ = step(scheduler)
