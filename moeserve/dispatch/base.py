@@ -22,12 +22,28 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
+from collections.abc import Generator
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, TypeVar
 
 import torch
 
 from moeserve.dispatch.placement import ExpertPlacement
+
+T = TypeVar("T")
+Steps = Generator[None, None, T]
+"""A dispatch or combine in steps: the generator yields where it has sent and now waits for
+peers, and returns the result. Whoever drives it may run other work at each yield (the other
+micro-batch's compute in two-batch overlap, or the other PEs of an emulated group)."""
+
+
+def finish(steps: Steps[T]) -> T:
+    """Run steps to the end, with nothing in between, and return their result."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
 
 
 class DispatchLayout(enum.Enum):
@@ -128,3 +144,20 @@ class Dispatcher(ABC):
                        for TOKEN_MAJOR, `[N, H]` for EXPERT_MAJOR), same dtype and device as hidden.
         handle:        the DispatchOutput's, used once.
         """
+
+    def dispatch_steps(
+        self,
+        hidden: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        max_tokens_per_rank: int | None = None,
+    ) -> Steps[DispatchOutput]:
+        """dispatch() in steps (see `Steps`). A backend that can send without waiting overrides
+        this and defines dispatch() as `finish(self.dispatch_steps(...))`; the default is one step."""
+        return self.dispatch(hidden, topk_ids, topk_weights, max_tokens_per_rank)
+        yield  # a generator with no yield: one step
+
+    def combine_steps(self, expert_output: torch.Tensor, handle: DispatchHandle) -> Steps[torch.Tensor]:
+        """combine() in steps (see `dispatch_steps`)."""
+        return self.combine(expert_output, handle)
+        yield  # a generator with no yield: one step
