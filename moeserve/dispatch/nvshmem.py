@@ -1,36 +1,87 @@
-"""`nvshmem` backend: dispatch/combine as one-sided NVSHMEM puts from device kernels.
+"""`nvshmem` backend: dispatch and combine as device-initiated stores into peers' symmetric buffers.
 
-Not runnable yet. The buffer layout and every index the kernels compute live in
-`moeserve.dispatch.nvshmem_layout` and are tested on CPU against the `torch` backend; the device
-kernels themselves (and the SM-partitioned compute/communication overlap) are not written, so
-`supports()` refuses on every machine, naming each missing piece, and the constructor raises
-ValueError with that reason. Nothing here pretends to run.
+Each rank's kernels (`moeserve.kernels.peer_copy`) store rows straight into the receive buffers
+of the ranks holding their experts and raise a signal word there; the receiver waits on its own
+signal words and copies the rows out. No collective library, no host in the loop: NVLink
+all-to-all as DeepEP's intranode/low-latency paths and pplx's NVLink path do it, over whichever
+`SymmetricHeap` transport makes the peers' buffers addressable (NVSHMEM on GPUs, shared memory
+across rank processes on CPU, emulated PEs in one process for tests and one-GPU benchmarks).
+
+Wire protocol (buffer layout in `nvshmem_layout`). The step's tokens go in chunks of at most
+`chunk_tokens` per rank; chunk j of every rank moves in one sequence number `seq` through ring
+slot `seq % S`:
+
+1. send: per (destination rank d, local expert e) group, the sender's rows for e, in its (token,
+   k) order, into its own `C`-row region of d's slot, and each row's pair (token in chunk * K + k)
+   beside it; then `seq << 32 | rows` into d's signal word for (e, sender), with release
+   semantics. Before storing into d's slot the sender waits for d's credit for the slot's
+   previous use.
+2. receive: wait (acquire) until every (e, source) word of the slot carries seq; copy each
+   group's rows into the expert-major output at its offset (expert, then source rank, then the
+   source's order: exactly the rows and order of the `torch` backend); the last group of a source
+   to be copied sends that source a credit.
+3. combine send: each output row goes home to its pair's `[token, k]` row of the source's
+   combine slot, then a signal per (expert rank, local expert).
+4. combine receive: wait for every expert rank's words, reduce over k with `weighted_sum` (the
+   one function every backend uses, so results are bit-equal to `local` and `torch`), credit.
+
+Two modes, as in the `torch` backend. Low-latency (the step's `max_tokens_per_rank` is at most
+`chunk_tokens`): one chunk, no host sync, output padded to `EP * bound * min(K, L)` rows.
+High-throughput (no bound, or a larger one): a notify round first exchanges each rank's counts
+and token count, read back to the host once (the declared `syncs_host`), which sizes the output
+exactly and fixes the number of chunks every rank runs; then the chunks stream through the slots.
+
+`dispatch_steps`/`combine_steps` yield after each send, before the matching wait, so a caller may
+compute between them (two-batch overlap) and emulated PEs in one process can be run in lockstep.
+Not built: peers without a direct address (other nodes, reached by IBGDA puts), and FP8 rows.
 """
 
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from moeserve.dispatch.base import Dispatcher, DispatchHandle, DispatchOutput
+from moeserve.dispatch.base import Dispatcher, DispatchHandle, DispatchLayout, DispatchOutput, Steps, finish
+from moeserve.dispatch.combine import weighted_sum
+from moeserve.dispatch.counts import count_per_expert
+from moeserve.dispatch.nvshmem_layout import SymmetricLayout
 from moeserve.dispatch.placement import ExpertPlacement
+from moeserve.dispatch.symmetric import SymmetricBuffer, SymmetricHeap
 
-# Flipped when the Triton/NVSHMEM dispatch and combine kernels exist and pass on a GPU.
-DEVICE_KERNELS_BUILT = False
-KERNELS_MISSING = "the NVSHMEM device kernels are not built yet"
+CHUNK_TOKENS = 128  # tokens per rank per chunk: the low-latency bound, as the torch backend's
+GPU_COMM_SMS = 20  # programs of every communication kernel on a GPU; the rest compute
+CPU_COMM_PROGRAMS = 3  # under the interpreter programs run one after another: a few exercise the striding
 
 
-def _nvshmem_importable() -> bool:
-    try:
-        return importlib.util.find_spec("nvshmem.core") is not None
-    except (ImportError, ValueError):  # parent package `nvshmem` missing or broken
-        return False
+@dataclass(frozen=True)
+class NvshmemHandle(DispatchHandle):
+    """What combine() needs: per chunk, each (local expert, source) group's rows and first row in
+    the output (`[chunks, L * EP]` int64), each output row's pair in its source's chunk, and the
+    router's ids and weights for `weighted_sum`."""
+
+    chunk_counts: torch.Tensor
+    chunk_offsets: torch.Tensor
+    row_meta: torch.Tensor
+    topk_ids: torch.Tensor
+    topk_weights: torch.Tensor
+    out_dtype: torch.dtype
+
+
+def _programs(device: torch.device, override: int | None) -> int:
+    if override is not None:
+        return override
+    return GPU_COMM_SMS if device.type == "cuda" else CPU_COMM_PROGRAMS
+
+
+def _next_power_of_2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
 
 
 class NvshmemDispatcher(Dispatcher):
-    """Expert-parallel dispatch over NVSHMEM symmetric buffers (layout: `nvshmem_layout`)."""
+    """Expert-parallel dispatch by stores into peers' symmetric buffers (see the module docstring)."""
 
     name = "nvshmem"
 
@@ -38,40 +89,279 @@ class NvshmemDispatcher(Dispatcher):
         self,
         placement: ExpertPlacement,
         group: dist.ProcessGroup | None = None,
-        device: torch.device | str | None = None,
+        device: torch.device | str = "cpu",
+        heap: SymmetricHeap | None = None,
+        chunk_tokens: int = CHUNK_TOKENS,
+        num_comm_sms: int | None = None,
     ) -> None:
-        """device: the CUDA device of this rank (None: the current one, or cpu without CUDA)."""
-        if device is None:
-            device = (
-                torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        """heap: the transport (None: shared memory over `group` on CPU, NVSHMEM on CUDA).
+        chunk_tokens: tokens per rank per chunk, and the largest low-latency bound.
+        num_comm_sms: programs of each communication kernel (None: 20 on GPUs, 3 on CPU)."""
+        super().__init__(placement)
+        self.device = torch.device(device)
+        self.heap = heap if heap is not None else _default_heap(group, self.device)
+        if (self.heap.world_size, self.heap.rank) != (placement.ep_size, placement.rank):
+            raise ValueError(
+                f"the placement is rank {placement.rank} of ep_size={placement.ep_size} but the heap is PE "
+                f"{self.heap.rank} of {self.heap.world_size}"
             )
-        reason = self.supports(placement, torch.device(device))
-        if reason is not None:
-            raise ValueError(f"the nvshmem dispatcher cannot run here: {reason}")
-        super().__init__(placement)  # unreachable until the kernels exist
-        self.group = group
+        if chunk_tokens < 1:
+            raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
+        self.chunk_tokens = chunk_tokens
+        self.num_programs = _programs(self.device, num_comm_sms)
+        self._expert_slot = placement.expert_slot.to(self.device)
+        self._buffer: SymmetricBuffer | None = None
+        self._layout: SymmetricLayout | None = None
+        self._seq = {"dispatch": 0, "combine": 0, "notify": 0}
 
     @classmethod
     def supports(cls, placement: ExpertPlacement, device: torch.device) -> str | None:
-        reasons = []
-        if device.type != "cuda" or not torch.cuda.is_available():
-            reasons.append(
-                f"it needs a CUDA device (got {device}; torch.cuda.is_available()={torch.cuda.is_available()})"
-            )
-        if not _nvshmem_importable():
-            reasons.append("nvshmem.core (nvshmem4py) is not importable")
-        if not DEVICE_KERNELS_BUILT:
-            reasons.append(KERNELS_MISSING)
-        return "; ".join(reasons) or None
+        if importlib.util.find_spec("triton") is None:
+            return "the kernels are Triton kernels and triton is not installed"
+        if device.type == "cuda":
+            from moeserve.dispatch.symmetric.nvshmem_heap import nvshmem_heap_unavailable
 
-    def dispatch(
+            return nvshmem_heap_unavailable(device)
+        if device.type != "cpu":
+            return f"no symmetric-memory transport for {device.type} devices"
+        if placement.ep_size > 1 and not (dist.is_available() and dist.is_initialized()):
+            return "the shared-memory transport needs an initialised torch.distributed group of the ranks"
+        return None
+
+    def syncs_host(self, max_tokens_per_rank: int | None) -> bool:
+        """True in the high-throughput mode: no bound, or one above `chunk_tokens`."""
+        return max_tokens_per_rank is None or max_tokens_per_rank > self.chunk_tokens
+
+    def dispatch(self, hidden, topk_ids, topk_weights, max_tokens_per_rank=None) -> DispatchOutput:
+        return finish(self.dispatch_steps(hidden, topk_ids, topk_weights, max_tokens_per_rank))
+
+    def combine(self, expert_output: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+        return finish(self.combine_steps(expert_output, handle))
+
+    # -- dispatch ---------------------------------------------------------------------------
+
+    def dispatch_steps(
         self,
         hidden: torch.Tensor,
         topk_ids: torch.Tensor,
         topk_weights: torch.Tensor,
         max_tokens_per_rank: int | None = None,
-    ) -> DispatchOutput:
-        raise NotImplementedError(KERNELS_MISSING)
+    ) -> Steps[DispatchOutput]:
+        num_tokens, top_k = topk_ids.shape
+        if max_tokens_per_rank is not None and num_tokens > max_tokens_per_rank:
+            raise ValueError(f"{num_tokens} tokens exceed this step's max_tokens_per_rank={max_tokens_per_rank}")
+        payload = self._words(hidden)
+        layout = self._allocate(payload.shape[1] * 4, hidden.shape[1] * hidden.element_size(), top_k)
+        ep, lmax, groups = layout.ep, layout.local_experts, layout.groups
 
-    def combine(self, expert_output: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
-        raise NotImplementedError(KERNELS_MISSING)
+        if self.syncs_host(max_tokens_per_rank):
+            received = yield from self._notify(topk_ids, layout)  # [EP, L + 1] per source: counts, tokens
+            num_chunks = -(-max(row[-1] for row in received) // self.chunk_tokens)
+            per_group = torch.tensor([row[:lmax] for row in received], dtype=torch.int64).t().reshape(-1)  # (e, s)
+            num_rows = int(per_group.sum())
+            base = (torch.cumsum(per_group, 0) - per_group).to(self.device)
+            host_counts = tuple(per_group.view(lmax, ep).sum(1).tolist())[: self.placement.num_local_experts]
+        else:
+            num_chunks = 1
+            num_rows = ep * max_tokens_per_rank * min(top_k, lmax)
+            base, host_counts = None, None
+
+        order, send_counts, send_starts = self._send_plan(topk_ids, num_chunks, layout)
+        out = payload.new_zeros(num_rows, payload.shape[1])
+        row_meta = torch.empty(num_rows, dtype=torch.int32, device=self.device)
+        chunk_counts = torch.zeros(num_chunks, groups, dtype=torch.int64, device=self.device)
+        chunk_offsets = torch.zeros_like(chunk_counts)
+        running = torch.zeros(groups, dtype=torch.int64, device=self.device)
+        for chunk in range(num_chunks):
+            seq = self._launch_send(payload, order, send_counts[chunk], send_starts[chunk], chunk, layout, top_k)
+            yield
+            counts = self._wait("dispatch_signal", (seq % layout.slots) * groups, groups, seq)
+            offsets = torch.cumsum(counts, 0) - counts if base is None else base + running
+            self._launch_recv(counts, offsets, out, row_meta, seq, layout)
+            running += counts
+            chunk_counts[chunk], chunk_offsets[chunk] = counts, offsets
+
+        handle = NvshmemHandle(
+            num_tokens=num_tokens,
+            chunk_counts=chunk_counts,
+            chunk_offsets=chunk_offsets,
+            row_meta=row_meta,
+            topk_ids=topk_ids,
+            topk_weights=topk_weights,
+            out_dtype=hidden.dtype,
+        )
+        return DispatchOutput(
+            hidden=out.view(hidden.dtype),
+            num_tokens_per_expert=running.view(lmax, ep).sum(1)[: self.placement.num_local_experts],
+            num_tokens_per_expert_host=host_counts,
+            layout=DispatchLayout.EXPERT_MAJOR,
+            handle=handle,
+        )
+
+    def _notify(self, topk_ids: torch.Tensor, layout: SymmetricLayout) -> Steps[list[list[int]]]:
+        """Every rank's pairs per (our local expert) and its token count, read to the host."""
+        from moeserve.kernels import peer_copy
+
+        ep, lmax = layout.ep, layout.local_experts
+        counts = count_per_expert(self._expert_slot[topk_ids.reshape(-1)], ep * lmax).view(ep, lmax)
+        rows = torch.cat([counts, counts.new_full((ep, 1), topk_ids.shape[0])], 1).contiguous()
+        seq = self._next("notify")
+        slot = seq % layout.slots
+        offsets = layout.offsets
+        peer_copy.notify_send_kernel[(min(self.num_programs, ep),)](
+            self._buffer.addresses, rows, self.heap.rank, seq, slot, offsets["notify"], offsets["notify_signal"],
+            EP=ep, WIDTH=lmax + 1, BLOCK=_next_power_of_2(lmax + 1),
+        )  # fmt: skip
+        yield
+        self._wait("notify_signal", slot * ep, ep, seq)
+        notify = self._buffer.view(offsets["notify"], (layout.slots, ep, lmax + 1), torch.int64)
+        return notify[slot].tolist()  # the one host read of the high-throughput mode
+
+    def _send_plan(
+        self, topk_ids: torch.Tensor, num_chunks: int, layout: SymmetricLayout
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Pairs sorted by (chunk, destination, local expert), stable, with each group's count and
+        start: `[chunks, EP * L]` each."""
+        top_k = topk_ids.shape[1]
+        key = self._expert_slot[topk_ids.reshape(-1)]
+        if num_chunks > 1:
+            chunk = torch.arange(key.numel(), device=key.device) // (top_k * self.chunk_tokens)
+            key = key + chunk * layout.groups
+        order = torch.argsort(key, stable=True)
+        counts = count_per_expert(key, num_chunks * layout.groups)
+        starts = torch.cumsum(counts, 0) - counts
+        return order, counts.view(num_chunks, -1), starts.view(num_chunks, -1)
+
+    def _launch_send(self, payload, order, counts, starts, chunk, layout, top_k) -> int:
+        from moeserve.kernels import peer_copy
+
+        seq = self._next("dispatch")
+        offsets = layout.offsets
+        block_m, block_w = self._blocks(payload.shape[1])
+        peer_copy.dispatch_send_kernel[(self.num_programs,)](
+            self._buffer.addresses, payload, order, counts, starts, self.heap.rank, seq, seq % layout.slots,
+            chunk * self.chunk_tokens, offsets["dispatch_rows"], offsets["dispatch_meta"],
+            offsets["dispatch_signal"], offsets["dispatch_credit"],
+            EP=layout.ep, L=layout.local_experts, C=self.chunk_tokens, K=top_k, SLOTS=layout.slots,
+            WORDS=payload.shape[1], BLOCK_M=block_m, BLOCK_W=block_w,
+        )  # fmt: skip
+        return seq
+
+    def _launch_recv(self, counts, offsets, out, row_meta, seq, layout) -> None:
+        from moeserve.kernels import peer_copy
+
+        regions = layout.offsets
+        block_m, block_w = self._blocks(out.shape[1])
+        peer_copy.dispatch_recv_kernel[(self.num_programs,)](
+            self._buffer.addresses, counts, offsets, out, row_meta, self.heap.rank, seq, seq % layout.slots,
+            regions["dispatch_rows"], regions["dispatch_meta"], regions["dispatch_done"],
+            regions["dispatch_credit"],
+            EP=layout.ep, L=layout.local_experts, C=self.chunk_tokens, WORDS=out.shape[1],
+            BLOCK_M=block_m, BLOCK_W=block_w,
+        )  # fmt: skip
+
+    # -- combine ----------------------------------------------------------------------------
+
+    def combine_steps(self, expert_output: torch.Tensor, handle: DispatchHandle) -> Steps[torch.Tensor]:
+        from moeserve.kernels import peer_copy
+
+        assert isinstance(handle, NvshmemHandle), f"nvshmem combine got a {type(handle).__name__}"
+        if expert_output.shape[0] != handle.row_meta.numel():
+            raise ValueError(
+                f"combine got {expert_output.shape[0]} rows; dispatch handed out {handle.row_meta.numel()}"
+            )
+        if expert_output.dtype != handle.out_dtype:
+            raise ValueError(f"combine got {expert_output.dtype} rows for a {handle.out_dtype} dispatch")
+        layout, offsets = self._layout, self._layout.offsets
+        num_tokens, top_k = handle.topk_ids.shape
+        hidden_size = expert_output.shape[1]
+        words = self._words(expert_output)
+        block_m, block_w = self._blocks(words.shape[1])
+        out = expert_output.new_empty(num_tokens, hidden_size)
+        for chunk in range(handle.chunk_counts.shape[0]):
+            seq = self._next("combine")
+            slot = seq % layout.slots
+            peer_copy.combine_send_kernel[(self.num_programs,)](
+                self._buffer.addresses, words, handle.row_meta, handle.chunk_counts[chunk],
+                handle.chunk_offsets[chunk], self.heap.rank, seq, slot, offsets["combine_rows"],
+                offsets["combine_signal"], offsets["combine_credit"],
+                EP=layout.ep, L=layout.local_experts, C=self.chunk_tokens, K=top_k, SLOTS=layout.slots,
+                WORDS=words.shape[1], BLOCK_M=block_m, BLOCK_W=block_w,
+            )  # fmt: skip
+            yield
+            self._wait("combine_signal", slot * layout.groups, layout.groups, seq)
+            first = chunk * self.chunk_tokens
+            tokens = max(0, min(num_tokens - first, self.chunk_tokens))
+            slot_rows = self.chunk_tokens * top_k
+            rows = self._buffer.view(
+                offsets["combine_rows"] + slot * slot_rows * layout.out_row_bytes,
+                (tokens * top_k, hidden_size),
+                expert_output.dtype,
+            )
+            span = slice(first, first + tokens)
+            out[span] = weighted_sum(rows, handle.topk_ids[span], handle.topk_weights[span])
+            peer_copy.give_credit_kernel[(min(self.num_programs, layout.ep),)](
+                self._buffer.addresses, self.heap.rank, seq, offsets["combine_credit"], EP=layout.ep
+            )
+        return out
+
+    # -- helpers ----------------------------------------------------------------------------
+
+    def _wait(self, region: str, first_word: int, num_words: int, seq: int) -> torch.Tensor:
+        """int64 `[num_words]`: the counts in words [first_word, +num_words) of `region`, once all carry seq."""
+        from moeserve.kernels import peer_copy
+
+        counts = torch.empty(num_words, dtype=torch.int64, device=self.device)
+        peer_copy.wait_signals_kernel[(1,)](
+            self._buffer.addresses, self.heap.rank, self._layout.offsets[region], first_word, counts, seq,
+            NUM_WORDS=num_words, BLOCK=min(_next_power_of_2(num_words), 1024),
+        )  # fmt: skip
+        return counts
+
+    def _allocate(self, row_bytes: int, out_row_bytes: int, top_k: int) -> SymmetricLayout:
+        """The buffer, allocated on first use (a collective: every rank dispatches its first layer together)."""
+        wanted = SymmetricLayout(
+            self.placement.ep_size, self.placement.max_local_experts, top_k, self.chunk_tokens, row_bytes, out_row_bytes
+        )
+        if self._layout is None:
+            self._buffer = self.heap.allocate(wanted.nbytes)
+            self._layout = wanted
+        elif wanted != self._layout:
+            raise ValueError(
+                f"this dispatcher's buffer was laid out for {self._layout}; this dispatch needs {wanted} "
+                "(hidden size, dtype and top-k must not change between calls)"
+            )
+        return self._layout
+
+    def _words(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows `[N, H]` as int32 words `[N, W]`: the kernels copy bits, whatever the dtype."""
+        if rows.device != self.device:
+            raise ValueError(f"rows on {rows.device}; this dispatcher runs on {self.device}")
+        row_bytes = rows.shape[1] * rows.element_size()
+        if row_bytes % 4:
+            raise ValueError(f"a row of {rows.shape[1]} {rows.dtype} is {row_bytes} bytes; need a multiple of 4")
+        return rows.contiguous().view(torch.int32).view(rows.shape[0], row_bytes // 4)
+
+    def _blocks(self, words: int) -> tuple[int, int]:
+        """(rows, words) per tile: small tiles on GPUs (registers), large under the interpreter (numpy)."""
+        if self.device.type == "cuda":
+            return 16, min(_next_power_of_2(words), 512)
+        return 64, min(_next_power_of_2(words), 4096)
+
+    def _next(self, counter: str) -> int:
+        self._seq[counter] += 1
+        return self._seq[counter]
+
+
+def _default_heap(group: dist.ProcessGroup | None, device: torch.device) -> SymmetricHeap:
+    if device.type == "cuda":
+        from moeserve.dispatch.symmetric.nvshmem_heap import NvshmemHeap
+
+        return NvshmemHeap(group, device)
+    if not dist.is_initialized():
+        from moeserve.dispatch.symmetric import EmulatedWorld
+
+        return EmulatedWorld(1, device).heaps[0]  # one rank, no process group: nothing to share
+    from moeserve.dispatch.symmetric.shm import SharedMemoryHeap
+
+    return SharedMemoryHeap(group)

@@ -19,15 +19,21 @@ DISPATCHERS: dict[str, type[Dispatcher]] = {
 
 
 def create_dispatcher(
-    name: str, placement: ExpertPlacement, device: torch.device | str = "cpu", group: dist.ProcessGroup | None = None
+    name: str,
+    placement: ExpertPlacement,
+    device: torch.device | str = "cpu",
+    group: dist.ProcessGroup | None = None,
+    **options: object,
 ) -> Dispatcher:
-    """group: the EP process group, for backends that communicate (None: their default); others ignore it."""
+    """group: the EP process group, for backends that communicate (None: their default); the
+    device and group go to the backends whose constructors take them. options: backend-specific
+    keywords (e.g. the `nvshmem` backend's `chunk_tokens`)."""
     if name not in DISPATCHERS:
         raise ValueError(f"unknown dispatcher {name!r}; available: {sorted(DISPATCHERS)}")
     backend = DISPATCHERS[name]
     reason = backend.supports(placement, torch.device(device))
     if reason is not None:
         raise ValueError(f"dispatcher {name!r} cannot run here: {reason}")
-    if "group" in inspect.signature(backend).parameters:
-        return backend(placement, group=group)
-    return backend(placement)
+    accepted = inspect.signature(backend).parameters
+    given = {"group": group, "device": torch.device(device)}
+    return backend(placement, **{k: v for k, v in given.items() if k in accepted}, **options)

@@ -13,7 +13,15 @@ import torch
 import torch.distributed as dist
 from helpers.routing import routing
 
-from moeserve.dispatch import AllToAllDispatcher, DispatchLayout, DispatchOutput, ExpertPlacement, create_dispatcher
+from moeserve.dispatch import (
+    AllToAllDispatcher,
+    Dispatcher,
+    DispatchLayout,
+    DispatchOutput,
+    ExpertPlacement,
+    create_dispatcher,
+)
+from moeserve.dispatch.base import Steps, finish
 from moeserve.models.layers.experts import Experts
 from moeserve.ops.grouped_mlp import row_experts
 
@@ -94,9 +102,35 @@ def expert_major(received: DispatchOutput) -> tuple[torch.Tensor, tuple[int, ...
     return received.hidden.index_select(0, order // top_k), counts
 
 
-def run_cases(rank: int, world_size: int, cases: list[Case]) -> dict:
-    """Per-rank body: every case through the `torch` backend in both modes (uneven with a host
-    read, and low-latency with the step bound `bound`), plus the refused-group checks.
+def case_steps(dispatcher: Dispatcher, case: Case, rank: int, world_size: int) -> Steps[dict]:
+    """One rank's run of a case in every mode, as steps (so emulated PEs can run it in lockstep):
+    per mode, the rows each local expert received, the counts, and combine() of the real and of
+    the toy experts."""
+    placement = placement_for(case, world_size, rank)
+    hidden, ids, weights = rank_inputs(case, rank)
+    per_mode = {}
+    for mode, bound in modes(case):
+        received = yield from dispatcher.dispatch_steps(hidden, ids, weights, bound)
+        rows, counts = expert_major(received)
+        expert_rows = make_experts(case, placement.local_experts)(received)
+        out = yield from dispatcher.combine_steps(expert_rows, received.handle)
+        toy_rows = toy_experts(case, received, placement.local_experts)
+        toy_out = yield from dispatcher.combine_steps(toy_rows, received.handle)
+        per_mode[mode] = {
+            "received": rows,
+            "counts": counts,
+            "host_counts": received.num_tokens_per_expert_host,
+            "syncs_host": dispatcher.syncs_host(bound),
+            "num_rows": received.hidden.shape[0],
+            "out": out,
+            "toy_out": toy_out,
+        }
+    return per_mode
+
+
+def run_cases(rank: int, world_size: int, cases: list[Case], backend: str = "torch", **options) -> dict:
+    """Per-rank body: every case through `backend` (built with `options`) in every mode, plus the
+    refused-group checks of the `torch` backend.
 
     One intra-op thread, like the parent's reference: CPU GEMMs round differently with another
     thread count, and the rows each expert sees are the same, so the outputs can match exactly.
@@ -104,26 +138,56 @@ def run_cases(rank: int, world_size: int, cases: list[Case]) -> dict:
     torch.set_num_threads(1)
     results = []
     for case in cases:
-        placement = placement_for(case, world_size, rank)
-        dispatcher = create_dispatcher("torch", placement)
-        hidden, ids, weights = rank_inputs(case, rank)
-        per_mode = {}
-        for mode, bound in modes(case):
-            received = dispatcher.dispatch(hidden, ids, weights, bound)
-            rows, counts = expert_major(received)
-            out = dispatcher.combine(make_experts(case, placement.local_experts)(received), received.handle)
-            toy_out = dispatcher.combine(toy_experts(case, received, placement.local_experts), received.handle)
-            per_mode[mode] = {
-                "received": rows,
-                "counts": counts,
-                "host_counts": received.num_tokens_per_expert_host,
-                "syncs_host": dispatcher.syncs_host(bound),
-                "num_rows": received.hidden.shape[0],
-                "out": out,
-                "toy_out": toy_out,
-            }
-        results.append(per_mode)
-    return {"cases": results, "refusals": refusals(rank, world_size)}
+        dispatcher = create_dispatcher(backend, placement_for(case, world_size, rank), **options)
+        results.append(finish(case_steps(dispatcher, case, rank, world_size)))
+    return {"cases": results, "refusals": refusals(rank, world_size) if backend == "torch" else []}
+
+
+def reference(case: Case, world_size: int):
+    """`local` on all ranks' tokens: its rows per expert and counts, combine() of the real and of the toy experts."""
+    inputs = [rank_inputs(case, r) for r in range(world_size)]
+    hidden, ids, weights = (torch.cat(parts) for parts in zip(*inputs))
+    local = create_dispatcher("local", ExpertPlacement.contiguous(case.num_experts))
+    received = local.dispatch(hidden, ids, weights)
+    all_experts = tuple(range(case.num_experts))
+    out = local.combine(make_experts(case, all_experts)(received), received.handle)
+    toy_out = local.combine(toy_experts(case, received, all_experts), received.handle)
+    return *expert_major(received), out, toy_out
+
+
+def assert_matches_local(world_size: int, cases: list[Case], results: list[dict], low_latency_max_tokens: int) -> None:
+    """Every rank's results (from `case_steps`) against `local` on all ranks' tokens: each expert
+    gets exactly its rows in `local`'s order, the toy experts' combine is bit-equal, the real
+    experts' equal within rounding; and the mode (host read or padded rows) follows the bound."""
+    for c, case in enumerate(cases):
+        ref_hidden, ref_counts, ref_out, ref_toy = reference(case, world_size)
+        ref_rows = torch.split(ref_hidden, list(ref_counts))
+        token_rows = torch.split(torch.arange(sum(case.tokens_per_rank)), list(case.tokens_per_rank))
+        for rank in range(world_size):
+            experts = placement_for(case, world_size, rank).local_experts
+            for mode, bound in modes(case):
+                got = results[rank]["cases"][c][mode]
+                where = f"{case.name}, rank {rank}, {mode}"
+                assert got["counts"] == tuple(ref_counts[e] for e in experts), where
+                # the uneven mode hands on the counts it read; the low-latency one reads nothing
+                uneven = bound is None or bound > low_latency_max_tokens
+                assert got["syncs_host"] == uneven, where
+                assert got["host_counts"] == (got["counts"] if uneven else None), where
+                if not uneven:  # fixed-size regions: rows past the counts are padding
+                    lmax = placement_for(case, world_size, 0).max_local_experts
+                    assert got["num_rows"] == world_size * bound * min(case.top_k, lmax), where
+                else:
+                    assert got["num_rows"] == sum(got["counts"]), where
+                # each local expert receives exactly the rows `local` hands it, in the same order
+                for e, rows in zip(experts, torch.split(got["received"], list(got["counts"]))):
+                    assert torch.equal(rows, ref_rows[e]), f"{where}: rows of expert {e}"
+                mine = token_rows[rank]
+                assert torch.equal(got["toy_out"], ref_toy[mine]), f"{where}: combine order differs from local's"
+                tol = 1e-6 if case.dtype == torch.float32 else 1e-2
+                # real GEMMs: bit-equal too on this CPU at equal thread counts, but BLAS does not promise it
+                torch.testing.assert_close(
+                    got["out"], ref_out[mine], rtol=tol, atol=tol, msg=lambda m, where=where: f"{where}: {m}"
+                )
 
 
 def modes(case: Case) -> tuple[tuple[str, int | None], ...]:

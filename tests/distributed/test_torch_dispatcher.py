@@ -10,10 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from dispatch_cases import Case, expert_major, make_experts, modes, placement_for, rank_inputs, run_cases, toy_experts
+from dispatch_cases import Case, assert_matches_local, run_cases
 from ranks import run_ranks
 
 from moeserve.dispatch import ExpertPlacement, create_dispatcher
+from moeserve.dispatch.all_to_all import LOW_LATENCY_MAX_TOKENS
 
 TOKENS = (0, 1, 13, 40, 7, 3, 22, 5)  # rotated per case, so every rank sees 0 tokens in some case
 
@@ -45,59 +46,9 @@ def world(request: pytest.FixtureRequest) -> tuple[int, list[Case], list[dict]]:
     return world_size, cases, run_ranks(world_size, run_cases, cases)
 
 
-def reference(case: Case, world_size: int):
-    """`local` on all ranks' tokens: its rows per expert and counts, combine() of the real and of the toy experts."""
-    inputs = [rank_inputs(case, r) for r in range(world_size)]
-    hidden, ids, weights = (torch.cat(parts) for parts in zip(*inputs))
-    local = create_dispatcher("local", ExpertPlacement.contiguous(case.num_experts))
-    received = local.dispatch(hidden, ids, weights)
-    all_experts = tuple(range(case.num_experts))
-    out = local.combine(make_experts(case, all_experts)(received), received.handle)
-    toy_out = local.combine(toy_experts(case, received, all_experts), received.handle)
-    return *expert_major(received), out, toy_out
-
-
-@pytest.fixture
-def one_thread():
-    """The ranks' thread count for the reference (see `run_cases`), restored afterwards: CPU GEMMs
-    round differently with another thread count, and the real experts' outputs then match exactly."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def test_torch_equals_local(world: tuple[int, list[Case], list[dict]], one_thread: None) -> None:
     world_size, cases, results = world
-    for c, case in enumerate(cases):
-        ref_hidden, ref_counts, ref_out, ref_toy = reference(case, world_size)
-        ref_rows = torch.split(ref_hidden, list(ref_counts))
-        token_rows = torch.split(torch.arange(sum(case.tokens_per_rank)), list(case.tokens_per_rank))
-        for rank in range(world_size):
-            experts = placement_for(case, world_size, rank).local_experts
-            for mode, bound in modes(case):
-                got = results[rank]["cases"][c][mode]
-                where = f"{case.name}, rank {rank}, {mode}"
-                assert got["counts"] == tuple(ref_counts[e] for e in experts), where
-                # the uneven mode hands on the counts it read; the low-latency one reads nothing
-                assert got["syncs_host"] == (bound is None), where
-                assert got["host_counts"] == (got["counts"] if bound is None else None), where
-                if bound is not None:  # fixed-size regions: rows past the counts are padding
-                    assert got["num_rows"] == world_size * bound * min(case.top_k, max_local(case, world_size)), where
-                # each local expert receives exactly the rows `local` hands it, in the same order
-                for e, rows in zip(experts, torch.split(got["received"], list(got["counts"]))):
-                    assert torch.equal(rows, ref_rows[e]), f"{where}: rows of expert {e}"
-                mine = token_rows[rank]
-                assert torch.equal(got["toy_out"], ref_toy[mine]), f"{where}: combine order differs from local's"
-                tol = 1e-6 if case.dtype == torch.float32 else 1e-2
-                # real GEMMs: bit-equal too on this CPU at equal thread counts, but BLAS does not promise it
-                torch.testing.assert_close(
-                    got["out"], ref_out[mine], rtol=tol, atol=tol, msg=lambda m, where=where: f"{where}: {m}"
-                )
-
-
-def max_local(case: Case, world_size: int) -> int:
-    return placement_for(case, world_size, 0).max_local_experts
+    assert_matches_local(world_size, cases, results, LOW_LATENCY_MAX_TOKENS)
 
 
 def test_wrong_group_is_refused(world: tuple[int, list[Case], list[dict]]) -> None:

@@ -1,0 +1,64 @@
+"""`nvshmem` transport: GPU buffers from PyTorch's symmetric memory, peers reached over NVLink.
+
+PyTorch's symmetric memory allocates from the NVSHMEM symmetric heap when its NVSHMEM backend is
+available (`set_backend("NVSHMEM")`) and from CUDA-IPC-mapped memory otherwise; either way its
+rendezvous hands back every peer's buffer address as mapped into this process, which is exactly
+the table the kernels take. That needs every peer to be load/store reachable (NVLink inside one
+node). Peers on other nodes have no such address and are reached by NVSHMEM puts over IBGDA,
+which these kernels do not issue yet: a group spanning nodes is refused.
+
+Runs only on GPUs; none was lent while this was written, so it is checked by the `gpu`-marked
+tests and `bench/dispatch.py`, not by CI.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from moeserve.dispatch.symmetric.heap import SymmetricBuffer, SymmetricHeap
+
+
+def nvshmem_heap_unavailable(device: torch.device) -> str | None:
+    """None if this process can build an `NvshmemHeap` on `device`, else why not."""
+    if not torch.cuda.is_available():
+        return f"it needs a CUDA device (got {device}; torch.cuda.is_available() is False)"
+    if not dist.is_available() or not dist.is_initialized():
+        return "it needs an initialised torch.distributed group of the ranks"
+    try:
+        import torch.distributed._symmetric_memory  # noqa: F401
+    except ImportError as e:
+        return f"this torch has no symmetric memory ({e})"
+    return None
+
+
+class NvshmemHeap(SymmetricHeap):
+    name = "nvshmem"
+
+    def __init__(self, group: dist.ProcessGroup | None, device: torch.device) -> None:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        group = group or dist.group.WORLD
+        super().__init__(dist.get_rank(group), dist.get_world_size(group), device)
+        if symm_mem.is_nvshmem_available():
+            symm_mem.set_backend("NVSHMEM")
+        self._symm_mem, self._group = symm_mem, group
+        self._handles: list[object] = []  # keep every rendezvous alive as long as the heap
+
+    def allocate(self, nbytes: int) -> SymmetricBuffer:
+        if nbytes < 1:
+            raise ValueError(f"a symmetric buffer needs at least one byte, got {nbytes}")
+        local = self._symm_mem.empty(nbytes, dtype=torch.uint8, device=self.device)
+        local.zero_()
+        handle = self._symm_mem.rendezvous(local, group=self._group)
+        addresses = list(handle.buffer_ptrs)
+        if any(address == 0 for address in addresses):
+            raise ValueError(
+                "some peers have no load/store address (other nodes): their IBGDA path is not built; "
+                "run the nvshmem backend inside one NVLink domain or use --a2a-backend torch"
+            )
+        self._handles.append(handle)
+        handle.barrier()  # every rank zeroed its copy before any peer stores into it
+        return SymmetricBuffer(
+            local=local, addresses=torch.tensor(addresses, dtype=torch.int64, device=self.device), rank=self.rank
+        )
