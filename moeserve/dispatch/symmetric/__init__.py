@@ -2,5 +2,14 @@
 
 from moeserve.dispatch.symmetric.emulated import EmulatedHeap, EmulatedWorld, run_lockstep
 from moeserve.dispatch.symmetric.heap import SymmetricBuffer, SymmetricHeap
+from moeserve.dispatch.symmetric.shm import SharedMemoryBuffer, SharedMemoryHeap
 
-__all__ = ["EmulatedHeap", "EmulatedWorld", "SymmetricBuffer", "SymmetricHeap", "run_lockstep"]
+__all__ = [
+    "EmulatedHeap",
+    "EmulatedWorld",
+    "SharedMemoryBuffer",
+    "SharedMemoryHeap",
+    "SymmetricBuffer",
+    "SymmetricHeap",
+    "run_lockstep",
+]
