@@ -230,7 +230,7 @@ class NvshmemDispatcher(Dispatcher):
         order = torch.argsort(key, stable=True)
         counts = count_per_expert(key, num_chunks * layout.groups)
         starts = torch.cumsum(counts, 0) - counts
-        return order, counts.view(num_chunks, -1), starts.view(num_chunks, -1)
+        return order, counts.view(num_chunks, layout.groups), starts.view(num_chunks, layout.groups)
 
     def _launch_send(self, payload, order, counts, starts, chunk, layout, top_k) -> int:
         from moeserve.kernels import peer_copy

@@ -56,14 +56,6 @@ def _add(a, b):
 
 
 @_jit
-def _spin_until(word, target):
-    """Acquire-load `word` until it is at least `target`."""
-    value = tl.atomic_add(word, 0, sem="acquire", scope="sys")
-    while value < target:
-        value = tl.atomic_add(word, 0, sem="acquire", scope="sys")
-
-
-@_jit
 def dispatch_send_kernel(
     addresses,
     payload,  # int32 [T, WORDS]: this rank's token rows
@@ -88,20 +80,22 @@ def dispatch_send_kernel(
     BLOCK_W: tl.constexpr,
 ):
     credits = (tl.load(addresses + rank) + credit_offset).to(tl.pointer_type(tl.int64))
-    w = tl.arange(0, BLOCK_W)
+    w = tl.arange(0, BLOCK_W).to(tl.int64)
     for g in range(tl.program_id(0), EP * L, tl.num_programs(0)):
         dest = g // L
         expert = g % L
         count = tl.load(group_counts + g)
         start = tl.load(group_starts + g)
         if seq > SLOTS:  # the slot was used SLOTS sequences ago: wait until dest has copied it out
-            _spin_until(credits + dest, seq - SLOTS)
+            credit = tl.atomic_add(credits + dest, 0, sem="acquire", scope="sys")
+            while credit < seq - SLOTS:
+                credit = tl.atomic_add(credits + dest, 0, sem="acquire", scope="sys")
         peer = tl.load(addresses + dest)
         rows = (peer + rows_offset).to(tl.pointer_type(tl.int32))
         meta = (peer + meta_offset).to(tl.pointer_type(tl.int32))
         region = (((slot * L + expert) * EP + rank) * C).to(tl.int64)
         for m0 in range(0, count, BLOCK_M):
-            i = m0 + tl.arange(0, BLOCK_M)
+            i = m0 + tl.arange(0, BLOCK_M).to(tl.int64)
             mask = i < count
             pair = tl.load(pair_order + start + i, mask=mask, other=0)
             token = pair // K
@@ -158,14 +152,14 @@ def dispatch_recv_kernel(
     rows = (own + rows_offset).to(tl.pointer_type(tl.int32))
     meta = (own + meta_offset).to(tl.pointer_type(tl.int32))
     done = (own + done_offset).to(tl.pointer_type(tl.int64))
-    w = tl.arange(0, BLOCK_W)
+    w = tl.arange(0, BLOCK_W).to(tl.int64)
     for g in range(tl.program_id(0), L * EP, tl.num_programs(0)):
         source = g % EP
         count = tl.load(counts + g)
         offset = tl.load(out_offsets + g)
         region = ((slot * L * EP + g) * C).to(tl.int64)
         for m0 in range(0, count, BLOCK_M):
-            i = m0 + tl.arange(0, BLOCK_M)
+            i = m0 + tl.arange(0, BLOCK_M).to(tl.int64)
             mask = i < count
             tl.store(out_meta + offset + i, tl.load(meta + region + i, mask=mask), mask=mask)
             for w0 in range(0, WORDS, BLOCK_W):
@@ -203,18 +197,20 @@ def combine_send_kernel(
     BLOCK_W: tl.constexpr,
 ):
     credits = (tl.load(addresses + rank) + credit_offset).to(tl.pointer_type(tl.int64))
-    w = tl.arange(0, BLOCK_W)
+    w = tl.arange(0, BLOCK_W).to(tl.int64)
     for g in range(tl.program_id(0), L * EP, tl.num_programs(0)):
         expert = g // EP
         source = g % EP
         count = tl.load(counts + g)
         offset = tl.load(offsets + g)
-        if seq > SLOTS:
-            _spin_until(credits + source, seq - SLOTS)
+        if seq > SLOTS:  # the slot was used SLOTS sequences ago: wait until source has reduced it
+            credit = tl.atomic_add(credits + source, 0, sem="acquire", scope="sys")
+            while credit < seq - SLOTS:
+                credit = tl.atomic_add(credits + source, 0, sem="acquire", scope="sys")
         peer = tl.load(addresses + source)
         rows = (peer + rows_offset).to(tl.pointer_type(tl.int32))
         for m0 in range(0, count, BLOCK_M):
-            i = m0 + tl.arange(0, BLOCK_M)
+            i = m0 + tl.arange(0, BLOCK_M).to(tl.int64)
             mask = i < count
             dest_row = slot * C * K + tl.load(row_meta + offset + i, mask=mask, other=0).to(tl.int64)
             for w0 in range(0, WORDS, BLOCK_W):

@@ -128,7 +128,9 @@ def case_steps(dispatcher: Dispatcher, case: Case, rank: int, world_size: int) -
     return per_mode
 
 
-def run_cases(rank: int, world_size: int, cases: list[Case], backend: str = "torch", **options) -> dict:
+def run_cases(
+    rank: int, world_size: int, cases: list[Case], backend: str = "torch", options: dict | None = None
+) -> dict:
     """Per-rank body: every case through `backend` (built with `options`) in every mode, plus the
     refused-group checks of the `torch` backend.
 
@@ -138,7 +140,7 @@ def run_cases(rank: int, world_size: int, cases: list[Case], backend: str = "tor
     torch.set_num_threads(1)
     results = []
     for case in cases:
-        dispatcher = create_dispatcher(backend, placement_for(case, world_size, rank), **options)
+        dispatcher = create_dispatcher(backend, placement_for(case, world_size, rank), **(options or {}))
         results.append(finish(case_steps(dispatcher, case, rank, world_size)))
     return {"cases": results, "refusals": refusals(rank, world_size) if backend == "torch" else []}
 

@@ -13,6 +13,8 @@ tests and `bench/dispatch.py`, not by CI.
 
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 import torch.distributed as dist
 
@@ -25,10 +27,8 @@ def nvshmem_heap_unavailable(device: torch.device) -> str | None:
         return f"it needs a CUDA device (got {device}; torch.cuda.is_available() is False)"
     if not dist.is_available() or not dist.is_initialized():
         return "it needs an initialised torch.distributed group of the ranks"
-    try:
-        import torch.distributed._symmetric_memory  # noqa: F401
-    except ImportError as e:
-        return f"this torch has no symmetric memory ({e})"
+    if importlib.util.find_spec("torch.distributed._symmetric_memory") is None:
+        return "this torch build has no symmetric memory (torch.distributed._symmetric_memory)"
     return None
 
 

@@ -1,0 +1,68 @@
+"""The `nvshmem` backend (device-initiated stores into peers' symmetric buffers) equals `local`,
+and so the `torch` backend, bit for bit: with emulated PEs in one process (2, 4 and 8) and with
+shared-memory rank processes (2 and 4), in both modes, on CPU under Triton's interpreter.
+
+Two chunk sizes: 64 tokens, so the bounded modes of every case run low-latency (one chunk, padded
+output, no host read), and 16, so every mode runs high-throughput in up to three chunks through
+the two ring slots (the credits between slot reuses included).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dispatch_cases import Case, assert_matches_local, case_steps, placement_for, run_cases
+from ranks import run_ranks
+from test_torch_dispatcher import cases_for
+
+from moeserve.dispatch.nvshmem import NvshmemDispatcher
+from moeserve.dispatch.symmetric import EmulatedWorld, run_lockstep
+
+CHUNKS = {"low_latency": 64, "chunked": 16}
+
+
+def every(cases: list[Case], step: int) -> list[Case]:
+    """Every step-th case: the interpreter runs one program after another, so larger worlds take a
+    spread of the cases (every shape, routing kind and placement still appears)."""
+    return cases[::step]
+
+
+def emulated_results(world_size: int, cases: list[Case], chunk_tokens: int) -> list[dict]:
+    """Per rank, like `run_cases`: every case through N emulated PEs in lockstep."""
+    per_rank: list[dict] = [{"cases": []} for _ in range(world_size)]
+    for case in cases:
+        world = EmulatedWorld(world_size)
+        dispatchers = [
+            NvshmemDispatcher(placement_for(case, world_size, r), heap=world.heaps[r], chunk_tokens=chunk_tokens)
+            for r in range(world_size)
+        ]
+        steps = [case_steps(d, case, r, world_size) for r, d in enumerate(dispatchers)]
+        for rank, result in enumerate(run_lockstep(steps)):
+            per_rank[rank]["cases"].append(result)
+    return per_rank
+
+
+@pytest.mark.parametrize(
+    "world_size,chunk,step",
+    [(2, "low_latency", 3), (4, "low_latency", 8), (8, "low_latency", 12), (2, "chunked", 5), (4, "chunked", 13)],
+)
+def test_emulated_pes_equal_local(world_size: int, chunk: str, step: int, one_thread: None) -> None:
+    cases = every(cases_for(world_size), step)
+    results = emulated_results(world_size, cases, CHUNKS[chunk])
+    assert_matches_local(world_size, cases, results, CHUNKS[chunk])
+
+
+@pytest.mark.parametrize("world_size,step", [(2, 5), (4, 16)], ids=["ranks2", "ranks4"])
+def test_shared_memory_ranks_equal_torch(world_size: int, step: int, one_thread: None) -> None:
+    """Rank processes mapping each other's buffers from shared memory, beside the `torch` backend
+    in the same processes: both equal `local`, and each other bit for bit."""
+    cases = every(cases_for(world_size), step)
+    nvshmem = run_ranks(world_size, run_cases, cases, "nvshmem", {"chunk_tokens": CHUNKS["low_latency"]}, timeout=300)
+    assert_matches_local(world_size, cases, nvshmem, CHUNKS["low_latency"])
+    torch_results = run_ranks(world_size, run_cases, cases, "torch")
+    for rank in range(world_size):
+        for c, case in enumerate(cases):
+            for mode, got in nvshmem[rank]["cases"][c].items():
+                want = torch_results[rank]["cases"][c][mode]
+                for key in ("received", "out", "toy_out"):
+                    assert torch.equal(got[key], want[key]), f"{case.name}, rank {rank}, {mode}: {key}"
