@@ -22,6 +22,7 @@ from moeserve.scheduler.config import POLICIES, SchedulerConfig
 DTYPE_NAMES = ("float32", "float16", "bfloat16")
 DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16"}
 KERNEL_BACKENDS = ("auto", "torch", "triton")
+A2A_BACKENDS = ("auto", "torch", "nvshmem")
 SCHEDULING_POLICIES = POLICIES
 
 _BYTE_UNITS = {"": 1, "b": 1, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "kb": 1000, "mb": 1000**2, "gb": 1000**3}
@@ -69,6 +70,10 @@ class ParallelConfig:
     nodes (0 always picks a free one, which only a single node can use)."""
     backend: Literal["auto", "gloo", "nccl"] = option("auto", name="distributed_backend")
     """Collectives between ranks: gloo, nccl, or auto (nccl on CUDA devices, gloo on CPU)."""
+    a2a_backend: Literal["auto", "torch", "nvshmem"] = "auto"
+    """MoE all-to-all between ranks: torch (torch.distributed collectives), nvshmem (Triton kernels
+    storing rows straight into peers' symmetric buffers: NVSHMEM/NVLink on GPUs, shared memory
+    between rank processes on CPU), or auto (torch, until the nvshmem kernels have run on a GPU)."""
     collective_timeout_s: float = option(120.0, name="collective_timeout", aliases=("collective_timeout_s",))
     """Seconds any collective may wait before the rank gives up (a stalled peer)."""
     heartbeat_timeout_s: float = option(5.0, name="heartbeat_timeout", aliases=("heartbeat_timeout_s",))
@@ -91,6 +96,8 @@ class ParallelConfig:
             raise ValueError("a multi-node launch needs a fixed --master-port that every node uses")
         if self.backend not in ("auto", "gloo", "nccl"):
             raise ValueError(f"backend {self.backend!r} is not one of auto, gloo, nccl")
+        if self.a2a_backend not in A2A_BACKENDS:
+            raise ValueError(f"a2a_backend {self.a2a_backend!r} is not one of {', '.join(A2A_BACKENDS)}")
         if min(self.collective_timeout_s, self.heartbeat_timeout_s, self.startup_timeout_s) <= 0:
             raise ValueError("timeouts must be > 0")
 

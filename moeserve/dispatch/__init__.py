@@ -5,7 +5,7 @@ from moeserve.dispatch.base import Dispatcher, DispatchHandle, DispatchLayout, D
 from moeserve.dispatch.local import LocalDispatcher
 from moeserve.dispatch.nvshmem import NvshmemDispatcher
 from moeserve.dispatch.placement import ExpertPlacement
-from moeserve.dispatch.registry import DISPATCHERS, create_dispatcher
+from moeserve.dispatch.registry import DISPATCHERS, a2a_backend_for, create_dispatcher
 
 __all__ = [
     "AllToAllDispatcher",
@@ -17,5 +17,6 @@ __all__ = [
     "ExpertPlacement",
     "LocalDispatcher",
     "NvshmemDispatcher",
+    "a2a_backend_for",
     "create_dispatcher",
 ]

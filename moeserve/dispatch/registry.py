@@ -37,3 +37,15 @@ def create_dispatcher(
     accepted = inspect.signature(backend).parameters
     given = {"group": group, "device": torch.device(device)}
     return backend(placement, **{k: v for k, v in given.items() if k in accepted}, **options)
+
+
+def a2a_backend_for(choice: str) -> str:
+    """The dispatcher an EP engine uses for `--a2a-backend` (`auto`, `torch` or `nvshmem`).
+
+    auto is `torch` everywhere for now: on CPU the nvshmem kernels run under Triton's interpreter,
+    far slower than gloo, and on GPUs they have not yet been verified on a device."""
+    if choice == "auto":
+        return "torch"
+    if choice not in ("torch", "nvshmem"):
+        raise ValueError(f"unknown a2a backend {choice!r}; choose auto, torch or nvshmem")
+    return choice

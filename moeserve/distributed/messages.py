@@ -30,7 +30,6 @@ class WorkerSpec:
     eos_token_ids: tuple[int, ...]
     seed: int
     kernels: str = "auto"
-    dispatcher: str = "torch"
 
 
 @dataclass(frozen=True)
@@ -45,6 +44,8 @@ class LoadReport:
     expert_bytes: int = 0
     other_bytes: int = 0
     kv_bytes: int = 0
+    dispatcher: str = ""
+    """The MoE all-to-all backend the rank built (`--a2a-backend` resolved)."""
     error: str | None = None
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from moeserve.dispatch import ExpertPlacement, create_dispatcher
+from moeserve.dispatch import ExpertPlacement, a2a_backend_for, create_dispatcher
 from moeserve.distributed.channel import ControlClient
 from moeserve.distributed.messages import LoadReport, Shutdown, StepInput, StepOutput, Sync, SyncAck, WorkerSpec
 from moeserve.distributed.rendezvous import (
@@ -83,7 +83,8 @@ class Worker:
     def load(self) -> LoadReport:
         spec = self.spec
         placement = ExpertPlacement.contiguous(model_config(spec.model).num_experts, spec.parallel.ep, self.rank)
-        dispatcher = create_dispatcher(spec.dispatcher, placement, self.device, group=dist.group.WORLD)
+        backend = a2a_backend_for(spec.parallel.a2a_backend)
+        dispatcher = create_dispatcher(backend, placement, self.device, group=dist.group.WORLD)
         model = load_model(
             Path(spec.model), spec.dtype, self.device, dispatcher, self.tp, create_ops(spec.kernels, self.device)
         )
@@ -110,6 +111,7 @@ class Worker:
             expert_bytes=sizes.experts,
             other_bytes=sizes.other,
             kv_bytes=spec.num_kv_blocks * bytes_per_block(model.cfg, spec.block_size, spec.dtype, self.tp.size),
+            dispatcher=dispatcher.name,
         )
 
     def step(self, message: StepInput) -> StepOutput:

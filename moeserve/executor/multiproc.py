@@ -159,7 +159,7 @@ class MultiprocessExecutor(Executor):
             r = reports[rank]
             logger.info(
                 "rank %d (node %d, %s pid %d): %d experts, %.1f MiB of expert weights (%.0f%% of all %.1f MiB), "
-                "%.1f MiB of other weights, %.1f MiB of KV cache",
+                "%.1f MiB of other weights, %.1f MiB of KV cache, %s all-to-all",
                 rank,
                 r.node_rank,
                 r.host,
@@ -170,6 +170,7 @@ class MultiprocessExecutor(Executor):
                 total_experts / 2**20,
                 r.other_bytes / 2**20,
                 r.kv_bytes / 2**20,
+                r.dispatcher,
             )
 
     def _synchronize(self) -> None:

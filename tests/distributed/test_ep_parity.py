@@ -112,3 +112,13 @@ def test_generate_command_with_ep(reference, tmp_path):
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["token_ids"] == expected
     assert "stopped 2 rank process(es)" in done.stderr
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "deepseek_v3"])
+def test_nvshmem_backend_matches_single_process(reference, arch):
+    """The `nvshmem` all-to-all (Triton kernels storing into peers' shared-memory buffers, under
+    the interpreter on CPU) in the real engine: the single process's greedy tokens at ep=4."""
+    folder, expected = reference(arch)
+    with LLM(str(folder), ep=4, a2a_backend="nvshmem", **ENGINE) as llm:
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts(), GREEDY, use_tqdm=False)]
+    assert got == expected
