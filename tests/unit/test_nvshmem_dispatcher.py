@@ -1,0 +1,63 @@
+"""The `nvshmem` backend's refusals, and its steps: one emulated PE, so no other process is needed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moeserve.dispatch import ExpertPlacement, create_dispatcher
+from moeserve.dispatch.nvshmem import NvshmemDispatcher
+from moeserve.dispatch.symmetric import EmulatedWorld
+
+
+def one_pe(**options) -> NvshmemDispatcher:
+    return NvshmemDispatcher(ExpertPlacement.contiguous(4), heap=EmulatedWorld(1).heaps[0], **options)
+
+
+def inputs(tokens: int, hidden: int = 8, dtype: torch.dtype = torch.float32):
+    g = torch.Generator().manual_seed(tokens)
+    ids = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(tokens)])
+    return torch.randn(tokens, hidden, generator=g).to(dtype), ids, torch.rand(tokens, 2, generator=g)
+
+
+def test_steps_yield_between_send_and_wait() -> None:
+    """Low latency: one yield in dispatch (after the send) and one in combine; the chunked mode
+    yields after the notify and after each chunk's send."""
+    dispatcher = one_pe(chunk_tokens=4)
+    x, ids, w = inputs(3)
+    steps = dispatcher.dispatch_steps(x, ids, w, 3)
+    assert next(steps) is None
+    with pytest.raises(StopIteration) as done:
+        next(steps)
+    received = done.value.value
+    assert list(dispatcher.combine_steps(received.hidden, received.handle)) == [None]
+    x, ids, w = inputs(10)
+    assert len(list(dispatcher.dispatch_steps(x, ids, w, None))) == 1 + 3  # notify, then ceil(10 / 4) chunks
+
+
+def test_bad_calls_are_refused() -> None:
+    dispatcher = one_pe()
+    x, ids, w = inputs(5)
+    with pytest.raises(ValueError, match="exceed this step's max_tokens_per_rank=4"):
+        dispatcher.dispatch(x, ids, w, 4)
+    received = dispatcher.dispatch(x, ids, w, 5)
+    with pytest.raises(ValueError, match="combine got 3 rows"):
+        dispatcher.combine(received.hidden[:3], received.handle)
+    with pytest.raises(ValueError, match="float64 rows for a torch.float32 dispatch"):
+        dispatcher.combine(received.hidden.double(), received.handle)
+    with pytest.raises(ValueError, match="hidden size, dtype and top-k must not change"):
+        dispatcher.dispatch(*inputs(5, hidden=16), 5)
+    with pytest.raises(ValueError, match="need a multiple of 4"):
+        one_pe().dispatch(*inputs(2, hidden=3, dtype=torch.float16), 2)
+
+
+def test_heap_must_match_the_placement() -> None:
+    with pytest.raises(ValueError, match="heap is PE 0 of 2"):
+        NvshmemDispatcher(ExpertPlacement.contiguous(4, ep_size=2, rank=1), heap=EmulatedWorld(2).heaps[0])
+
+
+def test_cuda_needs_a_device() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        create_dispatcher("nvshmem", ExpertPlacement.contiguous(4), device="cuda")
