@@ -43,6 +43,8 @@ def _env_default(opt: Option) -> object:
     """The first of the option's environment variables that is set, as the option's type."""
     for name in opt.meta.env:
         if os.environ.get(name, "").strip():
+            if opt.type is bool:
+                return os.environ[name].strip().lower() in ("1", "true", "yes", "on")
             return opt.type(os.environ[name])
     return None
 
@@ -91,9 +93,14 @@ def _add_config_flags(
                     "parallelism (one process per rank; torchrun's and Slurm's variables are defaults)"
                 )
             group = parallel
-        group.add_argument(
-            *opt.flags, dest=opt.name, type=_flag_type(opt), default=default, choices=opt.choices, help=hidden
-        )
+        if opt.type is bool:  # a switch: --name turns it on, --no-name off
+            group.add_argument(
+                *opt.flags, dest=opt.name, action=argparse.BooleanOptionalAction, default=default, help=hidden
+            )
+        else:
+            group.add_argument(
+                *opt.flags, dest=opt.name, type=_flag_type(opt), default=default, choices=opt.choices, help=hidden
+            )
         names.append(opt.name)
     p.set_defaults(**{key: names})
 

@@ -28,6 +28,11 @@ tokens concatenated in rank order -- then the padding rows at the end. combine()
 steps, puts each pair's row back at `t * K + k` and reduces with `weighted_sum`, so for equal
 expert outputs its result equals `local`'s bit for bit, whatever the placement or mode.
 
+Steps. Every collective is issued with `async_op=True`; `dispatch_steps` and `combine_steps`
+yield while one is in flight and wait on it when resumed, so a driver (two-batch overlap) can
+compute the other micro-batch meanwhile. dispatch() and combine() are those steps run to the end
+(`finish`): one code path, the same bytes either way.
+
 Everything else stays on the tensors' device, so the same code runs on gloo (CPU) and NCCL
 (GPU); gloo carries float32, float16 and bfloat16 rows as they are.
 """
@@ -39,7 +44,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from moeserve.dispatch.base import Dispatcher, DispatchHandle, DispatchLayout, DispatchOutput
+from moeserve.dispatch.base import Dispatcher, DispatchHandle, DispatchLayout, DispatchOutput, Steps, finish
 from moeserve.dispatch.combine import weighted_sum
 from moeserve.dispatch.counts import count_per_expert
 from moeserve.dispatch.placement import ExpertPlacement
@@ -114,6 +119,23 @@ class AllToAllDispatcher(Dispatcher):
         max_tokens_per_rank: int | None = None,
     ) -> DispatchOutput:
         """See `Dispatcher.dispatch`: EXPERT_MAJOR rows; padding at the end in low-latency mode."""
+        return finish(self.dispatch_steps(hidden, topk_ids, topk_weights, max_tokens_per_rank))
+
+    def combine(self, expert_output: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+        return finish(self.combine_steps(expert_output, handle))
+
+    def dispatch_steps(
+        self,
+        hidden: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        max_tokens_per_rank: int | None = None,
+    ) -> Steps[DispatchOutput]:
+        """dispatch() in steps: each collective is issued asynchronously and the generator yields
+        while it is in flight. Uneven mode: counts, yield, the host read, payload, yield (the split
+        sizes need the counts). Low-latency mode: the payload's slots need only this rank's own
+        counts, so counts and payload are issued together and it yields once. The number of
+        yields depends only on the mode, which the step bound decides alike on every rank."""
         num_tokens, top_k = topk_ids.shape
         if max_tokens_per_rank is not None and num_tokens > max_tokens_per_rank:
             raise ValueError(f"{num_tokens} tokens exceed this step's max_tokens_per_rank={max_tokens_per_rank}")
@@ -127,29 +149,36 @@ class AllToAllDispatcher(Dispatcher):
         send_position[send_order] = torch.arange(num_pairs, device=device)
         send_counts = count_per_expert(slot, ep * lmax).view(ep, lmax)
         recv_counts = torch.empty_like(send_counts)
-        dist.all_to_all_single(recv_counts, send_counts, group=self.group)
+        counts_sent = dist.all_to_all_single(recv_counts, send_counts, group=self.group, async_op=True)
 
         host_counts, splits = None, None
         if self.syncs_host(max_tokens_per_rank):
+            yield  # the counts are in flight; the split sizes need them
+            counts_sent.wait()
             host_send, host_recv = torch.stack([send_counts, recv_counts]).tolist()  # the one host sync
             splits = ([sum(row) for row in host_send], [sum(row) for row in host_recv])
             host_counts = tuple(sum(column) for column in zip(*host_recv))[: self.placement.num_local_experts]
             send_row, num_send, num_recv = send_position, num_pairs, sum(splits[1])
-            recv_padding = torch.zeros(ep, dtype=torch.int64, device=device)
         else:
             region = max_tokens_per_rank * min(top_k, lmax)  # rows per (source, destination) pair
             per_dest = send_counts.sum(1)
             dest = slot // lmax
             send_row = dest * region + send_position - (torch.cumsum(per_dest, 0) - per_dest)[dest]
             num_send = num_recv = ep * region
-            recv_padding = region - recv_counts.sum(1)
 
         # Low-latency padding rows are zeros, so the experts see finite values there.
         send = (hidden.new_zeros if splits is None else hidden.new_empty)(num_send, hidden.shape[-1])
         send.index_copy_(0, send_row, hidden.repeat_interleave(top_k, dim=0))
         recv = hidden.new_empty(num_recv, hidden.shape[-1])
         recv_splits, send_splits = (splits[1], splits[0]) if splits else (None, None)  # None: equal splits
-        dist.all_to_all_single(recv, send, recv_splits, send_splits, group=self.group)
+        payload_sent = dist.all_to_all_single(recv, send, recv_splits, send_splits, group=self.group, async_op=True)
+        yield  # the payload (and, in low-latency mode, the counts) in flight
+        if splits is None:
+            counts_sent.wait()
+            recv_padding = region - recv_counts.sum(1)
+        else:
+            recv_padding = torch.zeros(ep, dtype=torch.int64, device=device)
+        payload_sent.wait()
 
         # Received rows are (source, expert)-major, each source's padding last; a stable sort by
         # expert (padding as expert L) makes them expert-major with all padding at the end.
@@ -174,7 +203,8 @@ class AllToAllDispatcher(Dispatcher):
             handle=handle,
         )
 
-    def combine(self, expert_output: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+    def combine_steps(self, expert_output: torch.Tensor, handle: DispatchHandle) -> Steps[torch.Tensor]:
+        """combine() in steps: the one collective is issued asynchronously, then it yields once."""
         assert isinstance(handle, AllToAllHandle), f"torch combine got a {type(handle).__name__}"
         if expert_output.shape[0] != handle.recv_order.numel():
             raise ValueError(
@@ -184,5 +214,7 @@ class AllToAllDispatcher(Dispatcher):
         send = torch.empty_like(expert_output).index_copy_(0, handle.recv_order, expert_output)
         returned = expert_output.new_empty(handle.num_send_rows, expert_output.shape[-1])
         returned_splits, send_splits = handle.splits or (None, None)
-        dist.all_to_all_single(returned, send, returned_splits, send_splits, group=self.group)
+        sent = dist.all_to_all_single(returned, send, returned_splits, send_splits, group=self.group, async_op=True)
+        yield  # the expert outputs in flight home
+        sent.wait()
         return weighted_sum(returned.index_select(0, handle.send_row), handle.topk_ids, handle.topk_weights)

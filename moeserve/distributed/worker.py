@@ -39,6 +39,7 @@ from moeserve.models.loader import weight_bytes
 from moeserve.ops import create_ops
 from moeserve.worker.kv_cache import allocate_kv_caches, bytes_per_block
 from moeserve.worker.runner import ModelRunner
+from moeserve.worker.two_batch import micro_batch_bounds
 
 logger = logging.getLogger("moeserve.worker")
 
@@ -100,6 +101,7 @@ class Worker:
             seed=spec.seed,
             lockstep=True,
             samples=self.tp.rank == 0,
+            two_batch_overlap=spec.parallel.two_batch_overlap,
         )
         sizes = weight_bytes(model)
         return LoadReport(
@@ -117,7 +119,11 @@ class Worker:
     def step(self, message: StepInput) -> StepOutput:
         # Every rank sees every group's plan, so all agree on this bound without communicating.
         bound = max(self.tp.largest_slice(plan.num_batched_tokens) for plan in message.plans)
-        sampled = self.runner.execute(message.plans[self.group_index], max_tokens_per_rank=bound)
+        micro_bounds = None
+        if self.spec.parallel.two_batch_overlap:
+            steps = [[len(s.token_ids) for s in plan.scheduled] for plan in message.plans]
+            micro_bounds = micro_batch_bounds(steps, self.tp)
+        sampled = self.runner.execute(message.plans[self.group_index], bound, micro_bounds)
         routed = self.runner.model.take_routed_tokens() if message.want_routed_tokens else None
         return StepOutput(message.step, self.rank, sampled, routed)
 

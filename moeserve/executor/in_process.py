@@ -35,7 +35,13 @@ class InProcessExecutor(Executor):
         self.model = load_model(Path(config.model), dtype, config.device, ops=create_ops(config.kernels, config.device))
         kv_caches = allocate_kv_caches(model_config, num_kv_blocks, config.cache.block_size, dtype, config.device)
         self.runner = ModelRunner(
-            self.model, kv_caches, config.cache.block_size, eos_token_ids, config.device, seed=config.seed
+            self.model,
+            kv_caches,
+            config.cache.block_size,
+            eos_token_ids,
+            config.device,
+            seed=config.seed,
+            two_batch_overlap=config.parallel.two_batch_overlap,
         )
         self._placement = ExpertPlacement.contiguous(model_config.num_experts)
         self._moe_layers = model_config.moe_layer_indices

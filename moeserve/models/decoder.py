@@ -13,6 +13,7 @@ from torch import nn
 
 from moeserve.config import ModelConfig
 from moeserve.dispatch import Dispatcher
+from moeserve.dispatch.base import Steps
 from moeserve.models.layers.attention import Attention
 from moeserve.models.layers.mla import MLAttention
 from moeserve.models.layers.mlp import GatedMLP
@@ -78,6 +79,41 @@ class DecoderLayer(nn.Module):
         attention: the same rows, and the same bytes moved, as gathering the stream itself.
         max_tokens_per_rank: this step's bound on the tokens any rank's FFN dispatches (MoE only).
         """
+        normed, residual = self._attention(x, residual, cos, sin, kv_cache, plan)
+        if isinstance(self.mlp, MoEBlock):
+            return self.mlp(normed, max_tokens_per_rank), residual
+        return self.mlp(normed), residual
+
+    def forward_steps(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        plan: AttentionPlan,
+        max_tokens_per_rank: int | None = None,
+    ) -> Steps[tuple[torch.Tensor, torch.Tensor]]:
+        """forward() in steps: an MoE layer yields at its dispatch and combine (`MoEBlock.forward_steps`),
+        a dense one runs in one step. The tensor-parallel collectives stay blocking calls inside a
+        step, so every rank of a group makes them in the same order whatever the interleaving."""
+        normed, residual = self._attention(x, residual, cos, sin, kv_cache, plan)
+        if isinstance(self.mlp, MoEBlock):
+            out = yield from self.mlp.forward_steps(normed, max_tokens_per_rank)
+            return out, residual
+        return self.mlp(normed), residual
+
+    def _attention(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        plan: AttentionPlan,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Residual add, norm, attention, residual add, norm: (the FFN's input, the residual), on
+        this rank's token slice."""
         num_tokens = plan.num_tokens
         if residual is None:
             normed, residual = self.input_norm(x), x[self.tp.token_slice(num_tokens)]
@@ -85,10 +121,7 @@ class DecoderLayer(nn.Module):
             normed_slice, residual = self.input_norm.add(x, residual)
             normed = self.tp.all_gather_tokens(normed_slice, num_tokens)
         attn = self.tp.reduce_scatter_tokens(self.attn(normed, cos, sin, kv_cache, plan))
-        normed, residual = self.post_attn_norm.add(attn, residual)
-        if isinstance(self.mlp, MoEBlock):
-            return self.mlp(normed, max_tokens_per_rank), residual
-        return self.mlp(normed), residual
+        return self.post_attn_norm.add(attn, residual)
 
 
 class MoECausalLM(nn.Module):
@@ -148,6 +181,29 @@ class MoECausalLM(nn.Module):
         x, residual = self.layers[0](embedded, None, cos, sin, kv_caches[0], plan, max_tokens_per_rank)
         for layer, kv_cache in zip(self.layers[1:], kv_caches[1:]):
             x, residual = layer(x, residual, cos, sin, kv_cache, plan, max_tokens_per_rank)
+        hidden, _ = self.norm.add(x, residual)
+        return self.tp.all_gather_tokens(hidden, input_ids.shape[0])
+
+    def forward_steps(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        plan: AttentionPlan,
+        kv_caches: list[torch.Tensor],
+        max_tokens_per_rank: int | None = None,
+    ) -> Steps[torch.Tensor]:
+        """forward() in steps, for one micro-batch of two-batch overlap: yields at every MoE
+        layer's dispatch and combine (see `MoEBlock.forward_steps`) and returns what forward()
+        returns. A micro-batch may be empty (T = 0): it still joins every collective.
+
+        max_tokens_per_rank: a bound on the tokens any rank dispatches for this micro-batch."""
+        embedded = F.embedding(input_ids, self.embed_tokens)  # [T, H]
+        cos, sin = self.rotary.cos_sin(positions, self.dtype)
+        x, residual = yield from self.layers[0].forward_steps(
+            embedded, None, cos, sin, kv_caches[0], plan, max_tokens_per_rank
+        )
+        for layer, kv_cache in zip(self.layers[1:], kv_caches[1:]):
+            x, residual = yield from layer.forward_steps(x, residual, cos, sin, kv_cache, plan, max_tokens_per_rank)
         hidden, _ = self.norm.add(x, residual)
         return self.tp.all_gather_tokens(hidden, input_ids.shape[0])
 

@@ -9,6 +9,7 @@ the plan that first schedules it, and its id with the first plan after it finish
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -16,9 +17,11 @@ import torch
 
 from moeserve.models import MoECausalLM
 from moeserve.ops import attention_batch
+from moeserve.ops.attention import AttentionPlan
 from moeserve.sampling_params import SamplingParams
-from moeserve.scheduler import NewRequest, SchedulerOutput
+from moeserve.scheduler import NewRequest, ScheduledRequest, SchedulerOutput
 from moeserve.worker.sampler import Sampler, SamplerOutput, SamplingRow, make_generator
+from moeserve.worker.two_batch import interleave, split_point
 
 
 @dataclass
@@ -50,6 +53,9 @@ class ModelRunner:
     `seed` seeds the process's global generator, from which requests without a seed of their
     own draw: seeded here, after the model is loaded, it is in the same state at the first
     sampling step whatever the layout, so ep=1 and ep>1 sample the same tokens.
+
+    `two_batch_overlap`: run each step as two micro-batches whose MoE communication and compute
+    take turns (see `two_batch`); the same tokens either way.
     """
 
     def __init__(
@@ -63,6 +69,7 @@ class ModelRunner:
         seed: int,
         lockstep: bool = False,
         samples: bool = True,
+        two_batch_overlap: bool = False,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -71,6 +78,7 @@ class ModelRunner:
         self.device = torch.device(device)
         self.lockstep = lockstep
         self.samples = samples
+        self.two_batch_overlap = two_batch_overlap
         self.sampler = Sampler()
         self._requests: dict[str, _RequestState] = {}
         torch.manual_seed(seed)
@@ -92,34 +100,37 @@ class ModelRunner:
         return _RequestState(new.request_id, new.sampling_params, new.prompt_token_ids, generator)
 
     @torch.inference_mode()
-    def execute(self, plan: SchedulerOutput, max_tokens_per_rank: int | None = None) -> dict[str, SampledToken]:
+    def execute(
+        self,
+        plan: SchedulerOutput,
+        max_tokens_per_rank: int | None = None,
+        micro_batch_bounds: tuple[int, int] | None = None,
+    ) -> dict[str, SampledToken]:
         """max_tokens_per_rank: the most tokens any rank's MoE layers dispatch this step, the same
-        on every rank of the EP group (see `MoECausalLM.forward`); None where it is not known."""
+        on every rank of the EP group (see `MoECausalLM.forward`); None where it is not known.
+        micro_batch_bounds: with two-batch overlap, the same bound for each micro-batch
+        (`two_batch.micro_batch_bounds`); None: max_tokens_per_rank for both."""
         self._track(plan)
         scheduled = plan.scheduled
         if not scheduled and not self.lockstep:
             return {}
-        input_ids = [t for s in scheduled for t in s.token_ids]
-        positions = [s.start_position + i for s in scheduled for i in range(len(s.token_ids))]
-        batch = attention_batch(
-            [s.block_ids for s in scheduled],
-            [s.start_position for s in scheduled],
-            [len(s.token_ids) for s in scheduled],
-            self.block_size,
-            self.device,
-        )
-        hidden = self.model(
-            torch.tensor(input_ids, dtype=torch.int64, device=self.device),
-            torch.tensor(positions, dtype=torch.int64, device=self.device),
-            self.model.ops.plan_attention(batch),
-            self.kv_caches,
-            max_tokens_per_rank,
-        )  # [T, H]
-        ends = torch.tensor([len(s.token_ids) for s in scheduled]).cumsum(0) - 1
+        if self._overlaps(scheduled):
+            cut = split_point([len(s.token_ids) for s in scheduled])
+            parts = [scheduled[:cut], scheduled[cut:]]
+            bounds = micro_batch_bounds or (max_tokens_per_rank, max_tokens_per_rank)
+            passes = [
+                self.model.forward_steps(*self._inputs(part), self.kv_caches, bound)
+                for part, bound in zip(parts, bounds)
+            ]
+            hiddens = interleave(passes)
+        else:
+            parts = [scheduled]
+            hiddens = [self.model(*self._inputs(scheduled), self.kv_caches, max_tokens_per_rank)]  # [T, H]
         sampling = [i for i, s in enumerate(scheduled) if s.sample]
         if not sampling or not self.samples:
             return {}
-        logits = self.model.compute_logits(hidden[ends[sampling].to(self.device)])  # [S, V]
+        last = [self._sampled_rows(hidden, part) for hidden, part in zip(hiddens, parts)]  # in scheduled order
+        logits = self.model.compute_logits(last[0] if len(last) == 1 else torch.cat(last))  # [S, V]
         sampled_requests = [self._requests[scheduled[i].request_id] for i in sampling]
         rows = [
             SamplingRow(r.sampling_params, r.prompt_token_ids, r.output_token_ids, r.generator)
@@ -129,6 +140,36 @@ class ModelRunner:
         for request in sampled_requests:
             request.output_token_ids.append(result[request.request_id].token_id)
         return result
+
+    def _overlaps(self, scheduled: Sequence[ScheduledRequest]) -> bool:
+        """Whether this step runs as two micro-batches. Under lockstep always (with the flag): the
+        decision must be the same on every rank, and only the flag is (a micro-batch may be
+        empty). Alone in its process a runner needs two sequences to split."""
+        return self.two_batch_overlap and (self.lockstep or len(scheduled) > 1)
+
+    def _inputs(self, scheduled: Sequence[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor, AttentionPlan]:
+        """The model's packed inputs for these sequences: token ids `[T]`, positions `[T]` and the
+        attention plan."""
+        input_ids = [t for s in scheduled for t in s.token_ids]
+        positions = [s.start_position + i for s in scheduled for i in range(len(s.token_ids))]
+        batch = attention_batch(
+            [s.block_ids for s in scheduled],
+            [s.start_position for s in scheduled],
+            [len(s.token_ids) for s in scheduled],
+            self.block_size,
+            self.device,
+        )
+        return (
+            torch.tensor(input_ids, dtype=torch.int64, device=self.device),
+            torch.tensor(positions, dtype=torch.int64, device=self.device),
+            self.model.ops.plan_attention(batch),
+        )
+
+    def _sampled_rows(self, hidden: torch.Tensor, scheduled: Sequence[ScheduledRequest]) -> torch.Tensor:
+        """The rows of `hidden [T, H]` that sample: the last token of each sampling sequence."""
+        ends = itertools.accumulate(len(s.token_ids) for s in scheduled)
+        rows = [end - 1 for end, s in zip(ends, scheduled) if s.sample]
+        return hidden[torch.tensor(rows, dtype=torch.int64, device=self.device)]
 
     @staticmethod
     def _unpack(out: SamplerOutput, sampled_requests: list[_RequestState]) -> dict[str, SampledToken]:

@@ -114,11 +114,56 @@ def test_generate_command_with_ep(reference, tmp_path):
     assert "stopped 2 rank process(es)" in done.stderr
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "deepseek_v3"])
-def test_nvshmem_backend_matches_single_process(reference, arch):
-    """The `nvshmem` all-to-all (Triton kernels storing into peers' shared-memory buffers, under
-    the interpreter on CPU) in the real engine: the single process's greedy tokens at ep=4."""
+# Two-batch overlap: each layout's (arch, ep, tp) covers a feature the interleave must keep
+# working: shared experts and a gated one (qwen2_moe), MLA with a dense first layer (deepseek),
+# tensor-parallel attention, whose collectives are ordered among the dispatches (tp = 2).
+OVERLAP_LAYOUTS = [("qwen2_moe", 1, 1), ("deepseek_v3", 1, 1), ("qwen2_moe", 2, 1), ("deepseek_v3", 4, 1)]
+OVERLAP_LAYOUTS += [("mixtral", 4, 2), ("deepseek_v2", 4, 2)]
+
+
+@pytest.mark.parametrize("arch,ep,tp", OVERLAP_LAYOUTS, ids=[f"{a}-ep{e}-tp{t}" for a, e, t in OVERLAP_LAYOUTS])
+def test_two_batch_overlap_matches_single_process(reference, monkeypatch, arch, ep, tp):
+    """The single process's greedy tokens, without overlap; at ep = 1 (in this process) the
+    steps really run as two micro-batches."""
+    from moeserve.models import MoECausalLM
+
     folder, expected = reference(arch)
-    with LLM(str(folder), ep=4, a2a_backend="nvshmem", **ENGINE) as llm:
+    passes = []
+    steps = MoECausalLM.forward_steps
+
+    def counted(self, input_ids, *args, **kwargs):
+        passes.append(input_ids.shape[0])
+        return steps(self, input_ids, *args, **kwargs)
+
+    monkeypatch.setattr(MoECausalLM, "forward_steps", counted)
+    with LLM(str(folder), ep=ep, tp=tp, two_batch_overlap=True, **ENGINE) as llm:
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts(), GREEDY, use_tqdm=False)]
+    assert got == expected
+    if ep == 1:
+        assert len(passes) % 2 == 0 and sum(passes) == sum(len(p["prompt_token_ids"]) for p in prompts()) + 9 * 7
+        assert all(passes), "with several sequences neither micro-batch is empty"
+
+
+def test_two_batch_overlap_with_long_prefills(make_checkpoint):
+    """Prefills of more than 128 tokens per rank take the uneven all-to-all, whose steps read the
+    counts between two collectives; the other micro-batch stays under the bound (low-latency), so
+    the two micro-batches of a step dispatch in different modes."""
+    folder = make_checkpoint("qwen3_moe", 5, num_experts=8)
+    g = torch.Generator().manual_seed(5)
+    batch = [{"prompt_token_ids": torch.randint(3, 300, (k,), generator=g).tolist()} for k in (200, 150, 6, 40)]
+    engine = dict(ENGINE, max_model_len=256)
+    expected = [o.outputs[0].token_ids for o in LLM(str(folder), **engine).generate(batch, GREEDY, use_tqdm=False)]
+    with LLM(str(folder), ep=2, two_batch_overlap=True, **engine) as llm:
+        got = [o.outputs[0].token_ids for o in llm.generate(batch, GREEDY, use_tqdm=False)]
+    assert got == expected
+
+
+@pytest.mark.parametrize("arch,overlap", [("mixtral", False), ("deepseek_v3", False), ("qwen2_moe", True)])
+def test_nvshmem_backend_matches_single_process(reference, arch, overlap):
+    """The `nvshmem` all-to-all (Triton kernels storing into peers' shared-memory buffers, under
+    the interpreter on CPU) in the real engine: the single process's greedy tokens at ep=4, with
+    two-batch overlap interleaving two micro-batches' dispatch steps too."""
+    folder, expected = reference(arch)
+    with LLM(str(folder), ep=4, a2a_backend="nvshmem", two_batch_overlap=overlap, **ENGINE) as llm:
         got = [o.outputs[0].token_ids for o in llm.generate(prompts(), GREEDY, use_tqdm=False)]
     assert got == expected

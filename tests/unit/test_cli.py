@@ -211,3 +211,17 @@ def test_device_auto_is_the_gpu_when_there_is_one() -> None:
 
     assert EngineConfig.from_options().device == ("cuda" if torch.cuda.is_available() else "cpu")
     assert EngineConfig.from_options(device="cpu").device == "cpu"
+
+
+def test_two_batch_overlap_is_a_switch() -> None:
+    def overlap(*argv: str) -> bool:
+        args = parse(*argv)
+        return EngineConfig.from_options(
+            **{n: getattr(args, n) for n in args.engine_options}
+        ).parallel.two_batch_overlap
+
+    assert overlap("launch") is False
+    assert overlap("launch", "--ep", "4", "--two-batch-overlap") is True
+    assert overlap("generate", "--prompt", "hi", "--two-batch-overlap") is True
+    assert overlap("launch", "--two-batch-overlap", "--no-two-batch-overlap") is False
+    assert EngineConfig.from_options(two_batch_overlap=True).parallel.two_batch_overlap is True

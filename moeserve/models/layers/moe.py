@@ -3,9 +3,16 @@
 Model code talks only to the `Dispatcher` interface, so EP backends slot in without changes here.
 Nothing in the forward reads the device back: the load counters accumulate on the device and
 are read once per report (`take_routed_tokens`).
+
+`forward_steps` is the same block in steps (see `dispatch.base.Steps`), for two-batch overlap:
+it yields wherever the dispatcher's dispatch or combine waits for peers, and at least once for
+each of them, so the two micro-batches alternate at every dispatch and combine whatever the
+backend (the `local` one never waits).
 """
 
 from __future__ import annotations
+
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -13,10 +20,13 @@ from torch import nn
 
 from moeserve.config import ModelConfig
 from moeserve.dispatch import Dispatcher
+from moeserve.dispatch.base import Steps, finish
 from moeserve.models.layers.experts import Experts
 from moeserve.models.layers.mlp import GatedMLP
 from moeserve.models.layers.router import Router
 from moeserve.ops import TORCH_OPS, LayerOps
+
+T = TypeVar("T")
 
 
 class MoEBlock(nn.Module):
@@ -49,13 +59,34 @@ class MoEBlock(nn.Module):
     def forward(self, x: torch.Tensor, max_tokens_per_rank: int | None = None) -> torch.Tensor:
         """x `[T, H]` -> `[T, H]`. max_tokens_per_rank: this step's bound on T over the EP group
         (see `Dispatcher.dispatch`); None where none is known."""
+        return finish(self.forward_steps(x, max_tokens_per_rank))
+
+    def forward_steps(self, x: torch.Tensor, max_tokens_per_rank: int | None = None) -> Steps[torch.Tensor]:
+        """forward() in steps: yields while the dispatch or the combine waits for peers, and at
+        least once after each. Every rank yields equally often for equal calls, provided the
+        dispatcher's steps do (the `torch` backend's number depends only on the step's bound)."""
         topk_ids, topk_weights = self.router(x)  # [T, K], [T, K]
-        received = self.dispatcher.dispatch(x, topk_ids, topk_weights, max_tokens_per_rank)
+        dispatch = self.dispatcher.dispatch_steps(x, topk_ids, topk_weights, max_tokens_per_rank)
+        received = yield from _at_least_one_step(dispatch)
         self.routed_tokens += received.num_tokens_per_expert
-        out = self.dispatcher.combine(self.experts(received), received.handle)  # [T, H]
+        out = yield from _at_least_one_step(self.dispatcher.combine_steps(self.experts(received), received.handle))
         if self.shared is not None:
             shared = self.shared(x)
             if self.shared_gate is not None:
                 shared = torch.sigmoid(F.linear(x, self.shared_gate)) * shared
             out = out + shared
         return out
+
+
+def _at_least_one_step(steps: Steps[T]) -> Steps[T]:
+    """`steps` as they are, plus one yield at the end if they never yielded."""
+    yielded = False
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            if not yielded:
+                yield
+            return done.value
+        yielded = True
+        yield
