@@ -76,10 +76,6 @@ def _programs(device: torch.device, override: int | None) -> int:
     return GPU_COMM_SMS if device.type == "cuda" else CPU_COMM_PROGRAMS
 
 
-def _next_power_of_2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
-
 class NvshmemDispatcher(Dispatcher):
     """Expert-parallel dispatch by stores into peers' symmetric buffers (see the module docstring)."""
 
@@ -110,6 +106,11 @@ class NvshmemDispatcher(Dispatcher):
         self.chunk_tokens = chunk_tokens
         self.num_programs = _programs(self.device, num_comm_sms)
         self._expert_slot = placement.expert_slot.to(self.device)
+        # Imported here, not with the module: it decorates the kernels (compiled or interpreted)
+        # and pulls in triton, which no process that never builds this backend needs.
+        from moeserve.kernels import peer_copy
+
+        self._kernels = peer_copy
         self._buffer: SymmetricBuffer | None = None
         self._layout: SymmetricLayout | None = None
         self._seq = {"dispatch": 0, "combine": 0, "notify": 0}
@@ -200,17 +201,15 @@ class NvshmemDispatcher(Dispatcher):
 
     def _notify(self, topk_ids: torch.Tensor, layout: SymmetricLayout) -> Steps[list[list[int]]]:
         """Every rank's pairs per (our local expert) and its token count, read to the host."""
-        from moeserve.kernels import peer_copy
-
         ep, lmax = layout.ep, layout.local_experts
         counts = count_per_expert(self._expert_slot[topk_ids.reshape(-1)], ep * lmax).view(ep, lmax)
         rows = torch.cat([counts, counts.new_full((ep, 1), topk_ids.shape[0])], 1).contiguous()
         seq = self._next("notify")
         slot = seq % layout.slots
         offsets = layout.offsets
-        peer_copy.notify_send_kernel[(min(self.num_programs, ep),)](
+        self._kernels.notify_send_kernel[(min(self.num_programs, ep),)](
             self._buffer.addresses, rows, self.heap.rank, seq, slot, offsets["notify"], offsets["notify_signal"],
-            EP=ep, WIDTH=lmax + 1, BLOCK=_next_power_of_2(lmax + 1),
+            EP=ep, WIDTH=lmax + 1, BLOCK=self._kernels.block_for(lmax + 1),
         )  # fmt: skip
         yield
         self._wait("notify_signal", slot * ep, ep, seq)
@@ -233,12 +232,10 @@ class NvshmemDispatcher(Dispatcher):
         return order, counts.view(num_chunks, layout.groups), starts.view(num_chunks, layout.groups)
 
     def _launch_send(self, payload, order, counts, starts, chunk, layout, top_k) -> int:
-        from moeserve.kernels import peer_copy
-
         seq = self._next("dispatch")
         offsets = layout.offsets
         block_m, block_w = self._blocks(payload.shape[1])
-        peer_copy.dispatch_send_kernel[(self.num_programs,)](
+        self._kernels.dispatch_send_kernel[(self.num_programs,)](
             self._buffer.addresses, payload, order, counts, starts, self.heap.rank, seq, seq % layout.slots,
             chunk * self.chunk_tokens, offsets["dispatch_rows"], offsets["dispatch_meta"],
             offsets["dispatch_signal"], offsets["dispatch_credit"],
@@ -248,11 +245,9 @@ class NvshmemDispatcher(Dispatcher):
         return seq
 
     def _launch_recv(self, counts, offsets, out, row_meta, seq, layout) -> None:
-        from moeserve.kernels import peer_copy
-
         regions = layout.offsets
         block_m, block_w = self._blocks(out.shape[1])
-        peer_copy.dispatch_recv_kernel[(self.num_programs,)](
+        self._kernels.dispatch_recv_kernel[(self.num_programs,)](
             self._buffer.addresses, counts, offsets, out, row_meta, self.heap.rank, seq, seq % layout.slots,
             regions["dispatch_rows"], regions["dispatch_meta"], regions["dispatch_done"],
             regions["dispatch_credit"],
@@ -263,8 +258,6 @@ class NvshmemDispatcher(Dispatcher):
     # -- combine ----------------------------------------------------------------------------
 
     def combine_steps(self, expert_output: torch.Tensor, handle: DispatchHandle) -> Steps[torch.Tensor]:
-        from moeserve.kernels import peer_copy
-
         assert isinstance(handle, NvshmemHandle), f"nvshmem combine got a {type(handle).__name__}"
         if expert_output.shape[0] != handle.row_meta.numel():
             raise ValueError(
@@ -281,7 +274,7 @@ class NvshmemDispatcher(Dispatcher):
         for chunk in range(handle.chunk_counts.shape[0]):
             seq = self._next("combine")
             slot = seq % layout.slots
-            peer_copy.combine_send_kernel[(self.num_programs,)](
+            self._kernels.combine_send_kernel[(self.num_programs,)](
                 self._buffer.addresses, words, handle.row_meta, handle.chunk_counts[chunk],
                 handle.chunk_offsets[chunk], self.heap.rank, seq, slot, offsets["combine_rows"],
                 offsets["combine_signal"], offsets["combine_credit"],
@@ -300,7 +293,7 @@ class NvshmemDispatcher(Dispatcher):
             )
             span = slice(first, first + tokens)
             out[span] = weighted_sum(rows, handle.topk_ids[span], handle.topk_weights[span])
-            peer_copy.give_credit_kernel[(min(self.num_programs, layout.ep),)](
+            self._kernels.give_credit_kernel[(min(self.num_programs, layout.ep),)](
                 self._buffer.addresses, self.heap.rank, seq, offsets["combine_credit"], EP=layout.ep
             )
         return out
@@ -309,29 +302,33 @@ class NvshmemDispatcher(Dispatcher):
 
     def _wait(self, region: str, first_word: int, num_words: int, seq: int) -> torch.Tensor:
         """int64 `[num_words]`: the counts in words [first_word, +num_words) of `region`, once all carry seq."""
-        from moeserve.kernels import peer_copy
-
         counts = torch.empty(num_words, dtype=torch.int64, device=self.device)
-        peer_copy.wait_signals_kernel[(1,)](
+        self._kernels.wait_signals_kernel[(1,)](
             self._buffer.addresses, self.heap.rank, self._layout.offsets[region], first_word, counts, seq,
-            NUM_WORDS=num_words, BLOCK=min(_next_power_of_2(num_words), 1024),
+            NUM_WORDS=num_words, BLOCK=self._kernels.block_for(num_words, 1024),
         )  # fmt: skip
         return counts
 
     def _allocate(self, row_bytes: int, out_row_bytes: int, top_k: int) -> SymmetricLayout:
         """The buffer, allocated on first use (a collective: every rank dispatches its first layer together)."""
+        layout = self._layout
+        if layout is not None and (layout.row_bytes, layout.out_row_bytes, layout.top_k) == (
+            row_bytes,
+            out_row_bytes,
+            top_k,
+        ):
+            return layout
         wanted = SymmetricLayout(
             self.placement.ep_size, self.placement.max_local_experts, top_k, self.chunk_tokens, row_bytes, out_row_bytes
         )
-        if self._layout is None:
-            self._buffer = self.heap.allocate(wanted.nbytes)
-            self._layout = wanted
-        elif wanted != self._layout:
+        if layout is not None:
             raise ValueError(
-                f"this dispatcher's buffer was laid out for {self._layout}; this dispatch needs {wanted} "
+                f"this dispatcher's buffer was laid out for {layout}; this dispatch needs {wanted} "
                 "(hidden size, dtype and top-k must not change between calls)"
             )
-        return self._layout
+        self._buffer = self.heap.allocate(wanted.nbytes)
+        self._layout = wanted
+        return wanted
 
     def _words(self, rows: torch.Tensor) -> torch.Tensor:
         """rows `[N, H]` as int32 words `[N, W]`: the kernels copy bits, whatever the dtype."""
@@ -345,8 +342,8 @@ class NvshmemDispatcher(Dispatcher):
     def _blocks(self, words: int) -> tuple[int, int]:
         """(rows, words) per tile: small tiles on GPUs (registers), large under the interpreter (numpy)."""
         if self.device.type == "cuda":
-            return 16, min(_next_power_of_2(words), 512)
-        return 64, min(_next_power_of_2(words), 4096)
+            return 16, self._kernels.block_for(words, 512)
+        return 64, self._kernels.block_for(words, 4096)
 
     def _next(self, counter: str) -> int:
         self._seq[counter] += 1

@@ -31,6 +31,7 @@ step-sized layout of issue 7 needed 7.5-28.5 GiB per rank at 4096 tokens).
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from functools import cached_property
 
 SLOTS = 2
 SIGNAL_BYTES = 8
@@ -43,7 +44,8 @@ def _aligned(nbytes: int) -> int:
 
 @dataclass(frozen=True)
 class SymmetricLayout:
-    """Byte offsets of every region of the symmetric buffer (see the module docstring)."""
+    """Byte offsets of every region of the symmetric buffer (see the module docstring). The
+    derived tables are cached: the kernels' launches read them on every dispatch."""
 
     ep: int
     local_experts: int
@@ -66,7 +68,7 @@ class SymmetricLayout:
         """(local expert, rank) pairs: signal words per slot."""
         return self.local_experts * self.ep
 
-    @property
+    @cached_property
     def region_sizes(self) -> dict[str, int]:
         s, g, c = self.slots, self.groups, self.chunk_tokens
         return {
@@ -82,7 +84,7 @@ class SymmetricLayout:
             "combine_credit": self.ep * SIGNAL_BYTES,
         }
 
-    @property
+    @cached_property
     def offsets(self) -> dict[str, int]:
         offsets, at = {}, 0
         for name, size in self.region_sizes.items():
@@ -90,7 +92,7 @@ class SymmetricLayout:
             at += _aligned(size)
         return offsets
 
-    @property
+    @cached_property
     def nbytes(self) -> int:
         return sum(_aligned(size) for size in self.region_sizes.values())
 

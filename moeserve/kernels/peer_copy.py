@@ -38,6 +38,12 @@ SEQ: tl.constexpr = tl.constexpr(1 << 32)  # a signal word is seq * SEQ + count:
 # milliseconds, per group, which the CPU tests would pay thousands of times.
 
 
+def block_for(count: int, cap: int | None = None) -> int:
+    """The power-of-two block that covers `count` elements in one tile, at most `cap`."""
+    block = triton.next_power_of_2(count)
+    return block if cap is None else min(block, cap)
+
+
 def _jit(fn):
     """Compiled for CUDA; Triton's interpreter on machines without it, where the CPU transports
     run these same kernels (chosen here, per kernel, so no environment variable must be set first)."""

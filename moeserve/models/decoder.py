@@ -13,7 +13,7 @@ from torch import nn
 
 from moeserve.config import ModelConfig
 from moeserve.dispatch import Dispatcher
-from moeserve.dispatch.base import Steps
+from moeserve.dispatch.base import Steps, finish
 from moeserve.models.layers.attention import Attention
 from moeserve.models.layers.mla import MLAttention
 from moeserve.models.layers.mlp import GatedMLP
@@ -176,13 +176,7 @@ class MoECausalLM(nn.Module):
         max_tokens_per_rank: the most tokens any rank of the EP group dispatches in an MoE layer
         this step, the same on every rank (None: unknown); lets a dispatcher skip host syncs.
         """
-        embedded = F.embedding(input_ids, self.embed_tokens)  # [T, H]
-        cos, sin = self.rotary.cos_sin(positions, self.dtype)  # [T, rotary_dim], once for all layers
-        x, residual = self.layers[0](embedded, None, cos, sin, kv_caches[0], plan, max_tokens_per_rank)
-        for layer, kv_cache in zip(self.layers[1:], kv_caches[1:]):
-            x, residual = layer(x, residual, cos, sin, kv_cache, plan, max_tokens_per_rank)
-        hidden, _ = self.norm.add(x, residual)
-        return self.tp.all_gather_tokens(hidden, input_ids.shape[0])
+        return finish(self._layers(input_ids, positions, plan, kv_caches, max_tokens_per_rank, in_steps=False))
 
     def forward_steps(
         self,
@@ -197,13 +191,28 @@ class MoECausalLM(nn.Module):
         returns. A micro-batch may be empty (T = 0): it still joins every collective.
 
         max_tokens_per_rank: a bound on the tokens any rank dispatches for this micro-batch."""
-        embedded = F.embedding(input_ids, self.embed_tokens)  # [T, H]
-        cos, sin = self.rotary.cos_sin(positions, self.dtype)
-        x, residual = yield from self.layers[0].forward_steps(
-            embedded, None, cos, sin, kv_caches[0], plan, max_tokens_per_rank
-        )
-        for layer, kv_cache in zip(self.layers[1:], kv_caches[1:]):
-            x, residual = yield from layer.forward_steps(x, residual, cos, sin, kv_cache, plan, max_tokens_per_rank)
+        return self._layers(input_ids, positions, plan, kv_caches, max_tokens_per_rank, in_steps=True)
+
+    def _layers(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        plan: AttentionPlan,
+        kv_caches: list[torch.Tensor],
+        max_tokens_per_rank: int | None,
+        in_steps: bool,
+    ) -> Steps[torch.Tensor]:
+        """The one body of forward() and forward_steps(). Without `in_steps` each layer is called as
+        a module (one step, forward hooks fire); with it, through its own steps."""
+        x = F.embedding(input_ids, self.embed_tokens)  # [T, H]
+        cos, sin = self.rotary.cos_sin(positions, self.dtype)  # [T, rotary_dim], once for all layers
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            args = (x, residual, cos, sin, kv_cache, plan, max_tokens_per_rank)
+            if in_steps:
+                x, residual = yield from layer.forward_steps(*args)
+            else:
+                x, residual = layer(*args)
         hidden, _ = self.norm.add(x, residual)
         return self.tp.all_gather_tokens(hidden, input_ids.shape[0])
 
