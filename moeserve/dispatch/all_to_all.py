@@ -33,6 +33,11 @@ yield while one is in flight and wait on it when resumed, so a driver (two-batch
 compute the other micro-batch meanwhile. dispatch() and combine() are those steps run to the end
 (`finish`): one code path, the same bytes either way.
 
+FP8 (`dispatch_fp8`): the payload rows are the packed FP8 rows (`fp8.encode_rows`, int32 words)
+instead of the hidden rows, moved by the same code; the received rows are dequantised
+(`fp8.decode_rows`) after the regrouping. Low-latency padding rows are zero words, which
+dequantise to zeros. combine() is unchanged: it moves the experts' outputs in their own dtype.
+
 Everything else stays on the tensors' device, so the same code runs on gloo (CPU) and NCCL
 (GPU); gloo carries float32, float16 and bfloat16 rows as they are.
 """
@@ -47,6 +52,7 @@ import torch.distributed as dist
 from moeserve.dispatch.base import Dispatcher, DispatchHandle, DispatchLayout, DispatchOutput, Steps, finish
 from moeserve.dispatch.combine import weighted_sum
 from moeserve.dispatch.counts import count_per_expert
+from moeserve.dispatch.fp8 import decode_rows, encode_rows
 from moeserve.dispatch.placement import ExpertPlacement
 
 LOW_LATENCY_MAX_TOKENS = 128  # tokens per rank up to which the equal-split mode is used (DeepEP's decode bound)
@@ -82,10 +88,12 @@ class AllToAllDispatcher(Dispatcher):
         placement: ExpertPlacement,
         group: dist.ProcessGroup | None = None,
         low_latency_max_tokens: int = LOW_LATENCY_MAX_TOKENS,
+        dispatch_fp8: bool = False,
     ) -> None:
         """group: the EP process group (None: the default group); its ranks are the placement's ranks.
-        low_latency_max_tokens: the largest step bound served by the equal-split mode (0: never)."""
-        super().__init__(placement)
+        low_latency_max_tokens: the largest step bound served by the equal-split mode (0: never).
+        dispatch_fp8: send FP8 rows with per-128-channel scales (see the module docstring)."""
+        super().__init__(placement, dispatch_fp8)
         size, rank = dist.get_world_size(group), dist.get_rank(group)
         if size != placement.ep_size:
             raise ValueError(
@@ -167,9 +175,10 @@ class AllToAllDispatcher(Dispatcher):
             num_send = num_recv = ep * region
 
         # Low-latency padding rows are zeros, so the experts see finite values there.
-        send = (hidden.new_zeros if splits is None else hidden.new_empty)(num_send, hidden.shape[-1])
-        send.index_copy_(0, send_row, hidden.repeat_interleave(top_k, dim=0))
-        recv = hidden.new_empty(num_recv, hidden.shape[-1])
+        payload = encode_rows(hidden) if self.dispatch_fp8 else hidden  # [T, H], or FP8 words [T, W]
+        send = (payload.new_zeros if splits is None else payload.new_empty)(num_send, payload.shape[-1])
+        send.index_copy_(0, send_row, payload.repeat_interleave(top_k, dim=0))
+        recv = payload.new_empty(num_recv, payload.shape[-1])
         recv_splits, send_splits = (splits[1], splits[0]) if splits else (None, None)  # None: equal splits
         payload_sent = dist.all_to_all_single(recv, send, recv_splits, send_splits, group=self.group, async_op=True)
         yield  # the payload (and, in low-latency mode, the counts) in flight
@@ -195,8 +204,11 @@ class AllToAllDispatcher(Dispatcher):
             topk_ids=topk_ids,
             topk_weights=topk_weights,
         )
+        received = recv.index_select(0, recv_order)
+        if self.dispatch_fp8:
+            received = decode_rows(received, hidden.shape[-1], hidden.dtype)
         return DispatchOutput(
-            hidden=recv.index_select(0, recv_order),
+            hidden=received,
             num_tokens_per_expert=recv_counts.sum(0)[: self.placement.num_local_experts],
             num_tokens_per_expert_host=host_counts,
             layout=DispatchLayout.EXPERT_MAJOR,

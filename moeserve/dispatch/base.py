@@ -13,6 +13,11 @@ Contract every backend agrees on, bit for bit: for the same inputs `local`, `tor
 holds by construction once the experts' rows agree. Nothing of a step is kept on the dispatcher:
 the handle returned by dispatch() carries everything combine() needs.
 
+FP8 rows (`dispatch_fp8`, every backend): dispatch sends each token as e4m3 bytes plus a scale
+per 128 channels (`dispatch.fp8`) and the receiver dequantises them to the activation dtype
+before the experts; combine moves the outputs in the activation dtype. `local` applies the same
+quantise -> dequantise, so the contract above holds with FP8 on as well.
+
 No host round trip: a DispatchOutput's counts are a device tensor. A backend that must read
 the device (the `torch` backend's uneven all-to-all needs Python split sizes) says so through
 `syncs_host()` and hands what it read over as `num_tokens_per_expert_host`.
@@ -78,6 +83,10 @@ class DispatchOutput:
     """Tokens this rank's experts must process.
 
     hidden:                      `[N, H]` in the input's dtype, on its device, arranged as `layout` says.
+                                 With `dispatch_fp8`, the dequantised FP8 rows (`fp8.round_trip`
+                                 of the sent rows): the torch expert path takes them as they are;
+                                 a GPU w8a8 expert kernel could later take the FP8 rows and scales
+                                 directly and skip the dequantisation.
     num_tokens_per_expert:       int64 `[E_local]` on hidden's device: rows (pairs) per local expert.
     num_tokens_per_expert_host:  the same counts as a tuple, only from a backend that already read
                                  them back (None otherwise); never worth a sync of its own.
@@ -104,8 +113,10 @@ class Dispatcher(ABC):
 
     name: ClassVar[str]
 
-    def __init__(self, placement: ExpertPlacement) -> None:
+    def __init__(self, placement: ExpertPlacement, dispatch_fp8: bool = False) -> None:
+        """dispatch_fp8: send tokens as FP8 rows with per-128-channel scales (module docstring)."""
         self.placement = placement
+        self.dispatch_fp8 = dispatch_fp8
 
     @classmethod
     def supports(cls, placement: ExpertPlacement, device: torch.device) -> str | None:

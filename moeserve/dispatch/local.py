@@ -3,6 +3,8 @@
 Nothing moves: dispatch() hands the tokens over as they are (TOKEN_MAJOR) with the router's ids,
 so the experts' grouped GEMM gathers rows by expert itself (`fused_moe` does it on the fly), and
 the only work here is counting pairs per expert on the device. combine() is `weighted_sum`.
+With `dispatch_fp8` the tokens are quantised and dequantised in place of the send (`fp8.round_trip`),
+so one process computes what an EP group sending FP8 rows computes.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch
 from moeserve.dispatch.base import Dispatcher, DispatchHandle, DispatchLayout, DispatchOutput
 from moeserve.dispatch.combine import weighted_sum
 from moeserve.dispatch.counts import count_per_expert
+from moeserve.dispatch.fp8 import round_trip
 from moeserve.dispatch.placement import ExpertPlacement
 
 
@@ -47,7 +50,7 @@ class LocalDispatcher(Dispatcher):
         """See `Dispatcher.dispatch`; the bound is not needed (nothing is sent)."""
         num_tokens = topk_ids.shape[0]
         return DispatchOutput(
-            hidden=hidden,
+            hidden=round_trip(hidden) if self.dispatch_fp8 else hidden,
             num_tokens_per_expert=count_per_expert(topk_ids, self.placement.num_experts),
             layout=DispatchLayout.TOKEN_MAJOR,
             topk_ids=topk_ids,

@@ -33,7 +33,12 @@ exactly and fixes the number of chunks every rank runs; then the chunks stream t
 
 `dispatch_steps`/`combine_steps` yield after each send, before the matching wait, so a caller may
 compute between them (two-batch overlap) and emulated PEs in one process can be run in lockstep.
-Not built: peers without a direct address (other nodes, reached by IBGDA puts), and FP8 rows.
+FP8 (`dispatch_fp8`): the payload is the packed FP8 rows (`fp8.encode_rows`), so the layout's
+`row_bytes` is `fp8.packed_row_bytes(H)` (0.52x a bf16 row at H = 7168) and the kernels move them
+unchanged; the receiver dequantises its output rows (`fp8.decode_rows`). Combine rows stay in
+the activation dtype.
+
+Not built: peers without a direct address (other nodes, reached by IBGDA puts).
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ import torch.distributed as dist
 from moeserve.dispatch.base import Dispatcher, DispatchHandle, DispatchLayout, DispatchOutput, Steps, finish
 from moeserve.dispatch.combine import weighted_sum
 from moeserve.dispatch.counts import count_per_expert
+from moeserve.dispatch.fp8 import decode_rows, encode_rows
 from moeserve.dispatch.nvshmem_layout import SymmetricLayout
 from moeserve.dispatch.placement import ExpertPlacement
 from moeserve.dispatch.symmetric import SymmetricBuffer, SymmetricHeap
@@ -89,11 +95,13 @@ class NvshmemDispatcher(Dispatcher):
         heap: SymmetricHeap | None = None,
         chunk_tokens: int = CHUNK_TOKENS,
         num_comm_sms: int | None = None,
+        dispatch_fp8: bool = False,
     ) -> None:
         """heap: the transport (None: shared memory over `group` on CPU, NVSHMEM on CUDA).
         chunk_tokens: tokens per rank per chunk, and the largest low-latency bound.
-        num_comm_sms: programs of each communication kernel (None: 20 on GPUs, 3 on CPU)."""
-        super().__init__(placement)
+        num_comm_sms: programs of each communication kernel (None: 20 on GPUs, 3 on CPU).
+        dispatch_fp8: send FP8 rows with per-128-channel scales (see the module docstring)."""
+        super().__init__(placement, dispatch_fp8)
         self.device = torch.device(device)
         self.heap = heap if heap is not None else _default_heap(group, self.device)
         if (self.heap.world_size, self.heap.rank) != (placement.ep_size, placement.rank):
@@ -151,7 +159,7 @@ class NvshmemDispatcher(Dispatcher):
         num_tokens, top_k = topk_ids.shape
         if max_tokens_per_rank is not None and num_tokens > max_tokens_per_rank:
             raise ValueError(f"{num_tokens} tokens exceed this step's max_tokens_per_rank={max_tokens_per_rank}")
-        payload = self._words(hidden)
+        payload = self._words(encode_rows(hidden) if self.dispatch_fp8 else hidden)  # int32 [T, W]
         layout = self._allocate(payload.shape[1] * 4, hidden.shape[1] * hidden.element_size(), top_k)
         ep, lmax, groups = layout.ep, layout.local_experts, layout.groups
 
@@ -192,7 +200,7 @@ class NvshmemDispatcher(Dispatcher):
             out_dtype=hidden.dtype,
         )
         return DispatchOutput(
-            hidden=out.view(hidden.dtype),
+            hidden=decode_rows(out, hidden.shape[1], hidden.dtype) if self.dispatch_fp8 else out.view(hidden.dtype),
             num_tokens_per_expert=running.view(lmax, ep).sum(1)[: self.placement.num_local_experts],
             num_tokens_per_expert_host=host_counts,
             layout=DispatchLayout.EXPERT_MAJOR,

@@ -85,7 +85,9 @@ class Worker:
         spec = self.spec
         placement = ExpertPlacement.contiguous(model_config(spec.model).num_experts, spec.parallel.ep, self.rank)
         backend = a2a_backend_for(spec.parallel.a2a_backend)
-        dispatcher = create_dispatcher(backend, placement, self.device, group=dist.group.WORLD)
+        dispatcher = create_dispatcher(
+            backend, placement, self.device, group=dist.group.WORLD, dispatch_fp8=spec.parallel.dispatch_fp8
+        )
         model = load_model(
             Path(spec.model), spec.dtype, self.device, dispatcher, self.tp, create_ops(spec.kernels, self.device)
         )

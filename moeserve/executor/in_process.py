@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from moeserve.config import EngineConfig, ModelConfig
-from moeserve.dispatch import ExpertPlacement
+from moeserve.dispatch import ExpertPlacement, create_dispatcher
 from moeserve.dispatch.expert_load import RoutedTokens
 from moeserve.executor.base import Executor
 from moeserve.models import load_model
@@ -32,7 +32,13 @@ class InProcessExecutor(Executor):
         eos_token_ids: Sequence[int],
     ) -> None:
         self.num_kv_blocks = num_kv_blocks
-        self.model = load_model(Path(config.model), dtype, config.device, ops=create_ops(config.kernels, config.device))
+        self._placement = ExpertPlacement.contiguous(model_config.num_experts)
+        dispatcher = create_dispatcher(
+            "local", self._placement, config.device, dispatch_fp8=config.parallel.dispatch_fp8
+        )
+        self.model = load_model(
+            Path(config.model), dtype, config.device, dispatcher, ops=create_ops(config.kernels, config.device)
+        )
         kv_caches = allocate_kv_caches(model_config, num_kv_blocks, config.cache.block_size, dtype, config.device)
         self.runner = ModelRunner(
             self.model,
@@ -43,7 +49,6 @@ class InProcessExecutor(Executor):
             seed=config.seed,
             two_batch_overlap=config.parallel.two_batch_overlap,
         )
-        self._placement = ExpertPlacement.contiguous(model_config.num_experts)
         self._moe_layers = model_config.moe_layer_indices
 
     def execute(self, plan: StepPlan) -> dict[str, SampledToken]:

@@ -38,6 +38,7 @@ class Case:
     tokens_per_rank: tuple[int, ...]
     dtype: torch.dtype
     seed: int
+    hidden_size: int = H
 
 
 def placement_for(case: Case, world_size: int, rank: int) -> ExpertPlacement:
@@ -50,7 +51,7 @@ def rank_inputs(case: Case, rank: int) -> tuple[torch.Tensor, torch.Tensor, torc
     """This rank's hidden `[T, H]`, topk_ids `[T, K]` and topk_weights `[T, K]`."""
     g = torch.Generator().manual_seed(case.seed * 1000 + rank)
     num_tokens = case.tokens_per_rank[rank]
-    hidden = torch.randn(num_tokens, H, generator=g).to(case.dtype)
+    hidden = torch.randn(num_tokens, case.hidden_size, generator=g).to(case.dtype)
     ids = routing(case.kind, num_tokens, case.num_experts, case.top_k, g)
     weights = torch.rand(num_tokens, case.top_k, generator=g)
     return hidden, ids, weights
@@ -59,8 +60,8 @@ def rank_inputs(case: Case, rank: int) -> tuple[torch.Tensor, torch.Tensor, torc
 def expert_weights(case: Case) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Every expert's w13 `[E, 2I, H]`, w2 `[E, H, I]`, and the toy experts' scale and shift `[E]`."""
     g = torch.Generator().manual_seed(case.seed)
-    w13 = torch.randn(case.num_experts, 2 * I, H, generator=g) * 0.3
-    w2 = torch.randn(case.num_experts, H, I, generator=g) * 0.3
+    w13 = torch.randn(case.num_experts, 2 * I, case.hidden_size, generator=g) * 0.3
+    w2 = torch.randn(case.num_experts, case.hidden_size, I, generator=g) * 0.3
     scale = torch.rand(case.num_experts, generator=g) + 0.5
     shift = torch.randn(case.num_experts, generator=g)
     return w13.to(case.dtype), w2.to(case.dtype), scale.to(case.dtype), shift.to(case.dtype)
@@ -69,7 +70,7 @@ def expert_weights(case: Case) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
 def make_experts(case: Case, experts: tuple[int, ...]) -> Experts:
     """The gated-MLP experts with the given global ids, in that order."""
     w13, w2, _, _ = expert_weights(case)
-    module = Experts(len(experts), H, I, case.dtype)
+    module = Experts(len(experts), case.hidden_size, I, case.dtype)
     index = torch.tensor(experts, dtype=torch.int64)
     module.w13.copy_(w13[index])
     module.w2.copy_(w2[index])
@@ -145,11 +146,11 @@ def run_cases(
     return {"cases": results, "refusals": refusals(rank, world_size) if backend == "torch" else []}
 
 
-def reference(case: Case, world_size: int):
+def reference(case: Case, world_size: int, dispatch_fp8: bool = False):
     """`local` on all ranks' tokens: its rows per expert and counts, combine() of the real and of the toy experts."""
     inputs = [rank_inputs(case, r) for r in range(world_size)]
     hidden, ids, weights = (torch.cat(parts) for parts in zip(*inputs))
-    local = create_dispatcher("local", ExpertPlacement.contiguous(case.num_experts))
+    local = create_dispatcher("local", ExpertPlacement.contiguous(case.num_experts), dispatch_fp8=dispatch_fp8)
     received = local.dispatch(hidden, ids, weights)
     all_experts = tuple(range(case.num_experts))
     out = local.combine(make_experts(case, all_experts)(received), received.handle)
@@ -157,12 +158,15 @@ def reference(case: Case, world_size: int):
     return *expert_major(received), out, toy_out
 
 
-def assert_matches_local(world_size: int, cases: list[Case], results: list[dict], low_latency_max_tokens: int) -> None:
+def assert_matches_local(
+    world_size: int, cases: list[Case], results: list[dict], low_latency_max_tokens: int, dispatch_fp8: bool = False
+) -> None:
     """Every rank's results (from `case_steps`) against `local` on all ranks' tokens: each expert
     gets exactly its rows in `local`'s order, the toy experts' combine is bit-equal, the real
-    experts' equal within rounding; and the mode (host read or padded rows) follows the bound."""
+    experts' equal within rounding; and the mode (host read or padded rows) follows the bound.
+    dispatch_fp8: the results come from FP8 dispatch, so `local` quantises too."""
     for c, case in enumerate(cases):
-        ref_hidden, ref_counts, ref_out, ref_toy = reference(case, world_size)
+        ref_hidden, ref_counts, ref_out, ref_toy = reference(case, world_size, dispatch_fp8)
         ref_rows = torch.split(ref_hidden, list(ref_counts))
         token_rows = torch.split(torch.arange(sum(case.tokens_per_rank)), list(case.tokens_per_rank))
         for rank in range(world_size):
@@ -217,3 +221,9 @@ def refusals(rank: int, world_size: int) -> list[str]:
         except ValueError as e:
             messages.append(str(e))
     return messages
+
+
+def run_backends(rank: int, world_size: int, cases: list[Case], backends: list[tuple[str, dict]]) -> list[dict]:
+    """`run_cases` for each (backend, options) in turn, in the same rank processes: one spawn
+    serves several backends."""
+    return [run_cases(rank, world_size, cases, name, options) for name, options in backends]

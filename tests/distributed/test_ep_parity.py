@@ -167,3 +167,25 @@ def test_nvshmem_backend_matches_single_process(reference, arch, overlap):
     with LLM(str(folder), ep=4, a2a_backend="nvshmem", two_batch_overlap=overlap, **ENGINE) as llm:
         got = [o.outputs[0].token_ids for o in llm.generate(prompts(), GREEDY, use_tqdm=False)]
     assert got == expected
+
+
+def test_fp8_dispatch_at_ep2_matches_ep1(reference):
+    """`--dispatch-fp8`: the MoE layers dispatch FP8 rows, and ep=1's `local` backend quantises
+    alike, so ep=2 (the `torch` all-to-all) gives ep=1's greedy tokens with FP8 on. Cumulative
+    logprobs show the option reaches both: FP8 moves them away from the unquantised run's, and
+    ep=2's land on ep=1's far closer than that."""
+    folder, _ = reference("qwen3_moe")
+    scored = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=0)
+
+    def run(**options) -> tuple[list[list[int]], list[float]]:
+        with LLM(str(folder), **ENGINE, **options) as llm:
+            outputs = [o.outputs[0] for o in llm.generate(prompts(), scored, use_tqdm=False)]
+        return [o.token_ids for o in outputs], [o.cumulative_logprob for o in outputs]
+
+    _, plain = run()
+    tokens, fp8 = run(dispatch_fp8=True)
+    ep2_tokens, ep2 = run(ep=2, dispatch_fp8=True)
+    assert ep2_tokens == tokens
+    fp8_shift = max(abs(a - b) for a, b in zip(fp8, plain))
+    ep_shift = max(abs(a - b) for a, b in zip(ep2, fp8))
+    assert ep_shift * 100 < fp8_shift, (ep_shift, fp8_shift)

@@ -27,13 +27,18 @@ def every(cases: list[Case], step: int) -> list[Case]:
     return cases[::step]
 
 
-def emulated_results(world_size: int, cases: list[Case], chunk_tokens: int) -> list[dict]:
+def emulated_results(world_size: int, cases: list[Case], chunk_tokens: int, dispatch_fp8: bool = False) -> list[dict]:
     """Per rank, like `run_cases`: every case through N emulated PEs in lockstep."""
     per_rank: list[dict] = [{"cases": []} for _ in range(world_size)]
     for case in cases:
         world = EmulatedWorld(world_size)
         dispatchers = [
-            NvshmemDispatcher(placement_for(case, world_size, r), heap=world.heaps[r], chunk_tokens=chunk_tokens)
+            NvshmemDispatcher(
+                placement_for(case, world_size, r),
+                heap=world.heaps[r],
+                chunk_tokens=chunk_tokens,
+                dispatch_fp8=dispatch_fp8,
+            )
             for r in range(world_size)
         ]
         steps = [case_steps(d, case, r, world_size) for r, d in enumerate(dispatchers)]

@@ -225,3 +225,14 @@ def test_two_batch_overlap_is_a_switch() -> None:
     assert overlap("generate", "--prompt", "hi", "--two-batch-overlap") is True
     assert overlap("launch", "--two-batch-overlap", "--no-two-batch-overlap") is False
     assert EngineConfig.from_options(two_batch_overlap=True).parallel.two_batch_overlap is True
+
+
+def test_dispatch_fp8_is_a_switch() -> None:
+    def fp8(*argv: str) -> bool:
+        args = parse(*argv)
+        return EngineConfig.from_options(**{n: getattr(args, n) for n in args.engine_options}).parallel.dispatch_fp8
+
+    assert fp8("launch") is False
+    assert fp8("launch", "--ep", "4", "--dispatch-fp8") is True
+    assert fp8("generate", "--prompt", "hi", "--dispatch-fp8") is True
+    assert EngineConfig.from_options(dispatch_fp8=True).parallel.dispatch_fp8 is True

@@ -108,3 +108,33 @@ def test_contiguous_placement_spreads_uneven_counts():
     assert [p.local_experts for p in placements] == [(0, 1, 2), (3, 4), (5, 6)]
     with pytest.raises(ValueError):
         ExpertPlacement.contiguous(2, ep_size=4)
+
+
+@pytest.mark.parametrize("backend", sorted(DISPATCHERS))
+def test_fp8_dispatch_hands_the_experts_dequantised_rows(one_rank_group, backend):
+    """With `dispatch_fp8` every backend's experts get `fp8.round_trip` of the tokens (bf16 rows,
+    H = 200: two groups, the second partial), bit for bit, and combine stays in bf16."""
+    from moeserve.dispatch.fp8 import round_trip
+
+    g = torch.Generator().manual_seed(3)
+    num_tokens, num_experts, top_k, hidden_size = 11, 8, 2, 200
+    x = torch.randn(num_tokens, hidden_size, generator=g).to(torch.bfloat16)
+    ids = routing("skewed", num_tokens, num_experts, top_k, g)
+    weights = torch.rand(num_tokens, top_k, generator=g)
+    dispatcher = create_dispatcher(backend, ExpertPlacement.contiguous(num_experts), dispatch_fp8=True)
+    for bound in (None, num_tokens):
+        received = dispatcher.dispatch(x, ids, weights, bound)
+        sent = round_trip(x)
+        assert received.hidden.dtype == torch.bfloat16 and not torch.equal(sent, x)
+        if received.layout is DispatchLayout.TOKEN_MAJOR:
+            assert torch.equal(received.hidden, sent)
+            pair_rows = received.hidden.repeat_interleave(top_k, dim=0)  # [T * K, H]
+        else:
+            pair_rows = received.hidden
+            by_expert = sent.index_select(0, torch.argsort(ids.flatten(), stable=True) // top_k)
+            assert torch.equal(received.hidden[: num_tokens * top_k], by_expert)
+            assert not received.hidden[num_tokens * top_k :].any()  # padding rows dequantise to zeros
+        out = dispatcher.combine(pair_rows * 2, received.handle)  # toy experts: double each row
+        weighted = (weights.to(torch.bfloat16)[:, :, None] * (2 * sent)[:, None, :]).sum(1)
+        assert out.dtype == torch.bfloat16
+        torch.testing.assert_close(out, weighted, rtol=1e-2, atol=1e-2)
