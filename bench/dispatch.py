@@ -34,6 +34,7 @@ import tempfile
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -44,7 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]  # run as a script from anywhere, moeserve installed or not
 
 from dispatch_check import HIGH_THROUGHPUT, LOW_LATENCY, cases_for, check_case, routing, symmetric_memory_cases  # noqa: E402
-from dispatch_timing import Clock, CudaClock, WallClock, rows_per_chunk, time_mode, traffic  # noqa: E402
+from dispatch_timing import Clock, CudaClock, WallClock, kernel_profile, rows_per_chunk, time_mode, traffic  # noqa: E402
 
 from moeserve.dispatch import ExpertPlacement, NvshmemDispatcher  # noqa: E402
 from moeserve.dispatch.symmetric import EmulatedWorld, run_lockstep  # noqa: E402
@@ -96,34 +97,60 @@ SMOKE = Plan(True, (2,), 8, 2, 64, 8, 2, 32, 8, 12, torch.bfloat16, 0, 1, 1)  # 
 
 
 class Run:
-    """The JSON record, written after every stage, and the stage now running (for the time limit)."""
+    """The JSON record, written after every stage, and a watchdog: a kernel that never returns (a
+    wait for a signal nobody sends) spins forever, so past `limit` seconds in all, or `stall`
+    seconds without progress, the record is saved with the stage it stopped in and the process exits."""
 
-    def __init__(self, path: Path, record: dict) -> None:
-        self.path, self.record, self.stage_name = path, record, "start"
+    def __init__(
+        self, path: Path, record: dict, limit: float, stall: float, exit: Callable[[int], object] = os._exit
+    ) -> None:
+        """exit: how the watchdog ends the process (os._exit: no waiting on a thread stuck in a kernel)."""
+        self.path, self.record, self.stage_name, self._exit = path, record, "start", exit
         self.record["stage_seconds"] = {}  # where a run's time goes (kernel compiles included)
-        self._since = time.monotonic()
+        self.started = self._since = self._progress = time.monotonic()
+        self._limit, self._stall, self._done = limit, stall, threading.Event()
         path.parent.mkdir(parents=True, exist_ok=True)
+        threading.Thread(target=self._watch, daemon=True).start()
 
     def stage(self, name: str | None) -> None:
         """Start stage `name` (None: the last one ended)."""
-        now = time.monotonic()
+        now = self._progress = time.monotonic()
         if self.stage_name != "start":
             self.record["stage_seconds"][self.stage_name] = round(now - self._since, 1)
         self.stage_name, self._since = name, now
         if name is not None:
             print(f"[dispatch] {name}", flush=True)
 
+    def progress(self) -> None:
+        self._progress = time.monotonic()
+
+    def left(self) -> float:
+        return self._limit - (time.monotonic() - self.started)
+
     def save(self) -> None:
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps(self.record, indent=2) + "\n")
         os.replace(tmp, self.path)
 
-    def expire(self, limit: float) -> None:
-        """Timer thread: a kernel that never returns (a wait for a signal nobody sends) must not cost the record."""
-        self.record["error"] = f"stopped at the {limit:.0f} s time limit during stage {self.stage_name!r}"
+    def finish(self) -> None:
+        self.stage(None)
+        self._done.set()
         self.save()
-        print(f"[dispatch] {self.record['error']}; wrote {self.path}", flush=True)
-        os._exit(3)
+
+    def _watch(self) -> None:
+        while not self._done.wait(min(2.0, self._stall / 4)):
+            now = time.monotonic()
+            if now - self.started > self._limit:
+                why = f"the {self._limit:.0f} s time limit"
+            elif now - self._progress > self._stall and self.stage_name != "symmetric_memory":  # that one has its own
+                why = f"{self._stall:.0f} s without progress (a wait that never returns?)"
+            else:
+                continue
+            self.record["error"] = f"stopped by {why} in stage {self.stage_name!r}"
+            self.save()
+            print(f"[dispatch] {self.record['error']}; wrote {self.path}", flush=True)
+            self._exit(3)
+            return
 
 
 def environment(device: torch.device) -> dict:
@@ -161,7 +188,7 @@ def copy_bandwidth(device: torch.device, clock: Clock, reps: int) -> dict:
     return {"copy_gbps": 2 * nbytes / statistics.median(times) / 1e3, "copy_bytes": nbytes}
 
 
-def correctness(plan: Plan, device: torch.device) -> dict:
+def correctness(plan: Plan, device: torch.device, progress: Callable[[], None]) -> dict:
     records = []
     for world in plan.worlds:
         for case in cases_for(world, plan.smoke):
@@ -179,6 +206,7 @@ def correctness(plan: Plan, device: torch.device) -> dict:
                 except Exception as e:  # noqa: BLE001 - a kernel that fails to build is a failed case, recorded
                     rec = {"world": world, "case": case.name, "mode": mode, "passed": False, "problems": [repr(e)]}
                 records.append(rec)
+                progress()
                 verdict = "bit-equal" if rec["passed"] else f"FAILED: {'; '.join(rec['problems'][:3])}"
                 print(f"  {world} PEs  {case.name:44s} {mode:15s} {verdict}", flush=True)
                 if device.type == "cuda":
@@ -205,13 +233,27 @@ def build_pes(plan: Plan, device: torch.device, tokens: int, comm_sms: int | Non
     return dispatchers, inputs
 
 
-def measure_mode(plan: Plan, device, clock: Clock, comm_sms, copy_gbps: float, mode: str, tokens: int) -> dict:
+def measure_mode(plan: Plan, device, clock: Clock, comm_sms: int | None, copy_gbps: float, mode: str) -> dict:
+    """One mode's timings on `plan.pes` emulated PEs (low-latency at `latency_tokens` per PE, with
+    a profile of where the device time goes; high-throughput at `bandwidth_tokens`)."""
+    tokens = plan.latency_tokens if mode == LOW_LATENCY else plan.bandwidth_tokens
     dispatchers, inputs = build_pes(plan, device, tokens, comm_sms)
     bound = tokens if mode == LOW_LATENCY else None
     figures, sent, retried = time_mode(dispatchers, inputs, mode, bound, clock, plan.warmup, plan.reps)
     chunk_rows = rows_per_chunk(sent)
     moved = traffic(figures, chunk_rows, tokens, plan.pes, plan.hidden * plan.dtype.itemsize)
     fractions = {k.replace("_gbps", "_fraction_of_copy"): v / copy_gbps for k, v in moved.items() if k.endswith("gbps")}
+    profile = {}
+    if mode == LOW_LATENCY and device.type == "cuda":  # on CPU the profiler's start alone takes seconds
+
+        def once() -> None:
+            sent = run_lockstep([d.dispatch_steps(*i, bound) for d, i in zip(dispatchers, inputs)])
+            run_lockstep([d.combine_steps(o.hidden, o.handle) for d, o in zip(dispatchers, sent)])
+
+        try:
+            profile["profile_per_pe"] = kernel_profile(once, device, plan.pes)
+        except Exception as e:  # noqa: BLE001 - the profile is an extra; the timings stand without it
+            profile["profile_per_pe"] = [{"error": f"{type(e).__name__}: {e}"}]
     return {
         "mode": mode,
         "pes": plan.pes,
@@ -228,6 +270,7 @@ def measure_mode(plan: Plan, device, clock: Clock, comm_sms, copy_gbps: float, m
         **figures,
         **moved,
         **fractions,
+        **profile,
     }
 
 
@@ -404,11 +447,16 @@ def summary(record: dict) -> list[str]:
         lines.append(
             f"high-throughput: dispatch stream at {ht['fraction_of_copy']:.0%} of copy (goal 80%), met: {ht['met']}"
         )
+    if "dispatch_stream_fraction_of_copy" in record.get("bandwidth_all_sms", {}):
+        every = record["bandwidth_all_sms"]
+        lines.append(
+            f"  the same on all {every['comm_programs']} SMs: {every['dispatch_stream_fraction_of_copy']:.0%} of copy"
+        )
     if "overlap" in v:
         lines.append(
             f"overlap: {v['overlap']['ratio']:.2f}x the longer alone (goal <= 1.1x), met: {v['overlap']['met']}"
         )
-    for stage in ("latency", "bandwidth", "overlap"):
+    for stage in ("latency", "bandwidth", "overlap", "bandwidth_all_sms"):
         if "error" in record.get(stage, {}):
             lines.append(f"{stage}: {record[stage]['error']}")
     return lines
@@ -429,6 +477,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, help="timed repeats (default: 10, smoke 1)")
     parser.add_argument("--comm-sms", type=int, help="programs of each communication kernel (default: the backend's)")
     parser.add_argument("--time-limit", type=float, default=540.0, help="seconds before the run stops and saves")
+    parser.add_argument("--stall-limit", type=float, default=180.0, help="seconds without progress before it stops")
     parser.add_argument("--symmetric-child", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.symmetric_child:
@@ -442,11 +491,12 @@ def main(argv: list[str] | None = None) -> int:
     plan = SMOKE if args.smoke else FULL
     plan = replace(plan, reps=args.reps) if args.reps else plan
     device = torch.device("cuda" if cuda else "cpu")
-    started = time.monotonic()
-    run = Run(args.out or default_out(args.smoke), {"bench": "dispatch", "smoke": plan.smoke, "goals": GOALS})
-    timer = threading.Timer(args.time_limit, run.expire, (args.time_limit,))
-    timer.daemon = True
-    timer.start()
+    run = Run(
+        args.out or default_out(args.smoke),
+        {"bench": "dispatch", "smoke": plan.smoke, "goals": GOALS},
+        args.time_limit,
+        args.stall_limit,
+    )
 
     run.stage("environment")
     clock = CudaClock() if cuda else WallClock()
@@ -457,20 +507,20 @@ def main(argv: list[str] | None = None) -> int:
     run.save()
 
     run.stage("correctness")
-    run.record["correctness"] = correctness(plan, device)
+    run.record["correctness"] = correctness(plan, device, run.progress)
     run.save()
     correct = run.record["correctness"]["passed"]
 
     copy_gbps = run.record["copy"]["copy_gbps"]
     stages = {
-        "latency": lambda: measure_mode(
-            plan, device, clock, args.comm_sms, copy_gbps, LOW_LATENCY, plan.latency_tokens
-        ),
-        "bandwidth": lambda: measure_mode(
-            plan, device, clock, args.comm_sms, copy_gbps, HIGH_THROUGHPUT, plan.bandwidth_tokens
-        ),
+        "latency": lambda: measure_mode(plan, device, clock, args.comm_sms, copy_gbps, LOW_LATENCY),
+        "bandwidth": lambda: measure_mode(plan, device, clock, args.comm_sms, copy_gbps, HIGH_THROUGHPUT),
         "overlap": lambda: measure_overlap(plan, device, clock, args.comm_sms),
     }
+    if cuda:  # how much of the gap to the copy is the comm kernels' few SMs, how much the protocol
+        stages["bandwidth_all_sms"] = lambda: measure_mode(
+            plan, device, clock, env["sm_count"], copy_gbps, HIGH_THROUGHPUT
+        )
     for name, stage in stages.items():
         run.stage(name)
         if not correct:
@@ -486,11 +536,8 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.empty_cache()
 
     run.stage("symmetric_memory")
-    left = args.time_limit - (time.monotonic() - started) - 15
-    run.record["symmetric_memory"] = symmetric_memory(device, left)
-    run.stage(None)
-    run.save()
-    timer.cancel()
+    run.record["symmetric_memory"] = symmetric_memory(device, run.left() - 15)
+    run.finish()
     print("\n".join(summary(run.record)) + f"\nwrote {run.path}", flush=True)
     return 0 if correct else 1
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Collection, Generator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,7 +50,7 @@ class WallClock:
 
     name = "wall clock"
 
-    def begin(self) -> float:
+    def begin(self, keep_ahead: bool = True) -> float:
         return time.perf_counter()
 
     def end(self, start: float) -> Segment:
@@ -98,8 +98,9 @@ class CudaClock:
         event.record(stream)
         return event
 
-    def begin(self) -> torch.cuda.Event:
-        if self._ran_dry or self._last is None or self._last.query():
+    def begin(self, keep_ahead: bool = True) -> torch.cuda.Event:
+        """keep_ahead=False: the segment reads the device from the host, which waits for any sleep."""
+        if keep_ahead and (self._ran_dry or self._last is None or self._last.query()):
             torch.cuda._sleep(int(self.sleep_us * self.cycles_per_us))
         return self._record()
 
@@ -141,17 +142,18 @@ Clock = WallClock | CudaClock
 
 
 def timed_lockstep(
-    steps: Sequence[Generator[None, None, Any]], clock: Clock
+    steps: Sequence[Generator[None, None, Any]], clock: Clock, host_reads: Collection[int] = ()
 ) -> tuple[list[Any], list[list[Segment]], float]:
     """`run_lockstep` with every step of every PE a timed segment: the PEs' results, their
-    segments in step order, and the host's wall time for the whole."""
+    segments in step order, and the host's wall time for the whole. Steps in `host_reads` read
+    the device: no sleep before them, which the read would only wait out."""
     results: list[Any] = [None] * len(steps)
     segments: list[list[Segment]] = [[] for _ in steps]
     running = dict(enumerate(steps))
     started = time.perf_counter()
     while running:
         for rank, gen in list(running.items()):
-            mark = clock.begin()
+            mark = clock.begin(keep_ahead=len(segments[rank]) not in host_reads)
             try:
                 next(gen)
             except StopIteration as done:
@@ -201,7 +203,7 @@ def time_mode(
         return [d.combine_steps(o.hidden, o.handle) for d, o in zip(dispatchers, sent)]
 
     def once() -> tuple[dict[str, float], list[Any], int]:
-        sent, d_segs, d_host = timed_lockstep(dispatch_steps(), clock)
+        sent, d_segs, d_host = timed_lockstep(dispatch_steps(), clock, HOST_READ_STEPS.get(("dispatch", mode), ()))
         _, c_segs, c_host = timed_lockstep(combine_steps(sent), clock)
         clock.settle()
         figures = {}
@@ -255,3 +257,26 @@ def traffic(figures: dict[str, float], chunk_rows: list[int], tokens: int, pes: 
     if "dispatch_stream_us" in figures:
         out["dispatch_stream_gbps"] = gbps(2 * row_bytes * (sum(chunk_rows[1:]) + rows), figures["dispatch_stream_us"])
     return out
+
+
+def kernel_profile(run: Callable[[], object], device: torch.device, pes: int, top: int = 12) -> list[dict]:
+    """Where one run's time goes, per PE, largest first: device time per kernel on CUDA (the
+    zero-fill of a padded output, the sends, the waits, the small torch ops), host time per op on
+    CPU (smoke: the same code path, figures of no interest)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
+    with profile(activities=activities) as prof:
+        run()
+        if cuda:
+            torch.cuda.synchronize()
+    rows = []
+    for event in prof.key_averages():
+        if cuda and event.device_type != DeviceType.CUDA:
+            continue  # host-side ops: their kernels are rows of their own
+        us = event.self_device_time_total if cuda else event.self_cpu_time_total
+        if us > 0:
+            rows.append({"name": event.key[:120], "us": us / pes, "calls": event.count / pes})
+    return sorted(rows, key=lambda row: -row["us"])[:top]

@@ -13,6 +13,7 @@ import importlib.util
 import json
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -71,6 +72,7 @@ def test_smoke_run_walks_every_stage(tmp_path: Path) -> None:
     assert lat["rows_moved"] == plan["pes"] * plan["latency_tokens"] * plan["top_k"]
     assert lat["dispatch_total_us"] == pytest.approx(lat["dispatch_send_us"] + lat["dispatch_receive_us"])
     assert lat["host_enqueue_us"] > 0 and lat["combine_total_us"] > 0
+    assert "profile_per_pe" not in lat  # CUDA only
     assert bw["mode"] == "high_throughput" and bw["chunks"] == -(-plan["bandwidth_tokens"] // plan["chunk_tokens"])
     assert bw["rows_moved"] == plan["pes"] * plan["bandwidth_tokens"] * plan["top_k"]
     assert bw["dispatch_stream_fraction_of_copy"] > 0 and "host_enqueue_us" not in bw
@@ -90,6 +92,16 @@ def test_without_cuda_it_asks_for_smoke(capsys: pytest.CaptureFixture[str]) -> N
     assert _bench().main([]) == 2
     err = capsys.readouterr().err
     assert "--smoke" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_stalled_run_saves_its_record_and_exits(tmp_path: Path) -> None:
+    """A wait kernel that never returns must not cost the record: the watchdog saves it and exits 3."""
+    out, codes, exited = tmp_path / "stalled.json", [], threading.Event()
+    run = _bench().Run(out, {"bench": "dispatch"}, limit=60, stall=0.2, exit=lambda c: (codes.append(c), exited.set()))
+    run.stage("correctness")
+    assert exited.wait(10) and codes == [3]
+    record = json.loads(out.read_text())
+    assert "without progress" in record["error"] and "'correctness'" in record["error"]
 
 
 # --- the comparison that decides "bit-equal" -------------------------------------------------
