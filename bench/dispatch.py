@@ -14,11 +14,14 @@
    low-latency dispatch and combine at 128 tokens per PE; high-throughput at 4096 tokens per PE
    as GB/s of kernel traffic and its fraction of the copy's; and overlap: the low-latency
    dispatch + combine (kernels on `num_comm_sms` programs) on one stream beside `fused_moe`
-   (capped to the other SMs by `max_programs`) on another, as time(both) / max(time alone).
+   (capped to the other SMs by `max_programs`) on another, as time(both) / max(time alone). On
+   CUDA also the high-throughput run with the comm kernels on every SM, and the low-latency
+   run's device time per kernel.
 
-Without CUDA and without --smoke: one line, exit status 2. Exit 1: a case was not bit-equal;
-3: the run reached --time-limit (the JSON says in which stage). The JSON is written after every
-stage, so a run cut short keeps what it measured.
+Without CUDA and without --smoke: one line, exit status 2. Exit 1: a case was not bit-equal
+(emulated, or over symmetric memory); 3: the run reached --time-limit, or --stall-limit without
+progress (the JSON says in which stage). The JSON is written after every stage, so a run cut
+short keeps what it measured.
 """
 
 from __future__ import annotations
@@ -67,8 +70,9 @@ EMULATION = (
     "PEs' kernels run one after another on one stream and share this device's SMs and HBM. A per-PE "
     "figure is the device time of the kernels (and small torch ops) one PE runs, summed over its "
     "steps and averaged over the PEs: a loopback through HBM, without NVLink's bandwidth and latency "
-    "and without waiting for the slowest peer, and with the host's launch time left out (host_us "
-    "gives it). Compare it with NVLink figures as a bound on the kernels' own cost, not as an equal."
+    "and without waiting for the slowest peer, and with the host's launch time left out (the "
+    "low-latency host_enqueue_us gives it). Compare it with NVLink figures as a bound on the kernels' "
+    "own cost, not as an equal."
 )
 
 
@@ -539,7 +543,8 @@ def main(argv: list[str] | None = None) -> int:
     run.record["symmetric_memory"] = symmetric_memory(device, run.left() - 15)
     run.finish()
     print("\n".join(summary(run.record)) + f"\nwrote {run.path}", flush=True)
-    return 0 if correct else 1
+    symmetric = run.record["symmetric_memory"]
+    return 0 if correct and (symmetric.get("passed") or not symmetric.get("ran")) else 1
 
 
 if __name__ == "__main__":
