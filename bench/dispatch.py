@@ -6,17 +6,17 @@
 1. Environment: device, torch/triton versions, SM count, and a 1 GiB device-to-device copy's
    bandwidth (read + write bytes), which every bandwidth figure below is a fraction of.
 2. Correctness (`dispatch_check.py`): emulated PEs (2, 4 and 8) in both modes, bf16 and fp32,
-   several routings: received rows, counts and combine output bit-equal to the `local`
+   FP8 rows or not, several routings: received rows, counts and combine output bit-equal to the `local`
    dispatcher on all PEs' tokens. Then (last, in a child process, so a hang or crash there
    costs nothing else) world 1 over PyTorch symmetric memory / NVSHMEM where it runs, or why not.
 3. Only if every emulated case is bit-equal, at DeepSeek-V3's shape (hidden 7168, 256 experts,
    top-8, bf16) on 8 emulated PEs (`dispatch_timing.py` says how the device is timed):
-   low-latency dispatch and combine at 128 tokens per PE; high-throughput at 4096 tokens per PE
-   as GB/s of kernel traffic and its fraction of the copy's; and overlap: the low-latency
-   dispatch + combine (kernels on `num_comm_sms` programs) on one stream beside `fused_moe`
-   (capped to the other SMs by `max_programs`) on another, as time(both) / max(time alone). On
-   CUDA also the high-throughput run with the comm kernels on every SM, and the low-latency
-   run's device time per kernel.
+   low-latency dispatch and combine at 128 tokens per PE (bf16 rows, and FP8 rows);
+   high-throughput at 4096 tokens per PE as GB/s of kernel traffic and its fraction of the
+   copy's; and overlap: the low-latency dispatch + combine (kernels on `num_comm_sms` programs)
+   on one stream beside `fused_moe` (capped to the other SMs by `max_programs`) on another, as
+   time(both) / max(time alone). On CUDA also the high-throughput run with the comm kernels on
+   every SM, and the low-latency run's device time per kernel.
 
 Without CUDA and without --smoke: one line, exit status 2. Exit 1: a case was not bit-equal
 (emulated, or over symmetric memory); 3: the run reached --time-limit, or --stall-limit without
@@ -51,6 +51,7 @@ from dispatch_check import HIGH_THROUGHPUT, LOW_LATENCY, cases_for, check_case, 
 from dispatch_timing import Clock, CudaClock, WallClock, kernel_profile, rows_per_chunk, time_mode, traffic  # noqa: E402
 
 from moeserve.dispatch import ExpertPlacement, NvshmemDispatcher  # noqa: E402
+from moeserve.dispatch.fp8 import packed_row_bytes  # noqa: E402
 from moeserve.dispatch.symmetric import EmulatedWorld, run_lockstep  # noqa: E402
 from moeserve.dispatch.symmetric.nvshmem_heap import nvshmem_heap_unavailable  # noqa: E402
 
@@ -219,7 +220,7 @@ def correctness(plan: Plan, device: torch.device, progress: Callable[[], None]) 
             "cases": records}  # fmt: skip
 
 
-def build_pes(plan: Plan, device: torch.device, tokens: int, comm_sms: int | None):
+def build_pes(plan: Plan, device: torch.device, tokens: int, comm_sms: int | None, fp8: bool = False):
     """`plan.pes` emulated PEs at the plan's shape, each with `tokens` uniformly routed tokens."""
     world = EmulatedWorld(plan.pes, device)
     g = torch.Generator(device=device).manual_seed(0)
@@ -228,7 +229,12 @@ def build_pes(plan: Plan, device: torch.device, tokens: int, comm_sms: int | Non
         placement = ExpertPlacement.contiguous(plan.num_experts, plan.pes, rank)
         dispatchers.append(
             NvshmemDispatcher(
-                placement, device=device, heap=world.heaps[rank], chunk_tokens=plan.chunk_tokens, num_comm_sms=comm_sms
+                placement,
+                device=device,
+                heap=world.heaps[rank],
+                chunk_tokens=plan.chunk_tokens,
+                num_comm_sms=comm_sms,
+                dispatch_fp8=fp8,
             )
         )
         hidden = torch.randn(tokens, plan.hidden, generator=g, device=device).to(plan.dtype)
@@ -237,15 +243,19 @@ def build_pes(plan: Plan, device: torch.device, tokens: int, comm_sms: int | Non
     return dispatchers, inputs
 
 
-def measure_mode(plan: Plan, device, clock: Clock, comm_sms: int | None, copy_gbps: float, mode: str) -> dict:
+def measure_mode(
+    plan: Plan, device, clock: Clock, comm_sms: int | None, copy_gbps: float, mode: str, fp8: bool = False
+) -> dict:
     """One mode's timings on `plan.pes` emulated PEs (low-latency at `latency_tokens` per PE, with
     a profile of where the device time goes; high-throughput at `bandwidth_tokens`)."""
     tokens = plan.latency_tokens if mode == LOW_LATENCY else plan.bandwidth_tokens
-    dispatchers, inputs = build_pes(plan, device, tokens, comm_sms)
+    dispatchers, inputs = build_pes(plan, device, tokens, comm_sms, fp8)
     bound = tokens if mode == LOW_LATENCY else None
     figures, sent, retried = time_mode(dispatchers, inputs, mode, bound, clock, plan.warmup, plan.reps)
     chunk_rows = rows_per_chunk(sent)
-    moved = traffic(figures, chunk_rows, tokens, plan.pes, plan.hidden * plan.dtype.itemsize)
+    out_row_bytes = plan.hidden * plan.dtype.itemsize
+    row_bytes = packed_row_bytes(plan.hidden) if fp8 else out_row_bytes
+    moved = traffic(figures, chunk_rows, tokens, plan.pes, row_bytes, out_row_bytes)
     fractions = {k.replace("_gbps", "_fraction_of_copy"): v / copy_gbps for k, v in moved.items() if k.endswith("gbps")}
     profile = {}
     if mode == LOW_LATENCY and device.type == "cuda":  # on CPU the profiler's start alone takes seconds
@@ -266,6 +276,8 @@ def measure_mode(plan: Plan, device, clock: Clock, comm_sms: int | None, copy_gb
         "num_experts": plan.num_experts,
         "top_k": plan.top_k,
         "dtype": str(plan.dtype).removeprefix("torch."),
+        "dispatch_fp8": fp8,
+        "dispatch_row_bytes": row_bytes,
         "chunk_tokens": plan.chunk_tokens,
         "chunks": len(chunk_rows),
         "comm_programs": dispatchers[0].num_programs,
@@ -413,11 +425,13 @@ def symmetric_child(path: Path) -> int:
 def verdicts(record: dict) -> dict:
     """Each goal against its figure; `met` is None in a smoke run (wall clock of the interpreter)."""
     out, smoke = {}, record["smoke"]
-    lat, bw, ov = (record.get(k, {}) for k in ("latency", "bandwidth", "overlap"))
-    if "dispatch_total_us" in lat:
-        d, c = lat["dispatch_total_us"], lat["combine_total_us"]
-        met = d <= GOALS["pplx_nvlink_ep8_dispatch_us"] and c <= GOALS["pplx_nvlink_ep8_combine_us"]
-        out["low_latency"] = {"dispatch_us": d, "combine_us": c, "met": met}
+    bw, ov = record.get("bandwidth", {}), record.get("overlap", {})
+    for name in ("latency", "latency_fp8"):  # bf16 rows, and FP8 rows (combine in bf16 either way)
+        lat = record.get(name, {})
+        if "dispatch_total_us" in lat:
+            d, c = lat["dispatch_total_us"], lat["combine_total_us"]
+            met = d <= GOALS["pplx_nvlink_ep8_dispatch_us"] and c <= GOALS["pplx_nvlink_ep8_combine_us"]
+            out[name.replace("latency", "low_latency")] = {"dispatch_us": d, "combine_us": c, "met": met}
     if "dispatch_stream_fraction_of_copy" in bw:
         f = bw["dispatch_stream_fraction_of_copy"]
         out["high_throughput"] = {"fraction_of_copy": f, "met": f >= GOALS["min_fraction_of_copy"]}
@@ -440,12 +454,14 @@ def summary(record: dict) -> list[str]:
         + (("passed" if sym.get("passed") else "FAILED") if sym.get("ran") else f"not run: {sym.get('reason')}"),
     ]
     v = record.get("verdicts", {})
-    if "low_latency" in v:
-        ll = v["low_latency"]
-        lines.append(
-            f"low-latency {record['plan']['latency_tokens']} tok/PE: dispatch {ll['dispatch_us']:.1f} us (pplx 83.6), "
-            f"combine {ll['combine_us']:.1f} us (pplx 102.3), met: {ll['met']}  [emulated loopback, not NVLink]"
-        )
+    for name, rows in (("low_latency", "bf16"), ("low_latency_fp8", "FP8")):
+        if name in v:
+            ll = v[name]
+            tokens = record["plan"]["latency_tokens"]
+            lines.append(
+                f"low-latency {tokens} tok/PE, {rows} rows: dispatch {ll['dispatch_us']:.1f} us (pplx 83.6), "
+                f"combine {ll['combine_us']:.1f} us (pplx 102.3), met: {ll['met']}  [emulated loopback]"
+            )
     if "high_throughput" in v:
         ht = v["high_throughput"]
         lines.append(
@@ -460,7 +476,7 @@ def summary(record: dict) -> list[str]:
         lines.append(
             f"overlap: {v['overlap']['ratio']:.2f}x the longer alone (goal <= 1.1x), met: {v['overlap']['met']}"
         )
-    for stage in ("latency", "bandwidth", "overlap", "bandwidth_all_sms"):
+    for stage in ("latency", "latency_fp8", "bandwidth", "overlap", "bandwidth_all_sms"):
         if "error" in record.get(stage, {}):
             lines.append(f"{stage}: {record[stage]['error']}")
     return lines
@@ -518,6 +534,7 @@ def main(argv: list[str] | None = None) -> int:
     copy_gbps = run.record["copy"]["copy_gbps"]
     stages = {
         "latency": lambda: measure_mode(plan, device, clock, args.comm_sms, copy_gbps, LOW_LATENCY),
+        "latency_fp8": lambda: measure_mode(plan, device, clock, args.comm_sms, copy_gbps, LOW_LATENCY, fp8=True),
         "bandwidth": lambda: measure_mode(plan, device, clock, args.comm_sms, copy_gbps, HIGH_THROUGHPUT),
         "overlap": lambda: measure_overlap(plan, device, clock, args.comm_sms),
     }

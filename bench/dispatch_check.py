@@ -44,6 +44,7 @@ class Case:
     pattern: tuple[int, ...]  # PE r gets pattern[r % len(pattern)] tokens
     dtype: torch.dtype
     seed: int
+    fp8: bool = False  # dispatch FP8 rows (per-128 e4m3 with scales); `local` applies the same round trip
 
     def tokens(self, world: int) -> tuple[int, ...]:
         return tuple(self.pattern[r % len(self.pattern)] for r in range(world))
@@ -57,12 +58,13 @@ class Case:
 
 def cases_for(world: int, smoke: bool) -> list[Case]:
     """DeepSeek-V3's shape in bf16 and fp32, odd row sizes, experts that do not split evenly, a
-    hot expert, one expert taking every first pick, PEs without tokens, and (at 8 PEs) a PE
-    without experts. Smoke: two tiny cases the interpreter runs in seconds."""
+    hot expert, one expert taking every first pick, PEs without tokens, FP8 rows (a partial last
+    scale group too), and (at 8 PEs) a PE without experts. Smoke: two tiny cases the interpreter
+    runs in seconds."""
     bf16, fp32 = torch.bfloat16, torch.float32
     if smoke:
         return [
-            Case("E8-k2-uniform-contiguous-bf16", 8, 2, 16, "uniform", "contiguous", SMOKE_SMALL, bf16, 1),
+            Case("E8-k2-uniform-contiguous-bf16-fp8", 8, 2, 16, "uniform", "contiguous", SMOKE_SMALL, bf16, 1, True),
             Case("E5-k3-skewed-round_robin-fp32-3chunks", 5, 3, 12, "skewed", "round_robin", SMOKE_LARGE, fp32, 2),
         ]
     odd = 2 * world + 1
@@ -72,6 +74,8 @@ def cases_for(world: int, smoke: bool) -> list[Case]:
         Case(f"E{odd}-k3-one_expert-round_robin-bf16-H2050", odd, 3, 2050, "one_expert", "round_robin", LARGE, bf16, 3),
         Case("E16-k4-uniform-contiguous-fp32-H1000", 16, 4, 1000, "uniform", "contiguous", LARGE, fp32, 4),
         Case("no-tokens-anywhere", 8, 2, 256, "uniform", "contiguous", (0,), fp32, 5),
+        Case("dsv3-E256-k8-skewed-contiguous-bf16-fp8", 256, 8, 7168, "skewed", "contiguous", SMALL, bf16, 7, True),
+        Case("E16-k4-uniform-round_robin-fp32-H1000-fp8", 16, 4, 1000, "uniform", "round_robin", LARGE, fp32, 8, True),
     ]
     if world == 8:  # 7 experts dealt over 8 PEs: PE 7 holds none
         cases.append(Case("rank-without-experts-E7", 7, 2, 512, "skewed", "round_robin", SMALL, bf16, 6))
@@ -147,8 +151,9 @@ class Reference:
 
 def reference(case: Case, inputs: list[tuple[torch.Tensor, ...]], scale, shift) -> Reference:
     hidden, ids, weights = (torch.cat(parts) for parts in zip(*inputs))
-    local = LocalDispatcher(ExpertPlacement.contiguous(case.num_experts))
+    local = LocalDispatcher(ExpertPlacement.contiguous(case.num_experts), dispatch_fp8=case.fp8)
     received = local.dispatch(hidden, ids, weights)
+    hidden = received.hidden  # the tokens as the experts see them (FP8: quantised and back)
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
     counts = received.num_tokens_per_expert.tolist()
@@ -202,12 +207,14 @@ def check_case(
     chunk_tokens: int,
 ) -> dict:
     """One case in one mode on `world` PEs of the heaps `heaps()` returns; a record for the JSON."""
-    record = {"world": world, "case": case.name, "mode": mode, "dtype": str(case.dtype).removeprefix("torch.")}
+    dtype = str(case.dtype).removeprefix("torch.")
+    record = {"world": world, "case": case.name, "mode": mode, "dtype": dtype, "fp8": case.fp8}
     inputs = [rank_inputs(case, world, r, device) for r in range(world)]
     placements = [placement_for(case, world, r) for r in range(world)]
     scale, shift = toy_weights(case, device)
     dispatchers = [
-        NvshmemDispatcher(p, device=device, heap=h, chunk_tokens=chunk_tokens) for p, h in zip(placements, heaps())
+        NvshmemDispatcher(p, device=device, heap=h, chunk_tokens=chunk_tokens, dispatch_fp8=case.fp8)
+        for p, h in zip(placements, heaps())
     ]
 
     def experts_of(placement: ExpertPlacement) -> Callable[[DispatchOutput], torch.Tensor]:

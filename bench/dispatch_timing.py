@@ -235,7 +235,9 @@ def rows_per_chunk(sent: Sequence[Any]) -> list[int]:
     return [int(x) for x in sum(o.handle.chunk_counts.sum(1) for o in sent).tolist()]
 
 
-def traffic(figures: dict[str, float], chunk_rows: list[int], tokens: int, pes: int, row_bytes: int) -> dict:
+def traffic(
+    figures: dict[str, float], chunk_rows: list[int], tokens: int, pes: int, row_bytes: int, out_row_bytes: int
+) -> dict:
     """GB/s of the bytes the kernels must read and write, over every PE's time.
 
     A row sent is read from the sender's tokens and written into the receiver's slot, then read
@@ -243,7 +245,8 @@ def traffic(figures: dict[str, float], chunk_rows: list[int], tokens: int, pes: 
     the accounting of a device-to-device copy's bandwidth (read + write). Metadata (4 bytes a
     row) is left out. The dispatch's "stream" steps receive every chunk and send all but the
     first; combine sends every row back (2x) and reduces, at the least reading each row once
-    and writing each token once."""
+    and writing each token once. row_bytes: a dispatched row on the wire (FP8: bytes and
+    scales); out_row_bytes: an expert's output row, which combine moves."""
     rows = sum(chunk_rows)
 
     def gbps(nbytes: int, per_pe_us: float) -> float:
@@ -252,7 +255,7 @@ def traffic(figures: dict[str, float], chunk_rows: list[int], tokens: int, pes: 
     out = {
         "rows_moved": rows,
         "dispatch_gbps": gbps(4 * rows * row_bytes, figures["dispatch_total_us"]),
-        "combine_gbps": gbps((3 * rows + tokens * pes) * row_bytes, figures["combine_total_us"]),
+        "combine_gbps": gbps((3 * rows + tokens * pes) * out_row_bytes, figures["combine_total_us"]),
     }
     if "dispatch_stream_us" in figures:
         out["dispatch_stream_gbps"] = gbps(2 * row_bytes * (sum(chunk_rows[1:]) + rows), figures["dispatch_stream_us"])

@@ -62,9 +62,10 @@ def test_smoke_run_walks_every_stage(tmp_path: Path) -> None:
 
     checks = record["correctness"]
     assert checks["passed"] and all(c["passed"] and not c["problems"] for c in checks["cases"])
-    assert {(c["mode"], c["dtype"]) for c in checks["cases"]} >= {
-        ("low_latency", "bfloat16"),
-        ("high_throughput", "float32"),
+    assert {(c["mode"], c["dtype"], c["fp8"]) for c in checks["cases"]} >= {
+        ("low_latency", "bfloat16", True),
+        ("high_throughput", "bfloat16", True),
+        ("high_throughput", "float32", False),
     }
 
     lat, bw, ov = record["latency"], record["bandwidth"], record["overlap"]
@@ -73,6 +74,9 @@ def test_smoke_run_walks_every_stage(tmp_path: Path) -> None:
     assert lat["dispatch_total_us"] == pytest.approx(lat["dispatch_send_us"] + lat["dispatch_receive_us"])
     assert lat["host_enqueue_us"] > 0 and lat["combine_total_us"] > 0
     assert "profile_per_pe" not in lat  # CUDA only
+    fp8 = record["latency_fp8"]
+    assert fp8["dispatch_fp8"] and not lat["dispatch_fp8"] and fp8["rows_moved"] == lat["rows_moved"]
+    assert lat["dispatch_row_bytes"] == plan["hidden"] * 2 and fp8["dispatch_row_bytes"] == plan["hidden"] + 4
     assert bw["mode"] == "high_throughput" and bw["chunks"] == -(-plan["bandwidth_tokens"] // plan["chunk_tokens"])
     assert bw["rows_moved"] == plan["pes"] * plan["bandwidth_tokens"] * plan["top_k"]
     assert bw["dispatch_stream_fraction_of_copy"] > 0 and "host_enqueue_us" not in bw
@@ -80,7 +84,7 @@ def test_smoke_run_walks_every_stage(tmp_path: Path) -> None:
     assert ov["ratio"] == pytest.approx(ov["both_us"] / max(ov["comm_alone_us"], ov["gemm_alone_us"]))
     assert ov["gemm_programs"] == max(1, ov["sm_count"] - ov["comm_programs"])
 
-    assert set(record["verdicts"]) == {"low_latency", "high_throughput", "overlap"}
+    assert set(record["verdicts"]) == {"low_latency", "low_latency_fp8", "high_throughput", "overlap"}
     assert all(v["met"] is None for v in record["verdicts"].values())  # interpreter wall clock: no verdict
     assert not record["symmetric_memory"]["ran"] and "CUDA" in record["symmetric_memory"]["reason"]
     assert set(record["stage_seconds"]) >= {"correctness", "latency", "bandwidth", "overlap", "symmetric_memory"}
@@ -211,10 +215,10 @@ def test_timed_lockstep_times_every_step_of_every_pe() -> None:
 def test_traffic_counts_read_and_write_bytes_of_each_kernel() -> None:
     timing = _timing()
     figures = {"dispatch_total_us": 10.0, "combine_total_us": 5.0, "dispatch_stream_us": 4.0}
-    moved = timing.traffic(figures, chunk_rows=[6, 2], tokens=3, pes=2, row_bytes=1000)
+    moved = timing.traffic(figures, chunk_rows=[6, 2], tokens=3, pes=2, row_bytes=1000, out_row_bytes=1500)
     assert moved["rows_moved"] == 8
     assert moved["dispatch_gbps"] == pytest.approx(4 * 8 * 1000 / 20 / 1e3)  # send + receive, 2x each
-    assert moved["combine_gbps"] == pytest.approx((3 * 8 + 6) * 1000 / 10 / 1e3)
+    assert moved["combine_gbps"] == pytest.approx((3 * 8 + 6) * 1500 / 10 / 1e3)
     assert moved["dispatch_stream_gbps"] == pytest.approx(2 * 1000 * (2 + 8) / 8 / 1e3)  # sends 1.., receives all
 
 
