@@ -76,7 +76,7 @@ class StepOutput:
     sampled: dict[str, SampledToken]
     """Filled by the first rank of each tensor-parallel group, the one that samples."""
     routed_tokens: list[list[int]] | None = None
-    """Per MoE layer, rows each local expert received since last asked."""
+    """Per MoE layer and logical expert, rows this rank's expert slots received since last asked."""
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from moeserve.dispatch import ExpertPlacement, a2a_backend_for, create_dispatcher
+from moeserve.dispatch import ExpertMap, a2a_backend_for, create_dispatcher
+from moeserve.dispatch.expert_load import logical_rows
 from moeserve.distributed.channel import ControlClient
 from moeserve.distributed.messages import LoadReport, Shutdown, StepInput, StepOutput, Sync, SyncAck, WorkerSpec
 from moeserve.distributed.rendezvous import (
@@ -83,13 +84,27 @@ class Worker:
 
     def load(self) -> LoadReport:
         spec = self.spec
-        placement = ExpertPlacement.contiguous(model_config(spec.model).num_experts, spec.parallel.ep, self.rank)
+        cfg, eplb = model_config(spec.model), spec.parallel.eplb
+        self.expert_map = ExpertMap.initial(
+            cfg.num_experts,
+            len(cfg.moe_layer_indices),
+            spec.parallel.ep,
+            eplb.num_redundant_experts,
+            eplb.expert_placement,
+        )
+        placement = self.expert_map.slot_placement(self.rank)
         backend = a2a_backend_for(spec.parallel.a2a_backend)
         dispatcher = create_dispatcher(
             backend, placement, self.device, group=dist.group.WORLD, dispatch_fp8=spec.parallel.dispatch_fp8
         )
         model = load_model(
-            Path(spec.model), spec.dtype, self.device, dispatcher, self.tp, create_ops(spec.kernels, self.device)
+            Path(spec.model),
+            spec.dtype,
+            self.device,
+            dispatcher,
+            self.tp,
+            create_ops(spec.kernels, self.device),
+            self.expert_map,
         )
         kv_caches = allocate_kv_caches(
             model.cfg, spec.num_kv_blocks, spec.block_size, spec.dtype, self.device, self.tp.size
@@ -126,7 +141,9 @@ class Worker:
             steps = [[len(s.token_ids) for s in plan.scheduled] for plan in message.plans]
             micro_bounds = micro_batch_bounds(steps, self.tp)
         sampled = self.runner.execute(message.plans[self.group_index], bound, micro_bounds)
-        routed = self.runner.model.take_routed_tokens() if message.want_routed_tokens else None
+        routed = None
+        if message.want_routed_tokens:
+            routed = logical_rows(self.runner.model.take_routed_tokens(), self.expert_map, self.rank)
         return StepOutput(message.step, self.rank, sampled, routed)
 
 

@@ -23,7 +23,6 @@ from collections.abc import Callable, Sequence
 import torch
 
 from moeserve.config import EngineConfig, ModelConfig
-from moeserve.dispatch import ExpertPlacement
 from moeserve.dispatch.expert_load import RoutedTokens
 from moeserve.distributed.channel import ControlServer
 from moeserve.distributed.launcher import start_ranks, stop_ranks
@@ -59,10 +58,9 @@ class MultiprocessExecutor(Executor):
         self.failure: str | None = None
         self._listeners: list[Callable[[str], None]] = []
         self._lock = threading.Lock()  # orders a loss against listener registration
-        self._placements = [ExpertPlacement.contiguous(model_config.num_experts, p.ep, r) for r in range(p.ep)]
         self._moe_layers = model_config.moe_layer_indices
         self._step = 0
-        self._routed: list[list[int]] | None = None
+        self._routed: dict[int, list[list[int]]] = {}  # rank -> its `logical_rows` since last taken
         self._routing_wanted = True  # ask the ranks for their expert load with the next step
         self._closed = False
         self._monitor: RankMonitor | None = None
@@ -225,19 +223,24 @@ class MultiprocessExecutor(Executor):
         return sampled
 
     def _add_routed(self, rank: int, per_layer: list[list[int]]) -> None:
-        experts = self._placements[rank].local_experts
-        if self._routed is None:
-            self._routed = [[0] * len(self._placements[0].expert_to_rank) for _ in per_layer]
-        for layer, counts in enumerate(per_layer):
-            for local, rows in enumerate(counts):
-                self._routed[layer][experts[local]] += rows
+        """per_layer `[i][e]`: rows the rank's slots received per logical expert (the rank maps
+        its slots itself, under the expert map they held when the rows were counted)."""
+        known = self._routed.get(rank)
+        if known is None:
+            self._routed[rank] = per_layer
+            return
+        for total, counts in zip(known, per_layer):
+            for e, rows in enumerate(counts):
+                total[e] += rows
 
     def take_routed_tokens(self) -> RoutedTokens | None:
         """What the ranks reported since the last call; they are asked again with the next step,
         so the engine's reporting interval is the only one."""
         self._routing_wanted = True
-        routed, self._routed = self._routed, None
-        return None if routed is None else RoutedTokens(routed, self._placements[0], self._moe_layers)
+        routed, self._routed = self._routed, {}
+        if len(routed) < self.parallel.ep:
+            return None
+        return RoutedTokens.from_ranks([routed[r] for r in range(self.parallel.ep)], self._moe_layers)
 
     # ---- shutdown --------------------------------------------------------------------------
 
