@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from moeserve.config import ParallelConfig
+from moeserve.eplb import RebalanceReport
 from moeserve.scheduler import SchedulerOutput
 from moeserve.worker.runner import SampledToken
 
@@ -77,6 +78,8 @@ class StepOutput:
     """Filled by the first rank of each tensor-parallel group, the one that samples."""
     routed_tokens: list[list[int]] | None = None
     """Per MoE layer and logical expert, rows this rank's expert slots received since last asked."""
+    rebalance: RebalanceReport | None = None
+    """From rank 0, when the experts were rebalanced after this step (`eplb.Rebalancer`)."""
 
 
 @dataclass(frozen=True)

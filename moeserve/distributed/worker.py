@@ -35,6 +35,7 @@ from moeserve.distributed.rendezvous import (
     error_key,
     get,
 )
+from moeserve.eplb import Rebalancer
 from moeserve.models import TensorParallel, load_model, model_config
 from moeserve.models.loader import weight_bytes
 from moeserve.ops import create_ops
@@ -120,6 +121,18 @@ class Worker:
             samples=self.tp.rank == 0,
             two_batch_overlap=spec.parallel.two_batch_overlap,
         )
+        self.rebalancer = None
+        if eplb.enabled:
+            self.rebalancer = Rebalancer(
+                model,
+                self.expert_map,
+                self.rank,
+                eplb.window_steps,
+                eplb.interval_steps,
+                spec.parallel.nnodes,
+                dist.group.WORLD,
+            )
+        self._routed: list[list[int]] | None = None  # rows counted under a map since replaced
         sizes = weight_bytes(model)
         return LoadReport(
             rank=self.rank,
@@ -141,10 +154,28 @@ class Worker:
             steps = [[len(s.token_ids) for s in plan.scheduled] for plan in message.plans]
             micro_bounds = micro_batch_bounds(steps, self.tp)
         sampled = self.runner.execute(message.plans[self.group_index], bound, micro_bounds)
+        report = None
+        if self.rebalancer is not None and self.rebalancer.record():
+            report = self.rebalancer.rebalance(before_swap=self._set_aside_routed)
+            self.expert_map = self.rebalancer.expert_map
+            if self.rank == 0:
+                logger.info("%s", report.describe())
         routed = None
         if message.want_routed_tokens:
-            routed = logical_rows(self.runner.model.take_routed_tokens(), self.expert_map, self.rank)
-        return StepOutput(message.step, self.rank, sampled, routed)
+            self._set_aside_routed(self.expert_map)
+            routed, self._routed = self._routed, None
+        return StepOutput(message.step, self.rank, sampled, routed, report if self.rank == 0 else None)
+
+    def _set_aside_routed(self, expert_map: ExpertMap) -> None:
+        """Read the per-slot counters and add them, per logical expert under `expert_map` (the
+        map they were counted under), to what the next report carries."""
+        counted = logical_rows(self.runner.model.take_routed_tokens(), expert_map, self.rank)
+        if self._routed is None:
+            self._routed = counted
+            return
+        for total, rows in zip(self._routed, counted):
+            for e, n in enumerate(rows):
+                total[e] += n
 
 
 def serve_rank(

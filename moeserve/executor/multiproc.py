@@ -29,6 +29,7 @@ from moeserve.distributed.launcher import start_ranks, stop_ranks
 from moeserve.distributed.messages import LoadReport, Shutdown, StepInput, StepOutput, Sync, SyncAck, WorkerSpec
 from moeserve.distributed.monitor import RankMonitor
 from moeserve.distributed.rendezvous import CONTROL_KEY, SPEC_KEY, host_store, put
+from moeserve.eplb import RebalanceReport
 from moeserve.executor.base import Executor
 from moeserve.scheduler import StepPlan
 from moeserve.worker.runner import SampledToken
@@ -62,6 +63,7 @@ class MultiprocessExecutor(Executor):
         self._step = 0
         self._routed: dict[int, list[list[int]]] = {}  # rank -> its `logical_rows` since last taken
         self._routing_wanted = True  # ask the ranks for their expert load with the next step
+        self.rebalances: list[RebalanceReport] = []  # every live rebalance so far, as rank 0 reported it
         self._closed = False
         self._monitor: RankMonitor | None = None
 
@@ -220,6 +222,9 @@ class MultiprocessExecutor(Executor):
             sampled.update(message.sampled)
             if message.routed_tokens is not None:
                 self._add_routed(message.rank, message.routed_tokens)
+            if message.rebalance is not None:
+                self.rebalances.append(message.rebalance)
+                logger.info("%s", message.rebalance.describe())
         return sampled
 
     def _add_routed(self, rank: int, per_layer: list[list[int]]) -> None:
