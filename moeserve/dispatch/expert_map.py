@@ -151,7 +151,11 @@ class ExpertMap:
         return expert_map
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n")
+        """One line per MoE layer, so a placement reads (and diffs) layer by layer."""
+        data = self.to_json()
+        layers = ",\n  ".join(json.dumps(ranks) for ranks in data["layers"])
+        head = json.dumps({k: v for k, v in data.items() if k != "layers"})[:-1]
+        Path(path).write_text(f'{head}, "layers": [\n  {layers}\n]}}\n')
 
     @classmethod
     def load(cls, path: str | Path) -> ExpertMap:

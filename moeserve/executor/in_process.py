@@ -10,6 +10,7 @@ import torch
 from moeserve.config import EngineConfig, ModelConfig
 from moeserve.dispatch import ExpertMap, create_dispatcher
 from moeserve.dispatch.expert_load import RoutedTokens, logical_rows
+from moeserve.eplb.record import LoadRecord
 from moeserve.executor.base import Executor
 from moeserve.models import load_model
 from moeserve.ops import create_ops
@@ -34,6 +35,9 @@ class InProcessExecutor(Executor):
         self.num_kv_blocks = num_kv_blocks
         eplb = config.parallel.eplb
         self._moe_layers = model_config.moe_layer_indices
+        self._load_record = None
+        if eplb.record_expert_load is not None:
+            self._load_record = LoadRecord(eplb.record_expert_load, model_config.num_experts, self._moe_layers)
         self.expert_map = ExpertMap.initial(
             model_config.num_experts, len(self._moe_layers), 1, eplb.num_redundant_experts, eplb.expert_placement
         )
@@ -65,4 +69,13 @@ class InProcessExecutor(Executor):
 
     def take_routed_tokens(self) -> RoutedTokens | None:
         routed = logical_rows(self.model.take_routed_tokens(), self.expert_map, 0)
+        if self._load_record is not None:
+            self._load_record.add(routed)
         return RoutedTokens.from_ranks([routed], self._moe_layers)
+
+    def shutdown(self) -> None:
+        """Write the recorded expert load (`--record-expert-load`), the last rows included."""
+        if self._load_record is not None:
+            self.take_routed_tokens()
+            self._load_record.save()
+            self._load_record = None

@@ -30,6 +30,7 @@ from moeserve.distributed.messages import LoadReport, Shutdown, StepInput, StepO
 from moeserve.distributed.monitor import RankMonitor
 from moeserve.distributed.rendezvous import CONTROL_KEY, SPEC_KEY, host_store, put
 from moeserve.eplb import RebalanceReport
+from moeserve.eplb.record import LoadRecord
 from moeserve.executor.base import Executor
 from moeserve.scheduler import StepPlan
 from moeserve.worker.runner import SampledToken
@@ -63,6 +64,9 @@ class MultiprocessExecutor(Executor):
         self._step = 0
         self._routed: dict[int, list[list[int]]] = {}  # rank -> its `logical_rows` since last taken
         self._routing_wanted = True  # ask the ranks for their expert load with the next step
+        self._load_record = None
+        if p.eplb.record_expert_load is not None:
+            self._load_record = LoadRecord(p.eplb.record_expert_load, model_config.num_experts, self._moe_layers)
         self.rebalances: list[RebalanceReport] = []  # every live rebalance so far, as rank 0 reported it
         self._closed = False
         self._monitor: RankMonitor | None = None
@@ -245,7 +249,10 @@ class MultiprocessExecutor(Executor):
         routed, self._routed = self._routed, {}
         if len(routed) < self.parallel.ep:
             return None
-        return RoutedTokens.from_ranks([routed[r] for r in range(self.parallel.ep)], self._moe_layers)
+        tokens = RoutedTokens.from_ranks([routed[r] for r in range(self.parallel.ep)], self._moe_layers)
+        if self._load_record is not None:
+            self._load_record.add(tokens.counts)
+        return tokens
 
     # ---- shutdown --------------------------------------------------------------------------
 
@@ -253,6 +260,8 @@ class MultiprocessExecutor(Executor):
         if self._closed:
             return
         self._closed = True
+        if self._load_record is not None:
+            self._load_record.save()
         if self._monitor is not None:
             self._monitor.stop()
         if self.failure is None:

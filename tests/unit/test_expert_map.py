@@ -79,3 +79,42 @@ def test_moe_layer_with_shuffled_replicas_is_bit_equal(make_checkpoint, one_thre
         for slots in expert_map.replicas(i):  # every replica served some of its expert's rows
             if theirs.routed_tokens[expert_map.physical_to_logical[i][slots[0]]] >= len(slots):
                 assert (ours.routed_tokens[list(slots)] > 0).all()
+
+
+def test_record_plan_and_place(make_checkpoint, tmp_path):
+    """`--record-expert-load` writes a workload's loads; `moeserve eplb plan` turns them into a
+    placement; `--expert-placement` serves with it and gives the same greedy tokens."""
+    import json
+
+    from moeserve import LLM, SamplingParams
+    from moeserve.cli import main
+
+    folder = make_checkpoint("qwen3_moe", 7, num_experts=8, num_experts_per_tok=3)
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    batch = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (3, 11, 7)]
+    record, placement = tmp_path / "loads.json", tmp_path / "placement.json"
+    with LLM(str(folder), max_model_len=64, num_redundant_experts=2, record_expert_load=str(record)) as llm:
+        expected = [o.outputs[0].token_ids for o in llm.generate(batch, greedy, use_tqdm=False)]
+    recorded = json.loads(record.read_text())
+    pairs = (3 + 11 + 7 + 3 * 5) * 3  # every prompt token and every decoded token but the last, k = 3
+    assert [sum(layer) for layer in recorded["loads"]] == [pairs, pairs]
+    argv = [
+        "eplb",
+        "plan",
+        "--loads",
+        str(record),
+        "--ep",
+        "1",
+        "--num-redundant-experts",
+        "4",
+        "--out",
+        str(placement),
+    ]
+    assert main(argv) == 0
+    planned = ExpertMap.load(placement)
+    assert planned.num_physical == 12
+    hottest = max(range(8), key=lambda e: recorded["loads"][0][e])
+    assert len(planned.replicas(0)[hottest]) > 1
+    options = dict(max_model_len=64, num_redundant_experts=4, expert_placement=str(placement))
+    with LLM(str(folder), **options) as llm:
+        assert [o.outputs[0].token_ids for o in llm.generate(batch, greedy, use_tqdm=False)] == expected
