@@ -1,9 +1,11 @@
 """Logical expert ids -> physical slots, on the device, before the all-to-all.
 
-Each (token, k) pair of logical expert e goes to replica `(t + rank) mod n_e` of e's `n_e`
-slots: deterministic, no communication, and a hot expert's pairs split over its replicas within
-one of each other, whichever ranks they come from (the `+ rank` keeps every rank's first token
-from landing on the same replica). Which replica serves a pair does not change its result: the
+Round robin per expert: the i-th of a rank's pairs (in token, k order) that picked logical expert
+e goes to replica `(i + rank) mod n_e` of e's `n_e` slots. Deterministic, no communication, and
+each rank's pairs for a hot expert split over its replicas within one of each other (the
+`+ rank` keeps every rank's first pair off the same replica). Spreading by token index instead
+splits unevenly when a rank has few tokens (decode), which measurably unbalanced the ranks.
+Which replica serves a pair does not change its result: the
 replicas hold the same weights, and combine sums each token's k rows in logical-id order
 (`DispatchHandle.sum_order`).
 """
@@ -11,6 +13,8 @@ replicas hold the same weights, and combine sums each token's k rows in logical-
 from __future__ import annotations
 
 import torch
+
+from moeserve.dispatch.counts import count_per_expert
 
 
 class ReplicaTable:
@@ -37,6 +41,11 @@ class ReplicaTable:
         the logical ids are: each slot holds one logical expert)."""
         if not self.has_replicas:
             return self.slots[topk_ids, 0]
-        token = torch.arange(topk_ids.shape[0], device=topk_ids.device)[:, None]  # [T, 1]
-        choice = (token + self.rank) % self.count[topk_ids]  # [T, K]
-        return self.slots[topk_ids, choice]
+        flat = topk_ids.reshape(-1)  # [T*K]
+        order = torch.argsort(flat, stable=True)  # pairs grouped by expert, each group in pair order
+        per_expert = count_per_expert(flat, self.count.shape[0])
+        first = torch.cumsum(per_expert, 0) - per_expert  # [E]: each group's start in `order`
+        nth = torch.empty_like(flat)
+        nth[order] = torch.arange(flat.numel(), device=flat.device) - first[flat[order]]  # [T*K]
+        choice = (nth + self.rank) % self.count[flat]
+        return self.slots[flat, choice].view_as(topk_ids)

@@ -145,14 +145,59 @@ def balance_layer_hierarchical(load: Sequence[float], capacities: Sequence[int],
     return slots
 
 
-def balance(loads: Sequence[Sequence[float]], num_physical: int, ep_size: int, num_nodes: int = 1) -> ExpertMap:
+def balance(
+    loads: Sequence[Sequence[float]],
+    num_physical: int,
+    ep_size: int,
+    num_nodes: int = 1,
+    previous: ExpertMap | None = None,
+) -> ExpertMap:
     """loads `[num_layers][E]` (rows routed to each logical expert over the window) -> an
-    `ExpertMap` of `num_physical` slots over `ep_size` ranks on `num_nodes` nodes."""
+    `ExpertMap` of `num_physical` slots over `ep_size` ranks on `num_nodes` nodes.
+
+    previous: the map in use, if any. Ranks of one node with the same capacity are
+    interchangeable in a packing, so each new rank's set of experts goes to the rank that already
+    holds most of them (largest overlaps first): the same balance, fewer weights moved."""
     if not loads:
         raise ValueError("no MoE layer to balance")
     capacities = [len(s) for s in ExpertPlacement.contiguous(num_physical, ep_size).experts_by_rank]
-    layers = tuple(tuple(balance_layer_hierarchical(load, capacities, num_nodes)) for load in loads)
-    return ExpertMap(layers, len(loads[0]), ep_size)
+    per_node = ep_size // num_nodes if num_nodes > 0 and ep_size % num_nodes == 0 else ep_size
+    layers = []
+    for i, load in enumerate(loads):
+        slots = balance_layer_hierarchical(load, capacities, num_nodes)
+        if previous is not None:
+            slots = _align(slots, capacities, previous.local_logical, i, per_node)
+        layers.append(tuple(slots))
+    return ExpertMap(tuple(layers), len(loads[0]), ep_size)
+
+
+def _align(slots: list[int], capacities: Sequence[int], held, layer: int, per_node: int) -> list[int]:
+    """`slots` with whole ranks' contents permuted among ranks of one node and one capacity, so
+    each rank keeps as many of the experts it holds (`held(layer, rank)`) as a greedy matching finds."""
+    starts = [sum(capacities[:r]) for r in range(len(capacities))]
+    bins = [slots[starts[r] : starts[r] + capacities[r]] for r in range(len(capacities))]
+    old = [held(layer, r) for r in range(len(capacities))]
+    given: list[list[int]] = [[] for _ in bins]
+    for node in range(len(bins) // per_node):
+        ranks = range(node * per_node, (node + 1) * per_node)
+        pairs = [(_overlap(bins[b], old[r]), b, r) for b in ranks for r in ranks if capacities[b] == capacities[r]]
+        placed: set[int] = set()
+        for _, b, r in sorted(pairs, key=lambda x: (-x[0], x[1], x[2])):
+            if b not in placed and not given[r]:
+                given[r] = bins[b]
+                placed.add(b)
+    return [e for contents in given for e in contents]
+
+
+def _overlap(a: Sequence[int], b: Sequence[int]) -> int:
+    """Size of the multiset intersection: slots that can keep their expert."""
+    rest = list(b)
+    count = 0
+    for e in a:
+        if e in rest:
+            rest.remove(e)
+            count += 1
+    return count
 
 
 def imbalance(expert_map: ExpertMap, loads: Sequence[Sequence[float]]) -> tuple[float, float]:

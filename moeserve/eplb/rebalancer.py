@@ -87,7 +87,7 @@ class Rebalancer:
         dist.all_reduce(loads, group=self.group)
         host = loads.tolist()
         old = self.expert_map
-        new = balance(host, old.num_physical, old.ep_size, self.num_nodes)
+        new = balance(host, old.num_physical, old.ep_size, self.num_nodes, previous=old)
         planned = time.perf_counter()
         moved = move_experts([b.experts for b in self.model.moe_blocks()], old, new, self.rank, self.group)
         if before_swap is not None:

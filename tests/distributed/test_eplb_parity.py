@@ -3,8 +3,9 @@
 The router picks logical experts; each (token, k) pair is sent to one physical replica of its
 expert, so every backend moves rows between physical slots only. Which replica serves a pair
 does not change its result, and combine sums each token's rows in logical order, so the tokens
-equal ep=1's without replicas whatever the map: here shuffled maps with replicas at ep=1 (the
-`local` backend) and ep=4 (the `torch` all-to-all).
+equal ep=1's without replicas whatever the map: here a shuffled map with replicas at ep=2 (the
+`torch` all-to-all). One process with replicas is checked bit for bit in
+tests/unit/test_expert_map.py, and ep=4 across live rebalances in test_eplb_live.py.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def model(make_checkpoint):
     return folder, expected
 
 
-@pytest.mark.parametrize("ep,num_redundant", [(1, 4), (4, 4)])
+@pytest.mark.parametrize("ep,num_redundant", [(2, 4)])
 def test_replicas_match_single_process(model, tmp_path, ep, num_redundant):
     folder, expected = model
     path = tmp_path / "placement.json"

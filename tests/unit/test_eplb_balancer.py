@@ -99,3 +99,16 @@ def test_hierarchical_keeps_each_expert_on_one_node():
     node_load = [sum(expert_map.rank_loads(0, load)[2 * n : 2 * n + 2]) for n in range(2)]
     assert max(node_load) / (sum(load) / 2) < 1.1
     assert imbalance(expert_map, [load])[1] < 1.2
+
+
+def test_previous_map_keeps_experts_in_place():
+    """Rebalancing a map onto the loads it was made for moves nothing, and aligning with a
+    previous map never changes the balance."""
+    rng = random.Random(5)
+    loads = [[float(rng.randint(1, 50)) for _ in range(16)] for _ in range(2)]
+    first = balance(loads, 20, 4)
+    shifted = ExpertMap(tuple(layer[5:] + layer[:5] for layer in first.physical_to_logical), 16, 4)  # ranks rotated
+    again = balance(loads, 20, 4, previous=shifted)
+    assert again == shifted
+    other = [[float(rng.randint(1, 50)) for _ in range(16)] for _ in range(2)]
+    assert imbalance(balance(other, 20, 4, previous=first), other) == imbalance(balance(other, 20, 4), other)

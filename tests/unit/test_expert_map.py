@@ -45,11 +45,11 @@ def test_replica_table_spreads_a_hot_expert_evenly():
     expert_map = ExpertMap(((0, 1, 0, 2, 0, 3),), 4, 2)  # expert 0 in slots 0, 2 and 4
     for rank in range(2):
         table = ReplicaTable(expert_map.replicas(0), rank, "cpu")
-        ids = torch.tensor([[0, 1]] * 9 + [[2, 3]])  # [T, K] logical
+        ids = torch.tensor([[0, 1]] * 4 + [[2, 3], [1, 0]] + [[3, 0]] * 3)  # [T, K] logical
         slots = table.physical(ids)
-        assert slots[:, 1].tolist() == [1] * 9 + [5]
-        assert slots[9, 0].item() == 3
-        assert sorted(slots[:9, 0].bincount(minlength=6).tolist()) == [0, 0, 0, 3, 3, 3]
+        assert slots[:4, 1].tolist() == [1] * 4 and slots[4].tolist() == [3, 5]
+        expert0 = slots[ids == 0]  # its 8 pairs in (token, k) order: round robin from replica `rank`
+        assert expert0.tolist() == [(0, 2, 4)[(i + rank) % 3] for i in range(8)]
 
 
 @pytest.fixture
