@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moeserve.dispatch.expert_map import ExpertMap
+from moeserve.dispatch.wire import WireVolume
 
 
 @dataclass(frozen=True)
@@ -13,22 +14,26 @@ class RoutedTokens:
 
     counts:    `[i][e]`: rows logical expert e received, all its replicas together.
     rank_rows: `[i][r]`: rows rank r's expert slots received (its share of the work).
+    wire:      rows each rank dispatched to each rank, all layers together (None at ep = 1).
     """
 
     counts: list[list[int]]
     rank_rows: list[list[int]]
     layers: tuple[int, ...]
+    wire: WireVolume | None = None
 
     def per_rank(self, i: int) -> list[int]:
         """Rows each rank's experts received in the i-th MoE layer."""
         return list(self.rank_rows[i])
 
     @classmethod
-    def from_ranks(cls, per_rank: list[list[list[int]]], layers: tuple[int, ...]) -> RoutedTokens:
+    def from_ranks(
+        cls, per_rank: list[list[list[int]]], layers: tuple[int, ...], wire: WireVolume | None = None
+    ) -> RoutedTokens:
         """per_rank[r]: rank r's `logical_rows`, `[i][e]`."""
         num_layers = len(per_rank[0])
         counts = [[sum(column) for column in zip(*(rank[i] for rank in per_rank))] for i in range(num_layers)]
-        return cls(counts, [[sum(rank[i]) for rank in per_rank] for i in range(num_layers)], layers)
+        return cls(counts, [[sum(rank[i]) for rank in per_rank] for i in range(num_layers)], layers, wire)
 
 
 def logical_rows(slot_rows: list[list[int]], expert_map: ExpertMap, rank: int) -> list[list[int]]:

@@ -78,6 +78,8 @@ class StepOutput:
     """Filled by the first rank of each tensor-parallel group, the one that samples."""
     routed_tokens: list[list[int]] | None = None
     """Per MoE layer and logical expert, rows this rank's expert slots received since last asked."""
+    dispatch_rows: list[int] | None = None
+    """With routed_tokens: rows this rank dispatched to each rank since last asked (`dispatch.wire`)."""
     rebalance: RebalanceReport | None = None
     """From rank 0, when the experts were rebalanced after this step (`eplb.Rebalancer`)."""
 

@@ -160,11 +160,12 @@ class Worker:
             self.expert_map = self.rebalancer.expert_map
             if self.rank == 0:
                 logger.info("%s", report.describe())
-        routed = None
+        routed = wire = None
         if message.want_routed_tokens:
             self._set_aside_routed(self.expert_map)
             routed, self._routed = self._routed, None
-        return StepOutput(message.step, self.rank, sampled, routed, report if self.rank == 0 else None)
+            wire = self.runner.model.take_dispatch_rows()
+        return StepOutput(message.step, self.rank, sampled, routed, wire, report if self.rank == 0 else None)
 
     def _set_aside_routed(self, expert_map: ExpertMap) -> None:
         """Read the per-slot counters and add them, per logical expert under `expert_map` (the

@@ -24,6 +24,7 @@ import torch
 
 from moeserve.config import EngineConfig, ModelConfig
 from moeserve.dispatch.expert_load import RoutedTokens
+from moeserve.dispatch.wire import WireVolume, dispatch_row_bytes
 from moeserve.distributed.channel import ControlServer
 from moeserve.distributed.launcher import start_ranks, stop_ranks
 from moeserve.distributed.messages import LoadReport, Shutdown, StepInput, StepOutput, Sync, SyncAck, WorkerSpec
@@ -63,6 +64,11 @@ class MultiprocessExecutor(Executor):
         self._moe_layers = model_config.moe_layer_indices
         self._step = 0
         self._routed: dict[int, list[list[int]]] = {}  # rank -> its `logical_rows` since last taken
+        self._wire: dict[int, list[int]] = {}  # rank -> rows it dispatched to each rank since last taken
+        self._row_bytes = (
+            dispatch_row_bytes(model_config.hidden_size, dtype, p.dispatch_fp8),
+            model_config.hidden_size * dtype.itemsize,
+        )
         self._routing_wanted = True  # ask the ranks for their expert load with the next step
         self._load_record = None
         if p.eplb.record_expert_load is not None:
@@ -226,6 +232,9 @@ class MultiprocessExecutor(Executor):
             sampled.update(message.sampled)
             if message.routed_tokens is not None:
                 self._add_routed(message.rank, message.routed_tokens)
+            if message.dispatch_rows is not None:
+                known = self._wire.setdefault(message.rank, [0] * self.parallel.ep)
+                self._wire[message.rank] = [a + b for a, b in zip(known, message.dispatch_rows)]
             if message.rebalance is not None:
                 self.rebalances.append(message.rebalance)
                 logger.info("%s", message.rebalance.describe())
@@ -247,9 +256,13 @@ class MultiprocessExecutor(Executor):
         so the engine's reporting interval is the only one."""
         self._routing_wanted = True
         routed, self._routed = self._routed, {}
+        wire_rows, self._wire = self._wire, {}
         if len(routed) < self.parallel.ep:
             return None
-        tokens = RoutedTokens.from_ranks([routed[r] for r in range(self.parallel.ep)], self._moe_layers)
+        wire = None
+        if len(wire_rows) == self.parallel.ep:
+            wire = WireVolume([wire_rows[r] for r in range(self.parallel.ep)], *self._row_bytes)
+        tokens = RoutedTokens.from_ranks([routed[r] for r in range(self.parallel.ep)], self._moe_layers, wire)
         if self._load_record is not None:
             self._load_record.add(tokens.counts)
         return tokens

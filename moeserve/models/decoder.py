@@ -230,6 +230,16 @@ class MoECausalLM(nn.Module):
             device = block.routed_tokens.device
             block.replicas = None if expert_map.is_identity else ReplicaTable(expert_map.replicas(i), rank, device)
 
+    def take_dispatch_rows(self) -> list[int]:
+        """Rows this rank dispatched to each rank, all MoE layers, since the last call (then reset)."""
+        blocks = self.moe_blocks()
+        if not blocks:
+            return []
+        rows = torch.stack([block.dispatch_rows for block in blocks]).sum(0)
+        for block in blocks:
+            block.dispatch_rows.zero_()
+        return rows.tolist()
+
     def take_routed_tokens(self) -> list[list[int]]:
         """Per MoE layer, rows each local expert received since the last call (then reset).
 

@@ -111,3 +111,10 @@ def test_live_rebalance_keeps_greedy_tokens_and_evens_the_load(make_checkpoint, 
     gauge_after = [g for seen, _, g in log.steps if seen >= 1][1:]
     print(f"/metrics imbalance gauge, mean per step: {mean(gauge_before):.3f} before, {mean(gauge_after):.3f} after")
     assert mean(gauge_after) < mean(gauge_before) - 0.1
+    # The all-to-all counters: every pair counted once as a dispatched row (rank to rank), and
+    # /metrics shows the bytes that left each rank.
+    reports = [routed for _, routed, _ in log.steps]
+    assert sum(sum(map(sum, r.wire.rows)) for r in reports) == sum(sum(map(sum, r.counts)) for r in reports)
+    sample = log.metrics.registry.get_sample_value
+    sent = [sample("moeserve:ep_dispatch_bytes_total", {"model_name": "m", "rank": str(r)}) for r in range(ep)]
+    assert all(sent) and sent == [sum(r.wire.dispatch_bytes(rank) for r in reports) for rank in range(ep)]

@@ -24,6 +24,7 @@ from moeserve.dispatch import Dispatcher
 from moeserve.dispatch.base import Steps, finish
 from moeserve.dispatch.counts import count_per_expert
 from moeserve.dispatch.replicas import ReplicaTable
+from moeserve.dispatch.wire import rows_per_destination
 from moeserve.models.layers.experts import Experts
 from moeserve.models.layers.mlp import GatedMLP
 from moeserve.models.layers.router import Router
@@ -55,6 +56,12 @@ class MoEBlock(nn.Module):
         self.logical_load: torch.Tensor | None = None
         """int64 `[E]` or None: pairs this rank's tokens routed to each logical expert, summed
         since `track_logical_load` (never reset; the load window takes differences)."""
+        placement = dispatcher.placement
+        self.slot_owner = placement.owner.to(device) if placement.ep_size > 1 else None
+        """int64 `[P]`: each physical slot's rank, for counting rows per destination (EP only)."""
+        rows = torch.zeros(placement.ep_size, dtype=torch.int64, device=device)
+        self.register_buffer("dispatch_rows", rows, persistent=False)
+        """int64 `[ep]`: rows this rank dispatched to each rank since the last read (`dispatch.wire`)."""
         self.shared = None
         self.shared_gate = None
         if cfg.shared_expert_intermediate_size:
@@ -84,6 +91,8 @@ class MoEBlock(nn.Module):
         if self.logical_load is not None:
             self.logical_load += count_per_expert(topk_ids, self.logical_load.shape[0])
         slots = topk_ids if self.replicas is None else self.replicas.physical(topk_ids)  # [T, K] physical
+        if self.slot_owner is not None:
+            self.dispatch_rows += rows_per_destination(slots, self.slot_owner, self.dispatch_rows.shape[0])
         dispatch = self.dispatcher.dispatch_steps(x, slots, topk_weights, max_tokens_per_rank)
         received = yield from _at_least_one_step(dispatch)
         self.routed_tokens += received.num_tokens_per_expert
