@@ -3,9 +3,10 @@
 The router picks logical experts; each (token, k) pair is sent to one physical replica of its
 expert, so every backend moves rows between physical slots only. Which replica serves a pair
 does not change its result, and combine sums each token's rows in logical order, so the tokens
-equal ep=1's without replicas whatever the map: here a shuffled map with replicas at ep=2 (the
-`torch` all-to-all). One process with replicas is checked bit for bit in
-tests/unit/test_expert_map.py, and ep=4 across live rebalances in test_eplb_live.py.
+equal ep=1's without replicas whatever the map: here a shuffled map with replicas at ep=2 over
+the `nvshmem` backend (Triton peer stores, interpreted on CPU). The `local` backend with replicas
+is checked bit for bit in tests/unit/test_expert_map.py, and the `torch` one at ep=4 across live
+rebalances in test_eplb_live.py.
 """
 
 from __future__ import annotations
@@ -48,12 +49,12 @@ def model(make_checkpoint):
     return folder, expected
 
 
-@pytest.mark.parametrize("ep,num_redundant", [(2, 4)])
-def test_replicas_match_single_process(model, tmp_path, ep, num_redundant):
+@pytest.mark.parametrize("ep,num_redundant,backend", [(2, 4, "nvshmem")])
+def test_replicas_match_single_process(model, tmp_path, ep, num_redundant, backend):
     folder, expected = model
     path = tmp_path / "placement.json"
     shuffled_map(ep, num_redundant, seed=ep).save(path)
-    options = dict(ENGINE, ep=ep, num_redundant_experts=num_redundant, expert_placement=str(path))
+    options = dict(ENGINE, ep=ep, num_redundant_experts=num_redundant, expert_placement=str(path), a2a_backend=backend)
     with LLM(str(folder), **options) as llm:
         got = [o.outputs[0].token_ids for o in llm.generate(prompts(), GREEDY, use_tqdm=False)]
     assert got == expected
