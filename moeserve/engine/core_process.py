@@ -5,7 +5,9 @@
 Started by the server (`core_client.py`), which binds both sockets and writes the pickled
 `EngineConfig` to this process's stdin. Here the loop owns the CPU between steps: no HTTP, no
 tokenizer, no event loop competes with it for the GIL. Each turn it reads every command frame
-that has arrived, runs one step if anything is unfinished, and answers with one frame.
+that has arrived, runs one step if anything is unfinished, and sends one frame with the step's
+outputs and the answers to those commands; when new requests were among them, their answer
+goes first, in its own frame, so a client hears it was admitted without waiting for a step.
 
 The first frame says the model is loaded (its gauges give the KV cache size) or why it is not.
 Any failure later (a step raising, a lost rank) is sent as the last frame's `dead` reason and
@@ -107,10 +109,16 @@ class CoreLoop:
                     out.gauges, out.stopped = self.core.scheduler_stats(), True
                     self.channel.send(out)
                     return 0
+            if out.accepted or out.refused:  # callers wait on these: answer before the step, not after it
+                out.gauges = self.core.scheduler_stats()
+                self.channel.send(out)
+                out = CoreOutputs(gauges=_NO_GAUGES)
+            elif frames:
+                out.gauges = self.core.scheduler_stats()  # aborts and finishes ride with the step, if any
             if self.core.has_unfinished_requests():
                 out.step = self.core.step()
-            if frames or out.step is not None:
-                out.gauges = out.step.scheduler if out.step is not None else self.core.scheduler_stats()
+                out.gauges = out.step.scheduler
+            if out.step is not None or out.gauges is not _NO_GAUGES:
                 self.channel.send(out)
 
     def _apply(self, frame: bytes, out: CoreOutputs) -> bool:
