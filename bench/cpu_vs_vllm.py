@@ -131,12 +131,16 @@ def parse_args(argv: Sequence[str] | None = None, environ: Mapping[str, str] | N
 
 @dataclass(frozen=True)
 class Metrics:
-    """What one `vllm bench serve` run reports that this bench compares."""
+    """What one `vllm bench serve` run reports that this bench compares (`METRICS`), and the
+    prompt tokens it sent: the client trims prompts to the server's tokenizer only where the
+    server has vLLM's /tokenize route, so the two loads can differ by a few tokens; this shows
+    by how much."""
 
     output_tok_s: float
     ttft_median_ms: float
     tpot_median_ms: float
     itl_p99_ms: float
+    input_tokens: int
 
 
 def read_bench_result(result: Mapping[str, object], num_prompts: int) -> Metrics:
@@ -151,17 +155,19 @@ def read_bench_result(result: Mapping[str, object], num_prompts: int) -> Metrics
         "tpot_median_ms": "median_tpot_ms",
         "itl_p99_ms": "p99_itl_ms",
     }
-    missing = [key for key in keys.values() if key not in result]
+    missing = [key for key in [*keys.values(), "total_input_tokens"] if key not in result]
     if missing:
         raise KeyError(f"vllm bench serve result lacks {missing} (run with --metric-percentiles 50,99)")
-    return Metrics(**{name: float(result[key]) for name, key in keys.items()})
+    values = {name: float(result[key]) for name, key in keys.items()}
+    return Metrics(**values, input_tokens=int(result["total_input_tokens"]))
 
 
 def median_metrics(runs: Sequence[Metrics]) -> Metrics:
     """Each metric's median over rounds: one slow round on a shared machine does not set it."""
     if not runs:
         raise ValueError("no runs to summarise")
-    return Metrics(**{name: statistics.median(getattr(r, name) for r in runs) for name in METRICS})
+    medians = {name: statistics.median(getattr(r, name) for r in runs) for name in METRICS}
+    return Metrics(**medians, input_tokens=round(statistics.median(r.input_tokens for r in runs)))
 
 
 def ratios(ours: Metrics, theirs: Metrics) -> dict[str, float]:
