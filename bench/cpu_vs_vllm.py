@@ -247,6 +247,16 @@ def servers(cfg: BenchConfig, model: Path, port: int) -> dict[str, Server]:
     }
 
 
+def describe(server: Server, model: Path) -> dict[str, object]:
+    """A server's command for the record: no interpreter path, `<checkpoint>` for the model, and
+    the environment variables that shape it (vLLM's, and the OpenMP thread count if set)."""
+    argv = server.argv[1:]
+    ours = {
+        k: v for k, v in server.env.items() if k.startswith("VLLM_") or k in ("GLOO_SOCKET_IFNAME", "OMP_NUM_THREADS")
+    }
+    return {"command": " ".join("<checkpoint>" if a == str(model) else a for a in argv), "env": ours}
+
+
 def bench_argv(cfg: BenchConfig, model: Path, port: int, concurrency: int, result: Path) -> list[str]:
     """`vllm bench serve` for one concurrency: the same requests (seeded) against either server."""
     return [
@@ -490,6 +500,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "max_model_len": MAX_MODEL_LEN,
     }
     port = cfg.port or free_port()
+    context["servers"] = {name: describe(server, model) for name, server in servers(cfg, model, port).items()}
     load_before = os.getloadavg()
     try:
         runs = measure(cfg, model, port, workdir)

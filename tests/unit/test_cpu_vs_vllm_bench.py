@@ -176,6 +176,17 @@ def test_both_servers_get_the_same_model_dtype_length_and_port_and_vllm_its_own_
     assert str(ROOT) in specs["moeserve"].env["PYTHONPATH"].split(os.pathsep)
 
 
+def test_the_recorded_commands_name_no_path_of_this_machine(tmp_path):
+    cfg = bench.parse_args(["--peers", str(tmp_path / "peers"), "--vllm-venv", str(tmp_path / "venv")], environ={})
+    for server in bench.servers(cfg, tmp_path / "model", port=8123).values():
+        record = bench.describe(server, tmp_path / "model")
+        assert str(tmp_path) not in str(record) and sys.executable not in str(record)
+        assert "--model <checkpoint>" in record["command"]
+    vllm = bench.describe(bench.servers(cfg, tmp_path / "model", 8123)["vllm"], tmp_path / "model")
+    assert vllm["command"].startswith("-m vllm.entrypoints.openai.api_server")
+    assert vllm["env"]["VLLM_CPU_KVCACHE_SPACE"] == "1"
+
+
 def test_the_load_is_the_same_for_both_servers_and_saved_where_it_is_read(tmp_path):
     cfg = bench.parse_args(["--peers", str(tmp_path / "peers"), "--vllm-venv", str(tmp_path / "venv")], environ={})
     argv = bench.bench_argv(cfg, tmp_path / "model", 8123, 32, tmp_path / "out" / "r.json")
