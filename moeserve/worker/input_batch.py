@@ -4,7 +4,7 @@ A request takes a slot when the plan that first schedules it arrives and keeps i
 comes back finished (through preemption too), as vLLM v1's InputBatch. Its parameters are
 written once, into host tensors indexed by slot; each step touches only what changed:
 
-- the sampled rows' output lengths (one vectorised add on the host, read by min_tokens) and,
+- the output lengths of rows below a min_tokens (one vectorised add on the host) and,
   for rows with a penalty, their output token counts (one scatter-add on the device into a
   `[P, V]` pool, so penalties never rebuild counts from token lists);
 - the step's `SamplingMetadata` is gathered from the slots when the set of sampling slots
@@ -93,6 +93,7 @@ class _SlotSet:
     penalised: _Penalised | None
     min_tokens: _MinTokens | None
     num_logprobs: tuple[int | None, ...]
+    max_num_logprobs: int | None
 
 
 class InputBatch:
@@ -121,7 +122,7 @@ class InputBatch:
         self._greedy = torch.empty(0, dtype=torch.bool)
         self._logprobs = torch.empty(0, dtype=torch.int64)  # -1: none asked
         self._min_tokens = torch.empty(0, dtype=torch.int64)
-        self._num_output = torch.empty(0, dtype=torch.int64)  # tokens sampled so far
+        self._num_output = torch.empty(0, dtype=torch.int64)  # tokens sampled so far (min_tokens rows only)
         self._penalty_row = torch.empty(0, dtype=torch.int64)  # pool row, -1: no penalty
         self._stop_ids = torch.empty(0, 1, dtype=torch.int64)  # [N, S] masked below min_tokens, -1 padded
         self._grow(capacity)
@@ -132,6 +133,10 @@ class InputBatch:
 
     def slot(self, request_id: str) -> int:
         return self._slot_of[request_id]
+
+    def slots(self, request_ids: Sequence[str]) -> list[int]:
+        slot_of = self._slot_of
+        return [slot_of[request_id] for request_id in request_ids]
 
     def add(self, request_ids: Sequence[str], rows: Sequence[SamplingRow]) -> None:
         """Give each request a slot and write its parameters, column by column. A row's generator
@@ -199,7 +204,7 @@ class InputBatch:
             penalties=self._penalty_rows(fixed.penalised),
             min_tokens=self._masked_tokens(fixed.min_tokens),
             num_logprobs=fixed.num_logprobs,
-            max_num_logprobs=max((n for n in fixed.num_logprobs if n is not None), default=None),
+            max_num_logprobs=fixed.max_num_logprobs,
             slots=fixed.slots,
         )
 
@@ -208,7 +213,8 @@ class InputBatch:
         fixed = self._slot_set
         if fixed is None or fixed.slots is not metadata.slots:
             raise ValueError("record() takes the metadata of the last sampling_metadata() call")
-        self._num_output[fixed.slots] += 1
+        if fixed.min_tokens is not None:  # only min_tokens reads the output lengths
+            self._num_output[fixed.min_tokens.slots] += 1
         penalised = fixed.penalised
         if penalised is not None:
             ones = torch.ones(len(penalised.index), device=self.device)
@@ -219,13 +225,15 @@ class InputBatch:
 
     def _build_slot_set(self, key: tuple[int, ...]) -> _SlotSet:
         slots = torch.tensor(key, dtype=torch.int64)  # [B] host
+        num_logprobs = tuple(None if n < 0 else n for n in self._logprobs[slots].tolist())
         return _SlotSet(
             key=key,
             slots=slots,
             random=self._random_rows(slots),
             penalised=self._penalised(slots),
             min_tokens=self._min_tokens_rows(slots),
-            num_logprobs=tuple(None if n < 0 else n for n in self._logprobs[slots].tolist()),
+            num_logprobs=num_logprobs,
+            max_num_logprobs=max((n for n in num_logprobs if n is not None), default=None),
         )
 
     def _random_rows(self, slots: torch.Tensor) -> RandomRows | None:

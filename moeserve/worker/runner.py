@@ -122,7 +122,7 @@ class ModelRunner:
         last = [self._sampled_rows(hidden, part) for hidden, part in zip(hiddens, parts)]  # in scheduled order
         logits = self.model.compute_logits(last[0] if len(last) == 1 else torch.cat(last))  # [S, V]
         request_ids = [scheduled[i].request_id for i in sampling]
-        metadata = self.batch.sampling_metadata([self.batch.slot(request_id) for request_id in request_ids])
+        metadata = self.batch.sampling_metadata(self.batch.slots(request_ids))
         out = self.sampler.sample(logits, metadata)
         self.batch.record(metadata, out.token_ids)
         return self._unpack(out, request_ids, metadata.num_logprobs)
