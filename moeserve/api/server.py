@@ -12,6 +12,7 @@ Lifecycle:
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import socket
 import threading
@@ -25,6 +26,7 @@ from moeserve.api.metrics import ServerMetrics
 from moeserve.api.state import ModelInfo, ServerSettings, ServingState
 from moeserve.config import EngineConfig
 from moeserve.engine.core_client import EngineCoreClient
+from moeserve.engine.cpu_binding import bind_current_process, plan_cpu_binding
 from moeserve.engine.stats import LoggingStatLogger
 from moeserve.engine.tokenizer import load_tokenizer
 
@@ -49,9 +51,15 @@ class _DrainingServer(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-def load_engine(state: ServingState, config: EngineConfig, on_failure: Callable[[], None]) -> None:
-    """Start the engine core process and attach its client to `state`; on failure, now or later
-    (the core died, a rank was lost), log why and call `on_failure`."""
+def load_engine(
+    state: ServingState,
+    config: EngineConfig,
+    on_failure: Callable[[], None],
+    engine_cpus: tuple[int, ...] | None = None,
+) -> None:
+    """Start the engine core process (on `engine_cpus`, if given) and attach its client to
+    `state`; on failure, now or later (the core died, a rank was lost), log why and call
+    `on_failure`."""
     try:
         config = config.with_model_folder()
         logger.info("loading %s", config.model)
@@ -60,7 +68,9 @@ def load_engine(state: ServingState, config: EngineConfig, on_failure: Callable[
             logger.error("the engine stopped (%s); shutting the server down", error)
             on_failure()
 
-        engine = EngineCoreClient(config, stat_loggers=[state.metrics, LoggingStatLogger()], on_death=engine_died)
+        engine = EngineCoreClient(
+            config, stat_loggers=[state.metrics, LoggingStatLogger()], on_death=engine_died, cpus=engine_cpus
+        )
         engine.start()
         model = ModelInfo(
             max_model_len=engine.max_model_len,
@@ -112,6 +122,13 @@ def serve(settings: ServerSettings, engine_config: EngineConfig) -> int:
     if settings.api_key is None and settings.host not in ("127.0.0.1", "localhost", "::1"):
         logger.warning("listening on %s without --api-key: anyone who can reach it can use it", settings.host)
 
+    binding = plan_cpu_binding(
+        settings.cpu_binding, engine_config.device, engine_config.parallel.ep, os.sched_getaffinity(0)
+    )
+    if binding is not None:
+        bind_current_process(binding.frontend)  # before any thread starts: they inherit it
+        logger.info("CPU binding: %s (--cpu-binding off leaves them to the OS)", binding.describe())
+
     failed = threading.Event()
 
     def stop_after_failure() -> None:
@@ -119,7 +136,10 @@ def serve(settings: ServerSettings, engine_config: EngineConfig) -> int:
         server.should_exit = True
 
     threading.Thread(
-        target=load_engine, args=(state, engine_config, stop_after_failure), name="moeserve-loader", daemon=True
+        target=load_engine,
+        args=(state, engine_config, stop_after_failure, binding.engine if binding else None),
+        name="moeserve-loader",
+        daemon=True,
     ).start()
     # uvicorn re-raises the shutdown signal once it has drained; absorb it so the exit code is ours.
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -88,7 +88,9 @@ class _Stop:
 class CoreProcess:
     """The engine core's process and the two sockets to it (bound here, on loopback)."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, cpus: tuple[int, ...] | None = None) -> None:
+        """cpus: the CPUs the core may run on (and size its torch thread pool by); None: this
+        process's."""
         self._context = zmq.Context()
         self.inputs = self._context.socket(zmq.PUSH)
         self.inputs.setsockopt(zmq.LINGER, 0)
@@ -111,6 +113,8 @@ class CoreProcess:
             "--log-level",
             logging.getLevelName(logging.getLogger().getEffectiveLevel()),
         ]
+        if cpus is not None:
+            command += ["--cpus", ",".join(map(str, cpus))]
         self.proc = subprocess.Popen(command, stdin=subprocess.PIPE)
         self.proc.stdin.write(pickle.dumps(config))
         self.proc.stdin.close()
@@ -159,10 +163,13 @@ class EngineCoreClient:
         config: EngineConfig,
         stat_loggers: Sequence[StatLogger] = (),
         on_death: Callable[[BaseException], None] | None = None,
+        cpus: tuple[int, ...] | None = None,
     ) -> None:
-        """Reads the model's facts and tokenizer here; `start()` loads the model in the core.
-        on_death(error): called on the output thread if the core dies (not after `shutdown()`)."""
+        """Reads the model's facts and tokenizer here; `start()` loads the model in the core, on
+        `cpus` if given (`cpu_binding`). on_death(error): called on the output thread if the core
+        dies (not after `shutdown()`)."""
         self.config = config
+        self._cpus = cpus
         self.facts = ModelFacts.read(config)
         self.max_model_len = self.facts.max_model_len
         self.frontend = EngineFrontend(
@@ -194,7 +201,7 @@ class EngineCoreClient:
         cannot), then start the output thread."""
         if self._process is not None:
             raise RuntimeError("EngineCoreClient.start() was already called")
-        self._process = CoreProcess(self.config)
+        self._process = CoreProcess(self.config, self._cpus)
         try:
             self.num_kv_blocks = self._process.wait_ready().kv_blocks_total
         except BaseException:

@@ -25,6 +25,7 @@ import pickle
 import signal
 import sys
 
+import torch
 import zmq
 
 from moeserve.config import EngineConfig
@@ -38,6 +39,7 @@ from moeserve.engine.core_messages import (
     decode_inputs,
     encode_outputs,
 )
+from moeserve.engine.cpu_binding import bind_current_process
 
 logger = logging.getLogger("moeserve.engine.core")
 
@@ -179,7 +181,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--outputs", required=True, help="address of the server's output socket")
     parser.add_argument("--parent-pid", type=int, required=True, help="exit when this process is gone")
     parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--cpus", help="comma-separated CPUs to run on (the server's cpu_binding); default: inherited")
     args = parser.parse_args(argv)
+    if args.cpus:
+        bind_current_process(int(cpu) for cpu in args.cpus.split(","))  # before any torch thread exists
     logging.basicConfig(
         level=args.log_level.upper(), stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -190,6 +195,10 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _ignore)
     config: EngineConfig = pickle.load(sys.stdin.buffer)
+    if config.device.startswith("cpu"):
+        # One torch thread per CPU this process may use: the server may have bound it to fewer
+        # than the machine has (`cpu_binding`), and more threads than CPUs only contend.
+        torch.set_num_threads(len(os.sched_getaffinity(0)))
     channel = CoreChannel(args.inputs, args.outputs)
     try:
         code = serve_core(config, channel, args.parent_pid)

@@ -4,18 +4,12 @@
 from __future__ import annotations
 
 import os
-import re
 import signal
 import threading
 import time
 
 import httpx
-
-
-def core_pid(log: str) -> int:
-    match = re.search(r"engine core process started \(pid (\d+)\)", log)
-    assert match, log
-    return int(match.group(1))
+from server_utils import core_pid
 
 
 def health_statuses(url: str, until: float) -> list[int | None]:
