@@ -4,34 +4,34 @@ CPU path.
 One pass per layer for the whole step, prefill chunks and decodes together. The plan, made once
 per step, sorts the step's sequences into buckets of equal shape and lays out one flat list of
 cache slots holding every sequence's context; each layer gathers its K/V with that list once and
-runs one `scaled_dot_product_attention` per bucket, over `[n, H, query_len, key_len]` with the
-padded keys masked out. A step of 32 decodes is a handful of calls per layer, not 32 loops of
-gather, einsum and softmax.
+runs each bucket as one batched attention (`bucket_attention`: two batched matrix products and a
+softmax over `[n, H, query_len, key_len]`, padded keys masked out). A step of 32 decodes is a
+handful of calls per layer, not 32 rounds of gather, einsum and softmax.
 
 Why buckets rather than one batch padded to the step's longest context: batch invariance, a
 sequence's result not depending on what else is in the step (the engine gives the same greedy
 tokens batched or alone). Padding every sequence to its neighbours' longest context changes the
-length of the reductions its softmax and `P @ V` run over, and with it the kernel's blocking and
-summation order, so its bits would depend on the batch. Here a sequence's shape is a function of
-its own lengths only: its query length exactly, its context length rounded up on a fixed grid
-(`padded_context_len`). A bucket's kernel computes every (sequence, head) alike whatever else the
-bucket holds, so a sequence gets the same bits in any step. The grid is geometric, a few steps
-per octave of context length: few buckets (calls) per step, little padding.
+length of the reductions its softmax and `P @ V` run over, and with them the kernels' blocking
+and summation order, so its bits would depend on the batch. Here a sequence's shape is a function
+of its own lengths only (`bucket_key_len`): its query length exactly, a decode's context length
+rounded up on a fixed geometric grid (`padded_context_len`), a chunk's exactly. A bucket's batched
+products compute every sequence's matrices alike whatever else the bucket holds, so a sequence
+gets the same bits in any step (tests/kernels/test_torch_attention.py checks it bit for bit).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
-import torch.nn.functional as F
 
 from moeserve.config import MLAConfig
 from moeserve.ops.attention import AttentionBatch, AttentionPlan, gather_from_cache
 
 MIN_PADDED_CONTEXT = 32
-"""Contexts up to this many tokens share one bucket length: short prompts batch together."""
+"""Decodes with contexts up to this many tokens share one bucket length."""
 
 PADDED_CONTEXTS_PER_OCTAVE = 2
 """Bucket lengths per doubling of the context: 2 pads a context by less than half (257 -> 384),
@@ -42,10 +42,18 @@ against 1 and 4 in bench/cpu_attention.py."""
 def padded_context_len(context_len: int) -> int:
     """The key length a sequence of `context_len` tokens is padded to: a function of that length
     alone, so padding never depends on the rest of the step."""
-    if context_len <= MIN_PADDED_CONTEXT:
+    if context_len <= MIN_PADDED_CONTEXT:  # short contexts: one bucket, little absolute padding
         return MIN_PADDED_CONTEXT
     step = max(1, (1 << ((context_len - 1).bit_length() - 1)) // PADDED_CONTEXTS_PER_OCTAVE)
     return -(-context_len // step) * step
+
+
+def bucket_key_len(query_len: int, context_len: int) -> int:
+    """A sequence's key length in its bucket. Decodes are padded, so that decodes of nearby
+    lengths share a call. A multi-token chunk is not: it shares a bucket only with chunks of its
+    own query length, which prompts of one length already do unpadded, and padding would add
+    work that grows with its query length."""
+    return padded_context_len(context_len) if query_len == 1 else context_len
 
 
 @dataclass(frozen=True)
@@ -69,6 +77,18 @@ class AttentionBucket:
     keys: int
     bias: torch.Tensor
     query_positions: torch.Tensor
+
+    def rows_of(self, queries: torch.Tensor) -> torch.Tensor:
+        """This bucket's `[n, query_len, ...]` of the step's bucket-ordered `[T, ...]` queries."""
+        return queries[self.rows : self.rows + self.num_seqs * self.query_len].unflatten(
+            0, (self.num_seqs, self.query_len)
+        )
+
+    def keys_of(self, gathered: torch.Tensor) -> torch.Tensor:
+        """This bucket's `[n, key_len, ...]` of the plan's gathered `[N, ...]` keys or values."""
+        return gathered[self.keys : self.keys + self.num_seqs * self.key_len].unflatten(
+            0, (self.num_seqs, self.key_len)
+        )
 
     def mask(self, sliding_window: int | None) -> torch.Tensor:
         """The additive mask, narrowed to the window's last `sliding_window` positions if any."""
@@ -104,24 +124,19 @@ class TorchAttentionPlan(AttentionPlan):
         return tuple(self.key_slots[o : o + n] for o, n in zip(self.key_offsets, self.context_lens))
 
 
-def _padded_tables(block_tables: Sequence[Sequence[int]]) -> torch.Tensor:
-    """`[B, max blocks]` int64, short tables padded with 0 (never read: positions stay in range)."""
-    width = max(len(t) for t in block_tables)
-    return torch.tensor([list(t) + [0] * (width - len(t)) for t in block_tables], dtype=torch.int64)
-
-
 def torch_attention_plan(batch: AttentionBatch) -> TorchAttentionPlan:
-    """Buckets, the flat slot list and the masks, built with a fixed number of tensor ops per
-    step plus a few per bucket (no per-token Python), then moved to the batch's device."""
-    query_lens, context_lens = batch.query_lens, batch.context_lens
+    """Buckets, the flat slot list and the masks: about twenty tensor ops per step and four per
+    bucket, whatever the number of tokens (per-sequence numbers are spread over tokens by
+    `repeat_interleave`, not by Python loops), then moved to the batch's device."""
+    query_lens, context_lens, block_size = batch.query_lens, batch.context_lens, batch.block_size
     if any(q < 1 for q in query_lens):
         raise ValueError(f"every sequence needs query_len >= 1, got {list(query_lens)}")
     groups: dict[tuple[int, int], list[int]] = {}
     for i, (qlen, ctx) in enumerate(zip(query_lens, context_lens)):
-        groups.setdefault((qlen, padded_context_len(ctx)), []).append(i)
-    order = [i for members in groups.values() for i in members]
-    key_lens = [padded_context_len(context_lens[i]) for i in order]
-    key_starts = [0, *_cumsum(key_lens)]  # per sequence in bucket order
+        groups.setdefault((qlen, bucket_key_len(qlen, ctx)), []).append(i)
+    order = [i for members in groups.values() for i in members]  # sequences in bucket order
+    key_lens = [bucket_key_len(query_lens[i], context_lens[i]) for i in order]
+    key_starts = list(accumulate(key_lens, initial=0))
     key_offsets = [0] * len(order)
     for k, i in enumerate(order):
         key_offsets[i] = key_starts[k]
@@ -129,53 +144,50 @@ def torch_attention_plan(batch: AttentionBatch) -> TorchAttentionPlan:
         empty = torch.zeros(0, dtype=torch.int64, device=batch.device)
         return TorchAttentionPlan(batch.slot_mapping, (), (), (), empty, None, ())
 
-    order_t = torch.tensor(order, dtype=torch.int64)
-    # Keys: sequence and position of each of the N padded entries, positions past a context
-    # folded back to 0.
-    key_lens_t = torch.tensor(key_lens, dtype=torch.int64)
-    key_seq = order_t.repeat_interleave(key_lens_t)
-    positions = torch.arange(key_starts[-1]) - torch.tensor(key_starts[:-1]).repeat_interleave(key_lens_t)
-    positions = positions.masked_fill(positions >= torch.tensor(context_lens)[key_seq], 0)
-    block_size = batch.block_size
-    blocks = _padded_tables(batch.block_tables)[key_seq, positions // block_size]
-    key_slots = blocks * block_size + positions % block_size
+    # Keys: per entry of the flat list, its sequence's offsets, then its position (past the
+    # context: folded back to 0) and the slot of that position.
+    table_starts = list(accumulate((len(t) for t in batch.block_tables), initial=0))
+    per_seq = torch.tensor([key_starts[:-1], [context_lens[i] for i in order], [table_starts[i] for i in order]])
+    key_start, context_len, table_start = per_seq.repeat_interleave(torch.tensor(key_lens), dim=1)  # [N] each
+    positions = torch.arange(key_starts[-1]) - key_start
+    positions.masked_fill_(positions >= context_len, 0)
+    tables = torch.tensor([block for table in batch.block_tables for block in table], dtype=torch.int64)
+    key_slots = tables[table_start + positions // block_size] * block_size + positions % block_size
     # Queries: each token's row in the step and its position, in bucket order.
-    qlens_t = torch.tensor([query_lens[i] for i in order], dtype=torch.int64)
-    row_seq = order_t.repeat_interleave(qlens_t)
-    first_rows = [0, *_cumsum(query_lens)]
-    row_starts = torch.tensor([0, *_cumsum(qlens_t.tolist())][:-1]).repeat_interleave(qlens_t)
-    offset_in_seq = torch.arange(len(row_seq)) - row_starts
-    query_rows = torch.tensor(first_rows[:-1])[row_seq] + offset_in_seq
-    query_positions = torch.tensor(batch.start_positions)[row_seq] + offset_in_seq
+    query_lens_in_order = [query_lens[i] for i in order]
+    first_rows = list(accumulate(query_lens, initial=0))
+    per_seq = torch.tensor(
+        [
+            list(accumulate(query_lens_in_order, initial=0))[:-1],
+            [first_rows[i] for i in order],
+            [batch.start_positions[i] for i in order],
+        ]
+    )
+    row_start, first_row, start_position = per_seq.repeat_interleave(torch.tensor(query_lens_in_order), dim=1)
+    offset = torch.arange(first_rows[-1]) - row_start  # [T]: the token's index in its sequence's chunk
+    query_positions = start_position + offset
+    in_order = order == sorted(order)
 
     device = batch.device
+    key_positions = torch.arange(max(key_lens))
     buckets, rows, keys = [], 0, 0
     for (qlen, key_len), members in groups.items():
         n = len(members)
         q_pos = query_positions[rows : rows + n * qlen].view(n, 1, qlen, 1)
-        visible = torch.arange(key_len) <= q_pos  # [n, 1, qlen, key_len]: causal, padding hidden
-        bias = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))
+        hidden = key_positions[:key_len] > q_pos  # [n, 1, qlen, key_len]: later positions, padding included
+        bias = torch.where(hidden, float("-inf"), 0.0)
         buckets.append(AttentionBucket(n, qlen, key_len, rows, keys, bias.to(device), q_pos.to(device)))
         rows += n * qlen
         keys += n * key_len
-    in_order = order == sorted(order)
     return TorchAttentionPlan(
         slot_mapping=batch.slot_mapping,
         query_lens=query_lens,
         context_lens=context_lens,
         key_offsets=tuple(key_offsets),
         key_slots=key_slots.to(device),
-        query_rows=None if in_order else query_rows.to(device),
+        query_rows=None if in_order else (first_row + offset).to(device),
         buckets=tuple(buckets),
     )
-
-
-def _cumsum(values: Sequence[int]) -> list[int]:
-    out, total = [], 0
-    for v in values:
-        total += v
-        out.append(total)
-    return out
 
 
 def causal_attention(
@@ -209,30 +221,41 @@ def causal_attention(
     return torch.einsum("hqk,khd->qhd", probs, v)
 
 
-def _attend(
-    q: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    plan: TorchAttentionPlan,
-    scale: float,
-    sliding_window: int | None,
+def bucket_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """q `[T, Hq, Dk]` over the plan's gathered keys `[N, Hkv, Dk]` and values `[N, Hkv, Dv]`:
-    one call per bucket -> `[T, Hq, Dv]` in the step's token order."""
-    num_heads, num_kv_heads, dv = q.shape[1], keys.shape[1], values.shape[-1]
+    """One bucket: q `[n, Lq, Hq, Dk]`, k `[n, K, Hkv, Dk]`, v `[n, K, Hkv, Dv]`, additive mask
+    `[n, 1, Lq, K]` -> `[n * Lq, Hq, Dv]`.
+
+    The definition's arithmetic (scores in the inputs' dtype, softmax in float32, batched matrix
+    products), with each KV head's query heads stacked as rows of one product instead of K/V
+    repeated per query head. Why not `scaled_dot_product_attention`: its fused CPU kernel splits
+    the keys among threads when a call has fewer (sequence, head) tasks than threads, so the
+    same sequence's bits differ with the bucket's size (measured: 38 of 378 shapes with 2
+    threads); batched matrix products give each matrix the same arithmetic at any batch size.
+    """
+    n, lq, num_heads, dk = q.shape
+    key_len, num_kv_heads, dv = k.shape[1], k.shape[2], v.shape[-1]
+    group = num_heads // num_kv_heads
+    # Operands contiguous in one layout: a product's arithmetic can follow its operands' strides,
+    # and views of a one-sequence bucket are strided unlike a larger bucket's.
+    rows = q.unflatten(2, (num_kv_heads, group)).permute(0, 2, 3, 1, 4).contiguous()  # [n, Hkv, G, Lq, Dk]
+    keys = k.transpose(1, 2).contiguous()  # [n, Hkv, K, Dk]
+    scores = torch.matmul(rows.view(n, num_kv_heads, group * lq, dk), keys.transpose(-1, -2)) * scale
+    scores = scores.view(n, num_kv_heads, group, lq, key_len) + bias.unsqueeze(2)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
+    values = v.transpose(1, 2).contiguous()  # [n, Hkv, K, Dv]
+    out = torch.matmul(probs.view(n, num_kv_heads, group * lq, key_len), values)  # [n, Hkv, G * Lq, Dv]
+    return out.view(n, num_kv_heads, group, lq, dv).permute(0, 3, 1, 2, 4).reshape(n * lq, num_heads, dv)
+
+
+def _each_bucket(
+    q: torch.Tensor, plan: TorchAttentionPlan, attend: Callable[[AttentionBucket, torch.Tensor], torch.Tensor]
+) -> torch.Tensor:
+    """q `[T, Hq, Dk]`, bucket by bucket (at least one): `attend(bucket, its queries [n, Lq, Hq,
+    Dk])` gives `[n * Lq, Hq, Dv]`; the outputs go back to the step's token order -> `[T, Hq, Dv]`."""
     rows = q if plan.query_rows is None else q.index_select(0, plan.query_rows)
-    outs = []
-    for b in plan.buckets:  # [n, H, len, D] views of the gathered rows, sequence-major
-        qb = rows[b.rows : b.rows + b.num_seqs * b.query_len].unflatten(0, (b.num_seqs, b.query_len)).transpose(1, 2)
-        span = slice(b.keys, b.keys + b.num_seqs * b.key_len)
-        kb = keys[span].unflatten(0, (b.num_seqs, b.key_len)).transpose(1, 2)
-        vb = values[span].unflatten(0, (b.num_seqs, b.key_len)).transpose(1, 2)
-        out = F.scaled_dot_product_attention(
-            qb, kb, vb, attn_mask=b.mask(sliding_window), scale=scale, enable_gqa=num_heads != num_kv_heads
-        )  # [n, Hq, Lq, Dv]
-        outs.append(out.transpose(1, 2).reshape(b.num_seqs * b.query_len, num_heads, dv))
-    if not outs:
-        return q.new_empty(0, num_heads, dv)
+    outs = [attend(b, b.rows_of(rows)) for b in plan.buckets]
     out = outs[0] if len(outs) == 1 else torch.cat(outs)
     if plan.query_rows is None:
         return out
@@ -254,7 +277,13 @@ def paged_attention(
     """
     keys = gather_from_cache(k_cache, plan.key_slots)  # [N, Hkv, D]
     values = gather_from_cache(v_cache, plan.key_slots)  # [N, Hkv, Dv]
-    return _attend(q, keys, values, plan, scale, sliding_window)
+
+    def attend(b: AttentionBucket, qb: torch.Tensor) -> torch.Tensor:
+        return bucket_attention(qb, b.keys_of(keys), b.keys_of(values), b.mask(sliding_window), scale)
+
+    if not plan.buckets:
+        return q.new_empty(0, q.shape[1], v_cache.shape[-1])
+    return _each_bucket(q, plan, attend)
 
 
 def mla_attention(
@@ -266,12 +295,25 @@ def mla_attention(
     mla: MLAConfig,
     scale: float,
 ) -> torch.Tensor:
-    """MLA, expanded: the step's context latents through kv_b_proj (once per layer, every
-    sequence together), then plain attention with the shared rope key on every head."""
+    """MLA, expanded: each bucket's context latents through kv_b_proj, then plain attention with
+    the shared rope key on every head.
+
+    The expansion is a batched product per bucket (`bmm` with the weight broadcast), not one
+    `F.linear` over the step's latents: a linear's rows come out with bits that depend on how
+    many rows it has (measured on this CPU), which would tie a sequence's keys to the step.
+    """
     num_heads = q_nope.shape[1]
     q = torch.cat((q_nope, q_rope), dim=-1)
-    latent, k_rope = gather_from_cache(kv_cache, plan.key_slots).split([mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
-    kv = F.linear(latent, kv_b_weight).view(latent.shape[0], num_heads, mla.qk_nope_head_dim + mla.v_head_dim)
-    k_nope, v = kv.split([mla.qk_nope_head_dim, mla.v_head_dim], dim=-1)
-    k = torch.cat((k_nope, k_rope[:, None, :].expand(-1, num_heads, -1)), dim=-1)
-    return _attend(q, k, v, plan, scale, None)
+    latents = gather_from_cache(kv_cache, plan.key_slots)  # [N, kv_lora_rank + rope]
+    weight = kv_b_weight.t()  # [kv_lora_rank, H * (nope + v)]
+
+    def attend(b: AttentionBucket, qb: torch.Tensor) -> torch.Tensor:
+        latent, k_rope = b.keys_of(latents).split([mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
+        kv = torch.bmm(latent, weight.expand(b.num_seqs, -1, -1))  # [n, K, H * (nope + v)]
+        k_nope, v = kv.unflatten(-1, (num_heads, -1)).split([mla.qk_nope_head_dim, mla.v_head_dim], dim=-1)
+        k = torch.cat((k_nope, k_rope[:, :, None, :].expand(-1, -1, num_heads, -1)), dim=-1)
+        return bucket_attention(qb, k, v, b.bias, scale)
+
+    if not plan.buckets:
+        return q.new_empty(0, num_heads, mla.v_head_dim)
+    return _each_bucket(q, plan, attend)
