@@ -35,8 +35,9 @@ MIN_PADDED_CONTEXT = 32
 
 PADDED_CONTEXTS_PER_OCTAVE = 2
 """Bucket lengths per doubling of the context: 2 pads a context by less than half (257 -> 384),
-and a decode step whose contexts span 64-300 tokens runs in at most 5 calls per layer. Measured
-against 1 and 4 in bench/cpu_attention.py."""
+and a decode step whose contexts span 64-300 tokens runs in at most 5 calls per layer. In
+bench/cpu_attention.py, 1 (padding up to 2x) was up to 3x slower on 32 decodes, and 4 (twice
+the calls) within the shared machine's noise of 2 either way."""
 
 
 def padded_context_len(context_len: int) -> int:
@@ -128,7 +129,7 @@ def torch_attention_plan(batch: AttentionBatch) -> TorchAttentionPlan:
     """Buckets, the flat slot list and the masks: about twenty tensor ops per step and four per
     bucket, whatever the number of tokens (per-sequence numbers are spread over tokens by
     `repeat_interleave`, not by Python loops), then moved to the batch's device."""
-    query_lens, context_lens, block_size = batch.query_lens, batch.context_lens, batch.block_size
+    query_lens, context_lens = batch.query_lens, batch.context_lens
     if any(q < 1 for q in query_lens):
         raise ValueError(f"every sequence needs query_len >= 1, got {list(query_lens)}")
     groups: dict[tuple[int, int], list[int]] = {}
@@ -144,15 +145,7 @@ def torch_attention_plan(batch: AttentionBatch) -> TorchAttentionPlan:
         empty = torch.zeros(0, dtype=torch.int64, device=batch.device)
         return TorchAttentionPlan(batch.slot_mapping, (), (), (), empty, None, ())
 
-    # Keys: per entry of the flat list, its sequence's offsets, then its position (past the
-    # context: folded back to 0) and the slot of that position.
-    table_starts = list(accumulate((len(t) for t in batch.block_tables), initial=0))
-    per_seq = torch.tensor([key_starts[:-1], [context_lens[i] for i in order], [table_starts[i] for i in order]])
-    key_start, context_len, table_start = per_seq.repeat_interleave(torch.tensor(key_lens), dim=1)  # [N] each
-    positions = torch.arange(key_starts[-1]) - key_start
-    positions.masked_fill_(positions >= context_len, 0)
-    tables = torch.tensor([block for table in batch.block_tables for block in table], dtype=torch.int64)
-    key_slots = tables[table_start + positions // block_size] * block_size + positions % block_size
+    key_slots = _key_slots(batch, order, key_lens, key_starts)
     # Queries: each token's row in the step and its position, in bucket order.
     query_lens_in_order = [query_lens[i] for i in order]
     first_rows = list(accumulate(query_lens, initial=0))
@@ -188,6 +181,20 @@ def torch_attention_plan(batch: AttentionBatch) -> TorchAttentionPlan:
         query_rows=None if in_order else (first_row + offset).to(device),
         buckets=tuple(buckets),
     )
+
+
+def _key_slots(batch: AttentionBatch, order: list[int], key_lens: list[int], key_starts: list[int]) -> torch.Tensor:
+    """`[N]` slots of the sequences `order` in turn, each over its `key_lens` entries starting at
+    `key_starts`: per entry its sequence's offsets, then its position (past the context: folded
+    back to 0, its first slot) and that position's slot."""
+    context_lens, block_size = batch.context_lens, batch.block_size
+    table_starts = list(accumulate((len(t) for t in batch.block_tables), initial=0))
+    per_seq = torch.tensor([key_starts[:-1], [context_lens[i] for i in order], [table_starts[i] for i in order]])
+    key_start, context_len, table_start = per_seq.repeat_interleave(torch.tensor(key_lens), dim=1)  # [N] each
+    positions = torch.arange(key_starts[-1]) - key_start
+    positions.masked_fill_(positions >= context_len, 0)
+    tables = torch.tensor([block for table in batch.block_tables for block in table], dtype=torch.int64)
+    return tables[table_start + positions // block_size] * block_size + positions % block_size
 
 
 def causal_attention(
