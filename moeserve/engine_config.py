@@ -6,18 +6,24 @@ Each knob is a documented field of exactly one dataclass here, with its one defa
 what they do to batching.
 
 Imports no torch, so the command's parser can be built without it: dtypes are names here and
-become torch dtypes in `moeserve.config.parse_dtype`; device "auto" is resolved on construction.
+become torch dtypes in `moeserve.config.parse_dtype`. Device "auto" is resolved on construction,
+and so is dtype "auto" on a CPU, where it depends on the CPU (see `auto_cpu_dtype`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import logging
 import re
 from dataclasses import dataclass, field
 from typing import Literal
 
+from moeserve import cpu_features
 from moeserve.options import build, option
 from moeserve.scheduler.config import POLICIES, SchedulerConfig
+
+logger = logging.getLogger(__name__)
 
 DTYPE_NAMES = ("float32", "float16", "bfloat16")
 DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16"}
@@ -194,6 +200,22 @@ def _auto_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def auto_cpu_dtype() -> str:
+    """What dtype "auto" means on a CPU: "float32" when the CPU has no bf16 instructions, where a
+    bf16 or fp16 checkpoint would run several times slower than in float32; else "auto" (the
+    checkpoint's own). The choice is logged once per process."""
+    if cpu_features.cpu_has_native_bf16():
+        _log_once("dtype auto: the checkpoint's own (this CPU computes bfloat16 natively)")
+        return "auto"
+    _log_once("dtype auto: float32, whatever the checkpoint's dtype (this CPU has no avx512_bf16 or amx_bf16)")
+    return "float32"
+
+
+@functools.cache
+def _log_once(message: str) -> None:
+    logger.info(message)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs besides the checkpoint's own config."""
@@ -201,7 +223,8 @@ class EngineConfig:
     model: str | None = None
     """Hugging Face checkpoint folder; None: the built-in demo model (made on first use)."""
     dtype: str = "auto"
-    """Weights and activations: auto (the checkpoint's own), float32, bfloat16 or float16."""
+    """Weights and activations: float32, bfloat16, float16 or auto: the checkpoint's own, except
+    float32 on a CPU without bf16 instructions (no AVX512_BF16 or AMX), where it is much faster."""
     device: str = "auto"
     """cuda, cpu, or auto: cuda when a GPU is visible, else cpu."""
     kernels: Literal["auto", "torch", "triton"] = "auto"
@@ -234,6 +257,8 @@ class EngineConfig:
         object.__setattr__(self, "dtype", dtype_name(self.dtype))
         if self.device == "auto":
             object.__setattr__(self, "device", _auto_device())
+        if self.dtype == "auto" and self.device.split(":")[0] == "cpu":
+            object.__setattr__(self, "dtype", auto_cpu_dtype())
         if self.max_num_batched_tokens is None:
             default = _scheduler_default("max_num_batched_tokens")
             object.__setattr__(self, "max_num_batched_tokens", max(default, self.max_num_seqs))  # type: ignore[call-overload]

@@ -7,6 +7,7 @@ Imports no torch, so the command's parser can be built without it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from moeserve.engine_config import parse_bytes
 from moeserve.options import option
@@ -31,6 +32,10 @@ class ServerSettings:
     context fits."""
     shutdown_timeout_s: float = option(30.0, name="shutdown_timeout")
     """Seconds running requests get to finish after SIGTERM before they are aborted."""
+    cpu_binding: Literal["auto", "off"] = "auto"
+    """Model on CPU in one rank: auto binds the engine core and its torch threads to every CPU but
+    one and the HTTP process to that one, so neither preempts the other (as vLLM's CPU build
+    does); off leaves both to the OS."""
 
     def model_name(self, model: str | None) -> str:
         """The id to serve under: the one given, else the checkpoint path, else the demo's."""

@@ -24,14 +24,14 @@ from moeserve.api.protocol import (
 )
 from moeserve.api.state import ModelInfo, ServingState
 from moeserve.api.streaming import SampleCursor
-from moeserve.engine.async_engine import RequestStream
+from moeserve.engine.streams import RequestStream
 from moeserve.sampling_params import SamplingParams
 
 
-def _render(request: ChatCompletionRequest, model: ModelInfo) -> list[int]:
+def _render(request: ChatCompletionRequest, tokenizer) -> list[int]:
     """The conversation as prompt token ids; a template that rejects it is the client's 400."""
     try:
-        ids = model.tokenizer.apply_chat_template(
+        ids = tokenizer.apply_chat_template(
             request.template_messages(), add_generation_prompt=True, tokenize=True, return_dict=False
         )
     except Exception as exc:  # jinja raises TemplateError (and friends) on conversations it refuses
@@ -41,7 +41,7 @@ def _render(request: ChatCompletionRequest, model: ModelInfo) -> list[int]:
 
 async def create_chat_completion(raw: Request, state: ServingState) -> Response:
     request, engine, model, params = await admit(raw, state, ChatCompletionRequest)
-    prompt_ids = _render(request, model)
+    prompt_ids = await model.off_loop(lambda tokenizer: _render(request, tokenizer))
     check_context(len(prompt_ids), params.max_tokens, model.max_model_len, "messages")
     request_id = random_id("chatcmpl")
     streams = await submit_all(engine, [{"prompt_token_ids": prompt_ids}], params, request_id, "messages")

@@ -23,17 +23,17 @@ from moeserve.api.protocol import (
 from moeserve.api.state import ModelInfo, ServingState
 from moeserve.api.streaming import SampleCursor
 from moeserve.api.transport import merge
-from moeserve.engine.async_engine import RequestStream
 from moeserve.engine.outputs import RequestOutput
+from moeserve.engine.streams import RequestStream
 from moeserve.sampling_params import SamplingParams
 
 
-def _prepare_prompts(request: CompletionRequest, model: ModelInfo) -> list[dict]:
+def _prepare_prompts(request: CompletionRequest, tokenizer) -> list[dict]:
     """Each prompt as the engine takes it, tokenized here so its length can be checked first."""
     prompts = []
     for prompt in request.prompts():
         if isinstance(prompt, str):
-            prompts.append({"prompt": prompt, "prompt_token_ids": model.tokenizer.encode(prompt)})
+            prompts.append({"prompt": prompt, "prompt_token_ids": tokenizer.encode(prompt)})
         else:
             prompts.append({"prompt_token_ids": list(prompt)})
     return prompts
@@ -41,7 +41,7 @@ def _prepare_prompts(request: CompletionRequest, model: ModelInfo) -> list[dict]
 
 async def create_completion(raw: Request, state: ServingState) -> Response:
     request, engine, model, params = await admit(raw, state, CompletionRequest)
-    prompts = _prepare_prompts(request, model)
+    prompts = await model.off_loop(lambda tokenizer: _prepare_prompts(request, tokenizer))
     for prompt in prompts:
         check_context(len(prompt["prompt_token_ids"]), params.max_tokens, model.max_model_len, "prompt")
     request_id = random_id("cmpl")

@@ -16,8 +16,8 @@ from moeserve.api.protocol import SSE_DONE, RequestT, parse_request
 from moeserve.api.state import ModelInfo, ServingState
 from moeserve.api.streaming import SSE_HEADERS, sse_error
 from moeserve.api.transport import read_body, until_disconnected
-from moeserve.engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from moeserve.engine.outputs import RequestOutput
+from moeserve.engine.streams import EngineClient, EngineDeadError, RequestStream
 from moeserve.sampling_params import SamplingParams
 from moeserve.scheduler import QueueFullError
 
@@ -29,7 +29,7 @@ RETRY_AFTER_S = 1
 
 async def admit(
     raw: Request, state: ServingState, request_class: type[RequestT]
-) -> tuple[RequestT, AsyncEngine, ModelInfo, SamplingParams]:
+) -> tuple[RequestT, EngineClient, ModelInfo, SamplingParams]:
     """The validated body, and the engine to serve it with: a 4xx for a bad body or an unknown
     model, a 503 while the model loads or the server drains."""
     request = parse_request(request_class, await read_body(raw, state.settings.max_body_bytes))
@@ -86,7 +86,7 @@ def engine_error(exc: BaseException, prompt_param: str) -> APIError | None:
 
 
 async def submit_all(
-    engine: AsyncEngine, prompts: Sequence[dict], params: SamplingParams, request_id: str, prompt_param: str
+    engine: EngineClient, prompts: Sequence[dict], params: SamplingParams, request_id: str, prompt_param: str
 ) -> list[RequestStream]:
     """Submit every prompt, or none: if one is refused the ones already queued are aborted."""
     streams: list[RequestStream] = []

@@ -2,8 +2,9 @@
 
 Lifecycle:
 1. Bind the socket and start uvicorn; /health answers 503 while the model loads in a thread.
-2. Loaded: the `AsyncEngine` starts, /health turns 200 and requests are served. A load failure
-   is logged and the process exits 1, so an orchestrator sees it.
+2. The engine core process loads the model (`EngineCoreClient`); once it is ready /health turns
+   200 and requests are served. A load failure is logged and the process exits 1, so an
+   orchestrator sees it; so is a core that dies later (/health turns 503 at once).
 3. SIGTERM or SIGINT: new requests get 503 and the listener closes; running requests have
    `shutdown_timeout_s` to finish; what is left is aborted, then the process exits 0.
 """
@@ -11,6 +12,7 @@ Lifecycle:
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import socket
 import threading
@@ -23,8 +25,8 @@ from moeserve.api.app import build_app
 from moeserve.api.metrics import ServerMetrics
 from moeserve.api.state import ModelInfo, ServerSettings, ServingState
 from moeserve.config import EngineConfig
-from moeserve.engine.async_engine import AsyncEngine
-from moeserve.engine.engine import LLMEngine
+from moeserve.engine.core_client import EngineCoreClient
+from moeserve.engine.cpu_binding import bind_current_process, plan_cpu_binding
 from moeserve.engine.stats import LoggingStatLogger
 from moeserve.engine.tokenizer import load_tokenizer
 
@@ -49,25 +51,35 @@ class _DrainingServer(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-def load_engine(state: ServingState, config: EngineConfig, on_failure: Callable[[], None]) -> None:
-    """Build the engine and attach it to `state`; on failure, now or later (a lost rank), log
-    why and call `on_failure`."""
+def load_engine(
+    state: ServingState,
+    config: EngineConfig,
+    on_failure: Callable[[], None],
+    engine_cpus: tuple[int, ...] | None = None,
+) -> None:
+    """Start the engine core process (on `engine_cpus`, if given) and attach its client to
+    `state`; on failure, now or later (the core died, a rank was lost), log why and call
+    `on_failure`."""
     try:
         config = config.with_model_folder()
         logger.info("loading %s", config.model)
-        engine = LLMEngine(config, stat_loggers=[state.metrics, LoggingStatLogger()])
 
         def engine_died(error: BaseException) -> None:
             logger.error("the engine stopped (%s); shutting the server down", error)
             on_failure()
 
-        async_engine = AsyncEngine(engine, on_death=engine_died)
-        async_engine.start()
-        model = ModelInfo(
-            max_model_len=engine.max_model_len, tokenizer=load_tokenizer(Path(config.model)), root=config.model
+        engine = EngineCoreClient(
+            config, stat_loggers=[state.metrics, LoggingStatLogger()], on_death=engine_died, cpus=engine_cpus
         )
-        state.set_ready(async_engine, model)
-        cfg = engine.model_config
+        engine.start()
+        model = ModelInfo(
+            max_model_len=engine.max_model_len,
+            tokenizer=load_tokenizer(Path(config.model)),
+            root=config.model,
+            prompt_tokenizer=load_tokenizer(Path(config.model)),
+        )
+        state.set_ready(engine, model)
+        cfg = engine.facts.model_config
         logger.info(
             "serving %s as '%s': %s, %d layers, %d experts (top-%d), dtype %s, max_model_len %d, "
             "%d KV blocks of %d tokens, policy %s",
@@ -77,14 +89,14 @@ def load_engine(state: ServingState, config: EngineConfig, on_failure: Callable[
             cfg.num_layers,
             cfg.num_experts,
             cfg.router.top_k,
-            str(engine.dtype).removeprefix("torch."),
+            str(engine.facts.dtype).removeprefix("torch."),
             engine.max_model_len,
-            engine.scheduler.num_kv_blocks,
-            engine.scheduler.config.block_size,
+            engine.num_kv_blocks,
+            config.cache.block_size,
             config.scheduling_policy,
         )
     except Exception as exc:  # noqa: BLE001 - any load failure ends the server, with the reason logged
-        if isinstance(exc, ValueError):
+        if isinstance(exc, (ValueError, RuntimeError)):
             logger.error("could not load the model: %s", exc)
         else:
             logger.exception("could not load the model")
@@ -110,6 +122,13 @@ def serve(settings: ServerSettings, engine_config: EngineConfig) -> int:
     if settings.api_key is None and settings.host not in ("127.0.0.1", "localhost", "::1"):
         logger.warning("listening on %s without --api-key: anyone who can reach it can use it", settings.host)
 
+    binding = plan_cpu_binding(
+        settings.cpu_binding, engine_config.device, engine_config.parallel.ep, os.sched_getaffinity(0)
+    )
+    if binding is not None:
+        bind_current_process(binding.frontend)  # before any thread starts: they inherit it
+        logger.info("CPU binding: %s (--cpu-binding off leaves them to the OS)", binding.describe())
+
     failed = threading.Event()
 
     def stop_after_failure() -> None:
@@ -117,7 +136,10 @@ def serve(settings: ServerSettings, engine_config: EngineConfig) -> int:
         server.should_exit = True
 
     threading.Thread(
-        target=load_engine, args=(state, engine_config, stop_after_failure), name="moeserve-loader", daemon=True
+        target=load_engine,
+        args=(state, engine_config, stop_after_failure, binding.engine if binding else None),
+        name="moeserve-loader",
+        daemon=True,
     ).start()
     # uvicorn re-raises the shutdown signal once it has drained; absorb it so the exit code is ours.
     for sig in (signal.SIGTERM, signal.SIGINT):

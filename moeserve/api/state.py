@@ -6,13 +6,19 @@ answers 503 until `ServingState.set_ready` is called; requests meanwhile get a 5
 
 from __future__ import annotations
 
+import asyncio
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from moeserve.api.errors import APIError
 from moeserve.api.metrics import ServerMetrics
-from moeserve.engine.async_engine import AsyncEngine
+from moeserve.engine.streams import EngineClient
 from moeserve.server_config import ServerSettings
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -21,10 +27,22 @@ class ModelInfo:
 
     max_model_len: int
     tokenizer: object
-    """The HTTP side's own tokenizer instance: the engine thread decodes with another one, and a
-    fast tokenizer must not be used from two threads at once."""
+    """The event loop's own tokenizer instance (logprob tokens, echoed prompts): a fast tokenizer
+    must not be used from two threads at once, and the engine's output thread decodes with another."""
     root: str
+    prompt_tokenizer: object | None = None
+    """Another instance, used only on `prompt_thread` (see `off_loop`)."""
     created: int = field(default_factory=lambda: int(time.time()))
+    prompt_thread: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="moeserve-prompts")
+    )
+    """Tokenization and chat templates run here, off the event loop: a long prompt or a large
+    conversation takes milliseconds, which would stall every open stream's next chunk."""
+
+    async def off_loop(self, work: Callable[[object], T]) -> T:
+        """`work(prompt_tokenizer)` on the prompt thread (the loop's tokenizer if there is no other)."""
+        tokenizer = self.prompt_tokenizer if self.prompt_tokenizer is not None else self.tokenizer
+        return await asyncio.get_running_loop().run_in_executor(self.prompt_thread, work, tokenizer)
 
 
 class ServingState:
@@ -33,11 +51,11 @@ class ServingState:
     def __init__(self, settings: ServerSettings, metrics: ServerMetrics) -> None:
         self.settings = settings
         self.metrics = metrics
-        self.engine: AsyncEngine | None = None
+        self.engine: EngineClient | None = None
         self.model: ModelInfo | None = None
         self.draining = False
 
-    def set_ready(self, engine: AsyncEngine, model: ModelInfo) -> None:
+    def set_ready(self, engine: EngineClient, model: ModelInfo) -> None:
         self.model = model
         self.engine = engine
 
@@ -45,7 +63,7 @@ class ServingState:
     def is_ready(self) -> bool:
         return self.engine is not None and self.engine.is_healthy and not self.draining
 
-    def admit(self) -> tuple[AsyncEngine, ModelInfo]:
+    def admit(self) -> tuple[EngineClient, ModelInfo]:
         """The engine for a new request, or a 503 saying why there is none."""
         if self.draining:
             raise APIError("the server is shutting down and admits no new requests", status_code=503)

@@ -4,7 +4,8 @@ Why Qwen3-MoE: it is the plainest of the supported MoE families (GQA attention, 
 softmax top-k, no shared expert), so it is the first path every other part of moeserve can run.
 Its sizes are chosen so that no weight is square (hidden 128, attention 4x16 = 64 wide, KV 2x16 =
 32, experts 64), so a transposed weight fails loudly instead of running; head size 16 and the
-other powers of two suit Triton block shapes. It is saved in bfloat16, as real checkpoints are, and
+other powers of two suit Triton block shapes. It is saved in bfloat16, as real checkpoints are
+(`--dtype auto` serves it in float32 on a CPU without bf16 instructions, see `EngineConfig.dtype`),
 in shards of at most 512 KiB (about 1.2 MB in all), so the sharded-index path is always exercised.
 
 The folder name carries a hash of everything that decides the files (the spec, a format version,

@@ -59,7 +59,7 @@ def rank_device(spec: WorkerSpec, local_rank: int) -> torch.device:
     if spec.device.startswith("cuda"):
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.parallel.ranks_per_node))
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // spec.parallel.ranks_per_node))
     return torch.device(spec.device)
 
 

@@ -1,13 +1,16 @@
-"""The engine behind an asyncio server: the engine loop in its own thread, asyncio on the other side.
+"""The whole engine in a thread of this process, served to asyncio callers.
+
+The server runs the engine core in its own process instead (`core_client.EngineCoreClient`, the
+same face); this in-process form is for embedding the engine in an asyncio program, and for tests
+that reach into the engine (its scheduler, a patched step) while it serves.
 
 Threading contract:
 - One daemon thread (started by `AsyncEngine.start()`) owns the `LLMEngine`; nothing else touches
   it, so the model needs no locks. The event loop only enqueues commands (add / abort / stop) on a
   thread-safe queue, which the engine thread drains between steps; with no work it blocks on it.
 - Outputs go back to the caller's event loop with `loop.call_soon_threadsafe` into one
-  `asyncio.Queue` per request, so no engine work ever runs on the loop thread. A step's outputs
-  travel in one call per loop, not one per request: each call wakes the loop (a pipe write
-  and a GIL handoff), which with 64 streams cost a measurable share of every step.
+  `asyncio.Queue` per request, one call per loop per step (`streams.py`), so no engine work
+  ever runs on the loop thread.
 - An add is a round trip: `submit` awaits a future the engine thread resolves, so `add_request`'s
   ValueError / QueueFullError reach the caller before any output (a server answers 400 / 429
   before it starts a response); it returns the request's `RequestStream`.
@@ -30,44 +33,15 @@ from dataclasses import dataclass
 
 from moeserve.engine.engine import LLMEngine
 from moeserve.engine.outputs import RequestOutput
+from moeserve.engine.streams import EngineDeadError, RequestStream, Stream, deliver_all
 from moeserve.sampling_params import SamplingParams
+
+__all__ = ["AsyncEngine", "EngineDeadError", "RequestStream"]
 
 logger = logging.getLogger(__name__)
 
 StepListener = Callable[[float, int], None]
 """on_step(duration_s, num_outputs), called on the engine thread after every step."""
-
-# What a stream's queue carries: an output, the error that killed the engine, or None (aborted).
-_Item = RequestOutput | BaseException | None
-
-
-class EngineDeadError(RuntimeError):
-    """The engine thread is not running (died, shut down or never started): nothing will be served."""
-
-
-class _Stream:
-    """One request's outputs, handed from the engine thread to the caller's event loop."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-        self.queue: asyncio.Queue[_Item] = asyncio.Queue()
-
-    def put(self, item: _Item) -> None:
-        """Called on the engine thread; a caller whose loop has closed is gone, so drop the item."""
-        _deliver_threadsafe(self.loop, [(self, item)])
-
-
-def _deliver(batch: list[tuple[_Stream, _Item]]) -> None:
-    for stream, item in batch:
-        stream.queue.put_nowait(item)
-
-
-def _deliver_threadsafe(loop: asyncio.AbstractEventLoop, batch: list[tuple[_Stream, _Item]]) -> None:
-    """Hand `batch` to `loop` in one wake-up; a loop that has closed has no callers left: drop it."""
-    try:
-        loop.call_soon_threadsafe(_deliver, batch)
-    except RuntimeError:
-        pass
 
 
 @dataclass
@@ -76,14 +50,14 @@ class _Add:
     params: SamplingParams
     request_id: str
     arrival_time: float  # when the caller asked, so TTFT includes the wait for the engine thread
-    stream: _Stream
+    stream: Stream
     accepted: concurrent.futures.Future[None]
 
 
 @dataclass
 class _Abort:
     request_id: str
-    stream: _Stream | None  # set: abort only if this stream still owns the id (a failed add owns nothing)
+    stream: Stream | None  # set: abort only if this stream still owns the id (a failed add owns nothing)
 
 
 class _Stop:
@@ -96,42 +70,6 @@ class _Lost:
 
 
 _Command = _Add | _Abort | _Stop | _Lost
-
-
-class RequestStream:
-    """One accepted request's outputs: an async iterator of cumulative `RequestOutput`s.
-
-    Ends after the finished output, or without one if the request was aborted; raises
-    EngineDeadError if the engine dies meanwhile. `aclose()` aborts it if it has not ended.
-    """
-
-    def __init__(self, engine: AsyncEngine, request_id: str, stream: _Stream) -> None:
-        self.request_id = request_id
-        self._engine = engine
-        self._stream = stream
-        self._ended = False
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if self._ended:
-            raise StopAsyncIteration
-        item = await self._stream.queue.get()
-        while isinstance(item, RequestOutput) and not item.finished and not self._stream.queue.empty():
-            item = self._stream.queue.get_nowait()  # outputs are cumulative: a slow reader skips to the latest
-        if item is None or isinstance(item, BaseException) or item.finished:
-            self._ended = True
-        if item is None:
-            raise StopAsyncIteration
-        if isinstance(item, BaseException):
-            raise item
-        return item
-
-    async def aclose(self) -> None:
-        if not self._ended:
-            self._ended = True
-            self._engine._abort_quietly(_Abort(self.request_id, self._stream))
 
 
 class AsyncEngine:
@@ -149,7 +87,7 @@ class AsyncEngine:
         self._on_step = on_step
         self._on_death = on_death
         self._commands: queue.Queue[_Command] = queue.Queue()
-        self._streams: dict[str, _Stream] = {}  # engine thread only
+        self._streams: dict[str, Stream] = {}  # engine thread only
         self._lock = threading.Lock()  # orders "closed" against submissions, so none is stranded
         self._closed = False
         self._error: BaseException | None = None
@@ -203,7 +141,7 @@ class AsyncEngine:
         (`aclose()`, or `contextlib.aclosing`) when done with it: an unfinished one is aborted.
         """
         request_id = request_id if request_id is not None else uuid.uuid4().hex
-        stream = _Stream(asyncio.get_running_loop())
+        stream = Stream(asyncio.get_running_loop())
         accepted: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._submit(_Add(prompt, params, request_id, time.monotonic(), stream, accepted))
         try:
@@ -211,7 +149,7 @@ class AsyncEngine:
         except BaseException:
             self._abort_quietly(_Abort(request_id, stream))  # a cancelled wait may still have been added
             raise
-        return RequestStream(self, request_id, stream)
+        return RequestStream(request_id, stream, lambda: self._abort_quietly(_Abort(request_id, stream)))
 
     async def generate(
         self, prompt: str | dict | list[int], params: SamplingParams, request_id: str | None = None
@@ -303,16 +241,15 @@ class AsyncEngine:
         started = time.perf_counter()
         outputs = self.engine.step()
         duration = time.perf_counter() - started
-        batches: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, _Item]]] = {}
+        delivered = []
         for output in outputs:
             stream = self._streams.get(output.request_id)
             if stream is None:
                 continue
             if output.finished:
                 del self._streams[output.request_id]
-            batches.setdefault(stream.loop, []).append((stream, output))
-        for loop, batch in batches.items():
-            _deliver_threadsafe(loop, batch)
+            delivered.append((stream, output))
+        deliver_all(delivered)
         if self._on_step is not None:
             try:
                 self._on_step(duration, len(outputs))

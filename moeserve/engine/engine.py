@@ -1,37 +1,36 @@
-"""The engine: requests in, tokens out, one scheduler step at a time.
+"""The engine: requests in, tokens out, one scheduler step at a time, all in the caller's thread.
 
-    step():  scheduler.schedule() -> executor.execute(plan) -> scheduler.update(plan, tokens, time)
-             -> output_processor.process(...) -> RequestOutputs, and stop-string matches finished
+    step():  core.step() (schedule -> execute -> update) -> frontend.process(...) -> RequestOutputs,
+             and the sequences whose text matched a stop string finished in the core at once
 
-A request with n > 1 fans out into n sequences (`<id>#<i>`) scheduled independently; its
-output gathers them. Bad input raises ValueError before anything is queued.
+`LLMEngine` is the frontend (`frontend.py`: tokenize, validate, fan out, detokenize) and the core
+(`core.py`: scheduler and executor) in one object, which is what the offline `LLM` runs. The
+server runs the same two apart: the frontend in its process, the core in its own. A request with
+n > 1 fans out into n sequences (`<id>#<i>`) scheduled independently; its output gathers them.
+Bad input raises ValueError before anything is queued.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass
 from pathlib import Path
 
-from moeserve.config import EngineConfig, parse_dtype
-from moeserve.engine.output_processor import OutputProcessor
+import torch
+
+from moeserve.config import EngineConfig, ModelConfig, parse_dtype
+from moeserve.engine.core import EngineCore
+from moeserve.engine.frontend import EngineFrontend, Prompt
 from moeserve.engine.outputs import RequestOutput
 from moeserve.engine.stats import IterationStats, StatLogger
 from moeserve.engine.tokenizer import load_tokenizer
-from moeserve.executor import create_executor
 from moeserve.models import model_config
 from moeserve.models.checkpoint import read_json
 from moeserve.sampling_params import SamplingParams
-from moeserve.scheduler import DataParallelScheduler, Request, SchedulerConfig, StepPlan
-from moeserve.worker.kv_cache import num_blocks_for
-from moeserve.worker.runner import SampledToken
 
 logger = logging.getLogger(__name__)
-
-ROUTING_INTERVAL_S = 1.0  # expert load is reported to the stat loggers about this often
 
 
 def generation_eos_ids(folder: Path, config_eos: tuple[int, ...]) -> tuple[int, ...]:
@@ -42,92 +41,71 @@ def generation_eos_ids(folder: Path, config_eos: tuple[int, ...]) -> tuple[int, 
     return tuple(dict.fromkeys([*config_eos, *extra]))
 
 
+@dataclass(frozen=True)
+class ModelFacts:
+    """What both sides of the engine agree on about the checkpoint, read from its files alone."""
+
+    model_config: ModelConfig
+    dtype: torch.dtype
+    eos_token_ids: tuple[int, ...]
+    max_model_len: int
+
+    @classmethod
+    def read(cls, config: EngineConfig) -> ModelFacts:
+        folder = Path(config.model)
+        cfg = model_config(folder)
+        max_model_len = config.max_model_len or cfg.max_position_embeddings
+        if max_model_len > cfg.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
+                f"{cfg.max_position_embeddings}"
+            )
+        dtype = parse_dtype(config.dtype) or cfg.checkpoint_dtype
+        return cls(cfg, dtype, generation_eos_ids(folder, cfg.eos_token_ids), max_model_len)
+
+
 class LLMEngine:
-    """Stat loggers get an `IterationStats` after every step and every abort (engine thread)."""
+    """Stat loggers get an `IterationStats` after every step and every abort (the caller's thread)."""
 
     def __init__(self, config: EngineConfig, stat_loggers: Sequence[StatLogger] = ()) -> None:
         self.config = config
-        self.stat_loggers = list(stat_loggers)
-        folder = Path(config.model)
         started = time.monotonic()
-        self.model_config = model_config(folder)
-        self.dtype = parse_dtype(config.dtype) or self.model_config.checkpoint_dtype
-        self.tokenizer = load_tokenizer(folder)
-        self.eos_token_ids = generation_eos_ids(folder, self.model_config.eos_token_ids)
-        self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
-        if self.max_model_len > self.model_config.max_position_embeddings:
-            raise ValueError(
-                f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings "
-                f"{self.model_config.max_position_embeddings}"
-            )
-        cache, parallel = config.cache, config.parallel
-        num_blocks = num_blocks_for(
-            self.model_config, cache, self.dtype, config.max_num_seqs * self.max_model_len, parallel.tp
+        facts = ModelFacts.read(config)
+        self.model_config, self.dtype = facts.model_config, facts.dtype
+        self.eos_token_ids, self.max_model_len = facts.eos_token_ids, facts.max_model_len
+        self.tokenizer = load_tokenizer(Path(config.model))
+        self.frontend = EngineFrontend(
+            self.tokenizer, self.model_config.vocab_size, self.max_model_len, config.slo, stat_loggers
         )
-        self.scheduler = DataParallelScheduler(
-            SchedulerConfig(
-                max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=config.max_num_batched_tokens,
-                max_model_len=self.max_model_len,
-                block_size=cache.block_size,
-                num_kv_blocks=num_blocks,
-                max_waiting=config.max_waiting,
-                policy=config.scheduling_policy,
-                slo_ttft_s=config.slo.ttft_s,
-                slo_tbt_s=config.slo.tbt_s,
-            ),
-            num_groups=parallel.num_dp_groups,
-        )
-        self.executor = create_executor(config, self.model_config, self.dtype, num_blocks, self.eos_token_ids)
-        self.output_processor = OutputProcessor(self.tokenizer, config.slo)
-        self._ids = itertools.count()
-        self._routing_asked = 0.0
+        self.core = EngineCore(config, self.model_config, self.dtype, self.max_model_len, self.eos_token_ids)
+        self.scheduler, self.executor = self.core.scheduler, self.core.executor
         logger.info("engine ready in %.1f s (max_model_len %d)", time.monotonic() - started, self.max_model_len)
+
+    @property
+    def stat_loggers(self) -> list[StatLogger]:
+        return self.frontend.stat_loggers
 
     def shutdown(self) -> None:
         """Stop the executor's processes, if any; the engine cannot step afterwards."""
-        self.executor.shutdown()
+        self.core.shutdown()
 
     def add_failure_listener(self, listener: Callable[[str], None]) -> None:
         """See `Executor.add_failure_listener`: a lost rank, reported from another thread."""
-        self.executor.add_failure_listener(listener)
+        self.core.add_failure_listener(listener)
 
     # ---- requests -------------------------------------------------------------------------
 
-    def tokenize(self, prompt: str | dict | list[int]) -> tuple[str | None, list[int]]:
+    def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         """A text prompt, `{"prompt_token_ids": [...]}` or a list of ids -> (text, ids)."""
-        if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" not in prompt:
-                raise ValueError("a dict prompt needs 'prompt_token_ids'")
-            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-        if isinstance(prompt, (list, tuple)):
-            return None, list(prompt)
-        raise ValueError(
-            f"a prompt is a string, a list of token ids or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}"
-        )
+        return self.frontend.tokenize(prompt)
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingParams:
         """Reject what the model cannot run; returns params with max_tokens fitted to the context."""
-        if not prompt_token_ids:
-            raise ValueError("the prompt is empty: give at least one token")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]!r} is out of the vocabulary [0, {vocab})")
-        room = self.max_model_len - len(prompt_token_ids)
-        if room < 1:
-            raise ValueError(
-                f"the prompt has {len(prompt_token_ids)} tokens; the model's maximum context length is "
-                f"{self.max_model_len}, which leaves no room for a generated token"
-            )
-        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        return replace(params, max_tokens=max_tokens, min_tokens=min(params.min_tokens, max_tokens))
+        return self.frontend.validate(prompt_token_ids, params)
 
     def add_request(
         self,
-        prompt: str | dict | list[int],
+        prompt: Prompt,
         params: SamplingParams,
         request_id: str | None = None,
         arrival_time: float | None = None,
@@ -136,95 +114,43 @@ class LLMEngine:
 
     def add_requests(
         self,
-        batch: list[tuple[str | dict | list[int], SamplingParams]],
+        batch: list[tuple[Prompt, SamplingParams]],
         request_ids: list[str | None] | None = None,
         arrival_time: float | None = None,
     ) -> list[str]:
         """Tokenize and validate every (prompt, params) first, then queue them: a bad prompt
         anywhere raises ValueError with nothing of the batch queued."""
-        prepared = []
-        for prompt, params in batch:
-            text, prompt_token_ids = self.tokenize(prompt)
-            prepared.append((text, prompt_token_ids, self.validate(prompt_token_ids, params)))
+        prepared = [self.frontend.prepare(prompt, params) for prompt, params in batch]
         ids = request_ids or [None] * len(batch)
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        return [
-            self._enqueue(text, token_ids, params, rid, arrival)
-            for (text, token_ids, params), rid in zip(prepared, ids)
-        ]
-
-    def _enqueue(
-        self,
-        text: str | None,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        request_id: str | None,
-        arrival: float,
-    ) -> str:
-        request_id = request_id if request_id is not None else str(next(self._ids))
-        if request_id in self.output_processor:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        children = []
-        for i in range(params.n):
-            child_params = params if params.n == 1 or params.seed is None else replace(params, seed=params.seed + i)
-            child_id = request_id if params.n == 1 else f"{request_id}#{i}"
-            children.append(Request(child_id, list(prompt_token_ids), child_params, self.eos_token_ids, arrival))
-        self.output_processor.add_request(request_id, text, params, arrival, children)
-        try:
-            for child in children:
-                self.scheduler.add_request(child)
-        except Exception:  # e.g. QueueFullError on the 2nd of n samples: take back the 1st too
-            self.abort_request(request_id)
-            raise
-        return request_id
+        added = []
+        for (text, token_ids, params), request_id in zip(prepared, ids):
+            request_id, samples = self.frontend.open(text, token_ids, params, request_id, arrival)
+            try:
+                self.core.add_requests(samples)
+            except Exception:  # e.g. QueueFullError: the request was never queued
+                self.abort_request(request_id)
+                raise
+            added.append(request_id)
+        return added
 
     def abort_request(self, request_id: str) -> None:
         """Drop a request and free its KV blocks now; unknown or finished ids are ignored."""
-        aborted = self.output_processor.abort_request(request_id, time.monotonic())
-        if aborted is None:
+        closed = self.frontend.close(request_id, time.monotonic())
+        if closed is None:
             return
-        child_ids, metrics = aborted
-        for child_id in child_ids:
-            self.scheduler.abort_request(child_id)
-        self._publish(IterationStats(finished=[metrics]))
+        sequence_ids, metrics = closed
+        self.core.abort_requests(sequence_ids)
+        self.frontend.publish(IterationStats(finished=[metrics]), self.core.scheduler_stats())
 
     def has_unfinished_requests(self) -> bool:
-        return self.output_processor.has_unfinished_requests()
+        return self.frontend.has_unfinished_requests()
 
     # ---- the step ---------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         """Run one step; outputs of every request that progressed (cumulative text and tokens)."""
-        plan = self.scheduler.schedule()
-        sampled, stats = self._execute(plan)
-        finished = self.scheduler.update(plan, {rid: t.token_id for rid, t in sampled.items()}, stats.step_duration_s)
-        processed = self.output_processor.process(sampled, finished, time.monotonic(), stats)
-        for request_id, stop in processed.stopped.items():
-            self.scheduler.finish_request(request_id, "stop", stop)
-        self._publish(stats)
+        processed, stats = self.frontend.process(self.core.step())
+        self.core.finish_requests(processed.stopped)
+        self.frontend.publish(stats, self.core.scheduler_stats())
         return processed.outputs
-
-    def _execute(self, plan: StepPlan) -> tuple[dict[str, SampledToken], IterationStats]:
-        """Run the plan, padded to `min_step_time_s` (the test-only capacity knob) if it ran anything."""
-        started = time.monotonic()
-        sampled = self.executor.execute(plan)
-        if not plan.is_empty and self.config.min_step_time_s > 0:
-            time.sleep(max(0.0, started + self.config.min_step_time_s - time.monotonic()))
-        duration_s = time.monotonic() - started
-        return sampled, IterationStats(step_duration_s=duration_s, num_preemptions=len(plan.preempted_request_ids))
-
-    def _publish(self, stats: IterationStats) -> None:
-        """Fill the gauges and hand the stats to every logger; a failing logger never stops serving."""
-        stats.num_running = self.scheduler.num_running
-        stats.num_waiting = self.scheduler.num_waiting
-        stats.kv_blocks_used = self.scheduler.num_used_blocks
-        stats.kv_blocks_total = self.scheduler.num_kv_blocks
-        now = time.monotonic()
-        if stats.step_duration_s is not None and now - self._routing_asked >= ROUTING_INTERVAL_S:
-            self._routing_asked = now
-            stats.routed_tokens = self.executor.take_routed_tokens()
-        for stat_logger in self.stat_loggers:
-            try:
-                stat_logger.record(stats)
-            except Exception:
-                logger.exception("stat logger %r failed; the engine keeps serving", stat_logger)

@@ -7,19 +7,23 @@ frees their KV blocks in the same step.
 
 A request with n > 1 fans out into n sequences (`<id>#<i>`) that the scheduler runs as
 independent requests; the processor gathers them back into one `RequestOutput`.
+
+Behind the server the core steps in another process and may run a sequence once more before it
+hears that a stop string or an abort ended it: tokens of sequences that already ended here, or of
+requests no longer known, are dropped.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from moeserve.config import SLOConfig
+from moeserve.engine.core import CoreStep
 from moeserve.engine.detokenizer import IncrementalDetokenizer
 from moeserve.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from moeserve.engine.stats import IterationStats, RequestMetrics
 from moeserve.sampling_params import SamplingParams
-from moeserve.scheduler import Request
 from moeserve.worker.runner import SampledToken
 
 
@@ -66,14 +70,9 @@ class _Parent:
     prompt_token_ids: list[int]
     arrival_time: float
     sequences: dict[str, _Sequence] = field(default_factory=dict)
-    requests: list[Request] = field(default_factory=list)
-    """The scheduler's requests of the samples; the scheduler stamps their first admission."""
+    first_scheduled_time: float | None = None
+    """When the first of its samples was admitted, as the core reports it."""
     first_token_time: float | None = None
-
-    @property
-    def first_scheduled_time(self) -> float | None:
-        times = [r.first_scheduled_time for r in self.requests if r.first_scheduled_time is not None]
-        return min(times) if times else None
 
     @property
     def finished(self) -> bool:
@@ -128,21 +127,27 @@ class OutputProcessor:
         return bool(self._parents)
 
     def add_request(
-        self, request_id: str, prompt: str | None, params: SamplingParams, arrival: float, requests: Sequence[Request]
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival: float,
+        sequence_ids: Sequence[str],
     ) -> None:
-        """Track client request `request_id`, run by the scheduler as `requests` (its n samples)."""
-        parent = _Parent(request_id, prompt, list(requests[0].prompt_token_ids), arrival, requests=list(requests))
-        for index, request in enumerate(requests):
+        """Track client request `request_id`, run by the core as `sequence_ids` (its n samples)."""
+        parent = _Parent(request_id, prompt, list(prompt_token_ids), arrival)
+        for index, sequence_id in enumerate(sequence_ids):
             detokenizer = IncrementalDetokenizer(
                 self.tokenizer, params.stop, params.include_stop_str_in_output, params.skip_special_tokens
             )
-            parent.sequences[request.request_id] = _Sequence(
+            parent.sequences[sequence_id] = _Sequence(
                 index=index,
                 detokenizer=detokenizer,
                 logprobs=[] if params.logprobs is not None else None,
                 cumulative_logprob=0.0 if params.logprobs is not None else None,
             )
-            self._parent_of[request.request_id] = request_id
+            self._parent_of[sequence_id] = request_id
         self._parents[request_id] = parent
 
     def abort_request(self, request_id: str, now: float) -> tuple[list[str], RequestMetrics] | None:
@@ -154,37 +159,44 @@ class OutputProcessor:
             self._parent_of.pop(child_id, None)
         return list(parent.sequences), parent.metrics(now, "abort", self.slo)
 
-    def process(
-        self, sampled: Mapping[str, SampledToken], finished: Sequence[Request], now: float, stats: IterationStats
-    ) -> ProcessedStep:
-        """Append a step's tokens (sampled at `now`) to their sequences and count them in `stats`.
+    def process(self, step: CoreStep, stats: IterationStats) -> ProcessedStep:
+        """Append a core step's tokens to their sequences and count them in `stats`.
 
-        `finished` are the requests the scheduler ended in this step; a request whose text
-        matched a stop string is returned in `stopped` unless the scheduler ended it already.
+        A sequence the core ended (EOS, length) takes its reason; one whose text matched a stop
+        string is returned in `stopped`, for the core to finish, unless the core ended it already.
         """
-        finished_by_id = {r.request_id: r for r in finished}
-        step = ProcessedStep([])
+        now = step.time
+        for sequence_id, admitted in step.first_scheduled.items():
+            parent = self._parents.get(self._parent_of.get(sequence_id, ""))
+            if parent is not None and (parent.first_scheduled_time is None or admitted < parent.first_scheduled_time):
+                parent.first_scheduled_time = admitted
+        ended = {f.request_id: f for f in step.finished}
+        processed = ProcessedStep([])
         touched: dict[str, None] = {}
-        for child_id, token in sampled.items():
-            parent_id = self._parent_of[child_id]
+        for sequence_id, token in step.sampled.items():
+            parent_id = self._parent_of.get(sequence_id)
+            if parent_id is None:
+                continue  # aborted, or its request finished while this step ran
+            parent = self._parents[parent_id]
+            seq = parent.sequences[sequence_id]
+            if seq.finish_reason is not None:
+                continue  # a stop string ended it; the core had not heard yet
             touched[parent_id] = None
-            stop = self._append(self._parents[parent_id], child_id, token, now, stats)
-            seq = self._parents[parent_id].sequences[child_id]
-            request = finished_by_id.get(child_id)
+            stop = self._append(parent, seq, token, now, stats)
+            end = ended.get(sequence_id)
             if stop is not None:
                 seq.finish_reason, seq.stop_reason = "stop", stop
-                if request is None:
-                    step.stopped[child_id] = stop
-            elif request is not None:
-                seq.finish_reason, seq.stop_reason = request.finish_reason, request.stop_reason
-        step.outputs = [self._output(parent_id, now, stats) for parent_id in touched]
-        return step
+                if end is None:
+                    processed.stopped[sequence_id] = stop
+            elif end is not None:
+                seq.finish_reason, seq.stop_reason = end.finish_reason, end.stop_reason
+        processed.outputs = [self._output(parent_id, now, stats) for parent_id in touched]
+        return processed
 
     def _append(
-        self, parent: _Parent, child_id: str, token: SampledToken, now: float, stats: IterationStats
+        self, parent: _Parent, seq: _Sequence, token: SampledToken, now: float, stats: IterationStats
     ) -> str | None:
         """Count the token in the latencies, then add it to its sequence; a matched stop string."""
-        seq = parent.sequences[child_id]
         stats.num_generation_tokens += 1
         if parent.first_token_time is None:
             parent.first_token_time = now

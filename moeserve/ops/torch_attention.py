@@ -1,47 +1,200 @@
 """Attention over the paged cache in plain torch: the reference every backend is held to, and the
 CPU path.
 
-One sequence at a time, over that sequence's context gathered from the cache: exact, and a
-sequence's result does not depend on what else is in the batch (batch invariance). The plan
-holds, per sequence, the slots of its whole context, which is what that gather needs.
+One pass per layer for the whole step, prefill chunks and decodes together. The plan, made once
+per step, sorts the step's sequences into buckets of equal shape and lays out one flat list of
+cache slots holding every sequence's context; each layer gathers its K/V with that list once and
+runs each bucket as one batched attention (`bucket_attention`: two batched matrix products and a
+softmax over `[n, H, query_len, key_len]`, padded keys masked out). A step of 32 decodes is a
+handful of calls per layer, not 32 rounds of gather, einsum and softmax.
+
+Why buckets rather than one batch padded to the step's longest context: batch invariance, a
+sequence's result not depending on what else is in the step (the engine gives the same greedy
+tokens batched or alone). Padding every sequence to its neighbours' longest context changes the
+length of the reductions its softmax and `P @ V` run over, and with them the kernels' blocking
+and summation order, so its bits would depend on the batch. Here a sequence's shape is a function
+of its own lengths only (`bucket_key_len`): its query length exactly, a decode's context length
+rounded up on a fixed geometric grid (`padded_context_len`), a chunk's exactly. A bucket's batched
+products compute every sequence's matrices alike whatever else the bucket holds, so a sequence
+gets the same bits in any step (tests/kernels/test_torch_attention.py checks it bit for bit).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
-import torch.nn.functional as F
 
 from moeserve.config import MLAConfig
 from moeserve.ops.attention import AttentionBatch, AttentionPlan, gather_from_cache
 
+MIN_PADDED_CONTEXT = 32
+"""Decodes with contexts up to this many tokens share one bucket length."""
+
+PADDED_CONTEXTS_PER_OCTAVE = 2
+"""Bucket lengths per doubling of the context: 2 pads a context by less than half (257 -> 384),
+and a decode step whose contexts span 64-300 tokens runs in at most 5 calls per layer. In
+bench/cpu_attention.py, 1 (padding up to 2x) was up to 3x slower on 32 decodes, and 4 (twice
+the calls) within the shared machine's noise of 2 either way."""
+
+
+def padded_context_len(context_len: int) -> int:
+    """The key length a sequence of `context_len` tokens is padded to: a function of that length
+    alone, so padding never depends on the rest of the step."""
+    if context_len <= MIN_PADDED_CONTEXT:  # short contexts: one bucket, little absolute padding
+        return MIN_PADDED_CONTEXT
+    step = max(1, (1 << ((context_len - 1).bit_length() - 1)) // PADDED_CONTEXTS_PER_OCTAVE)
+    return -(-context_len // step) * step
+
+
+def bucket_key_len(query_len: int, context_len: int) -> int:
+    """A sequence's key length in its bucket. Decodes are padded, so that decodes of nearby
+    lengths share a call. A multi-token chunk is not: it shares a bucket only with chunks of its
+    own query length, which prompts of one length already do unpadded, and padding would add
+    work that grows with its query length."""
+    return padded_context_len(context_len) if query_len == 1 else context_len
+
+
+@dataclass(frozen=True)
+class AttentionBucket:
+    """Sequences of equal query length and padded context length: one attention call.
+
+    rows:            offset of the bucket's `num_seqs * query_len` query rows in the plan's
+                     bucket-ordered queries.
+    keys:            offset of its `num_seqs * key_len` slots in the plan's `key_slots`.
+    bias:            `[num_seqs, 1, query_len, key_len]` float32, added to the scores: 0 where a
+                     query sees a key (an earlier or its own position), -inf elsewhere, padding
+                     included.
+    query_positions: `[num_seqs, 1, query_len, 1]` int64, each query's position: with the key
+                     positions `arange(key_len)`, what a sliding window needs.
+    """
+
+    num_seqs: int
+    query_len: int
+    key_len: int
+    rows: int
+    keys: int
+    bias: torch.Tensor
+    query_positions: torch.Tensor
+
+    def rows_of(self, queries: torch.Tensor) -> torch.Tensor:
+        """This bucket's `[n, query_len, ...]` of the step's bucket-ordered `[T, ...]` queries."""
+        return queries[self.rows : self.rows + self.num_seqs * self.query_len].unflatten(
+            0, (self.num_seqs, self.query_len)
+        )
+
+    def keys_of(self, gathered: torch.Tensor) -> torch.Tensor:
+        """This bucket's `[n, key_len, ...]` of the plan's gathered `[N, ...]` keys or values."""
+        return gathered[self.keys : self.keys + self.num_seqs * self.key_len].unflatten(
+            0, (self.num_seqs, self.key_len)
+        )
+
+    def mask(self, sliding_window: int | None) -> torch.Tensor:
+        """The additive mask, narrowed to the window's last `sliding_window` positions if any."""
+        if sliding_window is None:
+            return self.bias
+        key_positions = torch.arange(self.key_len, device=self.bias.device)
+        return self.bias.masked_fill(key_positions <= self.query_positions - sliding_window, float("-inf"))
+
 
 @dataclass(frozen=True)
 class TorchAttentionPlan(AttentionPlan):
-    """query_lens:    per sequence, how many of its tokens are in this step (sum = T).
-    context_slots: per sequence, `[context_len]` int64 slots of its whole context, in order.
+    """query_lens:   per sequence, how many of its tokens are in this step (sum = T).
+    context_lens: per sequence, its context length after this step.
+    key_offsets:  per sequence, where its context starts in `key_slots`.
+    key_slots:    `[N]` int64, every sequence's context slots in order, bucket by bucket, each
+                  padded to its bucket's key length by repeating its first slot (always written,
+                  so padded keys are finite; the mask hides them).
+    query_rows:   `[T]` int64, the step's token rows in bucket order; None when that is the
+                  step's own order (all sequences in one bucket, or buckets already in order).
+    buckets:      the step's buckets, in the order of `key_slots` and `query_rows`.
     """
 
     query_lens: tuple[int, ...]
-    context_slots: tuple[torch.Tensor, ...]
+    context_lens: tuple[int, ...]
+    key_offsets: tuple[int, ...]
+    key_slots: torch.Tensor
+    query_rows: torch.Tensor | None
+    buckets: tuple[AttentionBucket, ...]
 
-
-def _context_slots(block_ids: Sequence[int], end: int, block_size: int) -> torch.Tensor:
-    """Cache slots of positions [0, end) for a sequence with block table `block_ids`."""
-    positions = torch.arange(end, dtype=torch.int64)
-    table = torch.as_tensor(list(block_ids), dtype=torch.int64)
-    return table[positions // block_size] * block_size + positions % block_size
+    @property
+    def context_slots(self) -> tuple[torch.Tensor, ...]:
+        """Per sequence, `[context_len]` slots of its whole context, in order (views)."""
+        return tuple(self.key_slots[o : o + n] for o, n in zip(self.key_offsets, self.context_lens))
 
 
 def torch_attention_plan(batch: AttentionBatch) -> TorchAttentionPlan:
-    """Every sequence's context slots, on the batch's device."""
-    context_slots = tuple(
-        _context_slots(blocks, end, batch.block_size).to(batch.device)
-        for blocks, end in zip(batch.block_tables, batch.context_lens)
+    """Buckets, the flat slot list and the masks: about twenty tensor ops per step and four per
+    bucket, whatever the number of tokens (per-sequence numbers are spread over tokens by
+    `repeat_interleave`, not by Python loops), then moved to the batch's device."""
+    query_lens, context_lens = batch.query_lens, batch.context_lens
+    if any(q < 1 for q in query_lens):
+        raise ValueError(f"every sequence needs query_len >= 1, got {list(query_lens)}")
+    groups: dict[tuple[int, int], list[int]] = {}
+    for i, (qlen, ctx) in enumerate(zip(query_lens, context_lens)):
+        groups.setdefault((qlen, bucket_key_len(qlen, ctx)), []).append(i)
+    order = [i for members in groups.values() for i in members]  # sequences in bucket order
+    key_lens = [bucket_key_len(query_lens[i], context_lens[i]) for i in order]
+    key_starts = list(accumulate(key_lens, initial=0))
+    key_offsets = [0] * len(order)
+    for k, i in enumerate(order):
+        key_offsets[i] = key_starts[k]
+    if not order:
+        empty = torch.zeros(0, dtype=torch.int64, device=batch.device)
+        return TorchAttentionPlan(batch.slot_mapping, (), (), (), empty, None, ())
+
+    key_slots = _key_slots(batch, order, key_lens, key_starts)
+    # Queries: each token's row in the step and its position, in bucket order.
+    query_lens_in_order = [query_lens[i] for i in order]
+    first_rows = list(accumulate(query_lens, initial=0))
+    per_seq = torch.tensor(
+        [
+            list(accumulate(query_lens_in_order, initial=0))[:-1],
+            [first_rows[i] for i in order],
+            [batch.start_positions[i] for i in order],
+        ]
     )
-    return TorchAttentionPlan(slot_mapping=batch.slot_mapping, query_lens=batch.query_lens, context_slots=context_slots)
+    row_start, first_row, start_position = per_seq.repeat_interleave(torch.tensor(query_lens_in_order), dim=1)
+    offset = torch.arange(first_rows[-1]) - row_start  # [T]: the token's index in its sequence's chunk
+    query_positions = start_position + offset
+    in_order = order == sorted(order)
+
+    device = batch.device
+    key_positions = torch.arange(max(key_lens))
+    buckets, rows, keys = [], 0, 0
+    for (qlen, key_len), members in groups.items():
+        n = len(members)
+        q_pos = query_positions[rows : rows + n * qlen].view(n, 1, qlen, 1)
+        hidden = key_positions[:key_len] > q_pos  # [n, 1, qlen, key_len]: later positions, padding included
+        bias = torch.where(hidden, float("-inf"), 0.0)
+        buckets.append(AttentionBucket(n, qlen, key_len, rows, keys, bias.to(device), q_pos.to(device)))
+        rows += n * qlen
+        keys += n * key_len
+    return TorchAttentionPlan(
+        slot_mapping=batch.slot_mapping,
+        query_lens=query_lens,
+        context_lens=context_lens,
+        key_offsets=tuple(key_offsets),
+        key_slots=key_slots.to(device),
+        query_rows=None if in_order else (first_row + offset).to(device),
+        buckets=tuple(buckets),
+    )
+
+
+def _key_slots(batch: AttentionBatch, order: list[int], key_lens: list[int], key_starts: list[int]) -> torch.Tensor:
+    """`[N]` slots of the sequences `order` in turn, each over its `key_lens` entries starting at
+    `key_starts`: per entry its sequence's offsets, then its position (past the context: folded
+    back to 0, its first slot) and that position's slot."""
+    context_lens, block_size = batch.context_lens, batch.block_size
+    table_starts = list(accumulate((len(t) for t in batch.block_tables), initial=0))
+    per_seq = torch.tensor([key_starts[:-1], [context_lens[i] for i in order], [table_starts[i] for i in order]])
+    key_start, context_len, table_start = per_seq.repeat_interleave(torch.tensor(key_lens), dim=1)  # [N] each
+    positions = torch.arange(key_starts[-1]) - key_start
+    positions.masked_fill_(positions >= context_len, 0)
+    tables = torch.tensor([block for table in batch.block_tables for block in table], dtype=torch.int64)
+    return tables[table_start + positions // block_size] * block_size + positions % block_size
 
 
 def causal_attention(
@@ -51,7 +204,8 @@ def causal_attention(
     scale: float,
     sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """Attention of the last Lq context positions over all Lk of them.
+    """The definition, one sequence at a time, that the batched path is tested against:
+    attention of the last Lq context positions over all Lk of them.
 
     q `[Lq, Hq, Dk]`, k `[Lk, Hkv, Dk]`, v `[Lk, Hkv, Dv]` with Lq <= Lk; query i sits at
     position Lk - Lq + i and sees keys at positions <= its own (and inside the window).
@@ -74,6 +228,47 @@ def causal_attention(
     return torch.einsum("hqk,khd->qhd", probs, v)
 
 
+def bucket_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """One bucket: q `[n, Lq, Hq, Dk]`, k `[n, K, Hkv, Dk]`, v `[n, K, Hkv, Dv]`, additive mask
+    `[n, 1, Lq, K]` -> `[n * Lq, Hq, Dv]`.
+
+    The definition's arithmetic (scores in the inputs' dtype, softmax in float32, batched matrix
+    products), with each KV head's query heads stacked as rows of one product instead of K/V
+    repeated per query head. Why not `scaled_dot_product_attention`: its fused CPU kernel splits
+    the keys among threads when a call has fewer (sequence, head) tasks than threads, so the
+    same sequence's bits differ with the bucket's size (measured: 38 of 378 shapes with 2
+    threads); batched matrix products give each matrix the same arithmetic at any batch size.
+    """
+    n, lq, num_heads, dk = q.shape
+    key_len, num_kv_heads, dv = k.shape[1], k.shape[2], v.shape[-1]
+    group = num_heads // num_kv_heads
+    # Operands contiguous in one layout: a product's arithmetic can follow its operands' strides,
+    # and views of a one-sequence bucket are strided unlike a larger bucket's.
+    rows = q.unflatten(2, (num_kv_heads, group)).permute(0, 2, 3, 1, 4).contiguous()  # [n, Hkv, G, Lq, Dk]
+    keys = k.transpose(1, 2).contiguous()  # [n, Hkv, K, Dk]
+    scores = torch.matmul(rows.view(n, num_kv_heads, group * lq, dk), keys.transpose(-1, -2)) * scale
+    scores = scores.view(n, num_kv_heads, group, lq, key_len) + bias.unsqueeze(2)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
+    values = v.transpose(1, 2).contiguous()  # [n, Hkv, K, Dv]
+    out = torch.matmul(probs.view(n, num_kv_heads, group * lq, key_len), values)  # [n, Hkv, G * Lq, Dv]
+    return out.view(n, num_kv_heads, group, lq, dv).permute(0, 3, 1, 2, 4).reshape(n * lq, num_heads, dv)
+
+
+def _each_bucket(
+    q: torch.Tensor, plan: TorchAttentionPlan, attend: Callable[[AttentionBucket, torch.Tensor], torch.Tensor]
+) -> torch.Tensor:
+    """q `[T, Hq, Dk]`, bucket by bucket (at least one): `attend(bucket, its queries [n, Lq, Hq,
+    Dk])` gives `[n * Lq, Hq, Dv]`; the outputs go back to the step's token order -> `[T, Hq, Dv]`."""
+    rows = q if plan.query_rows is None else q.index_select(0, plan.query_rows)
+    outs = [attend(b, b.rows_of(rows)) for b in plan.buckets]
+    out = outs[0] if len(outs) == 1 else torch.cat(outs)
+    if plan.query_rows is None:
+        return out
+    return torch.empty_like(out).index_copy_(0, plan.query_rows, out)
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -87,14 +282,15 @@ def paged_attention(
     q `[T, Hq, D]`; caches `[num_blocks, block_size, Hkv, D]` already holding this step's K/V.
     Returns `[T, Hq, Dv]`.
     """
-    out = q.new_empty(q.shape[0], q.shape[1], v_cache.shape[-1])
-    start = 0
-    for qlen, slots in zip(plan.query_lens, plan.context_slots):
-        k = gather_from_cache(k_cache, slots)
-        v = gather_from_cache(v_cache, slots)
-        out[start : start + qlen] = causal_attention(q[start : start + qlen], k, v, scale, sliding_window)
-        start += qlen
-    return out
+    keys = gather_from_cache(k_cache, plan.key_slots)  # [N, Hkv, D]
+    values = gather_from_cache(v_cache, plan.key_slots)  # [N, Hkv, Dv]
+
+    def attend(b: AttentionBucket, qb: torch.Tensor) -> torch.Tensor:
+        return bucket_attention(qb, b.keys_of(keys), b.keys_of(values), b.mask(sliding_window), scale)
+
+    if not plan.buckets:
+        return q.new_empty(0, q.shape[1], v_cache.shape[-1])
+    return _each_bucket(q, plan, attend)
 
 
 def mla_attention(
@@ -106,16 +302,25 @@ def mla_attention(
     mla: MLAConfig,
     scale: float,
 ) -> torch.Tensor:
-    """MLA, expanded: each sequence's context latents through kv_b_proj, then plain attention."""
+    """MLA, expanded: each bucket's context latents through kv_b_proj, then plain attention with
+    the shared rope key on every head.
+
+    The expansion is a batched product per bucket (`bmm` with the weight broadcast), not one
+    `F.linear` over the step's latents: a linear's rows come out with bits that depend on how
+    many rows it has (measured on this CPU), which would tie a sequence's keys to the step.
+    """
     num_heads = q_nope.shape[1]
     q = torch.cat((q_nope, q_rope), dim=-1)
-    out = q.new_empty(q.shape[0], num_heads, mla.v_head_dim)
-    start = 0
-    for qlen, slots in zip(plan.query_lens, plan.context_slots):
-        latent, k_rope = gather_from_cache(kv_cache, slots).split([mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
-        kv = F.linear(latent, kv_b_weight).view(latent.shape[0], num_heads, mla.qk_nope_head_dim + mla.v_head_dim)
-        k_nope, v = kv.split([mla.qk_nope_head_dim, mla.v_head_dim], dim=-1)
-        k = torch.cat((k_nope, k_rope[:, None, :].expand(-1, num_heads, -1)), dim=-1)
-        out[start : start + qlen] = causal_attention(q[start : start + qlen], k, v, scale)
-        start += qlen
-    return out
+    latents = gather_from_cache(kv_cache, plan.key_slots)  # [N, kv_lora_rank + rope]
+    weight = kv_b_weight.t()  # [kv_lora_rank, H * (nope + v)]
+
+    def attend(b: AttentionBucket, qb: torch.Tensor) -> torch.Tensor:
+        latent, k_rope = b.keys_of(latents).split([mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
+        kv = torch.bmm(latent, weight.expand(b.num_seqs, -1, -1))  # [n, K, H * (nope + v)]
+        k_nope, v = kv.unflatten(-1, (num_heads, -1)).split([mla.qk_nope_head_dim, mla.v_head_dim], dim=-1)
+        k = torch.cat((k_nope, k_rope[:, :, None, :].expand(-1, -1, num_heads, -1)), dim=-1)
+        return bucket_attention(qb, k, v, b.bias, scale)
+
+    if not plan.buckets:
+        return q.new_empty(0, num_heads, mla.v_head_dim)
+    return _each_bucket(q, plan, attend)

@@ -1,7 +1,16 @@
-"""What runs the model on one rank: the model runner, the sampler and the paged KV cache."""
+"""What runs the model on one rank: the model runner, its persistent batch, the sampler and the paged KV cache."""
 
+from moeserve.worker.input_batch import InputBatch
 from moeserve.worker.kv_cache import allocate_kv_caches, bytes_per_block, num_blocks_for
 from moeserve.worker.runner import ModelRunner, SampledToken
 from moeserve.worker.sampler import Sampler
 
-__all__ = ["ModelRunner", "SampledToken", "Sampler", "allocate_kv_caches", "bytes_per_block", "num_blocks_for"]
+__all__ = [
+    "InputBatch",
+    "ModelRunner",
+    "SampledToken",
+    "Sampler",
+    "allocate_kv_caches",
+    "bytes_per_block",
+    "num_blocks_for",
+]

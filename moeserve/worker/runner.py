@@ -3,39 +3,26 @@
 `execute()` turns the step plan into packed inputs (all sequences concatenated, no padding),
 plans attention once for every layer, runs the model, and samples only the rows whose chunk
 reached the end of their known tokens. What sampling needs of each request (its parameters,
-tokens and seeded generator) the runner learns from the plans alone: a request's data comes with
-the plan that first schedules it, and its id with the first plan after it finished.
+what it has sampled and its seeded generator) the runner keeps in a persistent `InputBatch`,
+learnt from the plans alone: a request's data comes with the plan that first schedules it, and
+its id with the first plan after it finished.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from moeserve.models import MoECausalLM
 from moeserve.ops import attention_batch
 from moeserve.ops.attention import AttentionPlan
-from moeserve.sampling_params import SamplingParams
-from moeserve.scheduler import NewRequest, ScheduledRequest, SchedulerOutput
+from moeserve.scheduler import ScheduledRequest, SchedulerOutput
+from moeserve.worker.input_batch import InputBatch
 from moeserve.worker.sampler import Sampler, SamplerOutput, SamplingRow, make_generator
 from moeserve.worker.two_batch import interleave, split_point
-
-
-@dataclass
-class _RequestState:
-    """The runner's copy of a request, from its first plan until it finished. The sampling rank
-    appends the tokens it samples, exactly as the scheduler does, so the copy stays in step."""
-
-    request_id: str
-    sampling_params: SamplingParams
-    prompt_token_ids: Sequence[int]
-    generator: torch.Generator | None
-    """Lives as long as the request (preemption included), so a seeded request draws the same
-    numbers whatever else shares its batches."""
-    output_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -80,24 +67,27 @@ class ModelRunner:
         self.samples = samples
         self.two_batch_overlap = two_batch_overlap
         self.sampler = Sampler()
-        self._requests: dict[str, _RequestState] = {}
+        self.batch = InputBatch(model.cfg.vocab_size, self.eos_token_ids, self.device)
+        """Every live request's sampling state; a seeded request's generator lives there as long
+        as the request (preemption included), so it draws the same numbers whatever else shares
+        its batches."""
         torch.manual_seed(seed)
 
     @property
     def request_ids(self) -> list[str]:
         """The requests whose state this runner holds."""
-        return list(self._requests)
+        return self.batch.request_ids
 
     def _track(self, plan: SchedulerOutput) -> None:
         """Forget the finished requests first: a new request may reuse a finished one's id."""
         for request_id in plan.finished_request_ids:
-            self._requests.pop(request_id, None)
-        for new in plan.new_requests:
-            self._requests[new.request_id] = self._state(new)
-
-    def _state(self, new: NewRequest) -> _RequestState:
-        generator = make_generator(new.sampling_params.seed, self.device)
-        return _RequestState(new.request_id, new.sampling_params, new.prompt_token_ids, generator)
+            self.batch.remove(request_id)
+        new = plan.new_requests
+        rows = [
+            SamplingRow(r.sampling_params, r.prompt_token_ids, (), make_generator(r.sampling_params.seed, self.device))
+            for r in new
+        ]
+        self.batch.add([r.request_id for r in new], rows)
 
     @torch.inference_mode()
     def execute(
@@ -131,15 +121,11 @@ class ModelRunner:
             return {}
         last = [self._sampled_rows(hidden, part) for hidden, part in zip(hiddens, parts)]  # in scheduled order
         logits = self.model.compute_logits(last[0] if len(last) == 1 else torch.cat(last))  # [S, V]
-        sampled_requests = [self._requests[scheduled[i].request_id] for i in sampling]
-        rows = [
-            SamplingRow(r.sampling_params, r.prompt_token_ids, r.output_token_ids, r.generator)
-            for r in sampled_requests
-        ]
-        result = self._unpack(self.sampler(logits, rows, self.eos_token_ids), sampled_requests)
-        for request in sampled_requests:
-            request.output_token_ids.append(result[request.request_id].token_id)
-        return result
+        request_ids = [scheduled[i].request_id for i in sampling]
+        metadata = self.batch.sampling_metadata(self.batch.slots(request_ids))
+        out = self.sampler.sample(logits, metadata)
+        self.batch.record(metadata, out.token_ids)
+        return self._unpack(out, request_ids, metadata.num_logprobs)
 
     def _overlaps(self, scheduled: Sequence[ScheduledRequest]) -> bool:
         """Whether this step runs as two micro-batches. Under lockstep always (with the flag): the
@@ -150,18 +136,15 @@ class ModelRunner:
     def _inputs(self, scheduled: Sequence[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor, AttentionPlan]:
         """The model's packed inputs for these sequences: token ids `[T]`, positions `[T]` and the
         attention plan."""
-        input_ids = [t for s in scheduled for t in s.token_ids]
-        positions = [s.start_position + i for s in scheduled for i in range(len(s.token_ids))]
+        query_lens = [len(s.token_ids) for s in scheduled]
+        start_positions = [s.start_position for s in scheduled]
+        input_ids = torch.tensor(list(itertools.chain.from_iterable(s.token_ids for s in scheduled)), dtype=torch.int64)
         batch = attention_batch(
-            [s.block_ids for s in scheduled],
-            [s.start_position for s in scheduled],
-            [len(s.token_ids) for s in scheduled],
-            self.block_size,
-            self.device,
+            [s.block_ids for s in scheduled], start_positions, query_lens, self.block_size, self.device
         )
         return (
-            torch.tensor(input_ids, dtype=torch.int64, device=self.device),
-            torch.tensor(positions, dtype=torch.int64, device=self.device),
+            input_ids.to(self.device),
+            packed_positions(start_positions, query_lens).to(self.device),
             self.model.ops.plan_attention(batch),
         )
 
@@ -172,18 +155,30 @@ class ModelRunner:
         return hidden[torch.tensor(rows, dtype=torch.int64, device=self.device)]
 
     @staticmethod
-    def _unpack(out: SamplerOutput, sampled_requests: list[_RequestState]) -> dict[str, SampledToken]:
+    def _unpack(
+        out: SamplerOutput, request_ids: list[str], num_logprobs: Sequence[int | None]
+    ) -> dict[str, SampledToken]:
+        """One `SampledToken` per row; a row's logprobs only if it asked, its top ones cut to its ask."""
         token_ids = out.token_ids.tolist()
-        logprobs = out.logprobs.tolist() if out.logprobs is not None else None
-        top = None
-        if out.top_logprobs is not None:
-            top = (out.top_logprobs[0].tolist(), out.top_logprobs[1].tolist())
+        if out.logprobs is None:
+            return {request_id: SampledToken(token) for request_id, token in zip(request_ids, token_ids)}
+        logprobs = out.logprobs.tolist()
+        top_ids, top_values = out.top_logprobs if out.top_logprobs is not None else (None, None)
+        top = list(zip(top_ids.tolist(), top_values.tolist())) if top_ids is not None else None
         result = {}
-        for i, request in enumerate(sampled_requests):
-            wanted = request.sampling_params.logprobs
+        for i, (request_id, wanted) in enumerate(zip(request_ids, num_logprobs)):
             sampled = SampledToken(token_ids[i])
-            if wanted is not None and logprobs is not None:
-                alternatives = tuple(zip(top[0][i][:wanted], top[1][i][:wanted])) if top and wanted else ()
+            if wanted is not None:
+                alternatives = tuple(zip(top[i][0][:wanted], top[i][1][:wanted])) if top and wanted else ()
                 sampled = SampledToken(token_ids[i], logprobs[i], alternatives)
-            result[request.request_id] = sampled
+            result[request_id] = sampled
         return result
+
+
+def packed_positions(start_positions: Sequence[int], query_lens: Sequence[int]) -> torch.Tensor:
+    """The position of every packed token, `[T]` int64 on the host: sequence i's tokens sit at
+    start_positions[i], start_positions[i] + 1, ... (one arange and one repeat, no Python loop)."""
+    starts = torch.tensor(start_positions, dtype=torch.int64)  # [S]
+    lens = torch.tensor(query_lens, dtype=torch.int64)  # [S]
+    first_index = torch.cumsum(lens, 0) - lens  # [S] where each sequence begins in the packed batch
+    return torch.arange(sum(query_lens), dtype=torch.int64) + torch.repeat_interleave(starts - first_index, lens)

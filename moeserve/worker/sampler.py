@@ -1,4 +1,4 @@
-"""The batched sampler: last-position logits of every running request -> one new token each.
+"""The batched sampler: last-position logits of every sampled request -> one new token each.
 
 Order of operations (vLLM v1's):
   1. logprobs source, if any row asked for logprobs (see `LogprobsMode`);
@@ -9,6 +9,11 @@ Order of operations (vLLM v1's):
 vLLM applies min_p right after temperature, before top-k/top-p; the order matters because top-p
 renormalises over what min_p left. Rows are independent: a row's result depends only on its own
 logits, parameters and generator, never on what else is in the batch.
+
+Every step works on tensors (`SamplingMetadata`), never row by row in Python; the one loop left
+is over seeded rows, each drawing its noise from its own generator. The runner's `InputBatch`
+keeps that metadata across steps; `Sampler.__call__` and the `apply_*` functions take plain
+`SamplingRow`s instead, building the same metadata through a throwaway batch.
 """
 
 from __future__ import annotations
@@ -19,7 +24,8 @@ from typing import Literal
 
 import torch
 
-from moeserve.sampling_params import SamplingParams
+from moeserve.worker.input_batch import InputBatch
+from moeserve.worker.sampling_metadata import MaskedTokens, PenaltyRows, RandomRows, SamplingMetadata, SamplingRow
 
 LogprobsMode = Literal["raw", "penalized"]
 """Which distribution the returned logprobs describe.
@@ -30,17 +36,6 @@ LogprobsMode = Literal["raw", "penalized"]
   top-k/top-p/min-p filters (vLLM v0 reported logprobs after penalties; v0 also applied
   temperature and the filters, which this mode deliberately does not).
 """
-
-
-@dataclass
-class SamplingRow:
-    """What the sampler needs to know about one batch row (one running request)."""
-
-    params: SamplingParams
-    prompt_token_ids: Sequence[int]
-    output_token_ids: Sequence[int]
-    generator: torch.Generator | None
-    """The request's own generator (see `make_generator`), kept across steps; None: global RNG."""
 
 
 @dataclass
@@ -71,73 +66,57 @@ def make_generator(seed: int | None, device: torch.device | str) -> torch.Genera
     return torch.Generator(device=device).manual_seed(seed)
 
 
-def apply_min_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow], eos_token_ids: Sequence[int]) -> None:
-    """In place: -inf on EOS (unless ignore_eos) and stop_token_ids of rows below min_tokens.
-
-    logits: `[B, V]` float32.
-    """
-    vocab_size = logits.shape[1]
-    row_idx: list[int] = []
-    tok_idx: list[int] = []
-    for i, row in enumerate(rows):
-        params = row.params
-        if len(row.output_token_ids) >= params.min_tokens:
-            continue
-        stop_ids = set(params.stop_token_ids or ())
-        if not params.ignore_eos:
-            stop_ids.update(eos_token_ids)
-        for tok in stop_ids:
-            if tok < vocab_size:
-                row_idx.append(i)
-                tok_idx.append(tok)
-    if row_idx:
-        logits[row_idx, tok_idx] = float("-inf")
+def metadata_for_rows(
+    rows: Sequence[SamplingRow], vocab_size: int, eos_token_ids: Sequence[int], device: torch.device | str
+) -> SamplingMetadata:
+    """The metadata of a one-off batch holding these rows, in order (no state outlives the call)."""
+    batch = InputBatch(vocab_size, eos_token_ids, device, capacity=max(len(rows), 1))
+    ids = [str(i) for i in range(len(rows))]
+    batch.add(ids, rows)
+    return batch.sampling_metadata([batch.slot(i) for i in ids])
 
 
-def _seen_pairs(
-    token_lists: list[Sequence[int]], row_ids: list[int], vocab_size: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Distinct (row, token) pairs over the given lists, with how often each occurs.
-
-    Penalties touch only tokens a row has seen, so working on these pairs instead of a dense
-    `[B, V]` count matrix keeps memory proportional to the tokens, not to B * V.
-    Returns rows `[P]`, tokens `[P]` and counts `[P]` (P = distinct pairs), all int64.
-    """
-    lengths = torch.tensor([len(toks) for toks in token_lists], dtype=torch.int64)
-    flat = torch.cat([torch.as_tensor(toks, dtype=torch.int64).reshape(-1) for toks in token_lists])
-    owner = torch.repeat_interleave(torch.tensor(row_ids, dtype=torch.int64), lengths)
-    keys, counts = torch.unique(owner * vocab_size + flat, return_counts=True)  # [P]
-    keys, counts = keys.to(device), counts.to(device)
-    return keys // vocab_size, keys % vocab_size, counts
+def mask_tokens(logits: torch.Tensor, masked: MaskedTokens | None) -> None:
+    """In place: -inf at the masked (row, token) pairs. logits `[B, V]`."""
+    if masked is not None:
+        logits.index_put_((masked.rows, masked.token_ids), logits.new_tensor(float("-inf")))
 
 
-def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+def penalize(logits: torch.Tensor, penalties: PenaltyRows | None) -> None:
     """In place: repetition penalty, then frequency and presence penalties (vLLM's definitions).
 
     Repetition (over prompt + output): positive logits are divided by the penalty, negative ones
     multiplied. Frequency/presence (over output only, OpenAI's definition):
     logit -= frequency_penalty * count + presence_penalty * (count > 0).
+    logits: `[B, V]` float32; only the P penalised rows are read and written.
+    """
+    if penalties is None:
+        return
+    rows = logits.index_select(0, penalties.index)  # [P, V]
+    counts = penalties.output_counts  # [P, V]
+    output_seen = counts > 0
+    if penalties.repetition is not None:
+        seen = output_seen | penalties.prompt_seen
+        penalty = penalties.repetition.unsqueeze(1)  # [P, 1]
+        rows = torch.where(seen, torch.where(rows > 0, rows / penalty, rows * penalty), rows)
+    rows -= penalties.frequency.unsqueeze(1) * counts + penalties.presence.unsqueeze(1) * output_seen
+    logits.index_copy_(0, penalties.index, rows)
+
+
+def apply_min_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow], eos_token_ids: Sequence[int]) -> None:
+    """In place: -inf on EOS (unless ignore_eos) and stop_token_ids of rows below min_tokens.
+
     logits: `[B, V]` float32.
     """
-    vocab_size = logits.shape[1]
-    rep = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0]
-    if rep:
-        seen = [list(rows[i].prompt_token_ids) + list(rows[i].output_token_ids) for i in rep]
-        if any(seen):
-            r, t, _ = _seen_pairs(seen, rep, vocab_size, logits.device)
-            penalty = torch.tensor([row.params.repetition_penalty for row in rows], device=logits.device)[r]  # [P]
-            vals = logits[r, t]  # [P]
-            logits[r, t] = torch.where(vals > 0, vals / penalty, vals * penalty)
-    freq = [
-        i
-        for i, row in enumerate(rows)
-        if (row.params.frequency_penalty or row.params.presence_penalty) and len(row.output_token_ids) > 0
-    ]
-    if freq:
-        r, t, counts = _seen_pairs([rows[i].output_token_ids for i in freq], freq, vocab_size, logits.device)
-        fp = torch.tensor([row.params.frequency_penalty for row in rows], device=logits.device)
-        pp = torch.tensor([row.params.presence_penalty for row in rows], device=logits.device)
-        logits[r, t] -= fp[r] * counts + pp[r]
+    mask_tokens(logits, metadata_for_rows(rows, logits.shape[1], eos_token_ids, logits.device).min_tokens)
+
+
+def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    """In place: `penalize` for plain rows (their prompt and output tokens counted here).
+
+    logits: `[B, V]` float32.
+    """
+    penalize(logits, metadata_for_rows(rows, logits.shape[1], (), logits.device).penalties)
 
 
 def _apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> None:
@@ -147,14 +126,15 @@ def _apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> None:
     logits.masked_fill_(probs < threshold, float("-inf"))
 
 
-def _apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> None:
+def _apply_top_k(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> None:
     """In place: keep tokens >= the k-th largest logit (ties at the k-th all kept, as vLLM).
 
-    logits `[R, V]`; top_k `[R]` int64, 0 = off. One `topk` of the largest k instead of a sort.
+    logits `[R, V]`; top_k `[R]` int64, 0 = off; max_top_k: its largest value, known on the host.
+    One `topk` of the largest k instead of a sort.
     """
     active = top_k > 0  # [R]
     k = torch.where(active, top_k, 1).clamp_max(logits.shape[1])
-    kth = logits.topk(int(k.max()), dim=-1).values.gather(1, (k - 1).unsqueeze(1))  # [R, 1]
+    kth = logits.topk(min(max_top_k, logits.shape[1]), dim=-1).values.gather(1, (k - 1).unsqueeze(1))  # [R, 1]
     kth.masked_fill_(~active.unsqueeze(1), float("-inf"))
     logits.masked_fill_(logits < kth, float("-inf"))
 
@@ -172,7 +152,7 @@ def _apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     return sorted_logits.scatter(1, order, sorted_logits)
 
 
-def _exponential_race(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+def _exponential_race(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
     """Sample one token per row: argmax(probs / E), E ~ Exp(1) i.i.d. (same law as multinomial).
 
     Each seeded row draws its V exponentials from its own generator, so its result does not
@@ -195,25 +175,28 @@ def _exponential_race(probs: torch.Tensor, generators: list[torch.Generator | No
     return (probs / noise.clamp_min_(torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
 
 
-def _sample_random(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+def _sample_random(logits: torch.Tensor, random: RandomRows) -> torch.Tensor:
     """Temperature, min_p, top_k, top_p, then the race. logits `[R, V]` (modified); -> `[R]`."""
-    device = logits.device
-    params = [row.params for row in rows]
-    logits.div_(torch.tensor([p.temperature for p in params], device=device).unsqueeze(1))
-    if any(p.min_p > 0 for p in params):
-        _apply_min_p(logits, torch.tensor([p.min_p for p in params], device=device))
-    if any(p.top_k > 0 for p in params):
-        _apply_top_k(logits, torch.tensor([p.top_k for p in params], device=device))
-    if any(p.top_p < 1 for p in params):
-        logits = _apply_top_p(logits, torch.tensor([p.top_p for p in params], device=device))
-    return _exponential_race(logits.softmax(dim=-1), [row.generator for row in rows])
+    logits.div_(random.temperature.unsqueeze(1))
+    if random.min_p is not None:
+        _apply_min_p(logits, random.min_p)
+    if random.top_k is not None:
+        _apply_top_k(logits, random.top_k, random.max_top_k)
+    if random.top_p is not None:
+        logits = _apply_top_p(logits, random.top_p)
+    return _exponential_race(logits.softmax(dim=-1), random.generators)
+
+
+def _check_rows(logits: torch.Tensor, num_rows: int) -> None:
+    if logits.dim() != 2 or logits.shape[0] != num_rows:
+        raise ValueError(f"logits {tuple(logits.shape)} do not match {num_rows} rows")
 
 
 class Sampler:
-    """Picks one token per batch row, honouring each row's `SamplingParams`.
+    """Picks one token per batch row, honouring each row's sampling parameters.
 
-    Stateless across steps: the per-request state it needs (tokens so far, generator) comes in
-    with the rows, so the same sampler serves every batch.
+    Stateless across steps: what a request has seen (token counts, generator) comes in with the
+    metadata, so the same sampler serves every batch.
     """
 
     def __init__(self, logprobs_mode: LogprobsMode = "raw") -> None:
@@ -224,54 +207,52 @@ class Sampler:
     def __call__(
         self,
         logits: torch.Tensor,
-        rows: list[SamplingRow],
+        rows: Sequence[SamplingRow],
         eos_token_ids: Sequence[int],
     ) -> SamplerOutput:
+        """`sample` for plain rows, in the order of the logits; eos_token_ids: the model's EOS
+        ids, masked for rows still below their min_tokens."""
+        _check_rows(logits, len(rows))
+        return self.sample(logits, metadata_for_rows(rows, logits.shape[1], eos_token_ids, logits.device))
+
+    def sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         """Sample the next token of every row.
 
         logits: `[B, V]`, any float dtype (computed in float32; the input is not modified).
-        rows: B rows, in the order of the logits.
-        eos_token_ids: the model's EOS ids, masked for rows still below their min_tokens.
         """
         # B = batch rows, V = vocab
-        if logits.dim() != 2 or logits.shape[0] != len(rows):
-            raise ValueError(f"logits {tuple(logits.shape)} do not match {len(rows)} rows")
+        _check_rows(logits, metadata.num_rows)
         logits = logits.to(torch.float32, copy=True)  # [B, V]
-        want_logprobs = any(row.params.logprobs is not None for row in rows)
+        want_logprobs = metadata.max_num_logprobs is not None
         logprobs_src = None
         if want_logprobs and self.logprobs_mode == "raw":
             logprobs_src = logits.log_softmax(dim=-1)  # [B, V]
 
-        apply_min_tokens(logits, rows, eos_token_ids)
-        apply_penalties(logits, rows)
+        mask_tokens(logits, metadata.min_tokens)
+        penalize(logits, metadata.penalties)
         if want_logprobs and self.logprobs_mode == "penalized":
             logprobs_src = logits.log_softmax(dim=-1)  # [B, V]
 
-        token_ids = self._pick(logits, rows)  # [B]
+        token_ids = self._pick(logits, metadata.random)  # [B]
         if logprobs_src is None:
             return SamplerOutput(token_ids=token_ids, logprobs=None, top_logprobs=None)
-        return self._gather_logprobs(logprobs_src, token_ids, rows)
+        return self._gather_logprobs(logprobs_src, token_ids, metadata.max_num_logprobs or 0)
 
     @staticmethod
-    def _pick(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        """Argmax for greedy rows, random sampling for the rest. logits `[B, V]` -> `[B]` int64."""
-        random_idx = [i for i, row in enumerate(rows) if not row.params.greedy]
-        if not random_idx:
+    def _pick(logits: torch.Tensor, random: RandomRows | None) -> torch.Tensor:
+        """Argmax for greedy rows, random sampling for the rest. logits `[B, V]` (modified) -> `[B]` int64."""
+        if random is None:
             return logits.argmax(dim=-1)
-        greedy_idx = [i for i, row in enumerate(rows) if row.params.greedy]
-        token_ids = torch.empty(len(rows), dtype=torch.int64, device=logits.device)  # [B]
-        if greedy_idx:
-            g = torch.tensor(greedy_idx, device=logits.device)
-            token_ids[g] = logits[g].argmax(dim=-1)
-        r = torch.tensor(random_idx, device=logits.device)
-        token_ids[r] = _sample_random(logits[r], [rows[i] for i in random_idx])
+        if random.index is None:
+            return _sample_random(logits, random)
+        token_ids = logits.argmax(dim=-1)  # [B]; the random rows' are overwritten
+        token_ids[random.index] = _sample_random(logits[random.index], random)
         return token_ids
 
     @staticmethod
-    def _gather_logprobs(logprobs_src: torch.Tensor, token_ids: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+    def _gather_logprobs(logprobs_src: torch.Tensor, token_ids: torch.Tensor, k: int) -> SamplerOutput:
         """The sampled tokens' logprobs `[B]` and the top-k `[B, k]` pair from `[B, V]`."""
         sampled = logprobs_src.gather(1, token_ids.unsqueeze(1)).squeeze(1)  # [B]
-        k = max(row.params.logprobs or 0 for row in rows)
         top = None
         if k > 0:
             values, ids = logprobs_src.topk(k, dim=-1)  # [B, k] each

@@ -84,3 +84,10 @@ class ServerProcess:
                 self.proc.wait()
         self._log.close()
         return self.proc.returncode
+
+
+def core_pid(log: str) -> int:
+    """The engine core process's pid, from the server's log."""
+    match = re.search(r"engine core process started \(pid (\d+)\)", log)
+    assert match, log
+    return int(match.group(1))

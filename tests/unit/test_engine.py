@@ -212,8 +212,11 @@ def test_a_bad_prompt_in_a_batch_queues_nothing(qwen3_folder):
     assert not llm.engine.has_unfinished_requests()
 
 
-def test_auto_dtype_is_the_checkpoints(tmp_path):
+def test_auto_dtype_is_the_checkpoints(tmp_path, monkeypatch):
     from moeserve.checkpoints import MakeModelSpec, make_model
+
+    # On a CPU with bf16 instructions, as on CUDA; without them auto means float32 (test_cpu_dtype).
+    monkeypatch.setattr("moeserve.cpu_features.cpu_has_native_bf16", lambda: True)
 
     folder = make_model(MakeModelSpec(arch="mixtral", vocab=320, dtype="bfloat16"), tmp_path / "bf16")
     assert LLM(str(folder), max_model_len=64).engine.executor.model.embed_tokens.dtype == torch.bfloat16

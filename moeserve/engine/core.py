@@ -1,0 +1,194 @@
+"""The engine core: the scheduler and the executor, stepping on token ids; nothing about text.
+
+    step():  scheduler.schedule() -> executor.execute(plan) -> scheduler.update(plan, tokens, time)
+             -> CoreStep (new tokens, sequences the scheduler ended, first admissions, gauges)
+
+It runs beside the frontend in `LLMEngine` (offline, one thread) or alone in the engine core
+process behind the server (`core_process.py`), where its inputs and outputs cross a socket once
+per step. It never sees a client request, only sequences: a request with n > 1 arrives as n
+`CoreRequest`s, added together or not at all.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from moeserve.config import EngineConfig, ModelConfig
+from moeserve.dispatch.expert_load import RoutedTokens
+from moeserve.executor import create_executor
+from moeserve.sampling_params import SamplingParams
+from moeserve.scheduler import DataParallelScheduler, Request, SchedulerConfig
+from moeserve.worker.kv_cache import num_blocks_for
+from moeserve.worker.runner import SampledToken
+
+logger = logging.getLogger(__name__)
+
+ROUTING_INTERVAL_S = 1.0  # expert load is taken from the executor about this often
+
+
+@dataclass(frozen=True)
+class CoreRequest:
+    """One sequence to generate: a whole request, or one sample of a request with n > 1."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    """When the client asked (monotonic clock, which every process on the machine shares)."""
+
+
+@dataclass(frozen=True)
+class FinishedSequence:
+    """A sequence the scheduler ended in a step (EOS, a stop token id, or its length)."""
+
+    request_id: str
+    finish_reason: str
+    stop_reason: int | str | None
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    """The scheduler's gauges at one moment."""
+
+    num_running: int
+    num_waiting: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+
+
+@dataclass
+class CoreStep:
+    """What one step did, in sequences: all the frontend needs to make outputs and stats."""
+
+    sampled: dict[str, SampledToken]
+    finished: list[FinishedSequence]
+    first_scheduled: dict[str, float]
+    """Sequences that ran for the first time in this step -> when they were admitted."""
+    time: float
+    """When the step's tokens existed (monotonic): the clock of TTFT and TBT."""
+    step_duration_s: float
+    num_preemptions: int
+    scheduler: SchedulerStats
+    routed_tokens: RoutedTokens | None = None
+    """Expert load since the last step that carried one (about once a second)."""
+
+
+def build_scheduler(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype, max_model_len: int):
+    """The data-parallel scheduler for `config`, with as many KV blocks as the cache budget buys."""
+    cache, parallel = config.cache, config.parallel
+    num_blocks = num_blocks_for(model_config, cache, dtype, config.max_num_seqs * max_model_len, parallel.tp)
+    return DataParallelScheduler(
+        SchedulerConfig(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=max_model_len,
+            block_size=cache.block_size,
+            num_kv_blocks=num_blocks,
+            max_waiting=config.max_waiting,
+            policy=config.scheduling_policy,
+            slo_ttft_s=config.slo.ttft_s,
+            slo_tbt_s=config.slo.tbt_s,
+        ),
+        num_groups=parallel.num_dp_groups,
+    )
+
+
+class EngineCore:
+    """The scheduler and executor of one model; single-threaded, like everything that steps."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_config: ModelConfig,
+        dtype: torch.dtype,
+        max_model_len: int,
+        eos_token_ids: Sequence[int],
+    ) -> None:
+        self.config = config
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.scheduler = build_scheduler(config, model_config, dtype, max_model_len)
+        self.executor = create_executor(
+            config, model_config, dtype, self.scheduler.config.num_kv_blocks, self.eos_token_ids
+        )
+        self._requests: dict[str, Request] = {}  # sequences not yet admitted once, for first_scheduled
+        self._routing_asked = 0.0
+
+    def shutdown(self) -> None:
+        """Stop the executor's processes, if any; the core cannot step afterwards."""
+        self.executor.shutdown()
+
+    def add_failure_listener(self, listener: Callable[[str], None]) -> None:
+        """See `Executor.add_failure_listener`: a lost rank, reported from another thread."""
+        self.executor.add_failure_listener(listener)
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def add_requests(self, requests: Iterable[CoreRequest]) -> None:
+        """Queue the samples of one request, all or none: a QueueFullError on the second takes
+        the first back before it is raised."""
+        added = []
+        try:
+            for r in requests:
+                request = Request(r.request_id, list(r.prompt_token_ids), r.params, self.eos_token_ids, r.arrival_time)
+                self.scheduler.add_request(request)
+                self._requests[r.request_id] = request
+                added.append(r.request_id)
+        except Exception:
+            self.abort_requests(added)
+            raise
+
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
+        """Drop sequences and free their KV blocks now; unknown or finished ids are ignored."""
+        for request_id in request_ids:
+            self._requests.pop(request_id, None)
+            self.scheduler.abort_request(request_id)
+
+    def finish_requests(self, stops: Mapping[str, str]) -> None:
+        """End sequences whose text matched a stop string (the frontend sees text; the core does not)."""
+        for request_id, stop in stops.items():
+            self._requests.pop(request_id, None)
+            self.scheduler.finish_request(request_id, "stop", stop)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def scheduler_stats(self) -> SchedulerStats:
+        s = self.scheduler
+        return SchedulerStats(s.num_running, s.num_waiting, s.num_used_blocks, s.num_kv_blocks)
+
+    # ---- the step ---------------------------------------------------------------------------
+
+    def step(self) -> CoreStep:
+        plan = self.scheduler.schedule()
+        first_scheduled = {}
+        for group in plan.groups:
+            for new in group.new_requests:
+                request = self._requests.pop(new.request_id, None)
+                if request is not None and request.first_scheduled_time is not None:
+                    first_scheduled[new.request_id] = request.first_scheduled_time
+        started = time.monotonic()
+        sampled = self.executor.execute(plan)
+        if not plan.is_empty and self.config.min_step_time_s > 0:  # the test-only capacity knob
+            time.sleep(max(0.0, started + self.config.min_step_time_s - time.monotonic()))
+        duration_s = time.monotonic() - started
+        ended = self.scheduler.update(plan, {rid: t.token_id for rid, t in sampled.items()}, duration_s)
+        now = time.monotonic()
+        routed = None
+        if now - self._routing_asked >= ROUTING_INTERVAL_S:
+            self._routing_asked = now
+            routed = self.executor.take_routed_tokens()
+        return CoreStep(
+            sampled=sampled,
+            finished=[FinishedSequence(r.request_id, r.finish_reason, r.stop_reason) for r in ended],
+            first_scheduled=first_scheduled,
+            time=now,
+            step_duration_s=duration_s,
+            num_preemptions=len(plan.preempted_request_ids),
+            scheduler=self.scheduler_stats(),
+            routed_tokens=routed,
+        )

@@ -1,0 +1,193 @@
+"""What the API process and the engine core process say to each other, as msgpack frames.
+
+One frame each way per turn of the core's loop, not one per request: the frontend sends every
+command it gathered since its last frame (`CoreInputs`), the core answers with everything one
+step made and what became of those commands (`CoreOutputs`). msgpack, not pickle: these frames
+cross the process boundary hundreds of times a second, and plain lists and numbers are all they
+hold. Only the start-up config, sent once, is pickled (`core_process.py`).
+
+Commands are applied in the order sent, so an abort and a new request reusing its id never swap.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+from moeserve.dispatch.expert_load import RoutedTokens
+from moeserve.dispatch.placement import ExpertPlacement
+from moeserve.engine.core import CoreRequest, CoreStep, FinishedSequence, SchedulerStats
+from moeserve.sampling_params import SamplingParams
+from moeserve.scheduler import QueueFullError
+from moeserve.worker.runner import SampledToken
+
+_PARAM_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
+
+# Command tags in a `CoreInputs` frame.
+_ADD, _ABORT, _FINISH, _SHUTDOWN = "add", "abort", "finish", "shutdown"
+# Exceptions an add may be refused with, by name: the client re-raises the same type.
+_REFUSALS: dict[str, type[Exception]] = {"QueueFullError": QueueFullError, "ValueError": ValueError}
+
+
+@dataclass(frozen=True)
+class Add:
+    """Queue the samples of one client request, all or none; answered in `accepted` or `refused`."""
+
+    key: str
+    samples: list[CoreRequest]
+
+
+@dataclass(frozen=True)
+class Abort:
+    sequence_ids: list[str]
+
+
+@dataclass(frozen=True)
+class Finish:
+    stops: dict[str, str]
+    """Sequence id -> the stop string its text matched in the frontend."""
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    """Abort everything, stop the executor and exit 0."""
+
+
+Command = Add | Abort | Finish | Shutdown
+
+
+@dataclass
+class CoreInputs:
+    commands: list[Command] = field(default_factory=list)
+
+
+@dataclass
+class CoreOutputs:
+    """One turn of the core's loop: answers to the commands it read, the step it ran (if any),
+    the scheduler's gauges after both, and why it stops, if it does."""
+
+    gauges: SchedulerStats
+    accepted: list[str] = field(default_factory=list)
+    refused: list[tuple[str, str, str]] = field(default_factory=list)
+    """(add key, exception type name, message)."""
+    step: CoreStep | None = None
+    dead: str | None = None
+    """Set on the last frame of a core that failed: the reason, for the server's log and clients."""
+    stopped: bool = False
+    """Set on the last frame after a `Shutdown`."""
+
+
+def refusal(kind: str, message: str) -> Exception:
+    """The exception a refused add raises in the client: the core's own type where it is known."""
+    return _REFUSALS.get(kind, RuntimeError)(message)
+
+
+# ---- encoding ------------------------------------------------------------------------------
+
+
+def _params(p: SamplingParams) -> list[Any]:
+    return [getattr(p, name) for name in _PARAM_FIELDS]
+
+
+def encode_inputs(inputs: CoreInputs) -> bytes:
+    frame = []
+    for c in inputs.commands:
+        if isinstance(c, Add):
+            samples = [[s.request_id, s.prompt_token_ids, _params(s.params), s.arrival_time] for s in c.samples]
+            frame.append([_ADD, c.key, samples])
+        elif isinstance(c, Abort):
+            frame.append([_ABORT, c.sequence_ids])
+        elif isinstance(c, Finish):
+            frame.append([_FINISH, c.stops])
+        else:
+            frame.append([_SHUTDOWN])
+    return msgpack.packb(frame)
+
+
+def decode_inputs(data: bytes) -> CoreInputs:
+    commands: list[Command] = []
+    for entry in msgpack.unpackb(data, strict_map_key=False):
+        tag = entry[0]
+        if tag == _ADD:
+            samples = [
+                CoreRequest(rid, ids, SamplingParams(**dict(zip(_PARAM_FIELDS, params))), arrival)
+                for rid, ids, params, arrival in entry[2]
+            ]
+            commands.append(Add(entry[1], samples))
+        elif tag == _ABORT:
+            commands.append(Abort(entry[1]))
+        elif tag == _FINISH:
+            commands.append(Finish(entry[1]))
+        elif tag == _SHUTDOWN:
+            commands.append(Shutdown())
+        else:
+            raise ValueError(f"unknown engine core command {tag!r}")
+    return CoreInputs(commands)
+
+
+def _token(t: SampledToken) -> list[Any]:
+    if t.logprob is None:
+        return [t.token_id]
+    return [t.token_id, t.logprob, [list(pair) for pair in t.top_logprobs]]
+
+
+def _untoken(entry: list[Any]) -> SampledToken:
+    if len(entry) == 1:
+        return SampledToken(entry[0])
+    return SampledToken(entry[0], entry[1], tuple((a, b) for a, b in entry[2]))
+
+
+def _step(s: CoreStep) -> list[Any]:
+    routed = None
+    if s.routed_tokens is not None:
+        r = s.routed_tokens
+        routed = [list(r.placement.expert_to_rank), r.placement.ep_size, list(r.layers), r.counts]
+    return [
+        {rid: _token(t) for rid, t in s.sampled.items()},
+        [[f.request_id, f.finish_reason, f.stop_reason] for f in s.finished],
+        s.first_scheduled,
+        s.time,
+        s.step_duration_s,
+        s.num_preemptions,
+        dataclasses.astuple(s.scheduler),
+        routed,
+    ]
+
+
+def _unstep(entry: list[Any]) -> CoreStep:
+    sampled, finished, first_scheduled, time, duration, preemptions, gauges, routed = entry
+    routed_tokens = None
+    if routed is not None:
+        owners, ep_size, layers, counts = routed
+        routed_tokens = RoutedTokens(counts, ExpertPlacement(tuple(owners), ep_size, 0), tuple(layers))
+    return CoreStep(
+        sampled={rid: _untoken(t) for rid, t in sampled.items()},
+        finished=[FinishedSequence(*f) for f in finished],
+        first_scheduled=first_scheduled,
+        time=time,
+        step_duration_s=duration,
+        num_preemptions=preemptions,
+        scheduler=SchedulerStats(*gauges),
+        routed_tokens=routed_tokens,
+    )
+
+
+def encode_outputs(out: CoreOutputs) -> bytes:
+    step = None if out.step is None else _step(out.step)
+    frame = [dataclasses.astuple(out.gauges), out.accepted, out.refused, step, out.dead, out.stopped]
+    return msgpack.packb(frame)
+
+
+def decode_outputs(data: bytes) -> CoreOutputs:
+    gauges, accepted, refused, step, dead, stopped = msgpack.unpackb(data, strict_map_key=False)
+    return CoreOutputs(
+        gauges=SchedulerStats(*gauges),
+        accepted=accepted,
+        refused=[tuple(r) for r in refused],
+        step=None if step is None else _unstep(step),
+        dead=dead,
+        stopped=stopped,
+    )

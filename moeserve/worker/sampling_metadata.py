@@ -1,0 +1,96 @@
+"""What the sampler needs for one step, as tensors: built by `InputBatch`, read by `Sampler.sample`.
+
+Every choice the host can make without looking at device values is made when the metadata is
+built (which rows are greedy, whether any row filters by top-k, the largest k, how many logprobs
+to return), so sampling a step reads no device value back before the tokens themselves.
+
+B = rows sampled this step, V = vocabulary, R = rows sampled at random, P = penalised rows,
+M = (row, token) pairs masked by min_tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from moeserve.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingRow:
+    """What sampling needs to know about one request: the stateless sampler's row, and what
+    `InputBatch.add` takes for a new request."""
+
+    params: SamplingParams
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+    generator: torch.Generator | None
+    """The request's own generator (see `make_generator`), kept across steps; None: global RNG."""
+
+
+@dataclass(frozen=True)
+class RandomRows:
+    """The rows that sample at random (temperature above ~0 and top_k != 1), with their filters."""
+
+    index: torch.Tensor | None
+    """`[R]` int64 batch rows; None when every row samples at random."""
+    temperature: torch.Tensor
+    """`[R]` float32."""
+    top_k: torch.Tensor | None
+    """`[R]` int64, 0 = off; None when no row filters by top-k."""
+    max_top_k: int
+    """The largest top_k among the rows (0 when top_k is None), so top-k needs no device read."""
+    top_p: torch.Tensor | None
+    """`[R]` float32; None when every row keeps top_p = 1."""
+    min_p: torch.Tensor | None
+    """`[R]` float32; None when every row keeps min_p = 0."""
+    generators: tuple[torch.Generator | None, ...]
+    """R entries: each seeded row's own generator, None for rows that draw from the global one."""
+
+
+@dataclass(frozen=True)
+class PenaltyRows:
+    """The rows with a repetition, frequency or presence penalty, and what they have seen."""
+
+    index: torch.Tensor
+    """`[P]` int64 batch rows."""
+    output_counts: torch.Tensor
+    """`[P, V]` float32: how often each token occurs among the row's output tokens."""
+    prompt_seen: torch.Tensor | None
+    """`[P, V]` bool: the token occurs in the prompt; None when no row has a repetition penalty."""
+    repetition: torch.Tensor | None
+    """`[P]` float32 (1 = off); None when no row has one."""
+    frequency: torch.Tensor
+    """`[P]` float32."""
+    presence: torch.Tensor
+    """`[P]` float32."""
+
+
+@dataclass(frozen=True)
+class MaskedTokens:
+    """(row, token) pairs set to -inf: EOS and stop tokens of rows still below their min_tokens."""
+
+    rows: torch.Tensor
+    """`[M]` int64."""
+    token_ids: torch.Tensor
+    """`[M]` int64."""
+
+
+@dataclass(frozen=True)
+class SamplingMetadata:
+    """One step's sampling parameters for B rows, in the order of the logits' rows."""
+
+    num_rows: int
+    random: RandomRows | None
+    """None: every row is greedy (argmax)."""
+    penalties: PenaltyRows | None
+    min_tokens: MaskedTokens | None
+    num_logprobs: tuple[int | None, ...]
+    """B entries: the logprobs each row asked for (0: the sampled token's only; None: none)."""
+    max_num_logprobs: int | None
+    """The most logprobs any row asked for; None when no row asked."""
+    slots: torch.Tensor
+    """`[B]` int64 host tensor: the `InputBatch` slot of each row, so the batch can record the
+    sampled tokens."""

@@ -1,0 +1,126 @@
+"""The engine core's frames: what crosses the process boundary survives it, and a step's outputs
+for every sequence travel in one frame (the loop driven in this process over a recording channel)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from moeserve.dispatch.expert_load import RoutedTokens
+from moeserve.dispatch.placement import ExpertPlacement
+from moeserve.engine.core import CoreRequest, CoreStep, EngineCore, FinishedSequence, SchedulerStats
+from moeserve.engine.core_messages import (
+    Abort,
+    Add,
+    CoreInputs,
+    CoreOutputs,
+    Finish,
+    Shutdown,
+    decode_inputs,
+    decode_outputs,
+    encode_inputs,
+    encode_outputs,
+    refusal,
+)
+from moeserve.engine.core_process import CoreLoop
+from moeserve.engine.engine import ModelFacts
+from moeserve.engine_config import EngineConfig
+from moeserve.sampling_params import SamplingParams
+from moeserve.scheduler import QueueFullError
+from moeserve.worker.runner import SampledToken
+
+
+def test_inputs_round_trip_in_order() -> None:
+    params = SamplingParams(n=2, max_tokens=7, temperature=0.5, seed=3, stop=["x"], logprobs=2, stop_token_ids=[9])
+    commands = [
+        Add("r", [CoreRequest("r#0", [5, 6], params, 12.5), CoreRequest("r#1", [5, 6], params, 12.5)]),
+        Abort(["r#0"]),
+        Finish({"r#1": "x"}),
+        Add("r", [CoreRequest("r", [7], SamplingParams(), 13.0)]),  # an id reused after its abort
+        Shutdown(),
+    ]
+    assert decode_inputs(encode_inputs(CoreInputs(commands))).commands == commands
+
+
+def test_outputs_round_trip() -> None:
+    routed = RoutedTokens([[1, 2, 3, 4], [0, 0, 5, 5]], ExpertPlacement.contiguous(4, 2), (1, 3))
+    step = CoreStep(
+        sampled={"a": SampledToken(4), "b": SampledToken(5, -0.25, ((5, -0.25), (6, -1.5)))},
+        finished=[FinishedSequence("a", "length", None), FinishedSequence("c", "stop", 2)],
+        first_scheduled={"b": 100.25},
+        time=101.0,
+        step_duration_s=0.015,
+        num_preemptions=1,
+        scheduler=SchedulerStats(2, 1, 7, 64),
+        routed_tokens=routed,
+    )
+    out = CoreOutputs(SchedulerStats(2, 1, 7, 64), ["r1"], [("r2", "QueueFullError", "full")], step)
+    back = decode_outputs(encode_outputs(out))
+    assert back == out
+    assert back.step.routed_tokens.per_rank(1) == routed.per_rank(1) == [0, 10]
+    dead = CoreOutputs(SchedulerStats(0, 0, 0, 0), dead="rank 1 was killed")
+    assert decode_outputs(encode_outputs(dead)).dead == "rank 1 was killed"
+
+
+def test_refusals_keep_their_type() -> None:
+    assert isinstance(refusal("QueueFullError", "full"), QueueFullError)
+    assert isinstance(refusal("ValueError", "bad"), ValueError)
+    assert str(refusal("KeyError", "odd")) == "odd"
+
+
+class RecordingChannel:
+    """The core's channel with the sockets replaced: one queued input frame per turn, then a
+    Shutdown once the core idles; every frame it sends is kept, decoded."""
+
+    def __init__(self, inputs: list[CoreInputs]) -> None:
+        self.pending = [encode_inputs(i) for i in inputs]
+        self.sent: list[CoreOutputs] = []
+
+    def receive_all(self, timeout_s: float) -> list[bytes]:
+        if not self.pending and timeout_s > 0:  # the core waits for work: there is none left
+            return [encode_inputs(CoreInputs([Shutdown()]))]
+        frames, self.pending = self.pending[:1], self.pending[1:]
+        return frames
+
+    def send(self, outputs: CoreOutputs) -> None:
+        self.sent.append(decode_outputs(encode_outputs(outputs)))
+
+
+@pytest.fixture(scope="module")
+def core(make_checkpoint) -> EngineCore:
+    config = EngineConfig(model=str(make_checkpoint("qwen3_moe", 0)), max_model_len=128, max_waiting=8)
+    facts = ModelFacts.read(config)
+    return EngineCore(config, facts.model_config, facts.dtype, facts.max_model_len, facts.eos_token_ids)
+
+
+def test_one_frame_per_step_carries_every_sequence(core: EngineCore) -> None:
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    adds = [Add(f"r{i}", [CoreRequest(f"r{i}", [5 + i] * (3 + i), params, 0.0)]) for i in range(8)]
+    channel = RecordingChannel([CoreInputs(adds)])
+    assert CoreLoop(core, channel, parent_pid=os.getppid()).run() == 0
+    steps = [frame.step for frame in channel.sent if frame.step is not None]
+    assert channel.sent[0].accepted == [f"r{i}" for i in range(8)]
+    assert len(steps) == 5  # one prefill of all eight, then four decodes of all eight
+    assert all(set(step.sampled) == {f"r{i}" for i in range(8)} for step in steps)
+    assert {f.request_id for f in steps[-1].finished} == {f"r{i}" for i in range(8)}
+    assert set(steps[0].first_scheduled) == {f"r{i}" for i in range(8)}
+    assert channel.sent[-1].stopped and channel.sent[-1].gauges.kv_blocks_used == 0
+
+
+def test_a_full_queue_refuses_the_whole_request_and_an_abort_frees_its_blocks(core: EngineCore) -> None:
+    params = SamplingParams(n=2, max_tokens=50, temperature=0.0, ignore_eos=True)
+    samples = [CoreRequest(f"big#{i}", [5] * 20, params, 0.0) for i in range(2)]
+    overflow = [Add(f"w{i}", [CoreRequest(f"w{i}", [6], params, 0.0)]) for i in range(6)]  # 8 waiting: full
+    too_many = Add("late", [CoreRequest("late#0", [7], params, 0.0), CoreRequest("late#1", [7], params, 0.0)])
+    channel = RecordingChannel([CoreInputs([Add("big", samples), *overflow, too_many])])
+    loop = CoreLoop(core, channel, parent_pid=os.getppid())
+    channel.pending.append(encode_inputs(CoreInputs([Abort(["big#0", "big#1", *(f"w{i}" for i in range(6))])])))
+    assert loop.run() == 0
+    answer, step, after_abort = channel.sent[:3]
+    assert answer.step is None and answer.gauges.num_waiting == 8  # admissions are answered before the step
+    assert answer.accepted == ["big", *(f"w{i}" for i in range(6))]
+    assert [(key, kind) for key, kind, _ in answer.refused] == [("late", "QueueFullError")]
+    assert step.step.scheduler.kv_blocks_used > 0
+    assert after_abort.gauges.kv_blocks_used == 0 and after_abort.gauges.num_waiting == 0
+    assert not core.has_unfinished_requests()
