@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-import moeserve.engine.engine as engine_module
+import moeserve.engine.core as engine_core
 from moeserve import LLM, SamplingParams
 from moeserve.checkpoints import MakeModelSpec, make_model
 from moeserve.dispatch.wire import ep_rows_per_token, tp_rows_per_token
@@ -86,7 +86,7 @@ def main() -> None:
     parser.add_argument("--sizes", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--out", type=Path, default=RESULTS / "ep_volume.json")
     args = parser.parse_args()
-    engine_module.ROUTING_INTERVAL_S = 0.0  # every step's counters, so none is left unreported
+    engine_core.ROUTING_INTERVAL_S = 0.0  # every step's counters, so none is left unreported
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         folder = make_model(SPEC, Path(tmp) / "model")

@@ -15,7 +15,7 @@ import pytest
 import torch
 from skewed_router import skew_router
 
-import moeserve.engine.engine as engine_module
+import moeserve.engine.core as engine_core
 from moeserve import LLM, SamplingParams
 from moeserve.api.metrics import ServerMetrics
 from moeserve.config import SLOConfig
@@ -81,7 +81,7 @@ def test_live_rebalance_keeps_greedy_tokens_and_evens_the_load(make_checkpoint, 
     with LLM(folder, **ENGINE) as llm:
         expected = [o.outputs[0].token_ids for o in llm.generate(prompts(), GREEDY, use_tqdm=False)]
 
-    monkeypatch.setattr(engine_module, "ROUTING_INTERVAL_S", 0.0)
+    monkeypatch.setattr(engine_core, "ROUTING_INTERVAL_S", 0.0)
     log = RoutingLog(moe_layers=(1, 2))
     options = dict(ENGINE, ep=ep, num_redundant_experts=NUM_EXPERTS // 4, enable_eplb=True)
     with LLM(folder, stat_loggers=[log], eplb_window_steps=12, eplb_interval_steps=12, **options) as llm:
