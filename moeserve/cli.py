@@ -1,5 +1,5 @@
 """The `moeserve` command: `launch` (the OpenAI-compatible server), `generate`, `bench serve`
-(the SLO load test) and `make-model`."""
+(the SLO load test), `make-model` and `eplb plan` (an expert placement from recorded loads)."""
 
 from __future__ import annotations
 
@@ -237,6 +237,39 @@ def _run_make_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_eplb(sub: argparse._SubParsersAction) -> None:
+    eplb = sub.add_parser("eplb", help="expert load balancing tools").add_subparsers(dest="eplb", required=True)
+    p = eplb.add_parser(
+        "plan", help="balance recorded expert loads (--record-expert-load) into an --expert-placement file"
+    )
+    p.add_argument("--loads", required=True, type=Path, help="a file written by --record-expert-load")
+    p.add_argument("--ep", required=True, type=int, help="expert-parallel ranks the placement is for")
+    p.add_argument("--num-redundant-experts", type=int, default=0, help="extra physical expert slots (R)")
+    p.add_argument("--nnodes", type=int, default=1, help="nodes the ranks span (hierarchical balancing)")
+    p.add_argument("--out", required=True, type=Path, help="the placement file to write")
+    p.set_defaults(func=_run_eplb_plan)
+
+
+def _run_eplb_plan(args: argparse.Namespace) -> int:
+    from moeserve.dispatch import ExpertMap
+    from moeserve.eplb import balance, imbalance
+    from moeserve.eplb.record import read_loads
+
+    loads = read_loads(args.loads)
+    if args.ep < 1 or args.num_redundant_experts < 0 or args.nnodes < 1:
+        raise ValueError("--ep and --nnodes must be >= 1, --num-redundant-experts >= 0")
+    num_experts = len(loads[0])
+    planned = balance(loads, num_experts + args.num_redundant_experts, args.ep, args.nnodes)
+    planned.save(args.out)
+    before = imbalance(ExpertMap.default(num_experts, 0, args.ep, len(loads)), loads)
+    after = imbalance(planned, loads)
+    print(
+        f"{args.out}: max/mean rank load {before[0]:.3f} (worst layer {before[1]:.3f}) contiguous -> "
+        f"{after[0]:.3f} (worst {after[1]:.3f}) with {args.num_redundant_experts} redundant experts"
+    )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moeserve", description="Inference server for Mixture-of-Experts LLMs")
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
@@ -245,6 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(sub)
     add_bench_parser(sub)
     _add_make_model(sub)
+    _add_eplb(sub)
     return parser
 
 

@@ -57,6 +57,35 @@ def _scheduler_default(name: str) -> object:
 
 
 @dataclass(frozen=True)
+class EplbConfig:
+    """Expert load balancing: redundant expert slots, where each logical expert lives, and
+    rebalancing them by measured load while serving (DeepSeek's EPLB)."""
+
+    num_redundant_experts: int = 0
+    """Extra physical expert slots over the EP group (E + R in all); each holds a replica of a
+    logical expert, so a hot expert's tokens split over several ranks."""
+    expert_placement: str | None = None
+    """JSON file of the logical expert in each rank's slots per MoE layer (`moeserve eplb plan`
+    writes one from recorded loads); None: slot p holds expert p mod E."""
+    enabled: bool = option(False, name="enable_eplb")
+    """Rebalance while serving: every eplb_interval_steps steps the ranks recompute the placement
+    from the last eplb_window_steps steps' loads and move expert weights between themselves."""
+    window_steps: int = option(1000, name="eplb_window_steps")
+    """Steps of routing statistics the rebalancer looks at (a sliding window)."""
+    interval_steps: int = option(3000, name="eplb_interval_steps")
+    """Steps between two rebalances."""
+    record_expert_load: str | None = None
+    """Write the logical experts' routed rows per MoE layer to this JSON file at shutdown, the
+    input of `moeserve eplb plan`."""
+
+    def __post_init__(self) -> None:
+        if self.num_redundant_experts < 0:
+            raise ValueError(f"num_redundant_experts must be >= 0 (got {self.num_redundant_experts})")
+        if self.window_steps < 1 or self.interval_steps < 1:
+            raise ValueError("eplb_window_steps and eplb_interval_steps must be >= 1")
+
+
+@dataclass(frozen=True)
 class ParallelConfig:
     """Process layout: `ep` ranks hold the experts (E/ep each); attention runs data-parallel
     over `ep / tp` groups of `tp` tensor-parallel ranks. ep = tp = 1 runs in one process."""
@@ -95,6 +124,7 @@ class ParallelConfig:
     """Two-batch overlap: split each step's sequences into two micro-batches of about half the
     tokens and interleave their passes, so one's MoE dispatch/combine is in flight while the
     other computes. The same tokens as without; it pays off when the all-to-all is slow (EP)."""
+    eplb: EplbConfig = field(default_factory=EplbConfig)
 
     def __post_init__(self) -> None:
         if self.master_port is None:
@@ -115,6 +145,8 @@ class ParallelConfig:
             raise ValueError(f"a2a_backend {self.a2a_backend!r} is not one of {', '.join(A2A_BACKENDS)}")
         if min(self.collective_timeout_s, self.heartbeat_timeout_s, self.startup_timeout_s) <= 0:
             raise ValueError("timeouts must be > 0")
+        if self.eplb.enabled and self.ep < 2:
+            raise ValueError("--enable-eplb moves experts between ranks: it needs ep >= 2")
 
     @property
     def is_distributed(self) -> bool:

@@ -15,6 +15,9 @@ expert, all MoE layers together), `moeserve:ep_rank_routed_tokens_total{rank}` (
 experts received) and `moeserve:expert_load_imbalance{layer}` (max / mean of the ranks' loads
 in each MoE layer over the last report, about a second; 1.0 is perfect balance). Per expert and
 layer would be layers x experts series (15k for DeepSeek-V3), too many for most Prometheus setups.
+What the all-to-all moves (`dispatch.wire`): `moeserve:ep_dispatch_bytes_total{rank}` and
+`moeserve:ep_combine_bytes_total{rank}` (payload bytes sent to other ranks) and
+`moeserve:ep_local_rows_total{rank}` (rows that stayed on their rank).
 """
 
 from __future__ import annotations
@@ -217,6 +220,14 @@ class ServerMetrics:
             [*labels, "layer"],
             registry=r,
         )
+        self._wire = {
+            name: Counter(name, doc, [*labels, "rank"], registry=r)
+            for name, doc in (
+                ("moeserve:ep_dispatch_bytes", "Bytes each EP rank's MoE dispatch sent to other ranks (payload)."),
+                ("moeserve:ep_combine_bytes", "Bytes each EP rank's MoE combine sent back to other ranks (payload)."),
+                ("moeserve:ep_local_rows", "Rows each EP rank dispatched to its own expert slots (no link crossed)."),
+            )
+        }
         self._http = Counter(
             "moeserve:http_requests",
             "HTTP requests answered, by route and status code.",
@@ -262,6 +273,11 @@ class ServerMetrics:
             imbalance = load_imbalance(load)
             if imbalance is not None:
                 self._imbalance.labels(name, str(layer)).set(imbalance)
+        wire = routed.wire
+        for rank in range(len(wire.rows) if wire is not None else 0):
+            self._wire["moeserve:ep_dispatch_bytes"].labels(name, str(rank)).inc(wire.dispatch_bytes(rank))
+            self._wire["moeserve:ep_combine_bytes"].labels(name, str(rank)).inc(wire.combine_bytes(rank))
+            self._wire["moeserve:ep_local_rows"].labels(name, str(rank)).inc(wire.local(rank))
 
     def count_http(self, route: str, status: int) -> None:
         self._http.labels(route, str(status)).inc()

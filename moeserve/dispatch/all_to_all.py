@@ -229,4 +229,6 @@ class AllToAllDispatcher(Dispatcher):
         sent = dist.all_to_all_single(returned, send, returned_splits, send_splits, group=self.group, async_op=True)
         yield  # the expert outputs in flight home
         sent.wait()
-        return weighted_sum(returned.index_select(0, handle.send_row), handle.topk_ids, handle.topk_weights)
+        return weighted_sum(
+            returned.index_select(0, handle.send_row), handle.topk_ids, handle.topk_weights, handle.sum_order
+        )

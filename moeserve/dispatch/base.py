@@ -28,7 +28,7 @@ from __future__ import annotations
 import enum
 from abc import ABC, abstractmethod
 from collections.abc import Generator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar, TypeVar
 
 import torch
@@ -76,6 +76,11 @@ class DispatchHandle:
     """
 
     num_tokens: int  # T on the source rank; combine() returns [T, H]
+    sum_order: torch.Tensor | None = field(default=None, kw_only=True)
+    """int64 `[T, K]` or None: ids whose ascending order is the order of combine's sum over k
+    (None: dispatch()'s `topk_ids`). An MoE layer that dispatched to physical replicas sets it to
+    the router's logical ids (`dataclasses.replace`), so a token's sum runs in the same order
+    whichever replicas served it, and its result equals the single process's bit for bit."""
 
 
 @dataclass(frozen=True)

@@ -59,4 +59,4 @@ class LocalDispatcher(Dispatcher):
 
     def combine(self, expert_output: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         assert isinstance(handle, LocalHandle), f"local combine got a {type(handle).__name__}"
-        return weighted_sum(expert_output, handle.topk_ids, handle.topk_weights)
+        return weighted_sum(expert_output, handle.topk_ids, handle.topk_weights, handle.sum_order)

@@ -300,7 +300,8 @@ class NvshmemDispatcher(Dispatcher):
                 expert_output.dtype,
             )
             span = slice(first, first + tokens)
-            out[span] = weighted_sum(rows, handle.topk_ids[span], handle.topk_weights[span])
+            order = None if handle.sum_order is None else handle.sum_order[span]
+            out[span] = weighted_sum(rows, handle.topk_ids[span], handle.topk_weights[span], order)
             self._kernels.give_credit_kernel[(min(self.num_programs, layout.ep),)](
                 self._buffer.addresses, self.heap.rank, seq, offsets["combine_credit"], EP=layout.ep
             )

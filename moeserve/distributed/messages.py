@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from moeserve.config import ParallelConfig
+from moeserve.eplb import RebalanceReport
 from moeserve.scheduler import SchedulerOutput
 from moeserve.worker.runner import SampledToken
 
@@ -76,7 +77,11 @@ class StepOutput:
     sampled: dict[str, SampledToken]
     """Filled by the first rank of each tensor-parallel group, the one that samples."""
     routed_tokens: list[list[int]] | None = None
-    """Per MoE layer, rows each local expert received since last asked."""
+    """Per MoE layer and logical expert, rows this rank's expert slots received since last asked."""
+    dispatch_rows: list[int] | None = None
+    """With routed_tokens: rows this rank dispatched to each rank since last asked (`dispatch.wire`)."""
+    rebalance: RebalanceReport | None = None
+    """From rank 0, when the experts were rebalanced after this step (`eplb.Rebalancer`)."""
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from moeserve.dispatch import ExpertPlacement, a2a_backend_for, create_dispatcher
+from moeserve.dispatch import ExpertMap, a2a_backend_for, create_dispatcher
+from moeserve.dispatch.expert_load import logical_rows
 from moeserve.distributed.channel import ControlClient
 from moeserve.distributed.messages import LoadReport, Shutdown, StepInput, StepOutput, Sync, SyncAck, WorkerSpec
 from moeserve.distributed.rendezvous import (
@@ -34,6 +35,7 @@ from moeserve.distributed.rendezvous import (
     error_key,
     get,
 )
+from moeserve.eplb import Rebalancer
 from moeserve.models import TensorParallel, load_model, model_config
 from moeserve.models.loader import weight_bytes
 from moeserve.ops import create_ops
@@ -83,13 +85,27 @@ class Worker:
 
     def load(self) -> LoadReport:
         spec = self.spec
-        placement = ExpertPlacement.contiguous(model_config(spec.model).num_experts, spec.parallel.ep, self.rank)
+        cfg, eplb = model_config(spec.model), spec.parallel.eplb
+        self.expert_map = ExpertMap.initial(
+            cfg.num_experts,
+            len(cfg.moe_layer_indices),
+            spec.parallel.ep,
+            eplb.num_redundant_experts,
+            eplb.expert_placement,
+        )
+        placement = self.expert_map.slot_placement(self.rank)
         backend = a2a_backend_for(spec.parallel.a2a_backend)
         dispatcher = create_dispatcher(
             backend, placement, self.device, group=dist.group.WORLD, dispatch_fp8=spec.parallel.dispatch_fp8
         )
         model = load_model(
-            Path(spec.model), spec.dtype, self.device, dispatcher, self.tp, create_ops(spec.kernels, self.device)
+            Path(spec.model),
+            spec.dtype,
+            self.device,
+            dispatcher,
+            self.tp,
+            create_ops(spec.kernels, self.device),
+            self.expert_map,
         )
         kv_caches = allocate_kv_caches(
             model.cfg, spec.num_kv_blocks, spec.block_size, spec.dtype, self.device, self.tp.size
@@ -105,6 +121,18 @@ class Worker:
             samples=self.tp.rank == 0,
             two_batch_overlap=spec.parallel.two_batch_overlap,
         )
+        self.rebalancer = None
+        if eplb.enabled:
+            self.rebalancer = Rebalancer(
+                model,
+                self.expert_map,
+                self.rank,
+                eplb.window_steps,
+                eplb.interval_steps,
+                spec.parallel.nnodes,
+                dist.group.WORLD,
+            )
+        self._routed: list[list[int]] | None = None  # rows counted under a map since replaced
         sizes = weight_bytes(model)
         return LoadReport(
             rank=self.rank,
@@ -126,8 +154,29 @@ class Worker:
             steps = [[len(s.token_ids) for s in plan.scheduled] for plan in message.plans]
             micro_bounds = micro_batch_bounds(steps, self.tp)
         sampled = self.runner.execute(message.plans[self.group_index], bound, micro_bounds)
-        routed = self.runner.model.take_routed_tokens() if message.want_routed_tokens else None
-        return StepOutput(message.step, self.rank, sampled, routed)
+        report = None
+        if self.rebalancer is not None and self.rebalancer.record():
+            report = self.rebalancer.rebalance(before_swap=self._set_aside_routed)
+            self.expert_map = self.rebalancer.expert_map
+            if self.rank == 0:
+                logger.info("%s", report.describe())
+        routed = wire = None
+        if message.want_routed_tokens:
+            self._set_aside_routed(self.expert_map)
+            routed, self._routed = self._routed, None
+            wire = self.runner.model.take_dispatch_rows()
+        return StepOutput(message.step, self.rank, sampled, routed, wire, report if self.rank == 0 else None)
+
+    def _set_aside_routed(self, expert_map: ExpertMap) -> None:
+        """Read the per-slot counters and add them, per logical expert under `expert_map` (the
+        map they were counted under), to what the next report carries."""
+        counted = logical_rows(self.runner.model.take_routed_tokens(), expert_map, self.rank)
+        if self._routed is None:
+            self._routed = counted
+            return
+        for total, rows in zip(self._routed, counted):
+            for e, n in enumerate(rows):
+                total[e] += n
 
 
 def serve_rank(

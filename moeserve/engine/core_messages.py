@@ -18,7 +18,7 @@ from typing import Any
 import msgpack
 
 from moeserve.dispatch.expert_load import RoutedTokens
-from moeserve.dispatch.placement import ExpertPlacement
+from moeserve.dispatch.wire import WireVolume
 from moeserve.engine.core import CoreRequest, CoreStep, FinishedSequence, SchedulerStats
 from moeserve.sampling_params import SamplingParams
 from moeserve.scheduler import QueueFullError
@@ -144,7 +144,8 @@ def _step(s: CoreStep) -> list[Any]:
     routed = None
     if s.routed_tokens is not None:
         r = s.routed_tokens
-        routed = [list(r.placement.expert_to_rank), r.placement.ep_size, list(r.layers), r.counts]
+        wire = None if r.wire is None else [r.wire.rows, r.wire.dispatch_row_bytes, r.wire.combine_row_bytes]
+        routed = [r.counts, r.rank_rows, list(r.layers), wire]
     return [
         {rid: _token(t) for rid, t in s.sampled.items()},
         [[f.request_id, f.finish_reason, f.stop_reason] for f in s.finished],
@@ -161,8 +162,8 @@ def _unstep(entry: list[Any]) -> CoreStep:
     sampled, finished, first_scheduled, time, duration, preemptions, gauges, routed = entry
     routed_tokens = None
     if routed is not None:
-        owners, ep_size, layers, counts = routed
-        routed_tokens = RoutedTokens(counts, ExpertPlacement(tuple(owners), ep_size, 0), tuple(layers))
+        counts, rank_rows, layers, wire = routed
+        routed_tokens = RoutedTokens(counts, rank_rows, tuple(layers), None if wire is None else WireVolume(*wire))
     return CoreStep(
         sampled={rid: _untoken(t) for rid, t in sampled.items()},
         finished=[FinishedSequence(*f) for f in finished],

@@ -8,8 +8,9 @@ from pathlib import Path
 import torch
 
 from moeserve.config import EngineConfig, ModelConfig
-from moeserve.dispatch import ExpertPlacement, create_dispatcher
-from moeserve.dispatch.expert_load import RoutedTokens
+from moeserve.dispatch import ExpertMap, create_dispatcher
+from moeserve.dispatch.expert_load import RoutedTokens, logical_rows
+from moeserve.eplb.record import LoadRecord
 from moeserve.executor.base import Executor
 from moeserve.models import load_model
 from moeserve.ops import create_ops
@@ -32,12 +33,24 @@ class InProcessExecutor(Executor):
         eos_token_ids: Sequence[int],
     ) -> None:
         self.num_kv_blocks = num_kv_blocks
-        self._placement = ExpertPlacement.contiguous(model_config.num_experts)
+        eplb = config.parallel.eplb
+        self._moe_layers = model_config.moe_layer_indices
+        self._load_record = None
+        if eplb.record_expert_load is not None:
+            self._load_record = LoadRecord(eplb.record_expert_load, model_config.num_experts, self._moe_layers)
+        self.expert_map = ExpertMap.initial(
+            model_config.num_experts, len(self._moe_layers), 1, eplb.num_redundant_experts, eplb.expert_placement
+        )
         dispatcher = create_dispatcher(
-            "local", self._placement, config.device, dispatch_fp8=config.parallel.dispatch_fp8
+            "local", self.expert_map.slot_placement(), config.device, dispatch_fp8=config.parallel.dispatch_fp8
         )
         self.model = load_model(
-            Path(config.model), dtype, config.device, dispatcher, ops=create_ops(config.kernels, config.device)
+            Path(config.model),
+            dtype,
+            config.device,
+            dispatcher,
+            ops=create_ops(config.kernels, config.device),
+            expert_map=self.expert_map,
         )
         kv_caches = allocate_kv_caches(model_config, num_kv_blocks, config.cache.block_size, dtype, config.device)
         self.runner = ModelRunner(
@@ -49,11 +62,20 @@ class InProcessExecutor(Executor):
             seed=config.seed,
             two_batch_overlap=config.parallel.two_batch_overlap,
         )
-        self._moe_layers = model_config.moe_layer_indices
 
     def execute(self, plan: StepPlan) -> dict[str, SampledToken]:
         (group,) = plan.groups
         return self.runner.execute(group)
 
     def take_routed_tokens(self) -> RoutedTokens | None:
-        return RoutedTokens(self.model.take_routed_tokens(), self._placement, self._moe_layers)
+        routed = logical_rows(self.model.take_routed_tokens(), self.expert_map, 0)
+        if self._load_record is not None:
+            self._load_record.add(routed)
+        return RoutedTokens.from_ranks([routed], self._moe_layers)
+
+    def shutdown(self) -> None:
+        """Write the recorded expert load (`--record-expert-load`), the last rows included."""
+        if self._load_record is not None:
+            self.take_routed_tokens()
+            self._load_record.save()
+            self._load_record = None

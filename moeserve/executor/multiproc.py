@@ -23,13 +23,15 @@ from collections.abc import Callable, Sequence
 import torch
 
 from moeserve.config import EngineConfig, ModelConfig
-from moeserve.dispatch import ExpertPlacement
 from moeserve.dispatch.expert_load import RoutedTokens
+from moeserve.dispatch.wire import WireVolume, dispatch_row_bytes
 from moeserve.distributed.channel import ControlServer
 from moeserve.distributed.launcher import start_ranks, stop_ranks
 from moeserve.distributed.messages import LoadReport, Shutdown, StepInput, StepOutput, Sync, SyncAck, WorkerSpec
 from moeserve.distributed.monitor import RankMonitor
 from moeserve.distributed.rendezvous import CONTROL_KEY, SPEC_KEY, host_store, put
+from moeserve.eplb import RebalanceReport
+from moeserve.eplb.record import LoadRecord
 from moeserve.executor.base import Executor
 from moeserve.scheduler import StepPlan
 from moeserve.worker.runner import SampledToken
@@ -59,11 +61,19 @@ class MultiprocessExecutor(Executor):
         self.failure: str | None = None
         self._listeners: list[Callable[[str], None]] = []
         self._lock = threading.Lock()  # orders a loss against listener registration
-        self._placements = [ExpertPlacement.contiguous(model_config.num_experts, p.ep, r) for r in range(p.ep)]
         self._moe_layers = model_config.moe_layer_indices
         self._step = 0
-        self._routed: list[list[int]] | None = None
+        self._routed: dict[int, list[list[int]]] = {}  # rank -> its `logical_rows` since last taken
+        self._wire: dict[int, list[int]] = {}  # rank -> rows it dispatched to each rank since last taken
+        self._row_bytes = (
+            dispatch_row_bytes(model_config.hidden_size, dtype, p.dispatch_fp8),
+            model_config.hidden_size * dtype.itemsize,
+        )
         self._routing_wanted = True  # ask the ranks for their expert load with the next step
+        self._load_record = None
+        if p.eplb.record_expert_load is not None:
+            self._load_record = LoadRecord(p.eplb.record_expert_load, model_config.num_experts, self._moe_layers)
+        self.rebalances: list[RebalanceReport] = []  # every live rebalance so far, as rank 0 reported it
         self._closed = False
         self._monitor: RankMonitor | None = None
 
@@ -222,22 +232,40 @@ class MultiprocessExecutor(Executor):
             sampled.update(message.sampled)
             if message.routed_tokens is not None:
                 self._add_routed(message.rank, message.routed_tokens)
+            if message.dispatch_rows is not None:
+                known = self._wire.setdefault(message.rank, [0] * self.parallel.ep)
+                self._wire[message.rank] = [a + b for a, b in zip(known, message.dispatch_rows)]
+            if message.rebalance is not None:
+                self.rebalances.append(message.rebalance)
+                logger.info("%s", message.rebalance.describe())
         return sampled
 
     def _add_routed(self, rank: int, per_layer: list[list[int]]) -> None:
-        experts = self._placements[rank].local_experts
-        if self._routed is None:
-            self._routed = [[0] * len(self._placements[0].expert_to_rank) for _ in per_layer]
-        for layer, counts in enumerate(per_layer):
-            for local, rows in enumerate(counts):
-                self._routed[layer][experts[local]] += rows
+        """per_layer `[i][e]`: rows the rank's slots received per logical expert (the rank maps
+        its slots itself, under the expert map they held when the rows were counted)."""
+        known = self._routed.get(rank)
+        if known is None:
+            self._routed[rank] = per_layer
+            return
+        for total, counts in zip(known, per_layer):
+            for e, rows in enumerate(counts):
+                total[e] += rows
 
     def take_routed_tokens(self) -> RoutedTokens | None:
         """What the ranks reported since the last call; they are asked again with the next step,
         so the engine's reporting interval is the only one."""
         self._routing_wanted = True
-        routed, self._routed = self._routed, None
-        return None if routed is None else RoutedTokens(routed, self._placements[0], self._moe_layers)
+        routed, self._routed = self._routed, {}
+        wire_rows, self._wire = self._wire, {}
+        if len(routed) < self.parallel.ep:
+            return None
+        wire = None
+        if len(wire_rows) == self.parallel.ep:
+            wire = WireVolume([wire_rows[r] for r in range(self.parallel.ep)], *self._row_bytes)
+        tokens = RoutedTokens.from_ranks([routed[r] for r in range(self.parallel.ep)], self._moe_layers, wire)
+        if self._load_record is not None:
+            self._load_record.add(tokens.counts)
+        return tokens
 
     # ---- shutdown --------------------------------------------------------------------------
 
@@ -245,6 +273,8 @@ class MultiprocessExecutor(Executor):
         if self._closed:
             return
         self._closed = True
+        if self._load_record is not None:
+            self._load_record.save()
         if self._monitor is not None:
             self._monitor.stop()
         if self.failure is None:

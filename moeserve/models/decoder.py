@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moeserve.config import ModelConfig
-from moeserve.dispatch import Dispatcher
+from moeserve.dispatch import Dispatcher, ExpertMap, ReplicaTable
 from moeserve.dispatch.base import Steps, finish
 from moeserve.models.layers.attention import Attention
 from moeserve.models.layers.mla import MLAttention
@@ -216,12 +216,36 @@ class MoECausalLM(nn.Module):
         hidden, _ = self.norm.add(x, residual)
         return self.tp.all_gather_tokens(hidden, input_ids.shape[0])
 
+    def moe_blocks(self) -> list[MoEBlock]:
+        """The MoE layers' blocks in model order (the order `ExpertMap` layers are in)."""
+        return [layer.mlp for layer in self.layers if isinstance(layer.mlp, MoEBlock)]
+
+    def set_expert_map(self, expert_map: ExpertMap, rank: int) -> None:
+        """Route through `expert_map`'s physical slots from the next step on (the expert weights
+        must already be the ones it names for `rank`); an identity map routes by the ids as they are."""
+        blocks = self.moe_blocks()
+        if expert_map.num_layers != len(blocks):
+            raise ValueError(f"the expert map has {expert_map.num_layers} MoE layers, the model {len(blocks)}")
+        for i, block in enumerate(blocks):
+            device = block.routed_tokens.device
+            block.replicas = None if expert_map.is_identity else ReplicaTable(expert_map.replicas(i), rank, device)
+
+    def take_dispatch_rows(self) -> list[int]:
+        """Rows this rank dispatched to each rank, all MoE layers, since the last call (then reset)."""
+        blocks = self.moe_blocks()
+        if not blocks:
+            return []
+        rows = torch.stack([block.dispatch_rows for block in blocks]).sum(0)
+        for block in blocks:
+            block.dispatch_rows.zero_()
+        return rows.tolist()
+
     def take_routed_tokens(self) -> list[list[int]]:
         """Per MoE layer, rows each local expert received since the last call (then reset).
 
         One read of every layer's device counters together: the only sync the counters cost.
         """
-        blocks = [layer.mlp for layer in self.layers if isinstance(layer.mlp, MoEBlock)]
+        blocks = self.moe_blocks()
         if not blocks:
             return []
         counts = torch.stack([block.routed_tokens for block in blocks])

@@ -2,7 +2,8 @@
 
 Each of our parameters maps to one or more checkpoint tensors (`WeightSource`): gate and up
 projections are concatenated into one GEMM, and an MoE layer's experts are stacked into one
-tensor, of only the experts `placement` assigns to this rank. Every source is checked for
+tensor, of only the experts this rank's physical slots hold (`ExpertMap.local_logical`: a
+logical expert with replicas is read by each rank holding one). Every source is checked for
 presence and shape before any tensor is read, so a bad checkpoint fails with one message and
 leaves nothing half-loaded.
 """
@@ -17,7 +18,7 @@ from pathlib import Path
 import torch
 
 from moeserve.config import ModelConfig
-from moeserve.dispatch import Dispatcher, ExpertPlacement, create_dispatcher
+from moeserve.dispatch import Dispatcher, ExpertMap, ExpertPlacement, create_dispatcher
 from moeserve.models.architectures import CheckpointNames, resolve_architecture
 from moeserve.models.checkpoint import CheckpointError, CheckpointReader
 from moeserve.models.decoder import MoECausalLM
@@ -56,8 +57,9 @@ _COMMON = {
 }
 
 
-def layer_source(layer: int, suffix: str, names: CheckpointNames, placement: ExpertPlacement) -> WeightSource:
-    """Checkpoint tensors behind `layers.{layer}.{suffix}` of our model."""
+def layer_source(layer: int, suffix: str, names: CheckpointNames, local_experts: tuple[int, ...]) -> WeightSource:
+    """Checkpoint tensors behind `layers.{layer}.{suffix}` of our model; local_experts: the
+    checkpoint expert in each of this rank's slots of that layer (unused if it has no experts)."""
     p = f"model.layers.{layer}."
     moe = f"{p}{names.moe}."
     if suffix in _COMMON:
@@ -73,13 +75,13 @@ def layer_source(layer: int, suffix: str, names: CheckpointNames, placement: Exp
     if suffix == "mlp.router.correction_bias":
         return WeightSource.one(f"{moe}{names.router}.{names.correction_bias}")
     if suffix == "mlp.experts.w13":
-        experts = [f"{moe}experts.{e}." for e in placement.local_experts]
+        experts = [f"{moe}experts.{e}." for e in local_experts]
         return WeightSource(
             tuple((f"{e}{names.expert_gate}.weight", f"{e}{names.expert_up}.weight") for e in experts), stacked=True
         )
     if suffix == "mlp.experts.w2":
         return WeightSource(
-            tuple((f"{moe}experts.{e}.{names.expert_down}.weight",) for e in placement.local_experts), stacked=True
+            tuple((f"{moe}experts.{e}.{names.expert_down}.weight",) for e in local_experts), stacked=True
         )
     if suffix == "mlp.shared.gate_up":
         s = f"{moe}{names.shared_expert}."
@@ -92,8 +94,9 @@ def layer_source(layer: int, suffix: str, names: CheckpointNames, placement: Exp
 
 
 def weight_source(
-    name: str, names: CheckpointNames, placement: ExpertPlacement, reader: CheckpointReader
+    name: str, names: CheckpointNames, experts_by_layer: dict[int, tuple[int, ...]], reader: CheckpointReader
 ) -> WeightSource:
+    """experts_by_layer: decoder layer -> the checkpoint expert in each of this rank's slots."""
     if name == "embed_tokens":
         return WeightSource.one("model.embed_tokens.weight")
     if name == "lm_head":
@@ -103,7 +106,8 @@ def weight_source(
     match = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
     if match is None:
         raise KeyError(f"no checkpoint mapping for parameter {name!r}")
-    return layer_source(int(match.group(1)), match.group(2), names, placement)
+    layer = int(match.group(1))
+    return layer_source(layer, match.group(2), names, experts_by_layer.get(layer, ()))
 
 
 def _expected_part_shape(source: WeightSource, target: torch.Size) -> tuple[int, ...]:
@@ -153,11 +157,13 @@ def load_model(
     dispatcher: Dispatcher | None = None,
     tp: TensorParallel = SINGLE,
     ops: LayerOps = TORCH_OPS,
+    expert_map: ExpertMap | None = None,
 ) -> MoECausalLM:
     """Build the model for `folder`'s architecture and load this rank's share of its weights.
 
-    The rank's share of the experts is `dispatcher.placement`; without a dispatcher the model
-    holds every expert and uses the `local` backend. Under tensor parallelism the attention
+    The rank's physical expert slots are `dispatcher.placement`'s, and `expert_map` says which
+    logical expert each holds (None: slot e holds expert e, no redundant experts); without a
+    dispatcher the model holds every slot and uses the `local` backend. Under tensor parallelism the attention
     layers declare which part of each tensor this rank holds (`tensor_parallel.Shard`).
     """
     reader = CheckpointReader(folder)
@@ -165,17 +171,25 @@ def load_model(
     if dispatcher is None:
         dispatcher = create_dispatcher("local", ExpertPlacement.contiguous(cfg.num_experts), device)
     placement = dispatcher.placement
-    if placement.num_experts != cfg.num_experts:
-        raise ValueError(f"placement covers {placement.num_experts} experts, the model has {cfg.num_experts}")
+    moe_layers = cfg.moe_layer_indices
+    if expert_map is None:
+        expert_map = ExpertMap.default(cfg.num_experts, 0, placement.ep_size, len(moe_layers))
+    expert_map.check_model(cfg.num_experts, len(moe_layers), placement.ep_size)
+    if placement.num_experts != expert_map.num_physical:
+        raise ValueError(
+            f"placement covers {placement.num_experts} expert slots, the expert map {expert_map.num_physical}"
+        )
     model = MoECausalLM(cfg, dispatcher, dtype, device, tp, ops)
+    experts_by_layer = {layer: expert_map.local_logical(i, placement.rank) for i, layer in enumerate(moe_layers)}
     targets = {name: p for name, p in model.named_parameters()}
-    sources = {name: weight_source(name, arch.names, placement, reader) for name in targets}
+    sources = {name: weight_source(name, arch.names, experts_by_layer, reader) for name in targets}
     check_sources(sources, targets, reader)
     with torch.no_grad():
         for name, param in targets.items():
             # Router correction bias and fp32 gates keep their own dtype (see Router).
             param.copy_(read_source(sources[name], reader, param.dtype, shard_of(param)))
     reader.close()
+    model.set_expert_map(expert_map, placement.rank)
     sizes = weight_bytes(model)
     logger.info(
         "loaded %s from %s: %d layers, %d/%d experts on this rank (%.1f MiB), %.1f MiB of other weights (%s)",

@@ -8,7 +8,7 @@ import os
 import pytest
 
 from moeserve.dispatch.expert_load import RoutedTokens
-from moeserve.dispatch.placement import ExpertPlacement
+from moeserve.dispatch.wire import WireVolume
 from moeserve.engine.core import CoreRequest, CoreStep, EngineCore, FinishedSequence, SchedulerStats
 from moeserve.engine.core_messages import (
     Abort,
@@ -44,7 +44,8 @@ def test_inputs_round_trip_in_order() -> None:
 
 
 def test_outputs_round_trip() -> None:
-    routed = RoutedTokens([[1, 2, 3, 4], [0, 0, 5, 5]], ExpertPlacement.contiguous(4, 2), (1, 3))
+    wire = WireVolume([[6, 4], [1, 9]], 256, 512)
+    routed = RoutedTokens([[1, 2, 3, 4], [0, 0, 5, 5]], [[3, 7], [0, 10]], (1, 3), wire)
     step = CoreStep(
         sampled={"a": SampledToken(4), "b": SampledToken(5, -0.25, ((5, -0.25), (6, -1.5)))},
         finished=[FinishedSequence("a", "length", None), FinishedSequence("c", "stop", 2)],

@@ -12,6 +12,7 @@ backend (the `local` one never waits).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TypeVar
 
 import torch
@@ -21,6 +22,9 @@ from torch import nn
 from moeserve.config import ModelConfig
 from moeserve.dispatch import Dispatcher
 from moeserve.dispatch.base import Steps, finish
+from moeserve.dispatch.counts import count_per_expert
+from moeserve.dispatch.replicas import ReplicaTable
+from moeserve.dispatch.wire import rows_per_destination
 from moeserve.models.layers.experts import Experts
 from moeserve.models.layers.mlp import GatedMLP
 from moeserve.models.layers.router import Router
@@ -47,6 +51,17 @@ class MoEBlock(nn.Module):
         self.register_buffer("routed_tokens", routed, persistent=False)
         """int64 `[E_local]`: rows each local expert received since the last read (the load /metrics
         reports); `MoECausalLM.take_routed_tokens` reads every layer's at once and resets them."""
+        self.replicas: ReplicaTable | None = None
+        """Logical -> physical slots of this layer; None: slot e holds expert e (no replicas)."""
+        self.logical_load: torch.Tensor | None = None
+        """int64 `[E]` or None: pairs this rank's tokens routed to each logical expert, summed
+        since `track_logical_load` (never reset; the load window takes differences)."""
+        placement = dispatcher.placement
+        self.slot_owner = placement.owner.to(device) if placement.ep_size > 1 else None
+        """int64 `[P]`: each physical slot's rank, for counting rows per destination (EP only)."""
+        rows = torch.zeros(placement.ep_size, dtype=torch.int64, device=device)
+        self.register_buffer("dispatch_rows", rows, persistent=False)
+        """int64 `[ep]`: rows this rank dispatched to each rank since the last read (`dispatch.wire`)."""
         self.shared = None
         self.shared_gate = None
         if cfg.shared_expert_intermediate_size:
@@ -55,6 +70,13 @@ class MoEBlock(nn.Module):
                 self.shared_gate = nn.Parameter(
                     torch.empty(1, cfg.hidden_size, dtype=dtype, device=device), requires_grad=False
                 )
+
+    def track_logical_load(self) -> None:
+        """Count each step's routing per logical expert from now on (one scatter-add per step)."""
+        if self.logical_load is None:
+            self.logical_load = torch.zeros(
+                self.router.num_experts, dtype=torch.int64, device=self.routed_tokens.device
+            )
 
     def forward(self, x: torch.Tensor, max_tokens_per_rank: int | None = None) -> torch.Tensor:
         """x `[T, H]` -> `[T, H]`. max_tokens_per_rank: this step's bound on T over the EP group
@@ -65,11 +87,19 @@ class MoEBlock(nn.Module):
         """forward() in steps: yields while the dispatch or the combine waits for peers, and at
         least once after each. Every rank yields equally often for equal calls, provided the
         dispatcher's steps do (the `torch` backend's number depends only on the step's bound)."""
-        topk_ids, topk_weights = self.router(x)  # [T, K], [T, K]
-        dispatch = self.dispatcher.dispatch_steps(x, topk_ids, topk_weights, max_tokens_per_rank)
+        topk_ids, topk_weights = self.router(x)  # [T, K] logical ids, [T, K]
+        if self.logical_load is not None:
+            self.logical_load += count_per_expert(topk_ids, self.logical_load.shape[0])
+        slots = topk_ids if self.replicas is None else self.replicas.physical(topk_ids)  # [T, K] physical
+        if self.slot_owner is not None:
+            self.dispatch_rows += rows_per_destination(slots, self.slot_owner, self.dispatch_rows.shape[0])
+        dispatch = self.dispatcher.dispatch_steps(x, slots, topk_weights, max_tokens_per_rank)
         received = yield from _at_least_one_step(dispatch)
         self.routed_tokens += received.num_tokens_per_expert
-        out = yield from _at_least_one_step(self.dispatcher.combine_steps(self.experts(received), received.handle))
+        handle = received.handle
+        if self.replicas is not None:
+            handle = dataclasses.replace(handle, sum_order=topk_ids)  # the sum in logical order
+        out = yield from _at_least_one_step(self.dispatcher.combine_steps(self.experts(received), handle))
         if self.shared is not None:
             shared = self.shared(x)
             if self.shared_gate is not None:
