@@ -24,11 +24,3 @@ def test_core_and_http_process_run_on_separate_cpus(start_server) -> None:
     assert len(frontend) == 1
     assert re.search(r"CPU binding: engine core on CPUs [\d,-]+, HTTP server on CPU \d+", server.log())
     assert server.stop() == 0
-
-
-def test_binding_off_leaves_both_to_the_os(start_server) -> None:
-    server = start_server("--cpu-binding", "off")
-    pid = core_pid(server.log())
-    assert allowed_cpus(pid) == allowed_cpus(server.proc.pid) == os.sched_getaffinity(0)
-    assert "CPU binding" not in server.log()
-    assert server.stop() == 0
