@@ -21,20 +21,16 @@ Threading contract:
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import logging
 import queue
 import threading
 import time
-import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 
+from moeserve.engine.command_queue import AbortCommand, AddCommand, QueuedEngineClient, StopCommand
 from moeserve.engine.engine import LLMEngine
-from moeserve.engine.outputs import RequestOutput
 from moeserve.engine.streams import EngineDeadError, RequestStream, Stream, deliver_all
-from moeserve.sampling_params import SamplingParams
 
 __all__ = ["AsyncEngine", "EngineDeadError", "RequestStream"]
 
@@ -45,34 +41,14 @@ StepListener = Callable[[float, int], None]
 
 
 @dataclass
-class _Add:
-    prompt: str | dict | list[int]
-    params: SamplingParams
-    request_id: str
-    arrival_time: float  # when the caller asked, so TTFT includes the wait for the engine thread
-    stream: Stream
-    accepted: concurrent.futures.Future[None]
-
-
-@dataclass
-class _Abort:
-    request_id: str
-    stream: Stream | None  # set: abort only if this stream still owns the id (a failed add owns nothing)
-
-
-class _Stop:
-    pass
-
-
-@dataclass
 class _Lost:
     reason: str  # the executor lost a rank: nothing more can be stepped
 
 
-_Command = _Add | _Abort | _Stop | _Lost
+_Command = AddCommand | AbortCommand | StopCommand | _Lost
 
 
-class AsyncEngine:
+class AsyncEngine(QueuedEngineClient):
     """Serve an `LLMEngine` to asyncio callers; see the module docstring for the threading contract."""
 
     def __init__(
@@ -83,16 +59,12 @@ class AsyncEngine:
     ) -> None:
         """on_death(error): called on the engine thread if it dies (not after `shutdown()`),
         once every open stream has been failed: a server exits then."""
+        super().__init__()
         self.engine = engine
         self._on_step = on_step
         self._on_death = on_death
-        self._commands: queue.Queue[_Command] = queue.Queue()
         self._streams: dict[str, Stream] = {}  # engine thread only
-        self._lock = threading.Lock()  # orders "closed" against submissions, so none is stranded
-        self._closed = False
-        self._error: BaseException | None = None
         self._lost_reason: str | None = None
-        self._thread: threading.Thread | None = None
 
     # ---- lifecycle (any thread) ------------------------------------------------------------
 
@@ -121,68 +93,13 @@ class AsyncEngine:
         if self._thread is None:
             return
         try:
-            self._submit(_Stop())
+            self._submit(StopCommand())
         except EngineDeadError:
             pass  # already stopped or dead
         self._thread.join(timeout)
         if self._thread.is_alive():
             logger.warning("engine thread did not stop within %s s", timeout)
         self.engine.shutdown()
-
-    # ---- requests (event loop) -------------------------------------------------------------
-
-    async def submit(
-        self, prompt: str | dict | list[int], params: SamplingParams, request_id: str | None = None
-    ) -> RequestStream:
-        """Queue a request and return its stream once the engine has accepted it.
-
-        Raises what `LLMEngine.add_request` raises (ValueError, QueueFullError) and EngineDeadError,
-        so a server can answer 400 / 429 / 503 before it starts a response. Close the stream
-        (`aclose()`, or `contextlib.aclosing`) when done with it: an unfinished one is aborted.
-        """
-        request_id = request_id if request_id is not None else uuid.uuid4().hex
-        stream = Stream(asyncio.get_running_loop())
-        accepted: concurrent.futures.Future[None] = concurrent.futures.Future()
-        self._submit(_Add(prompt, params, request_id, time.monotonic(), stream, accepted))
-        try:
-            await asyncio.wrap_future(accepted)
-        except BaseException:
-            self._abort_quietly(_Abort(request_id, stream))  # a cancelled wait may still have been added
-            raise
-        return RequestStream(request_id, stream, lambda: self._abort_quietly(_Abort(request_id, stream)))
-
-    async def generate(
-        self, prompt: str | dict | list[int], params: SamplingParams, request_id: str | None = None
-    ) -> AsyncIterator[RequestOutput]:
-        """Yield the request's cumulative outputs as the engine makes them; the last is finished.
-
-        `submit` and iteration in one: errors of `submit` are raised at the first iteration.
-        Leaving the loop early aborts the request; call `aclose()` (or use `contextlib.aclosing`)
-        to abort it at once rather than when the generator is collected.
-        """
-        stream = await self.submit(prompt, params, request_id)
-        try:
-            async for output in stream:
-                yield output
-        finally:
-            await stream.aclose()
-
-    async def abort(self, request_id: str) -> None:
-        """Abort a request by id; its stream ends without a finished output. Unknown ids are ignored."""
-        self._submit(_Abort(request_id, None))
-
-    def _submit(self, command: _Command) -> None:
-        with self._lock:
-            if self._closed or self._thread is None:
-                raise EngineDeadError("the engine is not running") from self._error
-            self._commands.put(command)
-
-    def _abort_quietly(self, command: _Abort) -> None:
-        """Cleanup on a stream's exit; a stopped engine has nothing left to abort."""
-        try:
-            self._submit(command)
-        except EngineDeadError:
-            pass
 
     # ---- the engine thread -----------------------------------------------------------------
 
@@ -209,7 +126,7 @@ class AsyncEngine:
                 except queue.Empty:
                     break
                 block = False
-                if isinstance(command, _Stop):
+                if isinstance(command, StopCommand):
                     self._abort_all()
                     self._close(EngineDeadError("the engine was shut down"))
                     return
@@ -219,8 +136,8 @@ class AsyncEngine:
             if self.engine.has_unfinished_requests():
                 self._step()
 
-    def _handle(self, command: _Add | _Abort) -> None:
-        if isinstance(command, _Abort):
+    def _handle(self, command: AddCommand | AbortCommand) -> None:
+        if isinstance(command, AbortCommand):
             owner = self._streams.get(command.request_id)
             if owner is not None and (command.stream is None or command.stream is owner):
                 self.engine.abort_request(command.request_id)
@@ -262,17 +179,7 @@ class AsyncEngine:
             stream.put(None)
         self._streams.clear()
 
-    def _close(self, error: EngineDeadError) -> None:
-        """Refuse new commands, then fail every stream and pending add with `error`."""
-        with self._lock:
-            self._closed = True
+    def _fail_streams(self, error: EngineDeadError) -> None:
         for stream in self._streams.values():
             stream.put(error)
         self._streams.clear()
-        while True:
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                return
-            if isinstance(command, _Add) and command.accepted.set_running_or_notify_cancel():
-                command.accepted.set_exception(error)

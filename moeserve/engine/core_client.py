@@ -22,7 +22,6 @@ called: the server logs it and exits 1.
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import logging
 import os
@@ -32,14 +31,13 @@ import subprocess
 import sys
 import threading
 import time
-import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 
 import zmq
 
 from moeserve.config import EngineConfig
 from moeserve.distributed.launcher import exit_description
+from moeserve.engine.command_queue import AbortCommand, AddCommand, QueuedEngineClient, StopCommand
 from moeserve.engine.core import SchedulerStats
 from moeserve.engine.core_messages import (
     Abort,
@@ -53,36 +51,14 @@ from moeserve.engine.core_messages import (
     refusal,
 )
 from moeserve.engine.engine import ModelFacts
-from moeserve.engine.frontend import EngineFrontend, Prompt
-from moeserve.engine.outputs import RequestOutput
+from moeserve.engine.frontend import EngineFrontend
 from moeserve.engine.stats import IterationStats, RequestMetrics, StatLogger
-from moeserve.engine.streams import EngineDeadError, RequestStream, Stream, deliver_all
+from moeserve.engine.streams import EngineDeadError, Stream, deliver_all
 from moeserve.engine.tokenizer import load_tokenizer
-from moeserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 POLL_S = 0.1  # how often the output thread looks at the core process when no frame comes
-
-
-@dataclass
-class _Add:
-    prompt: Prompt
-    params: SamplingParams
-    request_id: str
-    arrival_time: float
-    stream: Stream
-    accepted: concurrent.futures.Future[None]
-
-
-@dataclass
-class _Abort:
-    request_id: str
-    stream: Stream | None  # set: abort only if this stream still owns the id
-
-
-class _Stop:
-    pass
 
 
 class CoreProcess:
@@ -155,7 +131,7 @@ class CoreProcess:
         self._context.term()
 
 
-class EngineCoreClient:
+class EngineCoreClient(QueuedEngineClient):
     """The engine core in its own process, served to asyncio callers; see the module docstring."""
 
     def __init__(
@@ -168,6 +144,7 @@ class EngineCoreClient:
         """Reads the model's facts and tokenizer here; `start()` loads the model in the core, on
         `cpus` if given (`cpu_binding`). on_death(error): called on the output thread if the core
         dies (not after `shutdown()`)."""
+        super().__init__()
         self.config = config
         self._cpus = cpus
         self.facts = ModelFacts.read(config)
@@ -181,18 +158,13 @@ class EngineCoreClient:
         )
         self.num_kv_blocks = 0
         self._on_death = on_death
-        self._commands: queue.Queue[_Add | _Abort | _Stop] = queue.Queue()
         self._wake_read, self._wake_write = os.pipe()
         os.set_blocking(self._wake_read, False)
         os.set_blocking(self._wake_write, False)
         self._streams: dict[str, Stream] = {}  # output thread only
         self._pending: dict[str, concurrent.futures.Future[None]] = {}  # adds the core has not answered
         self._abort_metrics: list[RequestMetrics] = []  # published with the core's next gauges
-        self._lock = threading.Lock()  # orders "closed" against submissions, so none is stranded
-        self._closed = False
-        self._error: BaseException | None = None
         self._process: CoreProcess | None = None
-        self._thread: threading.Thread | None = None
 
     # ---- lifecycle (any thread) ------------------------------------------------------------
 
@@ -224,7 +196,7 @@ class EngineCoreClient:
         if self._process is None:
             return
         try:
-            self._submit(_Stop())
+            self._submit(StopCommand())
         except EngineDeadError:
             pass  # already stopped or dead
         if self._thread is not None:
@@ -233,52 +205,11 @@ class EngineCoreClient:
         os.close(self._wake_read)
         os.close(self._wake_write)
 
-    # ---- requests (event loop) -------------------------------------------------------------
-
-    async def submit(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None) -> RequestStream:
-        """Queue a request and return its stream once the core has accepted it; raises
-        ValueError, QueueFullError or EngineDeadError before any output (see `AsyncEngine.submit`)."""
-        request_id = request_id if request_id is not None else uuid.uuid4().hex
-        stream = Stream(asyncio.get_running_loop())
-        accepted: concurrent.futures.Future[None] = concurrent.futures.Future()
-        self._submit(_Add(prompt, params, request_id, time.monotonic(), stream, accepted))
-        try:
-            await asyncio.wrap_future(accepted)
-        except BaseException:
-            self._abort_quietly(_Abort(request_id, stream))
-            raise
-        return RequestStream(request_id, stream, lambda: self._abort_quietly(_Abort(request_id, stream)))
-
-    async def generate(
-        self, prompt: Prompt, params: SamplingParams, request_id: str | None = None
-    ) -> AsyncIterator[RequestOutput]:
-        """`submit` and iteration in one; leaving early aborts the request."""
-        stream = await self.submit(prompt, params, request_id)
-        try:
-            async for output in stream:
-                yield output
-        finally:
-            await stream.aclose()
-
-    async def abort(self, request_id: str) -> None:
-        """Abort a request by id; its stream ends without a finished output. Unknown ids are ignored."""
-        self._submit(_Abort(request_id, None))
-
-    def _submit(self, command: _Add | _Abort | _Stop) -> None:
-        with self._lock:
-            if self._closed or self._thread is None:
-                raise EngineDeadError("the engine is not running") from self._error
-            self._commands.put(command)
+    def _wake(self) -> None:
         try:
             os.write(self._wake_write, b"\0")
         except BlockingIOError:
             pass  # the pipe is full of wake-ups already: the thread will look
-
-    def _abort_quietly(self, command: _Abort) -> None:
-        try:
-            self._submit(command)
-        except EngineDeadError:
-            pass
 
     # ---- the output thread -----------------------------------------------------------------
 
@@ -330,7 +261,7 @@ class EngineCoreClient:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 break
-            if isinstance(command, _Stop):
+            if isinstance(command, StopCommand):
                 stop = True
                 for stream in self._streams.values():
                     delivered.append((stream, None))
@@ -338,7 +269,7 @@ class EngineCoreClient:
                 inputs.commands.append(Shutdown())
                 with self._lock:
                     self._closed = True
-            elif isinstance(command, _Abort):
+            elif isinstance(command, AbortCommand):
                 owner = self._streams.get(command.request_id)
                 if owner is not None and (command.stream is None or command.stream is owner):
                     del self._streams[command.request_id]
@@ -352,7 +283,7 @@ class EngineCoreClient:
         deliver_all(delivered)
         return stop
 
-    def _add(self, command: _Add, inputs: CoreInputs) -> None:
+    def _add(self, command: AddCommand, inputs: CoreInputs) -> None:
         if not command.accepted.set_running_or_notify_cancel():
             return  # the caller was cancelled before we got here: nothing to add
         try:
@@ -403,19 +334,9 @@ class EngineCoreClient:
         self._abort_metrics.clear()
         self.frontend.publish(stats, frame.gauges)
 
-    def _close(self, error: EngineDeadError) -> None:
-        """Refuse new commands, then fail every stream and pending add with `error`."""
-        with self._lock:
-            self._closed = True
+    def _fail_streams(self, error: EngineDeadError) -> None:
         deliver_all([(stream, error) for stream in self._streams.values()])
         self._streams.clear()
         for future in self._pending.values():
             future.set_exception(error)
         self._pending.clear()
-        while True:
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                return
-            if isinstance(command, _Add) and command.accepted.set_running_or_notify_cancel():
-                command.accepted.set_exception(error)
