@@ -49,7 +49,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from moeserve.dispatch.base import Dispatcher, DispatchHandle, DispatchLayout, DispatchOutput, Steps, finish
+from moeserve.dispatch.base import DispatchHandle, DispatchLayout, DispatchOutput, SteppedDispatcher, Steps
 from moeserve.dispatch.combine import weighted_sum
 from moeserve.dispatch.counts import count_per_expert
 from moeserve.dispatch.fp8 import decode_rows, encode_rows
@@ -78,7 +78,7 @@ class AllToAllHandle(DispatchHandle):
     topk_weights: torch.Tensor
 
 
-class AllToAllDispatcher(Dispatcher):
+class AllToAllDispatcher(SteppedDispatcher):
     """Expert-parallel dispatch over an EP process group of `placement.ep_size` ranks."""
 
     name = "torch"
@@ -119,19 +119,6 @@ class AllToAllDispatcher(Dispatcher):
         """True in the uneven (high-throughput) mode: no bound, or one above `low_latency_max_tokens`."""
         return max_tokens_per_rank is None or max_tokens_per_rank > self.low_latency_max_tokens
 
-    def dispatch(
-        self,
-        hidden: torch.Tensor,
-        topk_ids: torch.Tensor,
-        topk_weights: torch.Tensor,
-        max_tokens_per_rank: int | None = None,
-    ) -> DispatchOutput:
-        """See `Dispatcher.dispatch`: EXPERT_MAJOR rows; padding at the end in low-latency mode."""
-        return finish(self.dispatch_steps(hidden, topk_ids, topk_weights, max_tokens_per_rank))
-
-    def combine(self, expert_output: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
-        return finish(self.combine_steps(expert_output, handle))
-
     def dispatch_steps(
         self,
         hidden: torch.Tensor,
@@ -139,11 +126,12 @@ class AllToAllDispatcher(Dispatcher):
         topk_weights: torch.Tensor,
         max_tokens_per_rank: int | None = None,
     ) -> Steps[DispatchOutput]:
-        """dispatch() in steps: each collective is issued asynchronously and the generator yields
-        while it is in flight. Uneven mode: counts, yield, the host read, payload, yield (the split
-        sizes need the counts). Low-latency mode: the payload's slots need only this rank's own
-        counts, so counts and payload are issued together and it yields once. The number of
-        yields depends only on the mode, which the step bound decides alike on every rank."""
+        """dispatch() in steps (EXPERT_MAJOR rows, padding at the end in low-latency mode): each
+        collective is issued asynchronously and the generator yields while it is in flight.
+        Uneven mode: counts, yield, the host read, payload, yield (the split sizes need the
+        counts). Low-latency mode: the payload's slots need only this rank's own counts, so counts
+        and payload are issued together and it yields once. The number of yields depends only on
+        the mode, which the step bound decides alike on every rank."""
         num_tokens, top_k = topk_ids.shape
         if max_tokens_per_rank is not None and num_tokens > max_tokens_per_rank:
             raise ValueError(f"{num_tokens} tokens exceed this step's max_tokens_per_rank={max_tokens_per_rank}")

@@ -168,8 +168,8 @@ class Dispatcher(ABC):
         topk_weights: torch.Tensor,
         max_tokens_per_rank: int | None = None,
     ) -> Steps[DispatchOutput]:
-        """dispatch() in steps (see `Steps`). A backend that can send without waiting overrides
-        this and defines dispatch() as `finish(self.dispatch_steps(...))`; the default is one step."""
+        """dispatch() in steps (see `Steps`). A backend that can send without waiting derives from
+        `SteppedDispatcher` instead; the default is one step."""
         return self.dispatch(hidden, topk_ids, topk_weights, max_tokens_per_rank)
         yield  # a generator with no yield: one step
 
@@ -177,3 +177,32 @@ class Dispatcher(ABC):
         """combine() in steps (see `dispatch_steps`)."""
         return self.combine(expert_output, handle)
         yield  # a generator with no yield: one step
+
+
+class SteppedDispatcher(Dispatcher):
+    """A backend whose dispatch and combine are written in steps (it sends, yields while peers
+    answer, then receives): dispatch() and combine() are those steps run to the end."""
+
+    def dispatch(
+        self,
+        hidden: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        max_tokens_per_rank: int | None = None,
+    ) -> DispatchOutput:
+        return finish(self.dispatch_steps(hidden, topk_ids, topk_weights, max_tokens_per_rank))
+
+    def combine(self, expert_output: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+        return finish(self.combine_steps(expert_output, handle))
+
+    @abstractmethod
+    def dispatch_steps(
+        self,
+        hidden: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        max_tokens_per_rank: int | None = None,
+    ) -> Steps[DispatchOutput]: ...
+
+    @abstractmethod
+    def combine_steps(self, expert_output: torch.Tensor, handle: DispatchHandle) -> Steps[torch.Tensor]: ...

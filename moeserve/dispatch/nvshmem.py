@@ -49,7 +49,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from moeserve.dispatch.base import Dispatcher, DispatchHandle, DispatchLayout, DispatchOutput, Steps, finish
+from moeserve.dispatch.base import DispatchHandle, DispatchLayout, DispatchOutput, SteppedDispatcher, Steps
 from moeserve.dispatch.combine import weighted_sum
 from moeserve.dispatch.counts import count_per_expert
 from moeserve.dispatch.fp8 import decode_rows, encode_rows
@@ -82,7 +82,7 @@ def _programs(device: torch.device, override: int | None) -> int:
     return GPU_COMM_SMS if device.type == "cuda" else CPU_COMM_PROGRAMS
 
 
-class NvshmemDispatcher(Dispatcher):
+class NvshmemDispatcher(SteppedDispatcher):
     """Expert-parallel dispatch by stores into peers' symmetric buffers (see the module docstring)."""
 
     name = "nvshmem"
@@ -140,12 +140,6 @@ class NvshmemDispatcher(Dispatcher):
     def syncs_host(self, max_tokens_per_rank: int | None) -> bool:
         """True in the high-throughput mode: no bound, or one above `chunk_tokens`."""
         return max_tokens_per_rank is None or max_tokens_per_rank > self.chunk_tokens
-
-    def dispatch(self, hidden, topk_ids, topk_weights, max_tokens_per_rank=None) -> DispatchOutput:
-        return finish(self.dispatch_steps(hidden, topk_ids, topk_weights, max_tokens_per_rank))
-
-    def combine(self, expert_output: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
-        return finish(self.combine_steps(expert_output, handle))
 
     # -- dispatch ---------------------------------------------------------------------------
 
