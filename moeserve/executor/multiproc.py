@@ -94,6 +94,9 @@ class MultiprocessExecutor(Executor):
                 eos_token_ids=tuple(eos_token_ids),
                 seed=config.seed,
                 kernels=config.kernels,
+                cuda_graphs=config.cuda_graphs,
+                max_num_seqs=config.max_num_seqs,
+                max_model_len=config.max_model_len or model_config.max_position_embeddings,
             ),
         )
         put(self._store, CONTROL_KEY, self._channel.addresses)
