@@ -103,6 +103,7 @@ class DecodeGraphs:
         self.hidden = torch.zeros(largest, model.cfg.hidden_size, dtype=model.dtype, device=device)  # [B, H]
         self._steps: dict[int, CapturedStep] = {}
 
+    @torch.inference_mode()
     def capture(self) -> None:
         """Capture every size, largest first; logs the time and device memory it took."""
         self._write_pads(0, self.sizes[-1])
