@@ -53,6 +53,8 @@ class LoadReport:
     kv_bytes: int = 0
     dispatcher: str = ""
     """The MoE all-to-all backend the rank built (`--a2a-backend` resolved)."""
+    decode_graph_sizes: tuple[int, ...] = ()
+    """Decode batch sizes the rank captured (none: every step runs eagerly)."""
     error: str | None = None
 
 

@@ -157,6 +157,7 @@ class Worker:
             other_bytes=sizes.other,
             kv_bytes=spec.num_kv_blocks * bytes_per_block(model.cfg, spec.block_size, spec.dtype, self.tp.size),
             dispatcher=dispatcher.name,
+            decode_graph_sizes=graphs.sizes if graphs is not None else (),
         )
 
     def step(self, message: StepInput) -> StepOutput:
