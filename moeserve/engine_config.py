@@ -179,6 +179,57 @@ class CacheConfig:
             raise ValueError("num_blocks must be >= 1")
 
 
+MAX_DEFAULT_GRAPH_SIZE = 512
+"""The default capture sizes stop here (vLLM's cap too): beyond it a decode step is long enough
+that launch overhead, what a graph saves, is a small part of it."""
+
+
+def parse_sizes(text: str) -> tuple[int, ...]:
+    """'1,2,4,8' (or spaces between) -> (1, 2, 4, 8)."""
+    parts = [p for p in re.split(r"[,\s]+", text.strip()) if p]
+    if not parts or not all(p.isdigit() for p in parts):
+        raise ValueError(f"not a list of batch sizes: {text!r} (use e.g. 1,2,4,8)")
+    return tuple(int(p) for p in parts)
+
+
+def default_graph_sizes(max_num_seqs: int) -> tuple[int, ...]:
+    """1, 2, 4, then every multiple of 8, up to max_num_seqs (itself included) and at most 512."""
+    top = min(max_num_seqs, MAX_DEFAULT_GRAPH_SIZE)
+    return tuple(sorted({s for s in (1, 2, 4, *range(8, top + 1, 8)) if s <= top} | {top}))
+
+
+@dataclass(frozen=True)
+class CudaGraphConfig:
+    """CUDA graphs for decode steps: on CUDA devices each listed batch size is captured once at
+    start-up and a decode step (every sequence one token) is padded up to the next one and
+    replayed; larger batches and steps with prefill run eagerly. Never on a CPU."""
+
+    sizes: tuple[int, ...] | None = option(None, name="cuda_graph_sizes", parse=parse_sizes)
+    """Decode batch sizes to capture, e.g. 1,2,4,8,16; None: 1, 2, 4 and every multiple of 8 up
+    to max_num_seqs (at most 512). Sizes above max_num_seqs are dropped."""
+    enforce_eager: bool = False
+    """Run every step eagerly: capture no CUDA graphs."""
+    emulate: bool = option(False, name="emulate_cuda_graphs", hidden=True)
+    """Test-only: on a CPU, run decode steps through the graph runner with an emulating capture
+    (the step re-run over the same persistent buffers), to check its logic without a GPU."""
+
+    def __post_init__(self) -> None:
+        if self.sizes is not None:
+            sizes = tuple(self.sizes)
+            if not sizes or not all(isinstance(s, int) and s >= 1 for s in sizes):
+                raise ValueError(f"cuda_graph_sizes must be positive integers, got {self.sizes!r}")
+            object.__setattr__(self, "sizes", tuple(sorted(set(sizes))))
+
+    def capture_sizes(self, max_num_seqs: int) -> tuple[int, ...]:
+        """The sizes to capture, ascending, none above max_num_seqs (no decode step has more)."""
+        sizes = default_graph_sizes(max_num_seqs) if self.sizes is None else self.sizes
+        return tuple(s for s in sizes if s <= max_num_seqs)
+
+    def wanted(self, device: str) -> bool:
+        """Whether this config asks for graphs on `device` (a runner may still find it cannot)."""
+        return not self.enforce_eager and (device.split(":")[0] == "cuda" or self.emulate)
+
+
 @dataclass(frozen=True)
 class SLOConfig:
     """Latency targets: what the `slo` scheduling policy aims for and what /metrics judges
@@ -238,6 +289,7 @@ class EngineConfig:
     larger (every running sequence must be able to decode in every step)."""
     cache: CacheConfig = field(default_factory=CacheConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    cuda_graphs: CudaGraphConfig = field(default_factory=CudaGraphConfig)
     seed: int = 0
     """Seed of the engine's random state (sampling of requests that give no seed)."""
     scheduling_policy: Literal["fcfs", "slo"] = _scheduler_default("policy")  # type: ignore[assignment]

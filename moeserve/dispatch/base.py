@@ -132,6 +132,14 @@ class Dispatcher(ABC):
         """Whether dispatch() with this bound reads device data back to the host."""
         return False
 
+    def graph_capture_refusal(self, max_tokens_per_rank: int) -> str | None:
+        """None if a decode step with this bound can be captured in a CUDA graph and replayed,
+        else why not. A replay reruns the captured kernels with the arguments they had, so a
+        backend that reads the device back or keeps per-call state on the host cannot be."""
+        if self.syncs_host(max_tokens_per_rank):
+            return f"the {self.name} backend reads counts back to the host at a bound of {max_tokens_per_rank}"
+        return None
+
     @abstractmethod
     def dispatch(
         self,

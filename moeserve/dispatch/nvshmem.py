@@ -141,6 +141,11 @@ class NvshmemDispatcher(SteppedDispatcher):
         """True in the high-throughput mode: no bound, or one above `chunk_tokens`."""
         return max_tokens_per_rank is None or max_tokens_per_rank > self.chunk_tokens
 
+    def graph_capture_refusal(self, max_tokens_per_rank: int) -> str | None:
+        """Always refused: each call takes the next sequence number on the host, which a replay
+        would repeat."""
+        return "the nvshmem backend numbers every dispatch and combine on the host (sequence numbers)"
+
     # -- dispatch ---------------------------------------------------------------------------
 
     def dispatch_steps(

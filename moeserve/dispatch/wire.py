@@ -26,10 +26,12 @@ from moeserve.dispatch.counts import count_per_expert
 from moeserve.dispatch.fp8 import packed_row_bytes
 
 
-def rows_per_destination(slots: torch.Tensor, owner: torch.Tensor, ep_size: int) -> torch.Tensor:
+def rows_per_destination(
+    slots: torch.Tensor, owner: torch.Tensor, ep_size: int, weights: torch.Tensor | None = None
+) -> torch.Tensor:
     """int64 `[ep]`: the pairs of `slots` (int64 `[T, K]` physical slots) each rank receives;
-    owner: int64 `[P]`, each slot's rank."""
-    return count_per_expert(owner[slots.reshape(-1)], ep_size)
+    owner: int64 `[P]`, each slot's rank; weights: int64 `[T, K]`, what each pair counts (None: 1)."""
+    return count_per_expert(owner[slots.reshape(-1)], ep_size, weights)
 
 
 def dispatch_row_bytes(hidden_size: int, dtype: torch.dtype, fp8: bool) -> int:

@@ -7,11 +7,12 @@ processes of one deployment, never facing clients.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from moeserve.config import ParallelConfig
+from moeserve.engine_config import CudaGraphConfig
 from moeserve.eplb import RebalanceReport
 from moeserve.scheduler import SchedulerOutput
 from moeserve.worker.runner import SampledToken
@@ -31,6 +32,11 @@ class WorkerSpec:
     eos_token_ids: tuple[int, ...]
     seed: int
     kernels: str = "auto"
+    cuda_graphs: CudaGraphConfig = field(default_factory=CudaGraphConfig)
+    max_num_seqs: int = 1
+    """Per data-parallel group, as its scheduler has it: the largest decode batch."""
+    max_model_len: int = 1
+    """The longest context a sequence reaches (the captured decode steps are shaped for it)."""
 
 
 @dataclass(frozen=True)
@@ -47,6 +53,8 @@ class LoadReport:
     kv_bytes: int = 0
     dispatcher: str = ""
     """The MoE all-to-all backend the rank built (`--a2a-backend` resolved)."""
+    decode_graph_sizes: tuple[int, ...] = ()
+    """Decode batch sizes the rank captured (none: every step runs eagerly)."""
     error: str | None = None
 
 

@@ -39,6 +39,7 @@ from moeserve.eplb import Rebalancer
 from moeserve.models import TensorParallel, load_model, model_config
 from moeserve.models.loader import weight_bytes
 from moeserve.ops import create_ops
+from moeserve.worker.decode_graphs import GraphSettings, create_decode_graphs, is_decode
 from moeserve.worker.kv_cache import allocate_kv_caches, bytes_per_block
 from moeserve.worker.runner import ModelRunner
 from moeserve.worker.two_batch import micro_batch_bounds
@@ -107,9 +108,20 @@ class Worker:
             create_ops(spec.kernels, self.device),
             self.expert_map,
         )
+        # One block more when decode graphs may be captured: their pad rows' scratch block.
+        scratch = 1 if spec.cuda_graphs.wanted(str(self.device)) else 0
         kv_caches = allocate_kv_caches(
-            model.cfg, spec.num_kv_blocks, spec.block_size, spec.dtype, self.device, self.tp.size
+            model.cfg, spec.num_kv_blocks + scratch, spec.block_size, spec.dtype, self.device, self.tp.size
         )
+        settings = GraphSettings(
+            str(self.device),
+            spec.max_num_seqs,
+            spec.max_model_len,
+            tp_size=self.tp.size,
+            two_batch_overlap=spec.parallel.two_batch_overlap,
+            eplb=eplb.enabled,
+        )
+        graphs = create_decode_graphs(model, kv_caches, spec.block_size, spec.num_kv_blocks, spec.cuda_graphs, settings)
         self.runner = ModelRunner(
             model,
             kv_caches,
@@ -120,6 +132,7 @@ class Worker:
             lockstep=True,
             samples=self.tp.rank == 0,
             two_batch_overlap=spec.parallel.two_batch_overlap,
+            graphs=graphs,
         )
         self.rebalancer = None
         if eplb.enabled:
@@ -144,6 +157,7 @@ class Worker:
             other_bytes=sizes.other,
             kv_bytes=spec.num_kv_blocks * bytes_per_block(model.cfg, spec.block_size, spec.dtype, self.tp.size),
             dispatcher=dispatcher.name,
+            decode_graph_sizes=graphs.sizes if graphs is not None else (),
         )
 
     def step(self, message: StepInput) -> StepOutput:
@@ -153,7 +167,8 @@ class Worker:
         if self.spec.parallel.two_batch_overlap:
             steps = [[len(s.token_ids) for s in plan.scheduled] for plan in message.plans]
             micro_bounds = micro_batch_bounds(steps, self.tp)
-        sampled = self.runner.execute(message.plans[self.group_index], bound, micro_bounds)
+        decode_only = all(is_decode(plan.scheduled) for plan in message.plans)  # the same on every rank
+        sampled = self.runner.execute(message.plans[self.group_index], bound, micro_bounds, decode_only)
         report = None
         if self.rebalancer is not None and self.rebalancer.record():
             report = self.rebalancer.rebalance(before_swap=self._set_aside_routed)

@@ -11,6 +11,7 @@ per step. It never sees a client request, only sequences: a request with n > 1 a
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -112,8 +113,13 @@ class EngineCore:
         self.config = config
         self.eos_token_ids = tuple(eos_token_ids)
         self.scheduler = build_scheduler(config, model_config, dtype, max_model_len)
+        # The executor sees max_model_len resolved: captured decode steps are shaped for it.
         self.executor = create_executor(
-            config, model_config, dtype, self.scheduler.config.num_kv_blocks, self.eos_token_ids
+            dataclasses.replace(config, max_model_len=max_model_len),
+            model_config,
+            dtype,
+            self.scheduler.config.num_kv_blocks,
+            self.eos_token_ids,
         )
         self._requests: dict[str, Request] = {}  # sequences not yet admitted once, for first_scheduled
         self._routing_asked = 0.0

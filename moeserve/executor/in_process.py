@@ -15,6 +15,7 @@ from moeserve.executor.base import Executor
 from moeserve.models import load_model
 from moeserve.ops import create_ops
 from moeserve.scheduler import StepPlan
+from moeserve.worker.decode_graphs import GraphSettings, create_decode_graphs
 from moeserve.worker.kv_cache import allocate_kv_caches
 from moeserve.worker.runner import ModelRunner, SampledToken
 
@@ -52,7 +53,17 @@ class InProcessExecutor(Executor):
             ops=create_ops(config.kernels, config.device),
             expert_map=self.expert_map,
         )
-        kv_caches = allocate_kv_caches(model_config, num_kv_blocks, config.cache.block_size, dtype, config.device)
+        # One block more when decode graphs may be captured: their pad rows' scratch block.
+        scratch = 1 if config.cuda_graphs.wanted(config.device) else 0
+        block_size = config.cache.block_size
+        kv_caches = allocate_kv_caches(model_config, num_kv_blocks + scratch, block_size, dtype, config.device)
+        settings = GraphSettings(
+            config.device,
+            config.max_num_seqs,
+            config.max_model_len or model_config.max_position_embeddings,
+            two_batch_overlap=config.parallel.two_batch_overlap,
+        )
+        graphs = create_decode_graphs(self.model, kv_caches, block_size, num_kv_blocks, config.cuda_graphs, settings)
         self.runner = ModelRunner(
             self.model,
             kv_caches,
@@ -61,6 +72,7 @@ class InProcessExecutor(Executor):
             config.device,
             seed=config.seed,
             two_batch_overlap=config.parallel.two_batch_overlap,
+            graphs=graphs,
         )
 
     def execute(self, plan: StepPlan) -> dict[str, SampledToken]:

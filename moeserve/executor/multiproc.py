@@ -94,6 +94,9 @@ class MultiprocessExecutor(Executor):
                 eos_token_ids=tuple(eos_token_ids),
                 seed=config.seed,
                 kernels=config.kernels,
+                cuda_graphs=config.cuda_graphs,
+                max_num_seqs=config.max_num_seqs,
+                max_model_len=config.max_model_len or model_config.max_position_embeddings,
             ),
         )
         put(self._store, CONTROL_KEY, self._channel.addresses)
@@ -169,7 +172,7 @@ class MultiprocessExecutor(Executor):
             r = reports[rank]
             logger.info(
                 "rank %d (node %d, %s pid %d): %d experts, %.1f MiB of expert weights (%.0f%% of all %.1f MiB), "
-                "%.1f MiB of other weights, %.1f MiB of KV cache, %s all-to-all",
+                "%.1f MiB of other weights, %.1f MiB of KV cache, %s all-to-all, decode graphs %s",
                 rank,
                 r.node_rank,
                 r.host,
@@ -181,6 +184,7 @@ class MultiprocessExecutor(Executor):
                 r.other_bytes / 2**20,
                 r.kv_bytes / 2**20,
                 r.dispatcher,
+                list(r.decode_graph_sizes) or "off",
             )
 
     def _synchronize(self) -> None:

@@ -7,6 +7,9 @@ are dense) and in checkpoint names, not in structure; both differences live in
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -229,6 +232,20 @@ class MoECausalLM(nn.Module):
         for i, block in enumerate(blocks):
             device = block.routed_tokens.device
             block.replicas = None if expert_map.is_identity else ReplicaTable(expert_map.replicas(i), rank, device)
+
+    @contextmanager
+    def counting_rows(self, rows: torch.Tensor) -> Iterator[None]:
+        """Within: the MoE load counters count only the tokens where `rows` (bool `[T]`) is True.
+        A captured decode step runs inside it, so its pad rows are no load (see
+        `MoEBlock.counted_rows`); a CUDA graph keeps the masked counting it captured."""
+        blocks = self.moe_blocks()
+        for block in blocks:
+            block.counted_rows = rows
+        try:
+            yield
+        finally:
+            for block in blocks:
+                block.counted_rows = None
 
     def take_dispatch_rows(self) -> list[int]:
         """Rows this rank dispatched to each rank, all MoE layers, since the last call (then reset)."""

@@ -107,3 +107,29 @@ def write_to_cache(cache: torch.Tensor, values: torch.Tensor, slot_mapping: torc
 def gather_from_cache(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """Read `[len(slots), ...]` entries of `cache [num_blocks, block_size, ...]`."""
     return cache.view(-1, *cache.shape[2:]).index_select(0, slots)
+
+
+@dataclass(frozen=True)
+class DecodeGraphInputs:
+    """The persistent device buffers a captured decode step reads: B sequences of one new token
+    each, whose values the runner rewrites before every replay (shapes and addresses never change).
+
+    slot_mapping:    `[B]` int64, cache slot of each sequence's new K/V.
+    block_table:     `[B, W]` int32, each sequence's physical blocks, zero-padded to W.
+    context_lens:    `[B]` int32, context length after this step (cached + the new token).
+    query_start:     `[B + 1]` int32, 0, 1, ..., B (one token per sequence).
+    block_size:      tokens per cache block.
+    max_context_len: the longest context any replay may bring (max_model_len): what sizes a
+                     backend's launch grids and padded shapes, fixed at capture.
+    """
+
+    slot_mapping: torch.Tensor
+    block_table: torch.Tensor
+    context_lens: torch.Tensor
+    query_start: torch.Tensor
+    block_size: int
+    max_context_len: int
+
+    @property
+    def num_seqs(self) -> int:
+        return self.slot_mapping.shape[0]

@@ -10,13 +10,14 @@ its dtype's tolerance.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import Generic, TypeVar
 
 import torch
 
 from moeserve.config import MLAConfig, RouterConfig
 from moeserve.dispatch.base import DispatchLayout
-from moeserve.ops.attention import AttentionBatch, AttentionPlan
+from moeserve.ops.attention import AttentionBatch, AttentionPlan, DecodeGraphInputs
 
 PlanT = TypeVar("PlanT", bound=AttentionPlan)
 
@@ -35,6 +36,14 @@ class LayerOps(ABC, Generic[PlanT]):
     @abstractmethod
     def plan_attention(self, batch: AttentionBatch) -> PlanT:
         """Once per step, before any layer: what this backend's attention needs about the step."""
+
+    @abstractmethod
+    def decode_graph_planner(self, inputs: DecodeGraphInputs) -> Callable[[], PlanT]:
+        """The plan of a captured decode step over `inputs`' persistent buffers, in two halves: what
+        needs the host (constants, launch sizes) is done here, once, before capture; the returned
+        callable runs inside the captured step on every replay and may only launch device work
+        (no host reads, no uploads), since a CUDA graph replays its kernels and nothing else.
+        Its plan must give each sequence the bits `plan_attention` gives it in an eager step."""
 
     @abstractmethod
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -28,7 +28,7 @@ from itertools import accumulate
 import torch
 
 from moeserve.config import MLAConfig
-from moeserve.ops.attention import AttentionBatch, AttentionPlan, gather_from_cache
+from moeserve.ops.attention import AttentionBatch, AttentionPlan, DecodeGraphInputs, gather_from_cache
 
 MIN_PADDED_CONTEXT = 32
 """Decodes with contexts up to this many tokens share one bucket length."""
@@ -57,18 +57,30 @@ def bucket_key_len(query_len: int, context_len: int) -> int:
     return padded_context_len(context_len) if query_len == 1 else context_len
 
 
+def padded_context_lens(max_context_len: int) -> tuple[int, ...]:
+    """Every length `padded_context_len` gives a context of 1..max_context_len tokens, ascending:
+    the grid's points, found by jumping from one to the next (a handful per doubling)."""
+    lengths = [padded_context_len(1)]
+    while lengths[-1] < max_context_len:
+        lengths.append(padded_context_len(lengths[-1] + 1))
+    return tuple(lengths)
+
+
 @dataclass(frozen=True)
 class AttentionBucket:
     """Sequences of equal query length and padded context length: one attention call.
 
     rows:            offset of the bucket's `num_seqs * query_len` query rows in the plan's
                      bucket-ordered queries.
-    keys:            offset of its `num_seqs * key_len` slots in the plan's `key_slots`.
+    keys:            offset of its `num_seqs * key_stride` slots in the plan's `key_slots`.
     bias:            `[num_seqs, 1, query_len, key_len]` float32, added to the scores: 0 where a
                      query sees a key (an earlier or its own position), -inf elsewhere, padding
                      included.
     query_positions: `[num_seqs, 1, query_len, 1]` int64, each query's position: with the key
                      positions `arange(key_len)`, what a sliding window needs.
+    key_stride:      slots each sequence has in `key_slots` (its first key_len are the bucket's);
+                     None: key_len. Larger in a captured decode step, whose buckets share one
+                     gather of every sequence's context at the longest length.
     """
 
     num_seqs: int
@@ -78,6 +90,7 @@ class AttentionBucket:
     keys: int
     bias: torch.Tensor
     query_positions: torch.Tensor
+    key_stride: int | None = None
 
     def rows_of(self, queries: torch.Tensor) -> torch.Tensor:
         """This bucket's `[n, query_len, ...]` of the step's bucket-ordered `[T, ...]` queries."""
@@ -86,10 +99,11 @@ class AttentionBucket:
         )
 
     def keys_of(self, gathered: torch.Tensor) -> torch.Tensor:
-        """This bucket's `[n, key_len, ...]` of the plan's gathered `[N, ...]` keys or values."""
-        return gathered[self.keys : self.keys + self.num_seqs * self.key_len].unflatten(
-            0, (self.num_seqs, self.key_len)
-        )
+        """This bucket's `[n, key_len, ...]` of the plan's gathered `[N, ...]` keys or values,
+        contiguous as an eager bucket's are (a product's arithmetic may follow its operands' strides)."""
+        stride = self.key_stride or self.key_len
+        keys = gathered[self.keys : self.keys + self.num_seqs * stride].unflatten(0, (self.num_seqs, stride))
+        return keys if stride == self.key_len else keys[:, : self.key_len].contiguous()
 
     def mask(self, sliding_window: int | None) -> torch.Tensor:
         """The additive mask, narrowed to the window's last `sliding_window` positions if any."""
@@ -110,6 +124,10 @@ class TorchAttentionPlan(AttentionPlan):
     query_rows:   `[T]` int64, the step's token rows in bucket order; None when that is the
                   step's own order (all sequences in one bucket, or buckets already in order).
     buckets:      the step's buckets, in the order of `key_slots` and `query_rows`.
+    output_rows:  `[T]` int64 or None. None: the buckets partition the tokens. Otherwise (a
+                  captured decode step, `decode_graph_planner`) every bucket computes every token
+                  and token t takes row `output_rows[t]` of the buckets' outputs laid end to end;
+                  the host tuples above are then empty, the lengths living on the device.
     """
 
     query_lens: tuple[int, ...]
@@ -118,6 +136,7 @@ class TorchAttentionPlan(AttentionPlan):
     key_slots: torch.Tensor
     query_rows: torch.Tensor | None
     buckets: tuple[AttentionBucket, ...]
+    output_rows: torch.Tensor | None = None
 
     @property
     def context_slots(self) -> tuple[torch.Tensor, ...]:
@@ -181,6 +200,58 @@ def torch_attention_plan(batch: AttentionBatch) -> TorchAttentionPlan:
         query_rows=None if in_order else (first_row + offset).to(device),
         buckets=tuple(buckets),
     )
+
+
+def decode_graph_planner(inputs: DecodeGraphInputs) -> Callable[[], TorchAttentionPlan]:
+    """A captured decode step's plan, bit for bit the eager one for every sequence.
+
+    Eager, a decode of context c runs in a bucket of key length `padded_context_len(c)`; captured,
+    the lengths live on the device and a bucket's shape must be fixed. So every grid length up to
+    `max_context_len` is a bucket of all B sequences (one gather of each context at the longest
+    length, each bucket its first L keys, masked as eager masks them), and each sequence takes the
+    output of the bucket eager would have put it in: the same shapes, so the same arithmetic
+    (batched products give a matrix the same bits at any batch size). It costs B sequences times
+    the grid's lengths (about 3.5x the longest) per layer: the reference path, not the fast one.
+    """
+    lengths = padded_context_lens(inputs.max_context_len)
+    device, num_seqs, block_size = inputs.slot_mapping.device, inputs.num_seqs, inputs.block_size
+    longest = lengths[-1]
+    grid = torch.tensor(lengths, dtype=torch.int32, device=device)  # uploaded once, before capture
+    key_positions = torch.arange(longest, device=device)  # [K]
+    seq_rows = torch.arange(num_seqs, device=device)  # [B]
+
+    def plan() -> TorchAttentionPlan:
+        context_lens = inputs.context_lens.long()  # [B]
+        last = (context_lens - 1).view(num_seqs, 1, 1, 1)  # each query's position
+        positions = key_positions.expand(num_seqs, longest).masked_fill(key_positions >= context_lens[:, None], 0)
+        blocks = inputs.block_table.long().gather(1, positions // block_size)  # [B, K]
+        key_slots = (blocks * block_size + positions % block_size).reshape(-1)  # [B * K]
+        buckets = tuple(
+            AttentionBucket(
+                num_seqs=num_seqs,
+                query_len=1,
+                key_len=length,
+                rows=0,
+                keys=0,
+                bias=torch.where(key_positions[:length] > last, float("-inf"), 0.0),
+                query_positions=last,
+                key_stride=longest,
+            )
+            for length in lengths
+        )
+        bucket = torch.searchsorted(grid, inputs.context_lens)  # [B]: the first length >= the context
+        return TorchAttentionPlan(
+            slot_mapping=inputs.slot_mapping,
+            query_lens=(),
+            context_lens=(),
+            key_offsets=(),
+            key_slots=key_slots,
+            query_rows=None,
+            buckets=buckets,
+            output_rows=bucket * num_seqs + seq_rows,
+        )
+
+    return plan
 
 
 def _key_slots(batch: AttentionBatch, order: list[int], key_lens: list[int], key_starts: list[int]) -> torch.Tensor:
@@ -264,6 +335,8 @@ def _each_bucket(
     rows = q if plan.query_rows is None else q.index_select(0, plan.query_rows)
     outs = [attend(b, b.rows_of(rows)) for b in plan.buckets]
     out = outs[0] if len(outs) == 1 else torch.cat(outs)
+    if plan.output_rows is not None:
+        return out.index_select(0, plan.output_rows)
     if plan.query_rows is None:
         return out
     return torch.empty_like(out).index_copy_(0, plan.query_rows, out)

@@ -2,15 +2,23 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from moeserve.config import MLAConfig, RouterConfig
 from moeserve.dispatch.base import DispatchLayout
-from moeserve.ops.attention import AttentionBatch
+from moeserve.ops.attention import AttentionBatch, DecodeGraphInputs
 from moeserve.ops.base import LayerOps
 from moeserve.ops.grouped_mlp import grouped_mlp
 from moeserve.ops.rotary import apply_rotary
-from moeserve.ops.torch_attention import TorchAttentionPlan, mla_attention, paged_attention, torch_attention_plan
+from moeserve.ops.torch_attention import (
+    TorchAttentionPlan,
+    decode_graph_planner,
+    mla_attention,
+    paged_attention,
+    torch_attention_plan,
+)
 
 
 class TorchOps(LayerOps[TorchAttentionPlan]):
@@ -20,6 +28,9 @@ class TorchOps(LayerOps[TorchAttentionPlan]):
 
     def plan_attention(self, batch: AttentionBatch) -> TorchAttentionPlan:
         return torch_attention_plan(batch)
+
+    def decode_graph_planner(self, inputs: DecodeGraphInputs) -> Callable[[], TorchAttentionPlan]:
+        return decode_graph_planner(inputs)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         dtype = x.dtype

@@ -7,6 +7,7 @@ tests use to check that a whole model gives the torch path's greedy tokens.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -20,7 +21,7 @@ from moeserve.kernels.norm import fused_add_rms_norm, rms_norm
 from moeserve.kernels.paged_attention import PagedInputs, paged_attention, paged_inputs
 from moeserve.kernels.rotary import apply_rotary_qk_
 from moeserve.kernels.routing import route
-from moeserve.ops.attention import AttentionBatch, AttentionPlan
+from moeserve.ops.attention import AttentionBatch, AttentionPlan, DecodeGraphInputs
 from moeserve.ops.base import LayerOps
 from moeserve.ops.grouped_mlp import row_experts
 
@@ -50,6 +51,23 @@ class TritonOps(LayerOps[TritonAttentionPlan]):
             batch.block_tables, batch.start_positions, batch.query_lens, batch.block_size, batch.device
         )
         return TritonAttentionPlan(batch.slot_mapping, paged)
+
+    def decode_graph_planner(self, inputs: DecodeGraphInputs) -> Callable[[], TritonAttentionPlan]:
+        """One plan for every replay: the kernels read the buffers, and the split-KV grid is sized
+        for `max_context_len`. A sequence's partitions are fixed at 512 keys whatever the grid (a
+        program past its sequence's last partition does nothing), so its bits are the eager
+        step's, where the grid followed that step's longest context."""
+        paged = PagedInputs(
+            block_table=inputs.block_table,
+            context_lens=inputs.context_lens,
+            query_start=inputs.query_start,
+            max_query_len=1,
+            max_context_len=inputs.max_context_len,
+            num_tokens=inputs.num_seqs,
+            block_size=inputs.block_size,
+        )
+        plan = TritonAttentionPlan(inputs.slot_mapping, paged)
+        return lambda: plan
 
     # The kernels take strided views and empty steps as they are: no copies on the way in.
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

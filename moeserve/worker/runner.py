@@ -20,6 +20,7 @@ from moeserve.models import MoECausalLM
 from moeserve.ops import attention_batch
 from moeserve.ops.attention import AttentionPlan
 from moeserve.scheduler import ScheduledRequest, SchedulerOutput
+from moeserve.worker.decode_graphs import DecodeGraphs, is_decode
 from moeserve.worker.input_batch import InputBatch
 from moeserve.worker.sampler import Sampler, SamplerOutput, SamplingRow, make_generator
 from moeserve.worker.two_batch import interleave, split_point
@@ -43,6 +44,9 @@ class ModelRunner:
 
     `two_batch_overlap`: run each step as two micro-batches whose MoE communication and compute
     take turns (see `two_batch`); the same tokens either way.
+
+    `graphs`: captured decode steps (`decode_graphs`); a decode step that fits one is replayed
+    instead of run, with the same tokens.
     """
 
     def __init__(
@@ -57,6 +61,7 @@ class ModelRunner:
         lockstep: bool = False,
         samples: bool = True,
         two_batch_overlap: bool = False,
+        graphs: DecodeGraphs | None = None,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -66,6 +71,7 @@ class ModelRunner:
         self.lockstep = lockstep
         self.samples = samples
         self.two_batch_overlap = two_batch_overlap
+        self.graphs = graphs
         self.sampler = Sampler()
         self.batch = InputBatch(model.cfg.vocab_size, self.eos_token_ids, self.device)
         """Every live request's sampling state; a seeded request's generator lives there as long
@@ -95,16 +101,23 @@ class ModelRunner:
         plan: SchedulerOutput,
         max_tokens_per_rank: int | None = None,
         micro_batch_bounds: tuple[int, int] | None = None,
+        decode_only: bool | None = None,
     ) -> dict[str, SampledToken]:
         """max_tokens_per_rank: the most tokens any rank's MoE layers dispatch this step, the same
         on every rank of the EP group (see `MoECausalLM.forward`); None where it is not known.
         micro_batch_bounds: with two-batch overlap, the same bound for each micro-batch
-        (`two_batch.micro_batch_bounds`); None: max_tokens_per_rank for both."""
+        (`two_batch.micro_batch_bounds`); None: max_tokens_per_rank for both.
+        decode_only: whether every rank's step is decodes only, which decides, alike on every
+        rank, whether captured graphs run; None: this plan's own."""
         self._track(plan)
         scheduled = plan.scheduled
         if not scheduled and not self.lockstep:
             return {}
-        if self._overlaps(scheduled):
+        graph_size = self._graph_size(scheduled, max_tokens_per_rank, decode_only)
+        if graph_size is not None:
+            parts = [scheduled]
+            hiddens = [self.graphs.run(scheduled, graph_size)]  # [n, H]
+        elif self._overlaps(scheduled):
             cut = split_point([len(s.token_ids) for s in scheduled])
             parts = [scheduled[:cut], scheduled[cut:]]
             bounds = micro_batch_bounds or (max_tokens_per_rank, max_tokens_per_rank)
@@ -126,6 +139,14 @@ class ModelRunner:
         out = self.sampler.sample(logits, metadata)
         self.batch.record(metadata, out.token_ids)
         return self._unpack(out, request_ids, metadata.num_logprobs)
+
+    def _graph_size(
+        self, scheduled: Sequence[ScheduledRequest], max_tokens_per_rank: int | None, decode_only: bool | None
+    ) -> int | None:
+        """The captured size this step replays, or None: it runs eagerly."""
+        if self.graphs is None or not (is_decode(scheduled) if decode_only is None else decode_only):
+            return None
+        return self.graphs.size_for(len(scheduled), max_tokens_per_rank)
 
     def _overlaps(self, scheduled: Sequence[ScheduledRequest]) -> bool:
         """Whether this step runs as two micro-batches. Under lockstep always (with the flag): the

@@ -21,7 +21,7 @@ from torch import nn
 
 from moeserve.config import ModelConfig
 from moeserve.dispatch import Dispatcher
-from moeserve.dispatch.base import Steps, finish
+from moeserve.dispatch.base import DispatchLayout, Steps, finish
 from moeserve.dispatch.counts import count_per_expert
 from moeserve.dispatch.replicas import ReplicaTable
 from moeserve.dispatch.wire import rows_per_destination
@@ -62,6 +62,11 @@ class MoEBlock(nn.Module):
         rows = torch.zeros(placement.ep_size, dtype=torch.int64, device=device)
         self.register_buffer("dispatch_rows", rows, persistent=False)
         """int64 `[ep]`: rows this rank dispatched to each rank since the last read (`dispatch.wire`)."""
+        self.counted_rows: torch.Tensor | None = None
+        """bool `[T]` or None: which of the step's rows the load counters count (None: all). Set
+        only around a captured decode step (`MoECausalLM.counting_rows`), whose pad rows route
+        like any other but are no load. At ep > 1 the receiver cannot tell peers' pad rows from
+        real ones, so `routed_tokens` still counts those; the router-side counters do not."""
         self.shared = None
         self.shared_gate = None
         if cfg.shared_expert_intermediate_size:
@@ -88,14 +93,18 @@ class MoEBlock(nn.Module):
         least once after each. Every rank yields equally often for equal calls, provided the
         dispatcher's steps do (the `torch` backend's number depends only on the step's bound)."""
         topk_ids, topk_weights = self.router(x)  # [T, K] logical ids, [T, K]
+        weights = self._pair_weights(topk_ids)  # [T, K] int64 or None: what each pair counts
         if self.logical_load is not None:
-            self.logical_load += count_per_expert(topk_ids, self.logical_load.shape[0])
+            self.logical_load += count_per_expert(topk_ids, self.logical_load.shape[0], weights)
         slots = topk_ids if self.replicas is None else self.replicas.physical(topk_ids)  # [T, K] physical
         if self.slot_owner is not None:
-            self.dispatch_rows += rows_per_destination(slots, self.slot_owner, self.dispatch_rows.shape[0])
+            self.dispatch_rows += rows_per_destination(slots, self.slot_owner, self.dispatch_rows.shape[0], weights)
         dispatch = self.dispatcher.dispatch_steps(x, slots, topk_weights, max_tokens_per_rank)
         received = yield from _at_least_one_step(dispatch)
         self.routed_tokens += received.num_tokens_per_expert
+        if weights is not None and received.layout is DispatchLayout.TOKEN_MAJOR:
+            # Every received pair is one of this rank's own: take its pad rows' pairs back out.
+            self.routed_tokens -= count_per_expert(slots, self.routed_tokens.shape[0], 1 - weights)
         handle = received.handle
         if self.replicas is not None:
             handle = dataclasses.replace(handle, sum_order=topk_ids)  # the sum in logical order
@@ -106,6 +115,15 @@ class MoEBlock(nn.Module):
                 shared = torch.sigmoid(F.linear(x, self.shared_gate)) * shared
             out = out + shared
         return out
+
+    def _pair_weights(self, topk_ids: torch.Tensor) -> torch.Tensor | None:
+        """int64 `[T, K]`: 1 for the pairs of counted rows, 0 for the others; None: all count."""
+        rows = self.counted_rows
+        if rows is None:
+            return None
+        if rows.shape[0] != topk_ids.shape[0]:
+            raise ValueError(f"counted_rows has {rows.shape[0]} rows for a step of {topk_ids.shape[0]} tokens")
+        return rows[:, None].expand_as(topk_ids).long()
 
 
 def _at_least_one_step(steps: Steps[T]) -> Steps[T]:
