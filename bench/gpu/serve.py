@@ -51,6 +51,7 @@ KERNELS = ("torch", "triton")
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The flags; the GPU runbook's dry run calls this and `check_commands` with its own command line."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: the same stage, slowly")
     parser.add_argument("--kernels", nargs="+", choices=KERNELS, default=list(KERNELS))
     parser.add_argument("--num-prompts", type=int, default=200)
     parser.add_argument("--input-len", type=int, default=256)
@@ -66,7 +67,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def launch_argv(args: argparse.Namespace, model: Path, kernels: str) -> list[str]:
     return [
-        *("launch", "--model", str(model), "--device", "cuda", "--dtype", "bfloat16", "--kernels", kernels),
+        *("launch", "--model", str(model), "--device", args.device, "--dtype", "bfloat16", "--kernels", kernels),
         *("--port", "0", "--max-num-seqs", str(args.max_num_seqs), "--kv-cache-memory", "8GiB"),
         *("--max-model-len", str(args.input_len + args.output_len + 16)),
         *("--slo-ttft-ms", str(args.slo_ttft_ms), "--slo-tbt-ms", str(args.slo_tbt_ms)),
@@ -194,15 +195,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import torch
 
-    if not torch.cuda.is_available():
-        print("bench/gpu/serve.py needs a CUDA device (none here)", file=sys.stderr)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("bench/gpu/serve.py needs a CUDA device (none here); --device cpu runs it on CPU", file=sys.stderr)
         return 2
     from moeserve.checkpoints import MakeModelSpec, make_model
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
     record = {
         "bench": "serve",
-        "device": torch.cuda.get_device_name(),
+        "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
         "model": MODEL,
         "load": {k: getattr(args, k) for k in ("num_prompts", "input_len", "output_len", "rate")},
         "slo_ms": {"ttft": args.slo_ttft_ms, "tbt": args.slo_tbt_ms},
