@@ -225,6 +225,8 @@ class Runbook:
         name = command.path if isinstance(command, Script) else f"pytest -m {command.marker!r}"
         if code is None:
             return entry | {"status": "failed", "reason": f"{name}: killed at its {timeout:.0f} s limit"}
+        if code == 0 and isinstance(command, Pytest) and entry["result"] and not entry["result"]["passed"]:
+            return entry | {"status": "failed", "reason": f"{name}: not one test ran (all skipped: no CUDA seen?)"}
         if code == 0:
             return entry | {"status": "passed"}
         if code == NEEDS_CUDA and isinstance(command, Script):
@@ -284,7 +286,8 @@ def main(argv: list[str] | None = None) -> int:
     wanted = [s for s in STAGES if "all" in args.stages or s.name in args.stages]
     book = Runbook(layout(args.out_dir, dry_run), dry_run, args.budget)
     wheels = wheel_report(installed=not dry_run)
-    print(f"runbook: {'dry run' if dry_run else torch.cuda.get_device_name()}; stages {[s.name for s in wanted]}")
+    # No torch.cuda call that makes a context here: this process would hold it through every stage.
+    print(f"runbook: {'dry run' if dry_run else 'CUDA device present'}; stages {[s.name for s in wanted]}")
     print(f"runbook: wheels in .whl/: missing {wheels['missing'] or 'none'}, unpinned {wheels['unpinned'] or 'none'}")
     if wheels.get("not_installed_at_pin"):
         print(f"runbook: WARNING: not importable at their pins: {wheels['not_installed_at_pin']}", flush=True)

@@ -114,6 +114,9 @@ def test_real_runs_are_recorded_and_bounded(runbook, tmp_path):
     assert book.run(stages.Stage("fine", "", (stages.Script(ok, (), "ok.json"),), 20))["status"] == "passed"
     timed = book.run(stages.Stage("timed", "", (stages.Script(slow, (), "s.json"),), 2))
     assert timed["status"] == "failed" and "killed at its 2 s limit" in timed["reason"]
+    skipped = book.run(stages.Stage("skips", "", (stages.Pytest("gpu", ("tests/kernels/test_norm.py",)),), 150))
+    assert skipped["commands"][0]["result"]["skipped"] == skipped["commands"][0]["result"]["tests"] > 0
+    assert skipped["status"] == "failed" and "not one test ran" in skipped["reason"]  # no CUDA here
     late = book.run(stages.Stage("late", "", (stages.Script(ok, (), "ok.json"),), 600))
     assert late["status"] == "deferred"
     assert book.summary()["next_call"] == "bench/gpu/run.sh late"
