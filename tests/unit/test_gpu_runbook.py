@@ -94,7 +94,7 @@ def test_real_runs_are_recorded_and_bounded(runbook, tmp_path):
     results.mkdir()
     (tmp_path / "work").mkdir()
     book = runbook.Runbook(
-        runbook.Layout(results, tmp_path / "logs.tar.gz", tmp_path / "work"), dry_run=False, budget_s=30
+        runbook.Layout(results, tmp_path / "logs.tar.gz", tmp_path / "work"), dry_run=False, budget_s=300
     )
     ok = _script(tmp_path, "ok", "json.dump({'x': 1}, open(out, 'w'))\n")
     no_cuda = _script(tmp_path, "no_cuda", "print('needs CUDA'); sys.exit(2)\n")
