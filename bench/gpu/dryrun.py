@@ -78,8 +78,9 @@ class _Collected:
         self.ids = [item.nodeid for item in session.items]
 
 
-def check_pytest(command: Pytest, targets: list[str], log: io.TextIOBase) -> str:
-    """Collect the command's tests in this process; at least one must be selected."""
+def check_pytest(command: Pytest, argv: list[str], targets: list[str], log: io.TextIOBase) -> str:
+    """Collect the command's tests in this process with its own pytest arguments `argv`; at least
+    one test must be selected."""
     import pytest
 
     missing = [t for t in targets if not (ROOT / t.split("::", 1)[0]).exists()]
@@ -87,9 +88,7 @@ def check_pytest(command: Pytest, targets: list[str], log: io.TextIOBase) -> str
         raise CheckFailed(f"pytest targets missing: {', '.join(missing)}")
     collected = _Collected()
     with contextlib.redirect_stdout(log):  # the runbook works in the repository root
-        code = pytest.main(
-            ["--collect-only", "-q", "-p", "no:cacheprovider", "-m", command.marker, *targets], plugins=[collected]
-        )
+        code = pytest.main([*argv, "--collect-only"], plugins=[collected])
     if code != 0 or not collected.ids:
         found = len(collected.ids)
         raise CheckFailed(f"pytest -m {command.marker!r}: collection exited {int(code)} with {found} tests")

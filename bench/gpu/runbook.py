@@ -18,6 +18,7 @@ Exit status: 1 if a stage failed (a dry run: if a check failed), else 0.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import io
 import json
 import os
@@ -40,6 +41,7 @@ ROOT = Path(__file__).resolve().parents[2]
 WHEELS = ROOT / ".whl"
 DEFAULT_BUDGET_S = 560.0
 LOG_TAIL_LINES = 15
+PYTEST_TIMEOUT_S = 150  # one test's limit, where pytest-timeout is installed
 
 
 @dataclass(frozen=True)
@@ -112,10 +114,10 @@ def command_argv(command: Script | Pytest, work: Path) -> list[str]:
     if isinstance(command, Script):
         return [sys.executable, command.path, *command.args, "--out", str(work / command.result)]
     junit = work / f"junit-{command.marker.replace(' ', '-')}.xml"
-    return [
-        *(sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider"),
-        *("-m", command.marker, "--junitxml", str(junit), *pytest_targets(command)),
-    ]
+    argv = [sys.executable, "-m", "pytest", "-v", "--tb=short", "-rfE", "-p", "no:cacheprovider"]
+    if importlib.util.find_spec("pytest_timeout") is not None:  # in the GPU image: a hung kernel costs 150 s
+        argv.append(f"--timeout={PYTEST_TIMEOUT_S}")
+    return [*argv, "-m", command.marker, "--junitxml", str(junit), *pytest_targets(command)]
 
 
 def junit_summary(path: Path) -> dict | None:
@@ -203,7 +205,7 @@ class Runbook:
             if isinstance(command, Script):
                 detail = dryrun.check_script(command, argv[2:])
             else:
-                detail = dryrun.check_pytest(command, pytest_targets(command), log)
+                detail = dryrun.check_pytest(command, argv[3:], pytest_targets(command), log)
         except dryrun.CheckFailed as e:
             return entry | {"status": "failed", "reason": str(e)}
         log.write(detail + "\n")
