@@ -188,7 +188,11 @@ class Runbook:
             record["reason"] = "; ".join(c["reason"] for c in record["commands"] if c["status"] == "failed")
         elif all(s == "skipped" for s in statuses):
             record["status"] = "skipped"
-            record["reason"] = "dry run: no CUDA device here; its command lines were checked"
+            record["reason"] = (
+                "dry run: no CUDA device here; its command lines were checked"
+                if self.dry_run
+                else "; ".join(c["reason"] for c in record["commands"])
+            )
         else:
             record["status"] = "passed"
         if record["status"] == "failed" and not self.dry_run:

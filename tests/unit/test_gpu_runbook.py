@@ -112,6 +112,8 @@ def test_real_runs_are_recorded_and_bounded(runbook, tmp_path):
     assert record["status"] == "failed" and "broken.py: exit status 1" in record["reason"]
     assert "boom" in "\n".join(record["log_tail"])
     assert book.run(stages.Stage("fine", "", (stages.Script(ok, (), "ok.json"),), 20))["status"] == "passed"
+    unrun = book.run(stages.Stage("unrun", "", (stages.Script(no_cuda, (), "n.json"),), 20))
+    assert unrun["status"] == "skipped" and unrun["reason"].endswith("no_cuda.py: found no CUDA device")
     timed = book.run(stages.Stage("timed", "", (stages.Script(slow, (), "s.json"),), 2))
     assert timed["status"] == "failed" and "killed at its 2 s limit" in timed["reason"]
     skipped = book.run(stages.Stage("skips", "", (stages.Pytest("gpu", ("tests/kernels/test_norm.py",)),), 150))
