@@ -9,8 +9,9 @@ outputs and summary.json in one logs.tar.gz beside them (rewritten after every s
 cut short keeps what it did). Stages are in stages.py.
 
 A call on the device may run 10 minutes: --budget (default 560 s) bounds the whole run, and a
-stage starts only while its own timeout fits in what is left; the others are recorded as
-deferred and the summary prints the command for the next call. Without a CUDA device the run is
+stage starts only while its expected length fits in what is left (its timeout is cut to what
+is left); the others are recorded as deferred and the summary prints the command for the next
+call. Without a CUDA device the run is
 a dry run (see dryrun.py): each stage is skipped after its command lines were checked.
 Exit status: 1 if a stage failed (a dry run: if a check failed), else 0.
 """
@@ -168,10 +169,10 @@ class Runbook:
         record = {"stage": stage.name, "proves": stage.proves, "commands": []}
         work = self.layout.work / stage.name
         work.mkdir()
-        if not self.dry_run and self.left() < stage.timeout_s:
+        if not self.dry_run and self.left() < stage.expected_s:
             record |= {
                 "status": "deferred",
-                "reason": f"needs up to {stage.timeout_s} s, {max(self.left(), 0):.0f} s left of this call's budget",
+                "reason": f"expected to take {stage.expected_s} s; {max(self.left(), 0):.0f} s of the budget left",
             }
             return self._save(stage, record)
         started = time.monotonic()

@@ -38,7 +38,10 @@ class Stage:
     proves: str
     commands: tuple[Script | Pytest, ...]
     timeout_s: int
-    """Its own limit, and what must be left of the call's budget for it to start."""
+    """Its own limit (cut further to what is left of the call's budget)."""
+    expected_s: int
+    """A guess at its length on an H100 until a run records one (`seconds` in its record): it starts
+    only while this much of the call's budget is left, so that `all` fills each call."""
 
 
 ENV = Stage(
@@ -46,6 +49,7 @@ ENV = Stage(
     "the machine and its ceilings: copy GB/s and bf16 GEMM TFLOP/s, which every ratio divides by",
     (Script("bench/gpu/gpu_env.py", (), "env.json"),),
     120,
+    20,
 )
 
 STAGES = (
@@ -59,6 +63,7 @@ STAGES = (
             Pytest("not gpu", ("tests/kernels/test_model_kernels.py", "tests/parity/test_transformers_parity.py")),
         ),
         300,
+        200,
     ),
     Stage(
         "parity",
@@ -66,6 +71,7 @@ STAGES = (
         "prefill logit error and greedy tokens",
         (Script("bench/gpu/parity.py", ("--device", "cuda"), "parity.json"),),
         240,
+        150,
     ),
     Stage(
         "kernels",
@@ -73,12 +79,14 @@ STAGES = (
         "as fractions of the copy bandwidth (decode) and the bf16 GEMM rate (prefill)",
         (Script("bench/moe_kernel.py", (), "moe_kernel.json"),),
         240,
+        150,
     ),
     Stage(
         "decode",
         "the engine's decode step (Triton and torch kernels) against its HBM roofline and transformers",
         (Script("bench/decode_step.py", (), "decode_step.json"),),
         300,
+        200,
     ),
     Stage(
         "serve",
@@ -86,6 +94,7 @@ STAGES = (
         "at a Poisson rate, the server's own SLO counters cross-checked",
         (Script("bench/gpu/serve.py", (), "serve.json"),),
         300,
+        150,
     ),
     Stage(
         "dispatch",
@@ -93,5 +102,6 @@ STAGES = (
         "their latency, bandwidth and overlap at DeepSeek-V3's shape",
         (Script("bench/dispatch.py", ("--time-limit", "240", "--stall-limit", "90"), "dispatch.json"),),
         300,
+        250,
     ),
 )

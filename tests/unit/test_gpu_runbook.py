@@ -74,6 +74,7 @@ def test_dry_run_fails_a_bad_command_line(runbook, tmp_path):
             stages.Pytest("gpu", ("tests/kernels/test_no_such_file.py",)),
         ),
         60,
+        1,
     )
     record = book.run(bad)
     assert record["status"] == "failed"
@@ -105,21 +106,22 @@ def test_real_runs_are_recorded_and_bounded(runbook, tmp_path):
         "",
         (stages.Script(ok, (), "ok.json"), stages.Script(no_cuda, (), "n.json"), stages.Script(broken, (), "b.json")),
         20,
+        1,
     )
     record = book.run(mixed)
     assert [c["status"] for c in record["commands"]] == ["passed", "skipped", "failed"]
     assert record["commands"][0]["result"] == {"x": 1}
     assert record["status"] == "failed" and "broken.py: exit status 1" in record["reason"]
     assert "boom" in "\n".join(record["log_tail"])
-    assert book.run(stages.Stage("fine", "", (stages.Script(ok, (), "ok.json"),), 20))["status"] == "passed"
-    unrun = book.run(stages.Stage("unrun", "", (stages.Script(no_cuda, (), "n.json"),), 20))
+    assert book.run(stages.Stage("fine", "", (stages.Script(ok, (), "ok.json"),), 20, 1))["status"] == "passed"
+    unrun = book.run(stages.Stage("unrun", "", (stages.Script(no_cuda, (), "n.json"),), 20, 1))
     assert unrun["status"] == "skipped" and unrun["reason"].endswith("no_cuda.py: found no CUDA device")
-    timed = book.run(stages.Stage("timed", "", (stages.Script(slow, (), "s.json"),), 2))
+    timed = book.run(stages.Stage("timed", "", (stages.Script(slow, (), "s.json"),), 2, 1))
     assert timed["status"] == "failed" and "killed at its 2 s limit" in timed["reason"]
-    skipped = book.run(stages.Stage("skips", "", (stages.Pytest("gpu", ("tests/kernels/test_norm.py",)),), 150))
+    skipped = book.run(stages.Stage("skips", "", (stages.Pytest("gpu", ("tests/kernels/test_norm.py",)),), 150, 1))
     assert skipped["commands"][0]["result"]["skipped"] == skipped["commands"][0]["result"]["tests"] > 0
     assert skipped["status"] == "failed" and "not one test ran" in skipped["reason"]  # no CUDA here
-    late = book.run(stages.Stage("late", "", (stages.Script(ok, (), "ok.json"),), 600))
+    late = book.run(stages.Stage("late", "", (stages.Script(ok, (), "ok.json"),), 30, 600))
     assert late["status"] == "deferred"
     assert book.summary()["next_call"] == "bench/gpu/run.sh late"
     assert json.loads((results / "mixed.json").read_text())["status"] == "failed"
