@@ -187,6 +187,9 @@ class Runbook:
         if "failed" in statuses:
             record["status"] = "failed"
             record["reason"] = "; ".join(c["reason"] for c in record["commands"] if c["status"] == "failed")
+        elif "deferred" in statuses:
+            record["status"] = "deferred"
+            record["reason"] = "; ".join(c["reason"] for c in record["commands"] if c["status"] == "deferred")
         elif all(s == "skipped" for s in statuses):
             record["status"] = "skipped"
             record["reason"] = (
@@ -218,18 +221,26 @@ class Runbook:
 
     def _real(self, command: Script | Pytest, work: Path, log: io.TextIOBase, started: float, stage: Stage) -> dict:
         argv = command_argv(command, work)
-        timeout = min(stage.timeout_s - (time.monotonic() - started), self.left())
+        stage_left = stage.timeout_s - (time.monotonic() - started)
+        budget_cut = self.left() < stage_left  # the call ends first: what is cut runs again in the next
+        timeout = min(stage_left, self.left())
         entry: dict = {"argv": [Path(a).name if a == sys.executable else a for a in argv]}
+        name = command.path if isinstance(command, Script) else f"pytest -m {command.marker!r}"
         if timeout <= 1:
-            return entry | {"status": "failed", "reason": "no time left in the stage for this command"}
+            status = "deferred" if budget_cut else "failed"
+            return entry | {"status": status, "reason": f"{name}: no time left to start it"}
         code, seconds = execute(argv, log, timeout)
         entry |= {"exit_code": code, "seconds": round(seconds, 1)}
         if isinstance(command, Script):
             out = work / command.result
-            entry["result"] = json.loads(out.read_text()) if out.exists() else None
+            try:  # written as the script goes; one killed while writing leaves it torn
+                entry["result"] = json.loads(out.read_text()) if out.exists() else None
+            except json.JSONDecodeError:
+                entry["result"] = None
         else:
             entry["result"] = junit_summary(Path(argv[argv.index("--junitxml") + 1]))
-        name = command.path if isinstance(command, Script) else f"pytest -m {command.marker!r}"
+        if code is None and budget_cut:
+            return entry | {"status": "deferred", "reason": f"{name}: cut after {timeout:.0f} s, the call's budget"}
         if code is None:
             return entry | {"status": "failed", "reason": f"{name}: killed at its {timeout:.0f} s limit"}
         if code == 0 and isinstance(command, Pytest) and entry["result"] and not entry["result"]["passed"]:

@@ -16,6 +16,7 @@ import sys
 import sysconfig
 import tarfile
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -122,8 +123,12 @@ def test_real_runs_are_recorded_and_bounded(runbook, tmp_path):
     assert skipped["commands"][0]["result"]["skipped"] == skipped["commands"][0]["result"]["tests"] > 0
     assert skipped["status"] == "failed" and "not one test ran" in skipped["reason"]  # no CUDA here
     late = book.run(stages.Stage("late", "", (stages.Script(ok, (), "ok.json"),), 30, 600))
-    assert late["status"] == "deferred"
-    assert book.summary()["next_call"] == "bench/gpu/run.sh late"
+    assert late["status"] == "deferred" and not late["commands"]
+    book.budget_s = (time.monotonic() - book.started) + 3  # 3 s left: the next stage starts, and is cut
+    cut = book.run(stages.Stage("cut", "", (stages.Script(slow, (), "s.json"), stages.Script(ok, (), "o.json")), 60, 1))
+    assert cut["status"] == "deferred" and re.search(r"slow.py: cut after [23] s, the call.s budget", cut["reason"])
+    assert [c["status"] for c in cut["commands"]] == ["deferred", "deferred"]
+    assert book.summary()["next_call"] == "bench/gpu/run.sh late cut"
     assert json.loads((results / "mixed.json").read_text())["status"] == "failed"
 
 
