@@ -107,7 +107,8 @@ def logit_errors(got: list[torch.Tensor], want: list[torch.Tensor]) -> dict:
 def moeserve_greedy(folder: Path, dtype: str, device: str, kernels: str, prompts: list[list[int]], n: int):
     from moeserve import LLM, SamplingParams
 
-    llm = LLM(str(folder), device=device, dtype=dtype, kernels=kernels, block_size=8, max_model_len=128)
+    # max_num_seqs: on CUDA the decode graphs are captured for 1, 2 and 4 sequences only, not up to 256
+    llm = LLM(str(folder), device=device, dtype=dtype, kernels=kernels, block_size=8, max_model_len=128, max_num_seqs=4)
     try:
         params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
