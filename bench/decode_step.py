@@ -14,8 +14,8 @@ the embedding rows and the LM head, and every sequence's KV cache; divided by a 
 device-to-device copy's bandwidth measured in the same run. Reported as step time / roofline.
 
 Baseline: transformers' `generate` on the same checkpoint and GPU (bf16, static batch, greedy),
-tokens/s against the engine's. Writes bench/results/decode_step.json naming the device. Without
-CUDA: one line, exit status 2.
+tokens/s against the engine's. Writes bench/results/decode_step.json (or --out) naming the device,
+after each batch size. Without CUDA: one line, exit status 2.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from moeserve import LLM, SamplingParams  # noqa: E402
-from moeserve.checkpoints import MakeModelSpec, make_model  # noqa: E402
+from moeserve.checkpoints import MakeModelSpec  # noqa: E402
 from moeserve.config import ModelConfig  # noqa: E402
 from moeserve.models import model_config  # noqa: E402
 from moeserve.worker.kv_cache import bytes_per_block  # noqa: E402
@@ -136,20 +136,38 @@ def transformers_tokens_per_s(folder: Path, batch: int, context: int, steps: int
     return batch * steps / (time.perf_counter() - started)
 
 
-def main() -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags; the GPU runbook's dry run calls this with its own command line, on CPU."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 256])
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--steps", type=int, default=32)
-    args = parser.parse_args()
+    parser.add_argument("--out", type=Path, default=RESULTS / "decode_step.json")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     if not torch.cuda.is_available():
         print("bench/decode_step.py needs a CUDA device; none here", file=sys.stderr)
         return 2
+    from moeserve.checkpoints import make_model  # here: it imports transformers' modeling, parsing flags needs none
+
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         folder = make_model(MakeModelSpec(**SPEC), Path(tmp) / "model")
         cfg = model_config(folder)
         bandwidth = copy_bandwidth()
-        rows = []
+        result = {
+            "device": torch.cuda.get_device_name(),
+            "torch": torch.__version__,
+            "host": platform.node(),
+            "copy_gb_per_s": bandwidth,
+            "model": SPEC,
+            "context": args.context,
+            "steps": args.steps,
+            "rows": [],
+        }
         for batch in args.batches:
             roofline = step_bytes(cfg, batch, args.context, torch.bfloat16) / (bandwidth * 1e9)
             row = {"batch": batch, "roofline_ms": roofline * 1e3}
@@ -160,20 +178,9 @@ def main() -> int:
                 row[f"{kernels}_tokens_per_s"] = batch / step
             row["transformers_tokens_per_s"] = transformers_tokens_per_s(folder, batch, args.context, args.steps)
             row["triton_vs_transformers"] = row["triton_tokens_per_s"] / row["transformers_tokens_per_s"]
-            rows.append(row)
+            result["rows"].append(row)
             print(json.dumps(row), flush=True)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    result = {
-        "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "host": platform.node(),
-        "copy_gb_per_s": bandwidth,
-        "model": SPEC,
-        "context": args.context,
-        "steps": args.steps,
-        "rows": rows,
-    }
-    (RESULTS / "decode_step.json").write_text(json.dumps(result, indent=2) + "\n")
+            args.out.write_text(json.dumps(result, indent=2) + "\n")  # after each batch: a run cut short keeps these
     return 0
 
 

@@ -490,7 +490,8 @@ def default_out(smoke: bool) -> Path:
     return Path(tempfile.gettempdir()) / name if smoke else RESULTS / name
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags; the GPU runbook's dry run calls this with its own command line, on CPU."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny sizes; on CPU under Triton's interpreter")
     parser.add_argument("--out", type=Path, help="result JSON (default: see default_out)")
@@ -499,7 +500,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--time-limit", type=float, default=540.0, help="seconds before the run stops and saves")
     parser.add_argument("--stall-limit", type=float, default=180.0, help="seconds without progress before it stops")
     parser.add_argument("--symmetric-child", type=Path, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     if args.symmetric_child:
         return symmetric_child(args.symmetric_child)
     cuda = torch.cuda.is_available()

@@ -267,13 +267,18 @@ def bench_shape(
     return rows
 
 
-def main() -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags; the GPU runbook's dry run calls this with its own command line, on CPU."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
     parser.add_argument("--models", nargs="+", choices=[s.name for s in SHAPES], default=[s.name for s in SHAPES])
     parser.add_argument("--reps", type=int, default=25)
     parser.add_argument("--out", type=Path, default=RESULTS / "moe_kernel.json")
-    args = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     if not torch.cuda.is_available():
         print("moe_kernel: needs a CUDA GPU (none found); nothing measured", file=sys.stderr)
         return 2

@@ -13,7 +13,7 @@ import typing
 from collections.abc import Callable
 from pathlib import Path
 
-from moeserve.engine_config import EngineConfig, ParallelConfig
+from moeserve.engine_config import EngineConfig, ParallelConfig, check_rank_devices
 from moeserve.loadtest.cli import add_bench_parser
 from moeserve.options import Option, build, field_docs, options
 from moeserve.server_config import ServerSettings
@@ -183,8 +183,9 @@ def _run_node(engine_options: dict[str, object]) -> int:
     """A machine other than node 0: its ranks only; node 0 tells them what to load."""
     from moeserve.distributed import run_node
 
-    layout = {opt.name: engine_options[opt.name] for opt in options(ParallelConfig)}
-    return run_node(build(ParallelConfig, layout))
+    layout = build(ParallelConfig, {opt.name: engine_options[opt.name] for opt in options(ParallelConfig)})
+    check_rank_devices(str(engine_options["device"]), layout)  # this node's GPUs; node 0 checked its own
+    return run_node(layout)
 
 
 def _spec_fields():

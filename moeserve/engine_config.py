@@ -251,6 +251,44 @@ def _auto_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def visible_cuda_devices() -> int:
+    import torch  # only for a CUDA layout of several ranks
+
+    return torch.cuda.device_count()
+
+
+def rank_devices_problem(device: str, parallel: ParallelConfig, visible: int) -> str | None:
+    """Why this node cannot give each of its ranks a CUDA device of its own (`visible` are), or None.
+
+    Every rank is a process on one device, the node's `local_rank`-th. Two cannot share one: NCCL
+    refuses two ranks on a device, the `torch` all-to-all rides on NCCL, and the `nvshmem`
+    backend's transports either need a GPU per process (NVSHMEM, CUDA IPC peers) or run on CPU
+    (`shm`); its `emulated` transport, N PEs on one GPU, lives in a single process (tests,
+    bench/dispatch.py), not in rank processes. So such a layout is refused before anything starts.
+    """
+    if not parallel.is_distributed or device.split(":")[0] != "cuda" or parallel.ranks_per_node <= visible:
+        return None
+    per_node = parallel.ranks_per_node
+    fits = f"--ep {visible}" if visible > 1 else "--ep 1 (one process, no expert parallelism)"
+    return (
+        f"--ep {parallel.ep} runs {per_node} rank processes on this node, each on a CUDA device of its own, but "
+        f"{visible} {'is' if visible == 1 else 'are'} visible: two ranks cannot share a GPU (NCCL refuses it, and "
+        "neither --a2a-backend torch nor nvshmem has a transport between processes on one device). Use "
+        f"{fits} here (--tp at most that too), a machine with {per_node} GPUs or more nodes (--nnodes) with at "
+        "most that many ranks each, or --device cpu to run the same expert-parallel layout on CPU rank processes"
+    )
+
+
+def check_rank_devices(device: str, parallel: ParallelConfig) -> None:
+    """Raise ValueError at once where this node's ranks would not each get a GPU (see `rank_devices_problem`)."""
+    if device == "auto":
+        device = _auto_device()
+    if parallel.is_distributed and device.split(":")[0] == "cuda":
+        problem = rank_devices_problem(device, parallel, visible_cuda_devices())
+        if problem is not None:
+            raise ValueError(problem)
+
+
 def auto_cpu_dtype() -> str:
     """What dtype "auto" means on a CPU: "float32" when the CPU has no bf16 instructions, where a
     bf16 or fp16 checkpoint would run several times slower than in float32; else "auto" (the
@@ -311,6 +349,7 @@ class EngineConfig:
             object.__setattr__(self, "device", _auto_device())
         if self.dtype == "auto" and self.device.split(":")[0] == "cpu":
             object.__setattr__(self, "dtype", auto_cpu_dtype())
+        check_rank_devices(self.device, self.parallel)
         if self.max_num_batched_tokens is None:
             default = _scheduler_default("max_num_batched_tokens")
             object.__setattr__(self, "max_num_batched_tokens", max(default, self.max_num_seqs))  # type: ignore[call-overload]

@@ -115,28 +115,31 @@ def make_checkpoint(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Pat
     Weights come from transformers' own random init; DeepSeek's correction bias (zero at init)
     is randomised so that routing path is exercised.
     """
-    from transformers import AutoModelForCausalLM
-
     root = tmp_path_factory.mktemp("checkpoints")
     built: dict[str, Path] = {}
 
     def make(arch: str, seed: int = 0, **overrides: Any) -> Path:
         key = hashlib.sha1(json.dumps([arch, seed, overrides], sort_keys=True, default=str).encode()).hexdigest()[:10]
-        if key in built:
-            return built[key]
-        torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(hf_config(arch, **overrides))
-        for name, buf in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buf.normal_(0.0, 0.05)
-        folder = root / f"{arch}-{key}"
-        model.save_pretrained(folder)
-        for f in tokenizer_dir.iterdir():
-            shutil.copy(f, folder / f.name)
-        built[key] = folder
-        return folder
+        if key not in built:
+            built[key] = write_checkpoint(root / f"{arch}-{key}", tokenizer_dir, arch, seed, **overrides)
+        return built[key]
 
     return make
+
+
+def write_checkpoint(folder: Path, tokenizer_dir: Path, arch: str, seed: int = 0, **overrides: Any) -> Path:
+    """A tiny checkpoint of `arch` written by transformers itself (also used by bench/gpu/parity.py)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(hf_config(arch, **overrides))
+    for name, buf in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            buf.normal_(0.0, 0.05)
+    model.save_pretrained(folder)
+    for f in tokenizer_dir.iterdir():
+        shutil.copy(f, folder / f.name)
+    return folder
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

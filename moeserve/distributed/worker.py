@@ -58,6 +58,12 @@ def collective_backend(spec: WorkerSpec) -> str:
 def rank_device(spec: WorkerSpec, local_rank: int) -> torch.device:
     """One GPU per rank (the node's `local_rank`-th); on CPU the node's cores are shared out."""
     if spec.device.startswith("cuda"):
+        visible = torch.cuda.device_count()
+        if local_rank >= visible:  # launchers refuse such a layout first; this names it if one slips through
+            raise RuntimeError(
+                f"local rank {local_rank} needs CUDA device {local_rank} but this node shows {visible}: "
+                "every rank needs a GPU of its own (see moeserve.engine_config.rank_devices_problem)"
+            )
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
     torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // spec.parallel.ranks_per_node))

@@ -26,3 +26,44 @@ def test_triton_kernels_match_torch_tokens(make_checkpoint, device, arch):
     assert triton_llm.engine.executor.model.ops.name == "triton"
     got = [o.outputs[0].token_ids for o in triton_llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
     assert got == expected
+
+
+def _prefill_logits(folder, dtype, kernels: str, prompts: list[list[int]]):
+    """One paged prefill of every prompt on the GPU; float32 logits of every position."""
+    import torch
+
+    from moeserve.models import load_model
+    from moeserve.ops import attention_batch, create_ops
+
+    model = load_model(folder, dtype, "cuda", ops=create_ops(kernels, "cuda"))
+    block_size, tables, start = 4, [], 0
+    for p in prompts:
+        n = -(-len(p) // block_size)
+        tables.append(list(range(start, start + n)))
+        start += n
+    caches = [torch.zeros(model.kv_cache_shape(start, block_size), dtype=dtype, device="cuda") for _ in model.layers]
+    plan = model.ops.plan_attention(
+        attention_batch(tables, [0] * len(prompts), [len(p) for p in prompts], block_size, "cuda")
+    )
+    ids = torch.tensor(sum(prompts, []), device="cuda")
+    positions = torch.cat([torch.arange(len(p)) for p in prompts]).cuda()
+    with torch.inference_mode():
+        return model.compute_logits(model(ids, positions, plan, caches)).float()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "deepseek_v3"])
+def test_gpu_bf16_whole_model_as_close_as_torch(make_checkpoint, arch):
+    """In bf16 neither backend equals fp32; the Triton kernels must land as close to it as torch's."""
+    import torch
+
+    folder = make_checkpoint(arch, 2)
+    prompts = [p["prompt_token_ids"] for p in PROMPTS] + [list(range(10, 50))]
+    exact = _prefill_logits(folder, torch.float32, "torch", prompts)
+
+    def rel_err(kernels: str) -> float:
+        return ((_prefill_logits(folder, torch.bfloat16, kernels, prompts) - exact).norm() / exact.norm()).item()
+
+    torch_err, triton_err = rel_err("torch"), rel_err("triton")
+    assert torch_err < 0.1, torch_err  # ~6e-2 on CPU: bf16 through two random layers
+    assert triton_err <= 1.5 * torch_err + 1e-3, (triton_err, torch_err)
