@@ -18,6 +18,16 @@ layer would be layers x experts series (15k for DeepSeek-V3), too many for most 
 What the all-to-all moves (`dispatch.wire`): `moeserve:ep_dispatch_bytes_total{rank}` and
 `moeserve:ep_combine_bytes_total{rank}` (payload bytes sent to other ranks) and
 `moeserve:ep_local_rows_total{rank}` (rows that stayed on their rank).
+A load report never spans a live expert rebalance: the ranks close it at the rebalance step, so
+the imbalance gauge's next value is measured under the new placement only.
+
+Expert load balancing (`--enable-eplb`): `moeserve:eplb_rebalances_total`,
+`moeserve:eplb_moved_experts_total` (expert slots whose weights changed rank) and
+`moeserve:eplb_moved_bytes_total` (weight bytes sent between ranks), and the last rebalance's
+`moeserve:eplb_last_rebalance_seconds` (gathering loads, planning and moving weights: the pause
+between two steps) and `moeserve:eplb_last_rebalance_imbalance{when,over}`: max / mean rank load
+`when` "before" or "after" it, `over` the MoE layers' "mean" or the "worst" layer, as the
+balancer computed it on its window's loads (the gauges stay 0 until the first rebalance).
 """
 
 from __future__ import annotations
@@ -28,6 +38,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from moeserve.config import SLOConfig
 from moeserve.dispatch.expert_load import RoutedTokens, load_imbalance
 from moeserve.engine.stats import IterationStats
+from moeserve.eplb.rebalancer import RebalanceReport
 
 _TTFT_BUCKETS = (
     0.001,
@@ -228,6 +239,23 @@ class ServerMetrics:
                 ("moeserve:ep_local_rows", "Rows each EP rank dispatched to its own expert slots (no link crossed)."),
             )
         }
+        self.rebalances = counter("moeserve:eplb_rebalances", "Live expert rebalances done.")
+        self.moved_experts = counter(
+            "moeserve:eplb_moved_experts", "Expert slots whose weights live rebalances moved to another rank."
+        )
+        self.moved_bytes = counter(
+            "moeserve:eplb_moved_bytes", "Expert weight bytes live rebalances sent between ranks."
+        )
+        self.rebalance_time = gauge(
+            "moeserve:eplb_last_rebalance_seconds",
+            "Pause of the last live rebalance: gathering loads, planning and moving expert weights.",
+        )
+        self._rebalance_imbalance = Gauge(
+            "moeserve:eplb_last_rebalance_imbalance",
+            "Max over mean rank load on the last rebalance's window, before or after it, layer mean or worst layer.",
+            [*labels, "when", "over"],
+            registry=r,
+        )
         self._http = Counter(
             "moeserve:http_requests",
             "HTTP requests answered, by route and status code.",
@@ -261,6 +289,17 @@ class ServerMetrics:
         self.kv_total.set(stats.kv_blocks_total)
         if stats.routed_tokens is not None:
             self._record_routing(stats.routed_tokens)
+        for rebalance in stats.rebalances:
+            self._record_rebalance(rebalance)
+
+    def _record_rebalance(self, report: RebalanceReport) -> None:
+        self.rebalances.inc()
+        self.moved_experts.inc(report.experts_moved)
+        self.moved_bytes.inc(report.bytes_moved)
+        self.rebalance_time.set(report.balance_s + report.transfer_s)
+        for when, (mean, worst) in (("before", report.imbalance_before), ("after", report.imbalance_after)):
+            self._rebalance_imbalance.labels(self._model_name, when, "mean").set(mean)
+            self._rebalance_imbalance.labels(self._model_name, when, "worst").set(worst)
 
     def _record_routing(self, routed: RoutedTokens) -> None:
         name = self._model_name

@@ -14,12 +14,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from moeserve.config import EngineConfig, ModelConfig
 from moeserve.dispatch.expert_load import RoutedTokens
+from moeserve.eplb.rebalancer import RebalanceReport
 from moeserve.executor import create_executor
 from moeserve.sampling_params import SamplingParams
 from moeserve.scheduler import DataParallelScheduler, Request, SchedulerConfig
@@ -77,6 +78,8 @@ class CoreStep:
     routed_tokens: RoutedTokens | None = None
     """Expert load since the last step that carried one, up to this step: about once a second,
     and at every rebalance (so a report never mixes two expert maps)."""
+    rebalances: list[RebalanceReport] = field(default_factory=list)
+    """Live expert rebalances that ended with this step (`--enable-eplb`)."""
 
 
 def build_scheduler(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype, max_model_len: int):
@@ -197,4 +200,5 @@ class EngineCore:
             num_preemptions=len(plan.preempted_request_ids),
             scheduler=self.scheduler_stats(),
             routed_tokens=routed,
+            rebalances=rebalances,
         )

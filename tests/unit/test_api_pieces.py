@@ -14,6 +14,7 @@ from moeserve.config import SLOConfig
 from moeserve.engine.outputs import CompletionOutput
 from moeserve.engine.stats import IterationStats, RequestMetrics
 from moeserve.engine_config import parse_bytes
+from moeserve.eplb import RebalanceReport
 from moeserve.sampling_params import SamplingParams
 
 
@@ -73,6 +74,37 @@ def test_metrics_record_and_expose() -> None:
     assert samples["moeserve:slo_tbt_met_requests_total", None, None] == 0
     assert samples["moeserve:kv_cache_blocks_used", None, None] == 5
     assert samples["moeserve:num_preemptions_total", None, None] == 1
+
+
+def test_rebalances_count_up_and_the_last_one_sets_the_gauges() -> None:
+    metrics = ServerMetrics("m", SLOConfig())
+
+    def value(name: str, **labels: str) -> float | None:
+        return metrics.registry.get_sample_value(name, {"model_name": "m", **labels})
+
+    assert value("moeserve:eplb_rebalances_total") == 0  # exported before the first one
+    first = RebalanceReport(12, (1.5, 2.0), (1.03, 1.1), 45, 1_100_000, 0.004, 0.028)
+    second = RebalanceReport(24, (1.1, 1.2), (1.01, 1.05), 3, 73_728, 0.002, 0.006)
+    metrics.record(IterationStats(0.01, rebalances=[first]))
+    metrics.record(IterationStats(0.01))  # a step without one changes nothing
+    assert value("moeserve:eplb_last_rebalance_seconds") == pytest.approx(0.032)
+    assert value("moeserve:eplb_last_rebalance_imbalance", when="before", over="mean") == 1.5
+    metrics.record(IterationStats(0.01, rebalances=[second]))
+    assert value("moeserve:eplb_rebalances_total") == 2
+    assert value("moeserve:eplb_moved_experts_total") == 48
+    assert value("moeserve:eplb_moved_bytes_total") == 1_100_000 + 73_728
+    assert value("moeserve:eplb_last_rebalance_seconds") == pytest.approx(0.008)
+    gauges = {
+        (when, over): value("moeserve:eplb_last_rebalance_imbalance", when=when, over=over)
+        for when in ("before", "after")
+        for over in ("mean", "worst")
+    }
+    assert gauges == {
+        ("before", "mean"): 1.1,
+        ("before", "worst"): 1.2,
+        ("after", "mean"): 1.01,
+        ("after", "worst"): 1.05,
+    }
 
 
 def test_merge_interleaves_and_propagates_errors() -> None:

@@ -26,6 +26,7 @@ from moeserve.engine.core_messages import (
 from moeserve.engine.core_process import CoreLoop
 from moeserve.engine.engine import ModelFacts
 from moeserve.engine_config import EngineConfig
+from moeserve.eplb import RebalanceReport
 from moeserve.sampling_params import SamplingParams
 from moeserve.scheduler import QueueFullError
 from moeserve.worker.runner import SampledToken
@@ -55,11 +56,19 @@ def test_outputs_round_trip() -> None:
         num_preemptions=1,
         scheduler=SchedulerStats(2, 1, 7, 64),
         routed_tokens=routed,
+        rebalances=[
+            RebalanceReport(12, (1.5, 2.0), (1.03, 1.1), 45, 1_100_000, 0.004, 0.028),
+            RebalanceReport(24, (1.1, 1.2), (1.01, 1.05), 3, 73_728, 0.002, 0.006),
+        ],
     )
     out = CoreOutputs(SchedulerStats(2, 1, 7, 64), ["r1"], [("r2", "QueueFullError", "full")], step)
     back = decode_outputs(encode_outputs(out))
     assert back == out
     assert back.step.routed_tokens.per_rank(1) == routed.per_rank(1) == [0, 10]
+    assert back.step.rebalances == step.rebalances  # tuples stay tuples: msgpack sent lists
+    assert isinstance(back.step.rebalances[0].imbalance_before, tuple)
+    quiet = CoreOutputs(SchedulerStats(0, 0, 0, 0), step=CoreStep({}, [], {}, 1.0, 0.01, 0, SchedulerStats(0, 0, 0, 0)))
+    assert decode_outputs(encode_outputs(quiet)).step.rebalances == []
     dead = CoreOutputs(SchedulerStats(0, 0, 0, 0), dead="rank 1 was killed")
     assert decode_outputs(encode_outputs(dead)).dead == "rank 1 was killed"
 
