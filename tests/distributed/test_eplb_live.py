@@ -13,7 +13,7 @@ from statistics import mean
 
 import pytest
 import torch
-from skewed_router import skew_router
+from helpers.skewed_router import skew_router
 
 import moeserve.engine.core as engine_core
 from moeserve import LLM, SamplingParams
