@@ -40,7 +40,7 @@ class RoutingLog:
 
     def __init__(self, moe_layers: tuple[int, ...]) -> None:
         self.executor = None
-        self.metrics = ServerMetrics("m", SLOConfig())
+        self.metrics = ServerMetrics("m", SLOConfig(), imbalance_min_rows=0)  # a gauge value per report
         self.moe_layers = moe_layers
         self.steps: list[tuple[int, object, float]] = []
 

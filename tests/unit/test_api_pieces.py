@@ -11,6 +11,7 @@ from moeserve.api.metrics import ServerMetrics
 from moeserve.api.streaming import SampleCursor
 from moeserve.api.transport import merge
 from moeserve.config import SLOConfig
+from moeserve.dispatch.expert_load import RoutedTokens
 from moeserve.engine.outputs import CompletionOutput
 from moeserve.engine.stats import IterationStats, RequestMetrics
 from moeserve.engine_config import parse_bytes
@@ -105,6 +106,32 @@ def test_rebalances_count_up_and_the_last_one_sets_the_gauges() -> None:
         ("after", "mean"): 1.01,
         ("after", "worst"): 1.05,
     }
+
+
+def test_the_imbalance_gauge_waits_for_enough_rows_and_restarts_at_a_rebalance() -> None:
+    metrics = ServerMetrics("m", SLOConfig(), imbalance_min_rows=100)
+
+    def gauge() -> float | None:
+        return metrics.registry.get_sample_value("moeserve:expert_load_imbalance", {"model_name": "m", "layer": "3"})
+
+    def report(*rank_rows: int, rebalanced: bool = False) -> None:
+        routed = RoutedTokens([[sum(rank_rows)]], [list(rank_rows)], (3,))
+        rebalances = [RebalanceReport(1, (2.0, 2.0), (1.0, 1.0), 1, 8, 0.0, 0.0)] if rebalanced else []
+        metrics.record(IterationStats(0.01, routed_tokens=routed, rebalances=rebalances))
+
+    report(30, 10)
+    assert gauge() is None  # 40 rows: too few to say
+    report(50, 10)
+    assert gauge() == 80 / 50  # both reports' 100 rows
+    report(60, 20, rebalanced=True)  # the last rows under the old placement: too few, and dropped
+    report(40, 40)
+    assert gauge() == 80 / 50
+    report(10, 10)
+    assert gauge() == 1.0  # 100 rows, all after the rebalance
+    counted = metrics.registry.get_sample_value(
+        "moeserve:ep_rank_routed_tokens_total", {"model_name": "m", "rank": "0"}
+    )
+    assert counted == 30 + 50 + 60 + 40 + 10  # the counters take every report at once
 
 
 def test_merge_interleaves_and_propagates_errors() -> None:
