@@ -29,7 +29,8 @@ Expert load balancing (`--enable-eplb`): `moeserve:eplb_rebalances_total`,
 `moeserve:eplb_last_rebalance_seconds` (gathering loads, planning and moving weights: the pause
 between two steps) and `moeserve:eplb_last_rebalance_imbalance{when,over}`: max / mean rank load
 `when` "before" or "after" it, `over` the MoE layers' "mean" or the "worst" layer, as the
-balancer computed it on its window's loads (the gauges stay 0 until the first rebalance).
+balancer computed it on its window's loads (before the first rebalance the time reads 0 and the
+imbalance series are absent).
 """
 
 from __future__ import annotations
@@ -139,7 +140,8 @@ _STEP_BUCKETS = (
 
 IMBALANCE_MIN_ROWS = 2048
 """Rows of one MoE layer behind each value of the imbalance gauge. Measured on a skewed router
-over 4 ranks, balanced to a true 1.05: windows of ~770 rows read up to 1.11, of ~1500 up to 1.08."""
+over 4 ranks, balanced to 1.05 over its whole run: windows of ~770 rows read up to 1.11 (1.18 on
+a server), of ~1500 rows up to 1.08."""
 
 
 def _with_edge(buckets: tuple[float, ...], edge: float) -> tuple[float, ...]:
