@@ -182,7 +182,10 @@ class Worker:
             if self.rank == 0:
                 logger.info("%s", report.describe())
         routed = wire = None
-        if message.want_routed_tokens:
+        # A rebalance closes the load report: what was counted under the old map goes out with
+        # the step that ends it (the engine publishes it at once), so the next report covers
+        # only steps under the new map.
+        if message.want_routed_tokens or report is not None:
             self._set_aside_routed(self.expert_map)
             routed, self._routed = self._routed, None
             wire = self.runner.model.take_dispatch_rows()

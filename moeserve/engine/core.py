@@ -15,12 +15,13 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from moeserve.config import EngineConfig, ModelConfig
 from moeserve.dispatch.expert_load import RoutedTokens
+from moeserve.eplb.rebalancer import RebalanceReport
 from moeserve.executor import create_executor
 from moeserve.sampling_params import SamplingParams
 from moeserve.scheduler import DataParallelScheduler, Request, SchedulerConfig
@@ -76,7 +77,10 @@ class CoreStep:
     num_preemptions: int
     scheduler: SchedulerStats
     routed_tokens: RoutedTokens | None = None
-    """Expert load since the last step that carried one (about once a second)."""
+    """Expert load since the last step that carried one, up to this step: about once a second,
+    and at every rebalance (so a report never mixes two expert maps)."""
+    rebalances: list[RebalanceReport] = field(default_factory=list)
+    """Live expert rebalances that ended with this step (`--enable-eplb`)."""
 
 
 def build_scheduler(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype, max_model_len: int):
@@ -178,16 +182,21 @@ class EngineCore:
                 if request is not None and request.first_scheduled_time is not None:
                     first_scheduled[new.request_id] = request.first_scheduled_time
         started = time.monotonic()
+        report_load = started - self._routing_asked >= ROUTING_INTERVAL_S
+        if report_load:  # asked before the step, so the report includes it
+            self.executor.ask_routed_tokens()
         sampled = self.executor.execute(plan)
         if not plan.is_empty and self.config.min_step_time_s > 0:  # the test-only capacity knob
             time.sleep(max(0.0, started + self.config.min_step_time_s - time.monotonic()))
         duration_s = time.monotonic() - started
         ended = self.scheduler.update(plan, {rid: t.token_id for rid, t in sampled.items()}, duration_s)
         now = time.monotonic()
+        rebalances = self.executor.take_rebalances()
         routed = None
-        if now - self._routing_asked >= ROUTING_INTERVAL_S:
-            self._routing_asked = now
+        if report_load or rebalances:
             routed = self.executor.take_routed_tokens()
+            if routed is not None:
+                self._routing_asked = now
         return CoreStep(
             sampled=sampled,
             finished=[FinishedSequence(r.request_id, r.finish_reason, r.stop_reason) for r in ended],
@@ -197,4 +206,5 @@ class EngineCore:
             num_preemptions=len(plan.preempted_request_ids),
             scheduler=self.scheduler_stats(),
             routed_tokens=routed,
+            rebalances=rebalances,
         )

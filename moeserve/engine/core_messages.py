@@ -20,6 +20,7 @@ import msgpack
 from moeserve.dispatch.expert_load import RoutedTokens
 from moeserve.dispatch.wire import WireVolume
 from moeserve.engine.core import CoreRequest, CoreStep, FinishedSequence, SchedulerStats
+from moeserve.eplb.rebalancer import RebalanceReport
 from moeserve.sampling_params import SamplingParams
 from moeserve.scheduler import QueueFullError
 from moeserve.worker.runner import SampledToken
@@ -140,6 +141,23 @@ def _untoken(entry: list[Any]) -> SampledToken:
     return SampledToken(entry[0], entry[1], tuple((a, b) for a, b in entry[2]))
 
 
+def _rebalance(r: RebalanceReport) -> list[Any]:
+    return [
+        r.step,
+        list(r.imbalance_before),
+        list(r.imbalance_after),
+        r.experts_moved,
+        r.bytes_moved,
+        r.balance_s,
+        r.transfer_s,
+    ]
+
+
+def _unrebalance(entry: list[Any]) -> RebalanceReport:
+    step, before, after, experts, moved_bytes, balance_s, transfer_s = entry
+    return RebalanceReport(step, tuple(before), tuple(after), experts, moved_bytes, balance_s, transfer_s)
+
+
 def _step(s: CoreStep) -> list[Any]:
     routed = None
     if s.routed_tokens is not None:
@@ -155,11 +173,12 @@ def _step(s: CoreStep) -> list[Any]:
         s.num_preemptions,
         dataclasses.astuple(s.scheduler),
         routed,
+        [_rebalance(r) for r in s.rebalances],
     ]
 
 
 def _unstep(entry: list[Any]) -> CoreStep:
-    sampled, finished, first_scheduled, time, duration, preemptions, gauges, routed = entry
+    sampled, finished, first_scheduled, time, duration, preemptions, gauges, routed, rebalances = entry
     routed_tokens = None
     if routed is not None:
         counts, rank_rows, layers, wire = routed
@@ -173,6 +192,7 @@ def _unstep(entry: list[Any]) -> CoreStep:
         num_preemptions=preemptions,
         scheduler=SchedulerStats(*gauges),
         routed_tokens=routed_tokens,
+        rebalances=[_unrebalance(r) for r in rebalances],
     )
 
 

@@ -119,6 +119,7 @@ class EngineFrontend:
             step_duration_s=step.step_duration_s,
             num_preemptions=step.num_preemptions,
             routed_tokens=step.routed_tokens,
+            rebalances=step.rebalances,
         )
         return self.output_processor.process(step, stats), stats
 

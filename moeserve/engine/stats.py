@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from moeserve.dispatch.expert_load import RoutedTokens
+from moeserve.eplb.rebalancer import RebalanceReport
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +64,10 @@ class IterationStats:
     kv_blocks_used: int = 0
     kv_blocks_total: int = 0
     routed_tokens: RoutedTokens | None = None
-    """Expert load since the previous stats that carried one (sent about once a second)."""
+    """Expert load since the previous stats that carried one (about once a second, and at
+    every rebalance: no report spans two expert maps)."""
+    rebalances: list[RebalanceReport] = field(default_factory=list)
+    """Live expert rebalances that ended with this step."""
 
 
 class StatLogger(Protocol):

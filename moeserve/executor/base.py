@@ -13,6 +13,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 
 from moeserve.dispatch.expert_load import RoutedTokens
+from moeserve.eplb.rebalancer import RebalanceReport
 from moeserve.scheduler import StepPlan
 from moeserve.worker.runner import SampledToken
 
@@ -30,6 +31,15 @@ class Executor(ABC):
     @abstractmethod
     def take_routed_tokens(self) -> RoutedTokens | None:
         """Expert load since the previous call, or None if nothing new is known yet."""
+
+    def ask_routed_tokens(self) -> None:  # noqa: B027 - a no-op is right where counters are local
+        """Have the next step report the expert load, so that a `take_routed_tokens` after it
+        covers every step run so far. Rank processes report only when asked (their counts cross
+        a socket); an executor that reads its counters when taken has nothing to do."""
+
+    def take_rebalances(self) -> list[RebalanceReport]:
+        """Live expert rebalances since the previous call, oldest first (none without EPLB)."""
+        return []
 
     def add_failure_listener(self, listener: Callable[[str], None]) -> None:  # noqa: B027 - a no-op is right here
         """`listener(reason)` is called once if the executor can no longer run steps (a rank

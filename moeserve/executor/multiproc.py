@@ -69,11 +69,12 @@ class MultiprocessExecutor(Executor):
             dispatch_row_bytes(model_config.hidden_size, dtype, p.dispatch_fp8),
             model_config.hidden_size * dtype.itemsize,
         )
-        self._routing_wanted = True  # ask the ranks for their expert load with the next step
+        self._routing_wanted = False  # ask the ranks for their expert load with the next step
         self._load_record = None
         if p.eplb.record_expert_load is not None:
             self._load_record = LoadRecord(p.eplb.record_expert_load, model_config.num_experts, self._moe_layers)
         self.rebalances: list[RebalanceReport] = []  # every live rebalance so far, as rank 0 reported it
+        self._untaken_rebalances: list[RebalanceReport] = []  # the tail of `rebalances` not yet taken
         self._closed = False
         self._monitor: RankMonitor | None = None
 
@@ -241,6 +242,7 @@ class MultiprocessExecutor(Executor):
                 self._wire[message.rank] = [a + b for a, b in zip(known, message.dispatch_rows)]
             if message.rebalance is not None:
                 self.rebalances.append(message.rebalance)
+                self._untaken_rebalances.append(message.rebalance)
                 logger.info("%s", message.rebalance.describe())
         return sampled
 
@@ -255,10 +257,16 @@ class MultiprocessExecutor(Executor):
             for e, rows in enumerate(counts):
                 total[e] += rows
 
-    def take_routed_tokens(self) -> RoutedTokens | None:
-        """What the ranks reported since the last call; they are asked again with the next step,
-        so the engine's reporting interval is the only one."""
+    def ask_routed_tokens(self) -> None:
         self._routing_wanted = True
+
+    def take_rebalances(self) -> list[RebalanceReport]:
+        taken, self._untaken_rebalances = self._untaken_rebalances, []
+        return taken
+
+    def take_routed_tokens(self) -> RoutedTokens | None:
+        """What the ranks reported since the last call: every step up to the last one that asked
+        (`ask_routed_tokens`) or rebalanced; None until every rank has reported."""
         routed, self._routed = self._routed, {}
         wire_rows, self._wire = self._wire, {}
         if len(routed) < self.parallel.ep:

@@ -13,7 +13,7 @@ from statistics import mean
 
 import pytest
 import torch
-from skewed_router import skew_router
+from helpers.skewed_router import skew_router
 
 import moeserve.engine.core as engine_core
 from moeserve import LLM, SamplingParams
@@ -40,7 +40,7 @@ class RoutingLog:
 
     def __init__(self, moe_layers: tuple[int, ...]) -> None:
         self.executor = None
-        self.metrics = ServerMetrics("m", SLOConfig())
+        self.metrics = ServerMetrics("m", SLOConfig(), imbalance_min_rows=0)  # a gauge value per report
         self.moe_layers = moe_layers
         self.steps: list[tuple[int, object, float]] = []
 

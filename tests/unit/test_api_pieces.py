@@ -11,9 +11,11 @@ from moeserve.api.metrics import ServerMetrics
 from moeserve.api.streaming import SampleCursor
 from moeserve.api.transport import merge
 from moeserve.config import SLOConfig
+from moeserve.dispatch.expert_load import RoutedTokens
 from moeserve.engine.outputs import CompletionOutput
 from moeserve.engine.stats import IterationStats, RequestMetrics
 from moeserve.engine_config import parse_bytes
+from moeserve.eplb import RebalanceReport
 from moeserve.sampling_params import SamplingParams
 
 
@@ -73,6 +75,63 @@ def test_metrics_record_and_expose() -> None:
     assert samples["moeserve:slo_tbt_met_requests_total", None, None] == 0
     assert samples["moeserve:kv_cache_blocks_used", None, None] == 5
     assert samples["moeserve:num_preemptions_total", None, None] == 1
+
+
+def test_rebalances_count_up_and_the_last_one_sets_the_gauges() -> None:
+    metrics = ServerMetrics("m", SLOConfig())
+
+    def value(name: str, **labels: str) -> float | None:
+        return metrics.registry.get_sample_value(name, {"model_name": "m", **labels})
+
+    assert value("moeserve:eplb_rebalances_total") == 0  # exported before the first one
+    first = RebalanceReport(12, (1.5, 2.0), (1.03, 1.1), 45, 1_100_000, 0.004, 0.028)
+    second = RebalanceReport(24, (1.1, 1.2), (1.01, 1.05), 3, 73_728, 0.002, 0.006)
+    metrics.record(IterationStats(0.01, rebalances=[first]))
+    metrics.record(IterationStats(0.01))  # a step without one changes nothing
+    assert value("moeserve:eplb_last_rebalance_seconds") == pytest.approx(0.032)
+    assert value("moeserve:eplb_last_rebalance_imbalance", when="before", over="mean") == 1.5
+    metrics.record(IterationStats(0.01, rebalances=[second]))
+    assert value("moeserve:eplb_rebalances_total") == 2
+    assert value("moeserve:eplb_moved_experts_total") == 48
+    assert value("moeserve:eplb_moved_bytes_total") == 1_100_000 + 73_728
+    assert value("moeserve:eplb_last_rebalance_seconds") == pytest.approx(0.008)
+    gauges = {
+        (when, over): value("moeserve:eplb_last_rebalance_imbalance", when=when, over=over)
+        for when in ("before", "after")
+        for over in ("mean", "worst")
+    }
+    assert gauges == {
+        ("before", "mean"): 1.1,
+        ("before", "worst"): 1.2,
+        ("after", "mean"): 1.01,
+        ("after", "worst"): 1.05,
+    }
+
+
+def test_the_imbalance_gauge_waits_for_enough_rows_and_restarts_at_a_rebalance() -> None:
+    metrics = ServerMetrics("m", SLOConfig(), imbalance_min_rows=100)
+
+    def gauge() -> float | None:
+        return metrics.registry.get_sample_value("moeserve:expert_load_imbalance", {"model_name": "m", "layer": "3"})
+
+    def report(*rank_rows: int, rebalanced: bool = False) -> None:
+        routed = RoutedTokens([[sum(rank_rows)]], [list(rank_rows)], (3,))
+        rebalances = [RebalanceReport(1, (2.0, 2.0), (1.0, 1.0), 1, 8, 0.0, 0.0)] if rebalanced else []
+        metrics.record(IterationStats(0.01, routed_tokens=routed, rebalances=rebalances))
+
+    report(30, 10)
+    assert gauge() is None  # 40 rows: too few to say
+    report(50, 10)
+    assert gauge() == 80 / 50  # both reports' 100 rows
+    report(60, 20, rebalanced=True)  # the last rows under the old placement: too few, and dropped
+    report(40, 40)
+    assert gauge() == 80 / 50
+    report(10, 10)
+    assert gauge() == 1.0  # 100 rows, all after the rebalance
+    counted = metrics.registry.get_sample_value(
+        "moeserve:ep_rank_routed_tokens_total", {"model_name": "m", "rank": "0"}
+    )
+    assert counted == 30 + 50 + 60 + 40 + 10  # the counters take every report at once
 
 
 def test_merge_interleaves_and_propagates_errors() -> None:

@@ -7,6 +7,7 @@ import os
 
 import pytest
 
+import moeserve.engine.core as engine_core
 from moeserve.dispatch.expert_load import RoutedTokens
 from moeserve.dispatch.wire import WireVolume
 from moeserve.engine.core import CoreRequest, CoreStep, EngineCore, FinishedSequence, SchedulerStats
@@ -26,6 +27,7 @@ from moeserve.engine.core_messages import (
 from moeserve.engine.core_process import CoreLoop
 from moeserve.engine.engine import ModelFacts
 from moeserve.engine_config import EngineConfig
+from moeserve.eplb import RebalanceReport
 from moeserve.sampling_params import SamplingParams
 from moeserve.scheduler import QueueFullError
 from moeserve.worker.runner import SampledToken
@@ -55,11 +57,19 @@ def test_outputs_round_trip() -> None:
         num_preemptions=1,
         scheduler=SchedulerStats(2, 1, 7, 64),
         routed_tokens=routed,
+        rebalances=[
+            RebalanceReport(12, (1.5, 2.0), (1.03, 1.1), 45, 1_100_000, 0.004, 0.028),
+            RebalanceReport(24, (1.1, 1.2), (1.01, 1.05), 3, 73_728, 0.002, 0.006),
+        ],
     )
     out = CoreOutputs(SchedulerStats(2, 1, 7, 64), ["r1"], [("r2", "QueueFullError", "full")], step)
     back = decode_outputs(encode_outputs(out))
     assert back == out
     assert back.step.routed_tokens.per_rank(1) == routed.per_rank(1) == [0, 10]
+    assert back.step.rebalances == step.rebalances  # tuples stay tuples: msgpack sent lists
+    assert isinstance(back.step.rebalances[0].imbalance_before, tuple)
+    quiet = CoreOutputs(SchedulerStats(0, 0, 0, 0), step=CoreStep({}, [], {}, 1.0, 0.01, 0, SchedulerStats(0, 0, 0, 0)))
+    assert decode_outputs(encode_outputs(quiet)).step.rebalances == []
     dead = CoreOutputs(SchedulerStats(0, 0, 0, 0), dead="rank 1 was killed")
     assert decode_outputs(encode_outputs(dead)).dead == "rank 1 was killed"
 
@@ -125,3 +135,41 @@ def test_a_full_queue_refuses_the_whole_request_and_an_abort_frees_its_blocks(co
     assert step.step.scheduler.kv_blocks_used > 0
     assert after_abort.gauges.kv_blocks_used == 0 and after_abort.gauges.num_waiting == 0
     assert not core.has_unfinished_requests()
+
+
+class ReportingExecutor:
+    """An executor that records what the core asks of it; `rebalance_at` steps end in a rebalance."""
+
+    def __init__(self, rebalance_at: set[int]) -> None:
+        self.calls: list[str] = []
+        self.steps = 0
+        self.rebalance_at = rebalance_at
+
+    def ask_routed_tokens(self) -> None:
+        self.calls.append("ask")
+
+    def execute(self, plan) -> dict:
+        self.steps += 1
+        self.calls.append("execute")
+        return {}
+
+    def take_rebalances(self) -> list[RebalanceReport]:
+        if self.steps in self.rebalance_at:
+            return [RebalanceReport(self.steps, (1.5, 1.6), (1.0, 1.0), 4, 4096, 0.001, 0.002)]
+        return []
+
+    def take_routed_tokens(self) -> RoutedTokens:
+        self.calls.append("take")
+        return RoutedTokens([[self.steps]], [[self.steps]], (1,))
+
+
+def test_the_load_is_asked_before_the_step_it_covers_and_taken_at_each_rebalance(core, monkeypatch) -> None:
+    """A report covers its own step (asked before it, not after), and a rebalance closes one."""
+    executor = ReportingExecutor(rebalance_at={3})
+    monkeypatch.setattr(core, "executor", executor)
+    monkeypatch.setattr(core, "_routing_asked", 0.0)
+    monkeypatch.setattr(engine_core, "ROUTING_INTERVAL_S", 3600.0)  # due once: the first step
+    steps = [core.step() for _ in range(4)]
+    assert executor.calls == ["ask", "execute", "take", "execute", "execute", "take", "execute"]
+    assert [s.routed_tokens is not None for s in steps] == [True, False, True, False]
+    assert [len(s.rebalances) for s in steps] == [0, 0, 1, 0] and steps[2].rebalances[0].step == 3
