@@ -153,7 +153,7 @@ class Worker:
         if self.spec.parallel.two_batch_overlap:
             steps = [[len(s.token_ids) for s in plan.scheduled] for plan in message.plans]
             micro_bounds = micro_batch_bounds(steps, self.tp)
-        sampled = self.runner.execute(message.plans[self.group_index], bound, micro_bounds)
+        sampled = self.runner.execute(message.plans[self.group_index], bound, micro_bounds, message.token_bitmask)
         report = None
         if self.rebalancer is not None and self.rebalancer.record():
             report = self.rebalancer.rebalance(before_swap=self._set_aside_routed)

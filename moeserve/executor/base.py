@@ -15,6 +15,7 @@ from collections.abc import Callable
 from moeserve.dispatch.expert_load import RoutedTokens
 from moeserve.scheduler import StepPlan
 from moeserve.worker.runner import SampledToken
+from moeserve.worker.sampling_metadata import TokenBitmask
 
 
 class Executor(ABC):
@@ -24,8 +25,9 @@ class Executor(ABC):
     num_kv_blocks: int
 
     @abstractmethod
-    def execute(self, plan: StepPlan) -> dict[str, SampledToken]:
-        """Run one lockstep step; a token for every scheduled request whose plan says `sample`."""
+    def execute(self, plan: StepPlan, token_bitmask: TokenBitmask | None = None) -> dict[str, SampledToken]:
+        """Run one lockstep step; a token for every scheduled request whose plan says `sample`,
+        within `token_bitmask`'s allowed tokens for the requests it covers (structured outputs)."""
 
     @abstractmethod
     def take_routed_tokens(self) -> RoutedTokens | None:
