@@ -8,13 +8,51 @@ sampler reads the rest. Keeping vLLM's semantics lets clients switch servers wit
 from __future__ import annotations
 
 import copy
+import json
 from dataclasses import dataclass
+from typing import Literal
 
 # Temperatures below this count as 0 (greedy): dividing logits by a tiny number only amplifies
 # noise, and it is the threshold vLLM uses.
 SAMPLING_EPS = 1e-5
 # Largest `logprobs` a request may ask for (OpenAI's limit for top logprobs; vLLM's default).
 MAX_LOGPROBS = 20
+
+
+StructuredKind = Literal["json", "json_object", "regex", "choice", "grammar"]
+STRUCTURED_KINDS: tuple[str, ...] = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class StructuredOutputs:
+    """A constraint on the whole output, as vLLM's `StructuredOutputsParams` (one kind at a time).
+
+    `spec` is text in every kind, so the pair is the grammar's cache key and crosses the engine's
+    wire as two strings: a JSON schema (serialised) for "json", a regex for "regex", a JSON list
+    of strings for "choice", an EBNF grammar (xgrammar's dialect, `root` first) for "grammar";
+    "json_object" (any JSON object) ignores it.
+    """
+
+    kind: StructuredKind
+    spec: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in STRUCTURED_KINDS:
+            raise ValueError(f"structured_outputs kind must be one of {STRUCTURED_KINDS}, got {self.kind!r}")
+        if not isinstance(self.spec, str):
+            raise ValueError(f"structured_outputs spec must be a string, got {type(self.spec).__name__}")
+
+    @classmethod
+    def choice(cls, choices: list[str]) -> StructuredOutputs:
+        """One of these strings, exactly."""
+        if not choices or not all(isinstance(c, str) and c for c in choices):
+            raise ValueError("structured_outputs choice must be a non-empty list of non-empty strings")
+        return cls("choice", json.dumps(list(choices)))
+
+    @classmethod
+    def json_schema(cls, schema: dict | str) -> StructuredOutputs:
+        """Output that validates against `schema` (a dict, or its JSON text)."""
+        return cls("json", schema if isinstance(schema, str) else json.dumps(schema))
 
 
 @dataclass
@@ -60,6 +98,9 @@ class SamplingParams:
     """Keep the matched stop string at the end of the returned text."""
     skip_special_tokens: bool = True
     """Leave special tokens out of the detokenised text."""
+    structured_outputs: StructuredOutputs | None = None
+    """Constrain the output to a grammar (JSON schema, regex, choice, EBNF); None: free text.
+    A (kind, spec) pair is accepted too, which is how the engine's wire carries it."""
 
     def __post_init__(self) -> None:
         if self.top_k == -1:
@@ -73,6 +114,8 @@ class SamplingParams:
         else:
             self.stop = list(self.stop)
         self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
+        if isinstance(self.structured_outputs, (list, tuple)):
+            self.structured_outputs = StructuredOutputs(*self.structured_outputs)
         self._validate()
 
     def _validate(self) -> None:

@@ -37,6 +37,11 @@ class ServerSettings:
     one and the HTTP process to that one, so neither preempts the other (as vLLM's CPU build
     does); off leaves both to the OS."""
 
+    tool_call_parser: Literal["hermes", "deepseek_v3"] | None = None
+    """How tool calls are read from the model's text under tool_choice "auto": hermes
+    (<tool_call>{json}</tool_call>, Qwen and many others) or deepseek_v3; None: "auto" is refused
+    (a named function and "required" constrain the output instead and need no parser)."""
+
     def model_name(self, model: str | None) -> str:
         """The id to serve under: the one given, else the checkpoint path, else the demo's."""
         return self.served_model_name or model or DEMO_MODEL_NAME

@@ -5,12 +5,22 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from moeserve.api.constraints import constraint_param
 from moeserve.api.errors import APIError
-from moeserve.api.generation import admit, check_context, collect, event_stream, log_finished, submit_all
+from moeserve.api.generation import (
+    admit,
+    check_constraint,
+    check_context,
+    collect,
+    event_stream,
+    log_finished,
+    submit_all,
+)
 from moeserve.api.protocol import (
     ChatCompletionRequest,
     DeltaMessage,
@@ -24,6 +34,8 @@ from moeserve.api.protocol import (
 )
 from moeserve.api.state import ModelInfo, ServingState
 from moeserve.api.streaming import SampleCursor
+from moeserve.api.tool_calls import ToolCallReader
+from moeserve.api.tool_parsers import TOOL_PARSERS
 from moeserve.engine.streams import RequestStream
 from moeserve.sampling_params import SamplingParams
 
@@ -32,15 +44,42 @@ def _render(request: ChatCompletionRequest, tokenizer) -> list[int]:
     """The conversation as prompt token ids; a template that rejects it is the client's 400."""
     try:
         ids = tokenizer.apply_chat_template(
-            request.template_messages(), add_generation_prompt=True, tokenize=True, return_dict=False
+            request.template_messages(),
+            tools=request.template_tools(),
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=False,
         )
     except Exception as exc:  # jinja raises TemplateError (and friends) on conversations it refuses
         raise APIError(f"the chat template could not render these messages: {exc}", param="messages") from None
     return list(ids)
 
 
+def _tool_reader(request: ChatCompletionRequest, state: ServingState) -> ToolCallReader | None:
+    """How this request's tool calls are read from its output; None when it makes none."""
+    mode = request.tool_mode
+    if mode == "none":
+        return None
+    if mode == "named":
+        return ToolCallReader("named", name=request.tool_choice.function.name)  # type: ignore[union-attr]
+    if mode == "required":
+        return ToolCallReader("required")
+    parser = state.settings.tool_call_parser
+    if parser is None:
+        raise APIError(
+            'tool_choice "auto" (the default with tools) needs the server started with --tool-call-parser; '
+            'or name a function, or ask for "required" or "none"',
+            param="tool_choice",
+        )
+    return ToolCallReader("auto", parser=TOOL_PARSERS[parser]())
+
+
 async def create_chat_completion(raw: Request, state: ServingState) -> Response:
     request, engine, model, params = await admit(raw, state, ChatCompletionRequest)
+    reader = _tool_reader(request, state)
+    if reader is not None and reader.parser is not None and reader.parser.markers_are_special:
+        params = replace(params, skip_special_tokens=False)
+    await check_constraint(model, params, constraint_param(request))
     prompt_ids = await model.off_loop(lambda tokenizer: _render(request, tokenizer))
     check_context(len(prompt_ids), params.max_tokens, model.max_model_len, "messages")
     request_id = random_id("chatcmpl")
@@ -48,10 +87,12 @@ async def create_chat_completion(raw: Request, state: ServingState) -> Response:
     model_name = state.settings.served_model_name
     num_top = request.top_logprobs or 0
     if request.stream:
-        events = _stream_events(streams[0], request, params, request_id, model_name, model, num_top)
+        events = _stream_events(streams[0], request, params, request_id, model_name, model, num_top, reader)
         return event_stream(events, streams, request_id)
     outputs = await collect(raw, streams, request_id)
-    return JSONResponse(chat_response(request_id, model_name, outputs[0], model.tokenizer, num_top).model_dump())
+    read_calls = None if reader is None else reader.final
+    body = chat_response(request_id, model_name, outputs[0], model.tokenizer, num_top, read_calls)
+    return JSONResponse(body.model_dump())
 
 
 async def _stream_events(
@@ -62,11 +103,14 @@ async def _stream_events(
     model_name: str,
     model: ModelInfo,
     num_top: int,
+    reader: ToolCallReader | None,
 ) -> AsyncIterator[str]:
     """SSE events as OpenAI sends them: each choice opens with an assistant role delta, then its
-    content deltas, the last with `finish_reason`; a usage chunk if asked (`event_stream` adds [DONE])."""
+    content (or tool call) deltas, the last with `finish_reason`; a usage chunk if asked
+    (`event_stream` adds [DONE])."""
     created = int(time.time())
     cursors = [SampleCursor(params) for _ in range(params.n)]
+    calls = None if reader is None else [reader.stream() for _ in range(params.n)]
     final = None
     for index in range(params.n):
         yield sse(chat_chunk(request_id, model_name, created, index, DeltaMessage(role="assistant", content="")))
@@ -79,10 +123,16 @@ async def _stream_events(
                 logprobs = None
                 if delta.logprobs is not None:
                     logprobs = chat_logprobs(delta.token_ids, delta.logprobs, model.tokenizer, num_top)
-                content = DeltaMessage(content=delta.text) if delta.text else DeltaMessage()
-                yield sse(
-                    chat_chunk(request_id, model_name, created, sample.index, content, delta.finish_reason, logprobs)
-                )
+                finish_reason = delta.finish_reason
+                if calls is None:
+                    content = DeltaMessage(content=delta.text) if delta.text else DeltaMessage()
+                else:
+                    stream = calls[sample.index]
+                    text, call_deltas = stream.update(delta.text, finish_reason is not None)
+                    content = DeltaMessage(content=text or None, tool_calls=call_deltas or None)
+                    if finish_reason == "stop" and stream.has_calls:
+                        finish_reason = "tool_calls"
+                yield sse(chat_chunk(request_id, model_name, created, sample.index, content, finish_reason, logprobs))
             if output.finished:
                 final = output
     for index, cursor in enumerate(cursors):

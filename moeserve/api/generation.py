@@ -20,6 +20,7 @@ from moeserve.engine.outputs import RequestOutput
 from moeserve.engine.streams import EngineClient, EngineDeadError, RequestStream
 from moeserve.sampling_params import SamplingParams
 from moeserve.scheduler import QueueFullError
+from moeserve.structured import check_structured_outputs
 
 logger = logging.getLogger("moeserve.api")
 
@@ -36,6 +37,18 @@ async def admit(
     check_model(request.model, state)
     engine, model = state.admit()
     return request, engine, model, request.to_sampling_params(default_max_tokens=None)
+
+
+async def check_constraint(model: ModelInfo, params: SamplingParams, param: str) -> None:
+    """400 naming the problem when the output's grammar does not parse. On the prompt thread, as
+    a large schema takes milliseconds; the engine's own check then finds it remembered."""
+    spec = params.structured_outputs
+    if spec is None:
+        return
+    try:
+        await model.off_loop(lambda _tokenizer: check_structured_outputs(spec))
+    except ValueError as exc:
+        raise APIError(str(exc), param=param) from None
 
 
 def check_model(requested: str | None, state: ServingState) -> None:

@@ -13,15 +13,25 @@ streaming code calls the `*_chunk` builders with one shared id and `created` per
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any, Literal, Protocol, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer
 
+from moeserve.api.constraints import (
+    ChatTool,
+    ResponseFormat,
+    StructuredOutputsField,
+    ToolChoice,
+    output_constraint,
+    tool_constraint,
+)
 from moeserve.api.errors import APIError, from_validation_error
 from moeserve.engine.outputs import CompletionOutput, Logprob, RequestOutput
-from moeserve.sampling_params import SamplingParams
+from moeserve.sampling_params import SamplingParams, StructuredOutputs
 
 # Most samples one request may ask for: each sample holds its own KV blocks, so an unbounded n lets
 # one request take the whole cache. vLLM has no bound; OpenAI's is 128, too many for one server.
@@ -101,6 +111,13 @@ class _SamplingRequest(OpenAIModel):
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # Structured outputs: OpenAI's field, then vLLM's (see `constraints`).
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: StructuredOutputsField | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -108,7 +125,11 @@ class _SamplingRequest(OpenAIModel):
         return self.stream_options is not None and self.stream_options.include_usage
 
     def _build_sampling_params(
-        self, max_tokens: int | None, logprobs: int | None, rename: dict[str, str]
+        self,
+        max_tokens: int | None,
+        logprobs: int | None,
+        rename: dict[str, str],
+        constraint: StructuredOutputs | None = None,
     ) -> SamplingParams:
         """SamplingParams from the shared fields; a bad value becomes a 400 naming the body field.
 
@@ -133,6 +154,7 @@ class _SamplingRequest(OpenAIModel):
             min_tokens=self.min_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
+            structured_outputs=constraint if constraint is not None else output_constraint(self),
         )
         try:
             return SamplingParams(**fields)
@@ -191,6 +213,21 @@ class ChatMessageParam(OpenAIModel):
     content: str | list[TextContentPart] | None = None
     """None is allowed for an assistant turn that only called tools."""
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    """An assistant turn's calls, as a response carried them."""
+    tool_call_id: str | None = None
+    """A tool turn: the call it answers."""
+
+    def template_message(self) -> dict[str, Any]:
+        """The message as chat templates take it (HF's convention: a call's arguments as a dict)."""
+        message: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            message["tool_calls"] = [_template_call(call) for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            message["name"] = self.name
+        return message
 
     def text(self) -> str:
         """The content as one string; text parts are joined by newlines, as vLLM does."""
@@ -199,6 +236,18 @@ class ChatMessageParam(OpenAIModel):
         if isinstance(self.content, str):
             return self.content
         return "\n".join(part.text for part in self.content)
+
+
+def _template_call(call: dict[str, Any]) -> dict[str, Any]:
+    """A call from a request's history with its arguments parsed, where they are JSON."""
+    function = call.get("function")
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(function["arguments"])
+    except json.JSONDecodeError:
+        return call
+    return {**call, "function": {**function, "arguments": arguments}}
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -210,10 +259,24 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_CHAT_TOP_LOGPROBS)
+    tools: list[ChatTool] | None = None
+    tool_choice: ToolChoice | None = None
+    """None: "auto" with tools, "none" without (OpenAI's defaults)."""
+    parallel_tool_calls: bool = True
 
-    def template_messages(self) -> list[dict[str, str]]:
-        """The messages as the chat template expects them: role and string content."""
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+    def template_messages(self) -> list[dict[str, Any]]:
+        """The messages as the chat template expects them: role and string content (and calls)."""
+        return [m.template_message() for m in self.messages]
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools as chat templates take them (OpenAI's JSON form)."""
+        return None if not self.tools else [t.model_dump(by_alias=True, exclude_none=True) for t in self.tools]
+
+    @property
+    def tool_mode(self) -> str:
+        """ "none", "auto", "required" or "named": how tool calls are made and read."""
+        choice = self.tool_choice if self.tool_choice is not None else ("auto" if self.tools else "none")
+        return choice if isinstance(choice, str) else "named"
 
     def to_sampling_params(self, default_max_tokens: int | None) -> SamplingParams:
         """max_completion_tokens wins over max_tokens; neither means `default_max_tokens`."""
@@ -226,7 +289,12 @@ class ChatCompletionRequest(_SamplingRequest):
         rename = {"logprobs": "top_logprobs"}
         if self.max_completion_tokens is not None:
             rename["max_tokens"] = "max_completion_tokens"
-        return self._build_sampling_params(max_tokens, logprobs, rename)
+        constraint = tool_constraint(self.tools, self.tool_choice, self.parallel_tool_calls)
+        if constraint is not None and output_constraint(self) is not None:
+            raise APIError(
+                "a tool_choice that forces a call cannot be combined with an output constraint", param="tool_choice"
+            )
+        return self._build_sampling_params(max_tokens, logprobs, rename, constraint)
 
 
 # ---------------------------------------------------------------- responses
@@ -290,9 +358,52 @@ class ChatLogprobs(BaseModel):
     content: list[ChatLogprobToken] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str
+    """The arguments as JSON text, as OpenAI sends them."""
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class _OmitNone(BaseModel):
+    """A stream delta piece: OpenAI omits the keys a delta does not carry rather than sending nulls."""
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler: Any) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaFunctionCall(_OmitNone):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(_OmitNone):
+    """A call's first delta carries its id, type and name; later ones argument fragments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
 class ChatMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
+    """Sent only when there are calls, as OpenAI does."""
+
+    @model_serializer(mode="wrap")
+    def _drop_no_calls(self, handler: Any) -> dict[str, Any]:
+        data = handler(self)
+        if not data.get("tool_calls"):
+            data.pop("tool_calls", None)
+        return data
 
 
 class ChatChoice(BaseModel):
@@ -312,16 +423,12 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo
 
 
-class DeltaMessage(BaseModel):
-    """A stream delta: role on a choice's first chunk, content after, `{}` on the last one."""
+class DeltaMessage(_OmitNone):
+    """A stream delta: role on a choice's first chunk, content or tool calls after, `{}` on the last one."""
 
     role: Literal["assistant"] | None = None
     content: str | None = None
-
-    @model_serializer(mode="wrap")
-    def _drop_unset(self, handler: Any) -> dict[str, Any]:
-        # OpenAI omits the keys a delta does not carry rather than sending nulls.
-        return {k: v for k, v in handler(self).items() if v is not None}
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(BaseModel):
@@ -464,20 +571,26 @@ def completion_response(
 
 
 def chat_response(
-    request_id: str, model: str, output: RequestOutput, tokenizer: Tokenizer, num_top_logprobs: int = 0
+    request_id: str,
+    model: str,
+    output: RequestOutput,
+    tokenizer: Tokenizer,
+    num_top_logprobs: int = 0,
+    read_calls: Callable[[str, str | None], tuple[str | None, list[ToolCall], str | None]] | None = None,
 ) -> ChatCompletionResponse:
-    """A chat response with one choice per sample; logprobs where the engine returned them."""
-    choices = [
-        ChatChoice(
-            index=sample.index,
-            message=ChatMessage(content=sample.text),
-            logprobs=None
-            if sample.logprobs is None
-            else chat_logprobs(sample.token_ids, sample.logprobs, tokenizer, num_top_logprobs),
-            finish_reason=sample.finish_reason,
-        )
-        for sample in output.outputs
-    ]
+    """A chat response with one choice per sample; logprobs where the engine returned them.
+    `read_calls(text, finish_reason) -> (content, tool calls, finish_reason)` for a request
+    whose output may hold tool calls."""
+    choices = []
+    for sample in output.outputs:
+        content, calls, finish_reason = sample.text, [], sample.finish_reason
+        if read_calls is not None:
+            content, calls, finish_reason = read_calls(sample.text, sample.finish_reason)
+        logprobs = None
+        if sample.logprobs is not None:
+            logprobs = chat_logprobs(sample.token_ids, sample.logprobs, tokenizer, num_top_logprobs)
+        message = ChatMessage(content=content, tool_calls=calls)
+        choices.append(ChatChoice(index=sample.index, message=message, logprobs=logprobs, finish_reason=finish_reason))
     return ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage_info([output]))
 
 

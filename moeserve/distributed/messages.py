@@ -16,6 +16,7 @@ from moeserve.engine_config import CudaGraphConfig
 from moeserve.eplb import RebalanceReport
 from moeserve.scheduler import SchedulerOutput
 from moeserve.worker.runner import SampledToken
+from moeserve.worker.sampling_metadata import TokenBitmask
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,9 @@ class StepInput:
     """One per data-parallel group; a rank runs its group's plan (maybe empty: it still steps).
     The plans carry what the ranks learn of requests: new ones' data, finished ones' ids."""
     want_routed_tokens: bool = False
+    token_bitmask: TokenBitmask | None = None
+    """The grammar's allowed tokens of every group's constrained requests that sample this step
+    (a few KiB per request: one bit per token); each sampling rank takes its own rows."""
 
 
 @dataclass(frozen=True)

@@ -174,7 +174,9 @@ class Worker:
             steps = [[len(s.token_ids) for s in plan.scheduled] for plan in message.plans]
             micro_bounds = micro_batch_bounds(steps, self.tp)
         decode_only = all(is_decode(plan.scheduled) for plan in message.plans)  # the same on every rank
-        sampled = self.runner.execute(message.plans[self.group_index], bound, micro_bounds, decode_only)
+        sampled = self.runner.execute(
+            message.plans[self.group_index], bound, micro_bounds, decode_only, message.token_bitmask
+        )
         report = None
         if self.rebalancer is not None and self.rebalancer.record():
             report = self.rebalancer.rebalance(before_swap=self._set_aside_routed)

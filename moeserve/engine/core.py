@@ -1,6 +1,7 @@
 """The engine core: the scheduler and the executor, stepping on token ids; nothing about text.
 
-    step():  scheduler.schedule() -> executor.execute(plan) -> scheduler.update(plan, tokens, time)
+    step():  scheduler.schedule() -> [grammar bitmask] -> executor.execute(plan, bitmask)
+             -> scheduler.update(plan, tokens, time) -> [grammars advance]
              -> CoreStep (new tokens, sequences the scheduler ended, first admissions, gauges)
 
 It runs beside the frontend in `LLMEngine` (offline, one thread) or alone in the engine core
@@ -15,7 +16,9 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -24,13 +27,15 @@ from moeserve.dispatch.expert_load import RoutedTokens
 from moeserve.eplb.rebalancer import RebalanceReport
 from moeserve.executor import create_executor
 from moeserve.sampling_params import SamplingParams
-from moeserve.scheduler import DataParallelScheduler, Request, SchedulerConfig
+from moeserve.scheduler import DataParallelScheduler, QueueFullError, Request, SchedulerConfig
+from moeserve.structured import GrammarCompiler, StructuredOutputManager
 from moeserve.worker.kv_cache import num_blocks_for
 from moeserve.worker.runner import SampledToken
 
 logger = logging.getLogger(__name__)
 
 ROUTING_INTERVAL_S = 1.0  # expert load is taken from the executor about this often
+GRAMMAR_WAIT_S = 0.05  # with only grammars compiling, a step waits this long for one to finish
 
 
 @dataclass(frozen=True)
@@ -127,9 +132,15 @@ class EngineCore:
         )
         self._requests: dict[str, Request] = {}  # sequences not yet admitted once, for first_scheduled
         self._routing_asked = 0.0
+        self.structured = StructuredOutputManager(
+            GrammarCompiler(lambda: _load_tokenizer(config.model), model_config.vocab_size, self.eos_token_ids)
+        )
+        self._compiling: dict[str, tuple[Request, Future]] = {}
+        """Sequences under a grammar still being compiled: held here, out of the scheduler."""
 
     def shutdown(self) -> None:
         """Stop the executor's processes, if any; the core cannot step afterwards."""
+        self.structured.shutdown()
         self.executor.shutdown()
 
     def add_failure_listener(self, listener: Callable[[str], None]) -> None:
@@ -145,35 +156,81 @@ class EngineCore:
         try:
             for r in requests:
                 request = Request(r.request_id, list(r.prompt_token_ids), r.params, self.eos_token_ids, r.arrival_time)
-                self.scheduler.add_request(request)
+                self._add(request)
                 self._requests[r.request_id] = request
                 added.append(r.request_id)
         except Exception:
             self.abort_requests(added)
             raise
 
+    def _add(self, request: Request) -> None:
+        """To the scheduler, or, under a grammar not compiled yet, aside until it is (the queue
+        bound counts it as waiting)."""
+        spec = request.sampling_params.structured_outputs
+        if spec is None:
+            self.scheduler.add_request(request)
+            return
+        if request.request_id in self._compiling:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        future = self.structured.compiler.compile(spec)
+        if future.done() and future.exception() is None:
+            self.scheduler.add_request(request)
+            self.structured.start(request.request_id, future.result())
+            return
+        max_waiting = self.config.max_waiting
+        if max_waiting is not None and self.scheduler.num_waiting + len(self._compiling) >= max_waiting:
+            raise QueueFullError(f"waiting queue is full ({max_waiting} requests)")
+        self._compiling[request.request_id] = (request, future)
+
+    def _admit_compiled(self) -> list[FinishedSequence]:
+        """Hand the sequences whose grammar is ready to the scheduler; those whose grammar or
+        admission failed end as "abort" (the grammar was checked when the request came in, so
+        that is a bug, logged as one). With nothing else to run, wait a moment for a compile."""
+        if self._compiling and not self.scheduler.has_unfinished_requests():
+            wait([future for _, future in self._compiling.values()], GRAMMAR_WAIT_S, FIRST_COMPLETED)
+        failed = []
+        for request_id, (request, future) in list(self._compiling.items()):
+            if not future.done():
+                continue
+            del self._compiling[request_id]
+            try:
+                compiled = future.result()
+                self.scheduler.add_request(request)
+            except Exception as exc:  # noqa: BLE001 - the sequence ends, the engine goes on
+                logger.error("could not schedule %s under its grammar: %s", request_id, exc)
+                failed.append(FinishedSequence(request_id, "abort", None))
+                continue
+            self.structured.start(request_id, compiled)
+        for finished in failed:
+            self._requests.pop(finished.request_id, None)
+        return failed
+
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         """Drop sequences and free their KV blocks now; unknown or finished ids are ignored."""
         for request_id in request_ids:
             self._requests.pop(request_id, None)
+            self._compiling.pop(request_id, None)
             self.scheduler.abort_request(request_id)
+        self.structured.remove(request_ids)
 
     def finish_requests(self, stops: Mapping[str, str]) -> None:
         """End sequences whose text matched a stop string (the frontend sees text; the core does not)."""
         for request_id, stop in stops.items():
             self._requests.pop(request_id, None)
             self.scheduler.finish_request(request_id, "stop", stop)
+        self.structured.remove(stops)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or bool(self._compiling)
 
     def scheduler_stats(self) -> SchedulerStats:
         s = self.scheduler
-        return SchedulerStats(s.num_running, s.num_waiting, s.num_used_blocks, s.num_kv_blocks)
+        return SchedulerStats(s.num_running, s.num_waiting + len(self._compiling), s.num_used_blocks, s.num_kv_blocks)
 
     # ---- the step ---------------------------------------------------------------------------
 
     def step(self) -> CoreStep:
+        failed = self._admit_compiled()
         plan = self.scheduler.schedule()
         first_scheduled = {}
         for group in plan.groups:
@@ -185,11 +242,18 @@ class EngineCore:
         report_load = started - self._routing_asked >= ROUTING_INTERVAL_S
         if report_load:  # asked before the step, so the report includes it
             self.executor.ask_routed_tokens()
-        sampled = self.executor.execute(plan)
+        # One batched fill for every constrained sequence that samples now, shipped with the plan.
+        bitmask = self.structured.bitmask([s.request_id for s in plan.scheduled if s.sample])
+        sampled = self.executor.execute(plan) if bitmask is None else self.executor.execute(plan, bitmask)
         if not plan.is_empty and self.config.min_step_time_s > 0:  # the test-only capacity knob
             time.sleep(max(0.0, started + self.config.min_step_time_s - time.monotonic()))
         duration_s = time.monotonic() - started
-        ended = self.scheduler.update(plan, {rid: t.token_id for rid, t in sampled.items()}, duration_s)
+        token_ids = {rid: t.token_id for rid, t in sampled.items()}
+        ended = self.scheduler.update(plan, token_ids, duration_s)
+        finished = [FinishedSequence(r.request_id, r.finish_reason, r.stop_reason) for r in ended]
+        if bitmask is not None:
+            finished += self._advance_grammars(token_ids, bitmask.request_ids, {r.request_id for r in ended})
+        self.structured.remove(f.request_id for f in finished)
         now = time.monotonic()
         rebalances = self.executor.take_rebalances()
         routed = None
@@ -199,7 +263,7 @@ class EngineCore:
                 self._routing_asked = now
         return CoreStep(
             sampled=sampled,
-            finished=[FinishedSequence(r.request_id, r.finish_reason, r.stop_reason) for r in ended],
+            finished=failed + finished,
             first_scheduled=first_scheduled,
             time=now,
             step_duration_s=duration_s,
@@ -208,3 +272,24 @@ class EngineCore:
             routed_tokens=routed,
             rebalances=rebalances,
         )
+
+    def _advance_grammars(
+        self, token_ids: Mapping[str, int], request_ids: Sequence[str], ended: set[str]
+    ) -> list[FinishedSequence]:
+        """Feed the sampled tokens to their matchers. A complete grammar ends its sequence as
+        "stop" (usually the scheduler already did, on the EOS that completed it; not under
+        ignore_eos); a refused token (the bitmask forbade it, e.g. min_tokens masked the only
+        allowed EOS) ends it as "abort" rather than let it run on outside its grammar."""
+        terminated, refused = self.structured.accept(token_ids, request_ids)
+        finished = []
+        for request_id, reason in [(r, "stop") for r in terminated] + [(r, "abort") for r in refused]:
+            if request_id not in ended and self.scheduler.finish_request(request_id, reason):
+                finished.append(FinishedSequence(request_id, reason, None))
+        return finished
+
+
+def _load_tokenizer(model: str):
+    """The served tokenizer, for compiling grammars (loaded on the compile thread, on first use)."""
+    from moeserve.engine.tokenizer import load_tokenizer
+
+    return load_tokenizer(Path(model))

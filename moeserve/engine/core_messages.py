@@ -26,6 +26,7 @@ from moeserve.scheduler import QueueFullError
 from moeserve.worker.runner import SampledToken
 
 _PARAM_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
+_STRUCTURED = _PARAM_FIELDS.index("structured_outputs")
 
 # Command tags in a `CoreInputs` frame.
 _ADD, _ABORT, _FINISH, _SHUTDOWN = "add", "abort", "finish", "shutdown"
@@ -90,7 +91,10 @@ def refusal(kind: str, message: str) -> Exception:
 
 
 def _params(p: SamplingParams) -> list[Any]:
-    return [getattr(p, name) for name in _PARAM_FIELDS]
+    values = [getattr(p, name) for name in _PARAM_FIELDS]
+    if p.structured_outputs is not None:  # a (kind, spec) pair on the wire; SamplingParams takes it back
+        values[_STRUCTURED] = dataclasses.astuple(p.structured_outputs)
+    return values
 
 
 def encode_inputs(inputs: CoreInputs) -> bytes:

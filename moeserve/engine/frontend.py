@@ -20,6 +20,7 @@ from moeserve.engine.core import CoreRequest, CoreStep, SchedulerStats
 from moeserve.engine.output_processor import OutputProcessor, ProcessedStep
 from moeserve.engine.stats import IterationStats, RequestMetrics, StatLogger
 from moeserve.sampling_params import SamplingParams
+from moeserve.structured import check_structured_outputs
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +75,7 @@ class EngineFrontend:
                 f"the prompt has {len(prompt_token_ids)} tokens; the model's maximum context length is "
                 f"{self.max_model_len}, which leaves no room for a generated token"
             )
+        check_structured_outputs(params.structured_outputs)  # a grammar that does not parse is the caller's error
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         return replace(params, max_tokens=max_tokens, min_tokens=min(params.min_tokens, max_tokens))
 

@@ -190,6 +190,12 @@ class OutputProcessor:
                     processed.stopped[sequence_id] = stop
             elif end is not None:
                 seq.finish_reason, seq.stop_reason = end.finish_reason, end.stop_reason
+        for sequence_id in ended.keys() - step.sampled.keys():  # ended by the core without a token
+            parent_id = self._parent_of.get(sequence_id)
+            if parent_id is not None and self._parents[parent_id].sequences[sequence_id].finish_reason is None:
+                seq = self._parents[parent_id].sequences[sequence_id]
+                seq.finish_reason, seq.stop_reason = ended[sequence_id].finish_reason, ended[sequence_id].stop_reason
+                touched[parent_id] = None
         processed.outputs = [self._output(parent_id, now, stats) for parent_id in touched]
         return processed
 

@@ -16,6 +16,7 @@ from moeserve.dispatch.expert_load import RoutedTokens
 from moeserve.eplb.rebalancer import RebalanceReport
 from moeserve.scheduler import StepPlan
 from moeserve.worker.runner import SampledToken
+from moeserve.worker.sampling_metadata import TokenBitmask
 
 
 class Executor(ABC):
@@ -25,8 +26,9 @@ class Executor(ABC):
     num_kv_blocks: int
 
     @abstractmethod
-    def execute(self, plan: StepPlan) -> dict[str, SampledToken]:
-        """Run one lockstep step; a token for every scheduled request whose plan says `sample`."""
+    def execute(self, plan: StepPlan, token_bitmask: TokenBitmask | None = None) -> dict[str, SampledToken]:
+        """Run one lockstep step; a token for every scheduled request whose plan says `sample`,
+        within `token_bitmask`'s allowed tokens for the requests it covers (structured outputs)."""
 
     @abstractmethod
     def take_routed_tokens(self) -> RoutedTokens | None:

@@ -18,6 +18,7 @@ from moeserve.scheduler import StepPlan
 from moeserve.worker.decode_graphs import GraphSettings, create_decode_graphs
 from moeserve.worker.kv_cache import allocate_kv_caches
 from moeserve.worker.runner import ModelRunner, SampledToken
+from moeserve.worker.sampling_metadata import TokenBitmask
 
 
 class InProcessExecutor(Executor):
@@ -75,9 +76,9 @@ class InProcessExecutor(Executor):
             graphs=graphs,
         )
 
-    def execute(self, plan: StepPlan) -> dict[str, SampledToken]:
+    def execute(self, plan: StepPlan, token_bitmask: TokenBitmask | None = None) -> dict[str, SampledToken]:
         (group,) = plan.groups
-        return self.runner.execute(group)
+        return self.runner.execute(group, token_bitmask=token_bitmask)
 
     def take_routed_tokens(self) -> RoutedTokens | None:
         routed = logical_rows(self.model.take_routed_tokens(), self.expert_map, 0)

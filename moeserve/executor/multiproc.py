@@ -35,6 +35,7 @@ from moeserve.eplb.record import LoadRecord
 from moeserve.executor.base import Executor
 from moeserve.scheduler import StepPlan
 from moeserve.worker.runner import SampledToken
+from moeserve.worker.sampling_metadata import TokenBitmask
 
 logger = logging.getLogger(__name__)
 
@@ -207,13 +208,13 @@ class MultiprocessExecutor(Executor):
 
     # ---- steps -----------------------------------------------------------------------------
 
-    def execute(self, plan: StepPlan) -> dict[str, SampledToken]:
+    def execute(self, plan: StepPlan, token_bitmask: TokenBitmask | None = None) -> dict[str, SampledToken]:
         """Publish the plan; an idle one (nothing to run, no finished ids) is not worth a step."""
         self._check()
         if plan.is_idle:
             return {}
         self._step += 1
-        self._channel.publish(StepInput(self._step, plan.groups, self._routing_wanted))
+        self._channel.publish(StepInput(self._step, plan.groups, self._routing_wanted, token_bitmask))
         self._routing_wanted = False
         return self._collect(self._step)
 

@@ -23,6 +23,7 @@ from moeserve.scheduler import ScheduledRequest, SchedulerOutput
 from moeserve.worker.decode_graphs import DecodeGraphs, is_decode
 from moeserve.worker.input_batch import InputBatch
 from moeserve.worker.sampler import Sampler, SamplerOutput, SamplingRow, make_generator
+from moeserve.worker.sampling_metadata import TokenBitmask
 from moeserve.worker.two_batch import interleave, split_point
 
 
@@ -102,13 +103,15 @@ class ModelRunner:
         max_tokens_per_rank: int | None = None,
         micro_batch_bounds: tuple[int, int] | None = None,
         decode_only: bool | None = None,
+        token_bitmask: TokenBitmask | None = None,
     ) -> dict[str, SampledToken]:
         """max_tokens_per_rank: the most tokens any rank's MoE layers dispatch this step, the same
         on every rank of the EP group (see `MoECausalLM.forward`); None where it is not known.
         micro_batch_bounds: with two-batch overlap, the same bound for each micro-batch
         (`two_batch.micro_batch_bounds`); None: max_tokens_per_rank for both.
         decode_only: whether every rank's step is decodes only, which decides, alike on every
-        rank, whether captured graphs run; None: this plan's own."""
+        rank, whether captured graphs run; None: this plan's own.
+        token_bitmask: the grammar's allowed tokens for requests under structured outputs."""
         self._track(plan)
         scheduled = plan.scheduled
         if not scheduled and not self.lockstep:
@@ -136,7 +139,8 @@ class ModelRunner:
         logits = self.model.compute_logits(last[0] if len(last) == 1 else torch.cat(last))  # [S, V]
         request_ids = [scheduled[i].request_id for i in sampling]
         metadata = self.batch.sampling_metadata(self.batch.slots(request_ids))
-        out = self.sampler.sample(logits, metadata)
+        allowed = None if token_bitmask is None else token_bitmask.for_rows(request_ids, self.device)
+        out = self.sampler.sample(logits, metadata, allowed)
         self.batch.record(metadata, out.token_ids)
         return self._unpack(out, request_ids, metadata.num_logprobs)
 

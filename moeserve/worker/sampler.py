@@ -1,6 +1,8 @@
 """The batched sampler: last-position logits of every sampled request -> one new token each.
 
 Order of operations (vLLM v1's):
+  0. the grammar's bitmask, for rows under structured outputs: disallowed tokens to -inf (vLLM
+     applies it to the logits before its sampler, so its logprobs see it too);
   1. logprobs source, if any row asked for logprobs (see `LogprobsMode`);
   2. min_tokens: mask EOS and stop_token_ids while a row is shorter than its min_tokens;
   3. repetition penalty (prompt + output tokens), then frequency and presence (output only);
@@ -25,7 +27,14 @@ from typing import Literal
 import torch
 
 from moeserve.worker.input_batch import InputBatch
-from moeserve.worker.sampling_metadata import MaskedTokens, PenaltyRows, RandomRows, SamplingMetadata, SamplingRow
+from moeserve.worker.sampling_metadata import (
+    AllowedTokens,
+    MaskedTokens,
+    PenaltyRows,
+    RandomRows,
+    SamplingMetadata,
+    SamplingRow,
+)
 
 LogprobsMode = Literal["raw", "penalized"]
 """Which distribution the returned logprobs describe.
@@ -80,6 +89,22 @@ def mask_tokens(logits: torch.Tensor, masked: MaskedTokens | None) -> None:
     """In place: -inf at the masked (row, token) pairs. logits `[B, V]`."""
     if masked is not None:
         logits.index_put_((masked.rows, masked.token_ids), logits.new_tensor(float("-inf")))
+
+
+def apply_allowed_tokens(logits: torch.Tensor, allowed: AllowedTokens | None) -> None:
+    """In place: -inf on every token the grammar forbids in the constrained rows. logits `[B, V]`.
+
+    Each int32 word unpacks to its 32 bits with one shift and mask, so a row costs `V` boolean
+    ops on the logits' device and nothing per token in Python.
+    """
+    if allowed is None:
+        return
+    vocab = logits.shape[1]
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)  # [32]
+    words = allowed.bitmask.to(logits.device)  # [K, W]
+    bits = ((words.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, :vocab]  # [K, V], 1 = allowed
+    rows = logits.index_select(0, allowed.rows).masked_fill_(bits == 0, float("-inf"))  # [K, V]
+    logits.index_copy_(0, allowed.rows, rows)
 
 
 def penalize(logits: torch.Tensor, penalties: PenaltyRows | None) -> None:
@@ -215,14 +240,18 @@ class Sampler:
         _check_rows(logits, len(rows))
         return self.sample(logits, metadata_for_rows(rows, logits.shape[1], eos_token_ids, logits.device))
 
-    def sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
-        """Sample the next token of every row.
+    def sample(
+        self, logits: torch.Tensor, metadata: SamplingMetadata, allowed: AllowedTokens | None = None
+    ) -> SamplerOutput:
+        """Sample the next token of every row; `allowed`: the grammar's bitmask for the rows under
+        structured outputs (None: no row is constrained).
 
         logits: `[B, V]`, any float dtype (computed in float32; the input is not modified).
         """
         # B = batch rows, V = vocab
         _check_rows(logits, metadata.num_rows)
         logits = logits.to(torch.float32, copy=True)  # [B, V]
+        apply_allowed_tokens(logits, allowed)
         want_logprobs = metadata.max_num_logprobs is not None
         logprobs_src = None
         if want_logprobs and self.logprobs_mode == "raw":

@@ -94,3 +94,34 @@ class SamplingMetadata:
     slots: torch.Tensor
     """`[B]` int64 host tensor: the `InputBatch` slot of each row, so the batch can record the
     sampled tokens."""
+
+
+@dataclass(frozen=True)
+class AllowedTokens:
+    """The grammar's word on some rows: which tokens they may sample next, 32 to an int32 word
+    (token t is allowed when bit t % 32 of word t // 32 is set, xgrammar's layout)."""
+
+    rows: torch.Tensor
+    """`[K]` int64 batch rows."""
+    bitmask: torch.Tensor
+    """`[K, ceil(V / 32)]` int32."""
+
+
+@dataclass(frozen=True)
+class TokenBitmask:
+    """One step's grammar bitmask, by request: made in the engine core, where the grammar
+    matchers live, and shipped with the plan to whichever process samples."""
+
+    request_ids: tuple[str, ...]
+    bitmask: torch.Tensor
+    """`[K, ceil(V / 32)]` int32 on the host; row i is request_ids[i]'s."""
+
+    def for_rows(self, request_ids: Sequence[str], device: torch.device | str) -> AllowedTokens | None:
+        """The rows of a batch sampling `request_ids` (in that order) that this mask covers."""
+        index = {request_id: i for i, request_id in enumerate(self.request_ids)}
+        pairs = [(row, index[r]) for row, r in enumerate(request_ids) if r in index]
+        if not pairs:
+            return None
+        rows, masks = zip(*pairs)
+        bitmask = self.bitmask if list(masks) == list(range(len(self.request_ids))) else self.bitmask[list(masks)]
+        return AllowedTokens(torch.tensor(rows, dtype=torch.int64, device=device), bitmask.to(device))

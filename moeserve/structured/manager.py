@@ -1,0 +1,131 @@
+"""Grammars in the engine core: compiled once per spec, one matcher per constrained sequence.
+
+The matchers live where the scheduler does (the engine core, as in vLLM v1), because that is
+where every sampled token arrives first, whatever the parallel layout: each step the core fills
+one bitmask for the constrained sequences that sample, in one batched call (xgrammar's C++
+threads, the GIL released), and ships it with the plan; the sampling process (the in-process
+runner, or each group's sampling rank) masks its rows' logits with it and never needs xgrammar.
+When the tokens come back the matchers advance.
+
+Compiling needs the served tokenizer (every token's bytes), so it happens here too, on a worker
+thread: a sequence whose grammar is not ready yet is held back by the core, not the scheduler,
+and the step loop never waits for a compile while it has other work.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import xgrammar as xgr
+
+from moeserve.sampling_params import StructuredOutputs
+from moeserve.structured.grammar import build_grammar
+from moeserve.worker.sampling_metadata import TokenBitmask
+
+logger = logging.getLogger(__name__)
+
+COMPILED_CACHE_LIMIT = 256  # distinct specs kept compiled; the oldest compiled ones go first
+
+
+class GrammarCompiler:
+    """Compiled grammars by spec, each compiled once, on one worker thread.
+
+    `load_tokenizer` is called on that thread the first time a grammar is needed, so a server
+    that never sees structured outputs never builds the tokenizer's xgrammar view.
+    """
+
+    def __init__(
+        self,
+        load_tokenizer: Callable[[], object],
+        vocab_size: int,
+        eos_token_ids: Sequence[int],
+        max_threads: int = 2,
+    ) -> None:
+        self._load_tokenizer = load_tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_ids = list(eos_token_ids)
+        self._max_threads = max_threads
+        self._compiler: xgr.GrammarCompiler | None = None
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moeserve-grammar")
+        self._compiled: dict[StructuredOutputs, Future[xgr.CompiledGrammar]] = {}
+        self._lock = threading.Lock()
+
+    def compile(self, spec: StructuredOutputs) -> Future[xgr.CompiledGrammar]:
+        """The compiled grammar of `spec`, or the compile in progress (ValueError if it fails)."""
+        with self._lock:
+            future = self._compiled.get(spec)
+            if future is None:
+                future = self._pool.submit(self._compile, spec)
+                self._compiled[spec] = future
+                self._evict()
+            else:  # most recently used last
+                self._compiled[spec] = self._compiled.pop(spec)
+            return future
+
+    def _evict(self) -> None:
+        done = [spec for spec, future in self._compiled.items() if future.done()]
+        for spec in done[: max(0, len(self._compiled) - COMPILED_CACHE_LIMIT)]:
+            del self._compiled[spec]
+
+    def _compile(self, spec: StructuredOutputs) -> xgr.CompiledGrammar:
+        if self._compiler is None:
+            tokenizer = self._load_tokenizer()
+            info = xgr.TokenizerInfo.from_huggingface(
+                tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.eos_token_ids
+            )
+            self._compiler = xgr.GrammarCompiler(info, max_threads=self._max_threads)
+        return self._compiler.compile_grammar(build_grammar(spec))
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class StructuredOutputManager:
+    """Matchers of the constrained sequences, by sequence id."""
+
+    def __init__(self, compiler: GrammarCompiler, max_threads: int = 2) -> None:
+        self.compiler = compiler
+        self._batch = xgr.BatchGrammarMatcher(max_threads=max_threads)
+        self._matchers: dict[str, xgr.GrammarMatcher] = {}
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._matchers
+
+    def start(self, request_id: str, compiled: xgr.CompiledGrammar) -> None:
+        """A fresh matcher for a sequence about to be scheduled."""
+        self._matchers[request_id] = xgr.GrammarMatcher(compiled)
+
+    def remove(self, request_ids: Iterable[str]) -> None:
+        for request_id in request_ids:
+            self._matchers.pop(request_id, None)
+
+    def bitmask(self, request_ids: Sequence[str]) -> TokenBitmask | None:
+        """The allowed next tokens of those of `request_ids` under a grammar, in one batched fill."""
+        constrained = [r for r in request_ids if r in self._matchers]
+        if not constrained:
+            return None
+        bitmask = xgr.allocate_token_bitmask(len(constrained), self.compiler.vocab_size)  # [K, W] int32
+        self._batch.batch_fill_next_token_bitmask([self._matchers[r] for r in constrained], bitmask)
+        return TokenBitmask(tuple(constrained), bitmask)
+
+    def accept(self, sampled: Mapping[str, int], request_ids: Iterable[str]) -> tuple[list[str], list[str]]:
+        """Advance the matchers of `request_ids` by their sampled tokens: (sequences whose grammar
+        is now complete and ended, sequences whose token the grammar refused)."""
+        terminated, refused = [], []
+        for request_id in request_ids:
+            matcher = self._matchers.get(request_id)
+            token = sampled.get(request_id)
+            if matcher is None or token is None:
+                continue
+            if not matcher.accept_token(token):
+                logger.error("the grammar of %s refused its sampled token %d", request_id, token)
+                refused.append(request_id)
+            elif matcher.is_terminated():
+                terminated.append(request_id)
+        return terminated, refused
+
+    def shutdown(self) -> None:
+        self.compiler.shutdown()

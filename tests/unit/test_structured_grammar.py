@@ -1,0 +1,133 @@
+"""Grammars: a bad spec is a ValueError naming the problem; each spec compiles once; the matcher
+and the bitmask it fills agree with what the spec allows."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from moeserve.sampling_params import SamplingParams, StructuredOutputs
+from moeserve.structured import GrammarCompiler, StructuredOutputManager, build_grammar, check_structured_outputs
+from moeserve.structured import manager as manager_module
+
+VOCAB = 320
+EOS = 2
+
+
+@pytest.mark.parametrize(
+    ("spec", "words"),
+    [
+        (StructuredOutputs("json", '{"type": "objec"}'), "JSON schema: Unsupported type"),
+        (StructuredOutputs("json", "{not json"), "JSON schema: the schema is not valid JSON"),
+        (StructuredOutputs("json", "[1, 2]"), "a schema is a JSON object"),
+        (StructuredOutputs("regex", "(("), "regex: Regex parsing error at position 3"),
+        (
+            StructuredOutputs("grammar", "root ::= rule"),
+            'EBNF grammar: EBNF parser error at line 1, column 10: Rule "rule"',
+        ),
+    ],
+)
+def test_bad_specs_raise_value_errors_that_name_the_problem(spec: StructuredOutputs, words: str) -> None:
+    with pytest.raises(ValueError) as info:
+        check_structured_outputs(spec)
+    assert words in str(info.value)
+    assert "/project/" not in str(info.value)  # xgrammar's C++ log prefix is cut
+    with pytest.raises(ValueError, match="Unsupported type|not valid|JSON object|Regex|EBNF"):
+        check_structured_outputs(spec)  # remembered, and still refused
+
+
+def test_sampling_params_take_the_wire_form_and_refuse_unknown_kinds() -> None:
+    params = SamplingParams(structured_outputs=["regex", "a+"])
+    assert params.structured_outputs == StructuredOutputs("regex", "a+")
+    with pytest.raises(ValueError, match="kind must be one of"):
+        StructuredOutputs("yaml", "")
+    with pytest.raises(ValueError, match="non-empty list"):
+        StructuredOutputs.choice([])
+
+
+def _manager(tokenizer_dir: Path, loads: list[int]) -> StructuredOutputManager:
+    def load():
+        loads.append(1)
+        return AutoTokenizer.from_pretrained(str(tokenizer_dir))
+
+    return StructuredOutputManager(GrammarCompiler(load, VOCAB, [EOS]))
+
+
+def test_each_spec_compiles_once_and_the_tokenizer_loads_once(tokenizer_dir: Path, monkeypatch) -> None:
+    built: list[StructuredOutputs] = []
+    real = manager_module.build_grammar
+    monkeypatch.setattr(manager_module, "build_grammar", lambda spec: built.append(spec) or real(spec))
+    loads: list[int] = []
+    compiler = _manager(tokenizer_dir, loads).compiler
+    a = StructuredOutputs.json_schema({"type": "object", "properties": {"x": {"type": "integer"}}})
+    b = StructuredOutputs("regex", "[ab]{2}")
+    first = compiler.compile(a)
+    assert (
+        compiler.compile(StructuredOutputs.json_schema({"type": "object", "properties": {"x": {"type": "integer"}}}))
+        is first
+    )
+    compiler.compile(b).result(timeout=30)
+    first.result(timeout=30)
+    assert built == [a, b] and loads == [1]
+    compiler.shutdown()
+
+
+def _allowed(bitmask: torch.Tensor, row: int) -> set[int]:
+    bits = ((bitmask[row].unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1).flatten()[:VOCAB]
+    return set(bits.nonzero().flatten().tolist())
+
+
+def test_bitmask_follows_the_choice_and_the_grammar_ends_on_eos(tokenizer_dir: Path) -> None:
+    """Choices with characters the EBNF literal must escape; only their tokens are allowed, and
+    once one is complete only EOS, which terminates the matcher."""
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    manager = _manager(tokenizer_dir, [])
+    choices = ['say "hi"', "back\\slash", "é"]
+    manager.start("r", manager.compiler.compile(StructuredOutputs.choice(choices)).result(timeout=30))
+    manager.start("free", manager.compiler.compile(StructuredOutputs("json_object")).result(timeout=30))
+    mask = manager.bitmask(["other", "r"])  # an unconstrained id is left out
+    assert mask is not None and mask.request_ids == ("r",)
+    allowed = _allowed(mask.bitmask, 0)
+    starts = {tokenizer.encode(c)[0] for c in choices}
+    assert starts <= allowed
+    whole = [tokenizer.decode([t]) for t in allowed if "\ufffd" not in tokenizer.decode([t])]  # not half a UTF-8 char
+    assert whole and all(any(c.startswith(text) for c in choices) for text in whole)
+    for token in tokenizer.encode(choices[0]):
+        assert manager.accept({"r": token}, ["r"]) == ([], [])
+    mask = manager.bitmask(["r"])
+    assert _allowed(mask.bitmask, 0) == {EOS}
+    assert manager.accept({"r": EOS}, ["r"]) == (["r"], [])
+    assert manager.accept({"free": tokenizer.encode("]")[0]}, ["free"]) == ([], ["free"])  # not a JSON object
+    manager.shutdown()
+
+
+def test_json_grammar_is_compact_and_strict() -> None:
+    """No free whitespace (a random model could pad forever) and no properties beyond the schema."""
+    schema = {"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"]}
+    ebnf = str(build_grammar(StructuredOutputs("json", json.dumps(schema))))
+    assert "[ \\n\\t]" not in ebnf and "basic_object_properties" not in ebnf.split("root ::=")[1]
+
+
+def test_length_bounded_strings_stay_valid_json(tokenizer_dir: Path) -> None:
+    """xgrammar 0.2.8 lets control characters into a maxLength string; ours keeps them out."""
+    import xgrammar as xgr
+
+    manager = _manager(tokenizer_dir, [])
+    schema = {
+        "type": "object",
+        "properties": {"s": {"type": "string", "minLength": 1, "maxLength": 3}},
+        "required": ["s"],
+    }
+    compiled = manager.compiler.compile(StructuredOutputs.json_schema(schema)).result(timeout=30)
+
+    def accepts(text: str) -> bool:
+        matcher = xgr.GrammarMatcher(compiled)
+        return matcher.accept_string(text) and matcher.is_completed()
+
+    assert accepts('{"s": "abé"}')
+    assert not any(accepts(t) for t in ['{"s": "\x07"}', '{"s": ""}', '{"s": "abcd"}', '{"s": "a"b"}'])
+    manager.shutdown()
