@@ -17,7 +17,17 @@ VOCAB = 320  # 256 byte symbols + specials + a few merges: the smallest useful b
 
 def hf_config(arch: str, **overrides: Any):
     """A transformers config for a tiny model of `arch`; overrides use HF's own field names."""
-    from transformers import DeepseekV2Config, DeepseekV3Config, MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
+    from transformers import (
+        DeepseekV2Config,
+        DeepseekV3Config,
+        Glm4MoeConfig,
+        GptOssConfig,
+        MiniMaxM2Config,
+        MixtralConfig,
+        OlmoeConfig,
+        Qwen2MoeConfig,
+        Qwen3MoeConfig,
+    )
 
     common = dict(
         vocab_size=VOCAB,
@@ -90,6 +100,49 @@ def hf_config(arch: str, **overrides: Any):
             topk_group=2,
         )
         cls = DeepseekV2Config
+    elif arch == "olmoe":  # q/k norm over the whole projection; head_dim = hidden / heads
+        cfg = dict(common, intermediate_size=32, num_experts=6, num_experts_per_tok=2)
+        cls = OlmoeConfig
+    elif arch == "glm4_moe":
+        cfg = dict(
+            common,
+            head_dim=16,
+            moe_intermediate_size=32,
+            n_routed_experts=8,
+            n_group=2,
+            topk_group=1,
+            num_experts_per_tok=3,
+            first_k_dense_replace=1,
+            n_shared_experts=1,
+            routed_scaling_factor=2.5,
+            use_qk_norm=True,
+            attention_bias=True,
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5),
+        )
+        cls = Glm4MoeConfig
+    elif arch == "minimax_m2":  # the released config's legacy rotary_dim: a quarter of each head rotates
+        cfg = dict(common, head_dim=16, intermediate_size=32, num_local_experts=6, num_experts_per_tok=2, rotary_dim=4)
+        cls = MiniMaxM2Config
+    elif arch == "gpt_oss":
+        cfg = dict(
+            common,
+            head_dim=16,
+            intermediate_size=32,
+            num_local_experts=6,
+            num_experts_per_tok=2,
+            sliding_window=8,
+            swiglu_limit=1.0,  # low enough that the tiny model's gate and up values get clamped
+            rope_parameters=dict(
+                rope_type="yarn",
+                rope_theta=150000.0,
+                factor=4.0,
+                beta_fast=32.0,
+                beta_slow=1.0,
+                truncate=False,
+                original_max_position_embeddings=64,
+            ),
+        )
+        cls = GptOssConfig
     else:
         raise ValueError(arch)
     cfg.update(overrides)
@@ -112,8 +165,8 @@ def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def make_checkpoint(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Callable[..., Path]:
     """make_checkpoint(arch, seed=0, **hf_overrides) -> folder, built once per distinct request.
 
-    Weights come from transformers' own random init; DeepSeek's correction bias (zero at init)
-    is randomised so that routing path is exercised.
+    Weights come from transformers' own random init; the correction biases of sigmoid routers
+    and gpt-oss's expert biases (zero at init) are randomised so that their paths are exercised.
     """
     root = tmp_path_factory.mktemp("checkpoints")
     built: dict[str, Path] = {}
@@ -136,6 +189,10 @@ def write_checkpoint(folder: Path, tokenizer_dir: Path, arch: str, seed: int = 0
     for name, buf in model.named_buffers():
         if name.endswith("e_score_correction_bias"):
             buf.normal_(0.0, 0.05)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("experts.gate_up_proj_bias", "experts.down_proj_bias")):
+                param.normal_(0.0, 0.1)
     model.save_pretrained(folder)
     for f in tokenizer_dir.iterdir():
         shutil.copy(f, folder / f.name)
