@@ -59,9 +59,9 @@ EP8_TP = {"mixtral": 2, "qwen2_moe": 1, "qwen3_moe": 2, "deepseek_v2": 2, "deeps
 # whole-projection q/k norm then sums its squares over the tensor-parallel pair, gpt-oss's
 # sinks are split by head, its fused expert tensors read by expert).
 NEWER = ("glm4_moe", "gpt_oss", "minimax_m2", "olmoe")
-ARCH_LAYOUTS = [
-    (arch, ep, tp) for arch in sorted(EP8_TP) for ep, tp in LAYOUTS if ep < 8 or tp == EP8_TP[arch]
-] + [(arch, 4, 2) for arch in NEWER]
+ARCH_LAYOUTS = [(arch, ep, tp) for arch in sorted(EP8_TP) for ep, tp in LAYOUTS if ep < 8 or tp == EP8_TP[arch]] + [
+    (arch, 4, 2) for arch in NEWER
+]
 
 
 @pytest.mark.parametrize("arch,ep,tp", ARCH_LAYOUTS, ids=[f"{a}-ep{e}-tp{t}" for a, e, t in ARCH_LAYOUTS])
