@@ -5,7 +5,7 @@ the one refusal of unsupported quantization methods."""
 from __future__ import annotations
 
 import pytest
-from conftest import hf_config
+from helpers.hf_configs import hf_config
 
 from moeserve.models import CheckpointError
 from moeserve.models.architectures import SUPPORTED_QUANT_METHODS, resolve_architecture
