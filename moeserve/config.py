@@ -20,6 +20,7 @@ __all__ = [
     "DTYPES",
     "CacheConfig",
     "EngineConfig",
+    "GatedActivation",
     "MLAConfig",
     "ModelConfig",
     "ParallelConfig",
@@ -84,10 +85,12 @@ class RouterConfig:
     renormalises; Qwen only with norm_topk_prob); with groups (DeepSeek-V2's
     group_limited_greedy) only experts of the `topk_groups` groups holding the best experts.
     `grouped_sigmoid`: DeepSeek-V3 — sigmoid scores, a per-expert correction bias used only for
-    choosing, group-limited selection, optional renormalisation, then a global scale.
+    choosing, group-limited selection, optional renormalisation, then a global scale (GLM-4.5
+    alike; MiniMax-M2 with one group).
+    `topk_softmax`: gpt-oss — top-k of the raw logits, then softmax over the k picked logits.
     """
 
-    kind: Literal["softmax", "grouped_sigmoid"]
+    kind: Literal["softmax", "grouped_sigmoid", "topk_softmax"]
     top_k: int
     renormalize: bool
     num_groups: int = 1
@@ -95,6 +98,21 @@ class RouterConfig:
     routed_scaling_factor: float = 1.0
     has_correction_bias: bool = False
     logits_in_fp32: bool = False  # DeepSeek computes the gate GEMM in float32
+    has_bias: bool = False  # gpt-oss: the gate linear has a bias
+
+
+@dataclass(frozen=True)
+class GatedActivation:
+    """How an expert turns its gate and up projections into the down projection's input.
+
+    `silu`: silu(gate) * up (every architecture but gpt-oss).
+    `clamped_swiglu`: gpt-oss — gate clamped above at `limit`, up to [-limit, limit], then
+    (up + 1) * gate * sigmoid(alpha * gate).
+    """
+
+    kind: Literal["silu", "clamped_swiglu"] = "silu"
+    alpha: float = 1.702
+    limit: float = 7.0
 
 
 @dataclass(frozen=True)
@@ -121,7 +139,13 @@ class ModelConfig:
     shared_expert_gated: bool = False  # Qwen2-MoE: sigmoid(linear(x)) scales the shared expert
     qkv_bias: bool = False
     o_bias: bool = False
-    qk_norm: bool = False  # Qwen3: RMSNorm over each head's q and k
+    qk_norm: Literal["none", "head", "full"] = "none"
+    """RMSNorm of q and k before rotary: over each head (Qwen3, GLM-4.5) or over the whole
+    projection, all heads together (OLMoE, MiniMax-M2)."""
+    clip_qkv: float | None = None  # OLMoE: q, k, v clamped to [-clip, clip] after the norm
+    attention_sinks: bool = False  # gpt-oss: a learnt per-head logit joins every softmax
+    expert_activation: GatedActivation = GatedActivation()
+    expert_bias: bool = False  # gpt-oss: the experts' gate/up and down projections have biases
     mla: MLAConfig | None = None
     attention_scale: float | None = None  # None: head_dim ** -0.5
     tie_word_embeddings: bool = False
@@ -137,6 +161,8 @@ class ModelConfig:
             raise ValueError(f"num_experts_per_tok {self.router.top_k} must be in [1, {self.num_experts}]")
         if len(self.moe_layers) != self.num_layers or len(self.sliding_windows) != self.num_layers:
             raise ValueError("per-layer settings must have num_hidden_layers entries")
+        if not 0 < self.rope.rotary_dim <= self.head_dim or self.rope.rotary_dim % 2:
+            raise ValueError(f"rotary dim {self.rope.rotary_dim} must be even and in (0, head_dim {self.head_dim}]")
         if self.router.kind == "grouped_sigmoid" and self.num_experts % self.router.num_groups:
             raise ValueError(
                 f"n_routed_experts {self.num_experts} is not divisible by n_group {self.router.num_groups}"

@@ -13,8 +13,12 @@ Two departures from HF's own random init, both so that the tiny models test some
   flat (std ~0.15) and greedy decoding often falls into one repeated token; at 0.2 greedy text
   is varied, next-token distributions are peaked enough for sampling settings to matter, and the
   router spreads tokens over the experts.
-- DeepSeek-V3's ``e_score_correction_bias`` (zero in HF's init) gets small random float32 values,
-  else the bias path of its router would go untested.
+- The correction bias of sigmoid routers (DeepSeek-V3, GLM-4.5, MiniMax-M2; zero in HF's init)
+  gets small random float32 values, and so do gpt-oss's expert biases, else those paths would
+  go untested.
+
+gpt-oss is saved as transformers lays out its bf16 form: a layer's experts in four stacked
+tensors (``mlp.experts.gate_up_proj`` and ``down_proj`` with their biases), not one per expert.
 """
 
 import dataclasses
@@ -27,7 +31,11 @@ from transformers import (
     AutoModelForCausalLM,
     DeepseekV3Config,
     GenerationConfig,
+    Glm4MoeConfig,
+    GptOssConfig,
+    MiniMaxM2Config,
     MixtralConfig,
+    OlmoeConfig,
     PreTrainedConfig,
     PreTrainedModel,
     Qwen2MoeConfig,
@@ -43,6 +51,7 @@ __all__ = ["SUPPORTED_ARCHS", "MakeModelSpec", "make_model"]
 
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _CORRECTION_BIAS_STD = 0.05  # flips the choice of some, not all, tokens' experts (sigmoid scores)
+_EXPERT_BIAS_STD = 0.1  # gpt-oss's expert biases: of the order of its projections' outputs at init
 
 
 def make_model(spec: MakeModelSpec, out_dir: Path) -> Path:
@@ -59,8 +68,8 @@ def make_model(spec: MakeModelSpec, out_dir: Path) -> Path:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(spec.seed)
         model = AutoModelForCausalLM.from_config(config, dtype=_TORCH_DTYPES[spec.dtype])
-        if spec.arch == "deepseek_v3":
-            _randomise_correction_bias(model)
+        _randomise_correction_bias(model)
+        _randomise_expert_biases(model)
     model.generation_config = _generation_config()
     model.save_pretrained(out_dir, max_shard_size=spec.max_shard_bytes)
     train_tokenizer(spec.vocab, out_dir, model_max_length=spec.max_position_embeddings)
@@ -79,8 +88,16 @@ def _describe(spec: MakeModelSpec) -> str:
     return ", ".join(changed) or "defaults"
 
 
+def _randomise_expert_biases(model: PreTrainedModel) -> None:
+    """Give gpt-oss's expert biases (zero in HF's init) small random values, in the model's dtype."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("experts.gate_up_proj_bias", "experts.down_proj_bias")):
+                param.copy_(torch.randn(param.shape) * _EXPERT_BIAS_STD)
+
+
 def _randomise_correction_bias(model: PreTrainedModel) -> None:
-    """Give every DeepSeek router's ``e_score_correction_bias`` small random float32 values.
+    """Give every sigmoid router's ``e_score_correction_bias`` small random float32 values.
 
     Random, so that the bias changes which experts some tokens get (about a fifth of them at the
     default sizes). Float32 whatever the model's dtype, as in DeepSeek's own checkpoints, so
@@ -178,9 +195,73 @@ def _deepseek_v3_config(spec: MakeModelSpec) -> PreTrainedConfig:
     )
 
 
+def _olmoe_config(spec: MakeModelSpec) -> PreTrainedConfig:
+    """OLMoE: q/k norms over the whole projections, softmax top-k not renormalised (as released);
+    experts sized by ``intermediate_size``, head size hidden / heads."""
+    return OlmoeConfig(
+        **_common_config(spec, "OlmoeForCausalLM"),
+        num_key_value_heads=spec.kv_heads,
+        intermediate_size=spec.expert_intermediate,
+        num_experts=spec.experts,
+        norm_topk_prob=False,
+    )
+
+
+def _glm4_moe_config(spec: MakeModelSpec) -> PreTrainedConfig:
+    """GLM-4.5: DeepSeek-V3's router, dense first layers and shared experts on GQA attention with
+    q/k/v biases, per-head q/k norm and rotary over half of each head (as GLM-4.5 and 4.6)."""
+    return Glm4MoeConfig(
+        **_common_config(spec, "Glm4MoeForCausalLM"),
+        num_key_value_heads=spec.kv_heads,
+        head_dim=spec.head_dim,
+        intermediate_size=spec.dense_intermediate,
+        moe_intermediate_size=spec.expert_intermediate,
+        n_routed_experts=spec.experts,
+        n_shared_experts=spec.n_shared_experts,
+        routed_scaling_factor=spec.routed_scaling_factor,
+        n_group=spec.n_group,
+        topk_group=spec.topk_group,
+        first_k_dense_replace=spec.first_k_dense_replace,
+        norm_topk_prob=True,
+        use_qk_norm=True,
+        attention_bias=True,
+        partial_rotary_factor=0.5,
+        num_mtp_layers=0,
+    )
+
+
+def _minimax_m2_config(spec: MakeModelSpec) -> PreTrainedConfig:
+    """MiniMax-M2: sigmoid router with a correction bias, q/k norms over the whole projections,
+    rotary over half of each head (the released ``rotary_dim`` 64 of 128)."""
+    return MiniMaxM2Config(
+        **_common_config(spec, "MiniMaxM2ForCausalLM"),
+        num_key_value_heads=spec.kv_heads,
+        head_dim=spec.head_dim,
+        intermediate_size=spec.expert_intermediate,
+        num_local_experts=spec.experts,
+        rotary_dim=spec.head_dim // 2,
+    )
+
+
+def _gpt_oss_config(spec: MakeModelSpec) -> PreTrainedConfig:
+    """gpt-oss: attention sinks, alternating sliding (128) and full layers, YaRN, biased experts
+    with the clamped SwiGLU; transformers' defaults for all of these."""
+    return GptOssConfig(
+        **_common_config(spec, "GptOssForCausalLM"),
+        num_key_value_heads=spec.kv_heads,
+        head_dim=spec.head_dim,
+        intermediate_size=spec.expert_intermediate,
+        num_local_experts=spec.experts,
+    )
+
+
 _ARCH_CONFIGS: dict[str, Callable[[MakeModelSpec], PreTrainedConfig]] = {
     "mixtral": _mixtral_config,
     "qwen2_moe": _qwen2_moe_config,
     "qwen3_moe": _qwen3_moe_config,
     "deepseek_v3": _deepseek_v3_config,
+    "olmoe": _olmoe_config,
+    "glm4_moe": _glm4_moe_config,
+    "minimax_m2": _minimax_m2_config,
+    "gpt_oss": _gpt_oss_config,
 }

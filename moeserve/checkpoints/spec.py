@@ -11,10 +11,12 @@ from typing import Literal, get_args
 
 from moeserve.checkpoints.tokenizer import MIN_VOCAB_SIZE
 
-Arch = Literal["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3"]
+Arch = Literal["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "olmoe", "glm4_moe", "minimax_m2", "gpt_oss"]
 DType = Literal["float32", "bfloat16", "float16"]
 SUPPORTED_ARCHS: tuple[str, ...] = get_args(Arch)
 SUPPORTED_DTYPES: tuple[str, ...] = get_args(DType)
+GROUPED_ROUTER_ARCHS = ("deepseek_v3", "glm4_moe")  # group-limited routing, dense first layers, shared experts
+NO_DENSE_MLP_ARCHS = ("mixtral", "olmoe", "minimax_m2", "gpt_oss")  # every layer MoE, experts sized alone
 
 
 @dataclass(frozen=True)
@@ -26,7 +28,7 @@ class MakeModelSpec:
     """
 
     arch: Arch
-    """Architecture: mixtral, qwen2_moe, qwen3_moe or deepseek_v3."""
+    """Architecture: mixtral, qwen2_moe, qwen3_moe, deepseek_v3, olmoe, glm4_moe, minimax_m2 or gpt_oss."""
     layers: int = 2
     """Decoder layers."""
     hidden: int = 64
@@ -42,10 +44,11 @@ class MakeModelSpec:
     kv_heads: int = 2
     """Key/value heads (GQA). Ignored by deepseek_v3, whose MLA has one per query head."""
     head_dim: int = 16
-    """Attention head size. Ignored by deepseek_v3, which has the qk_*/v_head_dim fields."""
+    """Attention head size. Ignored by deepseek_v3, which has the qk_*/v_head_dim fields; olmoe
+    needs heads * head_dim == hidden (its q/k norms are sized from hidden)."""
     intermediate: int | None = None
-    """Dense MLP size (deepseek_v3's first layers; qwen writes it but uses it nowhere);
-    default 2*hidden. Mixtral has no dense MLP."""
+    """Dense MLP size (deepseek_v3's and glm4_moe's first layers; qwen writes it but uses it
+    nowhere); default 2*hidden. mixtral, olmoe, minimax_m2 and gpt_oss have no dense MLP."""
     moe_intermediate: int | None = None
     """One expert's MLP size; default hidden/2, unlike hidden so a transposed weight fails."""
     shared_expert_intermediate: int | None = None
@@ -61,15 +64,15 @@ class MakeModelSpec:
     v_head_dim: int = 16
     """deepseek_v3: value head size."""
     n_group: int = 4
-    """deepseek_v3: expert groups for group-limited routing (V3: 8 groups of 32)."""
+    """deepseek_v3, glm4_moe: expert groups for group-limited routing (V3: 8 groups of 32)."""
     topk_group: int = 2
-    """deepseek_v3: groups each token may take experts from (V3: 4 of 8)."""
+    """deepseek_v3, glm4_moe: groups each token may take experts from (V3: 4 of 8)."""
     first_k_dense_replace: int = 1
-    """deepseek_v3: leading layers with a dense MLP instead of MoE."""
+    """deepseek_v3, glm4_moe: leading layers with a dense MLP instead of MoE."""
     n_shared_experts: int = 1
-    """deepseek_v3: shared experts, which every token goes through."""
+    """deepseek_v3, glm4_moe: shared experts, which every token goes through."""
     routed_scaling_factor: float = 2.5
-    """deepseek_v3: scale of the routed experts' weights (V3's value)."""
+    """deepseek_v3, glm4_moe: scale of the routed experts' weights (V3's value)."""
     init_std: float = 0.2
     """Std of the random init; HF's 0.02 leaves tiny models' greedy text repeating one token."""
     seed: int = 0
@@ -87,6 +90,8 @@ class MakeModelSpec:
             _check_deepseek(self)
         else:
             _check_gqa(self)
+        if self.arch in GROUPED_ROUTER_ARCHS:
+            _check_grouped_router(self)
 
     @property
     def dense_intermediate(self) -> int:
@@ -127,8 +132,8 @@ def _check_common(spec: MakeModelSpec) -> None:
     )
     _require(spec.init_std > 0, f"init_std={spec.init_std} must be positive")
     _require(
-        spec.arch != "mixtral" or spec.intermediate is None,
-        "mixtral has no dense MLP: set moe_intermediate, not intermediate",
+        spec.arch not in NO_DENSE_MLP_ARCHS or spec.intermediate is None,
+        f"{spec.arch} has no dense MLP: set moe_intermediate, not intermediate",
     )
     _require(
         spec.arch == "qwen2_moe" or spec.shared_expert_intermediate is None,
@@ -144,18 +149,33 @@ def _check_gqa(spec: MakeModelSpec) -> None:
         spec.head_dim > 0 and spec.head_dim % 2 == 0,
         f"head_dim={spec.head_dim} must be positive and even (rotary embeddings rotate pairs)",
     )
+    _require(
+        spec.arch not in ("glm4_moe", "minimax_m2") or spec.head_dim % 4 == 0,
+        f"head_dim={spec.head_dim}: {spec.arch} rotates half of each head, so it must be a multiple of 4",
+    )
+    _require(
+        spec.arch != "olmoe" or spec.heads * spec.head_dim == spec.hidden,
+        f"olmoe sizes its q/k norms from hidden: heads*head_dim={spec.heads * spec.head_dim} must equal "
+        f"hidden={spec.hidden}",
+    )
 
 
 def _check_deepseek(spec: MakeModelSpec) -> None:
-    """Checks for DeepSeek-V3: MLA sizes and group-limited routing."""
-    # n_shared_experts too: HF's DeepseekV3 always builds them, and with 0 saves empty tensors.
-    for name in ("kv_lora_rank", "qk_nope_head_dim", "v_head_dim", "n_group", "topk_group", "n_shared_experts"):
+    """Checks for DeepSeek-V3's MLA sizes."""
+    for name in ("kv_lora_rank", "qk_nope_head_dim", "v_head_dim"):
         _require(getattr(spec, name) > 0, f"{name}={getattr(spec, name)} must be positive")
     _require(spec.q_lora_rank >= 0, f"q_lora_rank={spec.q_lora_rank} must be positive, or 0 for none")
     _require(
         spec.qk_rope_head_dim > 0 and spec.qk_rope_head_dim % 2 == 0,
         f"qk_rope_head_dim={spec.qk_rope_head_dim} must be positive and even",
     )
+
+
+def _check_grouped_router(spec: MakeModelSpec) -> None:
+    """Checks for DeepSeek-V3's and GLM-4.5's group-limited routing, shared experts, dense layers."""
+    # n_shared_experts too: HF always builds them, and with 0 saves empty tensors.
+    for name in ("n_group", "topk_group", "n_shared_experts"):
+        _require(getattr(spec, name) > 0, f"{name}={getattr(spec, name)} must be positive")
     _require(spec.experts % spec.n_group == 0, f"experts={spec.experts} is not divisible by n_group={spec.n_group}")
     per_group = spec.experts // spec.n_group
     # The router scores a group by the sum of its two best experts.

@@ -239,6 +239,8 @@ def route(
             f"config has_correction_bias={cfg.has_correction_bias} but correction_bias is "
             f"{'missing' if correction_bias is None else 'given'}"
         )
+    if cfg.kind not in ("softmax", "grouped_sigmoid"):
+        raise ValueError(f"router kind {cfg.kind!r} has no Triton kernel (softmax, grouped_sigmoid)")
     if cfg.kind == "grouped_sigmoid":
         return grouped_sigmoid_topk(
             logits,

@@ -14,6 +14,7 @@ import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 
@@ -44,6 +45,54 @@ class WeightSource:
         return [n for part in self.parts for n in part]
 
 
+FusedLayout = Literal["gate_up", "gate_up_bias", "down", "down_bias"]
+
+
+@dataclass(frozen=True)
+class FusedExpertsSource:
+    """Rows `experts` of one checkpoint tensor stacking all `num_experts` experts of a layer
+    (gpt-oss), each turned into our layout:
+
+    gate_up      `[E, H, 2I]`, gate and up columns interleaved -> w13 `[2I, H]`, gate rows then up rows
+    gate_up_bias `[E, 2I]`, interleaved alike                   -> b13 `[2I]`
+    down         `[E, I, H]`                                     -> w2 `[H, I]`
+    down_bias    `[E, H]`                                        -> b2 `[H]`
+    """
+
+    name: str
+    experts: tuple[int, ...]
+    num_experts: int
+    layout: FusedLayout
+
+    @property
+    def names(self) -> list[str]:
+        return [self.name]
+
+    def expected_shape(self, target: torch.Size) -> tuple[int, ...]:
+        """The checkpoint tensor's shape for our stacked parameter of shape `target`."""
+        per_expert = tuple(target[1:])
+        if self.layout in ("gate_up", "down"):
+            per_expert = per_expert[::-1]
+        return (self.num_experts, *per_expert)
+
+    def read(self, reader: CheckpointReader, dtype: torch.dtype) -> torch.Tensor:
+        return torch.stack([self._ours(reader.get_part(self.name, 0, e, 1)[0].to(dtype)) for e in self.experts])
+
+    def _ours(self, t: torch.Tensor) -> torch.Tensor:
+        if self.layout in ("gate_up", "down"):
+            t = t.t()
+        if self.layout in ("gate_up", "gate_up_bias"):
+            t = torch.cat((t[0::2], t[1::2]))
+        return t.contiguous()
+
+
+_FUSED = {
+    "mlp.experts.w13": ("gate_up_proj", "gate_up"),
+    "mlp.experts.b13": ("gate_up_proj_bias", "gate_up_bias"),
+    "mlp.experts.w2": ("down_proj", "down"),
+    "mlp.experts.b2": ("down_proj_bias", "down_bias"),
+}
+
 # Our names for the layer tensors common to every architecture -> checkpoint suffixes.
 _COMMON = {
     "input_norm.weight": "input_layernorm.weight",
@@ -57,11 +106,17 @@ _COMMON = {
 }
 
 
-def layer_source(layer: int, suffix: str, names: CheckpointNames, local_experts: tuple[int, ...]) -> WeightSource:
+def layer_source(
+    layer: int, suffix: str, names: CheckpointNames, local_experts: tuple[int, ...], num_experts: int
+) -> WeightSource | FusedExpertsSource:
     """Checkpoint tensors behind `layers.{layer}.{suffix}` of our model; local_experts: the
-    checkpoint expert in each of this rank's slots of that layer (unused if it has no experts)."""
+    checkpoint expert in each of this rank's slots of that layer (unused if it has no experts),
+    of the model's `num_experts`."""
     p = f"model.layers.{layer}."
     moe = f"{p}{names.moe}."
+    if names.fused_experts and suffix in _FUSED:
+        tensor, layout = _FUSED[suffix]
+        return FusedExpertsSource(f"{moe}experts.{tensor}", local_experts, num_experts, layout)
     if suffix in _COMMON:
         return WeightSource.one(p + _COMMON[suffix])
     if suffix.startswith("attn."):
@@ -72,8 +127,10 @@ def layer_source(layer: int, suffix: str, names: CheckpointNames, local_experts:
         return WeightSource.one(f"{p}mlp.down_proj.weight")
     if suffix == "mlp.router.weight":
         return WeightSource.one(f"{moe}{names.router}.weight")
+    if suffix == "mlp.router.bias":
+        return WeightSource.one(f"{moe}{names.router}.bias")
     if suffix == "mlp.router.correction_bias":
-        return WeightSource.one(f"{moe}{names.router}.{names.correction_bias}")
+        return WeightSource.one(f"{moe}{names.correction_bias}")
     if suffix == "mlp.experts.w13":
         experts = [f"{moe}experts.{e}." for e in local_experts]
         return WeightSource(
@@ -94,8 +151,8 @@ def layer_source(layer: int, suffix: str, names: CheckpointNames, local_experts:
 
 
 def weight_source(
-    name: str, names: CheckpointNames, experts_by_layer: dict[int, tuple[int, ...]], reader: CheckpointReader
-) -> WeightSource:
+    name: str, names: CheckpointNames, experts_by_layer: dict[int, tuple[int, ...]], num_experts: int
+) -> WeightSource | FusedExpertsSource:
     """experts_by_layer: decoder layer -> the checkpoint expert in each of this rank's slots."""
     if name == "embed_tokens":
         return WeightSource.one("model.embed_tokens.weight")
@@ -107,7 +164,7 @@ def weight_source(
     if match is None:
         raise KeyError(f"no checkpoint mapping for parameter {name!r}")
     layer = int(match.group(1))
-    return layer_source(layer, match.group(2), names, experts_by_layer.get(layer, ()))
+    return layer_source(layer, match.group(2), names, experts_by_layer.get(layer, ()), num_experts)
 
 
 def _expected_part_shape(source: WeightSource, target: torch.Size) -> tuple[int, ...]:
@@ -122,14 +179,19 @@ def _checkpoint_shape(param: torch.Tensor) -> torch.Size:
     return param.shape if shard is None else torch.Size(shard.full_shape(param.shape))
 
 
-def check_sources(sources: dict[str, WeightSource], targets: dict[str, torch.Tensor], reader: CheckpointReader) -> None:
+def check_sources(
+    sources: dict[str, WeightSource | FusedExpertsSource], targets: dict[str, torch.Tensor], reader: CheckpointReader
+) -> None:
     """Every tensor present with the shape our parameter expects; otherwise one clear error."""
     missing = [n for s in sources.values() for n in s.names if n not in reader]
     if missing:
         more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
         raise CheckpointError(f"checkpoint {reader.folder} is missing tensors: {', '.join(missing[:5])}{more}")
     for name, source in sources.items():
-        want = _expected_part_shape(source, _checkpoint_shape(targets[name]))
+        if isinstance(source, FusedExpertsSource):
+            want = source.expected_shape(targets[name].shape)
+        else:
+            want = _expected_part_shape(source, _checkpoint_shape(targets[name]))
         for tensor_name in source.names:
             got = reader.shape(tensor_name)
             if got != want:
@@ -139,9 +201,11 @@ def check_sources(sources: dict[str, WeightSource], targets: dict[str, torch.Ten
 
 
 def read_source(
-    source: WeightSource, reader: CheckpointReader, dtype: torch.dtype, shard: Shard | None = None
+    source: WeightSource | FusedExpertsSource, reader: CheckpointReader, dtype: torch.dtype, shard: Shard | None = None
 ) -> torch.Tensor:
     """The parameter's value; a sharded one (always a single checkpoint tensor) reads only its part."""
+    if isinstance(source, FusedExpertsSource):
+        return source.read(reader, dtype)
     if shard is not None:
         (name,) = source.names
         part = reader.get_part(name, shard.dim, shard.start, shard.length).to(dtype)
@@ -179,10 +243,13 @@ def load_model(
         raise ValueError(
             f"placement covers {placement.num_experts} expert slots, the expert map {expert_map.num_physical}"
         )
+    reason = ops.supports_model(cfg)
+    if reason is not None:
+        raise ValueError(f"{cfg.architecture} cannot run on kernels={ops.name}: {reason}")
     model = MoECausalLM(cfg, dispatcher, dtype, device, tp, ops)
     experts_by_layer = {layer: expert_map.local_logical(i, placement.rank) for i, layer in enumerate(moe_layers)}
     targets = {name: p for name, p in model.named_parameters()}
-    sources = {name: weight_source(name, arch.names, experts_by_layer, reader) for name in targets}
+    sources = {name: weight_source(name, arch.names, experts_by_layer, cfg.num_experts) for name in targets}
     check_sources(sources, targets, reader)
     with torch.no_grad():
         for name, param in targets.items():

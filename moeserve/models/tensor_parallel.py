@@ -70,6 +70,12 @@ class TensorParallel:
         mine = self.token_slice(num_tokens)
         return out[: mine.stop - mine.start]
 
+    def all_reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """The sum of `partial` over the group (in place; the identity for one rank)."""
+        if self.size > 1 and partial.numel():
+            dist.all_reduce(partial, group=self.group)
+        return partial
+
     def all_gather_tokens(self, mine: torch.Tensor, num_tokens: int) -> torch.Tensor:
         """Every rank's slice `[T_t, H]` -> the full `[T, H]` on every rank."""
         if self.size == 1 or num_tokens == 0:

@@ -15,7 +15,7 @@ from typing import Generic, TypeVar
 
 import torch
 
-from moeserve.config import MLAConfig, RouterConfig
+from moeserve.config import GatedActivation, MLAConfig, ModelConfig, RouterConfig
 from moeserve.dispatch.base import DispatchLayout
 from moeserve.ops.attention import AttentionBatch, AttentionPlan, DecodeGraphInputs
 
@@ -31,6 +31,12 @@ class LayerOps(ABC, Generic[PlanT]):
     @classmethod
     def supports(cls, device: torch.device) -> str | None:
         """None if this backend can run on `device`, else the reason it cannot."""
+        return None
+
+    @classmethod
+    def supports_model(cls, cfg: ModelConfig) -> str | None:
+        """None if this backend computes every layer option `cfg` asks for, else the first it
+        lacks (the loader turns a reason into a clear error, never a fallback)."""
         return None
 
     @abstractmethod
@@ -74,8 +80,12 @@ class LayerOps(ABC, Generic[PlanT]):
         plan: PlanT,
         scale: float,
         sliding_window: int | None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """q `[T, Hq, D]` over the step's paged context -> `[T, Hq, Dv]`."""
+        """q `[T, Hq, D]` over the step's paged context -> `[T, Hq, Dv]`.
+
+        sinks: `[Hq]` (gpt-oss) or None: a logit per head that joins each query's softmax as one
+        more key without a value, taking its share of the probability mass."""
 
     @abstractmethod
     def mla_attention(
@@ -95,7 +105,8 @@ class LayerOps(ABC, Generic[PlanT]):
     def route(
         self, cfg: RouterConfig, logits: torch.Tensor, correction_bias: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Router logits `[T, E]` (fp32 for sigmoid routers) -> (topk_ids int64, topk_weights fp32)."""
+        """Router logits `[T, E]` (fp32 for sigmoid routers) -> (topk_ids int64, topk_weights fp32;
+        gpt-oss's `topk_softmax`: in the logits' dtype, as its reference)."""
 
     @abstractmethod
     def experts(
@@ -106,11 +117,16 @@ class LayerOps(ABC, Generic[PlanT]):
         topk_ids: torch.Tensor | None,
         w13: torch.Tensor,
         w2: torch.Tensor,
+        b13: torch.Tensor | None = None,
+        b2: torch.Tensor | None = None,
+        activation: GatedActivation | None = None,
     ) -> torch.Tensor:
         """A DispatchOutput's rows through their experts' gated MLPs, without a host sync.
 
         x `[N, H]`, counts int64 `[E_local]` and topk_ids (TOKEN_MAJOR: int64 `[T, K]` local ids)
-        as the DispatchOutput gives them; w13 `[E_local, 2I, H]`, w2 `[E_local, H, I]`.
+        as the DispatchOutput gives them; w13 `[E_local, 2I, H]`, w2 `[E_local, H, I]`; biases
+        b13 `[E_local, 2I]` and b2 `[E_local, H]` or None (gpt-oss has them); `activation`
+        turns gate and up into the down projection's input (None: silu(gate) * up).
         Returns TOKEN_MAJOR: `[T * K, H]`, row `t * K + k` = expert `topk_ids[t, k]` on token t;
         EXPERT_MAJOR: `[N, H]`, row by row (padding rows past `sum(counts)` unspecified).
         """

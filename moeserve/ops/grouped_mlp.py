@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from moeserve.config import GatedActivation
+
 _grouped_mm = getattr(F, "grouped_mm", None)  # public since torch 2.9; older releases lack it
 
 
@@ -21,25 +23,59 @@ def row_experts(counts: torch.Tensor, num_rows: int) -> torch.Tensor:
     return torch.searchsorted(ends, torch.arange(num_rows, device=counts.device), right=True)
 
 
-def grouped_mlp(x: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+def gated(gate: torch.Tensor, up: torch.Tensor, activation: GatedActivation | None) -> torch.Tensor:
+    """The down projection's input from the gate and up projections (`GatedActivation`), in
+    transformers' order of operations."""
+    if activation is None or activation.kind == "silu":
+        return F.silu(gate) * up
+    gate = gate.clamp(max=activation.limit)
+    up = up.clamp(-activation.limit, activation.limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * activation.alpha))
+
+
+def grouped_mlp(
+    x: torch.Tensor,
+    counts: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    b13: torch.Tensor | None = None,
+    b2: torch.Tensor | None = None,
+    activation: GatedActivation | None = None,
+) -> torch.Tensor:
     """x `[N, H]` grouped by expert (`counts` int64 `[E]` rows each, then padding) -> `[N, H]`.
 
-    w13 `[E, 2I, H]` (gate rows then up rows), w2 `[E, H, I]`: `silu(x gate^T) * (x up^T) w2^T`.
+    w13 `[E, 2I, H]` (gate rows then up rows), w2 `[E, H, I]`, optional biases b13 `[E, 2I]`,
+    b2 `[E, H]`: `act(x gate^T + b_gate, x up^T + b_up) w2^T + b2` (act: `gated`).
     """
     if _grouped_mm is None:
-        return masked_mlp(x, counts, w13, w2)
+        return masked_mlp(x, counts, w13, w2, b13, b2, activation)
     offsets = torch.cumsum(counts, 0).to(torch.int32)
-    gate, up = _grouped_mm(x, w13.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
-    return _grouped_mm(F.silu(gate) * up, w2.transpose(1, 2), offs=offsets)
+    # Each row's expert, for the biases; padding rows borrow the last expert's (their output is unspecified).
+    expert = None if b13 is None and b2 is None else row_experts(counts, x.shape[0]).clamp_(max=w13.shape[0] - 1)
+    gate_up = _grouped_mm(x, w13.transpose(1, 2), offs=offsets)  # [N, 2I]
+    if b13 is not None:
+        gate_up = gate_up + b13.index_select(0, expert)
+    gate, up = gate_up.chunk(2, dim=-1)
+    out = _grouped_mm(gated(gate, up, activation), w2.transpose(1, 2), offs=offsets)  # [N, H]
+    return out if b2 is None else out + b2.index_select(0, expert)
 
 
-def masked_mlp(x: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+def masked_mlp(
+    x: torch.Tensor,
+    counts: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    b13: torch.Tensor | None = None,
+    b2: torch.Tensor | None = None,
+    activation: GatedActivation | None = None,
+) -> torch.Tensor:
     """`grouped_mlp` for a torch without `grouped_mm`: every expert over every row, each row keeping
     its own expert's result. E times the FLOPs, but still no host sync and one read of each
     expert's weights, which is what bounds decode; padding rows come out as zeros."""
     expert = row_experts(counts, x.shape[0])
     out = torch.zeros_like(x)
     for e in range(w13.shape[0]):
-        gate, up = F.linear(x, w13[e]).chunk(2, dim=-1)
-        out = torch.where((expert == e)[:, None], F.linear(F.silu(gate) * up, w2[e]), out)
+        gate, up = F.linear(x, w13[e], None if b13 is None else b13[e]).chunk(2, dim=-1)
+        y = F.linear(gated(gate, up, activation), w2[e], None if b2 is None else b2[e])
+        out = torch.where((expert == e)[:, None], y, out)
     return out

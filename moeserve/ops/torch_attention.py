@@ -300,10 +300,18 @@ def causal_attention(
 
 
 def bucket_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bias: torch.Tensor,
+    scale: float,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One bucket: q `[n, Lq, Hq, Dk]`, k `[n, K, Hkv, Dk]`, v `[n, K, Hkv, Dv]`, additive mask
-    `[n, 1, Lq, K]` -> `[n * Lq, Hq, Dv]`.
+    `[n, 1, Lq, K]`, optional per-head sink logits `[Hq]` -> `[n * Lq, Hq, Dv]`.
+
+    A sink is one more column of scores that every query of its head sees; it is dropped after
+    the softmax, so it only takes probability mass from the real keys (gpt-oss).
 
     The definition's arithmetic (scores in the inputs' dtype, softmax in float32, batched matrix
     products), with each KV head's query heads stacked as rows of one product instead of K/V
@@ -321,7 +329,11 @@ def bucket_attention(
     keys = k.transpose(1, 2).contiguous()  # [n, Hkv, K, Dk]
     scores = torch.matmul(rows.view(n, num_kv_heads, group * lq, dk), keys.transpose(-1, -2)) * scale
     scores = scores.view(n, num_kv_heads, group, lq, key_len) + bias.unsqueeze(2)
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
+    else:
+        sink = sinks.to(scores.dtype).view(1, num_kv_heads, group, 1, 1).expand(n, -1, -1, lq, 1)
+        probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1, dtype=torch.float32)[..., :-1].to(v.dtype)
     values = v.transpose(1, 2).contiguous()  # [n, Hkv, K, Dv]
     out = torch.matmul(probs.view(n, num_kv_heads, group * lq, key_len), values)  # [n, Hkv, G * Lq, Dv]
     return out.view(n, num_kv_heads, group, lq, dv).permute(0, 3, 1, 2, 4).reshape(n * lq, num_heads, dv)
@@ -349,17 +361,18 @@ def paged_attention(
     plan: TorchAttentionPlan,
     scale: float,
     sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention for every sequence of the step over its paged context.
 
-    q `[T, Hq, D]`; caches `[num_blocks, block_size, Hkv, D]` already holding this step's K/V.
-    Returns `[T, Hq, Dv]`.
+    q `[T, Hq, D]`; caches `[num_blocks, block_size, Hkv, D]` already holding this step's K/V;
+    sinks `[Hq]` or None (see `bucket_attention`). Returns `[T, Hq, Dv]`.
     """
     keys = gather_from_cache(k_cache, plan.key_slots)  # [N, Hkv, D]
     values = gather_from_cache(v_cache, plan.key_slots)  # [N, Hkv, Dv]
 
     def attend(b: AttentionBucket, qb: torch.Tensor) -> torch.Tensor:
-        return bucket_attention(qb, b.keys_of(keys), b.keys_of(values), b.mask(sliding_window), scale)
+        return bucket_attention(qb, b.keys_of(keys), b.keys_of(values), b.mask(sliding_window), scale, sinks)
 
     if not plan.buckets:
         return q.new_empty(0, q.shape[1], v_cache.shape[-1])

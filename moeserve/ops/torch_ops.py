@@ -58,8 +58,9 @@ class TorchOps(LayerOps[TorchAttentionPlan]):
         plan: TorchAttentionPlan,
         scale: float,
         sliding_window: int | None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return paged_attention(q, k_cache, v_cache, plan, scale, sliding_window)
+        return paged_attention(q, k_cache, v_cache, plan, scale, sliding_window, sinks)
 
     def mla_attention(
         self,
@@ -79,6 +80,9 @@ class TorchOps(LayerOps[TorchAttentionPlan]):
         num_tokens, num_experts = logits.shape
         if cfg.kind == "grouped_sigmoid":
             return _grouped_sigmoid(cfg, logits, correction_bias)
+        if cfg.kind == "topk_softmax":  # gpt-oss: softmax over the k best logits only
+            top, ids = torch.topk(logits, cfg.top_k, dim=-1)
+            return ids, torch.softmax(top, dim=1, dtype=top.dtype).float()
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         if cfg.num_groups > 1:  # DeepSeek-V2: experts only from the groups with the best expert
             grouped = probs.view(num_tokens, cfg.num_groups, num_experts // cfg.num_groups)  # [T, G, E/G]
@@ -90,14 +94,15 @@ class TorchOps(LayerOps[TorchAttentionPlan]):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return ids, weights * cfg.routed_scaling_factor
 
-    def experts(self, x, layout, counts, topk_ids, w13, w2):
+    def experts(self, x, layout, counts, topk_ids, w13, w2, b13=None, b2=None, activation=None):
         """One grouped GEMM pair over all experts; token-major pairs are sorted by expert first
         (a stable device sort of static size) and their outputs put back in pair order."""
         if layout is DispatchLayout.EXPERT_MAJOR:
-            return grouped_mlp(x, counts, w13, w2)
+            return grouped_mlp(x, counts, w13, w2, b13, b2, activation)
         order = torch.argsort(topk_ids.reshape(-1), stable=True)  # [T*K] pairs grouped by expert
         rows = x.index_select(0, order // topk_ids.shape[1])
-        return torch.empty_like(rows).index_copy_(0, order, grouped_mlp(rows, counts, w13, w2))
+        out = grouped_mlp(rows, counts, w13, w2, b13, b2, activation)
+        return torch.empty_like(rows).index_copy_(0, order, out)
 
 
 def _grouped_sigmoid(

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moeserve.config import MLAConfig, RouterConfig
+from moeserve.config import MLAConfig, ModelConfig, RouterConfig
 from moeserve.dispatch.base import DispatchLayout
 from moeserve.kernels.fused_moe import block_m_for, fused_moe
 from moeserve.kernels.mla_attention import mla_decode
@@ -44,6 +44,18 @@ class TritonOps(LayerOps[TritonAttentionPlan]):
                 "the Triton kernels run on CUDA devices (or, for tests, on CPU with TRITON_INTERPRET=1); "
                 f"device is {device}"
             )
+        return None
+
+    @classmethod
+    def supports_model(cls, cfg: ModelConfig) -> str | None:
+        """gpt-oss's layer options have no kernel yet: sinks in the attention kernels, biases and
+        the clamped SwiGLU in `fused_moe`, its top-k-then-softmax router in `route`."""
+        if cfg.attention_sinks:
+            return "the Triton attention kernels have no attention sinks (gpt-oss); use kernels=torch"
+        if cfg.expert_bias or cfg.expert_activation.kind != "silu":
+            return "the Triton fused MoE kernel has no expert biases nor clamped SwiGLU (gpt-oss); use kernels=torch"
+        if cfg.router.kind == "topk_softmax" or cfg.router.has_bias:
+            return "the Triton routing kernel has no top-k-then-softmax router with a bias (gpt-oss); use kernels=torch"
         return None
 
     def plan_attention(self, batch: AttentionBatch) -> TritonAttentionPlan:
@@ -93,7 +105,10 @@ class TritonOps(LayerOps[TritonAttentionPlan]):
         plan: TritonAttentionPlan,
         scale: float,
         sliding_window: int | None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        if sinks is not None:
+            raise ValueError("kernels=triton: the attention kernels have no attention sinks (see supports_model)")
         return paged_attention(q, k_cache, v_cache, plan.paged, scale, sliding_window)
 
     def mla_attention(
@@ -115,10 +130,12 @@ class TritonOps(LayerOps[TritonAttentionPlan]):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return route(cfg, logits, correction_bias)
 
-    def experts(self, x, layout, counts, topk_ids, w13, w2):
+    def experts(self, x, layout, counts, topk_ids, w13, w2, b13=None, b2=None, activation=None):
         """TOKEN_MAJOR: `fused_moe` gathers each pair's token from `topk_ids` itself (top_k = K).
         EXPERT_MAJOR: each row is one pair of its own (top_k = 1) whose expert follows from the
         device counts; padding rows get no expert and come out as zeros. The weights stay with combine()."""
+        if b13 is not None or b2 is not None or (activation is not None and activation.kind != "silu"):
+            raise ValueError("kernels=triton: fused_moe has no expert biases nor clamped SwiGLU (see supports_model)")
         num_experts = w13.shape[0]
         if layout is DispatchLayout.EXPERT_MAJOR:
             topk_ids = row_experts(counts, x.shape[0])[:, None]

@@ -21,6 +21,10 @@ ARCH_OVERRIDES = {
     "qwen3_moe": dict(num_experts=8),
     "deepseek_v2": dict(),
     "deepseek_v3": dict(),
+    "olmoe": dict(num_experts=8),
+    "glm4_moe": dict(),
+    "minimax_m2": dict(num_local_experts=8),
+    "gpt_oss": dict(num_local_experts=8),
 }
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 ENGINE = dict(max_model_len=96, block_size=8, kv_cache_blocks=96)
@@ -50,7 +54,14 @@ def reference(make_checkpoint):
 # Every architecture at every layout up to 8 ranks; at 8 ranks, where a run costs the most,
 # each architecture takes one of the two layouts (MLA and GQA models both meet tp=2 there).
 EP8_TP = {"mixtral": 2, "qwen2_moe": 1, "qwen3_moe": 2, "deepseek_v2": 2, "deepseek_v3": 1}
-ARCH_LAYOUTS = [(arch, ep, tp) for arch in sorted(ARCH_OVERRIDES) for ep, tp in LAYOUTS if ep < 8 or tp == EP8_TP[arch]]
+# The newer families differ from those above in their layers, not in how they are spread, so
+# one layout each meets both kinds of parallelism: ep=4 with tp=2 (OLMoE's and MiniMax-M2's
+# whole-projection q/k norm then sums its squares over the tensor-parallel pair, gpt-oss's
+# sinks are split by head, its fused expert tensors read by expert).
+NEWER = ("glm4_moe", "gpt_oss", "minimax_m2", "olmoe")
+ARCH_LAYOUTS = [(arch, ep, tp) for arch in sorted(EP8_TP) for ep, tp in LAYOUTS if ep < 8 or tp == EP8_TP[arch]] + [
+    (arch, 4, 2) for arch in NEWER
+]
 
 
 @pytest.mark.parametrize("arch,ep,tp", ARCH_LAYOUTS, ids=[f"{a}-ep{e}-tp{t}" for a, e, t in ARCH_LAYOUTS])

@@ -1,7 +1,7 @@
 """Absorbed MLA attention against the expanded formulation of `MLAttention`.
 
 fp32: against the layer's own numbers. `MLAttention.forward` runs on a tiny DeepSeek-V3 config
-(the fields of `tests/conftest.py`'s `hf_config("deepseek_v3")`, parsed by moeserve's DeepSeek
+(the fields of `tests/helpers/hf_configs.py`'s `hf_config("deepseek_v3")`, parsed by moeserve's DeepSeek
 architecture) and its attention output is captured at o_proj's input; the kernel path takes the
 same layer's queries, kv_b_proj weight and cache.
 

@@ -2,8 +2,8 @@
 
 Each case is a checkpoint written by transformers (random weights) and loaded by both sides.
 Cases cover every architecture, top-k from 1 to 4, odd expert counts (6, 7), GQA ratios 1 and 4,
-head_dim 16 and 32, YaRN rope, a sliding window, tied embeddings, and prompts of 1 to 40 tokens
-in one batch.
+head_dim 16 and 32, YaRN rope, partial rotary, sliding windows, attention sinks, tied embeddings,
+and prompts of 1 to 40 tokens in one batch.
 """
 
 from __future__ import annotations
@@ -84,6 +84,13 @@ CASES = [
         ),
     ),
     ("mixtral", 3, dict(sliding_window=12, tie_word_embeddings=True)),
+    # Newer families: OLMoE's whole-projection q/k norm (and its clip), GLM-4.5's partial rotary
+    # with DeepSeek-V3's router, MiniMax-M2's one-group sigmoid router, gpt-oss's sinks, sliding
+    # layers, clamped SwiGLU with expert biases and YaRN.
+    ("olmoe", 0, dict(clip_qkv=0.8)),
+    ("glm4_moe", 0, dict()),
+    ("minimax_m2", 0, dict()),
+    ("gpt_oss", 0, dict()),
 ]
 IDS = [f"{arch}-{seed}" for arch, seed, _ in CASES]
 PROMPT_LENGTHS = (1, 3, 9, 17, 26, 40)

@@ -11,6 +11,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from helpers.routing import routing
 
+from moeserve.config import GatedActivation
 from moeserve.dispatch import DISPATCHERS, DispatchLayout, ExpertPlacement, create_dispatcher
 from moeserve.models.layers.experts import Experts
 from moeserve.ops.grouped_mlp import grouped_mlp, masked_mlp, row_experts
@@ -91,6 +92,27 @@ def test_grouped_mlp_equals_a_loop_over_experts(dtype):
     torch.testing.assert_close(fallback[:10], expected)
     assert not fallback[10:].any()
     assert row_experts(counts, 12).tolist() == [0, 0, 0, 2, 2, 2, 2, 2, 3, 3, 4, 4]
+
+
+def test_grouped_mlp_with_biases_and_clamped_swiglu():
+    """gpt-oss's experts: each row gets its own expert's biases, and the clamped SwiGLU clamps
+    the gate above and the up projection both ways before `(up + 1) * g * sigmoid(alpha * g)`."""
+    g = torch.Generator().manual_seed(6)
+    counts = torch.tensor([3, 0, 5, 2])
+    x = torch.randn(12, H, generator=g)  # 10 rows, then 2 of padding
+    w13, w2 = torch.randn(4, 2 * I, H, generator=g) * 0.5, torch.randn(4, H, I, generator=g) * 0.3
+    b13, b2 = torch.randn(4, 2 * I, generator=g), torch.randn(4, H, generator=g)
+    act = GatedActivation("clamped_swiglu", alpha=1.702, limit=1.0)
+    expected, clamped = [], 0
+    for e, rows in enumerate(torch.split(x[:10], counts.tolist())):
+        gate, up = (rows @ w13[e].T + b13[e]).chunk(2, dim=-1)
+        clamped += int((gate > 1.0).sum() + (up.abs() > 1.0).sum())
+        gate, up = gate.clamp(max=1.0), up.clamp(-1.0, 1.0)
+        expected.append(((up + 1) * gate * torch.sigmoid(1.702 * gate)) @ w2[e].T + b2[e])
+    assert clamped > 0  # the clamps are met
+    expected = torch.cat(expected)
+    torch.testing.assert_close(grouped_mlp(x, counts, w13, w2, b13, b2, act)[:10], expected)
+    torch.testing.assert_close(masked_mlp(x, counts, w13, w2, b13, b2, act)[:10], expected)
 
 
 def test_local_refuses_expert_parallel_layouts():

@@ -139,3 +139,12 @@ def test_missing_folder_and_missing_shard(tmp_path, sharded):
 
 def test_checkpoint_errors_are_value_errors():
     assert issubclass(CheckpointError, ValueError)
+
+
+def test_triton_backend_refusal_reaches_the_loader(make_checkpoint):
+    """A model whose layers a backend cannot compute fails at load, naming the reason."""
+    from moeserve.ops.triton_ops import TritonOps
+
+    folder = make_checkpoint("gpt_oss", 0)
+    with pytest.raises(ValueError, match="GptOssForCausalLM cannot run on kernels=triton: .*attention sinks"):
+        load_model(folder, ops=TritonOps())

@@ -30,18 +30,30 @@ EXPERT_WEIGHTS = {
     "qwen2_moe": ("mlp.experts.{e}.gate_proj", "mlp.experts.{e}.up_proj", "mlp.experts.{e}.down_proj"),
 }
 EXPERT_WEIGHTS["qwen3_moe"] = EXPERT_WEIGHTS["deepseek_v3"] = EXPERT_WEIGHTS["qwen2_moe"]
+EXPERT_WEIGHTS["olmoe"] = EXPERT_WEIGHTS["glm4_moe"] = EXPERT_WEIGHTS["qwen2_moe"]
+EXPERT_WEIGHTS["minimax_m2"] = EXPERT_WEIGHTS["mixtral"]
+# gpt-oss keeps a layer's experts stacked, as its published bf16 checkpoints do.
+FUSED_EXPERT_WEIGHTS = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
 
 ARCHITECTURE = {
     "mixtral": "MixtralForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
+    "glm4_moe": "Glm4MoeForCausalLM",
+    "minimax_m2": "MiniMaxM2ForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
 }
 NUM_EXPERTS_FIELD = {
     "mixtral": "num_local_experts",
     "qwen2_moe": "num_experts",
     "qwen3_moe": "num_experts",
     "deepseek_v3": "n_routed_experts",
+    "olmoe": "num_experts",
+    "glm4_moe": "n_routed_experts",
+    "minimax_m2": "num_local_experts",
+    "gpt_oss": "num_local_experts",
 }
 SMALL_SHARDS = 64 * 1024  # bytes; every default-sized model is several times larger
 
@@ -96,8 +108,12 @@ def test_sharded_with_an_index_and_one_tensor_per_expert(
     shards = set(index["weight_map"].values())
     assert len(shards) > 1
     assert shards == {p.name for p in path.glob("model-*.safetensors")}
-    first_moe = spec.first_k_dense_replace if spec.arch == "deepseek_v3" else 0
+    first_moe = spec.first_k_dense_replace if spec.arch in ("deepseek_v3", "glm4_moe") else 0
     for layer in range(first_moe, spec.layers):
+        if spec.arch == "gpt_oss":
+            for weight in FUSED_EXPERT_WEIGHTS:
+                assert f"model.layers.{layer}.mlp.experts.{weight}" in index["weight_map"]
+            continue
         for e in range(spec.experts):
             for weight in EXPERT_WEIGHTS[spec.arch]:
                 assert f"model.layers.{layer}.{weight.format(e=e)}.weight" in index["weight_map"]
@@ -199,6 +215,10 @@ def test_tokenizer_needs_room_for_bytes_and_specials(tmp_path: Path) -> None:
         ({"arch": "deepseek_v3", "experts": 8, "n_group": 8, "topk_group": 1}, "fewer than 2"),
         ({"arch": "deepseek_v3", "n_group": 4, "topk_group": 1, "top_k": 3}, "top_k=3 exceeds"),
         ({"arch": "deepseek_v3", "layers": 1, "first_k_dense_replace": 1}, "no MoE layer"),
+        ({"arch": "glm4_moe", "experts": 8, "n_group": 3}, "not divisible by n_group"),
+        ({"arch": "glm4_moe", "head_dim": 18}, "multiple of 4"),
+        ({"arch": "olmoe", "heads": 4, "head_dim": 8}, "must equal hidden"),
+        ({"arch": "gpt_oss", "intermediate": 128}, "no dense MLP"),
     ],
 )
 def test_bad_spec_is_a_value_error(fields: dict[str, object], message: str) -> None:
@@ -243,3 +263,19 @@ def test_default_cache_dir_follows_xdg(monkeypatch: pytest.MonkeyPatch, tmp_path
     assert demo.default_cache_dir() == tmp_path / "moeserve"
     monkeypatch.delenv("XDG_CACHE_HOME")
     assert demo.default_cache_dir() == Path.home() / ".cache" / "moeserve"
+
+
+def test_moeserve_loads_it_with_transformers_logits(built: tuple[MakeModelSpec, Path]) -> None:
+    """What make-model writes is what moeserve's loader reads: the same next-token logits."""
+    from moeserve.models import load_model
+    from moeserve.ops import attention_batch
+
+    spec, path = built
+    ids = list(range(3, 12))
+    ours = load_model(path)
+    caches = [torch.zeros(ours.kv_cache_shape(3, 4)) for _ in ours.layers]
+    plan = ours.ops.plan_attention(attention_batch([[0, 1, 2]], [0], [len(ids)], 4))
+    with torch.inference_mode():
+        got = ours.compute_logits(ours(torch.tensor(ids), torch.arange(len(ids)), plan, caches))
+        ref = AutoModelForCausalLM.from_pretrained(path).eval()(torch.tensor([ids])).logits[0]
+    assert (got - ref).abs().max().item() < 1e-4

@@ -5,12 +5,15 @@ from __future__ import annotations
 from typing import Any
 
 from moeserve.config import ModelConfig
-from moeserve.models.architectures import deepseek, mixtral, qwen_moe
+from moeserve.models.architectures import deepseek, glm4_moe, gpt_oss, minimax_m2, mixtral, olmoe, qwen_moe
 from moeserve.models.architectures.base import Architecture, CheckpointNames
+from moeserve.models.architectures.quantization import SUPPORTED_QUANT_METHODS, check_quantization
 from moeserve.models.checkpoint import CheckpointError
 
 ARCHITECTURES: dict[str, Architecture] = {
-    name: module.ARCHITECTURE for module in (mixtral, qwen_moe, deepseek) for name in module.ARCHITECTURE.hf_names
+    name: module.ARCHITECTURE
+    for module in (mixtral, qwen_moe, deepseek, olmoe, glm4_moe, minimax_m2, gpt_oss)
+    for name in module.ARCHITECTURE.hf_names
 }
 
 
@@ -30,6 +33,7 @@ def resolve_architecture(raw_config: dict[str, Any]) -> tuple[Architecture, Mode
         raise CheckpointError(
             f"architecture {names[0]!r} is not supported; supported: {', '.join(supported_architectures())}"
         )
+    check_quantization(raw_config)
     try:
         return arch, arch.parse_config(raw_config)
     except CheckpointError:
@@ -38,4 +42,11 @@ def resolve_architecture(raw_config: dict[str, Any]) -> tuple[Architecture, Mode
         raise CheckpointError(f"inconsistent config.json for {names[0]}: {e}") from None
 
 
-__all__ = ["ARCHITECTURES", "Architecture", "CheckpointNames", "resolve_architecture", "supported_architectures"]
+__all__ = [
+    "ARCHITECTURES",
+    "SUPPORTED_QUANT_METHODS",
+    "Architecture",
+    "CheckpointNames",
+    "resolve_architecture",
+    "supported_architectures",
+]

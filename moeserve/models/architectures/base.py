@@ -27,7 +27,11 @@ class CheckpointNames:
     expert_down: str = "down_proj"  # Mixtral: w2
     shared_expert: str = "shared_expert"  # DeepSeek: shared_experts
     shared_expert_gate: str = "shared_expert_gate"
-    correction_bias: str = "e_score_correction_bias"
+    correction_bias: str = "gate.e_score_correction_bias"  # under the MoE module; MiniMax-M2: on the block itself
+    fused_experts: bool = False
+    """gpt-oss: a layer's experts in four stacked tensors (`experts.gate_up_proj [E, H, 2I]` with
+    gate and up columns interleaved, `experts.down_proj [E, I, H]`, and their biases), not one
+    tensor per expert and projection."""
 
 
 @dataclass(frozen=True)
@@ -66,12 +70,32 @@ class HFConfig:
     def head_dim(self) -> int:
         return self.get("head_dim", None) or self.require("hidden_size") // self.require("num_attention_heads")
 
-    def rope(self, rotary_dim: int, interleaved: bool = False) -> RopeConfig:
-        """rope_parameters (transformers 5) or rope_theta + rope_scaling (older checkpoints)."""
+    def rotary_dim(self, head_dim: int, default_factor: float = 1.0) -> int:
+        """Rotated dims of a head: `partial_rotary_factor` (in rope_parameters or top level), else
+        MiniMax-M2's legacy `rotary_dim`, else `default_factor` (the architecture's transformers
+        default); int(head_dim * factor) as transformers computes it."""
+        params = self.raw.get("rope_parameters") or {}
+        factor = params.get("partial_rotary_factor", self.raw.get("partial_rotary_factor"))
+        if factor is None and self.raw.get("rotary_dim") is not None:
+            factor = self.raw["rotary_dim"] / head_dim
+        return int(head_dim * float(factor if factor is not None else default_factor))
+
+    def rope(
+        self,
+        rotary_dim: int,
+        interleaved: bool = False,
+        default_theta: float = 10000.0,
+        default_scaling: dict[str, Any] | None = None,
+    ) -> RopeConfig:
+        """rope_parameters (transformers 5) or rope_theta + rope_scaling (older checkpoints);
+        `default_theta` / `default_scaling`: what the architecture's transformers config assumes
+        when config.json says nothing (gpt-oss: YaRN)."""
         params = dict(self.raw.get("rope_parameters") or {})
         scaling = dict(self.raw.get("rope_scaling") or {})
         params = {**scaling, **params}
-        theta = params.get("rope_theta", self.raw.get("rope_theta", 10000.0))
+        if default_scaling and "rope_type" not in params and "type" not in params:
+            params = {**default_scaling, **params}
+        theta = params.get("rope_theta", self.raw.get("rope_theta", default_theta))
         kind = params.get("rope_type", params.get("type", "default"))
         if kind not in ("default", "linear", "yarn"):
             raise CheckpointError(f"rope type {kind!r} is not supported (supported: default, linear, yarn)")
@@ -108,11 +132,6 @@ class HFConfig:
             raise CheckpointError(f"hidden_act {act!r} is not supported (only silu)")
         if self.raw.get("mlp_bias"):
             raise CheckpointError("MLP biases (mlp_bias: true) are not supported")
-        if self.raw.get("quantization_config"):
-            method = self.raw["quantization_config"].get("quant_method", "?")
-            raise CheckpointError(
-                f"quantized checkpoints ({method}) are not supported yet; use a bf16/fp16/fp32 checkpoint"
-            )
 
     def sliding_windows(self, num_layers: int, enabled: bool) -> tuple[int | None, ...]:
         """Per-layer window from `layer_types` when present, else one window for all layers."""

@@ -50,7 +50,7 @@ def parse_config(raw: dict[str, Any]) -> ModelConfig:
         shared_expert_gated=not qwen3,
         qkv_bias=bool(c.get("attention_bias", False)) if qwen3 else bool(c.get("qkv_bias", True)),
         o_bias=bool(c.get("attention_bias", False)) if qwen3 else False,
-        qk_norm=qwen3,
+        qk_norm="head" if qwen3 else "none",
         tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
         eos_token_ids=c.eos_token_ids(),
         checkpoint_dtype=c.dtype(),

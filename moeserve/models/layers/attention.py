@@ -1,4 +1,10 @@
-"""Grouped-query attention over the paged KV cache (Mixtral, Qwen2-MoE, Qwen3-MoE)."""
+"""Grouped-query attention over the paged KV cache (every architecture but DeepSeek's MLA).
+
+Options, each a `ModelConfig` field: q/k/v and o biases; an RMSNorm of q and k per head
+(Qwen3, GLM-4.5) or over the whole projection (OLMoE, MiniMax-M2); OLMoE's clamp of q, k, v;
+rotary over only the first `rope.rotary_dim` dims of each head (GLM-4.5, MiniMax-M2); a sliding
+window per layer; gpt-oss's per-head attention sinks.
+"""
 
 from __future__ import annotations
 
@@ -6,8 +12,16 @@ import torch
 from torch import nn
 
 from moeserve.config import ModelConfig
-from moeserve.models.layers.norm import RMSNorm
-from moeserve.models.tensor_parallel import SINGLE, TensorParallel, column_parallel, kv_heads_of, row_parallel
+from moeserve.models.layers.norm import ProjectionNorm, RMSNorm
+from moeserve.models.tensor_parallel import (
+    SINGLE,
+    Shard,
+    TensorParallel,
+    column_parallel,
+    kv_heads_of,
+    mark_shard,
+    row_parallel,
+)
 from moeserve.ops import TORCH_OPS, LayerOps
 from moeserve.ops.attention import AttentionPlan, write_to_cache
 
@@ -57,8 +71,26 @@ class Attention(nn.Module):
         self.o_proj = row_parallel(
             linear(q_cols, h, cfg.o_bias, dtype, device), tp.rank * q_cols, cfg.num_heads * d, tp
         )
-        self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, device, ops) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, device, ops) if cfg.qk_norm else None
+        self.rotary_dim = cfg.rope.rotary_dim
+        self.clip_qkv = cfg.clip_qkv
+        self.q_norm: nn.Module | None = None
+        self.k_norm: nn.Module | None = None
+        if cfg.qk_norm == "head":
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, device, ops)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, device, ops)
+        elif cfg.qk_norm == "full":
+            kv_replicas = max(1, tp.size // cfg.num_kv_heads)
+            self.q_norm = ProjectionNorm(
+                q_cols, cfg.rms_norm_eps, dtype, device, ops, tp, tp.rank * q_cols, cfg.num_heads * d
+            )
+            self.k_norm = ProjectionNorm(
+                kv_cols, cfg.rms_norm_eps, dtype, device, ops, tp, first_kv * d, cfg.num_kv_heads * d, kv_replicas
+            )
+        self.sinks = None
+        if cfg.attention_sinks:  # one logit per query head, this rank's heads under TP
+            self.sinks = nn.Parameter(torch.empty(self.num_heads, dtype=dtype, device=device), requires_grad=False)
+            if tp.size > 1:
+                mark_shard(self.sinks, Shard(0, tp.rank * self.num_heads, self.num_heads, cfg.num_heads))
 
     @staticmethod
     def cache_shape(cfg: ModelConfig, num_blocks: int, block_size: int, tp_size: int = 1) -> tuple[int, ...]:
@@ -69,13 +101,29 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """x `[T, H]`; cos/sin `[T, D]` -> `[T, H]` (this rank's partial sum under TP)."""
         num_tokens = x.shape[0]
-        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)  # [T, Hq, D]
-        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        if self.q_norm is not None:
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # [T, Hq * D], [T, Hkv * D] x2
+        if isinstance(self.q_norm, ProjectionNorm):
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.ops.rotary_qk(q, k, cos, sin, self.interleaved_rope)  # q and k are ours: may rotate in place
+        if self.clip_qkv is not None:
+            q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
+        q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, Hq, D]
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        if isinstance(self.q_norm, RMSNorm):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self._rotate(q, k, cos, sin)
         write_to_cache(kv_cache[0], k, plan.slot_mapping)
         write_to_cache(kv_cache[1], v, plan.slot_mapping)
-        out = self.ops.paged_attention(q, kv_cache[0], kv_cache[1], plan, self.scale, self.sliding_window)
+        out = self.ops.paged_attention(q, kv_cache[0], kv_cache[1], plan, self.scale, self.sliding_window, self.sinks)
         return self.o_proj(out.reshape(num_tokens, out.shape[1] * out.shape[2]))  # explicit: T may be 0
+
+    def _rotate(
+        self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotary over each head's first `rotary_dim` dims (all of them for most models); q and
+        k are ours, so a backend may rotate them in place."""
+        if self.rotary_dim == self.head_dim:
+            return self.ops.rotary_qk(q, k, cos, sin, self.interleaved_rope)
+        r = self.rotary_dim
+        q_rot, k_rot = self.ops.rotary_qk(q[..., :r], k[..., :r], cos, sin, self.interleaved_rope)
+        return torch.cat((q_rot, q[..., r:]), dim=-1), torch.cat((k_rot, k[..., r:]), dim=-1)

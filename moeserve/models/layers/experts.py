@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from moeserve.config import GatedActivation
 from moeserve.dispatch import DispatchOutput
 from moeserve.ops import TORCH_OPS, LayerOps
 
@@ -14,6 +15,7 @@ class Experts(nn.Module):
 
     w13 `[E_local, 2 * I, H]`: gate rows then up rows of each expert.
     w2  `[E_local, H, I]`.
+    b13 `[E_local, 2 * I]`, b2 `[E_local, H]`: biases, only with `bias` (gpt-oss).
     """
 
     def __init__(
@@ -24,18 +26,37 @@ class Experts(nn.Module):
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
         ops: LayerOps = TORCH_OPS,
+        bias: bool = False,
+        activation: GatedActivation | None = None,
     ) -> None:
         super().__init__()
         self.ops = ops
+        self.activation = activation
         self.w13 = nn.Parameter(
             torch.empty(num_local_experts, 2 * intermediate, hidden, dtype=dtype, device=device), requires_grad=False
         )
         self.w2 = nn.Parameter(
             torch.empty(num_local_experts, hidden, intermediate, dtype=dtype, device=device), requires_grad=False
         )
+        self.b13 = self.b2 = None
+        if bias:
+            self.b13 = nn.Parameter(
+                torch.empty(num_local_experts, 2 * intermediate, dtype=dtype, device=device), requires_grad=False
+            )
+            self.b2 = nn.Parameter(
+                torch.empty(num_local_experts, hidden, dtype=dtype, device=device), requires_grad=False
+            )
 
     def forward(self, received: DispatchOutput) -> torch.Tensor:
         """The rows of a dispatch through their experts: what combine() takes (see `LayerOps.experts`)."""
         return self.ops.experts(
-            received.hidden, received.layout, received.num_tokens_per_expert, received.topk_ids, self.w13, self.w2
+            received.hidden,
+            received.layout,
+            received.num_tokens_per_expert,
+            received.topk_ids,
+            self.w13,
+            self.w2,
+            self.b13,
+            self.b2,
+            self.activation,
         )

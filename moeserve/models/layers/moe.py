@@ -46,7 +46,16 @@ class MoEBlock(nn.Module):
         self.dispatcher = dispatcher
         num_local = dispatcher.placement.num_local_experts
         self.router = Router(cfg.router, cfg.hidden_size, cfg.num_experts, dtype, device, ops)
-        self.experts = Experts(num_local, cfg.hidden_size, cfg.moe_intermediate_size, dtype, device, ops)
+        self.experts = Experts(
+            num_local,
+            cfg.hidden_size,
+            cfg.moe_intermediate_size,
+            dtype,
+            device,
+            ops,
+            bias=cfg.expert_bias,
+            activation=None if cfg.expert_activation.kind == "silu" else cfg.expert_activation,
+        )
         routed = torch.zeros(num_local, dtype=torch.int64, device=device)
         self.register_buffer("routed_tokens", routed, persistent=False)
         """int64 `[E_local]`: rows each local expert received since the last read (the load /metrics

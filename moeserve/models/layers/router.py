@@ -28,6 +28,9 @@ class Router(nn.Module):
         self.weight = nn.Parameter(
             torch.empty(num_experts, hidden, dtype=gate_dtype, device=device), requires_grad=False
         )
+        self.bias = None
+        if cfg.has_bias:  # gpt-oss: added to the logits, in the gate's dtype
+            self.bias = nn.Parameter(torch.empty(num_experts, dtype=gate_dtype, device=device), requires_grad=False)
         if cfg.has_correction_bias:
             # Kept in float32 whatever the model dtype: it shifts sigmoid scores by small amounts.
             self.correction_bias = nn.Parameter(
@@ -39,5 +42,5 @@ class Router(nn.Module):
         if self.cfg.kind == "grouped_sigmoid" or self.cfg.logits_in_fp32:
             logits = F.linear(x.float(), self.weight.float())  # [T, E]
         else:
-            logits = F.linear(x, self.weight)
+            logits = F.linear(x, self.weight, self.bias)
         return self.ops.route(self.cfg, logits, getattr(self, "correction_bias", None))

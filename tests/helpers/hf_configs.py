@@ -1,0 +1,142 @@
+"""Tiny transformers configs of every architecture, with HF's own field names: what the
+`make_checkpoint` fixture builds, and what config-parser tests read without building weights."""
+
+from __future__ import annotations
+
+from typing import Any
+
+VOCAB = 320  # 256 byte symbols + specials + a few merges: the smallest useful byte-level BPE
+
+
+def hf_config(arch: str, **overrides: Any):
+    """A transformers config for a tiny model of `arch`; overrides use HF's own field names."""
+    from transformers import (
+        DeepseekV2Config,
+        DeepseekV3Config,
+        Glm4MoeConfig,
+        GptOssConfig,
+        MiniMaxM2Config,
+        MixtralConfig,
+        OlmoeConfig,
+        Qwen2MoeConfig,
+        Qwen3MoeConfig,
+    )
+
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        initializer_range=0.1,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+    )
+    if arch == "mixtral":
+        cfg = dict(common, num_local_experts=6, num_experts_per_tok=2, head_dim=16)
+        cls = MixtralConfig
+    elif arch == "qwen2_moe":
+        cfg = dict(
+            common,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            num_experts=7,
+            num_experts_per_tok=3,
+            head_dim=16,
+        )
+        cls = Qwen2MoeConfig
+    elif arch == "qwen3_moe":
+        cfg = dict(
+            common, moe_intermediate_size=32, num_experts=6, num_experts_per_tok=2, head_dim=16, norm_topk_prob=True
+        )
+        cls = Qwen3MoeConfig
+    elif arch == "deepseek_v3":
+        cfg = dict(
+            common,
+            num_key_value_heads=4,
+            moe_intermediate_size=32,
+            n_routed_experts=8,
+            n_group=4,
+            topk_group=2,
+            num_experts_per_tok=3,
+            q_lora_rank=24,
+            kv_lora_rank=16,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=16,
+            v_head_dim=12,
+            first_k_dense_replace=1,
+            n_shared_experts=1,
+            routed_scaling_factor=2.5,
+        )
+        cls = DeepseekV3Config
+    elif arch == "deepseek_v2":
+        cfg = dict(
+            common,
+            num_key_value_heads=4,
+            moe_intermediate_size=32,
+            n_routed_experts=8,
+            num_experts_per_tok=3,
+            q_lora_rank=24,
+            kv_lora_rank=16,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=16,
+            v_head_dim=12,
+            first_k_dense_replace=1,
+            n_shared_experts=2,
+            routed_scaling_factor=1.5,
+            topk_method="group_limited_greedy",
+            n_group=4,
+            topk_group=2,
+        )
+        cls = DeepseekV2Config
+    elif arch == "olmoe":  # q/k norm over the whole projection; head_dim = hidden / heads
+        cfg = dict(common, intermediate_size=32, num_experts=6, num_experts_per_tok=2)
+        cls = OlmoeConfig
+    elif arch == "glm4_moe":
+        cfg = dict(
+            common,
+            head_dim=16,
+            moe_intermediate_size=32,
+            n_routed_experts=8,
+            n_group=2,
+            topk_group=1,
+            num_experts_per_tok=3,
+            first_k_dense_replace=1,
+            n_shared_experts=1,
+            routed_scaling_factor=2.5,
+            use_qk_norm=True,
+            attention_bias=True,
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5),
+        )
+        cls = Glm4MoeConfig
+    elif arch == "minimax_m2":  # the released config's legacy rotary_dim: a quarter of each head rotates
+        cfg = dict(common, head_dim=16, intermediate_size=32, num_local_experts=6, num_experts_per_tok=2, rotary_dim=4)
+        cls = MiniMaxM2Config
+    elif arch == "gpt_oss":
+        cfg = dict(
+            common,
+            head_dim=16,
+            intermediate_size=32,
+            num_local_experts=6,
+            num_experts_per_tok=2,
+            sliding_window=8,
+            swiglu_limit=1.0,  # low enough that the tiny model's gate and up values get clamped
+            rope_parameters=dict(
+                rope_type="yarn",
+                rope_theta=150000.0,
+                factor=4.0,
+                beta_fast=32.0,
+                beta_slow=1.0,
+                truncate=False,
+                original_max_position_embeddings=64,
+            ),
+        )
+        cls = GptOssConfig
+    else:
+        raise ValueError(arch)
+    cfg.update(overrides)
+    return cls(**cfg)

@@ -1,0 +1,91 @@
+"""The newer families' config parsers: transformers' defaults where config.json is silent,
+clear refusals where it says something moeserve (or transformers) would not compute, and
+the one refusal of unsupported quantization methods."""
+
+from __future__ import annotations
+
+import pytest
+from helpers.hf_configs import hf_config
+
+from moeserve.models import CheckpointError
+from moeserve.models.architectures import SUPPORTED_QUANT_METHODS, resolve_architecture
+from moeserve.ops.triton_ops import TritonOps
+
+HF_NAMES = {
+    "olmoe": "OlmoeForCausalLM",
+    "glm4_moe": "Glm4MoeForCausalLM",
+    "minimax_m2": "MiniMaxM2ForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+}
+
+
+def raw_config(arch: str, drop: tuple[str, ...] = (), **overrides) -> dict:
+    """config.json as transformers writes it for the test model of `arch`."""
+    raw = {**hf_config(arch).to_dict(), "architectures": [HF_NAMES[arch]]}
+    for key in drop:
+        raw.pop(key, None)
+    raw.update(overrides)
+    return raw
+
+
+def test_glm_defaults_to_half_rotary_and_reads_its_options():
+    raw = raw_config("glm4_moe", rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    raw.pop("partial_rotary_factor", None)
+    _, cfg = resolve_architecture(raw)
+    assert (cfg.head_dim, cfg.rope.rotary_dim) == (16, 8)  # Glm4MoeConfig's default factor 0.5
+    assert cfg.moe_layers == (False, True) and cfg.shared_expert_intermediate_size == 32
+    assert cfg.router.kind == "grouped_sigmoid" and (cfg.router.num_groups, cfg.router.topk_groups) == (2, 1)
+    assert cfg.qk_norm == "head" and cfg.qkv_bias and not cfg.o_bias
+
+
+def test_minimax_rotary_dim_and_remote_code_fields():
+    _, cfg = resolve_architecture(raw_config("minimax_m2"))
+    assert cfg.rope.rotary_dim == 4 and cfg.qk_norm == "full"
+    # The released config.json's legacy rotary_dim, with no partial_rotary_factor beside it.
+    legacy = raw_config("minimax_m2", rope_parameters={"rope_type": "default", "rope_theta": 5e6}, rotary_dim=8)
+    assert resolve_architecture(legacy)[1].rope.rotary_dim == 8
+    assert cfg.router.renormalize and cfg.router.has_correction_bias and cfg.router.num_groups == 1
+    with pytest.raises(CheckpointError, match="scoring_func='softmax'"):
+        resolve_architecture(raw_config("minimax_m2", scoring_func="softmax"))
+    with pytest.raises(CheckpointError, match="qk_norm_type='per_head'"):
+        resolve_architecture(raw_config("minimax_m2", qk_norm_type="per_head"))
+
+
+def test_gpt_oss_defaults_alternate_windows_and_yarn():
+    """With no layer_types and no rope settings, transformers' GptOssConfig defaults apply."""
+    raw = raw_config("gpt_oss", drop=("layer_types", "rope_parameters", "sliding_window"), num_hidden_layers=4)
+    _, cfg = resolve_architecture(raw)
+    assert cfg.sliding_windows == (128, None, 128, None)
+    assert (cfg.rope.kind, cfg.rope.factor, cfg.rope.theta, cfg.rope.truncate) == ("yarn", 32.0, 150000.0, False)
+    assert cfg.attention_sinks and cfg.expert_bias and cfg.router.kind == "topk_softmax" and cfg.router.has_bias
+    assert (cfg.expert_activation.kind, cfg.expert_activation.limit) == ("clamped_swiglu", 1.0)
+
+
+def test_olmoe_norm_over_the_whole_projection_and_clip():
+    _, cfg = resolve_architecture(raw_config("olmoe", clip_qkv=8))
+    assert cfg.qk_norm == "full" and cfg.clip_qkv == 8.0 and not cfg.router.renormalize
+
+
+def test_rotary_wider_than_a_head_is_refused():
+    with pytest.raises(CheckpointError, match="rotary dim 32 must be even and in"):
+        resolve_architecture(
+            raw_config("minimax_m2", rope_parameters={"rope_theta": 1e6, "partial_rotary_factor": 2.0})
+        )
+
+
+@pytest.mark.parametrize("method", ["awq", "gptq", "bitsandbytes", "modelopt", "mxfp4", "fp8"])
+def test_unsupported_quantization_names_itself_and_the_supported_ones(method):
+    assert method not in SUPPORTED_QUANT_METHODS
+    raw = raw_config("qwen3_moe", quantization_config={"quant_method": method, "bits": 4})
+    with pytest.raises(CheckpointError) as err:
+        resolve_architecture(raw)
+    assert f"quant_method {method!r} is not supported" in str(err.value)
+    assert f"supported quant methods: {', '.join(SUPPORTED_QUANT_METHODS) or 'none yet'}" in str(err.value)
+
+
+def test_triton_backend_refuses_gpt_oss_by_reason_and_takes_the_others():
+    for arch in ("olmoe", "glm4_moe", "minimax_m2", "qwen3_moe"):
+        assert TritonOps.supports_model(resolve_architecture(raw_config(arch))[1]) is None, arch
+    reason = TritonOps.supports_model(resolve_architecture(raw_config("gpt_oss"))[1])
+    assert reason is not None and "attention sinks" in reason
