@@ -51,17 +51,30 @@ def reference(make_checkpoint):
     return get
 
 
-# Every architecture at every layout up to 8 ranks; at 8 ranks, where a run costs the most,
-# each architecture takes one of the two layouts (MLA and GQA models both meet tp=2 there).
-EP8_TP = {"mixtral": 2, "qwen2_moe": 1, "qwen3_moe": 2, "deepseek_v2": 2, "deepseek_v3": 1}
-# The newer families differ from those above in their layers, not in how they are spread, so
-# one layout each meets both kinds of parallelism: ep=4 with tp=2 (OLMoE's and MiniMax-M2's
+# Every layout meets a GQA and an MLA model, and every architecture meets tp=1 and tp=2 and a
+# multi-node-sized group of 8 ranks once (each launch costs seconds, so not every pair runs:
+# the parallel code paths are shared, and what differs between architectures is their layers).
+# The newer families take one layout each, ep=4 with tp=2 (OLMoE's and MiniMax-M2's
 # whole-projection q/k norm then sums its squares over the tensor-parallel pair, gpt-oss's
 # sinks are split by head, its fused expert tensors read by expert).
-NEWER = ("glm4_moe", "gpt_oss", "minimax_m2", "olmoe")
-ARCH_LAYOUTS = [(arch, ep, tp) for arch in sorted(EP8_TP) for ep, tp in LAYOUTS if ep < 8 or tp == EP8_TP[arch]] + [
-    (arch, 4, 2) for arch in NEWER
-]
+ARCH_LAYOUTS = [
+    ("mixtral", 4, 1),
+    ("mixtral", 8, 2),
+    ("qwen2_moe", 2, 1),
+    ("qwen2_moe", 4, 2),
+    ("qwen2_moe", 8, 1),
+    ("qwen3_moe", 2, 1),
+    ("qwen3_moe", 8, 2),
+    ("deepseek_v2", 2, 1),
+    ("deepseek_v2", 8, 2),
+    ("deepseek_v3", 4, 1),
+    ("deepseek_v3", 4, 2),
+    ("deepseek_v3", 8, 1),
+] + [(arch, 4, 2) for arch in ("glm4_moe", "gpt_oss", "minimax_m2", "olmoe")]
+MLA = {"deepseek_v2", "deepseek_v3"}
+for layout in LAYOUTS:  # the design above, kept true as cases change
+    archs = {arch for arch, *at in ARCH_LAYOUTS if tuple(at) == layout}
+    assert archs & MLA and archs - MLA, layout
 
 
 @pytest.mark.parametrize("arch,ep,tp", ARCH_LAYOUTS, ids=[f"{a}-ep{e}-tp{t}" for a, e, t in ARCH_LAYOUTS])
