@@ -76,6 +76,10 @@ class CoreStep:
     scheduler: SchedulerStats
     routed_tokens: RoutedTokens | None = None
     """Expert load since the last step that carried one (about once a second)."""
+    prefix_cache_queries: int = 0
+    """Tokens of the sequences admitted in this step (see `SchedulerOutput.prefix_cache_queries`)."""
+    prefix_cache_hits: int = 0
+    """Of those, the tokens found in the prefix cache."""
 
 
 def build_scheduler(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype, max_model_len: int):
@@ -89,6 +93,7 @@ def build_scheduler(config: EngineConfig, model_config: ModelConfig, dtype: torc
             max_model_len=max_model_len,
             block_size=cache.block_size,
             num_kv_blocks=num_blocks,
+            enable_prefix_caching=cache.enable_prefix_caching,
             max_waiting=config.max_waiting,
             policy=config.scheduling_policy,
             slo_ttft_s=config.slo.ttft_s,
@@ -191,4 +196,6 @@ class EngineCore:
             num_preemptions=len(plan.preempted_request_ids),
             scheduler=self.scheduler_stats(),
             routed_tokens=routed,
+            prefix_cache_queries=plan.prefix_cache_queries,
+            prefix_cache_hits=plan.prefix_cache_hits,
         )

@@ -155,11 +155,13 @@ def _step(s: CoreStep) -> list[Any]:
         s.num_preemptions,
         dataclasses.astuple(s.scheduler),
         routed,
+        s.prefix_cache_queries,
+        s.prefix_cache_hits,
     ]
 
 
 def _unstep(entry: list[Any]) -> CoreStep:
-    sampled, finished, first_scheduled, time, duration, preemptions, gauges, routed = entry
+    sampled, finished, first_scheduled, time, duration, preemptions, gauges, routed, queries, hits = entry
     routed_tokens = None
     if routed is not None:
         counts, rank_rows, layers, wire = routed
@@ -173,6 +175,8 @@ def _unstep(entry: list[Any]) -> CoreStep:
         num_preemptions=preemptions,
         scheduler=SchedulerStats(*gauges),
         routed_tokens=routed_tokens,
+        prefix_cache_queries=queries,
+        prefix_cache_hits=hits,
     )
 
 

@@ -119,6 +119,8 @@ class EngineFrontend:
             step_duration_s=step.step_duration_s,
             num_preemptions=step.num_preemptions,
             routed_tokens=step.routed_tokens,
+            prefix_cache_queries=step.prefix_cache_queries,
+            prefix_cache_hits=step.prefix_cache_hits,
         )
         return self.output_processor.process(step, stats), stats
 

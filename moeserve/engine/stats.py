@@ -53,6 +53,10 @@ class IterationStats:
     num_generation_tokens: int = 0
     """Tokens sampled in this step."""
     num_preemptions: int = 0
+    prefix_cache_queries: int = 0
+    """Tokens of the sequences admitted in this step, each admission counted (vLLM's count)."""
+    prefix_cache_hits: int = 0
+    """Of those, the tokens whose KV the prefix cache held, so they were not computed."""
     ttfts_s: list[float] = field(default_factory=list)
     """The TTFT of each request that got its first token in this step."""
     tbts_s: list[float] = field(default_factory=list)

@@ -55,6 +55,8 @@ def test_outputs_round_trip() -> None:
         num_preemptions=1,
         scheduler=SchedulerStats(2, 1, 7, 64),
         routed_tokens=routed,
+        prefix_cache_queries=40,
+        prefix_cache_hits=32,
     )
     out = CoreOutputs(SchedulerStats(2, 1, 7, 64), ["r1"], [("r2", "QueueFullError", "full")], step)
     back = decode_outputs(encode_outputs(out))
