@@ -53,10 +53,6 @@ class IterationStats:
     num_generation_tokens: int = 0
     """Tokens sampled in this step."""
     num_preemptions: int = 0
-    prefix_cache_queries: int = 0
-    """Tokens of the sequences admitted in this step, each admission counted (vLLM's count)."""
-    prefix_cache_hits: int = 0
-    """Of those, the tokens whose KV the prefix cache held, so they were not computed."""
     ttfts_s: list[float] = field(default_factory=list)
     """The TTFT of each request that got its first token in this step."""
     tbts_s: list[float] = field(default_factory=list)
@@ -68,6 +64,10 @@ class IterationStats:
     kv_blocks_total: int = 0
     routed_tokens: RoutedTokens | None = None
     """Expert load since the previous stats that carried one (sent about once a second)."""
+    prefix_cache_queries: int = 0
+    """Tokens of the sequences admitted in this step, each admission counted (vLLM's count)."""
+    prefix_cache_hits: int = 0
+    """Of those, the tokens whose KV the prefix cache held, so they were not computed."""
 
 
 class StatLogger(Protocol):
