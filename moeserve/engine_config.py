@@ -171,6 +171,11 @@ class CacheConfig:
     """KV cache size in blocks; None: as many as kv_cache_memory holds."""
     memory_bytes: int = option(512 * 1024**2, name="kv_cache_memory", parse=parse_bytes)
     """KV cache size in bytes when kv_cache_blocks is not given, e.g. 512MiB or 4GiB."""
+    enable_prefix_caching: bool = _scheduler_default("enable_prefix_caching")  # type: ignore[assignment]
+    """Reuse the KV of full blocks computed for earlier requests whose tokens begin the same way (a
+    shared system prompt, a previous chat turn), so only the rest of a prompt is computed; cached
+    blocks are evicted least recently used first when space is needed. With ep/tp > 1 a request
+    goes to the data-parallel group holding the longest prefix of its prompt, unless much busier."""
 
     def __post_init__(self) -> None:
         if self.block_size < 1:

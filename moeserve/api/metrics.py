@@ -10,6 +10,10 @@ gave up waiting is a miss, not an absence): `moeserve:slo_requests_total`, and o
 the ratio, e.g. `rate(moeserve:slo_ttft_met_requests_total[5m]) / rate(moeserve:slo_requests_total[5m])`.
 The targets are histogram bucket edges too, so the histograms answer the same question per token.
 
+Prefix caching, in tokens as vLLM counts them: `moeserve:prefix_cache_queries_total` (tokens of
+every sequence admitted, readmissions after preemption included) and of those
+`moeserve:prefix_cache_hits_total` (found cached, not computed); their ratio is the hit rate.
+
 Expert parallelism: `moeserve:expert_routed_tokens_total{expert}` (rows routed to each global
 expert, all MoE layers together), `moeserve:ep_rank_routed_tokens_total{rank}` (rows each rank's
 experts received) and `moeserve:expert_load_imbalance{layer}` (max / mean of the ranks' loads
@@ -205,6 +209,12 @@ class ServerMetrics:
         )
         self.generation_tokens = counter("moeserve:generation_tokens", "Tokens generated.")
         self.preemptions = counter("moeserve:num_preemptions", "Sequences preempted (KV dropped, to be recomputed).")
+        self.prefix_cache_queries = counter(
+            "moeserve:prefix_cache_queries", "Tokens of sequences admitted, looked up in the prefix cache."
+        )
+        self.prefix_cache_hits = counter(
+            "moeserve:prefix_cache_hits", "Tokens of sequences admitted that the prefix cache held (not computed)."
+        )
         self._finished = Counter(
             "moeserve:request_success", "Finished requests, by finish reason.", [*labels, "finished_reason"], registry=r
         )
@@ -287,6 +297,8 @@ class ServerMetrics:
         self.prompt_tokens.inc(stats.num_prompt_tokens)
         self.generation_tokens.inc(stats.num_generation_tokens)
         self.preemptions.inc(stats.num_preemptions)
+        self.prefix_cache_queries.inc(stats.prefix_cache_queries)
+        self.prefix_cache_hits.inc(stats.prefix_cache_hits)
         for request in stats.finished:
             self._finished.labels(self._model_name, request.finish_reason).inc()
             self.e2e.observe(request.e2e_s)

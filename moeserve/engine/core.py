@@ -86,6 +86,10 @@ class CoreStep:
     and at every rebalance (so a report never mixes two expert maps)."""
     rebalances: list[RebalanceReport] = field(default_factory=list)
     """Live expert rebalances that ended with this step (`--enable-eplb`)."""
+    prefix_cache_queries: int = 0
+    """Tokens of the sequences admitted in this step (see `SchedulerOutput.prefix_cache_queries`)."""
+    prefix_cache_hits: int = 0
+    """Of those, the tokens found in the prefix cache."""
 
 
 def build_scheduler(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype, max_model_len: int):
@@ -99,6 +103,7 @@ def build_scheduler(config: EngineConfig, model_config: ModelConfig, dtype: torc
             max_model_len=max_model_len,
             block_size=cache.block_size,
             num_kv_blocks=num_blocks,
+            enable_prefix_caching=cache.enable_prefix_caching,
             max_waiting=config.max_waiting,
             policy=config.scheduling_policy,
             slo_ttft_s=config.slo.ttft_s,
@@ -271,6 +276,8 @@ class EngineCore:
             scheduler=self.scheduler_stats(),
             routed_tokens=routed,
             rebalances=rebalances,
+            prefix_cache_queries=plan.prefix_cache_queries,
+            prefix_cache_hits=plan.prefix_cache_hits,
         )
 
     def _advance_grammars(

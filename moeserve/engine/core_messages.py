@@ -178,11 +178,13 @@ def _step(s: CoreStep) -> list[Any]:
         dataclasses.astuple(s.scheduler),
         routed,
         [_rebalance(r) for r in s.rebalances],
+        s.prefix_cache_queries,
+        s.prefix_cache_hits,
     ]
 
 
 def _unstep(entry: list[Any]) -> CoreStep:
-    sampled, finished, first_scheduled, time, duration, preemptions, gauges, routed, rebalances = entry
+    sampled, finished, first_scheduled, time, duration, preemptions, gauges, routed, rebalances, queries, hits = entry
     routed_tokens = None
     if routed is not None:
         counts, rank_rows, layers, wire = routed
@@ -197,6 +199,8 @@ def _unstep(entry: list[Any]) -> CoreStep:
         scheduler=SchedulerStats(*gauges),
         routed_tokens=routed_tokens,
         rebalances=[_unrebalance(r) for r in rebalances],
+        prefix_cache_queries=queries,
+        prefix_cache_hits=hits,
     )
 
 

@@ -122,6 +122,8 @@ class EngineFrontend:
             num_preemptions=step.num_preemptions,
             routed_tokens=step.routed_tokens,
             rebalances=step.rebalances,
+            prefix_cache_queries=step.prefix_cache_queries,
+            prefix_cache_hits=step.prefix_cache_hits,
         )
         return self.output_processor.process(step, stats), stats
 

@@ -68,6 +68,10 @@ class IterationStats:
     every rebalance: no report spans two expert maps)."""
     rebalances: list[RebalanceReport] = field(default_factory=list)
     """Live expert rebalances that ended with this step."""
+    prefix_cache_queries: int = 0
+    """Tokens of the sequences admitted in this step, each admission counted (vLLM's count)."""
+    prefix_cache_hits: int = 0
+    """Of those, the tokens whose KV the prefix cache held, so they were not computed."""
 
 
 class StatLogger(Protocol):

@@ -1,82 +1,145 @@
-"""Paged KV cache bookkeeping: which fixed-size blocks of the cache each request owns.
+"""Paged KV cache bookkeeping: which fixed-size blocks of the cache each request uses, and, with
+prefix caching, which blocks hold which content.
 
-The scheduler only hands out block ids; the engine's KV cache tensors are indexed by them. Every
-block has exactly one owner or is free. Prefix caching would slot in at `_take_block` /
-`_release_block`: a block would then carry a content hash and a reference count, and a released
-block would stay findable by its hash until it is reused.
+The scheduler only hands out block ids; the engine's KV cache tensors are indexed by them.
+
+Prefix caching (vLLM's automatic prefix caching, in outline): once a step has computed a full
+block, the block is registered under its content hash (`block_hash`), and a request admitted
+later whose tokens begin with the same full blocks takes those blocks instead of computing them
+again. A block has a reference count (the requests whose tables hold it); at zero it goes back to
+the free list but keeps its hash, so it can still be found until its space is needed. The free
+list is the eviction order: blocks holding nothing findable are taken first, then cached ones in
+least recently released order (a request's blocks are released tail first, so a shared head goes
+last). A block in use is never on the free list, so it is never evicted; a request only ever
+writes positions past the cached ones it was given, so a shared block is never written.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
+from collections.abc import Sequence
 
+from moeserve.scheduler.block_hash import BlockHash, block_hashes
 from moeserve.scheduler.config import blocks_for_tokens
 from moeserve.scheduler.request import Request
 
 
 class BlockManager:
-    """A free list of `num_blocks` block ids of `block_size` tokens each.
+    """`num_blocks` block ids of `block_size` tokens each; `enable_caching` turns prefix caching on."""
 
-    Blocks are taken from the front of the free list and returned to its back, so a freed block is
-    reused as late as possible (the order an LRU prefix cache would want).
-    """
-
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks}, {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free: deque[int] = deque(range(num_blocks))
-        self._used: set[int] = set()
+        self.enable_caching = enable_caching
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # eviction order, first out first
+        self._ref_counts = [0] * num_blocks
+        self._block_by_hash: dict[BlockHash, int] = {}
+        self._hash_by_block: dict[int, BlockHash] = {}
 
     @property
     def num_free_blocks(self) -> int:
+        """Blocks no request holds, cached ones included (they are evicted when needed)."""
         return len(self._free)
 
     @property
     def num_used_blocks(self) -> int:
-        return len(self._used)
+        return self.num_blocks - len(self._free)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks findable by their content, in use or not."""
+        return len(self._block_by_hash)
 
     @property
     def usage(self) -> float:
         """Fraction of blocks in use, for the KV-usage gauge in /metrics."""
-        return len(self._used) / self.num_blocks
+        return self.num_used_blocks / self.num_blocks
 
     def blocks_needed(self, request: Request, num_new_tokens: int) -> int:
         """Blocks `request` lacks to hold positions `[0, num_computed_tokens + num_new_tokens)`."""
         num_tokens = request.num_computed_tokens + num_new_tokens
         return max(0, blocks_for_tokens(num_tokens, self.block_size) - len(request.block_ids))
 
-    def allocate(self, request: Request, num_new_tokens: int) -> bool:
+    def lookup(self, request: Request) -> list[int]:
+        """The cached blocks holding the longest run of `request`'s full blocks from its start,
+        for a request about to be admitted. The run stops short of the last token, whose logits
+        the request needs, so at least one token is always computed. Takes nothing: pass the
+        result to `allocate` before any other block is taken."""
+        if not self.enable_caching:
+            return []
+        found = []
+        for block_hash in block_hashes(request, self.block_size, (request.num_tokens - 1) // self.block_size):
+            block_id = self._block_by_hash.get(block_hash)
+            if block_id is None:
+                break
+            found.append(block_id)
+        return found
+
+    def allocate(self, request: Request, num_new_tokens: int, cached_blocks: Sequence[int] = ()) -> bool:
         """Extend `request.block_ids` to cover its next `num_new_tokens` tokens.
 
-        All or nothing: when the free list is too short nothing is taken and False is returned,
-        so a caller that then preempts someone can simply try again.
+        `cached_blocks`, from `lookup`, is only for a request that holds no blocks yet: its table
+        then begins with them and its new tokens start right after them (the caller sets
+        `num_computed_tokens` to match). All or nothing: when the free list is too short nothing
+        is taken and False is returned, so a caller that then preempts someone can try again.
         """
-        num_needed = self.blocks_needed(request, num_new_tokens)
-        if num_needed > len(self._free):
+        if cached_blocks and (request.block_ids or request.num_computed_tokens):
+            raise ValueError(f"request {request.request_id!r} already holds blocks; cached blocks are for admission")
+        num_tokens = len(cached_blocks) * self.block_size + request.num_computed_tokens + num_new_tokens
+        num_held = len(request.block_ids) + len(cached_blocks)
+        num_needed = max(0, blocks_for_tokens(num_tokens, self.block_size) - num_held)
+        num_revived = sum(1 for block_id in cached_blocks if self._ref_counts[block_id] == 0)
+        if num_needed + num_revived > len(self._free):
             return False
-        request.block_ids.extend(self._take_block() for _ in range(num_needed))
+        for block_id in cached_blocks:
+            if self._ref_counts[block_id] == 0:
+                del self._free[block_id]
+            self._ref_counts[block_id] += 1
+        request.block_ids.extend(cached_blocks)
+        request.block_ids.extend(self._take_free_block() for _ in range(num_needed))
         return True
 
-    def free(self, request: Request) -> None:
-        """Return all of `request`'s blocks and clear its block table; a second call is a no-op.
+    def cache_full_blocks(self, request: Request, num_computed_before: int) -> None:
+        """Register the blocks a step completed: those full at `request.num_computed_tokens` that
+        were not at `num_computed_before`. Only full, computed blocks are findable, so a block
+        being filled by a chunked prefill or by decodes is never handed to anyone. A block whose
+        content is already cached (a copy computed alongside, or the block recomputed for a last
+        token) stays private and is taken first once freed."""
+        if not self.enable_caching:
+            return
+        first = num_computed_before // self.block_size
+        hashes = block_hashes(request, self.block_size, request.num_computed_tokens // self.block_size)
+        for index in range(first, len(hashes)):
+            block_hash, block_id = hashes[index], request.block_ids[index]
+            if block_hash not in self._block_by_hash:
+                self._block_by_hash[block_hash] = block_id
+                self._hash_by_block[block_id] = block_hash
 
-        The tail goes back first, so the head blocks (a shared prefix, once prefix caching exists)
-        are the last to be reused.
+    def free(self, request: Request) -> None:
+        """Release all of `request`'s blocks and clear its block table; a second call is a no-op.
+
+        The tail goes back first, so the head blocks (a shared prefix) are the last evicted.
         """
         for block_id in reversed(request.block_ids):
             self._release_block(block_id)
         request.block_ids.clear()
 
-    def _take_block(self) -> int:
-        block_id = self._free.popleft()
-        assert block_id not in self._used, f"block {block_id} handed out twice"
-        self._used.add(block_id)
+    def _take_free_block(self) -> int:
+        """The first block of the eviction order, its cached content forgotten."""
+        block_id, _ = self._free.popitem(last=False)
+        block_hash = self._hash_by_block.pop(block_id, None)
+        if block_hash is not None:
+            del self._block_by_hash[block_hash]
+        self._ref_counts[block_id] = 1
         return block_id
 
     def _release_block(self, block_id: int) -> None:
-        if block_id not in self._used:
+        if not 0 <= block_id < self.num_blocks or self._ref_counts[block_id] == 0:
             raise RuntimeError(f"block {block_id} freed but not in use (double free or foreign id)")
-        self._used.remove(block_id)
-        self._free.append(block_id)
+        self._ref_counts[block_id] -= 1
+        if self._ref_counts[block_id] == 0:
+            self._free[block_id] = None
+            if block_id not in self._hash_by_block:
+                self._free.move_to_end(block_id, last=False)  # holds nothing findable: reuse it first

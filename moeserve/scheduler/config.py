@@ -39,6 +39,10 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     """Split a prompt larger than the step's remaining budget across steps, so long prompts do not
     block running decodes (and their time between tokens) for a whole step."""
+    enable_prefix_caching: bool = True
+    """Keep computed KV blocks findable by their content, so a request whose prompt begins like an
+    earlier one's (a shared system prompt, the previous chat turn) computes only the rest. Freed
+    blocks stay cached until their space is needed, least recently used first."""
     max_waiting: int | None = None
     """Most requests queued for admission; `add_request` raises `QueueFullError` beyond it, so an
     overloaded server sheds load at once instead of queueing unboundedly. None: no bound."""

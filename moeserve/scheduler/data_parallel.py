@@ -2,8 +2,10 @@
 
 With `ep` ranks and `tp`-way attention, `ep / tp` groups each own a KV cache and a set of
 requests; the MoE layers join every group in each step. A request is placed in one group for
-its whole life (its KV lives there): the one with the least load when it arrives. All groups
-step together, so one step's plan holds every group's plan, some of which may be empty.
+its whole life (its KV lives there): with prefix caching the one holding the longest prefix of
+its prompt unless that one is much busier (`prefix_routing`), else the one with the least load
+when it arrives. All groups step together, so one step's plan holds every group's plan, some of
+which may be empty.
 """
 
 from __future__ import annotations
@@ -12,7 +14,9 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
+from moeserve.scheduler.block_hash import block_hashes
 from moeserve.scheduler.config import SchedulerConfig
+from moeserve.scheduler.prefix_routing import PrefixRouter
 from moeserve.scheduler.request import Request
 from moeserve.scheduler.scheduler import QueueFullError, ScheduledRequest, Scheduler, SchedulerOutput
 
@@ -40,6 +44,14 @@ class StepPlan:
         return [r for group in self.groups for r in group.finished_request_ids]
 
     @property
+    def prefix_cache_queries(self) -> int:
+        return sum(group.prefix_cache_queries for group in self.groups)
+
+    @property
+    def prefix_cache_hits(self) -> int:
+        return sum(group.prefix_cache_hits for group in self.groups)
+
+    @property
     def is_idle(self) -> bool:
         """Nothing to run and nothing to tell the runners: an executor may skip this plan."""
         return self.is_empty and not self.finished_request_ids
@@ -59,25 +71,49 @@ class DataParallelScheduler:
         self.config = config
         self.groups = [Scheduler(replace(config, max_waiting=None), clock) for _ in range(num_groups)]
         self._group_of: dict[str, int] = {}
+        self._router = PrefixRouter(num_groups) if config.enable_prefix_caching and num_groups > 1 else None
 
     def _least_loaded(self) -> int:
         """Queued requests weigh more than running ones (they will all need a prefill), then
         KV blocks in use break ties, then the lowest group index."""
 
         def load(g: int) -> tuple[int, int, int]:
-            s = self.groups[g]
-            return (4 * s.num_waiting + s.num_running, s.block_manager.num_used_blocks, g)
+            return (self._load_score(g), self.groups[g].block_manager.num_used_blocks, g)
 
         return min(range(len(self.groups)), key=load)
 
+    def _load_score(self, group: int) -> int:
+        """4 per queued request, 1 per running one (the score `prefix_routing` compares)."""
+        return 4 * self.groups[group].num_waiting + self.groups[group].num_running
+
     def add_request(self, request: Request) -> None:
-        """As `Scheduler.add_request`; the request joins the least-loaded group."""
+        """As `Scheduler.add_request`; the request joins the group holding the longest prefix of
+        its prompt unless that group is much busier (see `prefix_routing`), else the least-loaded
+        group."""
         max_waiting = self.config.max_waiting
         if max_waiting is not None and self.num_waiting >= max_waiting:
             raise QueueFullError(f"waiting queue is full ({max_waiting} requests)")
-        group = self._least_loaded()
+        group, prompt_hashes = self._route(request)
         self.groups[group].add_request(request)
+        if self._router is not None:
+            self._router.add(request.request_id, group, prompt_hashes)
         self._group_of[request.request_id] = group
+
+    def _route(self, request: Request) -> tuple[int, list[bytes]]:
+        """The group for a new request, and the hashes of its prompt's full blocks it was matched
+        by: the least loaded group, or with prefix caching the one that holds the longest prefix
+        of its prompt, unless that one is much busier."""
+        least = self._least_loaded()
+        if self._router is None:
+            return least, []
+        block_size = self.config.block_size
+        hashes = block_hashes(request, block_size, (request.num_tokens - 1) // block_size)
+
+        def cached_blocks(group: int) -> int:
+            return len(self.groups[group].block_manager.lookup(request))
+
+        loads = [self._load_score(g) for g in range(len(self.groups))]
+        return self._router.choose(hashes, cached_blocks, loads, least), hashes
 
     def group_of(self, request_id: str) -> int | None:
         return self._group_of.get(request_id)
@@ -90,15 +126,20 @@ class DataParallelScheduler:
         owner = self._owner(request_id)
         if owner is None:
             return False
-        del self._group_of[request_id]
+        self._forget(request_id)
         return owner.abort_request(request_id)
 
     def finish_request(self, request_id: str, reason: str, stop_reason: int | str | None = None) -> bool:
         owner = self._owner(request_id)
         if owner is None or not owner.finish_request(request_id, reason, stop_reason):
             return False
-        del self._group_of[request_id]
+        self._forget(request_id)
         return True
+
+    def _forget(self, request_id: str) -> None:
+        del self._group_of[request_id]
+        if self._router is not None:
+            self._router.remove(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return any(s.has_unfinished_requests() for s in self.groups)
@@ -134,5 +175,6 @@ class DataParallelScheduler:
             for request in scheduler.update(output, sampled_token_ids, duration_s)
         ]
         for request in finished:
-            self._group_of.pop(request.request_id, None)
+            if request.request_id in self._group_of:
+                self._forget(request.request_id)
         return finished

@@ -60,6 +60,10 @@ class Request:
     num_computed_tokens: int = 0
     """Tokens whose KV is in the cache (advanced by `Scheduler.update`, reset by preemption)."""
     block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)
+    """Chained content hashes of the request's first full blocks of tokens, as far as prefix
+    caching has needed them (`block_hash.block_hashes`); they depend on the tokens alone, so they
+    outlive preemption."""
     finish_reason: str | None = None
     """OpenAI finish reason once finished: "stop", "length" or "abort"."""
     stop_reason: int | str | None = None

@@ -21,6 +21,12 @@ Mechanics shared by both policies: iteration-level batching, preemption by recom
 - When a running request needs a block and none is free, the most recently admitted running
   request is preempted: its blocks are freed and it is requeued, to recompute prompt plus
   outputs when readmitted. No admission happens in a step that preempted.
+- Prefix caching (`enable_prefix_caching`): a request being admitted takes the cached blocks of
+  its longest cached prefix of full blocks (`BlockManager.lookup`, never its last token) and
+  starts computing after them, like a chunked prefill whose first chunks someone else ran; a
+  readmitted request finds its own blocks again if they were not evicted meanwhile. `update`
+  registers every block a step filled, prompt or output. A queued request whose prefix is being
+  computed in this very step waits for the next one, which finds it cached.
 
 Policies (`SchedulerConfig.policy`) differ only in the queue's order and the size of prefill:
 - fcfs: the queue is in arrival order (preempted requests at its head) and every step may fill
@@ -45,6 +51,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from moeserve.sampling_params import SamplingParams
+from moeserve.scheduler.block_hash import BlockHash, block_hashes
 from moeserve.scheduler.block_manager import BlockManager
 from moeserve.scheduler.config import SchedulerConfig
 from moeserve.scheduler.policy import SLO_STEP_HEADROOM, ChunkSizer, FcfsQueue, SloQueue, WaitingQueue
@@ -104,6 +111,11 @@ class SchedulerOutput:
     """Requests that finished since the previous plan: aborted, stopped by `finish_request`, or
     finished in `update`. Runners drop their state before reading `new_requests`, as an id may
     be reused by a new request. An executor must deliver these even with an empty plan."""
+    prefix_cache_queries: int = 0
+    """Tokens of the requests admitted in this plan (readmissions included), as vLLM counts
+    prefix cache queries; 0 without prefix caching."""
+    prefix_cache_hits: int = 0
+    """Of those, the tokens found in the prefix cache, which the requests do not compute."""
 
     @property
     def is_empty(self) -> bool:
@@ -141,6 +153,8 @@ class _StepPlan:
         self.grants: dict[str, tuple[Request, int]] = {}  # request_id -> (request, num_new_tokens), in grant order
         self.preempted_ids: list[str] = []
         self.new_requests: list[NewRequest] = []
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
         self.split_prefill = False  # a prefill chunk stops short of its sequence's end
         self.load = load
 
@@ -161,7 +175,7 @@ class Scheduler:
 
     def __init__(self, config: SchedulerConfig, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
-        self.block_manager = BlockManager(config.num_kv_blocks, config.block_size)
+        self.block_manager = BlockManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self._clock = clock
         self._requests: dict[str, Request] = {}  # every unfinished request, by id
         self._waiting: WaitingQueue = SloQueue(config.slo_ttft_s, clock) if config.policy == "slo" else FcfsQueue()
@@ -238,15 +252,16 @@ class Scheduler:
         Invariant, on entry and on return:
         - every unfinished request is in exactly one of `_waiting` (WAITING or PREEMPTED, no
           blocks, `num_computed_tokens == 0`) and `_running` (RUNNING);
-        - a running request's blocks cover positions `[0, num_computed_tokens)`; no block has two
-          owners; `len(_running) <= max_num_seqs`;
+        - a running request's blocks cover positions `[0, num_computed_tokens)`; only cached full
+          blocks, which nobody writes again, have several owners; `len(_running) <= max_num_seqs`;
         - `_running` is in admission order and preemption takes its tail, so the victim is always
           the most recently admitted; under fcfs admission pops the queue head and preemption
           pushes the victim back to the head, so `_running + _waiting` is in arrival order;
         - only `_running[-1]` can be mid-prefill: nothing is admitted after a prompt that is split
           (by the budget or, under slo, the TBT target) until its prefill completes;
         - the plan grants at most `max_num_batched_tokens` tokens, each scheduled request's blocks
-          cover `start_position + len(token_ids)`, and `num_computed_tokens` only moves in `update`.
+          cover `start_position + len(token_ids)`, and `num_computed_tokens` only moves in `update`
+          and, to the cached prefix, on admission.
         """
         if self._awaiting_update:
             raise RuntimeError("schedule() called again before update() of the previous step")
@@ -280,6 +295,7 @@ class Scheduler:
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue  # finished while the step ran (the id may even be reused by a new request)
             request.num_computed_tokens += len(scheduled.token_ids)
+            self.block_manager.cache_full_blocks(request, scheduled.start_position)
             if not scheduled.sample:
                 continue
             request.output_token_ids.append(sampled_token_ids[scheduled.request_id])
@@ -306,8 +322,15 @@ class Scheduler:
 
     def _admit_waiting(self, plan: _StepPlan) -> None:
         """Admit queued requests from the head until the budget, seats or blocks run out, or a
-        prompt is split (only the newest running request may be mid-prefill)."""
+        prompt is split (only the newest running request may be mid-prefill).
+
+        A request starts after its cached prefix, whose blocks it shares. When its prefix goes on
+        into blocks that this step computes for another request, it waits for the next step, which
+        finds them cached: a burst of requests sharing a long system prompt computes it once, not
+        once per request admitted alongside the first (the step is one step later for them).
+        """
         self._waiting.refresh()
+        computing = self._blocks_being_computed(plan) if self._waiting else set()
         while (
             self._waiting
             and plan.budget > 0
@@ -315,14 +338,22 @@ class Scheduler:
             and len(self._running) < self.config.max_num_seqs
         ):
             request = self._waiting.head()
-            num_new_tokens = self._num_tokens_to_grant(request, plan)
+            cached_blocks = self.block_manager.lookup(request)
+            if computing and self._next_block_in(request, len(cached_blocks), computing):
+                break
+            num_cached = len(cached_blocks) * self.config.block_size
+            num_new_tokens = self._num_tokens_to_grant(request, plan, num_cached)
             if num_new_tokens == 0:
                 break  # the TBT target leaves no room
-            if num_new_tokens < request.num_tokens and not self.config.enable_chunked_prefill:
+            if num_cached + num_new_tokens < request.num_tokens and not self.config.enable_chunked_prefill:
                 break
-            if not self.block_manager.allocate(request, num_new_tokens):
+            if not self.block_manager.allocate(request, num_new_tokens, cached_blocks):
                 break
             self._waiting.pop()
+            request.num_computed_tokens = num_cached
+            if self.config.enable_prefix_caching:
+                plan.prefix_cache_queries += request.num_tokens
+                plan.prefix_cache_hits += num_cached
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = self._clock()
                 prompt = tuple(request.prompt_token_ids)
@@ -330,15 +361,44 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             self._running.append(request)
             plan.grant(request, num_new_tokens)
+            computing.update(self._filled_block_hashes(request, num_cached, num_new_tokens))
 
-    def _num_tokens_to_grant(self, request: Request, plan: _StepPlan) -> int:
-        """All the tokens `request` has left to feed, as far as the budget allows and, for a prefill
-        chunk in a step carrying decodes under slo, as far as the TBT target allows."""
-        most = min(request.num_tokens - request.num_computed_tokens, plan.budget)
+    def _filled_block_hashes(self, request: Request, start: int, num_tokens: int) -> list[BlockHash]:
+        """With prefix caching, the hashes of the blocks that computing `num_tokens` tokens from
+        position `start` fills."""
+        if not self.config.enable_prefix_caching:
+            return []
+        block_size = self.config.block_size
+        return block_hashes(request, block_size, (start + num_tokens) // block_size)[start // block_size :]
+
+    def _blocks_being_computed(self, plan: _StepPlan) -> set[BlockHash]:
+        """The blocks the prefill chunks granted so far fill in this step (decodes fill output
+        blocks, which a queued prompt hardly ever shares)."""
+        return {
+            block_hash
+            for request, num_tokens in plan.grants.values()
+            if not _is_decode(request)
+            for block_hash in self._filled_block_hashes(request, request.num_computed_tokens, num_tokens)
+        }
+
+    def _next_block_in(self, request: Request, num_cached_blocks: int, hashes: set[BlockHash]) -> bool:
+        """Whether the block after `request`'s cached prefix (one it may take from the cache, so
+        not its last token's) is among `hashes`."""
+        block_size = self.config.block_size
+        prefix = block_hashes(request, block_size, (request.num_tokens - 1) // block_size)
+        return num_cached_blocks < len(prefix) and prefix[num_cached_blocks] in hashes
+
+    def _num_tokens_to_grant(self, request: Request, plan: _StepPlan, num_computed: int | None = None) -> int:
+        """All the tokens `request` has left to feed after `num_computed` (default: its
+        `num_computed_tokens`), as far as the budget allows and, for a prefill chunk in a step
+        carrying decodes under slo, as far as the TBT target allows."""
+        if num_computed is None:
+            num_computed = request.num_computed_tokens
+        most = min(request.num_tokens - num_computed, plan.budget)
         sizer, load = self._chunk_sizer, plan.load
         if sizer is None or load is None or not load.num_decodes or not sizer.model.ready or _is_decode(request):
             return most
-        return sizer.chunk_tokens(load.shape, request.num_computed_tokens, most, load.num_prefill_tokens)
+        return sizer.chunk_tokens(load.shape, num_computed, most, load.num_prefill_tokens)
 
     def _allocate_or_preempt(self, request: Request, num_new_tokens: int, plan: _StepPlan) -> bool:
         """Get `request` the blocks for its next tokens, preempting the newest running requests
@@ -384,6 +444,8 @@ class Scheduler:
             preempted_request_ids=plan.preempted_ids,
             new_requests=plan.new_requests,
             finished_request_ids=finished_ids,
+            prefix_cache_queries=plan.prefix_cache_queries,
+            prefix_cache_hits=plan.prefix_cache_hits,
         )
 
     # ----- results -----

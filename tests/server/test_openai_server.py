@@ -108,6 +108,22 @@ def test_completions_equal_llm_generate(server: ServerProcess, reference: LLM, s
         assert usage.completion_tokens == len(expected.token_ids)
 
 
+def test_prompts_sharing_a_prefix_compute_it_once(server: ServerProcess, reference: LLM) -> None:
+    """Three prompts sharing 48 tokens (three blocks of 16), sent together: one computes the
+    prefix, the two others find it cached. At ep4 that takes all three placed in one of the four
+    data-parallel groups; placed by load alone, each would have computed it."""
+    before = wait_idle(server)
+    prefix = [3 + (7 * i) % 290 for i in range(48)]
+    prompts = [prefix + [5 + k] * k for k in (2, 5, 9)]
+    response = client(server).completions.create(model="tiny", prompt=prompts, max_tokens=4, temperature=0.0)
+    for prompt, choice in zip(prompts, response.choices):
+        assert choice.text == greedy(reference, prompt, 4).text
+    after = wait_idle(server)
+    hits = after["moeserve:prefix_cache_hits_total"] - before.get("moeserve:prefix_cache_hits_total", 0.0)
+    queries = after["moeserve:prefix_cache_queries_total"] - before.get("moeserve:prefix_cache_queries_total", 0.0)
+    assert (hits, queries) == (2 * 48, sum(map(len, prompts)))
+
+
 def test_token_id_prompts_and_batches(server: ServerProcess, reference: LLM) -> None:
     """A batch of token-id prompts returns choice i for prompt i, each its own greedy output."""
     prompts = [[5, 17, 42, 99], [7, 8, 9, 10, 11, 12, 13], [200]]

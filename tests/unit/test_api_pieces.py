@@ -134,6 +134,19 @@ def test_the_imbalance_gauge_waits_for_enough_rows_and_restarts_at_a_rebalance()
     assert counted == 30 + 50 + 60 + 40 + 10  # the counters take every report at once
 
 
+def test_prefix_cache_counters_add_up_in_tokens() -> None:
+    metrics = ServerMetrics("m", SLOConfig())
+    metrics.record(IterationStats(0.01, prefix_cache_queries=300, prefix_cache_hits=256))
+    metrics.record(IterationStats(0.01, prefix_cache_queries=40, prefix_cache_hits=0))
+    samples = {
+        s.name: s.value
+        for family in text_string_to_metric_families(metrics.exposition().decode())
+        for s in family.samples
+    }
+    assert samples["moeserve:prefix_cache_queries_total"] == 340
+    assert samples["moeserve:prefix_cache_hits_total"] == 256
+
+
 def test_merge_interleaves_and_propagates_errors() -> None:
     async def numbers(start: int, fail: bool = False):
         for i in range(start, start + 3):

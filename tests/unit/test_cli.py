@@ -236,3 +236,16 @@ def test_dispatch_fp8_is_a_switch() -> None:
     assert fp8("launch", "--ep", "4", "--dispatch-fp8") is True
     assert fp8("generate", "--prompt", "hi", "--dispatch-fp8") is True
     assert EngineConfig.from_options(dispatch_fp8=True).parallel.dispatch_fp8 is True
+
+
+def test_prefix_caching_is_on_unless_switched_off() -> None:
+    def caching(*argv: str) -> bool:
+        args = parse(*argv)
+        config = EngineConfig.from_options(**{n: getattr(args, n) for n in args.engine_options})
+        return config.cache.enable_prefix_caching
+
+    assert caching("launch") is True
+    assert caching("launch", "--no-enable-prefix-caching") is False
+    assert caching("generate", "--prompt", "hi", "--no-enable-prefix-caching") is False
+    assert caching("launch", "--no-enable-prefix-caching", "--enable-prefix-caching") is True
+    assert EngineConfig.from_options(enable_prefix_caching=False).cache.enable_prefix_caching is False

@@ -61,6 +61,8 @@ def test_outputs_round_trip() -> None:
             RebalanceReport(12, (1.5, 2.0), (1.03, 1.1), 45, 1_100_000, 0.004, 0.028),
             RebalanceReport(24, (1.1, 1.2), (1.01, 1.05), 3, 73_728, 0.002, 0.006),
         ],
+        prefix_cache_queries=40,
+        prefix_cache_hits=32,
     )
     out = CoreOutputs(SchedulerStats(2, 1, 7, 64), ["r1"], [("r2", "QueueFullError", "full")], step)
     back = decode_outputs(encode_outputs(out))

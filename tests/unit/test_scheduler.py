@@ -17,7 +17,16 @@ from moeserve.scheduler import QueueFullError, Request, RequestStatus, Scheduler
 
 
 def make_config(**overrides) -> SchedulerConfig:
-    fields = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64, block_size=4, num_kv_blocks=64)
+    """Prefix caching off: these tests pin recompute and one owner per block (test_prefix_caching.py
+    covers the cache)."""
+    fields = dict(
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        max_model_len=64,
+        block_size=4,
+        num_kv_blocks=64,
+        enable_prefix_caching=False,
+    )
     return SchedulerConfig(**(fields | overrides))
 
 

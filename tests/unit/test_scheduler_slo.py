@@ -46,7 +46,15 @@ def shape_of(output: SchedulerOutput) -> StepShape:
 
 
 def make_config(**overrides) -> SchedulerConfig:
-    fields = dict(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=512, block_size=4, num_kv_blocks=512)
+    """Prefix caching off, as in test_scheduler.py: readmissions recompute from position 0."""
+    fields = dict(
+        max_num_seqs=8,
+        max_num_batched_tokens=256,
+        max_model_len=512,
+        block_size=4,
+        num_kv_blocks=512,
+        enable_prefix_caching=False,
+    )
     return SchedulerConfig(**(fields | overrides))
 
 
@@ -353,6 +361,7 @@ def random_workload(seed: int) -> Workload:
         block_size=block_size,
         num_kv_blocks=rng.randint(min_blocks, 2 * min_blocks),  # tight: preemption is common
         enable_chunked_prefill=chunked,
+        enable_prefix_caching=False,
         slo_ttft_s=rng.choice([0.005, 0.02, 0.1]),
         slo_tbt_s=rng.choice([0.001, 0.003, 0.006]),
     )
