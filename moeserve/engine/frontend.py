@@ -99,8 +99,6 @@ class EngineFrontend:
         samples = []
         for i in range(params.n):
             sample_params = params if params.n == 1 or params.seed is None else replace(params, seed=params.seed + i)
-            if i > 0 and params.prompt_logprobs is not None:  # the samples share a prompt: one computes
-                sample_params = replace(sample_params, prompt_logprobs=None)
             sample_id = request_id if params.n == 1 else f"{request_id}#{i}"
             samples.append(CoreRequest(sample_id, list(prompt_token_ids), sample_params, arrival))
         sample_ids = [s.request_id for s in samples]

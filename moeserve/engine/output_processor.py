@@ -78,11 +78,14 @@ class _Parent:
     """Filled chunk by chunk before the first token; the first prompt token has no logprob."""
 
     def add_prompt_logprobs(self, chunk: PromptLogprobs) -> None:
-        """Append a chunk's positions; one that does not continue where the last ended is dropped
-        (it can only repeat positions already reported)."""
-        if self.prompt_logprobs is None or chunk.start != len(self.prompt_logprobs):
+        """Append the positions of a chunk not known yet. With n > 1 every sample computes them,
+        so that whichever samples first has them all; each sample reports its positions in
+        order, so the known ones always run from the start to the furthest sample's."""
+        if self.prompt_logprobs is None:
             return
-        for offset, (logprob, rank, top) in enumerate(zip(chunk.logprobs, chunk.ranks, chunk.top)):
+        known = len(self.prompt_logprobs)
+        for offset in range(max(known - chunk.start, 0), len(chunk.logprobs)):
+            logprob, rank, top = chunk.logprobs[offset], chunk.ranks[offset], chunk.top[offset]
             token_id = self.prompt_token_ids[chunk.start + offset]
             entry = {token_id: Logprob(logprob, rank)}
             for alt_rank, (alt_id, alt_logprob) in enumerate(top, start=1):

@@ -1,5 +1,6 @@
 """Prompt logprobs through the offline engine: equal to transformers' log-softmax over the
-prompt, across chunked prefill, with n > 1 and under preemption (each position reported once)."""
+prompt, across chunked prefill, with n > 1 and under preemption (each position reported once),
+and joined once by the output processor whichever sample reports them first."""
 
 from __future__ import annotations
 
@@ -7,9 +8,14 @@ import pytest
 import torch
 
 from moeserve import LLM, SamplingParams
+from moeserve.config import SLOConfig
+from moeserve.engine.core import CoreStep, SchedulerStats
+from moeserve.engine.output_processor import OutputProcessor
 from moeserve.engine.outputs import RequestOutput
+from moeserve.engine.stats import IterationStats
+from moeserve.worker import PromptLogprobs, SampledToken
 
-PROMPT_LENGTHS = (1, 9, 26, 33)
+PROMPT_LENGTHS = (1, 9, 26)
 NUM_TOP = 3
 
 
@@ -52,7 +58,7 @@ def check(output: RequestOutput, prompt: list[int], ref: torch.Tensor, num_top: 
 
 
 def test_prompt_logprobs_match_transformers_with_chunked_prefill(folder, prompts, reference):
-    # 8 tokens a step: the longer prompts arrive over four or five chunks, sharing steps.
+    # 8 tokens a step: the longer prompts arrive over two to four chunks, sharing steps.
     llm = LLM(str(folder), max_model_len=64, max_num_seqs=4, max_num_batched_tokens=8)
     params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, prompt_logprobs=NUM_TOP)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
@@ -91,11 +97,35 @@ def test_preempted_prompt_reports_its_logprobs_once(folder, prompts, reference):
 
     executor.take_prompt_logprobs = recording_take
     # Three 13-token prompts (4 blocks each) are admitted together, then outgrow the pool.
-    heads = [prompts[2][:13], prompts[3][:13], prompts[2][13:26]]
+    heads = [prompts[2][:13], prompts[2][13:26], prompts[1] + prompts[1][:4]]
     outputs = llm.generate([{"prompt_token_ids": p} for p in heads], params)
     assert preempted
     # The core reports every position once: the recomputed prompts' positions are not sent again.
     assert sorted(covered.values()) == [list(range(1, 13))] * 3
-    for output, prompt, ref in zip(outputs[:2], heads, reference[2:]):
-        check(output, prompt, ref, 1)  # causal: a prefix's logprobs are the whole prompt's first ones
-    assert len(outputs[2].prompt_logprobs) == 13
+    check(outputs[0], heads[0], reference[2], 1)  # causal: a prefix's logprobs are the whole prompt's first ones
+    assert [len(out.prompt_logprobs) for out in outputs[1:]] == [13, 13]
+
+
+def test_samples_chunks_join_once_whichever_runs_ahead(folder):
+    """n = 2: both samples report the prompt; overlapping chunks give each position once."""
+    from transformers import AutoTokenizer
+
+    processor = OutputProcessor(AutoTokenizer.from_pretrained(folder), SLOConfig())
+    prompt = [5, 6, 7, 8, 9, 10]
+    processor.add_request("r", None, prompt, SamplingParams(n=2, prompt_logprobs=0), 0.0, ["r#0", "r#1"])
+
+    def chunk(start: int, end: int) -> PromptLogprobs:
+        return PromptLogprobs(
+            start, [-float(i) for i in range(start, end)], [i for i in range(start, end)], [[]] * (end - start)
+        )
+
+    def step(prompt_logprobs: dict, sampled: dict) -> list:
+        core_step = CoreStep(sampled, [], {}, 1.0, 0.01, 0, SchedulerStats(0, 0, 0, 0), prompt_logprobs=prompt_logprobs)
+        return processor.process(core_step, IterationStats()).outputs
+
+    assert step({"r#1": chunk(1, 4), "r#0": chunk(1, 3)}, {}) == []
+    (output,) = step({"r#0": chunk(3, 5), "r#1": chunk(4, 6)}, {"r#1": SampledToken(11)})
+    assert output.prompt_logprobs[0] is None
+    assert [(e[t].logprob, e[t].rank) for e, t in zip(output.prompt_logprobs[1:], prompt[1:])] == [
+        (-float(i), i) for i in range(1, 6)
+    ]
