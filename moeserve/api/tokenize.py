@@ -11,6 +11,7 @@ from __future__ import annotations
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from moeserve.api.constraints import ChatTool
 from moeserve.api.errors import APIError
 from moeserve.api.generation import check_model
 from moeserve.api.protocol import ChatMessageParam, OpenAIModel, parse_request
@@ -24,6 +25,8 @@ class TokenizeRequest(OpenAIModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessageParam] | None = None
+    tools: list[ChatTool] | None = None
+    """Messages only: the tools the template describes to the model, as the chat route passes them."""
     add_special_tokens: bool | None = None
     """Add the tokenizer's special tokens (BOS); vLLM's default: yes for a prompt, no for
     messages, whose template writes them itself."""
@@ -54,10 +57,12 @@ def _tokenize(request: TokenizeRequest, tokenizer) -> list[int]:
     if request.prompt is not None:
         add_special = True if request.add_special_tokens is None else request.add_special_tokens
         return list(tokenizer.encode(request.prompt, add_special_tokens=add_special))
-    messages = [{"role": m.role, "content": m.text()} for m in request.messages or ()]
+    messages = [m.template_message() for m in request.messages or ()]
+    tools = None if not request.tools else [t.model_dump(by_alias=True, exclude_none=True) for t in request.tools]
     try:
         text = tokenizer.apply_chat_template(
             messages,
+            tools=tools,
             add_generation_prompt=request.add_generation_prompt,
             continue_final_message=request.continue_final_message,
             tokenize=False,
