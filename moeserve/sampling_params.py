@@ -101,6 +101,9 @@ class SamplingParams:
     structured_outputs: StructuredOutputs | None = None
     """Constrain the output to a grammar (JSON schema, regex, choice, EBNF); None: free text.
     A (kind, spec) pair is accepted too, which is how the engine's wire carries it."""
+    prompt_logprobs: int | None = None
+    """Return each prompt token's logprob (the first has none) plus this many top logprobs per
+    prompt position; None: return none. Costs a vocabulary projection per prompt token."""
 
     def __post_init__(self) -> None:
         if self.top_k == -1:
@@ -133,6 +136,11 @@ class SamplingParams:
             (
                 self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
                 "logprobs",
+                f"must be in [0, {MAX_LOGPROBS}] or None",
+            ),
+            (
+                self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+                "prompt_logprobs",
                 f"must be in [0, {MAX_LOGPROBS}] or None",
             ),
             (

@@ -26,6 +26,7 @@ from moeserve.api.protocol import (
     DeltaMessage,
     ModelCard,
     ModelList,
+    PromptLogprob,
     StreamOptions,
     TopLogprob,
     UsageInfo,
@@ -44,6 +45,7 @@ from moeserve.api.protocol import (
 )
 from moeserve.api.server import serve
 from moeserve.api.state import ModelInfo, ServerSettings, ServingState
+from moeserve.api.tokenize import DetokenizeRequest, TokenizeRequest
 
 __all__ = [
     "APIError",
@@ -62,14 +64,17 @@ __all__ = [
     "CompletionResponse",
     "CompletionStreamChunk",
     "DeltaMessage",
+    "DetokenizeRequest",
     "ModelCard",
     "ModelInfo",
     "ModelList",
+    "PromptLogprob",
     "SSE_DONE",
     "ServerMetrics",
     "ServerSettings",
     "ServingState",
     "StreamOptions",
+    "TokenizeRequest",
     "TopLogprob",
     "UsageInfo",
     "build_app",

@@ -21,6 +21,7 @@ from moeserve.api.errors import APIError, error_body, error_type_for
 from moeserve.api.metrics import CONTENT_TYPE
 from moeserve.api.protocol import ModelCard, ModelList
 from moeserve.api.state import ServingState
+from moeserve.api.tokenize import detokenize, tokenize
 from moeserve.api.transport import ClientDisconnected, check_api_key
 
 logger = logging.getLogger("moeserve.api")
@@ -34,9 +35,13 @@ def build_app(state: ServingState) -> FastAPI:
     app.state.serving = state
     _add_error_handlers(app, state)
 
-    def guarded(handler: Handler) -> Callable[[Request], Awaitable[Response]]:
+    def guarded(handler: Handler, authenticated: bool = True) -> Callable[[Request], Awaitable[Response]]:
+        """The handler counted in the HTTP metrics; behind the API key unless `authenticated` is
+        False (vLLM asks for the key on /v1 routes only)."""
+
         async def endpoint(request: Request) -> Response:
-            check_api_key(request, state.settings.api_key)
+            if authenticated:
+                check_api_key(request, state.settings.api_key)
             try:
                 response = await handler(request, state)
             except ClientDisconnected:
@@ -58,6 +63,8 @@ def build_app(state: ServingState) -> FastAPI:
     app.add_api_route("/v1/completions", guarded(create_completion), methods=["POST"])
     app.add_api_route("/v1/chat/completions", guarded(create_chat_completion), methods=["POST"])
     app.add_api_route("/v1/models", guarded(list_models), methods=["GET"])
+    app.add_api_route("/tokenize", guarded(tokenize, authenticated=False), methods=["POST"])
+    app.add_api_route("/detokenize", guarded(detokenize, authenticated=False), methods=["POST"])
 
     @app.get("/health")
     async def health() -> Response:

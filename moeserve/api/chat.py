@@ -91,7 +91,9 @@ async def create_chat_completion(raw: Request, state: ServingState) -> Response:
         return event_stream(events, streams, request_id)
     outputs = await collect(raw, streams, request_id)
     read_calls = None if reader is None else reader.final
-    body = chat_response(request_id, model_name, outputs[0], model.tokenizer, num_top, read_calls)
+    body = chat_response(
+        request_id, model_name, outputs[0], model.tokenizer, num_top, read_calls, request.prompt_logprobs
+    )
     return JSONResponse(body.model_dump())
 
 

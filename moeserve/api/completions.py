@@ -61,7 +61,15 @@ async def create_completion(raw: Request, state: ServingState) -> Response:
         events = _stream_events(streams, request, params, request_id, model_name, model)
         return event_stream(events, streams, request_id)
     outputs = await collect(raw, streams, request_id)
-    body = completion_response(request_id, model_name, outputs, model.tokenizer, echo_prompts=request.echo)
+    body = completion_response(
+        request_id,
+        model_name,
+        outputs,
+        model.tokenizer,
+        echo_prompts=request.echo,
+        num_logprobs=request.logprobs or 0,
+        num_prompt_logprobs=request.prompt_logprobs,
+    )
     return JSONResponse(body.model_dump())
 
 
@@ -105,7 +113,13 @@ async def _stream_events(
                 logprobs = None
                 if delta.logprobs is not None:
                     logprobs = completion_logprobs(
-                        delta.token_ids, delta.logprobs, model.tokenizer, prompt_ids, start_offset=offset
+                        delta.token_ids,
+                        delta.logprobs,
+                        model.tokenizer,
+                        prompt_ids,
+                        start_offset=offset,
+                        prompt_logprobs=output.prompt_logprobs,
+                        num_prompt_top=request.logprobs or 0,
                     )
                 yield sse(
                     completion_chunk(

@@ -118,11 +118,17 @@ class _SamplingRequest(OpenAIModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     structured_outputs: StructuredOutputsField | None = None
+    prompt_logprobs: int | None = None
+    """vLLM's: each prompt token's logprob and this many top alternatives, in `prompt_logprobs`."""
 
     @property
     def include_usage(self) -> bool:
         """Whether a stream ends with a usage chunk."""
         return self.stream_options is not None and self.stream_options.include_usage
+
+    def _num_prompt_logprobs(self) -> int | None:
+        """Top alternatives per prompt position the engine must compute; None: no prompt logprobs."""
+        return self.prompt_logprobs
 
     def _build_sampling_params(
         self,
@@ -155,6 +161,7 @@ class _SamplingRequest(OpenAIModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
             structured_outputs=constraint if constraint is not None else output_constraint(self),
+            prompt_logprobs=self._num_prompt_logprobs(),
         )
         try:
             return SamplingParams(**fields)
@@ -194,6 +201,12 @@ class CompletionRequest(_SamplingRequest):
         if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
             return [prompt]
         return list(prompt)
+
+    def _num_prompt_logprobs(self) -> int | None:
+        """`echo` with `logprobs` reports the prompt tokens' logprobs too, with as many alternatives."""
+        if not (self.echo and self.logprobs is not None):
+            return self.prompt_logprobs
+        return max(self.logprobs, self.prompt_logprobs or 0)
 
     def to_sampling_params(self, default_max_tokens: int | None) -> SamplingParams:
         """`default_max_tokens` replaces an explicit `max_tokens: null` (the room left in the context)."""
@@ -315,11 +328,34 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """One entry of vLLM's `prompt_logprobs`, keyed by token id."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+PromptLogprobsBody = list[dict[int, PromptLogprob] | None]
+
+
+def _drop_null_prompt_logprobs(body: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's `prompt_logprobs` only where asked: OpenAI's clients see OpenAI's keys otherwise."""
+    if body.get("prompt_logprobs", 0) is None:
+        del body["prompt_logprobs"]
+    return body
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    prompt_logprobs: PromptLogprobsBody | None = None
+
+    @model_serializer(mode="wrap")
+    def _serialize(self, handler: Any) -> dict[str, Any]:
+        return _drop_null_prompt_logprobs(handler(self))
 
 
 class CompletionResponse(BaseModel):
@@ -421,6 +457,11 @@ class ChatCompletionResponse(BaseModel):
     system_fingerprint: str | None = None
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobsBody | None = None
+
+    @model_serializer(mode="wrap")
+    def _serialize(self, handler: Any) -> dict[str, Any]:
+        return _drop_null_prompt_logprobs(handler(self))
 
 
 class DeltaMessage(_OmitNone):
@@ -480,27 +521,44 @@ def _by_likelihood(alternatives: dict[int, Logprob]) -> list[tuple[int, Logprob]
     return sorted(alternatives.items(), key=lambda item: -item[1].logprob)
 
 
+def _prompt_alternatives(entry: dict[int, Logprob], token_id: int, num_top: int) -> dict[int, Logprob]:
+    """A prompt position's token and its `num_top` most likely alternatives (the engine may have
+    computed more, when `echo` and `prompt_logprobs` asked for different numbers)."""
+    return {t: lp for t, lp in entry.items() if t == token_id or (lp.rank is not None and lp.rank <= num_top)}
+
+
 def completion_logprobs(
     token_ids: list[int],
     logprobs: list[dict[int, Logprob]],
     tokenizer: Tokenizer,
     prompt_token_ids: list[int] | None = None,
     start_offset: int = 0,
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None,
+    num_prompt_top: int = 0,
 ) -> CompletionLogprobs:
     """The legacy format for generated tokens, preceded by echoed prompt tokens if given.
 
     Each position's dict holds the sampled token and the top alternatives, so `top_logprobs` may
-    have logprobs + 1 entries, as OpenAI documents. Prompt tokens carry null logprobs: the engine
-    does not compute prompt logprobs. `text_offset` counts characters from the start of the text;
-    a stream's later chunks pass the characters already sent as `start_offset`.
+    have logprobs + 1 entries, as OpenAI documents. Echoed prompt tokens take their logprobs from
+    `prompt_logprobs` (the first token's is null: nothing precedes it), with `num_prompt_top`
+    alternatives. `text_offset` counts characters from the start of the text; a stream's later
+    chunks pass the characters already sent as `start_offset`.
     """
     result = CompletionLogprobs()
     offset = start_offset
-    for token_id in prompt_token_ids or []:
+    for index, token_id in enumerate(prompt_token_ids or []):
         text = tokenizer.decode([token_id])
+        entry = prompt_logprobs[index] if prompt_logprobs is not None else None
         result.tokens.append(text)
-        result.token_logprobs.append(None)
-        result.top_logprobs.append(None)
+        if entry is None:
+            result.token_logprobs.append(None)
+            result.top_logprobs.append(None)
+        else:
+            kept = _prompt_alternatives(entry, token_id, num_prompt_top)
+            result.token_logprobs.append(_clamp(entry[token_id].logprob))
+            result.top_logprobs.append(
+                {_token_text(tokenizer, t, lp): _clamp(lp.logprob) for t, lp in _by_likelihood(kept)}
+            )
         result.text_offset.append(offset)
         offset += len(text)
     for token_id, alternatives in zip(token_ids, logprobs):
@@ -547,26 +605,79 @@ def _prompt_text(output: RequestOutput, tokenizer: Tokenizer) -> str:
     return output.prompt if output.prompt is not None else tokenizer.decode(output.prompt_token_ids)
 
 
+def prompt_logprobs_body(output: RequestOutput, tokenizer: Tokenizer, num_top: int | None) -> PromptLogprobsBody | None:
+    """vLLM's `prompt_logprobs`: per prompt token (the first is null) the token and `num_top`
+    alternatives by token id, each with its logprob, rank and text; None unless asked."""
+    if num_top is None or output.prompt_logprobs is None:
+        return None
+    body: PromptLogprobsBody = []
+    for token_id, entry in zip(output.prompt_token_ids, output.prompt_logprobs):
+        if entry is None:
+            body.append(None)
+            continue
+        kept = _prompt_alternatives(entry, token_id, num_top)
+        body.append(
+            {
+                t: PromptLogprob(logprob=_clamp(lp.logprob), rank=lp.rank, decoded_token=_token_text(tokenizer, t, lp))
+                for t, lp in kept.items()
+            }
+        )
+    return body
+
+
 def _completion_choice(
-    index: int, output: RequestOutput, sample: CompletionOutput, tokenizer: Tokenizer, echo: bool
+    index: int,
+    output: RequestOutput,
+    sample: CompletionOutput,
+    tokenizer: Tokenizer,
+    echo: bool,
+    num_echo_top: int,
+    prompt_logprobs: PromptLogprobsBody | None,
 ) -> CompletionChoice:
     logprobs = None
     if sample.logprobs is not None:
         echoed = output.prompt_token_ids if echo else None
-        logprobs = completion_logprobs(sample.token_ids, sample.logprobs, tokenizer, echoed)
+        logprobs = completion_logprobs(
+            sample.token_ids,
+            sample.logprobs,
+            tokenizer,
+            echoed,
+            prompt_logprobs=output.prompt_logprobs,
+            num_prompt_top=num_echo_top,
+        )
     text = _prompt_text(output, tokenizer) + sample.text if echo else sample.text
-    return CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=sample.finish_reason)
+    return CompletionChoice(
+        index=index, text=text, logprobs=logprobs, finish_reason=sample.finish_reason, prompt_logprobs=prompt_logprobs
+    )
 
 
 def completion_response(
-    request_id: str, model: str, outputs: list[RequestOutput], tokenizer: Tokenizer, echo_prompts: bool = False
+    request_id: str,
+    model: str,
+    outputs: list[RequestOutput],
+    tokenizer: Tokenizer,
+    echo_prompts: bool = False,
+    num_logprobs: int = 0,
+    num_prompt_logprobs: int | None = None,
 ) -> CompletionResponse:
-    """One response for all prompts of a request; choice i * n + j is sample j of prompt i."""
+    """One response for all prompts of a request; choice i * n + j is sample j of prompt i.
+    `num_logprobs`: alternatives per echoed prompt token; `num_prompt_logprobs`: vLLM's field."""
     choices = []
     for prompt_index, output in enumerate(outputs):
         n = len(output.outputs)
+        prompt_logprobs = prompt_logprobs_body(output, tokenizer, num_prompt_logprobs)
         for sample in output.outputs:
-            choices.append(_completion_choice(prompt_index * n + sample.index, output, sample, tokenizer, echo_prompts))
+            choices.append(
+                _completion_choice(
+                    prompt_index * n + sample.index,
+                    output,
+                    sample,
+                    tokenizer,
+                    echo_prompts,
+                    num_logprobs,
+                    prompt_logprobs,
+                )
+            )
     return CompletionResponse(id=request_id, model=model, choices=choices, usage=usage_info(outputs))
 
 
@@ -577,6 +688,7 @@ def chat_response(
     tokenizer: Tokenizer,
     num_top_logprobs: int = 0,
     read_calls: Callable[[str, str | None], tuple[str | None, list[ToolCall], str | None]] | None = None,
+    num_prompt_logprobs: int | None = None,
 ) -> ChatCompletionResponse:
     """A chat response with one choice per sample; logprobs where the engine returned them.
     `read_calls(text, finish_reason) -> (content, tool calls, finish_reason)` for a request
@@ -591,7 +703,13 @@ def chat_response(
             logprobs = chat_logprobs(sample.token_ids, sample.logprobs, tokenizer, num_top_logprobs)
         message = ChatMessage(content=content, tool_calls=calls)
         choices.append(ChatChoice(index=sample.index, message=message, logprobs=logprobs, finish_reason=finish_reason))
-    return ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage_info([output]))
+    return ChatCompletionResponse(
+        id=request_id,
+        model=model,
+        choices=choices,
+        usage=usage_info([output]),
+        prompt_logprobs=prompt_logprobs_body(output, tokenizer, num_prompt_logprobs),
+    )
 
 
 # ---------------------------------------------------------------- streaming

@@ -15,6 +15,7 @@ from moeserve.config import ParallelConfig
 from moeserve.engine_config import CudaGraphConfig
 from moeserve.eplb import RebalanceReport
 from moeserve.scheduler import SchedulerOutput
+from moeserve.worker.prompt_logprobs import PromptLogprobs
 from moeserve.worker.runner import SampledToken
 from moeserve.worker.sampling_metadata import TokenBitmask
 
@@ -94,6 +95,8 @@ class StepOutput:
     """With routed_tokens: rows this rank dispatched to each rank since last asked (`dispatch.wire`)."""
     rebalance: RebalanceReport | None = None
     """From rank 0, when the experts were rebalanced after this step (`eplb.Rebalancer`)."""
+    prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
+    """From the sampling rank, for the requests of its group that asked (`worker.prompt_logprobs`)."""
 
 
 @dataclass(frozen=True)

@@ -191,7 +191,15 @@ class Worker:
             self._set_aside_routed(self.expert_map)
             routed, self._routed = self._routed, None
             wire = self.runner.model.take_dispatch_rows()
-        return StepOutput(message.step, self.rank, sampled, routed, wire, report if self.rank == 0 else None)
+        return StepOutput(
+            message.step,
+            self.rank,
+            sampled,
+            routed,
+            wire,
+            report if self.rank == 0 else None,
+            self.runner.take_prompt_logprobs(),
+        )
 
     def _set_aside_routed(self, expert_map: ExpertMap) -> None:
         """Read the per-slot counters and add them, per logical expert under `expert_map` (the

@@ -30,6 +30,7 @@ from moeserve.sampling_params import SamplingParams
 from moeserve.scheduler import DataParallelScheduler, QueueFullError, Request, SchedulerConfig
 from moeserve.structured import GrammarCompiler, StructuredOutputManager
 from moeserve.worker.kv_cache import num_blocks_for
+from moeserve.worker.prompt_logprobs import PromptLogprobs
 from moeserve.worker.runner import SampledToken
 
 logger = logging.getLogger(__name__)
@@ -90,6 +91,8 @@ class CoreStep:
     """Tokens of the sequences admitted in this step (see `SchedulerOutput.prefix_cache_queries`)."""
     prefix_cache_hits: int = 0
     """Of those, the tokens found in the prefix cache."""
+    prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
+    """The prompt positions this step computed, per sequence that asked for prompt logprobs."""
 
 
 def build_scheduler(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype, max_model_len: int):
@@ -261,6 +264,7 @@ class EngineCore:
         self.structured.remove(f.request_id for f in finished)
         now = time.monotonic()
         rebalances = self.executor.take_rebalances()
+        prompt_logprobs = self.executor.take_prompt_logprobs()
         routed = None
         if report_load or rebalances:
             routed = self.executor.take_routed_tokens()
@@ -278,6 +282,7 @@ class EngineCore:
             rebalances=rebalances,
             prefix_cache_queries=plan.prefix_cache_queries,
             prefix_cache_hits=plan.prefix_cache_hits,
+            prompt_logprobs=prompt_logprobs,
         )
 
     def _advance_grammars(

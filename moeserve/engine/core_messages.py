@@ -23,6 +23,7 @@ from moeserve.engine.core import CoreRequest, CoreStep, FinishedSequence, Schedu
 from moeserve.eplb.rebalancer import RebalanceReport
 from moeserve.sampling_params import SamplingParams
 from moeserve.scheduler import QueueFullError
+from moeserve.worker.prompt_logprobs import PromptLogprobs
 from moeserve.worker.runner import SampledToken
 
 _PARAM_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
@@ -180,11 +181,25 @@ def _step(s: CoreStep) -> list[Any]:
         [_rebalance(r) for r in s.rebalances],
         s.prefix_cache_queries,
         s.prefix_cache_hits,
+        {rid: [p.start, p.logprobs, p.ranks, p.top] for rid, p in s.prompt_logprobs.items()},
     ]
 
 
 def _unstep(entry: list[Any]) -> CoreStep:
-    sampled, finished, first_scheduled, time, duration, preemptions, gauges, routed, rebalances, queries, hits = entry
+    (
+        sampled,
+        finished,
+        first_scheduled,
+        time,
+        duration,
+        preemptions,
+        gauges,
+        routed,
+        rebalances,
+        queries,
+        hits,
+        prompt,
+    ) = entry
     routed_tokens = None
     if routed is not None:
         counts, rank_rows, layers, wire = routed
@@ -201,6 +216,10 @@ def _unstep(entry: list[Any]) -> CoreStep:
         rebalances=[_unrebalance(r) for r in rebalances],
         prefix_cache_queries=queries,
         prefix_cache_hits=hits,
+        prompt_logprobs={
+            rid: PromptLogprobs(start, logprobs, ranks, [[(a, b) for a, b in row] for row in top])
+            for rid, (start, logprobs, ranks, top) in prompt.items()
+        },
     )
 
 

@@ -24,6 +24,7 @@ from moeserve.engine.detokenizer import IncrementalDetokenizer
 from moeserve.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from moeserve.engine.stats import IterationStats, RequestMetrics
 from moeserve.sampling_params import SamplingParams
+from moeserve.worker.prompt_logprobs import PromptLogprobs
 from moeserve.worker.runner import SampledToken
 
 
@@ -73,6 +74,23 @@ class _Parent:
     first_scheduled_time: float | None = None
     """When the first of its samples was admitted, as the core reports it."""
     first_token_time: float | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    """Filled chunk by chunk before the first token; the first prompt token has no logprob."""
+
+    def add_prompt_logprobs(self, chunk: PromptLogprobs) -> None:
+        """Append the positions of a chunk not known yet. With n > 1 every sample computes them,
+        so that whichever samples first has them all; each sample reports its positions in
+        order, so the known ones always run from the start to the furthest sample's."""
+        if self.prompt_logprobs is None:
+            return
+        known = len(self.prompt_logprobs)
+        for offset in range(max(known - chunk.start, 0), len(chunk.logprobs)):
+            logprob, rank, top = chunk.logprobs[offset], chunk.ranks[offset], chunk.top[offset]
+            token_id = self.prompt_token_ids[chunk.start + offset]
+            entry = {token_id: Logprob(logprob, rank)}
+            for alt_rank, (alt_id, alt_logprob) in enumerate(top, start=1):
+                entry.setdefault(alt_id, Logprob(alt_logprob, alt_rank))
+            self.prompt_logprobs.append(entry)
 
     @property
     def finished(self) -> bool:
@@ -81,7 +99,10 @@ class _Parent:
     def output(self, metrics: RequestMetrics | None = None) -> RequestOutput:
         completions = sorted((s.completion() for s in self.sequences.values()), key=lambda c: c.index)
         prompt_ids = list(self.prompt_token_ids)
-        return RequestOutput(self.request_id, self.prompt, prompt_ids, completions, self.finished, metrics)
+        prompt_logprobs = None if self.prompt_logprobs is None else list(self.prompt_logprobs)
+        return RequestOutput(
+            self.request_id, self.prompt, prompt_ids, completions, self.finished, metrics, prompt_logprobs
+        )
 
     def metrics(self, now: float, finish_reason: str, slo: SLOConfig) -> RequestMetrics:
         """This request's latencies, judged against `slo`."""
@@ -137,6 +158,8 @@ class OutputProcessor:
     ) -> None:
         """Track client request `request_id`, run by the core as `sequence_ids` (its n samples)."""
         parent = _Parent(request_id, prompt, list(prompt_token_ids), arrival)
+        if params.prompt_logprobs is not None:
+            parent.prompt_logprobs = [None]
         for index, sequence_id in enumerate(sequence_ids):
             detokenizer = IncrementalDetokenizer(
                 self.tokenizer, params.stop, params.include_stop_str_in_output, params.skip_special_tokens
@@ -170,6 +193,10 @@ class OutputProcessor:
             parent = self._parents.get(self._parent_of.get(sequence_id, ""))
             if parent is not None and (parent.first_scheduled_time is None or admitted < parent.first_scheduled_time):
                 parent.first_scheduled_time = admitted
+        for sequence_id, chunk in step.prompt_logprobs.items():  # before tokens: the first output has them all
+            parent = self._parents.get(self._parent_of.get(sequence_id, ""))
+            if parent is not None:
+                parent.add_prompt_logprobs(chunk)
         ended = {f.request_id: f for f in step.finished}
         processed = ProcessedStep([])
         touched: dict[str, None] = {}

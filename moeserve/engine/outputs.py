@@ -38,3 +38,6 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     metrics: RequestMetrics | None = None  # set on the finished output: latencies and SLO verdicts
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    """Per prompt token (the first's is None): its logprob and the top alternatives, as vLLM's;
+    None unless `SamplingParams.prompt_logprobs` was set."""

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from moeserve.dispatch.expert_load import RoutedTokens
 from moeserve.eplb.rebalancer import RebalanceReport
 from moeserve.scheduler import StepPlan
+from moeserve.worker.prompt_logprobs import PromptLogprobs
 from moeserve.worker.runner import SampledToken
 from moeserve.worker.sampling_metadata import TokenBitmask
 
@@ -38,6 +39,10 @@ class Executor(ABC):
         """Have the next step report the expert load, so that a `take_routed_tokens` after it
         covers every step run so far. Rank processes report only when asked (their counts cross
         a socket); an executor that reads its counters when taken has nothing to do."""
+
+    @abstractmethod
+    def take_prompt_logprobs(self) -> dict[str, PromptLogprobs]:
+        """Prompt logprobs computed by the steps since the previous call, per request that asked."""
 
     def take_rebalances(self) -> list[RebalanceReport]:
         """Live expert rebalances since the previous call, oldest first (none without EPLB)."""

@@ -17,6 +17,7 @@ from moeserve.ops import create_ops
 from moeserve.scheduler import StepPlan
 from moeserve.worker.decode_graphs import GraphSettings, create_decode_graphs
 from moeserve.worker.kv_cache import allocate_kv_caches
+from moeserve.worker.prompt_logprobs import PromptLogprobs
 from moeserve.worker.runner import ModelRunner, SampledToken
 from moeserve.worker.sampling_metadata import TokenBitmask
 
@@ -79,6 +80,9 @@ class InProcessExecutor(Executor):
     def execute(self, plan: StepPlan, token_bitmask: TokenBitmask | None = None) -> dict[str, SampledToken]:
         (group,) = plan.groups
         return self.runner.execute(group, token_bitmask=token_bitmask)
+
+    def take_prompt_logprobs(self) -> dict[str, PromptLogprobs]:
+        return self.runner.take_prompt_logprobs()
 
     def take_routed_tokens(self) -> RoutedTokens | None:
         routed = logical_rows(self.model.take_routed_tokens(), self.expert_map, 0)

@@ -34,6 +34,7 @@ from moeserve.eplb import RebalanceReport
 from moeserve.eplb.record import LoadRecord
 from moeserve.executor.base import Executor
 from moeserve.scheduler import StepPlan
+from moeserve.worker.prompt_logprobs import PromptLogprobs
 from moeserve.worker.runner import SampledToken
 from moeserve.worker.sampling_metadata import TokenBitmask
 
@@ -76,6 +77,7 @@ class MultiprocessExecutor(Executor):
             self._load_record = LoadRecord(p.eplb.record_expert_load, model_config.num_experts, self._moe_layers)
         self.rebalances: list[RebalanceReport] = []  # every live rebalance so far, as rank 0 reported it
         self._untaken_rebalances: list[RebalanceReport] = []  # the tail of `rebalances` not yet taken
+        self._prompt_logprobs: dict[str, PromptLogprobs] = {}  # from the sampling ranks, not yet taken
         self._closed = False
         self._monitor: RankMonitor | None = None
 
@@ -236,6 +238,9 @@ class MultiprocessExecutor(Executor):
                 continue  # a late Sync answer
             pending.discard(message.rank)
             sampled.update(message.sampled)
+            for request_id, chunk in message.prompt_logprobs.items():
+                earlier = self._prompt_logprobs.get(request_id)
+                self._prompt_logprobs[request_id] = chunk if earlier is None else earlier.followed_by(chunk)
             if message.routed_tokens is not None:
                 self._add_routed(message.rank, message.routed_tokens)
             if message.dispatch_rows is not None:
@@ -260,6 +265,10 @@ class MultiprocessExecutor(Executor):
 
     def ask_routed_tokens(self) -> None:
         self._routing_wanted = True
+
+    def take_prompt_logprobs(self) -> dict[str, PromptLogprobs]:
+        taken, self._prompt_logprobs = self._prompt_logprobs, {}
+        return taken
 
     def take_rebalances(self) -> list[RebalanceReport]:
         taken, self._untaken_rebalances = self._untaken_rebalances, []

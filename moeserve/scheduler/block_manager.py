@@ -66,8 +66,9 @@ class BlockManager:
         """The cached blocks holding the longest run of `request`'s full blocks from its start,
         for a request about to be admitted. The run stops short of the last token, whose logits
         the request needs, so at least one token is always computed. Takes nothing: pass the
-        result to `allocate` before any other block is taken."""
-        if not self.enable_caching:
+        result to `allocate` before any other block is taken. A request that asked for prompt
+        logprobs takes nothing either (as in vLLM): they need every prompt position computed."""
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return []
         found = []
         for block_hash in block_hashes(request, self.block_size, (request.num_tokens - 1) // self.block_size):

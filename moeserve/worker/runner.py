@@ -22,6 +22,7 @@ from moeserve.ops.attention import AttentionPlan
 from moeserve.scheduler import ScheduledRequest, SchedulerOutput
 from moeserve.worker.decode_graphs import DecodeGraphs, is_decode
 from moeserve.worker.input_batch import InputBatch
+from moeserve.worker.prompt_logprobs import PromptLogprobs, PromptLogprobsTracker
 from moeserve.worker.sampler import Sampler, SamplerOutput, SamplingRow, make_generator
 from moeserve.worker.sampling_metadata import TokenBitmask
 from moeserve.worker.two_batch import interleave, split_point
@@ -78,6 +79,9 @@ class ModelRunner:
         """Every live request's sampling state; a seeded request's generator lives there as long
         as the request (preemption included), so it draws the same numbers whatever else shares
         its batches."""
+        self.prompt_logprobs = PromptLogprobsTracker()
+        """Requests that asked for prompt logprobs (the sampling rank computes them)."""
+        self._prompt_logprobs_out: dict[str, PromptLogprobs] = {}
         torch.manual_seed(seed)
 
     @property
@@ -89,7 +93,11 @@ class ModelRunner:
         """Forget the finished requests first: a new request may reuse a finished one's id."""
         for request_id in plan.finished_request_ids:
             self.batch.remove(request_id)
+            self.prompt_logprobs.remove(request_id)
         new = plan.new_requests
+        if self.samples:
+            for r in new:
+                self.prompt_logprobs.add(r.request_id, r.sampling_params.prompt_logprobs, r.prompt_token_ids)
         rows = [
             SamplingRow(r.sampling_params, r.prompt_token_ids, (), make_generator(r.sampling_params.seed, self.device))
             for r in new
@@ -132,6 +140,11 @@ class ModelRunner:
         else:
             parts = [scheduled]
             hiddens = [self.model(*self._inputs(scheduled), self.kv_caches, max_tokens_per_rank)]  # [T, H]
+        if self.prompt_logprobs:
+            computed = self.prompt_logprobs.compute(parts, hiddens, self.model.compute_logits)
+            for request_id, chunk in computed.items():
+                earlier = self._prompt_logprobs_out.get(request_id)
+                self._prompt_logprobs_out[request_id] = chunk if earlier is None else earlier.followed_by(chunk)
         sampling = [i for i, s in enumerate(scheduled) if s.sample]
         if not sampling or not self.samples:
             return {}
@@ -143,6 +156,11 @@ class ModelRunner:
         out = self.sampler.sample(logits, metadata, allowed)
         self.batch.record(metadata, out.token_ids)
         return self._unpack(out, request_ids, metadata.num_logprobs)
+
+    def take_prompt_logprobs(self) -> dict[str, PromptLogprobs]:
+        """The prompt logprobs computed since the previous call, per request (its chunks joined)."""
+        taken, self._prompt_logprobs_out = self._prompt_logprobs_out, {}
+        return taken
 
     def _graph_size(
         self, scheduled: Sequence[ScheduledRequest], max_tokens_per_rank: int | None, decode_only: bool | None

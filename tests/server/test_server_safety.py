@@ -4,6 +4,7 @@ the server keeps serving."""
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import time
 
@@ -59,6 +60,20 @@ BAD_REQUESTS = [
     ("n-too-large", "/v1/completions", {**OK_COMPLETION, "n": 1000}, 400, "n"),
     ("token-out-of-vocab", "/v1/completions", {**OK_COMPLETION, "prompt": [1, 2, 10**6]}, 400, "prompt"),
     ("empty-prompt-list", "/v1/completions", {**OK_COMPLETION, "prompt": []}, 400, "prompt"),
+    ("tokenize-both", "/tokenize", {"prompt": "Hi", "messages": OK_CHAT["messages"]}, 400, "prompt"),
+    ("tokenize-neither", "/tokenize", {"model": "tiny"}, 400, "prompt"),
+    ("tokenize-unknown-model", "/tokenize", {"model": "gpt-9", "prompt": "Hi"}, 404, "model"),
+    (
+        "tokenize-generation-prompt-and-continue",
+        "/tokenize",
+        {"messages": OK_CHAT["messages"], "continue_final_message": True},
+        400,
+        "continue_final_message",
+    ),
+    ("detokenize-out-of-vocab", "/detokenize", {"tokens": [5, 10**6]}, 400, "tokens"),
+    ("detokenize-negative", "/detokenize", {"tokens": [-1]}, 400, "tokens"),
+    ("detokenize-not-ids", "/detokenize", {"tokens": "abc"}, 400, "tokens"),
+    ("detokenize-unknown-model", "/detokenize", {"model": "gpt-9", "tokens": [5]}, 404, "model"),
 ]
 
 
@@ -113,6 +128,70 @@ def test_models_health_version(server: ServerProcess) -> None:
     assert httpx.get(f"{server.url}/version").json()["version"]
 
 
+def test_tokenize_detokenize_round_trip(server: ServerProcess, server_checkpoint) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(server_checkpoint)
+    text = "Mixture of experts, tokenized"
+    body = post(server, "/tokenize", {"model": "tiny", "prompt": text}).json()
+    ids = tokenizer.encode(text)
+    assert body == {"count": len(ids), "max_model_len": MAX_MODEL_LEN, "tokens": ids}
+    plain = post(server, "/tokenize", {"prompt": text, "add_special_tokens": False, "return_token_strs": True}).json()
+    assert plain["tokens"] == tokenizer.encode(text, add_special_tokens=False)
+    assert plain["token_strs"] == tokenizer.convert_ids_to_tokens(plain["tokens"])
+    assert post(server, "/detokenize", {"model": "tiny", "tokens": plain["tokens"]}).json() == {"prompt": text}
+    # Messages count as the chat route's prompt, through the same template.
+    chat = post(server, "/tokenize", {"messages": OK_CHAT["messages"]}).json()
+    usage = post(server, "/v1/chat/completions", {**OK_CHAT, "max_tokens": 1}).json()["usage"]
+    assert chat["count"] == usage["prompt_tokens"] == len(chat["tokens"])
+    turns = [*OK_CHAT["messages"], {"role": "assistant", "content": "Hel"}]
+    open_turn = post(
+        server, "/tokenize", {"messages": turns, "add_generation_prompt": False, "continue_final_message": True}
+    ).json()
+    rendered = tokenizer.apply_chat_template(turns, continue_final_message=True, tokenize=False)
+    assert open_turn["tokens"] == tokenizer.encode(rendered, add_special_tokens=False)
+    assert rendered.endswith("Hel")
+    assert server.metrics()["moeserve:http_requests_total{route=/tokenize,status=200}"] >= 4
+
+
+def test_echo_and_prompt_logprobs_match_transformers(server: ServerProcess, server_checkpoint) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    prompt = "The quick brown fox jumps over"
+    ids = post(server, "/tokenize", {"prompt": prompt}).json()["tokens"]
+    model = AutoModelForCausalLM.from_pretrained(server_checkpoint, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        ref = model(torch.tensor([ids])).logits[0].float().log_softmax(-1)  # [P, V]
+    expected = [None] + [ref[i - 1, ids[i]].item() for i in range(1, len(ids))]
+    request = {**OK_COMPLETION, "prompt": prompt, "max_tokens": 2, "echo": True, "logprobs": 2, "prompt_logprobs": 1}
+    choice = post(server, "/v1/completions", request).json()["choices"][0]
+    echoed = choice["logprobs"]["token_logprobs"][: len(ids)]
+    assert echoed[0] is None and choice["logprobs"]["top_logprobs"][0] is None
+    assert all(abs(got - want) < 1e-4 for got, want in zip(echoed[1:], expected[1:]))
+    assert all(1 <= len(top) <= 3 for top in choice["logprobs"]["top_logprobs"][1 : len(ids)])
+    vllm_form = choice["prompt_logprobs"]
+    assert len(vllm_form) == len(ids) and vllm_form[0] is None
+    for i in range(1, len(ids)):
+        entry = vllm_form[i][str(ids[i])]
+        assert abs(entry["logprob"] - expected[i]) < 1e-4
+        assert entry["rank"] == int((ref[i - 1] > ref[i - 1, ids[i]]).sum()) + 1
+        assert entry["decoded_token"] == tokenizer_piece(server, ids[i])
+        assert str(ref[i - 1].argmax().item()) in vllm_form[i]
+    # Streamed, the echoed prompt's logprobs come with the first chunk; unasked, nothing changes.
+    with httpx.stream("POST", f"{server.url}/v1/completions", json={**request, "stream": True}, timeout=60) as r:
+        first = json.loads(next(line for line in r.iter_lines() if line.startswith("data: "))[6:])
+    assert first["choices"][0]["logprobs"]["token_logprobs"][: len(ids)] == echoed
+    plain = post(server, "/v1/completions", {**OK_COMPLETION, "echo": True, "logprobs": 1}).json()["choices"][0]
+    assert "prompt_logprobs" not in plain
+    chat = post(server, "/v1/chat/completions", {**OK_CHAT, "prompt_logprobs": 0}).json()
+    assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]
+
+
+def tokenizer_piece(server: ServerProcess, token_id: int) -> str:
+    return post(server, "/detokenize", {"tokens": [token_id]}).json()["prompt"]
+
+
 @pytest.fixture(scope="module")
 def guarded_server(start_server):
     """API key from the environment, a 4 KiB body limit, one running sequence, one waiting."""
@@ -130,6 +209,9 @@ def test_api_key_is_required_on_v1_only(guarded_server: ServerProcess) -> None:
     assert post(guarded_server, "/v1/completions", OK_COMPLETION, AUTH).status_code == 200
     assert httpx.get(f"{guarded_server.url}/health").status_code == 200
     assert httpx.get(f"{guarded_server.url}/metrics").status_code == 200
+    # As vLLM: the key guards /v1 only, so /tokenize and /detokenize at the root answer without it.
+    assert post(guarded_server, "/tokenize", {"prompt": "Hi"}).status_code == 200
+    assert post(guarded_server, "/detokenize", {"tokens": [5]}).status_code == 200
 
 
 def test_oversized_body_is_refused(guarded_server: ServerProcess) -> None:

@@ -30,6 +30,7 @@ from moeserve.engine_config import EngineConfig
 from moeserve.eplb import RebalanceReport
 from moeserve.sampling_params import SamplingParams
 from moeserve.scheduler import QueueFullError
+from moeserve.worker.prompt_logprobs import PromptLogprobs
 from moeserve.worker.runner import SampledToken
 
 
@@ -74,6 +75,19 @@ def test_outputs_round_trip() -> None:
     assert decode_outputs(encode_outputs(quiet)).step.rebalances == []
     dead = CoreOutputs(SchedulerStats(0, 0, 0, 0), dead="rank 1 was killed")
     assert decode_outputs(encode_outputs(dead)).dead == "rank 1 was killed"
+
+
+def test_prompt_logprobs_round_trip() -> None:
+    chunks = {
+        "a": PromptLogprobs(1, [-0.5, -2.25], [1, 7], [[(3, -0.5), (4, -1.0)], [(9, -0.125), (3, -0.75)]]),
+        "b": PromptLogprobs(9, [-1.5], [2], [[]]),
+    }
+    step = CoreStep({}, [], {}, 1.0, 0.01, 0, SchedulerStats(0, 0, 0, 0), prompt_logprobs=chunks)
+    back = decode_outputs(encode_outputs(CoreOutputs(SchedulerStats(0, 0, 0, 0), step=step)))
+    assert back.step.prompt_logprobs == chunks  # (id, logprob) pairs stay tuples
+    with_params = SamplingParams(prompt_logprobs=4)
+    add = CoreInputs([Add("r", [CoreRequest("r", [5, 6], with_params, 1.0)])])
+    assert decode_inputs(encode_inputs(add)).commands[0].samples[0].params.prompt_logprobs == 4
 
 
 def test_refusals_keep_their_type() -> None:
@@ -159,6 +173,9 @@ class ReportingExecutor:
         if self.steps in self.rebalance_at:
             return [RebalanceReport(self.steps, (1.5, 1.6), (1.0, 1.0), 4, 4096, 0.001, 0.002)]
         return []
+
+    def take_prompt_logprobs(self) -> dict:
+        return {}
 
     def take_routed_tokens(self) -> RoutedTokens:
         self.calls.append("take")
