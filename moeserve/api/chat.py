@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
@@ -10,21 +9,20 @@ from dataclasses import replace
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from moeserve.api.chunks import ChatChunks
 from moeserve.api.constraints import constraint_param
 from moeserve.api.errors import APIError
 from moeserve.api.generation import (
+    EventStreamResponse,
     admit,
     check_constraint,
     check_context,
     collect,
-    event_stream,
     log_finished,
     submit_all,
 )
 from moeserve.api.protocol import (
     ChatCompletionRequest,
-    DeltaMessage,
-    chat_chunk,
     chat_logprobs,
     chat_response,
     chat_usage_chunk,
@@ -88,7 +86,7 @@ async def create_chat_completion(raw: Request, state: ServingState) -> Response:
     num_top = request.top_logprobs or 0
     if request.stream:
         events = _stream_events(streams[0], request, params, request_id, model_name, model, num_top, reader)
-        return event_stream(events, streams, request_id)
+        return EventStreamResponse(events, streams, request_id)
     outputs = await collect(raw, streams, request_id)
     read_calls = None if reader is None else reader.final
     body = chat_response(
@@ -109,38 +107,39 @@ async def _stream_events(
 ) -> AsyncIterator[str]:
     """SSE events as OpenAI sends them: each choice opens with an assistant role delta, then its
     content (or tool call) deltas, the last with `finish_reason`; a usage chunk if asked
-    (`event_stream` adds [DONE])."""
-    created = int(time.time())
+    (`EventStreamResponse` adds [DONE]). The chunks of one engine output (its n samples) go out
+    as one write."""
+    chunks = ChatChunks(request_id, model_name, int(time.time()))
     cursors = [SampleCursor(params) for _ in range(params.n)]
     calls = None if reader is None else [reader.stream() for _ in range(params.n)]
     final = None
-    for index in range(params.n):
-        yield sse(chat_chunk(request_id, model_name, created, index, DeltaMessage(role="assistant", content="")))
-    async with contextlib.aclosing(stream):
-        async for output in stream:
-            for sample in output.outputs:
-                delta = cursors[sample.index].advance(sample)
-                if delta is None:
-                    continue
-                logprobs = None
-                if delta.logprobs is not None:
-                    logprobs = chat_logprobs(delta.token_ids, delta.logprobs, model.tokenizer, num_top)
-                finish_reason = delta.finish_reason
-                if calls is None:
-                    content = DeltaMessage(content=delta.text) if delta.text else DeltaMessage()
-                else:
-                    stream = calls[sample.index]
-                    text, call_deltas = stream.update(delta.text, finish_reason is not None)
-                    content = DeltaMessage(content=text or None, tool_calls=call_deltas or None)
-                    if finish_reason == "stop" and stream.has_calls:
-                        finish_reason = "tool_calls"
-                yield sse(chat_chunk(request_id, model_name, created, sample.index, content, finish_reason, logprobs))
-            if output.finished:
-                final = output
+    yield "".join(chunks.event(index, "", role="assistant") for index in range(params.n))
+    async for output in stream:
+        events = []
+        for sample in output.outputs:
+            delta = cursors[sample.index].advance(sample)
+            if delta is None:
+                continue
+            logprobs = None
+            if delta.logprobs is not None:
+                logprobs = chat_logprobs(delta.token_ids, delta.logprobs, model.tokenizer, num_top)
+            finish_reason = delta.finish_reason
+            if calls is None:
+                events.append(chunks.event(sample.index, delta.text or None, finish_reason, logprobs))
+            else:
+                call_stream = calls[sample.index]
+                text, call_deltas = call_stream.update(delta.text, finish_reason is not None)
+                if finish_reason == "stop" and call_stream.has_calls:
+                    finish_reason = "tool_calls"
+                events.append(chunks.event(sample.index, text or None, finish_reason, logprobs, tool_calls=call_deltas))
+        if output.finished:
+            final = output
+        if events:
+            yield "".join(events)
     for index, cursor in enumerate(cursors):
         if not cursor.finished:  # aborted by the server (shutdown): say so rather than stop silently
-            yield sse(chat_chunk(request_id, model_name, created, index, DeltaMessage(), "abort"))
+            yield chunks.event(index, None, "abort")
     if request.include_usage and final is not None:
-        yield sse(chat_usage_chunk(request_id, model_name, created, usage_info([final])))
+        yield sse(chat_usage_chunk(request_id, model_name, chunks.created, usage_info([final])))
     if final is not None:
         log_finished(request_id, [final], streamed=True)

@@ -9,19 +9,19 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from moeserve.api.chunks import CompletionChunks
 from moeserve.api.constraints import constraint_param
 from moeserve.api.generation import (
+    EventStreamResponse,
     admit,
     check_constraint,
     check_context,
     collect,
-    event_stream,
     log_finished,
     submit_all,
 )
 from moeserve.api.protocol import (
     CompletionRequest,
-    completion_chunk,
     completion_logprobs,
     completion_response,
     completion_usage_chunk,
@@ -59,7 +59,7 @@ async def create_completion(raw: Request, state: ServingState) -> Response:
     model_name = state.settings.served_model_name
     if request.stream:
         events = _stream_events(streams, request, params, request_id, model_name, model)
-        return event_stream(events, streams, request_id)
+        return EventStreamResponse(events, streams, request_id)
     outputs = await collect(raw, streams, request_id)
     body = completion_response(
         request_id,
@@ -81,62 +81,64 @@ async def _stream_events(
     model_name: str,
     model: ModelInfo,
 ) -> AsyncIterator[str]:
-    """SSE events: one chunk per new piece of text of each choice, then usage (`event_stream`
-    adds [DONE], and aborts every unfinished prompt when the client leaves early).
+    """SSE events: one chunk per new piece of text of each choice, then usage (`EventStreamResponse`
+    adds [DONE], and aborts every unfinished prompt when the client leaves early). The chunks of
+    one engine output (its n samples) go out as one write.
 
     Choice `i * n + j` is sample j of prompt i.
     """
-    created = int(time.time())
+    chunks = CompletionChunks(request_id, model_name, int(time.time()))
     n = params.n
-    cursors = {(i, j): SampleCursor(params) for i in range(len(streams)) for j in range(n)}
+    cursors = [[SampleCursor(params) for _ in range(n)] for _ in streams]
     finals: dict[int, RequestOutput] = {}
     prompt_texts: dict[int, str] = {}  # echo: each prompt's text, decoded once rather than per chunk
-    async with contextlib.aclosing(merge(streams)) as merged:
-        async for prompt_index, output in merged:
-            for sample in output.outputs:
-                delta = cursors[prompt_index, sample.index].advance(sample)
-                if delta is None:
-                    continue
-                text, prompt_ids, offset = delta.text, None, delta.text_offset
-                if request.echo:  # the prompt goes first, in the choice's first chunk
-                    if prompt_index not in prompt_texts:
-                        prompt_texts[prompt_index] = (
-                            output.prompt
-                            if output.prompt is not None
-                            else model.tokenizer.decode(output.prompt_token_ids)
-                        )
-                    prompt_text = prompt_texts[prompt_index]
-                    if delta.text_offset == 0:
-                        text, prompt_ids = prompt_text + text, output.prompt_token_ids
-                    else:
-                        offset += len(prompt_text)
-                logprobs = None
-                if delta.logprobs is not None:
-                    logprobs = completion_logprobs(
-                        delta.token_ids,
-                        delta.logprobs,
-                        model.tokenizer,
-                        prompt_ids,
-                        start_offset=offset,
-                        prompt_logprobs=output.prompt_logprobs,
-                        num_prompt_top=request.logprobs or 0,
+
+    def events_of(prompt_index: int, output: RequestOutput) -> str:
+        events = []
+        for sample in output.outputs:
+            delta = cursors[prompt_index][sample.index].advance(sample)
+            if delta is None:
+                continue
+            text, prompt_ids, offset = delta.text, None, delta.text_offset
+            if request.echo:  # the prompt goes first, in the choice's first chunk
+                if prompt_index not in prompt_texts:
+                    prompt_texts[prompt_index] = (
+                        output.prompt if output.prompt is not None else model.tokenizer.decode(output.prompt_token_ids)
                     )
-                yield sse(
-                    completion_chunk(
-                        request_id,
-                        model_name,
-                        created,
-                        prompt_index * n + sample.index,
-                        text,
-                        delta.finish_reason,
-                        logprobs,
-                    )
+                prompt_text = prompt_texts[prompt_index]
+                if delta.text_offset == 0:
+                    text, prompt_ids = prompt_text + text, output.prompt_token_ids
+                else:
+                    offset += len(prompt_text)
+            logprobs = None
+            if delta.logprobs is not None:
+                logprobs = completion_logprobs(
+                    delta.token_ids,
+                    delta.logprobs,
+                    model.tokenizer,
+                    prompt_ids,
+                    start_offset=offset,
+                    prompt_logprobs=output.prompt_logprobs,
+                    num_prompt_top=request.logprobs or 0,
                 )
-            if output.finished:
-                finals[prompt_index] = output
-    for (prompt_index, index), cursor in cursors.items():
-        if not cursor.finished:  # aborted by the server (shutdown): say so rather than stop silently
-            yield sse(completion_chunk(request_id, model_name, created, prompt_index * n + index, "", "abort"))
+            events.append(chunks.event(prompt_index * n + sample.index, text, delta.finish_reason, logprobs))
+        if output.finished:
+            finals[prompt_index] = output
+        return "".join(events)
+
+    if len(streams) == 1:  # the common case, without merge's extra iterator per chunk
+        async for output in streams[0]:
+            if events := events_of(0, output):
+                yield events
+    else:
+        async with contextlib.aclosing(merge(streams)) as merged:
+            async for prompt_index, output in merged:
+                if events := events_of(prompt_index, output):
+                    yield events
+    for prompt_index, prompt_cursors in enumerate(cursors):
+        for index, cursor in enumerate(prompt_cursors):
+            if not cursor.finished:  # aborted by the server (shutdown): say so rather than stop silently
+                yield chunks.event(prompt_index * n + index, "", "abort")
     if request.include_usage:
-        yield sse(completion_usage_chunk(request_id, model_name, created, usage_info(list(finals.values()))))
+        yield sse(completion_usage_chunk(request_id, model_name, chunks.created, usage_info(list(finals.values()))))
     log_finished(request_id, list(finals.values()), streamed=True)

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Sequence
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
+from starlette.types import Send
 
 from moeserve.api.errors import APIError
 from moeserve.api.protocol import SSE_DONE, RequestT, parse_request
@@ -23,6 +24,8 @@ from moeserve.scheduler import QueueFullError
 from moeserve.structured import check_structured_outputs
 
 logger = logging.getLogger("moeserve.api")
+
+SSE_DONE_BYTES = SSE_DONE.encode()
 
 RETRY_AFTER_S = 1
 """Seconds a shed client is told to wait: the queue drains within a few steps of capacity."""
@@ -148,25 +151,34 @@ async def collect(raw: Request, streams: Sequence[RequestStream], request_id: st
     return outputs
 
 
-def event_stream(events: AsyncIterator[str], streams: Sequence[RequestStream], request_id: str) -> StreamingResponse:
+class EventStreamResponse(StreamingResponse):
     """The SSE response: `events`, then [DONE]. The 200 is sent with the first event, so an engine
     that dies mid-stream is reported in-band, as an error event before [DONE]; a client that leaves
-    early aborts every unfinished stream."""
+    early aborts every unfinished stream (Starlette's `__call__` watches for the disconnect).
 
-    async def guarded() -> AsyncIterator[str]:
+    `stream_response` is Starlette's loop with the guard folded in: one async iterator between
+    the engine and the socket per chunk rather than two, and [DONE] sent with the end of the body.
+    """
+
+    def __init__(self, events: AsyncIterator[str], streams: Sequence[RequestStream], request_id: str) -> None:
+        super().__init__(events, media_type="text/event-stream", headers=SSE_HEADERS)
+        self._streams = streams
+        self._request_id = request_id
+
+    async def stream_response(self, send: Send) -> None:
+        events = self.body_iterator
         try:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
             try:
                 async for event in events:
-                    yield event
+                    await send({"type": "http.response.body", "body": event.encode(), "more_body": True})
             except Exception as exc:  # the engine died: the client must not mistake the end for a finish
-                logger.error("%s failed mid-stream: %s", request_id, exc)
-                yield sse_error(str(exc))
-            yield SSE_DONE
+                logger.error("%s failed mid-stream: %s", self._request_id, exc)
+                await send({"type": "http.response.body", "body": sse_error(str(exc)).encode(), "more_body": True})
+            await send({"type": "http.response.body", "body": SSE_DONE_BYTES, "more_body": False})
         finally:
             await events.aclose()  # type: ignore[attr-defined]
-            await close_all(streams)
-
-    return StreamingResponse(guarded(), media_type="text/event-stream", headers=SSE_HEADERS)
+            await close_all(self._streams)
 
 
 def log_finished(request_id: str, outputs: Sequence[RequestOutput], streamed: bool) -> None:

@@ -39,8 +39,15 @@ imbalance series are absent).
 
 from __future__ import annotations
 
+import math
+import threading
+from bisect import bisect_left
+from collections.abc import Iterator, Sequence
+
 from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE  # noqa: F401 - re-exported for the app
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics_core import HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
 from moeserve.config import SLOConfig
 from moeserve.dispatch.expert_load import RoutedTokens, load_imbalance
@@ -153,6 +160,46 @@ def _with_edge(buckets: tuple[float, ...], edge: float) -> tuple[float, ...]:
     return tuple(sorted(set(buckets) | {edge}))
 
 
+class BatchHistogram:
+    """A Prometheus histogram fed a whole step's observations at once.
+
+    Every step brings one time-between-tokens per stream; `prometheus_client`'s `observe` walks
+    the bucket list and takes a lock per value (about 2-5 us each, 64 per step). Here a step's
+    values are binned with a binary search under one lock. Exposed like `Histogram` (`_bucket`,
+    `_count`, `_sum`), by a collector on the server's registry.
+    """
+
+    def __init__(
+        self, name: str, doc: str, buckets: tuple[float, ...], model_name: str, registry: CollectorRegistry
+    ) -> None:
+        self.name, self.doc, self._model_name = name, doc, model_name
+        self._bounds = [*sorted(buckets), math.inf]
+        self._counts = [0] * len(self._bounds)
+        self._sum = 0.0
+        self._lock = threading.Lock()
+        registry.register(self)
+
+    def observe_many(self, values: Sequence[float]) -> None:
+        if not values:
+            return
+        bounds, counts = self._bounds, self._counts
+        with self._lock:
+            for value in values:
+                counts[bisect_left(bounds, value)] += 1  # the first bucket with value <= le
+            self._sum += sum(values)
+
+    def collect(self) -> Iterator[HistogramMetricFamily]:
+        with self._lock:
+            counts, total = list(self._counts), self._sum
+        family = HistogramMetricFamily(self.name, self.doc, labels=["model_name"])
+        cumulative, buckets = 0, []
+        for bound, count in zip(self._bounds, counts):
+            cumulative += count
+            buckets.append((floatToGoString(bound), cumulative))
+        family.add_metric([self._model_name], buckets, total)
+        yield family
+
+
 class ServerMetrics:
     """Every metric the server exports; `record` is a `StatLogger` the engine calls each step."""
 
@@ -173,15 +220,19 @@ class ServerMetrics:
         def gauge(name: str, doc: str) -> Gauge:
             return Gauge(name, doc, labels, registry=r).labels(model_name)
 
-        self.ttft = histogram(
+        self.ttft = BatchHistogram(
             "moeserve:time_to_first_token_seconds",
             "Arrival to first generated token, per request.",
             _with_edge(_TTFT_BUCKETS, slo.ttft_s),
+            model_name,
+            r,
         )
-        self.tbt = histogram(
+        self.tbt = BatchHistogram(
             "moeserve:time_between_tokens_seconds",
             "Every gap between consecutive tokens of a request's sample.",
             _with_edge(_TBT_BUCKETS, slo.tbt_s),
+            model_name,
+            r,
         )
         self.e2e = histogram(
             "moeserve:e2e_request_latency_seconds", "Arrival to finish, per finished request.", _REQUEST_BUCKETS
@@ -290,10 +341,8 @@ class ServerMetrics:
         """Fold one engine step (or abort) into the metrics; runs on the engine thread."""
         if stats.step_duration_s is not None:
             self.step_time.observe(stats.step_duration_s)
-        for value in stats.ttfts_s:
-            self.ttft.observe(value)
-        for value in stats.tbts_s:
-            self.tbt.observe(value)
+        self.ttft.observe_many(stats.ttfts_s)
+        self.tbt.observe_many(stats.tbts_s)
         self.prompt_tokens.inc(stats.num_prompt_tokens)
         self.generation_tokens.inc(stats.num_generation_tokens)
         self.preemptions.inc(stats.num_preemptions)

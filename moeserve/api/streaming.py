@@ -17,7 +17,7 @@ from moeserve.sampling_params import SamplingParams
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # proxies must not buffer a stream
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Delta:
     """What is new in one sample since the previous chunk."""
 

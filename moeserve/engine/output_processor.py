@@ -71,11 +71,14 @@ class _Parent:
     prompt_token_ids: list[int]
     arrival_time: float
     sequences: dict[str, _Sequence] = field(default_factory=dict)
+    """In index order (added so)."""
     first_scheduled_time: float | None = None
     """When the first of its samples was admitted, as the core reports it."""
     first_token_time: float | None = None
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     """Filled chunk by chunk before the first token; the first prompt token has no logprob."""
+    unfinished: int = 0
+    """Samples without a finish reason yet (`finish` counts them down)."""
 
     def add_prompt_logprobs(self, chunk: PromptLogprobs) -> None:
         """Append the positions of a chunk not known yet. With n > 1 every sample computes them,
@@ -94,14 +97,23 @@ class _Parent:
 
     @property
     def finished(self) -> bool:
-        return all(s.finish_reason is not None for s in self.sequences.values())
+        return self.unfinished == 0
+
+    def finish(self, seq: _Sequence, reason: str, stop_reason: int | str | None) -> None:
+        seq.finish_reason, seq.stop_reason = reason, stop_reason
+        self.unfinished -= 1
 
     def output(self, metrics: RequestMetrics | None = None) -> RequestOutput:
-        completions = sorted((s.completion() for s in self.sequences.values()), key=lambda c: c.index)
-        prompt_ids = list(self.prompt_token_ids)
+        completions = [s.completion() for s in self.sequences.values()]
         prompt_logprobs = None if self.prompt_logprobs is None else list(self.prompt_logprobs)
         return RequestOutput(
-            self.request_id, self.prompt, prompt_ids, completions, self.finished, metrics, prompt_logprobs
+            self.request_id,
+            self.prompt,
+            self.prompt_token_ids,
+            completions,
+            self.unfinished == 0,
+            metrics,
+            prompt_logprobs,
         )
 
     def metrics(self, now: float, finish_reason: str, slo: SLOConfig) -> RequestMetrics:
@@ -171,6 +183,7 @@ class OutputProcessor:
                 cumulative_logprob=0.0 if params.logprobs is not None else None,
             )
             self._parent_of[sequence_id] = request_id
+        parent.unfinished = len(parent.sequences)
         self._parents[request_id] = parent
 
     def abort_request(self, request_id: str, now: float) -> tuple[list[str], RequestMetrics] | None:
@@ -212,16 +225,18 @@ class OutputProcessor:
             stop = self._append(parent, seq, token, now, stats)
             end = ended.get(sequence_id)
             if stop is not None:
-                seq.finish_reason, seq.stop_reason = "stop", stop
+                parent.finish(seq, "stop", stop)
                 if end is None:
                     processed.stopped[sequence_id] = stop
             elif end is not None:
-                seq.finish_reason, seq.stop_reason = end.finish_reason, end.stop_reason
+                parent.finish(seq, end.finish_reason, end.stop_reason)
         for sequence_id in ended.keys() - step.sampled.keys():  # ended by the core without a token
             parent_id = self._parent_of.get(sequence_id)
             if parent_id is not None and self._parents[parent_id].sequences[sequence_id].finish_reason is None:
-                seq = self._parents[parent_id].sequences[sequence_id]
-                seq.finish_reason, seq.stop_reason = ended[sequence_id].finish_reason, ended[sequence_id].stop_reason
+                parent = self._parents[parent_id]
+                parent.finish(
+                    parent.sequences[sequence_id], ended[sequence_id].finish_reason, ended[sequence_id].stop_reason
+                )
                 touched[parent_id] = None
         processed.outputs = [self._output(parent_id, now, stats) for parent_id in touched]
         return processed
@@ -246,7 +261,7 @@ class OutputProcessor:
         parent = self._parents[parent_id]
         if not parent.finished:
             return parent.output()
-        first = min(parent.sequences.values(), key=lambda s: s.index)
+        first = next(iter(parent.sequences.values()))
         metrics = parent.metrics(now, first.finish_reason, self.slo)
         stats.finished.append(metrics)
         del self._parents[parent_id]

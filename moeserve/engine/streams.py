@@ -11,6 +11,7 @@ streams cost a measurable share of every step.
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from collections.abc import Callable
 from typing import Protocol
 
@@ -26,20 +27,53 @@ class EngineDeadError(RuntimeError):
 
 
 class Stream:
-    """One request's queue on its caller's event loop."""
+    """One request's items on its caller's event loop.
+
+    A deque and at most one waiting future rather than an `asyncio.Queue`: a stream has one
+    reader, and this hand-off runs once per stream per step, so the queue's generality (many
+    getters, maxsize, join) is paid 64 times a step for nothing.
+    """
+
+    __slots__ = ("loop", "_items", "_waiter")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
-        self.queue: asyncio.Queue[Item] = asyncio.Queue()
+        self._items: deque[Item] = deque()
+        self._waiter: asyncio.Future[None] | None = None
 
     def put(self, item: Item) -> None:
         """Called off the loop; a caller whose loop has closed is gone, so drop the item."""
         deliver_threadsafe(self.loop, [(self, item)])
 
+    def push(self, item: Item) -> None:
+        """Called on the loop: queue `item` and wake the reader."""
+        self._items.append(item)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def get(self) -> Item:
+        """The oldest item, waiting for one if there is none."""
+        while not self._items:
+            self._waiter = self.loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        return self._items.popleft()
+
+    def latest(self, item: Item) -> Item:
+        """`item`, or a later output already queued behind it: outputs are cumulative, so a slow
+        reader skips to the newest, stopping at a finished output, an error or an abort."""
+        items = self._items
+        while items and isinstance(item, RequestOutput) and not item.finished:
+            item = items.popleft()
+        return item
+
 
 def _deliver(batch: list[tuple[Stream, Item]]) -> None:
     for stream, item in batch:
-        stream.queue.put_nowait(item)
+        stream.push(item)
 
 
 def deliver_threadsafe(loop: asyncio.AbstractEventLoop, batch: list[tuple[Stream, Item]]) -> None:
@@ -79,9 +113,7 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if self._ended:
             raise StopAsyncIteration
-        item = await self._stream.queue.get()
-        while isinstance(item, RequestOutput) and not item.finished and not self._stream.queue.empty():
-            item = self._stream.queue.get_nowait()  # outputs are cumulative: a slow reader skips to the latest
+        item = self._stream.latest(await self._stream.get())
         if item is None or isinstance(item, BaseException) or item.finished:
             self._ended = True
         if item is None:

@@ -191,3 +191,27 @@ def test_app_before_the_model_is_loaded() -> None:
     assert response.status_code == 503 and "loading" in response.json()["error"]["message"]
     assert http.get("/metrics").status_code == 200
     assert http.get("/v1/models").json()["data"][0]["id"] == "m"
+
+
+def test_batch_histogram_exposes_what_prometheus_histogram_does() -> None:
+    """Same buckets (values on an edge count in it), count and sum; only `_created` differs."""
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+    from moeserve.api.metrics import BatchHistogram
+
+    buckets = (0.005, 0.01, 0.02, 0.5)
+    values = [0.0, 0.005, 0.0051, 0.01, 0.019, 0.02, 0.3, 0.5, 0.51, 7.0]
+    ours, theirs = CollectorRegistry(), CollectorRegistry()
+    batch = BatchHistogram("moeserve:x_seconds", "Doc.", buckets, "m", ours)
+    batch.observe_many(values[:4])
+    batch.observe_many([])
+    batch.observe_many(values[4:])
+    reference = Histogram("moeserve:x_seconds", "Doc.", ["model_name"], buckets=buckets, registry=theirs).labels("m")
+    for value in values:
+        reference.observe(value)
+
+    def lines(registry: CollectorRegistry) -> list[str]:
+        return [line for line in generate_latest(registry).decode().splitlines() if "_created" not in line]
+
+    assert lines(ours) == lines(theirs)
+    assert 'moeserve:x_seconds_bucket{le="0.005",model_name="m"} 2.0' in lines(ours)
