@@ -244,3 +244,23 @@ def test_ep_rank_reads_only_its_experts_fp8_bytes_and_scales(tmp_path, monkeypat
     w13 = mine.parametrizations.w13
     assert torch.equal(w13.original.view(torch.uint8), full.original[2:4].view(torch.uint8))
     assert torch.equal(w13[0].scale_inv, full[0].scale_inv[2:4]) and w13[0].scale_inv.shape == (2, 2, 1, 1)
+
+
+def test_tensor_parallel_rank_holds_its_slice_of_weights_and_scales(make_checkpoint, tmp_path):
+    """tp=2, rank 1 (loaded only, never run): its q_proj rows and o_proj columns, with their
+    scales, are the single process's, in whole 16x16 blocks; 128x128 blocks, which the tiny
+    heads would cut, are refused by name."""
+    from moeserve.models.tensor_parallel import TensorParallel
+
+    base = make_checkpoint("qwen3_moe", 7)
+    small, large = shutil.copytree(base, tmp_path / "b16"), shutil.copytree(base, tmp_path / "b128")
+    quantize_checkpoint(small, (16, 16))
+    quantize_checkpoint(large, BLOCK)
+    rank1 = TensorParallel(rank=1, size=2, group=object())  # loading never talks to the group
+    full, mine = load_model(small).layers[0].attn, load_model(small, tp=rank1).layers[0].attn
+    assert torch.equal(mine.q_proj.weight, full.q_proj.weight[32:])
+    assert torch.equal(mine.o_proj.weight, full.o_proj.weight[:, 32:])
+    q_scales = mine.q_proj.parametrizations.weight[0].scale_inv
+    assert torch.equal(q_scales, full.q_proj.parametrizations.weight[0].scale_inv[:, 2:])
+    with pytest.raises(CheckpointError, match=r"entries \[32, 64\) of dim 0 of FP8 tensor .*q_proj.weight"):
+        load_model(large, tp=rank1)
