@@ -116,6 +116,16 @@ class GatedActivation:
 
 
 @dataclass(frozen=True)
+class BlockFP8Config:
+    """FP8 block-quantized weights as DeepSeek-V3 and Qwen3-FP8 publish them: a quantized linear
+    weight `[out, in]` is float8_e4m3fn with float32 `weight_scale_inv [ceil(out/bo), ceil(in/bi)]`;
+    its value is `weight.float() * scale_inv` over each `block = (bo, bi)` tile. Activations
+    are quantized dynamically by kernels that have a w8a8 GEMM (the torch path dequantizes)."""
+
+    block: tuple[int, int] = (128, 128)
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """A checkpoint's architecture, in moeserve's own terms."""
 
@@ -151,6 +161,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     eos_token_ids: tuple[int, ...] = ()
     checkpoint_dtype: torch.dtype = torch.float32
+    weight_quant: BlockFP8Config | None = None  # None: weights stored in checkpoint_dtype
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:

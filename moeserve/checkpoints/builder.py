@@ -17,6 +17,9 @@ Two departures from HF's own random init, both so that the tiny models test some
   gets small random float32 values, and so do gpt-oss's expert biases, else those paths would
   go untested.
 
+With ``quantize="fp8"`` the saved weights are then rewritten as the FP8 releases lay them out
+(``quantize_fp8.py``).
+
 gpt-oss is saved as transformers lays out its bf16 form: a layer's experts in four stacked
 tensors (``mlp.experts.gate_up_proj`` and ``down_proj`` with their biases), not one per expert.
 """
@@ -42,6 +45,7 @@ from transformers import (
     Qwen3MoeConfig,
 )
 
+from moeserve.checkpoints.quantize_fp8 import quantize_checkpoint
 from moeserve.checkpoints.spec import SUPPORTED_ARCHS, MakeModelSpec
 from moeserve.checkpoints.tokenizer import BOS_ID, EOS_ID, IM_END_ID, PAD_ID, train_tokenizer
 
@@ -72,6 +76,8 @@ def make_model(spec: MakeModelSpec, out_dir: Path) -> Path:
         _randomise_expert_biases(model)
     model.generation_config = _generation_config()
     model.save_pretrained(out_dir, max_shard_size=spec.max_shard_bytes)
+    if spec.quantize == "fp8":
+        quantize_checkpoint(out_dir)
     train_tokenizer(spec.vocab, out_dir, model_max_length=spec.max_position_embeddings)
     logger.info("made %s model (%s) in %s", spec.arch, _describe(spec), out_dir)
     return out_dir

@@ -13,6 +13,7 @@ from moeserve.checkpoints.tokenizer import MIN_VOCAB_SIZE
 
 Arch = Literal["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "olmoe", "glm4_moe", "minimax_m2", "gpt_oss"]
 DType = Literal["float32", "bfloat16", "float16"]
+Quantize = Literal["none", "fp8"]
 SUPPORTED_ARCHS: tuple[str, ...] = get_args(Arch)
 SUPPORTED_DTYPES: tuple[str, ...] = get_args(DType)
 GROUPED_ROUTER_ARCHS = ("deepseek_v3", "glm4_moe")  # group-limited routing, dense first layers, shared experts
@@ -83,6 +84,9 @@ class MakeModelSpec:
     """Longest sequence; also the tokenizer's model_max_length."""
     max_shard_bytes: int = 1 << 30
     """Largest safetensors file; above it HF writes shards and model.safetensors.index.json."""
+    quantize: Quantize = "none"
+    """fp8: linear weights saved as FP8 with a float32 scale per 128x128 block, as DeepSeek-V3
+    and Qwen3-FP8 are published (embeddings, LM head, norms and routers stay in dtype)."""
 
     def __post_init__(self) -> None:
         _check_common(self)
@@ -129,6 +133,11 @@ def _check_common(spec: MakeModelSpec) -> None:
     _require(spec.top_k <= spec.experts, f"top_k={spec.top_k} exceeds experts={spec.experts}")
     _require(
         spec.vocab >= MIN_VOCAB_SIZE, f"vocab={spec.vocab}: a byte-level tokenizer needs at least {MIN_VOCAB_SIZE}"
+    )
+    _require(spec.quantize in ("none", "fp8"), f"quantize={spec.quantize!r}: expected one of {get_args(Quantize)}")
+    _require(
+        spec.quantize != "fp8" or spec.arch != "gpt_oss",
+        "gpt_oss is published with MXFP4 experts, not FP8: quantize=fp8 is not offered for it",
     )
     _require(spec.init_std > 0, f"init_std={spec.init_std} must be positive")
     _require(

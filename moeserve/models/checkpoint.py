@@ -72,6 +72,10 @@ class CheckpointReader:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._handle(self.weight_map[name]).get_slice(name).get_shape())
 
+    def dtype(self, name: str) -> str:
+        """The safetensors dtype of a tensor (`F8_E4M3`, `F32`, `BF16`, ...), without reading it."""
+        return self._handle(self.weight_map[name]).get_slice(name).get_dtype()
+
     def get(self, name: str) -> torch.Tensor:
         return self._handle(self.weight_map[name]).get_tensor(name)
 

@@ -6,6 +6,10 @@ tensor, of only the experts this rank's physical slots hold (`ExpertMap.local_lo
 logical expert with replicas is read by each rank holding one). Every source is checked for
 presence and shape before any tensor is read, so a bad checkpoint fails with one message and
 leaves nothing half-loaded.
+
+FP8 checkpoints (`models/fp8.py`): the parameters whose checkpoint tensors are float8_e4m3fn
+are replaced by FP8 storage and their scales, read as stored; a tensor-parallel rank reads its
+slice of both, which must cut the weight at scale-block boundaries.
 """
 
 from __future__ import annotations
@@ -18,11 +22,12 @@ from typing import Literal
 
 import torch
 
-from moeserve.config import ModelConfig
+from moeserve.config import BlockFP8Config, ModelConfig
 from moeserve.dispatch import Dispatcher, ExpertMap, ExpertPlacement, create_dispatcher
 from moeserve.models.architectures import CheckpointNames, resolve_architecture
 from moeserve.models.checkpoint import CheckpointError, CheckpointReader
 from moeserve.models.decoder import MoECausalLM
+from moeserve.models.fp8 import FP8_DTYPE, quantize_parameter, scale_name, scale_shape
 from moeserve.models.tensor_parallel import SINGLE, Shard, TensorParallel, shard_of
 from moeserve.ops import TORCH_OPS, LayerOps
 
@@ -214,6 +219,81 @@ def read_source(
     return torch.stack(parts) if source.stacked else parts[0]
 
 
+_FP8 = "F8_E4M3"  # safetensors' name of float8_e4m3fn
+
+
+def fp8_sources(
+    sources: dict[str, WeightSource | FusedExpertsSource], reader: CheckpointReader, quant: BlockFP8Config | None
+) -> dict[str, WeightSource]:
+    """Our parameters whose checkpoint tensors are FP8, each checked to have its scales in the
+    published layout (float32, one per block, partial blocks included)."""
+    found: dict[str, WeightSource] = {}
+    for name, source in sources.items():
+        fp8 = [reader.dtype(n) == _FP8 for n in source.names]
+        if not any(fp8):
+            continue
+        if quant is None:
+            raise CheckpointError(f"tensor {source.names[0]} is FP8 but config.json has no quantization_config")
+        if isinstance(source, FusedExpertsSource):
+            raise CheckpointError(f"tensor {source.name} is FP8: FP8 stacked expert tensors are not supported")
+        if not all(fp8):
+            raise CheckpointError(f"tensors {', '.join(source.names)} mix FP8 and unquantized weights in one parameter")
+        found[name] = source
+    if quant is not None and not found:
+        raise CheckpointError(
+            f"config.json says quant_method 'fp8' but no weight tensor of {reader.folder} is float8_e4m3fn"
+        )
+    for source in found.values():
+        for tensor in source.names:
+            scales, want = scale_name(tensor), scale_shape(reader.shape(tensor), quant.block)
+            if scales not in reader:
+                raise CheckpointError(f"FP8 tensor {tensor} has no {scales} in the checkpoint")
+            if reader.shape(scales) != want or reader.dtype(scales) != "F32":
+                raise CheckpointError(
+                    f"tensor {scales} is {reader.dtype(scales)} {list(reader.shape(scales))}, "
+                    f"expected F32 {list(want)}: "
+                    f"one scale per {quant.block[0]}x{quant.block[1]} block of {tensor} {list(reader.shape(tensor))}"
+                )
+    return found
+
+
+def scale_shard(shard: Shard, block: tuple[int, int], name: str) -> Shard:
+    """The scale rows (or columns) of a tensor-parallel slice of an FP8 weight: whole blocks
+    only, since a block's one scale cannot be split between ranks."""
+    size = block[shard.dim]
+    end = shard.start + shard.length
+    if shard.start % size or (shard.length % size and end != shard.full):
+        raise CheckpointError(
+            f"tensor parallelism gives a rank entries [{shard.start}, {end}) of dim {shard.dim} of FP8 tensor {name} "
+            f"({shard.full}), which cuts a {block[0]}x{block[1]} scale block: each rank's share must be a multiple "
+            f"of {size}; use a tensor-parallel size that splits it in whole blocks"
+        )
+    return Shard(shard.dim, shard.start // size, -(-shard.length // size), -(-shard.full // size))
+
+
+def read_scales(
+    source: WeightSource, reader: CheckpointReader, block: tuple[int, int], shard: Shard | None
+) -> torch.Tensor:
+    """The scales of an FP8 parameter in `fp8.BlockFP8`'s layout: one grid per part."""
+    if shard is not None:
+        (name,) = source.names
+        rows = scale_shard(shard, block, name)
+        return reader.get_part(scale_name(name), rows.dim, rows.start, rows.length)[None]
+    parts = [torch.stack([reader.get(scale_name(n)) for n in part]) for part in source.parts]
+    return torch.stack(parts) if source.stacked else parts[0]
+
+
+def _scale_grid(
+    source: WeightSource, reader: CheckpointReader, block: tuple[int, int], shard: Shard | None
+) -> tuple[int, ...]:
+    """The scale grid of one part of the parameter this rank holds."""
+    if shard is None:
+        return scale_shape(reader.shape(source.names[0]), block)
+    full = list(scale_shape(reader.shape(source.names[0]), block))
+    full[shard.dim] = scale_shard(shard, block, source.names[0]).length
+    return tuple(full)
+
+
 def load_model(
     folder: str | Path,
     dtype: torch.dtype = torch.float32,
@@ -251,15 +331,28 @@ def load_model(
     targets = {name: p for name, p in model.named_parameters()}
     sources = {name: weight_source(name, arch.names, experts_by_layer, cfg.num_experts) for name in targets}
     check_sources(sources, targets, reader)
+    fp8 = fp8_sources(sources, reader, cfg.weight_quant)
+    block = cfg.weight_quant.block if cfg.weight_quant is not None else (0, 0)
+    storage = {}
+    for name, source in fp8.items():
+        module, attr = name.rsplit(".", 1)
+        grid = _scale_grid(source, reader, block, shard_of(targets[name]))
+        storage[name] = quantize_parameter(model.get_submodule(module), attr, len(source.parts[0]), block, grid)
     with torch.no_grad():
         for name, param in targets.items():
-            # Router correction bias and fp32 gates keep their own dtype (see Router).
-            param.copy_(read_source(sources[name], reader, param.dtype, shard_of(param)))
+            shard = shard_of(param)
+            if name in storage:
+                weight, scales = storage[name]
+                weight.copy_(read_source(fp8[name], reader, FP8_DTYPE, shard))
+                scales.copy_(read_scales(fp8[name], reader, block, shard))
+            else:
+                # Router correction bias and fp32 gates keep their own dtype (see Router).
+                param.copy_(read_source(sources[name], reader, param.dtype, shard))
     reader.close()
     model.set_expert_map(expert_map, placement.rank)
     sizes = weight_bytes(model)
     logger.info(
-        "loaded %s from %s: %d layers, %d/%d experts on this rank (%.1f MiB), %.1f MiB of other weights (%s)",
+        "loaded %s from %s: %d layers, %d/%d experts on this rank (%.1f MiB), %.1f MiB of other weights (%s%s)",
         cfg.architecture,
         folder,
         cfg.num_layers,
@@ -268,6 +361,7 @@ def load_model(
         sizes.experts / 2**20,
         sizes.other / 2**20,
         dtype,
+        f", {len(fp8)} parameters in FP8" if fp8 else "",
     )
     return model
 

@@ -48,8 +48,11 @@ class TritonOps(LayerOps[TritonAttentionPlan]):
 
     @classmethod
     def supports_model(cls, cfg: ModelConfig) -> str | None:
-        """gpt-oss's layer options have no kernel yet: sinks in the attention kernels, biases and
-        the clamped SwiGLU in `fused_moe`, its top-k-then-softmax router in `route`."""
+        """Block-quantized FP8 weights (no w8a8 GEMM yet) and gpt-oss's layer options have no
+        kernel yet: sinks in the attention kernels, biases and the clamped SwiGLU in
+        `fused_moe`, its top-k-then-softmax router in `route`."""
+        if cfg.weight_quant is not None:
+            return "the Triton kernels have no block-scaled FP8 (w8a8) GEMM yet; use kernels=torch for FP8 weights"
         if cfg.attention_sinks:
             return "the Triton attention kernels have no attention sinks (gpt-oss); use kernels=torch"
         if cfg.expert_bias or cfg.expert_activation.kind != "silu":

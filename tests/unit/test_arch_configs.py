@@ -74,14 +74,35 @@ def test_rotary_wider_than_a_head_is_refused():
         )
 
 
-@pytest.mark.parametrize("method", ["awq", "gptq", "bitsandbytes", "modelopt", "mxfp4", "fp8"])
+@pytest.mark.parametrize("method", ["awq", "gptq", "bitsandbytes", "modelopt", "mxfp4", "compressed-tensors"])
 def test_unsupported_quantization_names_itself_and_the_supported_ones(method):
     assert method not in SUPPORTED_QUANT_METHODS
     raw = raw_config("qwen3_moe", quantization_config={"quant_method": method, "bits": 4})
     with pytest.raises(CheckpointError) as err:
         resolve_architecture(raw)
     assert f"quant_method {method!r} is not supported" in str(err.value)
-    assert f"supported quant methods: {', '.join(SUPPORTED_QUANT_METHODS) or 'none yet'}" in str(err.value)
+    assert "supported quant methods: fp8" in str(err.value)
+
+
+FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 64]}
+
+
+def test_fp8_block_config_is_read_and_its_other_forms_refused():
+    assert resolve_architecture(raw_config("qwen3_moe", quantization_config=FP8))[1].weight_quant.block == (128, 64)
+    assert resolve_architecture(raw_config("qwen3_moe"))[1].weight_quant is None
+    for change, message in [
+        ({"weight_block_size": None}, "per-tensor scales"),
+        ({"activation_scheme": "static"}, "only dynamic activation scales"),
+        ({"fmt": "e5m2"}, "only e4m3 weights"),
+        ({"weight_block_size": [128]}, "two positive ints"),
+    ]:
+        with pytest.raises(CheckpointError, match=message):
+            resolve_architecture(raw_config("qwen3_moe", quantization_config={**FP8, **change}))
+
+
+def test_triton_backend_refuses_fp8_weights_until_it_has_a_w8a8_gemm():
+    reason = TritonOps.supports_model(resolve_architecture(raw_config("glm4_moe", quantization_config=FP8))[1])
+    assert reason is not None and "FP8" in reason and "kernels=torch" in reason
 
 
 def test_triton_backend_refuses_gpt_oss_by_reason_and_takes_the_others():

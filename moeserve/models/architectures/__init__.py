@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from moeserve.config import ModelConfig
@@ -33,9 +34,9 @@ def resolve_architecture(raw_config: dict[str, Any]) -> tuple[Architecture, Mode
         raise CheckpointError(
             f"architecture {names[0]!r} is not supported; supported: {', '.join(supported_architectures())}"
         )
-    check_quantization(raw_config)
+    weight_quant = check_quantization(raw_config)
     try:
-        return arch, arch.parse_config(raw_config)
+        return arch, dataclasses.replace(arch.parse_config(raw_config), weight_quant=weight_quant)
     except CheckpointError:
         raise
     except ValueError as e:  # ModelConfig's own consistency checks

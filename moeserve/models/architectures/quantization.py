@@ -9,22 +9,48 @@ from __future__ import annotations
 
 from typing import Any
 
+from moeserve.config import BlockFP8Config
 from moeserve.models.checkpoint import CheckpointError
 
-SUPPORTED_QUANT_METHODS: tuple[str, ...] = ()
-"""quant_method values the loader reads; empty: bf16/fp16/fp32 checkpoints only."""
+SUPPORTED_QUANT_METHODS: tuple[str, ...] = ("fp8",)
+"""quant_method values the loader reads besides bf16/fp16/fp32: fp8 = block-quantized e4m3
+weights with float32 inverse scales, dynamic activations (DeepSeek-V3/R1, Qwen3-FP8)."""
 
 
-def check_quantization(raw_config: dict[str, Any]) -> None:
-    """Refuse a quantized checkpoint whose method is not supported, naming it and the supported ones."""
+def check_quantization(raw_config: dict[str, Any]) -> BlockFP8Config | None:
+    """The checkpoint's weight quantization (None: none), or a refusal naming the method and
+    the supported ones, or what of an FP8 config is not the block-quantized form."""
     quant = raw_config.get("quantization_config")
     if not quant:
-        return
+        return None
     method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
-    if method in SUPPORTED_QUANT_METHODS:
-        return
-    supported = ", ".join(SUPPORTED_QUANT_METHODS) or "none yet"
-    raise CheckpointError(
-        f"quantization_config.quant_method {method!r} is not supported (supported quant methods: {supported}); "
-        "use a bf16/fp16/fp32 checkpoint"
-    )
+    if method not in SUPPORTED_QUANT_METHODS:
+        supported = ", ".join(SUPPORTED_QUANT_METHODS)
+        raise CheckpointError(
+            f"quantization_config.quant_method {method!r} is not supported (supported quant methods: "
+            f"{supported}); use a bf16/fp16/fp32 checkpoint"
+        )
+    return _fp8_config(quant)
+
+
+def _fp8_config(quant: dict[str, Any]) -> BlockFP8Config:
+    fmt = quant.get("fmt", "e4m3")
+    if fmt != "e4m3":
+        raise CheckpointError(f"quant_method 'fp8' with fmt {fmt!r}: only e4m3 weights are supported")
+    scheme = quant.get("activation_scheme", "dynamic")
+    if scheme != "dynamic":
+        raise CheckpointError(
+            f"quant_method 'fp8' with activation_scheme {scheme!r}: only dynamic activation scales are supported"
+        )
+    block = quant.get("weight_block_size", [128, 128])  # transformers' default when absent
+    if block is None:
+        raise CheckpointError(
+            "quant_method 'fp8' with weight_block_size null (per-tensor scales): only block-quantized FP8 is supported"
+        )
+    if (
+        not isinstance(block, list | tuple)
+        or len(block) != 2
+        or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)
+    ):
+        raise CheckpointError(f"quantization_config.weight_block_size should be two positive ints, got {block!r}")
+    return BlockFP8Config(block=(block[0], block[1]))

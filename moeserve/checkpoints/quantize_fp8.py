@@ -1,0 +1,65 @@
+"""Rewrite a checkpoint folder as FP8 block-quantized, in the layout DeepSeek-V3 and Qwen3-FP8
+are published in.
+
+Every linear weight (a 2-D `*.weight` of a projection, shared or routed expert) becomes
+float8_e4m3fn with float32 `*.weight_scale_inv` of one scale per block (`models/fp8.py`);
+the embeddings, the LM head, the norms and the routers' gates stay as they were, as in the
+published checkpoints. config.json gets the published `quantization_config`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from moeserve.models.checkpoint import INDEX_FILE
+from moeserve.models.fp8 import quantize, scale_name
+
+_KEPT = ("embed_tokens", "lm_head", "gate", "router", "shared_expert_gate")  # module names left unquantized
+
+
+def is_quantized(name: str, tensor: torch.Tensor) -> bool:
+    """Whether the published FP8 checkpoints quantize this tensor."""
+    if tensor.dim() != 2 or not name.endswith(".weight"):
+        return False
+    return name.removesuffix(".weight").rsplit(".", 1)[-1] not in _KEPT
+
+
+def quantize_checkpoint(folder: str | Path, block: tuple[int, int] = (128, 128)) -> None:
+    """Quantize `folder`'s safetensors in place (each file keeps its tensors and gains their
+    scales; the index, if any, lists them) and declare it in config.json."""
+    folder = Path(folder)
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no safetensors weights in {folder}")
+    added: dict[str, str] = {}
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            tensors = {name: f.get_tensor(name) for name in f.keys()}
+            metadata = f.metadata()
+        out = {}
+        for name, tensor in tensors.items():
+            if is_quantized(name, tensor):
+                out[name], out[scale_name(name)] = quantize(tensor, block)
+                added[scale_name(name)] = file.name
+            else:
+                out[name] = tensor
+        save_file(out, file, metadata=metadata)
+    index = folder / INDEX_FILE
+    if index.exists():
+        data = json.loads(index.read_text())
+        data["weight_map"].update(added)
+        index.write_text(json.dumps(data, indent=2) + "\n")
+    config_path = folder / "config.json"
+    config = json.loads(config_path.read_text())
+    config["quantization_config"] = {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": list(block),
+    }
+    config_path.write_text(json.dumps(config, indent=2) + "\n")
