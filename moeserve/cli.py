@@ -97,6 +97,8 @@ def _add_config_flags(
             group.add_argument(
                 *opt.flags, dest=opt.name, action=argparse.BooleanOptionalAction, default=default, help=hidden
             )
+        elif opt.meta.repeatable:  # the config takes None as "none given"
+            group.add_argument(*opt.flags, dest=opt.name, type=_flag_type(opt), action="append", help=hidden)
         else:
             group.add_argument(
                 *opt.flags, dest=opt.name, type=_flag_type(opt), default=default, choices=opt.choices, help=hidden

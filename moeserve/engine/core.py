@@ -111,6 +111,7 @@ def build_scheduler(config: EngineConfig, model_config: ModelConfig, dtype: torc
             policy=config.scheduling_policy,
             slo_ttft_s=config.slo.ttft_s,
             slo_tbt_s=config.slo.tbt_s,
+            slo_admission=config.slo.admission,
         ),
         num_groups=parallel.num_dp_groups,
     )

@@ -28,6 +28,7 @@ from moeserve.worker.runner import SampledToken
 
 _PARAM_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
 _STRUCTURED = _PARAM_FIELDS.index("structured_outputs")
+_SLO = _PARAM_FIELDS.index("slo")
 
 # Command tags in a `CoreInputs` frame.
 _ADD, _ABORT, _FINISH, _SHUTDOWN = "add", "abort", "finish", "shutdown"
@@ -95,6 +96,8 @@ def _params(p: SamplingParams) -> list[Any]:
     values = [getattr(p, name) for name in _PARAM_FIELDS]
     if p.structured_outputs is not None:  # a (kind, spec) pair on the wire; SamplingParams takes it back
         values[_STRUCTURED] = dataclasses.astuple(p.structured_outputs)
+    if p.slo is not None:  # a (ttft_s, tbt_s, label) triple on the wire
+        values[_SLO] = dataclasses.astuple(p.slo)
     return values
 
 

@@ -39,6 +39,9 @@ class WaitingQueue(Protocol):
     def pop(self) -> Request:
         """Remove and return `head()`."""
 
+    def ahead_of(self, request: Request) -> list[Request]:
+        """The queued requests that will be admitted before `request`, were it queued now."""
+
 
 class FcfsQueue:
     """Arrival order, with preempted requests back at the head: they arrived before everyone still
@@ -68,12 +71,17 @@ class FcfsQueue:
     def pop(self) -> Request:
         return self._queue.popleft()
 
+    def ahead_of(self, request: Request) -> list[Request]:
+        """Everyone queued: a new request joins the tail."""
+        return list(self._queue)
+
 
 class SloQueue:
     """Three lanes, served in this order:
     1. streaming: preempted after emitting tokens, in admission order. Their clients already see
        a stream, and every step they wait adds to one time between tokens.
-    2. on time: TTFT deadline (arrival + `ttft_s`) not yet passed, earliest deadline first.
+    2. on time: TTFT deadline (arrival + the request's own TTFT target, else `ttft_s`) not yet
+       passed, earliest deadline first, so a tight target overtakes loose ones queued before it.
     3. late: deadline passed, earliest deadline first (with one TTFT target: oldest first).
        A request that can no longer meet its target goes behind those that still can, so under
        overload one late request does not make every later one late too; under sustained
@@ -95,8 +103,9 @@ class SloQueue:
         return len(self._streaming) + len(self._on_time) + len(self._late)
 
     def deadline(self, request: Request) -> float:
-        """When `request` must have its first token to meet the TTFT target."""
-        return request.arrival_time + self._ttft_s
+        """When `request` must have its first token to meet its TTFT target."""
+        slo = request.sampling_params.slo
+        return request.arrival_time + (self._ttft_s if slo is None else slo.ttft_s)
 
     def add(self, request: Request) -> None:
         self._insert_by_deadline(self._on_time, request)
@@ -129,6 +138,15 @@ class SloQueue:
     def pop(self) -> Request:
         return self._first_lane().popleft()
 
+    def ahead_of(self, request: Request) -> list[Request]:
+        """Streams first; then, while its deadline is ahead, the on-time requests due no later;
+        once it is past, every on-time request and the late ones due no later."""
+        deadline = self.deadline(request)
+        due = [r for r in self._on_time if self.deadline(r) <= deadline]
+        if deadline >= self._clock():
+            return [*self._streaming, *due]
+        return [*self._streaming, *self._on_time, *(r for r in self._late if self.deadline(r) <= deadline)]
+
     def _first_lane(self) -> deque[Request]:
         return self._streaming or self._on_time or self._late
 
@@ -150,30 +168,33 @@ itself, steps put the TBT p99 right at the target and most streams had a gap jus
 
 @dataclass
 class ChunkSizer:
-    """Sizes prefill chunks so a step that carries decodes stays within the TBT target.
+    """Sizes prefill chunks so a step that carries decodes stays within a TBT target.
 
     Each decode's next token waits for the whole step, prefill chunks included, so the step's
-    prefill gets the largest number of tokens whose predicted step time fits `tbt_s`. At least
+    prefill gets the largest number of tokens whose predicted step time fits `tbt_s`: the tightest
+    TBT target among the step's decodes, less `SLO_STEP_HEADROOM`. At least
     `min_prefill_tokens` of prefill go into every step, whatever the prediction, so prompts keep
     moving when the decodes alone already miss the target (or the model overestimates).
     """
 
     model: StepTimeModel
-    tbt_s: float
     min_prefill_tokens: int
 
-    def chunk_tokens(self, shape: StepShape, start_position: int, most: int, num_prefill_granted: int) -> int:
+    def chunk_tokens(
+        self, shape: StepShape, start_position: int, most: int, num_prefill_granted: int, tbt_s: float
+    ) -> int:
         """Tokens, at most `most`, for a prefill chunk from `start_position` joining a step of
-        `shape` that already holds `num_prefill_granted` prefill tokens; 0: not in this step."""
+        `shape` that already holds `num_prefill_granted` prefill tokens, whose decodes' tightest
+        TBT target is `tbt_s`; 0: not in this step."""
         floor = min(most, max(0, self.min_prefill_tokens - num_prefill_granted))
-        return max(floor, self._largest_within_target(shape, start_position, most))
+        return max(floor, self._largest_within(shape, start_position, most, tbt_s * SLO_STEP_HEADROOM))
 
-    def _largest_within_target(self, shape: StepShape, start_position: int, most: int) -> int:
+    def _largest_within(self, shape: StepShape, start_position: int, most: int, limit_s: float) -> int:
         """Bisection: predicted time grows with the chunk, as the model's coefficients are >= 0."""
         low, high = 0, most
         while low < high:
             middle = (low + high + 1) // 2
-            if self.model.predict(shape.plus_chunk(middle, start_position)) <= self.tbt_s:
+            if self.model.predict(shape.plus_chunk(middle, start_position)) <= limit_s:
                 low = middle
             else:
                 high = middle - 1
