@@ -248,7 +248,7 @@ class SLOConfig:
     classes: tuple[SLOClass, ...] = option((), name="slo_class", parse=parse_slo_class, repeatable=True)
     """A named pair of targets, NAME=ttft:MS,tbt:MS (repeatable): requests may ask for it with
     `slo: {"class": NAME}`, and /metrics labels attainment by class."""
-    admission: Literal["off", "reject", "degrade"] = _scheduler_default("slo_admission")  # type: ignore[assignment]
+    admission: Literal["off", "reject", "degrade"] = option(_scheduler_default("slo_admission"), name="slo_admission")
     """What to do with a request whose TTFT target the step-time model predicts will be missed:
     reject it at once (HTTP 429 with Retry-After), admit it as best effort and say so in its usage
     (degrade), or admit it regardless (off)."""

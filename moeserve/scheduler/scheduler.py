@@ -193,12 +193,9 @@ class Scheduler:
         self._requests: dict[str, Request] = {}  # every unfinished request, by id
         self._waiting: WaitingQueue = SloQueue(config.slo_ttft_s, clock) if config.policy == "slo" else FcfsQueue()
         self._running: list[Request] = []  # RUNNING, in admission order
-        self._model = StepTimeModel() if config.policy == "slo" or config.slo_admission != "off" else None
-        self._chunk_sizer = (
-            ChunkSizer(self._model, min_prefill_tokens=config.block_size)
-            if self._model is not None and config.policy == "slo" and config.enable_chunked_prefill
-            else None
-        )
+        sizes_chunks = config.policy == "slo" and config.enable_chunked_prefill
+        self._model = StepTimeModel() if sizes_chunks or config.slo_admission != "off" else None
+        self._chunk_sizer = ChunkSizer(self._model, config.block_size) if sizes_chunks and self._model else None
         self.admission = AdmissionTally()
         """How admission's TTFT predictions turned out (see `admission.py`)."""
         self._finished_ids: list[str] = []  # finished since the previous schedule()
