@@ -271,14 +271,28 @@ class ServerMetrics:
         )
         for reason in ("stop", "length", "abort"):
             self._finished.labels(model_name, reason)  # export zeros, so rates exist before the first one
-        self.slo_total = counter(
-            "moeserve:slo_requests", "Finished requests judged against the SLO (aborted ones included)."
+
+        def by_class(name: str, doc: str) -> Counter:
+            """A counter labelled by SLO class: a bounded set (`SLOCatalog.labels`), all exported from 0."""
+            family = Counter(name, doc, [*labels, "class"], registry=r)
+            for label in slo.catalog.labels:
+                family.labels(model_name, label)
+            return family
+
+        self.slo_total = by_class(
+            "moeserve:slo_requests", "Finished requests judged against their SLO (aborted ones included), by class."
         )
-        self.slo_ttft_met = counter(
-            "moeserve:slo_ttft_met_requests", "Finished requests whose first token came within the TTFT target."
+        self.slo_ttft_met = by_class(
+            "moeserve:slo_ttft_met_requests",
+            "Finished requests whose first token came within their TTFT target, by class.",
         )
-        self.slo_tbt_met = counter(
-            "moeserve:slo_tbt_met_requests", "Finished requests all of whose token gaps were within the TBT target."
+        self.slo_tbt_met = by_class(
+            "moeserve:slo_tbt_met_requests",
+            "Finished requests all of whose token gaps were within their TBT target, by class.",
+        )
+        self.slo_rejections = by_class(
+            "moeserve:slo_rejections",
+            "Requests refused at once (HTTP 429) because their TTFT target was predicted to be missed, by class.",
         )
         targets = Gauge(
             "moeserve:slo_target_seconds", "The SLO targets requests are judged against.", [*labels, "kind"], registry=r
@@ -337,6 +351,10 @@ class ServerMetrics:
         )
         self._model_name = model_name
 
+    def record_slo_rejection(self, slo_class: str) -> None:
+        """Count a request refused by SLO admission; runs on the event loop."""
+        self.slo_rejections.labels(self._model_name, slo_class).inc()
+
     def record(self, stats: IterationStats) -> None:
         """Fold one engine step (or abort) into the metrics; runs on the engine thread."""
         if stats.step_duration_s is not None:
@@ -353,9 +371,9 @@ class ServerMetrics:
             self.e2e.observe(request.e2e_s)
             if request.queue_time_s is not None:
                 self.queue_time.observe(request.queue_time_s)
-            self.slo_total.inc()
-            self.slo_ttft_met.inc(request.ttft_met)
-            self.slo_tbt_met.inc(request.tbt_met)
+            self.slo_total.labels(self._model_name, request.slo_class).inc()
+            self.slo_ttft_met.labels(self._model_name, request.slo_class).inc(request.ttft_met)
+            self.slo_tbt_met.labels(self._model_name, request.slo_class).inc(request.tbt_met)
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
         self.kv_used.set(stats.kv_blocks_used)

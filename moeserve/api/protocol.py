@@ -30,6 +30,7 @@ from moeserve.api.constraints import (
     tool_constraint,
 )
 from moeserve.api.errors import APIError, from_validation_error
+from moeserve.api.slo_request import SLOField
 from moeserve.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from moeserve.sampling_params import SamplingParams, StructuredOutputs
 
@@ -120,6 +121,8 @@ class _SamplingRequest(OpenAIModel):
     structured_outputs: StructuredOutputsField | None = None
     prompt_logprobs: int | None = None
     """vLLM's: each prompt token's logprob and this many top alternatives, in `prompt_logprobs`."""
+    # Per-request latency targets (moeserve's own), resolved by the handler against the server's classes.
+    slo: SLOField | None = None
 
     @property
     def include_usage(self) -> bool:

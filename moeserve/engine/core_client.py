@@ -315,7 +315,7 @@ class EngineCoreClient(QueuedEngineClient):
             self._streams.pop(key, None)
             self._close_request(key, inputs)
             if future is not None:
-                future.set_exception(refusal(kind, message))
+                future.set_exception(refusal(kind, message, frame.retry_after_s.get(key)))
         stats = IterationStats()
         if frame.step is not None:
             processed, stats = self.frontend.process(frame.step)

@@ -22,7 +22,7 @@ from moeserve.dispatch.wire import WireVolume
 from moeserve.engine.core import CoreRequest, CoreStep, FinishedSequence, SchedulerStats
 from moeserve.eplb.rebalancer import RebalanceReport
 from moeserve.sampling_params import SamplingParams
-from moeserve.scheduler import QueueFullError
+from moeserve.scheduler import QueueFullError, SLORejectedError
 from moeserve.worker.prompt_logprobs import PromptLogprobs
 from moeserve.worker.runner import SampledToken
 
@@ -33,7 +33,11 @@ _SLO = _PARAM_FIELDS.index("slo")
 # Command tags in a `CoreInputs` frame.
 _ADD, _ABORT, _FINISH, _SHUTDOWN = "add", "abort", "finish", "shutdown"
 # Exceptions an add may be refused with, by name: the client re-raises the same type.
-_REFUSALS: dict[str, type[Exception]] = {"QueueFullError": QueueFullError, "ValueError": ValueError}
+_REFUSALS: dict[str, type[Exception]] = {
+    "QueueFullError": QueueFullError,
+    "SLORejectedError": SLORejectedError,
+    "ValueError": ValueError,
+}
 
 
 @dataclass(frozen=True)
@@ -77,6 +81,8 @@ class CoreOutputs:
     accepted: list[str] = field(default_factory=list)
     refused: list[tuple[str, str, str]] = field(default_factory=list)
     """(add key, exception type name, message)."""
+    retry_after_s: dict[str, int] = field(default_factory=dict)
+    """Add key -> seconds to wait, for refusals that say (`SLORejectedError`)."""
     step: CoreStep | None = None
     dead: str | None = None
     """Set on the last frame of a core that failed: the reason, for the server's log and clients."""
@@ -84,8 +90,10 @@ class CoreOutputs:
     """Set on the last frame after a `Shutdown`."""
 
 
-def refusal(kind: str, message: str) -> Exception:
+def refusal(kind: str, message: str, retry_after_s: int | None = None) -> Exception:
     """The exception a refused add raises in the client: the core's own type where it is known."""
+    if kind == "SLORejectedError" and retry_after_s is not None:
+        return SLORejectedError(message, retry_after_s)
     return _REFUSALS.get(kind, RuntimeError)(message)
 
 
@@ -228,12 +236,12 @@ def _unstep(entry: list[Any]) -> CoreStep:
 
 def encode_outputs(out: CoreOutputs) -> bytes:
     step = None if out.step is None else _step(out.step)
-    frame = [dataclasses.astuple(out.gauges), out.accepted, out.refused, step, out.dead, out.stopped]
+    frame = [dataclasses.astuple(out.gauges), out.accepted, out.refused, step, out.dead, out.stopped, out.retry_after_s]
     return msgpack.packb(frame)
 
 
 def decode_outputs(data: bytes) -> CoreOutputs:
-    gauges, accepted, refused, step, dead, stopped = msgpack.unpackb(data, strict_map_key=False)
+    gauges, accepted, refused, step, dead, stopped, retry_after_s = msgpack.unpackb(data, strict_map_key=False)
     return CoreOutputs(
         gauges=SchedulerStats(*gauges),
         accepted=accepted,
@@ -241,4 +249,5 @@ def decode_outputs(data: bytes) -> CoreOutputs:
         step=None if step is None else _unstep(step),
         dead=dead,
         stopped=stopped,
+        retry_after_s=retry_after_s,
     )

@@ -40,6 +40,7 @@ from moeserve.engine.core_messages import (
     encode_outputs,
 )
 from moeserve.engine.cpu_binding import bind_current_process
+from moeserve.scheduler import SLORejectedError
 
 logger = logging.getLogger("moeserve.engine.core")
 
@@ -131,6 +132,8 @@ class CoreLoop:
                     self.core.add_requests(command.samples)
                 except (ValueError, RuntimeError) as exc:  # a full queue, or a request the scheduler refuses
                     out.refused.append((command.key, type(exc).__name__, str(exc)))
+                    if isinstance(exc, SLORejectedError):
+                        out.retry_after_s[command.key] = exc.retry_after_s
                 else:
                     out.accepted.append(command.key)
             elif isinstance(command, Abort):
