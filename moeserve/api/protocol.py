@@ -30,7 +30,7 @@ from moeserve.api.constraints import (
     tool_constraint,
 )
 from moeserve.api.errors import APIError, from_validation_error
-from moeserve.api.slo_request import SLOField
+from moeserve.api.slo_request import SLOField, SLOUsage, slo_usage
 from moeserve.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from moeserve.sampling_params import SamplingParams, StructuredOutputs
 
@@ -320,6 +320,15 @@ class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    slo: SLOUsage | None = None
+    """moeserve's own, sent only for a request admitted as best effort."""
+
+    @model_serializer(mode="wrap")
+    def _omit_no_slo(self, handler: Any) -> dict[str, Any]:
+        data = handler(self)
+        if data.get("slo") is None:
+            data.pop("slo", None)
+        return data
 
 
 class CompletionLogprobs(BaseModel):
@@ -600,7 +609,8 @@ def usage_info(outputs: list[RequestOutput]) -> UsageInfo:
     """Tokens of every prompt and every sample of `outputs`."""
     prompt = sum(len(out.prompt_token_ids) for out in outputs)
     completion = sum(len(sample.token_ids) for out in outputs for sample in out.outputs)
-    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    total = prompt + completion
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=total, slo=slo_usage(outputs))
 
 
 def _prompt_text(output: RequestOutput, tokenizer: Tokenizer) -> str:

@@ -9,9 +9,13 @@ and judges by. A bad value is a 400 naming `slo`, in OpenAI's error format.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from moeserve.api.errors import APIError
+from moeserve.engine.outputs import RequestOutput
 from moeserve.slo import RequestSLO, SLOCatalog
 
 
@@ -42,3 +46,22 @@ class SLOField(BaseModel):
             )
         except ValueError as e:
             raise APIError(str(e), status_code=400, param="slo") from None
+
+
+class SLOUsage(BaseModel):
+    """`usage.slo` of a request SLO admission took as best effort (`--slo-admission degrade`): its
+    TTFT target was predicted to be missed, and the client is told so rather than left to find out."""
+
+    admitted: Literal["best_effort"] = "best_effort"
+    predicted_ttft_ms: float
+
+
+def slo_usage(outputs: Sequence[RequestOutput]) -> SLOUsage | None:
+    """The `usage.slo` of finished `outputs` (the prompts of one response): the worst prediction
+    among those admitted as best effort, or None if every one was admitted on a promise."""
+    predicted = [
+        out.metrics.best_effort_ttft_s
+        for out in outputs
+        if out.metrics is not None and out.metrics.best_effort_ttft_s is not None
+    ]
+    return SLOUsage(predicted_ttft_ms=round(max(predicted) * 1000.0, 1)) if predicted else None

@@ -158,9 +158,10 @@ class EngineCore:
 
     # ---- requests -------------------------------------------------------------------------
 
-    def add_requests(self, requests: Iterable[CoreRequest]) -> None:
+    def add_requests(self, requests: Iterable[CoreRequest]) -> float | None:
         """Queue the samples of one request, all or none: a QueueFullError on the second takes
-        the first back before it is raised."""
+        the first back before it is raised. Returns the predicted TTFT of a request SLO admission
+        took as best effort (its target predicted to be missed), else None."""
         added = []
         try:
             for r in requests:
@@ -171,6 +172,8 @@ class EngineCore:
         except Exception:
             self.abort_requests(added)
             raise
+        predicted = [r.predicted_ttft_s for rid in added if (r := self._requests[rid]).best_effort]
+        return max(predicted) if predicted else None
 
     def _add(self, request: Request) -> None:
         """To the scheduler, or, under a grammar not compiled yet, aside until it is (the queue

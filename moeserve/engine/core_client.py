@@ -309,6 +309,8 @@ class EngineCoreClient(QueuedEngineClient):
     def _handle(self, frame: CoreOutputs, inputs: CoreInputs) -> None:
         """One frame from the core: answer adds, make the step's outputs, publish its stats."""
         for key in frame.accepted:
+            if key in frame.best_effort:
+                self.frontend.mark_best_effort(key, frame.best_effort[key])
             future = self._pending.pop(key, None)
             if future is not None:
                 future.set_result(None)

@@ -83,6 +83,8 @@ class CoreOutputs:
     """(add key, exception type name, message)."""
     retry_after_s: dict[str, int] = field(default_factory=dict)
     """Add key -> seconds to wait, for refusals that say (`SLORejectedError`)."""
+    best_effort: dict[str, float] = field(default_factory=dict)
+    """Accepted add key -> its predicted TTFT, where SLO admission took it as best effort."""
     step: CoreStep | None = None
     dead: str | None = None
     """Set on the last frame of a core that failed: the reason, for the server's log and clients."""
@@ -236,12 +238,22 @@ def _unstep(entry: list[Any]) -> CoreStep:
 
 def encode_outputs(out: CoreOutputs) -> bytes:
     step = None if out.step is None else _step(out.step)
-    frame = [dataclasses.astuple(out.gauges), out.accepted, out.refused, step, out.dead, out.stopped, out.retry_after_s]
+    frame = [
+        dataclasses.astuple(out.gauges),
+        out.accepted,
+        out.refused,
+        step,
+        out.dead,
+        out.stopped,
+        out.retry_after_s,
+        out.best_effort,
+    ]
     return msgpack.packb(frame)
 
 
 def decode_outputs(data: bytes) -> CoreOutputs:
-    gauges, accepted, refused, step, dead, stopped, retry_after_s = msgpack.unpackb(data, strict_map_key=False)
+    frame = msgpack.unpackb(data, strict_map_key=False)
+    gauges, accepted, refused, step, dead, stopped, retry_after_s, best_effort = frame
     return CoreOutputs(
         gauges=SchedulerStats(*gauges),
         accepted=accepted,
@@ -250,4 +262,5 @@ def decode_outputs(data: bytes) -> CoreOutputs:
         dead=dead,
         stopped=stopped,
         retry_after_s=retry_after_s,
+        best_effort=best_effort,
     )

@@ -82,6 +82,8 @@ class _Parent:
     """Samples without a finish reason yet (`finish` counts them down)."""
     slo: RequestSLO | None = None
     """Its own targets; None: the server's."""
+    best_effort_ttft_s: float | None = None
+    """Set when SLO admission took it as best effort: the TTFT it predicted (over the target)."""
 
     def add_prompt_logprobs(self, chunk: PromptLogprobs) -> None:
         """Append the positions of a chunk not known yet. With n > 1 every sample computes them,
@@ -136,6 +138,7 @@ class _Parent:
             ttft_met=ttft is not None and ttft <= own.ttft_s,
             tbt_met=max_tbt is None or max_tbt <= own.tbt_s,
             slo_class=own.label,
+            best_effort_ttft_s=self.best_effort_ttft_s,
         )
 
 
@@ -163,6 +166,12 @@ class OutputProcessor:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._parents)
+
+    def mark_best_effort(self, request_id: str, predicted_ttft_s: float) -> None:
+        """See `EngineFrontend.mark_best_effort`; an id already gone is ignored."""
+        parent = self._parents.get(request_id)
+        if parent is not None:
+            parent.best_effort_ttft_s = predicted_ttft_s
 
     def add_request(
         self,

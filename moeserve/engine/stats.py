@@ -44,6 +44,9 @@ class RequestMetrics:
     """Every gap between consecutive tokens was within the TBT target (true with no gaps)."""
     slo_class: str = DEFAULT_CLASS
     """The SLO class its targets belong to (`moeserve.slo`), the label of its verdicts."""
+    best_effort_ttft_s: float | None = None
+    """Admitted as best effort, with this predicted TTFT over its target; None: admitted on a
+    prediction of meeting it, or with no prediction made."""
 
 
 @dataclass

@@ -7,14 +7,33 @@ test_scheduler_slo.py, so every run is deterministic and fast.
 
 from __future__ import annotations
 
+import os
 import random
+import time
 
 import pytest
 from helpers.clock import ManualClock
 from helpers.scheduler import RecordingScheduler, make_request, token_for
 
 from moeserve.api.errors import APIError
-from moeserve.api.protocol import ChatCompletionRequest, CompletionRequest, parse_request
+from moeserve.api.protocol import ChatCompletionRequest, CompletionRequest, parse_request, usage_info
+from moeserve.engine.core import CoreRequest, EngineCore, SchedulerStats
+from moeserve.engine.core_messages import (
+    Add,
+    CoreInputs,
+    CoreOutputs,
+    Shutdown,
+    decode_outputs,
+    encode_inputs,
+    encode_outputs,
+    refusal,
+)
+from moeserve.engine.core_process import CoreLoop
+from moeserve.engine.engine import ModelFacts
+from moeserve.engine.outputs import RequestOutput
+from moeserve.engine.stats import RequestMetrics
+from moeserve.engine_config import EngineConfig, SLOConfig
+from moeserve.sampling_params import SamplingParams
 from moeserve.scheduler import Request, SchedulerConfig, SchedulerOutput, SLORejectedError, StepShape
 from moeserve.scheduler.admission import Backlog, predict_ttft
 from moeserve.scheduler.policy import SLO_STEP_HEADROOM, ChunkSizer, SloQueue
@@ -248,3 +267,64 @@ def test_slo_classes_parse_and_refuse_bad_definitions() -> None:
             parse_slo_class(bad)
     with pytest.raises(ValueError, match="unique"):
         SLOCatalog(RequestSLO(5.0, 0.025, "default"), (SLOClass("a", 1, 1), SLOClass("a", 2, 2)))
+
+
+# ---- across the engine core's process boundary, and into usage ----------------------------------
+
+
+class RecordingChannel:
+    """The core's channel without sockets: the given input frames, then a Shutdown once the core
+    idles; every frame the core sends is kept, decoded."""
+
+    def __init__(self, inputs: list[CoreInputs]) -> None:
+        self.pending = [encode_inputs(i) for i in inputs]
+        self.sent: list[CoreOutputs] = []
+
+    def receive_all(self, timeout_s: float) -> list[bytes]:
+        if not self.pending and timeout_s > 0:
+            return [encode_inputs(CoreInputs([Shutdown()]))]
+        frames, self.pending = self.pending[:1], self.pending[1:]
+        return frames
+
+    def send(self, outputs: CoreOutputs) -> None:
+        self.sent.append(decode_outputs(encode_outputs(outputs)))
+
+
+def test_the_core_answers_a_best_effort_admission_with_its_prediction(make_checkpoint) -> None:
+    slo = SLOConfig(admission="degrade")
+    config = EngineConfig(model=str(make_checkpoint("qwen3_moe", 0)), max_model_len=128, slo=slo)
+    facts = ModelFacts.read(config)
+    core = EngineCore(config, facts.model_config, facts.dtype, facts.max_model_len, facts.eos_token_ids)
+    model = core.scheduler.groups[0].step_time_model
+    for n in range(1, 40):
+        model.observe(StepShape.of([(n, 0)]), 0.5)  # the model believes every step takes 0.5 s
+    now = time.monotonic()
+
+    def add(key: str, ttft_s: float) -> Add:
+        params = SamplingParams(max_tokens=2, slo=RequestSLO(ttft_s, 0.05, key))
+        return Add(key, [CoreRequest(key, [5] * 4, params, now)])
+
+    channel = RecordingChannel([CoreInputs([add("tight", 0.1), add("loose", 10.0)])])
+    assert CoreLoop(core, channel, parent_pid=os.getppid()).run() == 0
+    answer = channel.sent[0]
+    assert answer.accepted == ["tight", "loose"]
+    assert set(answer.best_effort) == {"tight"} and answer.best_effort["tight"] >= 0.5
+
+
+def test_a_rejection_keeps_its_retry_after_across_the_frame() -> None:
+    gauges = SchedulerStats(0, 3, 0, 10)
+    frame = CoreOutputs(gauges, refused=[("r", "SLORejectedError", "too late")], retry_after_s={"r": 3})
+    ((key, kind, message),) = (decoded := decode_outputs(encode_outputs(frame))).refused
+    error = refusal(kind, message, decoded.retry_after_s.get(key))
+    assert isinstance(error, SLORejectedError) and error.retry_after_s == 3 and str(error) == "too late"
+
+
+def test_usage_says_best_effort_only_when_admission_did() -> None:
+    def finished(best_effort_ttft_s: float | None) -> RequestOutput:
+        metrics = RequestMetrics("length", 4, 2, 0.0, 0.1, 0.2, None, True, True, "chat", best_effort_ttft_s)
+        return RequestOutput("r", None, [1, 2, 3, 4], [], finished=True, metrics=metrics)
+
+    promised = usage_info([finished(None)]).model_dump()
+    assert "slo" not in promised and promised["total_tokens"] == 4
+    degraded = usage_info([finished(None), finished(1.25)]).model_dump()
+    assert degraded["slo"] == {"admitted": "best_effort", "predicted_ttft_ms": 1250.0}
