@@ -81,15 +81,15 @@ class CoreOutputs:
     accepted: list[str] = field(default_factory=list)
     refused: list[tuple[str, str, str]] = field(default_factory=list)
     """(add key, exception type name, message)."""
-    retry_after_s: dict[str, int] = field(default_factory=dict)
-    """Add key -> seconds to wait, for refusals that say (`SLORejectedError`)."""
-    best_effort: dict[str, float] = field(default_factory=dict)
-    """Accepted add key -> its predicted TTFT, where SLO admission took it as best effort."""
     step: CoreStep | None = None
     dead: str | None = None
     """Set on the last frame of a core that failed: the reason, for the server's log and clients."""
     stopped: bool = False
     """Set on the last frame after a `Shutdown`."""
+    retry_after_s: dict[str, int] = field(default_factory=dict)
+    """Add key -> seconds to wait, for refusals that say (`SLORejectedError`)."""
+    best_effort: dict[str, float] = field(default_factory=dict)
+    """Accepted add key -> its predicted TTFT, where SLO admission took it as best effort."""
 
 
 def refusal(kind: str, message: str, retry_after_s: int | None = None) -> Exception:

@@ -64,6 +64,6 @@ def test_a_tight_request_is_refused_under_load_and_a_loose_one_admitted(start_se
     metrics = server.metrics()
     assert metrics["moeserve:slo_rejections_total{class=chat}"] == 1
     assert metrics["moeserve:slo_rejections_total{class=batch}"] == 0
-    assert metrics["moeserve:slo_requests_total{class=batch}"] == 9  # the load and the loose one (its class)
-    assert metrics["moeserve:slo_requests_total{class=chat}"] == 0  # refused requests are not judged
-    assert metrics["moeserve:slo_ttft_met_requests_total{class=batch}"] == 9
+    assert metrics["moeserve:slo_class_requests_total{class=batch}"] == 9  # the load and the loose one (its class)
+    assert metrics["moeserve:slo_class_requests_total{class=chat}"] == 0  # refused requests are not judged
+    assert metrics["moeserve:slo_class_ttft_met_requests_total{class=batch}"] == 9
