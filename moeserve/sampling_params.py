@@ -106,6 +106,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     """Return each prompt token's logprob (the first has none) plus this many top logprobs per
     prompt position; None: return none. Costs a vocabulary projection per prompt token."""
+    priority: int = 0
+    """Admission order among queued requests, lower first (vLLM's meaning); ties keep the
+    policy's own order (arrival under fcfs, TTFT deadline under slo)."""
     slo: RequestSLO | None = None
     """This request's own latency targets; None: the server's. A (ttft_s, tbt_s, label) triple is
     accepted too, which is how the engine's wire carries it."""

@@ -112,6 +112,7 @@ class _SamplingRequest(OpenAIModel):
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    priority: int = 0
     # Structured outputs: OpenAI's field, then vLLM's (see `constraints`).
     response_format: ResponseFormat | None = None
     guided_json: dict[str, Any] | str | None = None
@@ -163,6 +164,7 @@ class _SamplingRequest(OpenAIModel):
             min_tokens=self.min_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
+            priority=self.priority,
             structured_outputs=constraint if constraint is not None else output_constraint(self),
             prompt_logprobs=self._num_prompt_logprobs(),
         )

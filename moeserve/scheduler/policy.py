@@ -43,9 +43,15 @@ class WaitingQueue(Protocol):
         """The queued requests that will be admitted before `request`, were it queued now."""
 
 
+def _priority(request: Request) -> int:
+    return request.sampling_params.priority
+
+
 class FcfsQueue:
     """Arrival order, with preempted requests back at the head: they arrived before everyone still
-    queued, and the most recently admitted is preempted first, so arrival order holds throughout."""
+    queued, and the most recently admitted is preempted first, so arrival order holds throughout.
+    A request with a lower `priority` goes ahead of those queued with a higher one (vLLM's
+    meaning); with every priority equal, as by default, that is plain arrival order."""
 
     def __init__(self) -> None:
         self._queue: deque[Request] = deque()
@@ -54,7 +60,7 @@ class FcfsQueue:
         return len(self._queue)
 
     def add(self, request: Request) -> None:
-        self._queue.append(request)
+        self._queue.insert(self._after_priority(_priority(request)), request)
 
     def requeue(self, request: Request) -> None:
         self._queue.appendleft(request)
@@ -72,8 +78,15 @@ class FcfsQueue:
         return self._queue.popleft()
 
     def ahead_of(self, request: Request) -> list[Request]:
-        """Everyone queued: a new request joins the tail."""
-        return list(self._queue)
+        """Everyone queued with its priority or a lower one."""
+        return list(self._queue)[: self._after_priority(_priority(request))]
+
+    def _after_priority(self, priority: int) -> int:
+        """Index after the last queued request of `priority` or lower (the tail, as a rule)."""
+        index = len(self._queue)
+        while index and _priority(self._queue[index - 1]) > priority:
+            index -= 1
+        return index
 
 
 class SloQueue:
@@ -87,7 +100,9 @@ class SloQueue:
        overload one late request does not make every later one late too; under sustained
        overload the late lane waits for a lull, `max_waiting` or the client's patience.
 
-    A request preempted before its first token still waits for it, so it rejoins by deadline.
+    Within a lane a lower `priority` goes first, then the earlier deadline (priorities are all 0
+    unless clients set them). A request preempted before its first token still waits for it, so
+    it rejoins by deadline.
     Time moves requests from the head of the on-time lane to the late lane only, so both stay
     sorted by inserting from the tail, which is where arrivals almost always belong.
     """
@@ -129,6 +144,11 @@ class SloQueue:
         if not self._on_time:
             return
         now = self._clock()
+        if _priority(self._on_time[0]) != _priority(self._on_time[-1]):  # a deadline passed may hide behind
+            for request in [r for r in self._on_time if self.deadline(r) < now]:
+                self._on_time.remove(request)
+                self._insert_by_deadline(self._late, request)
+            return
         while self._on_time and self.deadline(self._on_time[0]) < now:
             self._insert_by_deadline(self._late, self._on_time.popleft())
 
@@ -141,20 +161,24 @@ class SloQueue:
     def ahead_of(self, request: Request) -> list[Request]:
         """Streams first; then, while its deadline is ahead, the on-time requests due no later;
         once it is past, every on-time request and the late ones due no later."""
-        deadline = self.deadline(request)
-        due = [r for r in self._on_time if self.deadline(r) <= deadline]
-        if deadline >= self._clock():
+        key = self._key(request)
+        due = [r for r in self._on_time if self._key(r) <= key]
+        if key[1] >= self._clock():
             return [*self._streaming, *due]
-        return [*self._streaming, *self._on_time, *(r for r in self._late if self.deadline(r) <= deadline)]
+        return [*self._streaming, *self._on_time, *(r for r in self._late if self._key(r) <= key)]
+
+    def _key(self, request: Request) -> tuple[int, float]:
+        return _priority(request), self.deadline(request)
 
     def _first_lane(self) -> deque[Request]:
         return self._streaming or self._on_time or self._late
 
     def _insert_by_deadline(self, lane: deque[Request], request: Request) -> None:
-        """Insert after every request with an earlier or equal deadline (FIFO among ties)."""
-        deadline = self.deadline(request)
+        """Insert after every request of a lower priority, or the same and an earlier or equal
+        deadline (FIFO among ties)."""
+        key = self._key(request)
         index = len(lane)
-        while index and self.deadline(lane[index - 1]) > deadline:
+        while index and self._key(lane[index - 1]) > key:
             index -= 1
         lane.insert(index, request)
 

@@ -36,7 +36,7 @@ from moeserve.engine_config import EngineConfig, SLOConfig
 from moeserve.sampling_params import SamplingParams
 from moeserve.scheduler import Request, SchedulerConfig, SchedulerOutput, SLORejectedError, StepShape
 from moeserve.scheduler.admission import Backlog, predict_ttft
-from moeserve.scheduler.policy import SLO_STEP_HEADROOM, ChunkSizer, SloQueue
+from moeserve.scheduler.policy import SLO_STEP_HEADROOM, ChunkSizer, FcfsQueue, SloQueue
 from moeserve.slo import RequestSLO, SLOCatalog, SLOClass, parse_slo_class
 
 
@@ -104,6 +104,32 @@ def test_the_slo_queue_orders_by_each_requests_own_ttft_deadline() -> None:
     clock.now = 10.0  # past due: every on-time request and the late ones due earlier go first
     queue.refresh()
     assert [r.request_id for r in queue.ahead_of(newcomer)] == ["loose", "tight"]
+
+
+def test_a_lower_priority_goes_first_in_either_queue_and_late_requests_still_leave_the_on_time_lane() -> None:
+    fcfs = FcfsQueue()
+    for request in (
+        make_request("a"),
+        make_request("b", priority=1),
+        make_request("c"),
+        make_request("d", priority=-1),
+    ):
+        fcfs.add(request)
+    assert [r.request_id for r in fcfs.ahead_of(make_request("new"))] == ["d", "a", "c"]
+    assert [fcfs.pop().request_id for _ in range(4)] == ["d", "a", "c", "b"]
+
+    clock = ManualClock()
+    slo = SloQueue(ttft_s=5.0, clock=clock)
+    urgent_late = slo_request("urgent", arrival=0.0, ttft_s=1.0, priority=1)  # due at 1, but priority 1
+    fresh = slo_request("fresh", arrival=0.0, ttft_s=4.0, priority=1)
+    for request in (slo_request("later", arrival=0.0, ttft_s=3.0), fresh, urgent_late):
+        slo.add(request)
+    assert [r.request_id for r in slo.ahead_of(fresh)] == ["later", "urgent"]
+    clock.now = 2.0  # "urgent" is past due behind "later", which is not: it still moves to the late lane
+    slo.refresh()
+    assert [slo.pop().request_id for _ in range(3)] == ["later", "fresh", "urgent"]
+    body = parse_request(CompletionRequest, {"prompt": "hi", "priority": -3})
+    assert body.to_sampling_params(None).priority == -3
 
 
 # ---- chunk sizing ---------------------------------------------------------------------------
