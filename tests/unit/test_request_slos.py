@@ -124,7 +124,8 @@ def test_a_lower_priority_goes_first_in_either_queue_and_late_requests_still_lea
     fresh = slo_request("fresh", arrival=0.0, ttft_s=4.0, priority=1)
     for request in (slo_request("later", arrival=0.0, ttft_s=3.0), fresh, urgent_late):
         slo.add(request)
-    assert [r.request_id for r in slo.ahead_of(fresh)] == ["later", "urgent"]
+    probe = slo_request("probe", arrival=0.0, ttft_s=4.0, priority=1)  # would queue after its twin "fresh"
+    assert [r.request_id for r in slo.ahead_of(probe)] == ["later", "urgent", "fresh"]
     clock.now = 2.0  # "urgent" is past due behind "later", which is not: it still moves to the late lane
     slo.refresh()
     assert [slo.pop().request_id for _ in range(3)] == ["later", "fresh", "urgent"]
