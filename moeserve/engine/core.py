@@ -207,7 +207,7 @@ class EngineCore:
             del self._compiling[request_id]
             try:
                 compiled = future.result()
-                self.scheduler.add_request(request)
+                self.scheduler.add_request(request, slo_admission=False)  # accepted long ago: no refusal now
             except Exception as exc:  # noqa: BLE001 - the sequence ends, the engine goes on
                 logger.error("could not schedule %s under its grammar: %s", request_id, exc)
                 failed.append(FinishedSequence(request_id, "abort", None))

@@ -203,8 +203,9 @@ class Scheduler:
 
     # ----- requests in and out -----
 
-    def add_request(self, request: Request) -> None:
-        """Queue a new request.
+    def add_request(self, request: Request, slo_admission: bool = True) -> None:
+        """Queue a new request; `slo_admission=False` skips SLO admission, for a request the
+        caller has already accepted (its grammar was compiling).
 
         Raises ValueError for a request that could never complete (duplicate id, not fresh, or
         prompt + max_tokens over `max_model_len`; max_tokens=None needs room for one token), and
@@ -223,7 +224,7 @@ class Scheduler:
             )
         if self.config.max_waiting is not None and len(self._waiting) >= self.config.max_waiting:
             raise QueueFullError(f"waiting queue is full ({self.config.max_waiting} requests)")
-        if self.config.slo_admission != "off":
+        if slo_admission and self.config.slo_admission != "off":
             self._admit_or_refuse(request)
         self._requests[request.request_id] = request
         self._waiting.add(request)
