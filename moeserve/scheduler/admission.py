@@ -61,10 +61,9 @@ def predict_ttft(model: StepTimeModel, sizer: ChunkSizer | None, backlog: Backlo
     The step time is divided by `SLO_STEP_HEADROOM`, as the chunk sizer multiplies the target by it:
     a token waits for the step and for the engine's work between steps, which the model never sees.
     """
-    room = max(1, budget - backlog.num_decodes)
-    per_step = room
+    per_step = max(1, min(budget - backlog.num_decodes, backlog.prefill_tokens))  # a step holds no more than there is
     if sizer is not None and backlog.num_decodes:
-        per_step = max(1, sizer.chunk_tokens(backlog.decodes, 0, room, 0, backlog.tightest_tbt_s))
+        per_step = max(1, sizer.chunk_tokens(backlog.decodes, 0, per_step, 0, backlog.tightest_tbt_s))
     step_s = model.predict(backlog.decodes.plus_chunk(per_step, 0)) / SLO_STEP_HEADROOM
     clear_s = math.ceil(backlog.prefill_tokens / per_step) * step_s
     return TTFTPrediction(backlog.waited_s + clear_s, clear_s)

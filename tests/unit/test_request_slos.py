@@ -15,6 +15,7 @@ import pytest
 from helpers.clock import ManualClock
 from helpers.scheduler import RecordingScheduler, make_request, token_for
 
+from moeserve import LLM
 from moeserve.api.errors import APIError
 from moeserve.api.protocol import ChatCompletionRequest, CompletionRequest, parse_request, usage_info
 from moeserve.engine.core import CoreRequest, EngineCore, SchedulerStats
@@ -173,6 +174,8 @@ def test_the_ttft_prediction_is_prefill_steps_times_the_predicted_step() -> None
     step_s = token_cost(StepShape.of([(256, 0)])) / SLO_STEP_HEADROOM
     assert prediction.clear_s == pytest.approx(4 * step_s, rel=0.02)  # ceil(1000 / 256) steps
     assert prediction.ttft_s == pytest.approx(0.1 + prediction.clear_s)
+    short = predict_ttft(model, None, Backlog(100, StepShape(), 0, 0.025, 0.0), budget=256)
+    assert short.clear_s == pytest.approx(token_cost(StepShape.of([(100, 0)])) / SLO_STEP_HEADROOM, rel=0.02)
 
     decodes = StepShape.of([(1, 100)] * 4)
     beside = Backlog(1000, decodes, 4, tightest_tbt_s=0.010, waited_s=0.0)
@@ -355,3 +358,16 @@ def test_usage_says_best_effort_only_when_admission_did() -> None:
     assert "slo" not in promised and promised["total_tokens"] == 4
     degraded = usage_info([finished(None), finished(1.25)]).model_dump()
     assert degraded["slo"] == {"admitted": "best_effort", "predicted_ttft_ms": 1250.0}
+
+
+def test_offline_engine_marks_a_best_effort_request_in_its_final_metrics(make_checkpoint) -> None:
+    with LLM(str(make_checkpoint("qwen3_moe", 0)), max_model_len=128, slo_admission="degrade") as llm:
+        model = llm.engine.core.scheduler.groups[0].step_time_model
+        for n in range(1, 40):
+            model.observe(StepShape.of([(n, 0)]), 0.5)  # the model believes every step takes 0.5 s
+        tight = SamplingParams(max_tokens=2, slo=RequestSLO(0.1, 0.05, "chat"))
+        loose = SamplingParams(max_tokens=2, slo=RequestSLO(10.0, 0.05, "batch"))
+        outputs = [llm.generate([{"prompt_token_ids": [5] * 4}], params)[0] for params in (tight, loose)]
+    tight_metrics, loose_metrics = (out.metrics for out in outputs)
+    assert tight_metrics.best_effort_ttft_s >= 0.5 and tight_metrics.slo_class == "chat"
+    assert loose_metrics.best_effort_ttft_s is None and loose_metrics.slo_class == "batch"
