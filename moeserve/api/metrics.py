@@ -274,7 +274,6 @@ class ServerMetrics:
         )
         for reason in ("stop", "length", "abort"):
             self._finished.labels(model_name, reason)  # export zeros, so rates exist before the first one
-
         self.slo_total = counter(
             "moeserve:slo_requests", "Finished requests judged against the SLO (aborted ones included)."
         )
