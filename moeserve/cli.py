@@ -63,6 +63,14 @@ def _flag_type(opt: Option) -> Callable[[str], object]:
     return convert
 
 
+class _AppendToTuple(argparse.Action):
+    """A repeatable flag whose values collect in a tuple, as the config field holds them (argparse's
+    own "append" would extend a list default in place)."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:  # noqa: ANN001
+        setattr(namespace, self.dest, (*getattr(namespace, self.dest, ()), values))
+
+
 def _add_engine_options(p: argparse.ArgumentParser, launch: bool, exclude: tuple[str, ...] = ()) -> None:
     """A flag for every `EngineConfig` option."""
     _add_config_flags(p, EngineConfig, "engine_options", launch, exclude)
@@ -96,6 +104,10 @@ def _add_config_flags(
         if opt.type is bool:  # a switch: --name turns it on, --no-name off
             group.add_argument(
                 *opt.flags, dest=opt.name, action=argparse.BooleanOptionalAction, default=default, help=hidden
+            )
+        elif opt.meta.repeatable:
+            group.add_argument(
+                *opt.flags, dest=opt.name, type=_flag_type(opt), action=_AppendToTuple, default=default, help=hidden
             )
         else:
             group.add_argument(

@@ -22,6 +22,7 @@ from typing import Literal
 from moeserve import cpu_features
 from moeserve.options import build, option
 from moeserve.scheduler.config import POLICIES, SchedulerConfig
+from moeserve.slo import DEFAULT_CLASS, RequestSLO, SLOCatalog, SLOClass, parse_slo_class
 
 logger = logging.getLogger(__name__)
 
@@ -244,10 +245,24 @@ class SLOConfig:
     """Time-to-first-token target (ms), from arrival to the first generated token."""
     tbt_s: float = option(_scheduler_default("slo_tbt_s"), name="slo_tbt_ms", scale=0.001)
     """Time-between-tokens target (ms): every gap between consecutive tokens of a stream."""
+    classes: tuple[SLOClass, ...] = option((), name="slo_class", parse=parse_slo_class, repeatable=True)
+    """A named pair of targets, NAME=ttft:MS,tbt:MS (repeatable): requests may ask for it with
+    `slo: {"class": NAME}`, and /metrics labels attainment by class."""
+    admission: Literal["off", "reject", "degrade"] = option(_scheduler_default("slo_admission"), name="slo_admission")
+    """What to do with a request whose TTFT target the step-time model predicts will be missed:
+    reject it at once (HTTP 429 with Retry-After), admit it as best effort and say so in its usage
+    (degrade), or admit it regardless (off)."""
 
     def __post_init__(self) -> None:
         if not (self.ttft_s > 0 and self.tbt_s > 0):
             raise ValueError(f"SLO targets must be > 0 (got ttft_s={self.ttft_s}, tbt_s={self.tbt_s})")
+        object.__setattr__(self, "classes", tuple(self.classes or ()))
+        self.catalog  # noqa: B018 - validates the class names
+
+    @property
+    def catalog(self) -> SLOCatalog:
+        """The default targets and the classes, as requests' `slo` fields resolve against them."""
+        return SLOCatalog(RequestSLO(self.ttft_s, self.tbt_s, DEFAULT_CLASS), self.classes)
 
 
 def _auto_device() -> str:

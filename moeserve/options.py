@@ -53,6 +53,8 @@ class OptionMeta:
     None: the field's own."""
     hidden: bool = False
     """Test-only: accepted, but not listed in --help."""
+    repeatable: bool = False
+    """The flag may be given several times; the field (a tuple) holds every value, in order."""
 
 
 def option(default: object = dataclasses.MISSING, **meta: object) -> typing.Any:

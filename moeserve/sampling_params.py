@@ -12,6 +12,8 @@ import json
 from dataclasses import dataclass
 from typing import Literal
 
+from moeserve.slo import RequestSLO
+
 # Temperatures below this count as 0 (greedy): dividing logits by a tiny number only amplifies
 # noise, and it is the threshold vLLM uses.
 SAMPLING_EPS = 1e-5
@@ -104,6 +106,12 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     """Return each prompt token's logprob (the first has none) plus this many top logprobs per
     prompt position; None: return none. Costs a vocabulary projection per prompt token."""
+    priority: int = 0
+    """Admission order among queued requests, lower first (vLLM's meaning); ties keep the
+    policy's own order (arrival under fcfs, TTFT deadline under slo)."""
+    slo: RequestSLO | None = None
+    """This request's own latency targets; None: the server's. A (ttft_s, tbt_s, label) triple is
+    accepted too, which is how the engine's wire carries it."""
 
     def __post_init__(self) -> None:
         if self.top_k == -1:
@@ -119,6 +127,8 @@ class SamplingParams:
         self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
         if isinstance(self.structured_outputs, (list, tuple)):
             self.structured_outputs = StructuredOutputs(*self.structured_outputs)
+        if isinstance(self.slo, (list, tuple)):
+            self.slo = RequestSLO(*self.slo)
         self._validate()
 
     def _validate(self) -> None:

@@ -81,7 +81,7 @@ async def create_chat_completion(raw: Request, state: ServingState) -> Response:
     prompt_ids = await model.off_loop(lambda tokenizer: _render(request, tokenizer))
     check_context(len(prompt_ids), params.max_tokens, model.max_model_len, "messages")
     request_id = random_id("chatcmpl")
-    streams = await submit_all(engine, [{"prompt_token_ids": prompt_ids}], params, request_id, "messages")
+    streams = await submit_all(state, engine, [{"prompt_token_ids": prompt_ids}], params, request_id, "messages")
     model_name = state.settings.served_model_name
     num_top = request.top_logprobs or 0
     if request.stream:

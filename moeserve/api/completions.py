@@ -55,7 +55,7 @@ async def create_completion(raw: Request, state: ServingState) -> Response:
     for prompt in prompts:
         check_context(len(prompt["prompt_token_ids"]), params.max_tokens, model.max_model_len, "prompt")
     request_id = random_id("cmpl")
-    streams = await submit_all(engine, prompts, params, request_id, "prompt")
+    streams = await submit_all(state, engine, prompts, params, request_id, "prompt")
     model_name = state.settings.served_model_name
     if request.stream:
         events = _stream_events(streams, request, params, request_id, model_name, model)

@@ -20,7 +20,8 @@ from moeserve.api.transport import read_body, until_disconnected
 from moeserve.engine.outputs import RequestOutput
 from moeserve.engine.streams import EngineClient, EngineDeadError, RequestStream
 from moeserve.sampling_params import SamplingParams
-from moeserve.scheduler import QueueFullError
+from moeserve.scheduler import QueueFullError, SLORejectedError
+from moeserve.slo import DEFAULT_CLASS
 from moeserve.structured import check_structured_outputs
 
 logger = logging.getLogger("moeserve.api")
@@ -39,7 +40,10 @@ async def admit(
     request = parse_request(request_class, await read_body(raw, state.settings.max_body_bytes))
     check_model(request.model, state)
     engine, model = state.admit()
-    return request, engine, model, request.to_sampling_params(default_max_tokens=None)
+    params = request.to_sampling_params(default_max_tokens=None)
+    if request.slo is not None:
+        params.slo = request.slo.resolve(state.metrics.slo.catalog)
+    return request, engine, model, params
 
 
 async def check_constraint(model: ModelInfo, params: SamplingParams, param: str) -> None:
@@ -88,6 +92,14 @@ def check_context(num_prompt_tokens: int, max_tokens: int | None, max_model_len:
 
 def engine_error(exc: BaseException, prompt_param: str) -> APIError | None:
     """The HTTP error for an engine refusal; None for anything else (a bug: let it become a 500)."""
+    if isinstance(exc, SLORejectedError):
+        return APIError(
+            f"the server cannot meet this request's time-to-first-token target: {exc}; retry later or with a "
+            "looser slo.ttft_ms",
+            status_code=429,
+            code="slo_unattainable",
+            headers={"Retry-After": str(exc.retry_after_s)},
+        )
     if isinstance(exc, QueueFullError):
         return APIError(
             f"the server is at capacity ({exc}); retry later",
@@ -102,9 +114,15 @@ def engine_error(exc: BaseException, prompt_param: str) -> APIError | None:
 
 
 async def submit_all(
-    engine: EngineClient, prompts: Sequence[dict], params: SamplingParams, request_id: str, prompt_param: str
+    state: ServingState,
+    engine: EngineClient,
+    prompts: Sequence[dict],
+    params: SamplingParams,
+    request_id: str,
+    prompt_param: str,
 ) -> list[RequestStream]:
-    """Submit every prompt, or none: if one is refused the ones already queued are aborted."""
+    """Submit every prompt, or none: if one is refused the ones already queued are aborted.
+    SLO admission's refusals are counted by class."""
     streams: list[RequestStream] = []
     try:
         for index, prompt in enumerate(prompts):
@@ -112,6 +130,8 @@ async def submit_all(
             streams.append(await engine.submit(prompt, params, sub_id))
     except BaseException as exc:
         await close_all(streams)
+        if isinstance(exc, SLORejectedError):
+            state.metrics.record_slo_rejection(DEFAULT_CLASS if params.slo is None else params.slo.label)
         error = engine_error(exc, prompt_param)
         if error is None:
             raise

@@ -8,6 +8,9 @@ SLO attainment is three counters over finished requests, aborted ones included (
 gave up waiting is a miss, not an absence): `moeserve:slo_requests_total`, and of those
 `moeserve:slo_ttft_met_requests_total` and `moeserve:slo_tbt_met_requests_total`. Attainment is
 the ratio, e.g. `rate(moeserve:slo_ttft_met_requests_total[5m]) / rate(moeserve:slo_requests_total[5m])`.
+Each request is judged by its own targets (`slo` in the body); the same three counts by SLO class
+are `moeserve:slo_class_*_total{class}`, beside `moeserve:slo_rejections_total{class}` (requests
+SLO admission refused). The unlabelled totals keep the names and series dashboards already read.
 The targets are histogram bucket edges too, so the histograms answer the same question per token.
 
 Prefix caching, in tokens as vLLM counts them: `moeserve:prefix_cache_queries_total` (tokens of
@@ -280,6 +283,27 @@ class ServerMetrics:
         self.slo_tbt_met = counter(
             "moeserve:slo_tbt_met_requests", "Finished requests all of whose token gaps were within the TBT target."
         )
+
+        def by_class(name: str, doc: str) -> Counter:
+            """A counter labelled by SLO class: a bounded set (`SLOCatalog.labels`), all exported from 0."""
+            family = Counter(name, doc, [*labels, "class"], registry=r)
+            for label in slo.catalog.labels:
+                family.labels(model_name, label)
+            return family
+
+        self.slo_class_total = by_class(
+            "moeserve:slo_class_requests", "The requests of moeserve:slo_requests, by the SLO class judging them."
+        )
+        self.slo_class_ttft_met = by_class(
+            "moeserve:slo_class_ttft_met_requests", "The requests of moeserve:slo_ttft_met_requests, by SLO class."
+        )
+        self.slo_class_tbt_met = by_class(
+            "moeserve:slo_class_tbt_met_requests", "The requests of moeserve:slo_tbt_met_requests, by SLO class."
+        )
+        self.slo_rejections = by_class(
+            "moeserve:slo_rejections",
+            "Requests refused at once (HTTP 429) because their TTFT target was predicted to be missed, by class.",
+        )
         targets = Gauge(
             "moeserve:slo_target_seconds", "The SLO targets requests are judged against.", [*labels, "kind"], registry=r
         )
@@ -337,6 +361,10 @@ class ServerMetrics:
         )
         self._model_name = model_name
 
+    def record_slo_rejection(self, slo_class: str) -> None:
+        """Count a request refused by SLO admission; runs on the event loop."""
+        self.slo_rejections.labels(self._model_name, slo_class).inc()
+
     def record(self, stats: IterationStats) -> None:
         """Fold one engine step (or abort) into the metrics; runs on the engine thread."""
         if stats.step_duration_s is not None:
@@ -356,6 +384,10 @@ class ServerMetrics:
             self.slo_total.inc()
             self.slo_ttft_met.inc(request.ttft_met)
             self.slo_tbt_met.inc(request.tbt_met)
+            label = self._model_name, request.slo_class
+            self.slo_class_total.labels(*label).inc()
+            self.slo_class_ttft_met.labels(*label).inc(request.ttft_met)
+            self.slo_class_tbt_met.labels(*label).inc(request.tbt_met)
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
         self.kv_used.set(stats.kv_blocks_used)

@@ -30,6 +30,7 @@ from moeserve.api.constraints import (
     tool_constraint,
 )
 from moeserve.api.errors import APIError, from_validation_error
+from moeserve.api.slo_request import SLOField, SLOUsage, slo_usage
 from moeserve.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from moeserve.sampling_params import SamplingParams, StructuredOutputs
 
@@ -111,6 +112,7 @@ class _SamplingRequest(OpenAIModel):
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    priority: int = 0
     # Structured outputs: OpenAI's field, then vLLM's (see `constraints`).
     response_format: ResponseFormat | None = None
     guided_json: dict[str, Any] | str | None = None
@@ -120,6 +122,8 @@ class _SamplingRequest(OpenAIModel):
     structured_outputs: StructuredOutputsField | None = None
     prompt_logprobs: int | None = None
     """vLLM's: each prompt token's logprob and this many top alternatives, in `prompt_logprobs`."""
+    # Per-request latency targets (moeserve's own), resolved by the handler against the server's classes.
+    slo: SLOField | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -160,6 +164,7 @@ class _SamplingRequest(OpenAIModel):
             min_tokens=self.min_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
+            priority=self.priority,
             structured_outputs=constraint if constraint is not None else output_constraint(self),
             prompt_logprobs=self._num_prompt_logprobs(),
         )
@@ -317,6 +322,15 @@ class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    slo: SLOUsage | None = None
+    """moeserve's own, sent only for a request admitted as best effort."""
+
+    @model_serializer(mode="wrap")
+    def _omit_no_slo(self, handler: Any) -> dict[str, Any]:
+        data = handler(self)
+        if data.get("slo") is None:
+            data.pop("slo", None)
+        return data
 
 
 class CompletionLogprobs(BaseModel):
@@ -597,7 +611,8 @@ def usage_info(outputs: list[RequestOutput]) -> UsageInfo:
     """Tokens of every prompt and every sample of `outputs`."""
     prompt = sum(len(out.prompt_token_ids) for out in outputs)
     completion = sum(len(sample.token_ids) for out in outputs for sample in out.outputs)
-    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    total = prompt + completion
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=total, slo=slo_usage(outputs))
 
 
 def _prompt_text(output: RequestOutput, tokenizer: Tokenizer) -> str:

@@ -111,6 +111,7 @@ def build_scheduler(config: EngineConfig, model_config: ModelConfig, dtype: torc
             policy=config.scheduling_policy,
             slo_ttft_s=config.slo.ttft_s,
             slo_tbt_s=config.slo.tbt_s,
+            slo_admission=config.slo.admission,
         ),
         num_groups=parallel.num_dp_groups,
     )
@@ -157,9 +158,10 @@ class EngineCore:
 
     # ---- requests -------------------------------------------------------------------------
 
-    def add_requests(self, requests: Iterable[CoreRequest]) -> None:
+    def add_requests(self, requests: Iterable[CoreRequest]) -> float | None:
         """Queue the samples of one request, all or none: a QueueFullError on the second takes
-        the first back before it is raised."""
+        the first back before it is raised. Returns the predicted TTFT of a request SLO admission
+        took as best effort (its target predicted to be missed), else None."""
         added = []
         try:
             for r in requests:
@@ -170,6 +172,8 @@ class EngineCore:
         except Exception:
             self.abort_requests(added)
             raise
+        predicted = [r.predicted_ttft_s for rid in added if (r := self._requests[rid]).best_effort]
+        return max(predicted) if predicted else None
 
     def _add(self, request: Request) -> None:
         """To the scheduler, or, under a grammar not compiled yet, aside until it is (the queue
@@ -203,7 +207,7 @@ class EngineCore:
             del self._compiling[request_id]
             try:
                 compiled = future.result()
-                self.scheduler.add_request(request)
+                self.scheduler.add_request(request, slo_admission=False)  # accepted long ago: no refusal now
             except Exception as exc:  # noqa: BLE001 - the sequence ends, the engine goes on
                 logger.error("could not schedule %s under its grammar: %s", request_id, exc)
                 failed.append(FinishedSequence(request_id, "abort", None))

@@ -296,26 +296,30 @@ class EngineCoreClient(QueuedEngineClient):
         self._pending[request_id] = command.accepted
         inputs.commands.append(Add(request_id, samples))
 
-    def _close_request(self, request_id: str, inputs: CoreInputs) -> None:
-        """Forget a request here and have the core abort it; its metrics wait for fresh gauges."""
+    def _close_request(self, request_id: str, inputs: CoreInputs, judged: bool = True) -> None:
+        """Forget a request here and have the core abort it; its metrics wait for fresh gauges.
+        An unjudged one (refused by SLO admission, counted as a rejection) leaves no metrics."""
         closed = self.frontend.close(request_id, time.monotonic())
         if closed is not None:
             sequence_ids, metrics = closed
             inputs.commands.append(Abort(sequence_ids))
-            self._abort_metrics.append(metrics)
+            if judged:
+                self._abort_metrics.append(metrics)
 
     def _handle(self, frame: CoreOutputs, inputs: CoreInputs) -> None:
         """One frame from the core: answer adds, make the step's outputs, publish its stats."""
         for key in frame.accepted:
+            if key in frame.best_effort:
+                self.frontend.mark_best_effort(key, frame.best_effort[key])
             future = self._pending.pop(key, None)
             if future is not None:
                 future.set_result(None)
         for key, kind, message in frame.refused:
             future = self._pending.pop(key, None)
             self._streams.pop(key, None)
-            self._close_request(key, inputs)
+            self._close_request(key, inputs, judged=kind != "SLORejectedError")
             if future is not None:
-                future.set_exception(refusal(kind, message))
+                future.set_exception(refusal(kind, message, frame.retry_after_s.get(key)))
         stats = IterationStats()
         if frame.step is not None:
             processed, stats = self.frontend.process(frame.step)

@@ -22,17 +22,22 @@ from moeserve.dispatch.wire import WireVolume
 from moeserve.engine.core import CoreRequest, CoreStep, FinishedSequence, SchedulerStats
 from moeserve.eplb.rebalancer import RebalanceReport
 from moeserve.sampling_params import SamplingParams
-from moeserve.scheduler import QueueFullError
+from moeserve.scheduler import QueueFullError, SLORejectedError
 from moeserve.worker.prompt_logprobs import PromptLogprobs
 from moeserve.worker.runner import SampledToken
 
 _PARAM_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
 _STRUCTURED = _PARAM_FIELDS.index("structured_outputs")
+_SLO = _PARAM_FIELDS.index("slo")
 
 # Command tags in a `CoreInputs` frame.
 _ADD, _ABORT, _FINISH, _SHUTDOWN = "add", "abort", "finish", "shutdown"
 # Exceptions an add may be refused with, by name: the client re-raises the same type.
-_REFUSALS: dict[str, type[Exception]] = {"QueueFullError": QueueFullError, "ValueError": ValueError}
+_REFUSALS: dict[str, type[Exception]] = {
+    "QueueFullError": QueueFullError,
+    "SLORejectedError": SLORejectedError,
+    "ValueError": ValueError,
+}
 
 
 @dataclass(frozen=True)
@@ -81,10 +86,16 @@ class CoreOutputs:
     """Set on the last frame of a core that failed: the reason, for the server's log and clients."""
     stopped: bool = False
     """Set on the last frame after a `Shutdown`."""
+    retry_after_s: dict[str, int] = field(default_factory=dict)
+    """Add key -> seconds to wait, for refusals that say (`SLORejectedError`)."""
+    best_effort: dict[str, float] = field(default_factory=dict)
+    """Accepted add key -> its predicted TTFT, where SLO admission took it as best effort."""
 
 
-def refusal(kind: str, message: str) -> Exception:
+def refusal(kind: str, message: str, retry_after_s: int | None = None) -> Exception:
     """The exception a refused add raises in the client: the core's own type where it is known."""
+    if kind == "SLORejectedError" and retry_after_s is not None:
+        return SLORejectedError(message, retry_after_s)
     return _REFUSALS.get(kind, RuntimeError)(message)
 
 
@@ -95,6 +106,8 @@ def _params(p: SamplingParams) -> list[Any]:
     values = [getattr(p, name) for name in _PARAM_FIELDS]
     if p.structured_outputs is not None:  # a (kind, spec) pair on the wire; SamplingParams takes it back
         values[_STRUCTURED] = dataclasses.astuple(p.structured_outputs)
+    if p.slo is not None:  # a (ttft_s, tbt_s, label) triple on the wire
+        values[_SLO] = dataclasses.astuple(p.slo)
     return values
 
 
@@ -225,12 +238,22 @@ def _unstep(entry: list[Any]) -> CoreStep:
 
 def encode_outputs(out: CoreOutputs) -> bytes:
     step = None if out.step is None else _step(out.step)
-    frame = [dataclasses.astuple(out.gauges), out.accepted, out.refused, step, out.dead, out.stopped]
+    frame = [
+        dataclasses.astuple(out.gauges),
+        out.accepted,
+        out.refused,
+        step,
+        out.dead,
+        out.stopped,
+        out.retry_after_s,
+        out.best_effort,
+    ]
     return msgpack.packb(frame)
 
 
 def decode_outputs(data: bytes) -> CoreOutputs:
-    gauges, accepted, refused, step, dead, stopped = msgpack.unpackb(data, strict_map_key=False)
+    frame = msgpack.unpackb(data, strict_map_key=False)
+    gauges, accepted, refused, step, dead, stopped, retry_after_s, best_effort = frame
     return CoreOutputs(
         gauges=SchedulerStats(*gauges),
         accepted=accepted,
@@ -238,4 +261,6 @@ def decode_outputs(data: bytes) -> CoreOutputs:
         step=None if step is None else _unstep(step),
         dead=dead,
         stopped=stopped,
+        retry_after_s=retry_after_s,
+        best_effort=best_effort,
     )

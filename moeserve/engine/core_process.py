@@ -40,6 +40,7 @@ from moeserve.engine.core_messages import (
     encode_outputs,
 )
 from moeserve.engine.cpu_binding import bind_current_process
+from moeserve.scheduler import SLORejectedError
 
 logger = logging.getLogger("moeserve.engine.core")
 
@@ -128,11 +129,15 @@ class CoreLoop:
         for command in decode_inputs(frame).commands:
             if isinstance(command, Add):
                 try:
-                    self.core.add_requests(command.samples)
+                    predicted_ttft_s = self.core.add_requests(command.samples)
                 except (ValueError, RuntimeError) as exc:  # a full queue, or a request the scheduler refuses
                     out.refused.append((command.key, type(exc).__name__, str(exc)))
+                    if isinstance(exc, SLORejectedError):
+                        out.retry_after_s[command.key] = exc.retry_after_s
                 else:
                     out.accepted.append(command.key)
+                    if predicted_ttft_s is not None:
+                        out.best_effort[command.key] = predicted_ttft_s
             elif isinstance(command, Abort):
                 self.core.abort_requests(command.sequence_ids)
             elif isinstance(command, Finish):

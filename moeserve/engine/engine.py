@@ -29,6 +29,7 @@ from moeserve.engine.tokenizer import load_tokenizer
 from moeserve.models import model_config
 from moeserve.models.checkpoint import read_json
 from moeserve.sampling_params import SamplingParams
+from moeserve.scheduler import SLORejectedError
 
 logger = logging.getLogger(__name__)
 
@@ -127,10 +128,15 @@ class LLMEngine:
         for (text, token_ids, params), request_id in zip(prepared, ids):
             request_id, samples = self.frontend.open(text, token_ids, params, request_id, arrival)
             try:
-                self.core.add_requests(samples)
+                predicted_ttft_s = self.core.add_requests(samples)
+            except SLORejectedError:  # never queued, and not a missed request: admission said so at once
+                self.frontend.close(request_id, time.monotonic())
+                raise
             except Exception:  # e.g. QueueFullError: the request was never queued
                 self.abort_request(request_id)
                 raise
+            if predicted_ttft_s is not None:
+                self.frontend.mark_best_effort(request_id, predicted_ttft_s)
             added.append(request_id)
         return added
 

@@ -110,6 +110,11 @@ class EngineFrontend:
         None if it is unknown or finished."""
         return self.output_processor.abort_request(request_id, now)
 
+    def mark_best_effort(self, request_id: str, predicted_ttft_s: float) -> None:
+        """The core admitted `request_id` as best effort: SLO admission predicted this TTFT, over
+        its target. Its final metrics say so, and the API its usage."""
+        self.output_processor.mark_best_effort(request_id, predicted_ttft_s)
+
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.has_unfinished_requests()
 

@@ -24,6 +24,7 @@ from moeserve.engine.detokenizer import IncrementalDetokenizer
 from moeserve.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from moeserve.engine.stats import IterationStats, RequestMetrics
 from moeserve.sampling_params import SamplingParams
+from moeserve.slo import DEFAULT_CLASS, RequestSLO
 from moeserve.worker.prompt_logprobs import PromptLogprobs
 from moeserve.worker.runner import SampledToken
 
@@ -79,6 +80,10 @@ class _Parent:
     """Filled chunk by chunk before the first token; the first prompt token has no logprob."""
     unfinished: int = 0
     """Samples without a finish reason yet (`finish` counts them down)."""
+    slo: RequestSLO | None = None
+    """Its own targets; None: the server's."""
+    best_effort_ttft_s: float | None = None
+    """Set when SLO admission took it as best effort: the TTFT it predicted (over the target)."""
 
     def add_prompt_logprobs(self, chunk: PromptLogprobs) -> None:
         """Append the positions of a chunk not known yet. With n > 1 every sample computes them,
@@ -117,7 +122,8 @@ class _Parent:
         )
 
     def metrics(self, now: float, finish_reason: str, slo: SLOConfig) -> RequestMetrics:
-        """This request's latencies, judged against `slo`."""
+        """This request's latencies, judged against its own targets, else `slo`'s."""
+        own = self.slo if self.slo is not None else RequestSLO(slo.ttft_s, slo.tbt_s, DEFAULT_CLASS)
         ttft = None if self.first_token_time is None else self.first_token_time - self.arrival_time
         gaps = [s.max_gap_s for s in self.sequences.values() if s.max_gap_s is not None]
         max_tbt = max(gaps) if gaps else None
@@ -129,8 +135,10 @@ class _Parent:
             ttft_s=ttft,
             e2e_s=now - self.arrival_time,
             max_tbt_s=max_tbt,
-            ttft_met=ttft is not None and ttft <= slo.ttft_s,
-            tbt_met=max_tbt is None or max_tbt <= slo.tbt_s,
+            ttft_met=ttft is not None and ttft <= own.ttft_s,
+            tbt_met=max_tbt is None or max_tbt <= own.tbt_s,
+            slo_class=own.label,
+            best_effort_ttft_s=self.best_effort_ttft_s,
         )
 
 
@@ -159,6 +167,12 @@ class OutputProcessor:
     def has_unfinished_requests(self) -> bool:
         return bool(self._parents)
 
+    def mark_best_effort(self, request_id: str, predicted_ttft_s: float) -> None:
+        """See `EngineFrontend.mark_best_effort`; an id already gone is ignored."""
+        parent = self._parents.get(request_id)
+        if parent is not None:
+            parent.best_effort_ttft_s = predicted_ttft_s
+
     def add_request(
         self,
         request_id: str,
@@ -169,7 +183,7 @@ class OutputProcessor:
         sequence_ids: Sequence[str],
     ) -> None:
         """Track client request `request_id`, run by the core as `sequence_ids` (its n samples)."""
-        parent = _Parent(request_id, prompt, list(prompt_token_ids), arrival)
+        parent = _Parent(request_id, prompt, list(prompt_token_ids), arrival, slo=params.slo)
         if params.prompt_logprobs is not None:
             parent.prompt_logprobs = [None]
         for index, sequence_id in enumerate(sequence_ids):

@@ -16,6 +16,7 @@ from typing import Protocol
 
 from moeserve.dispatch.expert_load import RoutedTokens
 from moeserve.eplb.rebalancer import RebalanceReport
+from moeserve.slo import DEFAULT_CLASS
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +42,11 @@ class RequestMetrics:
     """A first token came within the TTFT target."""
     tbt_met: bool
     """Every gap between consecutive tokens was within the TBT target (true with no gaps)."""
+    slo_class: str = DEFAULT_CLASS
+    """The SLO class its targets belong to (`moeserve.slo`), the label of its verdicts."""
+    best_effort_ttft_s: float | None = None
+    """Admitted as best effort, with this predicted TTFT over its target; None: admitted on a
+    prediction of meeting it, or with no prediction made."""
 
 
 @dataclass

@@ -1,5 +1,6 @@
 """Requests, the paged KV block manager and the continuous-batching scheduler (no tensors, no HTTP)."""
 
+from moeserve.scheduler.admission import AdmissionTally, SLORejectedError
 from moeserve.scheduler.block_manager import BlockManager
 from moeserve.scheduler.config import SchedulerConfig
 from moeserve.scheduler.data_parallel import DataParallelScheduler, StepPlan
@@ -8,11 +9,13 @@ from moeserve.scheduler.scheduler import NewRequest, QueueFullError, ScheduledRe
 from moeserve.scheduler.step_time import StepShape, StepTimeModel
 
 __all__ = [
+    "AdmissionTally",
     "BlockManager",
     "DataParallelScheduler",
     "NewRequest",
     "QueueFullError",
     "Request",
+    "SLORejectedError",
     "RequestStatus",
     "ScheduledRequest",
     "Scheduler",

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from typing import Literal, get_args
 
 Policy = Literal["fcfs", "slo"]
+AdmissionMode = Literal["off", "reject", "degrade"]
+ADMISSION_MODES: tuple[str, ...] = get_args(AdmissionMode)
 POLICIES: tuple[str, ...] = get_args(Policy)
 
 
@@ -61,6 +63,10 @@ class SchedulerConfig:
     """Time-between-tokens target of the slo policy, in seconds: how long one step carrying decodes
     may take, which caps its prefill chunk. A target below the decodes' own step time cannot be
     met; prefill then still advances one KV block per step so prompts are never starved."""
+    slo_admission: AdmissionMode = "off"
+    """When the step-time model predicts a new request's TTFT target will be missed: "reject"
+    raises `SLORejectedError` (HTTP 429), "degrade" admits it as best effort, "off" admits it.
+    A request's own targets (`SamplingParams.slo`) replace slo_ttft_s and slo_tbt_s for it."""
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "num_kv_blocks"):
@@ -68,6 +74,8 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_waiting is not None and self.max_waiting < 1:
             raise ValueError(f"max_waiting must be >= 1 or None, got {self.max_waiting}")
+        if self.slo_admission not in ADMISSION_MODES:
+            raise ValueError(f"slo_admission must be one of {ADMISSION_MODES}, got {self.slo_admission!r}")
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
         for name in ("slo_ttft_s", "slo_tbt_s"):

@@ -86,7 +86,7 @@ class DataParallelScheduler:
         """4 per queued request, 1 per running one (the score `prefix_routing` compares)."""
         return 4 * self.groups[group].num_waiting + self.groups[group].num_running
 
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request: Request, slo_admission: bool = True) -> None:
         """As `Scheduler.add_request`; the request joins the group holding the longest prefix of
         its prompt unless that group is much busier (see `prefix_routing`), else the least-loaded
         group."""
@@ -94,7 +94,7 @@ class DataParallelScheduler:
         if max_waiting is not None and self.num_waiting >= max_waiting:
             raise QueueFullError(f"waiting queue is full ({max_waiting} requests)")
         group, prompt_hashes = self._route(request)
-        self.groups[group].add_request(request)
+        self.groups[group].add_request(request, slo_admission)
         if self._router is not None:
             self._router.add(request.request_id, group, prompt_hashes)
         self._group_of[request.request_id] = group

@@ -71,6 +71,10 @@ class Request:
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
     """When the request first ran (arrival -> first schedule is its queueing time)."""
+    predicted_ttft_s: float | None = None
+    """The TTFT admission predicted for it (`slo_admission` on and the step-time model ready)."""
+    best_effort: bool = False
+    """Admitted although its TTFT target was predicted to be missed (`slo_admission="degrade"`)."""
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

@@ -39,6 +39,11 @@ Policies (`SchedulerConfig.policy`) differ only in the queue's order and the siz
   budget goes to prefill, which TTFT wants. Until the model has seen
   enough steps, it sizes like fcfs. The queue (`SloQueue`) serves streams preempted mid-output
   first, then requests by TTFT deadline (arrival + `slo_ttft_s`), then those past it.
+  A request's own targets (`SamplingParams.slo`) replace the server's for it: its deadline is
+  its own, and a step's prefill fits the tightest TBT target among the step's decodes.
+Admission (`slo_admission`, either policy): a new request whose TTFT target the step-time model
+predicts will be missed is refused (`SLORejectedError`) or admitted as best effort
+(`admission.py`).
 Progress is guaranteed: `SchedulerConfig` ensures one `max_model_len` sequence fits the cache and
 all decodes fit the budget, the earliest admitted running request can preempt every other one,
 and a step that can run anything grants at least one token.
@@ -46,15 +51,17 @@ and a step that can run anything grants at least one token.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from moeserve.sampling_params import SamplingParams
+from moeserve.scheduler.admission import AdmissionTally, Backlog, SLORejectedError, predict_ttft
 from moeserve.scheduler.block_hash import BlockHash, block_hashes
 from moeserve.scheduler.block_manager import BlockManager
 from moeserve.scheduler.config import SchedulerConfig
-from moeserve.scheduler.policy import SLO_STEP_HEADROOM, ChunkSizer, FcfsQueue, SloQueue, WaitingQueue
+from moeserve.scheduler.policy import ChunkSizer, FcfsQueue, SloQueue, WaitingQueue
 from moeserve.scheduler.request import STATUS_BY_FINISH_REASON, Request, RequestStatus
 from moeserve.scheduler.step_time import StepShape, StepTimeModel
 
@@ -133,14 +140,20 @@ class _StepLoad:
     """What the chunk sizer needs to know of the grants so far (kept only when there is a sizer,
     as it costs a little per grant)."""
 
+    default_tbt_s: float
+    """The TBT target of a request that brings none."""
     shape: StepShape = StepShape()
     num_decodes: int = 0
     num_prefill_tokens: int = 0
+    tightest_tbt_s: float = math.inf
+    """The tightest TBT target among the step's decodes."""
 
     def add(self, request: Request, num_tokens: int) -> None:
         self.shape = self.shape.plus_chunk(num_tokens, request.num_computed_tokens)
         if _is_decode(request):
             self.num_decodes += 1
+            slo = request.sampling_params.slo
+            self.tightest_tbt_s = min(self.tightest_tbt_s, self.default_tbt_s if slo is None else slo.tbt_s)
         else:
             self.num_prefill_tokens += num_tokens
 
@@ -180,22 +193,24 @@ class Scheduler:
         self._requests: dict[str, Request] = {}  # every unfinished request, by id
         self._waiting: WaitingQueue = SloQueue(config.slo_ttft_s, clock) if config.policy == "slo" else FcfsQueue()
         self._running: list[Request] = []  # RUNNING, in admission order
-        self._chunk_sizer = (
-            ChunkSizer(StepTimeModel(), config.slo_tbt_s * SLO_STEP_HEADROOM, min_prefill_tokens=config.block_size)
-            if config.policy == "slo" and config.enable_chunked_prefill
-            else None
-        )
+        sizes_chunks = config.policy == "slo" and config.enable_chunked_prefill
+        self._model = StepTimeModel() if sizes_chunks or config.slo_admission != "off" else None
+        self._chunk_sizer = ChunkSizer(self._model, config.block_size) if sizes_chunks and self._model else None
+        self.admission = AdmissionTally()
+        """How admission's TTFT predictions turned out (see `admission.py`)."""
         self._finished_ids: list[str] = []  # finished since the previous schedule()
         self._awaiting_update = False
 
     # ----- requests in and out -----
 
-    def add_request(self, request: Request) -> None:
-        """Queue a new request.
+    def add_request(self, request: Request, slo_admission: bool = True) -> None:
+        """Queue a new request; `slo_admission=False` skips SLO admission, for a request the
+        caller has already accepted (its grammar was compiling).
 
         Raises ValueError for a request that could never complete (duplicate id, not fresh, or
         prompt + max_tokens over `max_model_len`; max_tokens=None needs room for one token), and
-        QueueFullError when `max_waiting` requests are already queued.
+        QueueFullError when `max_waiting` requests are already queued, and SLORejectedError when
+        `slo_admission="reject"` and its TTFT target is predicted to be missed.
         """
         if request.request_id in self._requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
@@ -209,8 +224,52 @@ class Scheduler:
             )
         if self.config.max_waiting is not None and len(self._waiting) >= self.config.max_waiting:
             raise QueueFullError(f"waiting queue is full ({self.config.max_waiting} requests)")
+        if slo_admission and self.config.slo_admission != "off":
+            self._admit_or_refuse(request)
         self._requests[request.request_id] = request
         self._waiting.add(request)
+
+    def _admit_or_refuse(self, request: Request) -> None:
+        """Predict `request`'s TTFT; refuse it or mark it best effort if its target is missed.
+        With the step-time model not ready yet there is no prediction and the request is admitted."""
+        model = self._model
+        if model is None or not model.ready:
+            return
+        ttft_s, tbt_s = self._targets(request)
+        prediction = predict_ttft(
+            model, self._chunk_sizer, self._backlog(request, tbt_s), self.config.max_num_batched_tokens
+        )
+        request.predicted_ttft_s = prediction.ttft_s
+        if prediction.ttft_s <= ttft_s:
+            return
+        if self.config.slo_admission == "degrade":
+            request.best_effort = True
+            self.admission.best_effort += 1
+            return
+        self.admission.rejected += 1
+        raise SLORejectedError(
+            f"predicted time to first token {prediction.ttft_s * 1000:.0f} ms exceeds the request's target of "
+            f"{ttft_s * 1000:.0f} ms ({self.num_waiting} requests queued, {self.num_running} running)",
+            retry_after_s=math.ceil(prediction.clear_s),
+        )
+
+    def _targets(self, request: Request) -> tuple[float, float]:
+        """(TTFT, TBT) targets of `request`: its own, else the server's."""
+        slo = request.sampling_params.slo
+        return (self.config.slo_ttft_s, self.config.slo_tbt_s) if slo is None else (slo.ttft_s, slo.tbt_s)
+
+    def _backlog(self, request: Request, tbt_s: float) -> Backlog:
+        """What stands between a new `request` and its first token, now."""
+        tokens = request.num_tokens + sum(r.num_tokens for r in self._waiting.ahead_of(request))
+        decodes, num_decodes, tightest = StepShape(), 0, tbt_s
+        for running in self._running:
+            if _is_decode(running):
+                decodes = decodes.plus_chunk(1, running.num_computed_tokens)
+                num_decodes += 1
+                tightest = min(tightest, self._targets(running)[1])
+            else:
+                tokens += running.num_tokens - running.num_computed_tokens
+        return Backlog(tokens, decodes, num_decodes, tightest, max(0.0, self._clock() - request.arrival_time))
 
     def abort_request(self, request_id: str) -> bool:
         """Finish a request as "abort" (e.g. the client went away); False if it is not live."""
@@ -241,8 +300,8 @@ class Scheduler:
 
     @property
     def step_time_model(self) -> StepTimeModel | None:
-        """The model sizing prefill chunks (slo with chunked prefill), else None."""
-        return self._chunk_sizer.model if self._chunk_sizer is not None else None
+        """The model sizing prefill chunks (slo) and predicting TTFT (admission), else None."""
+        return self._model
 
     # ----- the step -----
 
@@ -265,7 +324,8 @@ class Scheduler:
         """
         if self._awaiting_update:
             raise RuntimeError("schedule() called again before update() of the previous step")
-        plan = _StepPlan(self.config.max_num_batched_tokens, _StepLoad() if self._chunk_sizer is not None else None)
+        load = _StepLoad(self.config.slo_tbt_s) if self._chunk_sizer is not None else None
+        plan = _StepPlan(self.config.max_num_batched_tokens, load)
         self._schedule_running(plan)
         if not plan.preempted_ids:
             self._admit_waiting(plan)
@@ -299,6 +359,10 @@ class Scheduler:
             if not scheduled.sample:
                 continue
             request.output_token_ids.append(sampled_token_ids[scheduled.request_id])
+            if request.num_output_tokens == 1 and request.predicted_ttft_s is not None:
+                ttft_target_s = self._targets(request)[0]
+                on_time = request.predicted_ttft_s <= ttft_target_s
+                self.admission.record_first_token(on_time, self._clock() - request.arrival_time, ttft_target_s)
             stop = self._check_stop(request)
             if stop is not None:
                 self._finish(request, *stop)
@@ -398,7 +462,7 @@ class Scheduler:
         sizer, load = self._chunk_sizer, plan.load
         if sizer is None or load is None or not load.num_decodes or not sizer.model.ready or _is_decode(request):
             return most
-        return sizer.chunk_tokens(load.shape, num_computed, most, load.num_prefill_tokens)
+        return sizer.chunk_tokens(load.shape, num_computed, most, load.num_prefill_tokens, load.tightest_tbt_s)
 
     def _allocate_or_preempt(self, request: Request, num_new_tokens: int, plan: _StepPlan) -> bool:
         """Get `request` the blocks for its next tokens, preempting the newest running requests
