@@ -20,6 +20,7 @@ from pydantic import BaseModel
 from pydantic.json_schema import JsonSchemaMode, models_json_schema
 
 from moeserve.api.errors import ErrorResponse
+from moeserve.sampling_params import INT64_MAX, INT64_MIN, MAX_LOGPROBS
 
 _REF = "#/components/schemas/{model}"
 
@@ -31,6 +32,32 @@ _ERROR_WHEN: dict[int, str] = {
     429: "The waiting queue is full: retry after `Retry-After` seconds",
     503: "The model is loading, or the server is draining or its engine died",
 }
+
+
+SAMPLING_RANGES: dict[str, dict[str, float]] = {
+    "temperature": {"minimum": 0},
+    "top_p": {"exclusiveMinimum": 0, "maximum": 1},
+    "top_k": {"minimum": -1, "maximum": INT64_MAX},
+    "min_p": {"minimum": 0, "maximum": 1},
+    "seed": {"minimum": INT64_MIN, "maximum": INT64_MAX},
+    "presence_penalty": {"minimum": -2, "maximum": 2},
+    "frequency_penalty": {"minimum": -2, "maximum": 2},
+    "repetition_penalty": {"exclusiveMinimum": 0},
+    "max_tokens": {"minimum": 1},
+    "max_completion_tokens": {"minimum": 1},
+    "min_tokens": {"minimum": 0},
+    "prompt_logprobs": {"minimum": 0, "maximum": MAX_LOGPROBS},
+}
+"""The ranges `SamplingParams` enforces, as JSON Schema keywords on the request fields that feed
+them (they bind numbers only, so a field's null stays allowed). The check stays in
+`SamplingParams`, shared with the offline path; this only tells clients and fuzzers."""
+
+
+def document_sampling_ranges(schema: dict[str, Any], model: type[BaseModel] | None = None) -> None:
+    """A request model's `json_schema_extra`: add `SAMPLING_RANGES` to its properties."""
+    for name, bounds in SAMPLING_RANGES.items():
+        if name in schema.get("properties", {}):
+            schema["properties"][name].update(bounds)
 
 
 def _ref(model: type[BaseModel]) -> dict[str, str]:

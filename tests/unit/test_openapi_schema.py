@@ -8,8 +8,10 @@ from fastapi.testclient import TestClient
 from pydantic import BaseModel
 
 from moeserve.api import ServerMetrics, ServerSettings, ServingState, build_app
+from moeserve.api.openapi import SAMPLING_RANGES
 from moeserve.api.protocol import ChatCompletionRequest, CompletionRequest
 from moeserve.config import SLOConfig
+from moeserve.sampling_params import SamplingParams
 
 ROUTES = {
     ("post", "/v1/completions"): ("CompletionRequest", "CompletionResponse"),
@@ -92,3 +94,30 @@ def test_framework_validation_errors_use_the_openai_format() -> None:
     assert error["param"] == "count" and error["type"] == "invalid_request_error" and "count" in error["message"]
     bad_query = http.post("/typed?limit=x", json={"count": 2})
     assert bad_query.status_code == 400 and bad_query.json()["error"]["param"] == "limit"
+
+
+INT_FIELDS = {"top_k", "seed", "max_tokens", "min_tokens", "prompt_logprobs"}
+
+
+@pytest.mark.parametrize("field", sorted(SAMPLING_RANGES))
+def test_documented_ranges_are_the_ones_sampling_params_enforces(field: str) -> None:
+    """Each documented bound is the edge of what SamplingParams accepts, so a schema-valid value
+    is never refused for its range and a value just past a bound always is."""
+    name = "max_tokens" if field == "max_completion_tokens" else field
+    step = 1 if name in INT_FIELDS else 0.01
+    bounds = SAMPLING_RANGES[field]
+
+    def accepted(value: float) -> bool:
+        try:
+            SamplingParams(**{"max_tokens": 16, name: int(value) if name in INT_FIELDS else value})
+        except ValueError:
+            return False
+        return True
+
+    for keyword, edge in bounds.items():
+        inside, outside = {
+            "minimum": (edge, edge - step),
+            "maximum": (edge, edge + step),
+            "exclusiveMinimum": (edge + step, edge),
+        }[keyword]
+        assert accepted(inside) and not accepted(outside), (keyword, edge)
