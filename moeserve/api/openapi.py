@@ -75,12 +75,23 @@ def json_body(model: type[BaseModel]) -> dict[str, Any]:
 
 
 def streamed_response(chunk: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
-    """The 200 of a route that streams when asked: `text/event-stream` beside the JSON body."""
-    events = {
-        "type": "string",
-        "description": f"With `stream: true`: server-sent events `data: <{chunk.__name__}>`, then `data: [DONE]`.",
+    """The 200 of a route that streams when asked: `text/event-stream` beside the JSON body. As
+    OpenAPI 3.1 reads it, the schema describes one event: its `data` is a JSON chunk, an in-band
+    error (the engine failed mid-stream), or the final `[DONE]`."""
+    payload = {"anyOf": [_ref(chunk), _ref(ErrorResponse)]}
+    data = {
+        "anyOf": [
+            {"const": "[DONE]"},
+            {"type": "string", "contentMediaType": "application/json", "contentSchema": payload},
+        ]
     }
-    return {200: {"content": {"text/event-stream": {"schema": events}}}}
+    event = {
+        "type": "object",
+        "required": ["data"],
+        "properties": {"data": data},
+        "description": f"With `stream: true`: events `data: <{chunk.__name__}>`, then `data: [DONE]`.",
+    }
+    return {200: {"content": {"text/event-stream": {"schema": event}}}}
 
 
 def install(app: FastAPI, models: Sequence[tuple[type[BaseModel], JsonSchemaMode]]) -> None:
