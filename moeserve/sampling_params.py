@@ -19,6 +19,9 @@ from moeserve.slo import RequestSLO
 SAMPLING_EPS = 1e-5
 # Largest `logprobs` a request may ask for (OpenAI's limit for top logprobs; vLLM's default).
 MAX_LOGPROBS = 20
+# The integers the engine carries in int64 tensors and msgpack frames: a larger seed, top_k or
+# stop token id would fail the engine core's step (and with it every request), not just its own.
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
 StructuredKind = Literal["json", "json_object", "regex", "choice", "grammar"]
@@ -138,7 +141,7 @@ class SamplingParams:
             (self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "must be >= 1 or None"),
             (self.temperature >= 0, "temperature", "must be >= 0"),
             (0 < self.top_p <= 1, "top_p", "must be in (0, 1]"),
-            (self.top_k >= 0, "top_k", "must be >= 1, or 0 or -1 to disable"),
+            (0 <= self.top_k <= INT64_MAX, "top_k", "must be >= 1 (and < 2**63), or 0 or -1 to disable"),
             (0 <= self.min_p <= 1, "min_p", "must be in [0, 1]"),
             (-2 <= self.presence_penalty <= 2, "presence_penalty", "must be in [-2, 2]"),
             (-2 <= self.frequency_penalty <= 2, "frequency_penalty", "must be in [-2, 2]"),
@@ -159,7 +162,8 @@ class SamplingParams:
                 "must be >= 0 and <= max_tokens",
             ),
             (all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings"),
-            (all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be >= 0"),
+            (all(0 <= t <= INT64_MAX for t in self.stop_token_ids), "stop_token_ids", "must be in [0, 2**63)"),
+            (self.seed is None or INT64_MIN <= self.seed <= INT64_MAX, "seed", "must be in [-2**63, 2**63)"),
         ]
         for ok, name, rule in checks:
             if not ok:

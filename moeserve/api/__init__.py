@@ -5,7 +5,15 @@ embedding or testing.
 """
 
 from moeserve.api.app import build_app
-from moeserve.api.errors import APIError, error_body, error_type_for, from_validation_error
+from moeserve.api.errors import (
+    APIError,
+    ErrorInfo,
+    ErrorResponse,
+    error_body,
+    error_type_for,
+    from_error_list,
+    from_validation_error,
+)
 from moeserve.api.metrics import ServerMetrics
 from moeserve.api.protocol import (
     SSE_DONE,
@@ -45,10 +53,12 @@ from moeserve.api.protocol import (
 )
 from moeserve.api.server import serve
 from moeserve.api.state import ModelInfo, ServerSettings, ServingState
-from moeserve.api.tokenize import DetokenizeRequest, TokenizeRequest
+from moeserve.api.tokenize import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
 
 __all__ = [
     "APIError",
+    "ErrorInfo",
+    "ErrorResponse",
     "ChatChoice",
     "ChatCompletionRequest",
     "ChatCompletionResponse",
@@ -65,6 +75,7 @@ __all__ = [
     "CompletionStreamChunk",
     "DeltaMessage",
     "DetokenizeRequest",
+    "DetokenizeResponse",
     "ModelCard",
     "ModelInfo",
     "ModelList",
@@ -75,6 +86,7 @@ __all__ = [
     "ServingState",
     "StreamOptions",
     "TokenizeRequest",
+    "TokenizeResponse",
     "TopLogprob",
     "UsageInfo",
     "build_app",
@@ -88,6 +100,7 @@ __all__ = [
     "completion_usage_chunk",
     "error_body",
     "error_type_for",
+    "from_error_list",
     "from_validation_error",
     "parse_request",
     "random_id",

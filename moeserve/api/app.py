@@ -11,17 +11,35 @@ import logging
 from collections.abc import Awaitable, Callable
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import moeserve
 from moeserve.api.chat import create_chat_completion
 from moeserve.api.completions import create_completion
-from moeserve.api.errors import APIError, error_body, error_type_for
+from moeserve.api.errors import APIError, error_body, error_type_for, from_error_list
 from moeserve.api.metrics import CONTENT_TYPE
-from moeserve.api.protocol import ModelCard, ModelList
+from moeserve.api.openapi import error_responses, install, json_body, streamed_response
+from moeserve.api.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionStreamChunk,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionStreamChunk,
+    ModelCard,
+    ModelList,
+)
 from moeserve.api.state import ServingState
-from moeserve.api.tokenize import detokenize, tokenize
+from moeserve.api.tokenize import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+    detokenize,
+    tokenize,
+)
 from moeserve.api.transport import ClientDisconnected, check_api_key
 
 logger = logging.getLogger("moeserve.api")
@@ -31,7 +49,14 @@ Handler = Callable[[Request, ServingState], Awaitable[Response]]
 
 def build_app(state: ServingState) -> FastAPI:
     """The app over `state`; the engine may be attached later (`state.set_ready`)."""
-    app = FastAPI(title="moeserve", version=moeserve.__version__, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(
+        title="moeserve",
+        version=moeserve.__version__,
+        description="An OpenAI-compatible server for mixture-of-experts models.",
+        docs_url="/docs",
+        redoc_url=None,
+        openapi_url="/openapi.json",
+    )
     app.state.serving = state
     _add_error_handlers(app, state)
 
@@ -60,13 +85,59 @@ def build_app(state: ServingState) -> FastAPI:
             )
         return JSONResponse(ModelList(data=[card]).model_dump())
 
-    app.add_api_route("/v1/completions", guarded(create_completion), methods=["POST"])
-    app.add_api_route("/v1/chat/completions", guarded(create_chat_completion), methods=["POST"])
-    app.add_api_route("/v1/models", guarded(list_models), methods=["GET"])
-    app.add_api_route("/tokenize", guarded(tokenize, authenticated=False), methods=["POST"])
-    app.add_api_route("/detokenize", guarded(detokenize, authenticated=False), methods=["POST"])
+    generation_errors = error_responses(400, 401, 404, 413, 429, 503)
+    app.add_api_route(
+        "/v1/completions",
+        guarded(create_completion),
+        methods=["POST"],
+        summary="Complete one or more prompts (text or token ids)",
+        response_model=CompletionResponse,
+        responses={**streamed_response(CompletionStreamChunk), **generation_errors},
+        openapi_extra=json_body(CompletionRequest),
+    )
+    app.add_api_route(
+        "/v1/chat/completions",
+        guarded(create_chat_completion),
+        methods=["POST"],
+        summary="Continue a conversation through the model's chat template",
+        response_model=ChatCompletionResponse,
+        responses={**streamed_response(ChatCompletionStreamChunk), **generation_errors},
+        openapi_extra=json_body(ChatCompletionRequest),
+    )
+    app.add_api_route(
+        "/v1/models",
+        guarded(list_models),
+        methods=["GET"],
+        summary="The model this server serves",
+        response_model=ModelList,
+        responses=error_responses(401),
+    )
+    tokenizer_errors = error_responses(400, 404, 413, 503)
+    app.add_api_route(
+        "/tokenize",
+        guarded(tokenize, authenticated=False),
+        methods=["POST"],
+        summary="Token ids of a prompt, or of a conversation as the chat route renders it",
+        response_model=TokenizeResponse,
+        response_model_exclude_none=True,
+        responses=tokenizer_errors,
+        openapi_extra=json_body(TokenizeRequest),
+    )
+    app.add_api_route(
+        "/detokenize",
+        guarded(detokenize, authenticated=False),
+        methods=["POST"],
+        summary="Text of token ids",
+        response_model=DetokenizeResponse,
+        responses=tokenizer_errors,
+        openapi_extra=json_body(DetokenizeRequest),
+    )
 
-    @app.get("/health")
+    @app.get(
+        "/health",
+        response_class=Response,
+        responses={200: {"description": "Ready to serve"}, 503: {"description": "Loading, draining or dead"}},
+    )
     async def health() -> Response:
         """200 once the model is loaded and the engine runs; 503 while loading, draining or dead."""
         return Response(status_code=200 if state.is_ready else 503)
@@ -75,10 +146,24 @@ def build_app(state: ServingState) -> FastAPI:
     async def version() -> dict[str, str]:
         return {"version": moeserve.__version__}
 
-    @app.get("/metrics")
+    @app.get(
+        "/metrics",
+        response_class=Response,
+        responses={
+            200: {"description": "Prometheus' text format", "content": {CONTENT_TYPE: {"schema": {"type": "string"}}}}
+        },
+    )
     async def metrics() -> Response:
         return Response(state.metrics.exposition(), media_type=CONTENT_TYPE)
 
+    install(
+        app,
+        [
+            (model, "validation")
+            for model in (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest)
+        ]
+        + [(chunk, "serialization") for chunk in (CompletionStreamChunk, ChatCompletionStreamChunk)],
+    )
     return app
 
 
@@ -89,6 +174,13 @@ def _add_error_handlers(app: FastAPI, state: ServingState) -> None:
         log("%s %s -> %d: %s", request.method, request.url.path, exc.status_code, exc.message)
         state.metrics.count_http(request.url.path, exc.status_code)
         return JSONResponse(exc.body(), status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        """FastAPI's own validation (a typed parameter) answers as ours does: 400, `param` the field.
+        Its locations start with where the value was (body, query, ...), which `param` leaves out."""
+        errors = [{**error, "loc": tuple(error.get("loc", ()))[1:]} for error in exc.errors()]
+        return await api_error(request, from_error_list(errors, "invalid request"))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:

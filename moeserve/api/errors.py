@@ -7,9 +7,10 @@ Nothing here knows about FastAPI: the app turns an `APIError` into a JSON respon
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 # OpenAI's `type` for each status; a status not listed falls back to "invalid_request_error" (4xx)
 # or "internal_error" (5xx), so a caller only names the type when it wants a different one.
@@ -35,6 +36,21 @@ def error_type_for(status_code: int) -> str:
 def error_body(message: str, type: str, param: str | None = None, code: str | int | None = None) -> dict[str, Any]:
     """The JSON body of an error response, exactly the keys OpenAI sends (all present, maybe null)."""
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+class ErrorInfo(BaseModel):
+    """The fields of an error, as the docs describe them (`error_body` builds the same keys)."""
+
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(BaseModel):
+    """Every non-2xx JSON body the server sends."""
+
+    error: ErrorInfo
 
 
 class APIError(Exception):
@@ -71,16 +87,23 @@ class APIError(Exception):
 
 
 def from_validation_error(exc: ValidationError) -> APIError:
-    """A 400 naming the first bad top-level field, as vLLM answers (FastAPI's default is 422).
+    """A 400 naming the first bad top-level field, as vLLM answers (FastAPI's default is 422)."""
+    return from_error_list(exc.errors(include_url=False), str(exc))
+
+
+def from_error_list(errors: Sequence[Any], fallback: str, loc_prefix: str | None = None) -> APIError:
+    """A 400 from pydantic-style error dicts (ours, or FastAPI's `RequestValidationError`, whose
+    locations start with `loc_prefix`, e.g. "body").
 
     Only the top-level field becomes `param`: deeper pydantic locations include union-member tags
     such as `list[int]` that mean nothing to a client; the full location stays in `message`.
     """
-    errors = exc.errors(include_url=False)
     if not errors:
-        return APIError(str(exc))
+        return APIError(fallback)
     first = errors[0]
-    loc = first.get("loc", ())
+    loc = tuple(first.get("loc", ()))
+    if loc_prefix is not None and loc[:1] == (loc_prefix,):
+        loc = loc[1:]
     param = loc[0] if loc and isinstance(loc[0], str) else None
     where = ".".join(str(part) for part in loc)
     message = f"{where}: {first['msg']}" if where else first["msg"]

@@ -17,9 +17,9 @@ import json
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any, Literal, Protocol, TypeVar
+from typing import Annotated, Any, Literal, Protocol, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, field_validator, model_serializer
 
 from moeserve.api.constraints import (
     ChatTool,
@@ -30,6 +30,7 @@ from moeserve.api.constraints import (
     tool_constraint,
 )
 from moeserve.api.errors import APIError, from_validation_error
+from moeserve.api.openapi import document_sampling_ranges
 from moeserve.api.slo_request import SLOField, SLOUsage, slo_usage
 from moeserve.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from moeserve.sampling_params import SamplingParams, StructuredOutputs
@@ -90,6 +91,8 @@ class StreamOptions(OpenAIModel):
 
 class _SamplingRequest(OpenAIModel):
     """Fields shared by both endpoints: OpenAI's sampling fields and vLLM's extras."""
+
+    model_config = ConfigDict(json_schema_extra=document_sampling_ranges)
 
     model: str | None = None
     """None lets the server pick its only model, as vLLM allows."""
@@ -176,10 +179,26 @@ class _SamplingRequest(OpenAIModel):
             raise APIError(str(e), status_code=400, param=param) from None
 
 
+_TEXT = {"type": "string", "minLength": 1}
+_TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+_PROMPT_SCHEMA = {
+    "title": "Prompt",
+    "description": "A text, token ids, or a list of either (one choice set per prompt)",
+    "anyOf": [
+        _TEXT,
+        {"type": "array", "items": _TEXT, "minItems": 1},
+        _TOKEN_IDS,
+        {"type": "array", "items": _TOKEN_IDS, "minItems": 1},
+    ],
+}
+"""What `_check_prompt` and the tokenizer accept, for the OpenAPI document (the validator's own
+messages are clearer than pydantic's union errors, so it stays the check)."""
+
+
 class CompletionRequest(_SamplingRequest):
     """POST /v1/completions."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Annotated[str | list[str] | list[int] | list[list[int]], WithJsonSchema(_PROMPT_SCHEMA, mode="validation")]
     max_tokens: int | None = 16
     """OpenAI's default is 16; an explicit null means up to the context length."""
     logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)

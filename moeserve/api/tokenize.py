@@ -53,6 +53,18 @@ class DetokenizeRequest(OpenAIModel):
     tokens: list[int]
 
 
+class TokenizeResponse(OpenAIModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+    """Only when `return_token_strs` asked for them."""
+
+
+class DetokenizeResponse(OpenAIModel):
+    prompt: str
+
+
 def _tokenize(request: TokenizeRequest, tokenizer) -> list[int]:
     if request.prompt is not None:
         add_special = True if request.add_special_tokens is None else request.add_special_tokens
@@ -88,14 +100,12 @@ async def tokenize(raw: Request, state: ServingState) -> Response:
     request.check()
     _, model = state.admit()
 
-    def work(tokenizer) -> dict:
+    def work(tokenizer) -> TokenizeResponse:
         ids = _tokenize(request, tokenizer)
-        body = {"count": len(ids), "max_model_len": model.max_model_len, "tokens": ids}
-        if request.return_token_strs:
-            body["token_strs"] = tokenizer.convert_ids_to_tokens(ids)
-        return body
+        strs = tokenizer.convert_ids_to_tokens(ids) if request.return_token_strs else None
+        return TokenizeResponse(count=len(ids), max_model_len=model.max_model_len, tokens=ids, token_strs=strs)
 
-    return JSONResponse(await model.off_loop(work))
+    return JSONResponse((await model.off_loop(work)).model_dump(exclude_none=True))
 
 
 async def detokenize(raw: Request, state: ServingState) -> Response:
@@ -103,4 +113,4 @@ async def detokenize(raw: Request, state: ServingState) -> Response:
     check_model(request.model, state)
     _, model = state.admit()
     text = await model.off_loop(lambda tokenizer: _detokenize(request.tokens, tokenizer))
-    return JSONResponse({"prompt": text})
+    return JSONResponse(DetokenizeResponse(prompt=text).model_dump())

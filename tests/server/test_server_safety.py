@@ -60,6 +60,17 @@ BAD_REQUESTS = [
     ("n-too-large", "/v1/completions", {**OK_COMPLETION, "n": 1000}, 400, "n"),
     ("token-out-of-vocab", "/v1/completions", {**OK_COMPLETION, "prompt": [1, 2, 10**6]}, 400, "prompt"),
     ("empty-prompt-list", "/v1/completions", {**OK_COMPLETION, "prompt": []}, 400, "prompt"),
+    # Found by the schemathesis fuzz: integers past 64 bits used to stop the engine core (503s after).
+    ("seed-past-64-bits", "/v1/completions", {**OK_COMPLETION, "seed": 2**64}, 400, "seed"),
+    ("seed-below-int64", "/v1/completions", {**OK_COMPLETION, "seed": -(2**63) - 1}, 400, "seed"),
+    ("top-k-past-64-bits", "/v1/chat/completions", {**OK_CHAT, "top_k": 2**64}, 400, "top_k"),
+    (
+        "stop-token-id-past-64-bits",
+        "/v1/completions",
+        {**OK_COMPLETION, "stop_token_ids": [2**64]},
+        400,
+        "stop_token_ids",
+    ),
     ("tokenize-both", "/tokenize", {"prompt": "Hi", "messages": OK_CHAT["messages"]}, 400, "prompt"),
     ("tokenize-neither", "/tokenize", {"model": "tiny"}, 400, "prompt"),
     ("tokenize-unknown-model", "/tokenize", {"model": "gpt-9", "prompt": "Hi"}, 404, "model"),
