@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from helpers.hf_configs import VOCAB, hf_config
+from helpers.hf_configs import VOCAB, write_checkpoint
 
 ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
 
@@ -42,25 +41,6 @@ def make_checkpoint(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Pat
         return built[key]
 
     return make
-
-
-def write_checkpoint(folder: Path, tokenizer_dir: Path, arch: str, seed: int = 0, **overrides: Any) -> Path:
-    """A tiny checkpoint of `arch` written by transformers itself (also used by bench/gpu/parity.py)."""
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(hf_config(arch, **overrides))
-    for name, buf in model.named_buffers():
-        if name.endswith("e_score_correction_bias"):
-            buf.normal_(0.0, 0.05)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith(("experts.gate_up_proj_bias", "experts.down_proj_bias")):
-                param.normal_(0.0, 0.1)
-    model.save_pretrained(folder)
-    for f in tokenizer_dir.iterdir():
-        shutil.copy(f, folder / f.name)
-    return folder
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

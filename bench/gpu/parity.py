@@ -3,7 +3,7 @@
     python bench/gpu/parity.py [--device cuda] [--archs ...] [--dtypes float32 bfloat16] [--kernels torch triton]
 
 Checkpoints: tiny random-weight models written by transformers itself with the test suite's own
-builder (`tests/conftest.py`: `hf_config`, `write_checkpoint`), one per architecture. Both sides
+builder (`tests/helpers/hf_configs.py`: `hf_config`, `write_checkpoint`), one per architecture. Both sides
 load the same folder, in the same dtype, on the same device.
 
 Per (arch, dtype, kernels):
@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # --kernels triton on CPU: before triton is first imported
-    from conftest import VOCAB, write_checkpoint
+    from helpers.hf_configs import VOCAB, write_checkpoint
 
     from moeserve.checkpoints import train_tokenizer
 

@@ -2,7 +2,7 @@
 are published in.
 
 Every linear weight (a 2-D `*.weight` of a projection, shared or routed expert) becomes
-float8_e4m3fn with float32 `*.weight_scale_inv` of one scale per block (`models/fp8.py`);
+float8_e4m3fn with float32 `*.weight_scale_inv` of one scale per block (`fp8_format.py`);
 the embeddings, the LM head, the norms and the routers' gates stay as they were, as in the
 published checkpoints. config.json gets the published `quantization_config`.
 """
@@ -16,8 +16,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from moeserve.models.checkpoint import INDEX_FILE
-from moeserve.models.fp8 import quantize, scale_name
+from moeserve.fp8_format import quantize, scale_name
+
+INDEX_FILE = "model.safetensors.index.json"  # the index of a sharded Hugging Face checkpoint
 
 _KEPT = ("embed_tokens", "lm_head", "gate", "router", "shared_expert_gate")  # module names left unquantized
 

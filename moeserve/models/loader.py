@@ -24,10 +24,11 @@ import torch
 
 from moeserve.config import BlockFP8Config, ModelConfig
 from moeserve.dispatch import Dispatcher, ExpertMap, ExpertPlacement, create_dispatcher
+from moeserve.fp8_format import FP8_DTYPE, scale_name, scale_shape
 from moeserve.models.architectures import CheckpointNames, resolve_architecture
 from moeserve.models.checkpoint import CheckpointError, CheckpointReader
 from moeserve.models.decoder import MoECausalLM
-from moeserve.models.fp8 import FP8_DTYPE, quantize_parameter, scale_name, scale_shape
+from moeserve.models.fp8 import quantize_parameter
 from moeserve.models.tensor_parallel import SINGLE, Shard, TensorParallel, shard_of
 from moeserve.ops import TORCH_OPS, LayerOps
 

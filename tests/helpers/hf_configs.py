@@ -3,7 +3,11 @@
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
 from typing import Any
+
+import torch
 
 VOCAB = 320  # 256 byte symbols + specials + a few merges: the smallest useful byte-level BPE
 
@@ -140,3 +144,23 @@ def hf_config(arch: str, **overrides: Any):
         raise ValueError(arch)
     cfg.update(overrides)
     return cls(**cfg)
+
+
+def write_checkpoint(folder: Path, tokenizer_dir: Path, arch: str, seed: int = 0, **overrides: Any) -> Path:
+    """A tiny checkpoint of `arch` written by transformers itself (for the `make_checkpoint`
+    fixture and bench/gpu/parity.py)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(hf_config(arch, **overrides))
+    for name, buf in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            buf.normal_(0.0, 0.05)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("experts.gate_up_proj_bias", "experts.down_proj_bias")):
+                param.normal_(0.0, 0.1)
+    model.save_pretrained(folder)
+    for f in tokenizer_dir.iterdir():
+        shutil.copy(f, folder / f.name)
+    return folder

@@ -22,9 +22,9 @@ from safetensors.torch import save_file
 
 from moeserve import LLM, SamplingParams
 from moeserve.checkpoints.quantize_fp8 import quantize_checkpoint
+from moeserve.fp8_format import dequantize, quantize
 from moeserve.models import load_model
 from moeserve.models.checkpoint import CheckpointError
-from moeserve.models.fp8 import dequantize, quantize
 from moeserve.models.loader import scale_shard
 from moeserve.models.tensor_parallel import Shard
 from moeserve.ops import attention_batch
