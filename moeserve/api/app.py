@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import moeserve
@@ -85,53 +87,21 @@ def build_app(state: ServingState) -> FastAPI:
             )
         return JSONResponse(ModelList(data=[card]).model_dump())
 
-    generation_errors = error_responses(400, 401, 404, 413, 429, 503)
-    app.add_api_route(
-        "/v1/completions",
-        guarded(create_completion),
-        methods=["POST"],
-        summary="Complete one or more prompts (text or token ids)",
-        response_model=CompletionResponse,
-        responses={**streamed_response(CompletionStreamChunk), **generation_errors},
-        openapi_extra=json_body(CompletionRequest),
-    )
-    app.add_api_route(
-        "/v1/chat/completions",
-        guarded(create_chat_completion),
-        methods=["POST"],
-        summary="Continue a conversation through the model's chat template",
-        response_model=ChatCompletionResponse,
-        responses={**streamed_response(ChatCompletionStreamChunk), **generation_errors},
-        openapi_extra=json_body(ChatCompletionRequest),
-    )
-    app.add_api_route(
-        "/v1/models",
-        guarded(list_models),
-        methods=["GET"],
-        summary="The model this server serves",
-        response_model=ModelList,
-        responses=error_responses(401),
-    )
-    tokenizer_errors = error_responses(400, 404, 413, 503)
-    app.add_api_route(
-        "/tokenize",
-        guarded(tokenize, authenticated=False),
-        methods=["POST"],
-        summary="Token ids of a prompt, or of a conversation as the chat route renders it",
-        response_model=TokenizeResponse,
-        response_model_exclude_none=True,
-        responses=tokenizer_errors,
-        openapi_extra=json_body(TokenizeRequest),
-    )
-    app.add_api_route(
-        "/detokenize",
-        guarded(detokenize, authenticated=False),
-        methods=["POST"],
-        summary="Text of token ids",
-        response_model=DetokenizeResponse,
-        responses=tokenizer_errors,
-        openapi_extra=json_body(DetokenizeRequest),
-    )
+    routes = _routes(list_models)
+    for route in routes:
+        responses = error_responses(*route.errors)
+        if route.chunk is not None:
+            responses = {**streamed_response(route.chunk), **responses}
+        app.add_api_route(
+            route.path,
+            guarded(route.handler, authenticated=route.authenticated),
+            methods=[route.method],
+            summary=route.summary,
+            response_model=route.response,
+            response_model_exclude_none=route.exclude_none,
+            responses=responses,
+            openapi_extra=None if route.body is None else json_body(route.body),
+        )
 
     @app.get(
         "/health",
@@ -158,13 +128,75 @@ def build_app(state: ServingState) -> FastAPI:
 
     install(
         app,
-        [
-            (model, "validation")
-            for model in (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest)
-        ]
-        + [(chunk, "serialization") for chunk in (CompletionStreamChunk, ChatCompletionStreamChunk)],
+        [(route.body, "validation") for route in routes if route.body is not None]
+        + [(route.chunk, "serialization") for route in routes if route.chunk is not None],
     )
     return app
+
+
+@dataclass(frozen=True)
+class _Route:
+    """One JSON route: its handler, and what the schema says it takes, returns and refuses."""
+
+    path: str
+    handler: Handler
+    method: str
+    summary: str
+    response: type[BaseModel]
+    errors: tuple[int, ...]
+    body: type[BaseModel] | None = None  # the JSON body, validated by the handler itself
+    chunk: type[BaseModel] | None = None  # each streamed event's data, when the route can stream
+    authenticated: bool = True
+    exclude_none: bool = False
+
+
+def _routes(list_models: Handler) -> list[_Route]:
+    generation_errors = (400, 401, 404, 413, 429, 503)
+    tokenizer_errors = (400, 404, 413, 503)
+    return [
+        _Route(
+            "/v1/completions",
+            create_completion,
+            "POST",
+            "Complete one or more prompts (text or token ids)",
+            CompletionResponse,
+            generation_errors,
+            body=CompletionRequest,
+            chunk=CompletionStreamChunk,
+        ),
+        _Route(
+            "/v1/chat/completions",
+            create_chat_completion,
+            "POST",
+            "Continue a conversation through the model's chat template",
+            ChatCompletionResponse,
+            generation_errors,
+            body=ChatCompletionRequest,
+            chunk=ChatCompletionStreamChunk,
+        ),
+        _Route("/v1/models", list_models, "GET", "The model this server serves", ModelList, (401,)),
+        _Route(
+            "/tokenize",
+            tokenize,
+            "POST",
+            "Token ids of a prompt, or of a conversation as the chat route renders it",
+            TokenizeResponse,
+            tokenizer_errors,
+            body=TokenizeRequest,
+            authenticated=False,
+            exclude_none=True,
+        ),
+        _Route(
+            "/detokenize",
+            detokenize,
+            "POST",
+            "Text of token ids",
+            DetokenizeResponse,
+            tokenizer_errors,
+            body=DetokenizeRequest,
+            authenticated=False,
+        ),
+    ]
 
 
 def _add_error_handlers(app: FastAPI, state: ServingState) -> None:

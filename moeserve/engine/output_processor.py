@@ -110,7 +110,6 @@ class _Parent:
 
     def output(self, metrics: RequestMetrics | None = None) -> RequestOutput:
         completions = [s.completion() for s in self.sequences.values()]
-        prompt_logprobs = None if self.prompt_logprobs is None else list(self.prompt_logprobs)
         return RequestOutput(
             self.request_id,
             self.prompt,
@@ -118,7 +117,7 @@ class _Parent:
             completions,
             self.unfinished == 0,
             metrics,
-            prompt_logprobs,
+            self.prompt_logprobs,  # whole by the first output and never changed after: shared, not copied
         )
 
     def metrics(self, now: float, finish_reason: str, slo: SLOConfig) -> RequestMetrics:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.hf_configs import hf_config
 
 from moeserve.config import MLAConfig, ModelConfig
 from moeserve.kernels.mla_attention import mla_decode, mla_latent_attention
@@ -32,31 +33,9 @@ STEPS = [(MIXED, 512), (DECODE, 512), (DECODE, 16)]  # (sequences, decode_partit
 
 
 def tiny_deepseek(**overrides: int) -> ModelConfig:
-    raw = dict(
-        architectures=["DeepseekV3ForCausalLM"],
-        vocab_size=320,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        max_position_embeddings=256,
-        rms_norm_eps=1e-6,
-        moe_intermediate_size=32,
-        n_routed_experts=8,
-        n_group=4,
-        topk_group=2,
-        num_experts_per_tok=3,
-        q_lora_rank=24,
-        kv_lora_rank=16,
-        qk_rope_head_dim=8,
-        qk_nope_head_dim=16,
-        v_head_dim=12,
-        first_k_dense_replace=1,
-        n_shared_experts=1,
-        routed_scaling_factor=2.5,
-    )
-    return parse_config({**raw, **overrides})
+    """The parity suite's tiny DeepSeek-V3 (its MLA shapes), read as moeserve reads it."""
+    raw = {**hf_config("deepseek_v3", **overrides).to_dict(), "architectures": ["DeepseekV3ForCausalLM"]}
+    return parse_config(raw)
 
 
 def make_plan(seqs, block_size: int, gen: torch.Generator, device) -> tuple[int, TorchAttentionPlan, PagedInputs]:

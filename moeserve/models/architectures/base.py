@@ -63,6 +63,28 @@ class HFConfig:
         names = " or ".join(repr(k) for k in keys)
         raise CheckpointError(f"config.json is missing {names}, needed by {self.architecture}")
 
+    def model_config(self, **fields: Any) -> ModelConfig:
+        """A ModelConfig from the keys every architecture reads alike (sizes, norms, positions,
+        tied embeddings, eos, dtype), with `fields` for the rest and for any the architecture
+        spells differently (DeepSeek's MLA head shape)."""
+        num_heads = self.require("num_attention_heads")
+        common: dict[str, Any] = {
+            "architecture": self.architecture,
+            "vocab_size": self.require("vocab_size"),
+            "hidden_size": self.require("hidden_size"),
+            "num_layers": self.require("num_hidden_layers"),
+            "num_heads": num_heads,
+            "num_kv_heads": self.get("num_key_value_heads", num_heads),
+            "head_dim": self.head_dim(),
+            "intermediate_size": self.require("intermediate_size"),
+            "rms_norm_eps": self.require("rms_norm_eps", kind=float),
+            "max_position_embeddings": self.require("max_position_embeddings"),
+            "tie_word_embeddings": bool(self.get("tie_word_embeddings", False)),
+            "eos_token_ids": self.eos_token_ids(),
+            "checkpoint_dtype": self.dtype(),
+        }
+        return ModelConfig(**{**common, **fields})
+
     def get(self, key: str, default: Any) -> Any:
         value = self.raw.get(key)
         return default if value is None else value

@@ -70,21 +70,13 @@ def parse_config(raw: dict[str, Any]) -> ModelConfig:
     first_dense = c.get("first_k_dense_replace", 0)
     num_heads = c.require("num_attention_heads")
     moe_intermediate = c.require("moe_intermediate_size")
-    return ModelConfig(
-        architecture=c.architecture,
-        vocab_size=c.require("vocab_size"),
-        hidden_size=c.require("hidden_size"),
-        num_layers=num_layers,
-        num_heads=num_heads,
+    return c.model_config(
         num_kv_heads=num_heads,
         head_dim=mla.qk_head_dim,
-        intermediate_size=c.require("intermediate_size"),
         moe_intermediate_size=moe_intermediate,
         num_experts=num_experts,
         router=_router(c),
         rope=rope,
-        rms_norm_eps=c.require("rms_norm_eps", kind=float),
-        max_position_embeddings=c.require("max_position_embeddings"),
         moe_layers=tuple(i >= first_dense for i in range(num_layers)),
         sliding_windows=(None,) * num_layers,
         shared_expert_intermediate_size=moe_intermediate * c.get("n_shared_experts", 0),
@@ -92,9 +84,6 @@ def parse_config(raw: dict[str, Any]) -> ModelConfig:
         o_bias=bool(c.get("attention_bias", False)),
         mla=mla,
         attention_scale=_attention_scale(mla.qk_head_dim, rope),
-        tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
-        eos_token_ids=c.eos_token_ids(),
-        checkpoint_dtype=c.dtype(),
     )
 
 

@@ -22,19 +22,10 @@ def parse_config(raw: dict[str, Any]) -> ModelConfig:
     c = HFConfig(raw)
     c.check_activation()
     num_layers = c.require("num_hidden_layers")
-    num_heads = c.require("num_attention_heads")
     head_dim = c.head_dim()
     moe_intermediate = c.require("moe_intermediate_size")
     first_dense = c.get("first_k_dense_replace", 1)
-    return ModelConfig(
-        architecture=c.architecture,
-        vocab_size=c.require("vocab_size"),
-        hidden_size=c.require("hidden_size"),
-        num_layers=num_layers,
-        num_heads=num_heads,
-        num_kv_heads=c.get("num_key_value_heads", num_heads),
-        head_dim=head_dim,
-        intermediate_size=c.require("intermediate_size"),
+    return c.model_config(
         moe_intermediate_size=moe_intermediate,
         num_experts=c.require("n_routed_experts", "num_local_experts"),
         router=RouterConfig(
@@ -48,16 +39,11 @@ def parse_config(raw: dict[str, Any]) -> ModelConfig:
             logits_in_fp32=True,
         ),
         rope=c.rope(c.rotary_dim(head_dim, DEFAULT_PARTIAL_ROTARY_FACTOR)),
-        rms_norm_eps=c.require("rms_norm_eps", kind=float),
-        max_position_embeddings=c.require("max_position_embeddings"),
         moe_layers=tuple(i >= first_dense for i in range(num_layers)),
         sliding_windows=(None,) * num_layers,
         shared_expert_intermediate_size=moe_intermediate * c.get("n_shared_experts", 1),
         qkv_bias=bool(c.get("attention_bias", False)),
         qk_norm="head" if c.get("use_qk_norm", False) else "none",
-        tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
-        eos_token_ids=c.eos_token_ids(),
-        checkpoint_dtype=c.dtype(),
     )
 
 

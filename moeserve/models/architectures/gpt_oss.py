@@ -39,26 +39,15 @@ def _sliding_windows(c: HFConfig, num_layers: int) -> tuple[int | None, ...]:
 def parse_config(raw: dict[str, Any]) -> ModelConfig:
     c = HFConfig(raw)
     num_layers = c.require("num_hidden_layers")
-    num_heads = c.require("num_attention_heads")
     head_dim = c.head_dim()
     bias = bool(c.get("attention_bias", True))
-    return ModelConfig(
-        architecture=c.architecture,
-        vocab_size=c.require("vocab_size"),
-        hidden_size=c.require("hidden_size"),
-        num_layers=num_layers,
-        num_heads=num_heads,
-        num_kv_heads=c.get("num_key_value_heads", num_heads),
-        head_dim=head_dim,
-        intermediate_size=c.require("intermediate_size"),
+    return c.model_config(
         moe_intermediate_size=c.require("intermediate_size"),
         num_experts=c.require("num_local_experts", "num_experts"),
         router=RouterConfig(
             kind="topk_softmax", top_k=c.require("num_experts_per_tok"), renormalize=False, has_bias=True
         ),
         rope=c.rope(head_dim, default_theta=DEFAULT_THETA, default_scaling=DEFAULT_ROPE_SCALING),
-        rms_norm_eps=c.require("rms_norm_eps", kind=float),
-        max_position_embeddings=c.require("max_position_embeddings"),
         moe_layers=(True,) * num_layers,
         sliding_windows=_sliding_windows(c, num_layers),
         qkv_bias=bias,
@@ -70,9 +59,6 @@ def parse_config(raw: dict[str, Any]) -> ModelConfig:
             limit=float(c.get("swiglu_limit", 7.0)),
         ),
         expert_bias=True,
-        tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
-        eos_token_ids=c.eos_token_ids(),
-        checkpoint_dtype=c.dtype(),
     )
 
 

@@ -45,17 +45,8 @@ def parse_config(raw: dict[str, Any]) -> ModelConfig:
     c.check_activation()
     _check_remote_code_fields(c)
     num_layers = c.require("num_hidden_layers")
-    num_heads = c.require("num_attention_heads")
     head_dim = c.head_dim()
-    return ModelConfig(
-        architecture=c.architecture,
-        vocab_size=c.require("vocab_size"),
-        hidden_size=c.require("hidden_size"),
-        num_layers=num_layers,
-        num_heads=num_heads,
-        num_kv_heads=c.get("num_key_value_heads", num_heads),
-        head_dim=head_dim,
-        intermediate_size=c.require("intermediate_size"),
+    return c.model_config(
         moe_intermediate_size=c.require("intermediate_size"),
         num_experts=c.require("num_local_experts", "num_experts"),
         router=RouterConfig(
@@ -66,14 +57,9 @@ def parse_config(raw: dict[str, Any]) -> ModelConfig:
             logits_in_fp32=True,
         ),
         rope=c.rope(c.rotary_dim(head_dim), default_theta=DEFAULT_THETA),
-        rms_norm_eps=c.require("rms_norm_eps", kind=float),
-        max_position_embeddings=c.require("max_position_embeddings"),
         moe_layers=(True,) * num_layers,
         sliding_windows=(None,) * num_layers,
         qk_norm="full",
-        tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
-        eos_token_ids=c.eos_token_ids(),
-        checkpoint_dtype=c.dtype(),
     )
 
 

@@ -27,23 +27,13 @@ def parse_config(raw: dict[str, Any]) -> ModelConfig:
     num_layers = c.require("num_hidden_layers")
     num_experts = c.require("num_experts", "num_local_experts")
     head_dim = c.head_dim()
-    return ModelConfig(
-        architecture=c.architecture,
-        vocab_size=c.require("vocab_size"),
-        hidden_size=c.require("hidden_size"),
-        num_layers=num_layers,
-        num_heads=c.require("num_attention_heads"),
-        num_kv_heads=c.get("num_key_value_heads", c.require("num_attention_heads")),
-        head_dim=head_dim,
-        intermediate_size=c.require("intermediate_size"),
+    return c.model_config(
         moe_intermediate_size=c.require("moe_intermediate_size"),
         num_experts=num_experts,
         router=RouterConfig(
             kind="softmax", top_k=c.require("num_experts_per_tok"), renormalize=bool(c.get("norm_topk_prob", False))
         ),
         rope=c.rope(head_dim),
-        rms_norm_eps=c.require("rms_norm_eps", kind=float),
-        max_position_embeddings=c.require("max_position_embeddings"),
         moe_layers=_moe_layers(c, num_layers, num_experts),
         sliding_windows=c.sliding_windows(num_layers, enabled=bool(c.get("use_sliding_window", False))),
         shared_expert_intermediate_size=0 if qwen3 else c.get("shared_expert_intermediate_size", 0),
@@ -51,9 +41,6 @@ def parse_config(raw: dict[str, Any]) -> ModelConfig:
         qkv_bias=bool(c.get("attention_bias", False)) if qwen3 else bool(c.get("qkv_bias", True)),
         o_bias=bool(c.get("attention_bias", False)) if qwen3 else False,
         qk_norm="head" if qwen3 else "none",
-        tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
-        eos_token_ids=c.eos_token_ids(),
-        checkpoint_dtype=c.dtype(),
     )
 
 
