@@ -32,22 +32,59 @@ _CORPUS_CHARS = 1_000_000  # fixed size: ~0.3 s of training, room for ~13k token
 _CHARS_PER_FILE = 8_192  # a slice of many modules rather than all of a few, for variety
 _RESERVED_TOKEN = "<|reserved_{}|>"
 
-# ChatML (as Qwen uses it). Content may be a string or a list of OpenAI-style text parts.
+# ChatML (as Qwen uses it). Content may be a string, a list of OpenAI-style text parts, or None
+# (an assistant turn that only calls tools). With `tools`, the Hermes convention the `hermes`
+# tool-call parser reads: the tools' JSON signatures in the system turn, each call written as
+# `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, and tool results sent back as
+# `<tool_response>` blocks in one user turn per run of tool messages.
 CHAT_TEMPLATE = r"""
-{%- for message in messages -%}
-{%- if message['role'] not in ['system', 'user', 'assistant'] -%}
-{{- raise_exception('unsupported role: ' + message['role']) -}}
+{%- macro text(message) -%}
+{%- if message['content'] is none -%}
+{%- elif message['content'] is string -%}
+{{- message['content'] -}}
+{%- else -%}
+{{- message['content'] | selectattr('type', 'equalto', 'text') | map(attribute='text') | join('') -}}
 {%- endif -%}
-{%- if message['role'] == 'system' and not loop.first -%}
+{%- endmacro -%}
+{%- if tools -%}
+{{- '<|im_start|>system\n' -}}
+{%- if messages and messages[0]['role'] == 'system' -%}
+{{- text(messages[0]) + '\n\n' -}}
+{%- endif -%}
+{{- '# Tools\n\nYou may call one or more functions to assist with the user query.\n\n' -}}
+{{- 'You are provided with function signatures within <tools></tools> XML tags:\n<tools>' -}}
+{%- for tool in tools -%}
+{{- '\n' + (tool | tojson) -}}
+{%- endfor -%}
+{{- '\n</tools>\n\nFor each function call, return a json object with function name and arguments ' -}}
+{{- 'within <tool_call></tool_call> XML tags:\n<tool_call>\n' -}}
+{{- '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n' -}}
+{%- endif -%}
+{%- for message in messages -%}
+{%- set role = message['role'] -%}
+{%- if role not in ['system', 'user', 'assistant', 'tool'] -%}
+{{- raise_exception('unsupported role: ' + role) -}}
+{%- endif -%}
+{%- if role == 'system' and not loop.first -%}
 {{- raise_exception('the system message must come first') -}}
 {%- endif -%}
-{%- if message['content'] is string -%}
-{%- set content = message['content'] -%}
-{%- else -%}
-{%- set content = message['content'] | selectattr('type', 'equalto', 'text')
-                  | map(attribute='text') | join('') -%}
+{%- set after_tool = not loop.first and messages[loop.index0 - 1]['role'] == 'tool' -%}
+{%- set before_tool = not loop.last and messages[loop.index0 + 1]['role'] == 'tool' -%}
+{%- if role == 'tool' -%}
+{{- ('' if after_tool else '<|im_start|>user') + '\n<tool_response>\n' + text(message) + '\n</tool_response>' -}}
+{{- '' if before_tool else '<|im_end|>\n' -}}
+{%- elif role == 'assistant' and message.get('tool_calls') -%}
+{{- '<|im_start|>assistant\n' + text(message) -}}
+{%- for call in message['tool_calls'] -%}
+{%- set function = call['function'] if call['function'] is defined else call -%}
+{%- set arguments = function['arguments'] -%}
+{{- ('\n' if text(message) or not loop.first else '') + '<tool_call>\n{"name": ' + (function['name'] | tojson) -}}
+{{- ', "arguments": ' + (arguments if arguments is string else arguments | tojson) + '}\n</tool_call>' -}}
+{%- endfor -%}
+{{- '<|im_end|>\n' -}}
+{%- elif not (role == 'system' and tools) -%}
+{{- '<|im_start|>' + role + '\n' + text(message) + '<|im_end|>\n' -}}
 {%- endif -%}
-{{- '<|im_start|>' + message['role'] + '\n' + content + '<|im_end|>\n' -}}
 {%- endfor -%}
 {%- if add_generation_prompt -%}
 {{- '<|im_start|>assistant\n' -}}

@@ -18,15 +18,18 @@ def server_checkpoint(make_checkpoint: Callable[..., Path]) -> Path:
 def start_server(
     tmp_path_factory: pytest.TempPathFactory, server_checkpoint: Path
 ) -> Iterator[Callable[..., ServerProcess]]:
-    """start_server(*extra_args, env=None) -> a healthy server on the test checkpoint; all are
-    stopped at the end of the session."""
+    """start_server(*extra_args, env=None, checkpoint=None) -> a healthy server on the test
+    checkpoint (or `checkpoint`); all are stopped at the end of the session. `extra_args` come
+    last, so they override the defaults (`--max-model-len`)."""
     started: list[ServerProcess] = []
 
-    def start(*extra: str, env: dict[str, str] | None = None, wait: bool = True) -> ServerProcess:
+    def start(
+        *extra: str, env: dict[str, str] | None = None, wait: bool = True, checkpoint: Path | None = None
+    ) -> ServerProcess:
         log = tmp_path_factory.mktemp("server") / "server.log"
         args = [
             "--model",
-            str(server_checkpoint),
+            str(checkpoint or server_checkpoint),
             "--served-model-name",
             "tiny",
             "--max-model-len",

@@ -23,12 +23,14 @@ from pydantic import BaseModel, Field
 from server_utils import ServerProcess
 
 NUM_SCHEMAS = int(os.environ.get("MOESERVE_TEST_SCHEMAS", "12"))
-MAX_TOKENS = 170  # the context is 192; the chat prompt takes about 20
+MAX_TOKENS = 170  # a plain chat prompt takes about 20
+TOOL_CONTEXT = 2048  # the tool signatures take about 700 tokens of this byte-level vocabulary, calls 170 each
 
 
 @pytest.fixture(scope="module")
-def tool_server(start_server) -> Iterator[ServerProcess]:
-    server = start_server("--tool-call-parser", "hermes")
+def tool_server(start_server, make_checkpoint) -> Iterator[ServerProcess]:
+    checkpoint = make_checkpoint("qwen3_moe", 0, max_position_embeddings=TOOL_CONTEXT)
+    server = start_server("--tool-call-parser", "hermes", "--max-model-len", str(TOOL_CONTEXT), checkpoint=checkpoint)
     yield server
     server.stop()
 
@@ -197,3 +199,17 @@ def test_auto_reads_plain_text_as_content(tool_server: ServerProcess) -> None:
     themselves are tested on model-like text in tests/unit/test_tool_parsers.py)."""
     choice = chat(client(tool_server), tools=TOOLS, temperature=0.0).choices[0]
     assert not choice.message.tool_calls and choice.message.content and choice.finish_reason in ("stop", "length")
+
+
+def test_a_conversation_with_tool_results_continues(tool_server: ServerProcess) -> None:
+    """The calls a forced request made, sent back with their results, render and continue: the
+    demo template writes the assistant's calls and the tool messages (a 200 with a reply)."""
+    c = client(tool_server)
+    first = chat(c, tools=TOOLS, tool_choice="required", temperature=0.0).choices[0].message
+    history = [
+        {"role": "user", "content": "answer"},
+        {"role": "assistant", "content": None, "tool_calls": [t.model_dump() for t in first.tool_calls]},
+        *({"role": "tool", "tool_call_id": t.id, "content": "42"} for t in first.tool_calls),
+    ]
+    reply = c.chat.completions.create(model="tiny", messages=history, tools=TOOLS, max_tokens=8, temperature=0.0)
+    assert reply.choices[0].finish_reason in ("stop", "length") and reply.usage.prompt_tokens > 700

@@ -10,6 +10,8 @@ from safetensors import safe_open
 from tokenizers import Tokenizer
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from moeserve.api.tool_calls import ToolCallReader
+from moeserve.api.tool_parsers import HermesToolParser
 from moeserve.checkpoints import (
     SUPPORTED_ARCHS,
     MakeModelSpec,
@@ -191,7 +193,39 @@ def test_chat_template_is_chatml(tmp_path: Path) -> None:
     ids = tokenizer.encode(text)
     assert ids[0] == IM_START_ID and ids.count(IM_END_ID) == 4
     with pytest.raises(Exception, match="unsupported role"):
-        tokenizer.apply_chat_template([{"role": "tool", "content": "x"}], tokenize=False)
+        tokenizer.apply_chat_template([{"role": "narrator", "content": "x"}], tokenize=False)
+
+
+def test_chat_template_writes_tools_and_calls_as_the_hermes_parser_reads_them(tmp_path: Path) -> None:
+    """Signatures in the system turn, the assistant's calls in <tool_call> blocks (what the
+    `hermes` parser reads back to the same calls), and a run of tool results as one user turn."""
+    train_tokenizer(512, tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    calls = [
+        {"id": "a", "type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}},
+        {"id": "b", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}},
+    ]
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Sums?"},
+        {"role": "assistant", "content": None, "tool_calls": calls},
+        {"role": "tool", "tool_call_id": "a", "content": "5"},
+        {"role": "tool", "tool_call_id": "b", "content": "1"},
+    ]
+    text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+    system, user, assistant, results, prompt = text.split("<|im_start|>")[1:]
+    assert system.startswith("system\nBe brief.\n\n") and json.dumps(tools[0]) in system
+    assert user == "user\nSums?<|im_end|>\n" and prompt == "assistant\n"
+    assert results == "user\n<tool_response>\n5\n</tool_response>\n<tool_response>\n1\n</tool_response><|im_end|>\n"
+    content, read, finish = ToolCallReader("auto", parser=HermesToolParser()).final(
+        assistant.removeprefix("assistant\n").removesuffix("<|im_end|>\n"), "stop"
+    )
+    assert not content and finish == "tool_calls"
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in read] == [
+        ("add", {"a": 2, "b": 3}),
+        ("add", {"a": 1}),
+    ]
 
 
 def test_tokenizer_needs_room_for_bytes_and_specials(tmp_path: Path) -> None:
