@@ -78,9 +78,18 @@ class StepInput:
     """One per data-parallel group; a rank runs its group's plan (maybe empty: it still steps).
     The plans carry what the ranks learn of requests: new ones' data, finished ones' ids."""
     want_routed_tokens: bool = False
-    token_bitmask: TokenBitmask | None = None
+    bitmask_follows: bool = False
+    """A `StepBitmask` for this step comes next: the engine sends the plan first, so the ranks
+    start the forward while it fills the grammar bitmask."""
+
+
+@dataclass(frozen=True)
+class StepBitmask:
     """The grammar's allowed tokens of every group's constrained requests that sample this step
     (a few KiB per request: one bit per token); each sampling rank takes its own rows."""
+
+    step: int
+    token_bitmask: TokenBitmask
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ import os
 import socket
 import sys
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
@@ -25,7 +26,16 @@ import torch.distributed as dist
 from moeserve.dispatch import ExpertMap, a2a_backend_for, create_dispatcher
 from moeserve.dispatch.expert_load import logical_rows
 from moeserve.distributed.channel import ControlClient
-from moeserve.distributed.messages import LoadReport, Shutdown, StepInput, StepOutput, Sync, SyncAck, WorkerSpec
+from moeserve.distributed.messages import (
+    LoadReport,
+    Shutdown,
+    StepBitmask,
+    StepInput,
+    StepOutput,
+    Sync,
+    SyncAck,
+    WorkerSpec,
+)
 from moeserve.distributed.rendezvous import (
     CONTROL_KEY,
     RANKS_PREFIX,
@@ -42,6 +52,7 @@ from moeserve.ops import create_ops
 from moeserve.worker.decode_graphs import GraphSettings, create_decode_graphs, is_decode
 from moeserve.worker.kv_cache import allocate_kv_caches, bytes_per_block
 from moeserve.worker.runner import ModelRunner
+from moeserve.worker.sampling_metadata import PendingBitmask, TokenBitmask
 from moeserve.worker.two_batch import micro_batch_bounds
 
 logger = logging.getLogger("moeserve.worker")
@@ -166,7 +177,9 @@ class Worker:
             decode_graph_sizes=graphs.sizes if graphs is not None else (),
         )
 
-    def step(self, message: StepInput) -> StepOutput:
+    def step(self, message: StepInput, receive_bitmask: Callable[[int], TokenBitmask]) -> StepOutput:
+        """Run this rank's part of a step; `receive_bitmask(step)` reads the grammar bitmask the
+        engine sends after the plan (`message.bitmask_follows`), when the sampler needs it."""
         # Every rank sees every group's plan, so all agree on this bound without communicating.
         bound = max(self.tp.largest_slice(plan.num_batched_tokens) for plan in message.plans)
         micro_bounds = None
@@ -174,9 +187,10 @@ class Worker:
             steps = [[len(s.token_ids) for s in plan.scheduled] for plan in message.plans]
             micro_bounds = micro_batch_bounds(steps, self.tp)
         decode_only = all(is_decode(plan.scheduled) for plan in message.plans)  # the same on every rank
-        sampled = self.runner.execute(
-            message.plans[self.group_index], bound, micro_bounds, decode_only, message.token_bitmask
-        )
+        bitmask = PendingBitmask(lambda: receive_bitmask(message.step)) if message.bitmask_follows else None
+        sampled = self.runner.execute(message.plans[self.group_index], bound, micro_bounds, decode_only, bitmask)
+        if bitmask is not None:
+            bitmask.get()  # read it off the channel even where this rank did not sample
         report = None
         if self.rebalancer is not None and self.rebalancer.record():
             report = self.rebalancer.rebalance(before_swap=self._set_aside_routed)
@@ -237,6 +251,16 @@ def serve_rank(
         )
         raise
     channel.send(report)
+
+    def receive_bitmask(step: int) -> TokenBitmask:
+        while True:
+            message = channel.receive(POLL_S)
+            if message is None:
+                continue
+            if not isinstance(message, StepBitmask) or message.step != step:
+                raise RuntimeError(f"expected step {step}'s grammar bitmask, got {type(message).__name__}")
+            return message.token_bitmask
+
     while True:
         message = channel.receive(POLL_S)
         if message is None:
@@ -246,7 +270,7 @@ def serve_rank(
         if isinstance(message, Sync):
             channel.send(SyncAck(rank))
             continue
-        channel.send(worker.step(message))
+        channel.send(worker.step(message, receive_bitmask))
     channel.close()
     dist.destroy_process_group()
 

@@ -1,6 +1,6 @@
 """The engine core: the scheduler and the executor, stepping on token ids; nothing about text.
 
-    step():  scheduler.schedule() -> [grammar bitmask] -> executor.execute(plan, bitmask)
+    step():  scheduler.schedule() -> [grammar bitmask fill starts] -> executor.execute(plan, pending bitmask)
              -> scheduler.update(plan, tokens, time) -> [grammars advance]
              -> CoreStep (new tokens, sequences the scheduler ended, first admissions, gauges)
 
@@ -254,9 +254,15 @@ class EngineCore:
         report_load = started - self._routing_asked >= ROUTING_INTERVAL_S
         if report_load:  # asked before the step, so the report includes it
             self.executor.ask_routed_tokens()
-        # One batched fill for every constrained sequence that samples now, shipped with the plan.
-        bitmask = self.structured.bitmask([s.request_id for s in plan.scheduled if s.sample])
-        sampled = self.executor.execute(plan) if bitmask is None else self.executor.execute(plan, bitmask)
+        # One batched fill for every constrained sequence that samples now, beside the forward.
+        pending = self.structured.start_bitmask([s.request_id for s in plan.scheduled if s.sample])
+        try:
+            sampled = self.executor.execute(plan) if pending is None else self.executor.execute(plan, pending)
+        except BaseException:
+            if pending is not None:
+                pending.settle()  # never leave the filler reading matchers that what follows changes
+            raise
+        bitmask = None if pending is None else pending.get()
         if not plan.is_empty and self.config.min_step_time_s > 0:  # the test-only capacity knob
             time.sleep(max(0.0, started + self.config.min_step_time_s - time.monotonic()))
         duration_s = time.monotonic() - started

@@ -17,7 +17,7 @@ from moeserve.eplb.rebalancer import RebalanceReport
 from moeserve.scheduler import StepPlan
 from moeserve.worker.prompt_logprobs import PromptLogprobs
 from moeserve.worker.runner import SampledToken
-from moeserve.worker.sampling_metadata import TokenBitmask
+from moeserve.worker.sampling_metadata import PendingBitmask
 
 
 class Executor(ABC):
@@ -27,9 +27,10 @@ class Executor(ABC):
     num_kv_blocks: int
 
     @abstractmethod
-    def execute(self, plan: StepPlan, token_bitmask: TokenBitmask | None = None) -> dict[str, SampledToken]:
+    def execute(self, plan: StepPlan, token_bitmask: PendingBitmask | None = None) -> dict[str, SampledToken]:
         """Run one lockstep step; a token for every scheduled request whose plan says `sample`,
-        within `token_bitmask`'s allowed tokens for the requests it covers (structured outputs)."""
+        within `token_bitmask`'s allowed tokens for the requests it covers (structured outputs).
+        The mask may still be filling: it is waited for only when the logits are ready."""
 
     @abstractmethod
     def take_routed_tokens(self) -> RoutedTokens | None:

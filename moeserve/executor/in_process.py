@@ -19,7 +19,7 @@ from moeserve.worker.decode_graphs import GraphSettings, create_decode_graphs
 from moeserve.worker.kv_cache import allocate_kv_caches
 from moeserve.worker.prompt_logprobs import PromptLogprobs
 from moeserve.worker.runner import ModelRunner, SampledToken
-from moeserve.worker.sampling_metadata import TokenBitmask
+from moeserve.worker.sampling_metadata import PendingBitmask
 
 
 class InProcessExecutor(Executor):
@@ -77,7 +77,7 @@ class InProcessExecutor(Executor):
             graphs=graphs,
         )
 
-    def execute(self, plan: StepPlan, token_bitmask: TokenBitmask | None = None) -> dict[str, SampledToken]:
+    def execute(self, plan: StepPlan, token_bitmask: PendingBitmask | None = None) -> dict[str, SampledToken]:
         (group,) = plan.groups
         return self.runner.execute(group, token_bitmask=token_bitmask)
 

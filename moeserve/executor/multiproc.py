@@ -27,7 +27,16 @@ from moeserve.dispatch.expert_load import RoutedTokens
 from moeserve.dispatch.wire import WireVolume, dispatch_row_bytes
 from moeserve.distributed.channel import ControlServer
 from moeserve.distributed.launcher import start_ranks, stop_ranks
-from moeserve.distributed.messages import LoadReport, Shutdown, StepInput, StepOutput, Sync, SyncAck, WorkerSpec
+from moeserve.distributed.messages import (
+    LoadReport,
+    Shutdown,
+    StepBitmask,
+    StepInput,
+    StepOutput,
+    Sync,
+    SyncAck,
+    WorkerSpec,
+)
 from moeserve.distributed.monitor import RankMonitor
 from moeserve.distributed.rendezvous import CONTROL_KEY, SPEC_KEY, host_store, put
 from moeserve.eplb import RebalanceReport
@@ -36,7 +45,7 @@ from moeserve.executor.base import Executor
 from moeserve.scheduler import StepPlan
 from moeserve.worker.prompt_logprobs import PromptLogprobs
 from moeserve.worker.runner import SampledToken
-from moeserve.worker.sampling_metadata import TokenBitmask
+from moeserve.worker.sampling_metadata import PendingBitmask
 
 logger = logging.getLogger(__name__)
 
@@ -210,14 +219,18 @@ class MultiprocessExecutor(Executor):
 
     # ---- steps -----------------------------------------------------------------------------
 
-    def execute(self, plan: StepPlan, token_bitmask: TokenBitmask | None = None) -> dict[str, SampledToken]:
-        """Publish the plan; an idle one (nothing to run, no finished ids) is not worth a step."""
+    def execute(self, plan: StepPlan, token_bitmask: PendingBitmask | None = None) -> dict[str, SampledToken]:
+        """Publish the plan, then the grammar bitmask once filled (the ranks run the forward
+        meanwhile); an idle plan (nothing to run, no finished ids) is not worth a step."""
         self._check()
         if plan.is_idle:
             return {}
         self._step += 1
-        self._channel.publish(StepInput(self._step, plan.groups, self._routing_wanted, token_bitmask))
+        follows = token_bitmask is not None
+        self._channel.publish(StepInput(self._step, plan.groups, self._routing_wanted, follows))
         self._routing_wanted = False
+        if token_bitmask is not None:
+            self._channel.publish(StepBitmask(self._step, token_bitmask.get()))
         return self._collect(self._step)
 
     def _collect(self, step: int) -> dict[str, SampledToken]:

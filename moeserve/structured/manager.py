@@ -3,9 +3,10 @@
 The matchers live where the scheduler does (the engine core, as in vLLM v1), because that is
 where every sampled token arrives first, whatever the parallel layout: each step the core fills
 one bitmask for the constrained sequences that sample, in one batched call (xgrammar's C++
-threads, the GIL released), and ships it with the plan; the sampling process (the in-process
-runner, or each group's sampling rank) masks its rows' logits with it and never needs xgrammar.
-When the tokens come back the matchers advance.
+threads, the GIL released) on a thread of its own that runs beside the step's forward, and
+ships it after the plan; the sampling process (the in-process runner, or each group's sampling
+rank) waits for it only when its logits are ready, masks its rows with it and never needs
+xgrammar. When the tokens come back the matchers advance.
 
 Compiling needs the served tokenizer (every token's bytes), so it happens here too, on a worker
 thread: a sequence whose grammar is not ready yet is held back by the core, not the scheduler,
@@ -23,7 +24,7 @@ import xgrammar as xgr
 
 from moeserve.sampling_params import StructuredOutputs
 from moeserve.structured.grammar import build_grammar
-from moeserve.worker.sampling_metadata import TokenBitmask
+from moeserve.worker.sampling_metadata import PendingBitmask, TokenBitmask
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +91,7 @@ class StructuredOutputManager:
         self.compiler = compiler
         self._batch = xgr.BatchGrammarMatcher(max_threads=max_threads)
         self._matchers: dict[str, xgr.GrammarMatcher] = {}
+        self._filler = ThreadPoolExecutor(1, thread_name_prefix="moeserve-bitmask")
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._matchers
@@ -102,14 +104,20 @@ class StructuredOutputManager:
         for request_id in request_ids:
             self._matchers.pop(request_id, None)
 
-    def bitmask(self, request_ids: Sequence[str]) -> TokenBitmask | None:
-        """The allowed next tokens of those of `request_ids` under a grammar, in one batched fill."""
-        constrained = [r for r in request_ids if r in self._matchers]
+    def start_bitmask(self, request_ids: Sequence[str]) -> PendingBitmask | None:
+        """Start filling the allowed next tokens of those of `request_ids` under a grammar (one
+        batched fill, on the filler thread); None when none is. The matchers must not change
+        until the mask is taken: the core advances them only after the step has sampled."""
+        constrained = [self._matchers[r] for r in request_ids if r in self._matchers]
         if not constrained:
             return None
-        bitmask = xgr.allocate_token_bitmask(len(constrained), self.compiler.vocab_size)  # [K, W] int32
-        self._batch.batch_fill_next_token_bitmask([self._matchers[r] for r in constrained], bitmask)
-        return TokenBitmask(tuple(constrained), bitmask)
+        ids = tuple(r for r in request_ids if r in self._matchers)
+        return PendingBitmask(self._filler.submit(self._fill, ids, constrained).result)
+
+    def _fill(self, request_ids: tuple[str, ...], matchers: list[xgr.GrammarMatcher]) -> TokenBitmask:
+        bitmask = xgr.allocate_token_bitmask(len(matchers), self.compiler.vocab_size)  # [K, W] int32
+        self._batch.batch_fill_next_token_bitmask(matchers, bitmask)
+        return TokenBitmask(request_ids, bitmask)
 
     def accept(self, sampled: Mapping[str, int], request_ids: Iterable[str]) -> tuple[list[str], list[str]]:
         """Advance the matchers of `request_ids` by their sampled tokens: (sequences whose grammar
@@ -128,4 +136,5 @@ class StructuredOutputManager:
         return terminated, refused
 
     def shutdown(self) -> None:
+        self._filler.shutdown(wait=True)
         self.compiler.shutdown()

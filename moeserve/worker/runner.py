@@ -24,7 +24,7 @@ from moeserve.worker.decode_graphs import DecodeGraphs, is_decode
 from moeserve.worker.input_batch import InputBatch
 from moeserve.worker.prompt_logprobs import PromptLogprobs, PromptLogprobsTracker
 from moeserve.worker.sampler import Sampler, SamplerOutput, SamplingRow, make_generator
-from moeserve.worker.sampling_metadata import TokenBitmask
+from moeserve.worker.sampling_metadata import PendingBitmask
 from moeserve.worker.two_batch import interleave, split_point
 
 
@@ -111,7 +111,7 @@ class ModelRunner:
         max_tokens_per_rank: int | None = None,
         micro_batch_bounds: tuple[int, int] | None = None,
         decode_only: bool | None = None,
-        token_bitmask: TokenBitmask | None = None,
+        token_bitmask: PendingBitmask | None = None,
     ) -> dict[str, SampledToken]:
         """max_tokens_per_rank: the most tokens any rank's MoE layers dispatch this step, the same
         on every rank of the EP group (see `MoECausalLM.forward`); None where it is not known.
@@ -119,7 +119,8 @@ class ModelRunner:
         (`two_batch.micro_batch_bounds`); None: max_tokens_per_rank for both.
         decode_only: whether every rank's step is decodes only, which decides, alike on every
         rank, whether captured graphs run; None: this plan's own.
-        token_bitmask: the grammar's allowed tokens for requests under structured outputs."""
+        token_bitmask: the grammar's allowed tokens for requests under structured outputs, taken
+        (waited for, if still filling) only once the logits exist."""
         self._track(plan)
         scheduled = plan.scheduled
         if not scheduled and not self.lockstep:
@@ -152,7 +153,7 @@ class ModelRunner:
         logits = self.model.compute_logits(last[0] if len(last) == 1 else torch.cat(last))  # [S, V]
         request_ids = [scheduled[i].request_id for i in sampling]
         metadata = self.batch.sampling_metadata(self.batch.slots(request_ids))
-        allowed = None if token_bitmask is None else token_bitmask.for_rows(request_ids, self.device)
+        allowed = None if token_bitmask is None else token_bitmask.get().for_rows(request_ids, self.device)
         out = self.sampler.sample(logits, metadata, allowed)
         self.batch.record(metadata, out.token_ids)
         return self._unpack(out, request_ids, metadata.num_logprobs)

@@ -10,7 +10,7 @@ M = (row, token) pairs masked by min_tokens.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -125,3 +125,30 @@ class TokenBitmask:
         rows, masks = zip(*pairs)
         bitmask = self.bitmask if list(masks) == list(range(len(self.request_ids))) else self.bitmask[list(masks)]
         return AllowedTokens(torch.tensor(rows, dtype=torch.int64, device=device), bitmask.to(device))
+
+
+class PendingBitmask:
+    """A step's grammar bitmask that may still be filling while the forward runs.
+
+    The engine core starts the fill before it hands the plan over and the sampler waits for it
+    only once the logits exist, so the fill (the matchers walking their grammars) costs the step
+    nothing unless it outlasts the forward. Where the forward runs in rank processes, the core
+    sends the mask after the plan, and each rank reads it when it samples."""
+
+    def __init__(self, take: Callable[[], TokenBitmask]) -> None:
+        self._take = take  # blocks until the mask is there: a fill's result, or a message read
+        self._mask: TokenBitmask | None = None
+
+    def get(self) -> TokenBitmask:
+        """The mask, waiting for it if it is not there yet."""
+        if self._mask is None:
+            self._mask = self._take()
+        return self._mask
+
+    def settle(self) -> None:
+        """Wait until the mask is there or its fill failed: a step that failed drops it, but
+        must not leave the fill running."""
+        try:
+            self.get()
+        except Exception:  # noqa: BLE001 - the step's own failure is the one that matters
+            pass

@@ -4,6 +4,7 @@ and the bitmask it fills agree with what the spec allows."""
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
 import pytest
@@ -89,7 +90,7 @@ def test_bitmask_follows_the_choice_and_the_grammar_ends_on_eos(tokenizer_dir: P
     choices = ['say "hi"', "back\\slash", "é"]
     manager.start("r", manager.compiler.compile(StructuredOutputs.choice(choices)).result(timeout=30))
     manager.start("free", manager.compiler.compile(StructuredOutputs("json_object")).result(timeout=30))
-    mask = manager.bitmask(["other", "r"])  # an unconstrained id is left out
+    mask = manager.start_bitmask(["other", "r"]).get()  # an unconstrained id is left out
     assert mask is not None and mask.request_ids == ("r",)
     allowed = _allowed(mask.bitmask, 0)
     starts = {tokenizer.encode(c)[0] for c in choices}
@@ -98,10 +99,32 @@ def test_bitmask_follows_the_choice_and_the_grammar_ends_on_eos(tokenizer_dir: P
     assert whole and all(any(c.startswith(text) for c in choices) for text in whole)
     for token in tokenizer.encode(choices[0]):
         assert manager.accept({"r": token}, ["r"]) == ([], [])
-    mask = manager.bitmask(["r"])
+    mask = manager.start_bitmask(["r"]).get()
     assert _allowed(mask.bitmask, 0) == {EOS}
     assert manager.accept({"r": EOS}, ["r"]) == (["r"], [])
     assert manager.accept({"free": tokenizer.encode("]")[0]}, ["free"]) == ([], ["free"])  # not a JSON object
+    manager.shutdown()
+
+
+def test_the_bitmask_fills_beside_the_step(tokenizer_dir: Path, monkeypatch) -> None:
+    """start_bitmask hands back at once while the fill runs on the filler thread (beside the
+    forward); get() waits for it; nothing to fill is None, with no thread work at all."""
+    manager = _manager(tokenizer_dir, [])
+    manager.start("r", manager.compiler.compile(StructuredOutputs.choice(["ab"])).result(timeout=30))
+    release, filled_on = threading.Event(), []
+    fill = manager._fill
+
+    def held_fill(request_ids, matchers):
+        filled_on.append(threading.current_thread().name)
+        assert release.wait(30)
+        return fill(request_ids, matchers)
+
+    monkeypatch.setattr(manager, "_fill", held_fill)
+    assert manager.start_bitmask(["free"]) is None
+    pending = manager.start_bitmask(["r"])  # returns although the fill cannot finish yet
+    assert pending is not None and not release.is_set()
+    release.set()
+    assert pending.get().request_ids == ("r",) and filled_on[0].startswith("moeserve-bitmask")
     manager.shutdown()
 
 
