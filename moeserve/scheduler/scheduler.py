@@ -298,6 +298,18 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self._running)
 
+    def backlog(self) -> StepShape:
+        """The shape of one step feeding everything this scheduler holds: each running request
+        its next tokens from where it stands (a decode one token at its context's end, a prefill
+        the rest of its prompt), each queued request its prompt from position 0 (the prefix
+        cache ignored). What token-aware data-parallel routing prices a group's load by."""
+        shape = StepShape()
+        for request in self._requests.values():
+            remaining = request.num_tokens - request.num_computed_tokens
+            if remaining > 0:
+                shape = shape.plus_chunk(remaining, request.num_computed_tokens)
+        return shape
+
     @property
     def step_time_model(self) -> StepTimeModel | None:
         """The model sizing prefill chunks (slo) and predicting TTFT (admission), else None."""
