@@ -208,13 +208,13 @@ def class_table(reports: Sequence[ClassReport]) -> str:
 
     lines = [
         " Per SLO class ".center(64, "-"),
-        f"{'class':<10}{'sent':>6}{'429':>6}{'goodput':>9}{'all':>8}{'admitted':>10}{'server ttft/tbt':>15}",
+        f"{'class':<10}{'sent':>6}{'429':>6}{'goodput':>9}{'all':>8}{'admitted':>10}{'server ttft/tbt':>17}",
     ]
     for r in reports:
         s = r.server
         server = "-" if s is None or not s.requests else f"{pct(s.ttft_met / s.requests)}/{pct(s.tbt_met / s.requests)}"
         lines.append(
             f"{r.name:<10}{r.num_sent:>6}{r.num_rejected:>6}{r.goodput:>9.2f}{pct(r.attainment.get('all')):>8}"
-            f"{pct(r.admitted_attainment.get('all')):>10}{server:>15}"
+            f"{pct(r.admitted_attainment.get('all')):>10}{server:>17}"
         )
     return "\n".join(lines)
