@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from moeserve.engine_config import EngineConfig
 from moeserve.sampling_params import SamplingParams
 from moeserve.scheduler import DataParallelScheduler, Request, SchedulerConfig, StepShape
 from moeserve.scheduler.load_routing import TimeRouter
@@ -89,3 +90,10 @@ def test_slow_rank_flag_parses_and_bad_values_say_so():
 def test_unknown_routing_is_refused():
     with pytest.raises(ValueError, match="dp_routing"):
         SchedulerConfig(max_model_len=64, num_kv_blocks=8, dp_routing="random")
+
+
+def test_the_engine_config_takes_the_routing_and_refuses_a_slow_rank_outside_the_layout():
+    config = EngineConfig.from_options(ep=4, dp_routing="requests", debug_slow_rank="3:0.5")
+    assert (config.dp_routing, config.debug_slow_rank) == ("requests", SlowRank(3, 0.5))
+    with pytest.raises(ValueError, match="names rank 4, but --ep is 4"):
+        EngineConfig.from_options(ep=4, debug_slow_rank="4:0.5")
