@@ -23,6 +23,7 @@ from moeserve import cpu_features
 from moeserve.options import build, option
 from moeserve.scheduler.config import POLICIES, SchedulerConfig
 from moeserve.slo import DEFAULT_CLASS, RequestSLO, SLOCatalog, SLOClass, parse_slo_class
+from moeserve.straggler import SlowRank, parse_slow_rank
 
 logger = logging.getLogger(__name__)
 
@@ -354,6 +355,10 @@ class EngineConfig:
     """fcfs: arrival order, full prefill chunks; slo: prefill chunks sized so decodes keep the TBT
     target, TTFT-deadline order."""
     slo: SLOConfig = field(default_factory=SLOConfig)
+    dp_routing: Literal["tokens", "requests"] = _scheduler_default("dp_routing")  # type: ignore[assignment]
+    """With several data-parallel groups (--ep N): tokens sends a new request to the group whose
+    backlog clears soonest at that group's measured step times (a long prompt counts for its
+    length, a slow group gets less); requests to the group with the fewest requests."""
     max_waiting: int | None = option(None, launch_default=1024)
     """Most queued requests; beyond it the server answers 429 with Retry-After (add_request raises
     QueueFullError). None: no bound, as offline `LLM.generate` queues all its prompts at once."""
@@ -362,6 +367,9 @@ class EngineConfig:
     )
     """Test-only: pad every non-empty step to at least this long (ms), so load tests can build a
     server with a known capacity (the SLO harness checks its knee search against it)."""
+    debug_slow_rank: SlowRank | None = option(None, parse=parse_slow_rank, hidden=True)
+    """Test-only: RANK:MS, rank RANK takes MS ms longer per token its data-parallel group computes
+    in a step (the engine core waits it out), a straggler for the routing to steer around."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", dtype_name(self.dtype))
@@ -373,6 +381,12 @@ class EngineConfig:
         if self.max_num_batched_tokens is None:
             default = _scheduler_default("max_num_batched_tokens")
             object.__setattr__(self, "max_num_batched_tokens", max(default, self.max_num_seqs))  # type: ignore[call-overload]
+        if isinstance(self.debug_slow_rank, str):
+            object.__setattr__(self, "debug_slow_rank", parse_slow_rank(self.debug_slow_rank))
+        if self.debug_slow_rank is not None and self.debug_slow_rank.rank >= self.parallel.ep:
+            raise ValueError(
+                f"--debug-slow-rank names rank {self.debug_slow_rank.rank}, but --ep is {self.parallel.ep}"
+            )
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(
                 f"scheduling policy {self.scheduling_policy!r} is not one of {', '.join(SCHEDULING_POLICIES)}"

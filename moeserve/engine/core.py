@@ -27,7 +27,7 @@ from moeserve.dispatch.expert_load import RoutedTokens
 from moeserve.eplb.rebalancer import RebalanceReport
 from moeserve.executor import create_executor
 from moeserve.sampling_params import SamplingParams
-from moeserve.scheduler import DataParallelScheduler, QueueFullError, Request, SchedulerConfig
+from moeserve.scheduler import DataParallelScheduler, QueueFullError, Request, SchedulerConfig, StepPlan
 from moeserve.structured import GrammarCompiler, StructuredOutputManager
 from moeserve.worker.kv_cache import num_blocks_for
 from moeserve.worker.prompt_logprobs import PromptLogprobs
@@ -112,6 +112,7 @@ def build_scheduler(config: EngineConfig, model_config: ModelConfig, dtype: torc
             slo_ttft_s=config.slo.ttft_s,
             slo_tbt_s=config.slo.tbt_s,
             slo_admission=config.slo.admission,
+            dp_routing=config.dp_routing,
         ),
         num_groups=parallel.num_dp_groups,
     )
@@ -266,8 +267,11 @@ class EngineCore:
         if not plan.is_empty and self.config.min_step_time_s > 0:  # the test-only capacity knob
             time.sleep(max(0.0, started + self.config.min_step_time_s - time.monotonic()))
         duration_s = time.monotonic() - started
+        group_durations_s = None
+        if not plan.is_empty and self.config.debug_slow_rank is not None:  # the test-only straggler
+            duration_s, group_durations_s = self._straggle(plan, started, duration_s)
         token_ids = {rid: t.token_id for rid, t in sampled.items()}
-        ended = self.scheduler.update(plan, token_ids, duration_s)
+        ended = self.scheduler.update(plan, token_ids, duration_s, group_durations_s)
         finished = [FinishedSequence(r.request_id, r.finish_reason, r.stop_reason) for r in ended]
         if bitmask is not None:
             finished += self._advance_grammars(token_ids, bitmask.request_ids, {r.request_id for r in ended})
@@ -294,6 +298,16 @@ class EngineCore:
             prefix_cache_hits=plan.prefix_cache_hits,
             prompt_logprobs=prompt_logprobs,
         )
+
+    def _straggle(self, plan: StepPlan, started: float, duration_s: float) -> tuple[float, tuple[float, ...]]:
+        """Wait out the slow rank's extra time for its group's share of `plan` (see
+        `moeserve.straggler`): the step's new duration, and each group's own time, the slow
+        group's longer by what it waited."""
+        slow = self.config.debug_slow_rank
+        group = slow.rank // self.config.parallel.tp
+        time.sleep(slow.delay_s(plan.groups[group].num_batched_tokens))
+        slowed_s = time.monotonic() - started
+        return slowed_s, tuple(slowed_s if g == group else duration_s for g in range(len(plan.groups)))
 
     def _advance_grammars(
         self, token_ids: Mapping[str, int], request_ids: Sequence[str], ended: set[str]
