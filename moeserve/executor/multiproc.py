@@ -161,6 +161,10 @@ class MultiprocessExecutor(Executor):
                 return
         listener(self.failure)
 
+    def rank_pids(self) -> dict[int, int]:
+        """This node's live ranks (as launched) -> their process ids."""
+        return {m: p.pid for m, p in self._procs.items() if m in self.members}
+
     @property
     def world(self) -> int:
         """Ranks in the current process group (`ep` until a heal)."""
