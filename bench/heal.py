@@ -61,7 +61,7 @@ class Scenario:
 SCENARIOS = {
     "ep4": Scenario("ep4", 4, (2,)),
     "ep8x2": Scenario("ep8x2", 8, (2, 5)),
-    "ep4r4": Scenario("ep4r4", 4, (2,), redundant=4),
+    "ep4r4": Scenario("ep4r4", 4, (0,), redundant=4),  # rank 0 held experts 0-4; rank 3 replicas of 0-3
 }
 
 

@@ -140,22 +140,7 @@ class Worker:
             group=dist.group.WORLD,
             dispatch_fp8=self.spec.parallel.dispatch_fp8,
         )
-        reader = ExpertReader(self.spec.model, self.spec.dtype)
-        recovered, weights = Recovered(), []
-        try:
-            for i, block in enumerate(model.moe_blocks()):
-                names = [name for name, _ in block.experts.named_parameters(recurse=False)]
-                if len(names) != len(list(block.experts.parameters())):
-                    raise RuntimeError("expert weights under a parametrization (FP8) cannot be recovered yet")
-                plan = recovery_plan(old_map, new_map, message.survivors, i)
-                params = [getattr(block.experts, name) for name in names]
-                fresh, done = recover_layer(
-                    params, plan, rank, lambda experts, i=i, names=names: reader.read(i, names, experts), len(names) * i
-                )
-                recovered.add(done)
-                weights.append(dict(zip(names, fresh)))
-        finally:
-            reader.close()
+        weights, recovered = _recover_experts(model, old_map, new_map, message.survivors, rank, self.spec)
         model.rehome(dispatcher, weights, new_map, rank)
         self.runner.forget_requests()
         self.rank, self.group_index, self.expert_map = rank, rank, new_map
@@ -308,6 +293,31 @@ class Worker:
         for total, rows in zip(self._routed, counted):
             for e, n in enumerate(rows):
                 total[e] += n
+
+
+def _recover_experts(
+    model, old_map: ExpertMap, new_map: ExpertMap, survivors: tuple[int, ...], rank: int, spec: WorkerSpec
+) -> tuple[list[dict[str, torch.Tensor]], Recovered]:
+    """Each MoE layer's new expert parameters for group rank `rank` (`eplb.recovery`), by name."""
+    reader = ExpertReader(spec.model, spec.dtype)
+    recovered, weights = Recovered(), []
+    try:
+        for i, block in enumerate(model.moe_blocks()):
+            names = [name for name, _ in block.experts.named_parameters(recurse=False)]
+            if len(names) != len(list(block.experts.parameters())):
+                raise RuntimeError("expert weights under a parametrization (FP8) cannot be recovered yet")
+
+            def read(experts: list[int], i: int = i, names: list[str] = names) -> list[torch.Tensor]:
+                return reader.read(i, names, experts)
+
+            params = [getattr(block.experts, name) for name in names]
+            plan = recovery_plan(old_map, new_map, survivors, i)
+            fresh, done = recover_layer(params, plan, rank, read, tag=len(names) * i)
+            recovered.add(done)
+            weights.append(dict(zip(names, fresh)))
+    finally:
+        reader.close()
+    return weights, recovered
 
 
 def serve_rank(
