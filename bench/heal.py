@@ -5,7 +5,8 @@ all decoding, a rank is SIGKILLed (and, in the two-kill scenarios, a second one 
 heal). Per heal the figures are node 0's (`HealReport`), on the monotonic clock the kill was
 timed on: detection (kill -> the monitor names the rank), abort (-> the step in flight
 abandoned), fence (reap the rank, survivors regroup), expert recovery (the slowest survivor),
-requeue, and kill -> serving again. Every output must equal the single process's greedy tokens,
+requeue, kill -> serving again (the engine can step), and kill -> the next tokens (after the
+step that recomputes every requeued request). Every output must equal the single process's greedy tokens,
 every KV block must come back and the killed ranks must be reaped, or the run is marked failed.
 
     python bench/heal.py [--requests 32] [--max-tokens 48] [--scenarios ep4,ep8x2,ep4r4]
@@ -30,6 +31,7 @@ import torch
 
 from moeserve import LLM, SamplingParams
 from moeserve.checkpoints import MakeModelSpec, make_model
+from moeserve.engine.stats import IterationStats
 
 RESULTS = Path(__file__).parent / "results"
 SPEC = MakeModelSpec(
@@ -71,6 +73,20 @@ def prompts(count: int) -> list[dict]:
     return [{"prompt_token_ids": torch.randint(3, SPEC.vocab, (n,), generator=g).tolist()} for n in lengths]
 
 
+class TokenTimes:
+    """When each step that sampled tokens was recorded (monotonic)."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def record(self, stats: IterationStats) -> None:
+        if stats.num_generation_tokens:
+            self.times.append(time.monotonic())
+
+    def first_after(self, moment: float) -> float:
+        return next(t for t in self.times if t > moment)
+
+
 def is_reaped(pid: int) -> bool:
     try:
         return "State:\tZ" not in Path(f"/proc/{pid}/status").read_text()  # a zombie is not reaped
@@ -79,8 +95,10 @@ def is_reaped(pid: int) -> bool:
 
 
 def run(model: Path, scenario: Scenario, batch: list[dict], params: SamplingParams, expected: list) -> dict:
+    tokens = TokenTimes()
     llm = LLM(
         str(model),
+        stat_loggers=[tokens],
         ep=scenario.ep,
         on_rank_failure="heal",
         min_ranks=2,
@@ -118,6 +136,7 @@ def run(model: Path, scenario: Scenario, batch: list[dict], params: SamplingPara
                 "expert_recovery_s": round(report.experts_s, 4),
                 "requeue_s": round(report.requeue_s, 4),
                 "kill_to_serving_s": round(report.detected_at - kill + report.total_s, 4),
+                "kill_to_next_tokens_s": round(tokens.first_after(report.detected_at + report.total_s) - kill, 4),
                 "slots_from_replicas": report.peer_slots,
                 "slots_from_checkpoint": report.checkpoint_slots,
                 "recovered_mib": round(report.recovered_bytes / 2**20, 3),
