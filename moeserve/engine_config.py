@@ -118,7 +118,7 @@ class ParallelConfig:
     collective_timeout_s: float = option(120.0, name="collective_timeout", aliases=("collective_timeout_s",))
     """Seconds any collective may wait before the rank gives up (a stalled peer)."""
     heartbeat_timeout_s: float = option(5.0, name="heartbeat_timeout", aliases=("heartbeat_timeout_s",))
-    """Seconds of silence after which a rank is declared lost and the engine stops."""
+    """Seconds of silence after which a rank is declared lost (see on_rank_failure)."""
     startup_timeout_s: float = option(600.0, name="startup_timeout")
     """Seconds node 0 waits for every rank to join and load its weights."""
     two_batch_overlap: bool = False
