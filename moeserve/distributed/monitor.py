@@ -76,7 +76,10 @@ class RankMonitor:
         while not self._stop.wait(POLL_S):
             if self._check() is None:
                 continue
-            time.sleep(SETTLE_S)
+            # Let the knock-on failures show, so the cause is named first; survivors that heal
+            # never die of a lost peer, so under heal there are none to wait for.
+            if self._parallel.on_rank_failure == "exit":
+                time.sleep(SETTLE_S)
             loss = self._check()
             if loss is not None and not self._stop.is_set():
                 self._stop.set()
