@@ -119,7 +119,7 @@ class ParallelConfig:
     collective_timeout_s: float = option(120.0, name="collective_timeout", aliases=("collective_timeout_s",))
     """Seconds any collective may wait before the rank gives up (a stalled peer)."""
     heartbeat_timeout_s: float = option(5.0, name="heartbeat_timeout", aliases=("heartbeat_timeout_s",))
-    """Seconds of silence after which a rank is declared lost and the engine stops."""
+    """Seconds of silence after which a rank is declared lost (see on_rank_failure)."""
     startup_timeout_s: float = option(600.0, name="startup_timeout")
     """Seconds node 0 waits for every rank to join and load its weights."""
     two_batch_overlap: bool = False
@@ -127,6 +127,14 @@ class ParallelConfig:
     tokens and interleave their passes, so one's MoE dispatch/combine is in flight while the
     other computes. The same tokens as without; it pays off when the all-to-all is slow (EP)."""
     eplb: EplbConfig = field(default_factory=EplbConfig)
+    on_rank_failure: Literal["exit", "heal"] = "exit"
+    """What a lost rank (killed, failing, or silent for heartbeat_timeout) does to the engine:
+    exit (every open request fails, the server exits 1) or heal (the survivors form a new group
+    without it, take over its experts and its requests, and serving goes on; one node, tp 1,
+    gloo, the torch all-to-all)."""
+    min_ranks: int = 1
+    """With on_rank_failure heal: the fewest ranks worth serving with; a loss below it exits as
+    on_rank_failure exit does."""
 
     def __post_init__(self) -> None:
         if self.master_port is None:
@@ -149,6 +157,32 @@ class ParallelConfig:
             raise ValueError("timeouts must be > 0")
         if self.eplb.enabled and self.ep < 2:
             raise ValueError("--enable-eplb moves experts between ranks: it needs ep >= 2")
+        self._check_healing()
+
+    def _check_healing(self) -> None:
+        if self.on_rank_failure not in ("exit", "heal"):
+            raise ValueError(f"on_rank_failure {self.on_rank_failure!r} is not one of exit, heal")
+        if not 1 <= self.min_ranks <= self.ep:
+            raise ValueError(f"min_ranks must be in [1, ep={self.ep}] (got {self.min_ranks})")
+        if self.on_rank_failure != "heal":
+            return
+        # Why each: a TP group that lost a member has lost its attention heads (nothing replicates
+        # them); a rank on another node cannot be fenced from node 0; NCCL has no way out of a
+        # collective with a dead peer but an abort this engine does not drive yet; the symmetric
+        # heap of the nvshmem all-to-all is sized for the world it was made for.
+        problem = None
+        if self.ep < 2:
+            problem = "it needs ep >= 2"
+        elif self.tp != 1:
+            problem = "it needs tp 1 (every rank its own data-parallel group)"
+        elif self.nnodes != 1:
+            problem = "it needs all ranks on one node"
+        elif self.backend == "nccl":
+            problem = "it needs the gloo collectives"
+        elif self.a2a_backend == "nvshmem":
+            problem = "it needs the torch all-to-all"
+        if problem is not None:
+            raise ValueError(f"--on-rank-failure heal: {problem}")
 
     @property
     def is_distributed(self) -> bool:
@@ -378,6 +412,8 @@ class EngineConfig:
         if self.dtype == "auto" and self.device.split(":")[0] == "cpu":
             object.__setattr__(self, "dtype", auto_cpu_dtype())
         check_rank_devices(self.device, self.parallel)
+        if self.parallel.on_rank_failure == "heal" and not self.device.startswith("cpu"):
+            raise ValueError("--on-rank-failure heal: it needs the gloo collectives, so the CPU device for now")
         if self.max_num_batched_tokens is None:
             default = _scheduler_default("max_num_batched_tokens")
             object.__setattr__(self, "max_num_batched_tokens", max(default, self.max_num_seqs))  # type: ignore[call-overload]

@@ -12,7 +12,7 @@ holds every group's plan, some of which may be empty.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from moeserve.scheduler.block_hash import block_hashes
@@ -156,6 +156,37 @@ class DataParallelScheduler:
 
     def has_unfinished_requests(self) -> bool:
         return any(s.has_unfinished_requests() for s in self.groups)
+
+    def heal(self, lost: Collection[int]) -> int:
+        """Go on without the groups `lost` (their ranks are gone) after the step in flight was
+        lost. Every request of a lost group moves to a surviving group's queue, the least loaded
+        at the time, keeping the tokens it has sampled, to recompute from prompt + outputs there;
+        the surviving groups' requests are requeued for recompute in their own group
+        (`Scheduler.lose_step`). Groups after a lost one are renumbered, as their ranks are.
+        Returns how many requests moved."""
+        survivors = [g for g in range(len(self.groups)) if g not in lost]
+        if not survivors:
+            raise ValueError("no data-parallel group is left")
+        released = [r for g in sorted(lost) for r in self.groups[g].release_all()]
+        for g in survivors:
+            self.groups[g].lose_step()
+        renumbered = {old: new for new, old in enumerate(survivors)}
+        self.groups = [self.groups[g] for g in survivors]
+        self._group_of = {rid: renumbered[g] for rid, g in self._group_of.items() if g in renumbered}
+        loads = [self._load_score(g) for g in range(len(self.groups))]
+        adopted: list[list[Request]] = [[] for _ in self.groups]
+        for request in released:
+            group = min(range(len(self.groups)), key=lambda g: (loads[g], g))
+            loads[group] += 4  # as a queued request weighs in `_load_score`
+            adopted[group].append(request)
+            self._group_of[request.request_id] = group
+        for scheduler, requests in zip(self.groups, adopted):
+            scheduler.adopt(requests)
+        if self._router is not None:
+            self._router = self._router.regrouped(self._group_of, len(self.groups)) if len(self.groups) > 1 else None
+        if self.time_router is not None:
+            self.time_router = self.time_router.keeping(survivors) if len(self.groups) > 1 else None
+        return len(released)
 
     @property
     def num_waiting(self) -> int:

@@ -31,6 +31,13 @@ class TimeRouter:
         self.models = [StepTimeModel() for _ in range(num_groups)]
         self.budget = max_num_batched_tokens
 
+    def keeping(self, groups: Sequence[int]) -> TimeRouter:
+        """This router over `groups` only (old indices, in their new order), each keeping what
+        its model learnt: after a heal, the groups that survived."""
+        router = TimeRouter(len(groups), self.budget)
+        router.models = [self.models[g] for g in groups]
+        return router
+
     @property
     def ready(self) -> bool:
         """Every group's model can price work (each has seen enough of its own steps)."""

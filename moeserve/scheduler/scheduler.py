@@ -103,6 +103,9 @@ class NewRequest:
     sampling_params: SamplingParams
     prompt_token_ids: tuple[int, ...]
     """A snapshot, immutable, so every holder (the plan, an in-process runner) can share it."""
+    output_token_ids: tuple[int, ...] = ()
+    """Tokens it sampled before these runners knew it: none for a new request; those a client has
+    already been sent for one announced again after a lost rank (`Scheduler.lose_step`)."""
 
 
 @dataclass(frozen=True)
@@ -318,6 +321,53 @@ class Scheduler:
         """The model sizing prefill chunks (slo) and predicting TTFT (admission), else None."""
         return self._model
 
+    # ----- a lost rank (`--on-rank-failure heal`) -----
+
+    def lose_step(self) -> None:
+        """The step in flight was lost with a rank: no `update` comes for it, and the runners
+        dropped every request's state. Every running request is preempted, newest first as
+        preemption goes, to recompute its prompt and outputs on readmission (its full blocks are
+        found again in the prefix cache: the survivors' caches are intact), and every live request
+        is announced again, with the tokens it has sampled. Nothing a client was sent changes:
+        outputs are only ever appended by `update`, which the lost step never reached."""
+        self._awaiting_update = False
+        while self._running:
+            victim = self._running[-1]
+            self._requeue_for_recompute(victim)
+        for request in self._requests.values():
+            request.announced = False
+
+    def release_all(self) -> list[Request]:
+        """Hand every live request over (this group is gone with its rank): running ones first, in
+        admission order, then the queued ones head first; none holds a block here any more."""
+        self.lose_step()
+        released = []
+        while self._waiting:
+            released.append(self._waiting.pop())
+        self._requests.clear()
+        self._finished_ids.clear()  # their runner is gone with the rank
+        return released
+
+    def adopt(self, requests: list[Request]) -> None:
+        """Take over requests another group released (`release_all`), in that order: those that
+        ran go to the head of the queue as preempted requests do (their clients are reading a
+        stream), those that never ran join it as new arrivals."""
+        for request in requests:
+            if request.request_id in self._requests:
+                raise ValueError(f"request id {request.request_id!r} is already in use")
+        ran = [r for r in requests if r.status is RequestStatus.PREEMPTED]
+        for request in requests:
+            self._requests[request.request_id] = request
+        for request in reversed(ran):  # requeue pushes to the front: the last first keeps their order
+            self._waiting.requeue(request)
+        for request in requests:
+            if request.status is RequestStatus.WAITING:
+                self._waiting.add(request)
+
+    def live_requests(self) -> list[Request]:
+        """Every unfinished request of this group."""
+        return list(self._requests.values())
+
     # ----- the step -----
 
     def schedule(self) -> SchedulerOutput:
@@ -471,8 +521,10 @@ class Scheduler:
                 plan.prefix_cache_hits += num_cached
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = self._clock()
-                prompt = tuple(request.prompt_token_ids)
-                plan.new_requests.append(NewRequest(request.request_id, request.sampling_params, prompt))
+            if not request.announced:
+                request.announced = True
+                prompt, outputs = tuple(request.prompt_token_ids), tuple(request.output_token_ids)
+                plan.new_requests.append(NewRequest(request.request_id, request.sampling_params, prompt, outputs))
             request.status = RequestStatus.RUNNING
             self._running.append(request)
             plan.grant(request, num_new_tokens)
@@ -529,8 +581,11 @@ class Scheduler:
     def _preempt(self, request: Request, plan: _StepPlan) -> None:
         """Drop a running request's KV and requeue it (fcfs: at the head), to recompute on
         readmission."""
-        self._running.remove(request)
         plan.preempted_ids.append(request.request_id)
+        self._requeue_for_recompute(request)
+
+    def _requeue_for_recompute(self, request: Request) -> None:
+        self._running.remove(request)
         self.block_manager.free(request)
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
