@@ -23,6 +23,7 @@ from moeserve import cpu_features
 from moeserve.options import build, option
 from moeserve.scheduler.config import POLICIES, SchedulerConfig
 from moeserve.slo import DEFAULT_CLASS, RequestSLO, SLOCatalog, SLOClass, parse_slo_class
+from moeserve.straggler import SlowRank, parse_slow_rank
 
 logger = logging.getLogger(__name__)
 
@@ -118,7 +119,7 @@ class ParallelConfig:
     collective_timeout_s: float = option(120.0, name="collective_timeout", aliases=("collective_timeout_s",))
     """Seconds any collective may wait before the rank gives up (a stalled peer)."""
     heartbeat_timeout_s: float = option(5.0, name="heartbeat_timeout", aliases=("heartbeat_timeout_s",))
-    """Seconds of silence after which a rank is declared lost and the engine stops."""
+    """Seconds of silence after which a rank is declared lost (see on_rank_failure)."""
     startup_timeout_s: float = option(600.0, name="startup_timeout")
     """Seconds node 0 waits for every rank to join and load its weights."""
     two_batch_overlap: bool = False
@@ -126,6 +127,14 @@ class ParallelConfig:
     tokens and interleave their passes, so one's MoE dispatch/combine is in flight while the
     other computes. The same tokens as without; it pays off when the all-to-all is slow (EP)."""
     eplb: EplbConfig = field(default_factory=EplbConfig)
+    on_rank_failure: Literal["exit", "heal"] = "exit"
+    """What a lost rank (killed, failing, or silent for heartbeat_timeout) does to the engine:
+    exit (every open request fails, the server exits 1) or heal (the survivors form a new group
+    without it, take over its experts and its requests, and serving goes on; one node, tp 1,
+    gloo, the torch all-to-all)."""
+    min_ranks: int = 1
+    """With on_rank_failure heal: the fewest ranks worth serving with; a loss below it exits as
+    on_rank_failure exit does."""
 
     def __post_init__(self) -> None:
         if self.master_port is None:
@@ -148,6 +157,32 @@ class ParallelConfig:
             raise ValueError("timeouts must be > 0")
         if self.eplb.enabled and self.ep < 2:
             raise ValueError("--enable-eplb moves experts between ranks: it needs ep >= 2")
+        self._check_healing()
+
+    def _check_healing(self) -> None:
+        if self.on_rank_failure not in ("exit", "heal"):
+            raise ValueError(f"on_rank_failure {self.on_rank_failure!r} is not one of exit, heal")
+        if not 1 <= self.min_ranks <= self.ep:
+            raise ValueError(f"min_ranks must be in [1, ep={self.ep}] (got {self.min_ranks})")
+        if self.on_rank_failure != "heal":
+            return
+        # Why each: a TP group that lost a member has lost its attention heads (nothing replicates
+        # them); a rank on another node cannot be fenced from node 0; NCCL has no way out of a
+        # collective with a dead peer but an abort this engine does not drive yet; the symmetric
+        # heap of the nvshmem all-to-all is sized for the world it was made for.
+        problem = None
+        if self.ep < 2:
+            problem = "it needs ep >= 2"
+        elif self.tp != 1:
+            problem = "it needs tp 1 (every rank its own data-parallel group)"
+        elif self.nnodes != 1:
+            problem = "it needs all ranks on one node"
+        elif self.backend == "nccl":
+            problem = "it needs the gloo collectives"
+        elif self.a2a_backend == "nvshmem":
+            problem = "it needs the torch all-to-all"
+        if problem is not None:
+            raise ValueError(f"--on-rank-failure heal: {problem}")
 
     @property
     def is_distributed(self) -> bool:
@@ -354,6 +389,10 @@ class EngineConfig:
     """fcfs: arrival order, full prefill chunks; slo: prefill chunks sized so decodes keep the TBT
     target, TTFT-deadline order."""
     slo: SLOConfig = field(default_factory=SLOConfig)
+    dp_routing: Literal["tokens", "requests"] = _scheduler_default("dp_routing")  # type: ignore[assignment]
+    """With several data-parallel groups (--ep N): tokens sends a new request to the group whose
+    backlog clears soonest at that group's measured step times (a long prompt counts for its
+    length, a slow group gets less); requests to the group with the fewest requests."""
     max_waiting: int | None = option(None, launch_default=1024)
     """Most queued requests; beyond it the server answers 429 with Retry-After (add_request raises
     QueueFullError). None: no bound, as offline `LLM.generate` queues all its prompts at once."""
@@ -362,6 +401,9 @@ class EngineConfig:
     )
     """Test-only: pad every non-empty step to at least this long (ms), so load tests can build a
     server with a known capacity (the SLO harness checks its knee search against it)."""
+    debug_slow_rank: SlowRank | None = option(None, parse=parse_slow_rank, hidden=True)
+    """Test-only: RANK:MS, rank RANK takes MS ms longer per token its data-parallel group computes
+    in a step (the engine core waits it out), a straggler for the routing to steer around."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", dtype_name(self.dtype))
@@ -370,9 +412,17 @@ class EngineConfig:
         if self.dtype == "auto" and self.device.split(":")[0] == "cpu":
             object.__setattr__(self, "dtype", auto_cpu_dtype())
         check_rank_devices(self.device, self.parallel)
+        if self.parallel.on_rank_failure == "heal" and not self.device.startswith("cpu"):
+            raise ValueError("--on-rank-failure heal: it needs the gloo collectives, so the CPU device for now")
         if self.max_num_batched_tokens is None:
             default = _scheduler_default("max_num_batched_tokens")
             object.__setattr__(self, "max_num_batched_tokens", max(default, self.max_num_seqs))  # type: ignore[call-overload]
+        if isinstance(self.debug_slow_rank, str):
+            object.__setattr__(self, "debug_slow_rank", parse_slow_rank(self.debug_slow_rank))
+        if self.debug_slow_rank is not None and self.debug_slow_rank.rank >= self.parallel.ep:
+            raise ValueError(
+                f"--debug-slow-rank names rank {self.debug_slow_rank.rank}, but --ep is {self.parallel.ep}"
+            )
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(
                 f"scheduling policy {self.scheduling_policy!r} is not one of {', '.join(SCHEDULING_POLICIES)}"

@@ -38,6 +38,10 @@ between two steps) and `moeserve:eplb_last_rebalance_imbalance{when,over}`: max 
 `when` "before" or "after" it, `over` the MoE layers' "mean" or the "worst" layer, as the
 balancer computed it on its window's loads (before the first rebalance the time reads 0 and the
 imbalance series are absent).
+
+Healing (`--on-rank-failure heal`): `moeserve:rank_failures_total` (ranks lost and healed over),
+`moeserve:heals_total` and `moeserve:last_heal_seconds` (from naming the lost rank to serving
+again).
 """
 
 from __future__ import annotations
@@ -353,6 +357,14 @@ class ServerMetrics:
             [*labels, "when", "over"],
             registry=r,
         )
+        self.rank_failures = counter(
+            "moeserve:rank_failures", "Expert-parallel ranks lost (killed, failing or silent) that the engine healed."
+        )
+        self.heals = counter("moeserve:heals", "Heals after lost ranks (--on-rank-failure heal).")
+        self.heal_time = gauge(
+            "moeserve:last_heal_seconds",
+            "The last heal, from naming the lost rank to serving again: abort, fence, expert recovery, requeue.",
+        )
         self._http = Counter(
             "moeserve:http_requests",
             "HTTP requests answered, by route and status code.",
@@ -398,6 +410,12 @@ class ServerMetrics:
             self._record_rebalance(rebalance)
         if stats.rebalances:
             self._unsampled.clear()  # counted under the placement just replaced
+        for heal in stats.heals:
+            self.rank_failures.inc(len(heal.lost_ranks))
+            self.heals.inc()
+            self.heal_time.set(heal.total_s)
+        if stats.heals:
+            self._unsampled.clear()  # counted over the ranks before the heal
 
     def _record_rebalance(self, report: RebalanceReport) -> None:
         self.rebalances.inc()

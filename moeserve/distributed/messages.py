@@ -109,5 +109,50 @@ class StepOutput:
 
 
 @dataclass(frozen=True)
+class StepFailed:
+    """A rank's step raised (`--on-rank-failure heal`): most likely a peer is gone and the
+    collective broke. The rank has left its process group and waits for a `Heal` (or to be
+    stopped); node 0 heals if it finds a rank lost, else stops with `error`."""
+
+    step: int
+    rank: int
+    error: str
+
+
+@dataclass(frozen=True)
+class Heal:
+    """Node 0 to the survivors: form process group `generation` without the lost ranks.
+
+    members: the survivors' launch ranks (the names their heartbeats and errors go by) in the order
+             of their new group ranks.
+    survivors: the same ranks' group ranks before this heal, from which each survivor computes
+               the new expert map (`eplb.survivors.survivor_map`: every survivor holds the current
+               map, live rebalances included; node 0 does not).
+    """
+
+    generation: int
+    members: tuple[int, ...]
+    survivors: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class HealDone:
+    """A survivor's answer to `Heal`: it serves as group rank `rank` (or why it cannot)."""
+
+    generation: int
+    member: int
+    rank: int
+    regroup_s: float = 0.0
+    """Leaving the broken group and forming the new one (the rendezvous of `generation`)."""
+    experts_s: float = 0.0
+    """Filling its new expert slots: its own copies, surviving replicas, the checkpoint."""
+    peer_slots: int = 0
+    checkpoint_slots: int = 0
+    peer_bytes: int = 0
+    checkpoint_bytes: int = 0
+    error: str | None = None
+
+
+@dataclass(frozen=True)
 class Shutdown:
     pass

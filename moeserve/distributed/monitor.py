@@ -1,4 +1,4 @@
-"""Node 0 watching its ranks: a lost rank stops the engine within seconds, and is named.
+"""Node 0 watching its ranks: a lost rank is named within seconds (and the engine stops or heals).
 
 Two signals, checked every `POLL_S`:
 - node 0's own rank processes: an exit is seen at once (with the signal or code, and the last
@@ -18,7 +18,8 @@ import logging
 import subprocess
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch.distributed as dist
 
@@ -37,17 +38,31 @@ def _caused_by_peer(error: str | None) -> bool:
     return error is not None and any(mark in error for mark in _PEER_FAILURE_MARKS)
 
 
+@dataclass(frozen=True)
+class Loss:
+    """Why the engine lost ranks, and which (launch ranks): the exited ones, or the silent one."""
+
+    reason: str
+    ranks: tuple[int, ...]
+
+
 class RankMonitor:
-    """Calls `on_lost(reason)` once, from its own thread, when any rank is lost."""
+    """Calls `on_lost(loss)` once, from its own thread, when any rank is lost.
+
+    members: the launch ranks to watch (default: all); a monitor started after a heal watches
+    the survivors only. `local_procs`: node 0's processes among them.
+    """
 
     def __init__(
         self,
         store: dist.Store,
         parallel: ParallelConfig,
         local_procs: dict[int, subprocess.Popen],
-        on_lost: Callable[[str], None],
+        on_lost: Callable[[Loss], None],
+        members: Sequence[int] | None = None,
     ) -> None:
         self._store, self._parallel, self._procs, self._on_lost = store, parallel, local_procs, on_lost
+        self._members = tuple(range(parallel.ep)) if members is None else tuple(members)
         self._stop = threading.Event()
         self._started = time.monotonic()
         self._last_beat: dict[int, tuple[int, float]] = {}  # rank -> (counter, when it last moved)
@@ -61,20 +76,23 @@ class RankMonitor:
         while not self._stop.wait(POLL_S):
             if self._check() is None:
                 continue
-            time.sleep(SETTLE_S)
-            reason = self._check()
-            if reason is not None and not self._stop.is_set():
+            # Let the knock-on failures show, so the cause is named first; survivors that heal
+            # never die of a lost peer, so under heal there are none to wait for.
+            if self._parallel.on_rank_failure == "exit":
+                time.sleep(SETTLE_S)
+            loss = self._check()
+            if loss is not None and not self._stop.is_set():
                 self._stop.set()
-                self._on_lost(reason)
+                self._on_lost(loss)
                 return
 
-    def _check(self) -> str | None:
+    def _check(self) -> Loss | None:
         exits = self._exits()
         if exits:
             return exits
         return self._silence()
 
-    def _exits(self) -> str | None:
+    def _exits(self) -> Loss | None:
         """Node 0's ranks that exited, the likely cause first; None if all run."""
         dead = []
         for rank, proc in self._procs.items():
@@ -95,26 +113,27 @@ class RankMonitor:
         dead.sort()
         first = dead[0][2]
         others = [str(rank) for _, rank, _ in dead[1:]]
-        return first + (f" (then rank(s) {', '.join(others)} failed too)" if others else "")
+        reason = first + (f" (then rank(s) {', '.join(others)} failed too)" if others else "")
+        return Loss(reason, tuple(sorted(rank for _, rank, _ in dead)))
 
-    def _silence(self) -> str | None:
+    def _silence(self) -> Loss | None:
         now = time.monotonic()
-        for rank in range(self._parallel.ep):
+        for rank in self._members:
             try:
                 beats = self._store.add(heartbeat_key(rank), 0)
             except Exception as exc:  # noqa: BLE001 - the store lives in this process; this is not expected
-                return f"node 0's store failed: {exc}"
+                return Loss(f"node 0's store failed: {exc}", ())
             counter, moved = self._last_beat.get(rank, (0, self._started))
             if beats != counter:
                 self._last_beat[rank] = (beats, now)
                 continue
             node = rank // self._parallel.ranks_per_node
             if beats == 0 and now - moved > self._parallel.startup_timeout_s:
-                return f"rank {rank} (node {node}) did not join within {self._parallel.startup_timeout_s:.0f} s"
+                return Loss(
+                    f"rank {rank} (node {node}) did not join within {self._parallel.startup_timeout_s:.0f} s", (rank,)
+                )
             if beats > 0 and now - moved > self._parallel.heartbeat_timeout_s:
                 error = read_error(self._store, rank)
-                return (
-                    f"rank {rank} (node {node}) sent no heartbeat for {now - moved:.1f} s: stalled or unreachable"
-                    + (f" ({error})" if error else "")
-                )
+                reason = f"rank {rank} (node {node}) sent no heartbeat for {now - moved:.1f} s: stalled or unreachable"
+                return Loss(reason + (f" ({error})" if error else ""), (rank,))
         return None

@@ -15,6 +15,7 @@ import logging
 import os
 import socket
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -27,9 +28,12 @@ from moeserve.dispatch import ExpertMap, a2a_backend_for, create_dispatcher
 from moeserve.dispatch.expert_load import logical_rows
 from moeserve.distributed.channel import ControlClient
 from moeserve.distributed.messages import (
+    Heal,
+    HealDone,
     LoadReport,
     Shutdown,
     StepBitmask,
+    StepFailed,
     StepInput,
     StepOutput,
     Sync,
@@ -45,9 +49,9 @@ from moeserve.distributed.rendezvous import (
     error_key,
     get,
 )
-from moeserve.eplb import Rebalancer
+from moeserve.eplb import Rebalancer, Recovered, recover_layer, recovery_plan, survivor_map
 from moeserve.models import TensorParallel, load_model, model_config
-from moeserve.models.loader import weight_bytes
+from moeserve.models.loader import ExpertReader, weight_bytes
 from moeserve.ops import create_ops
 from moeserve.worker.decode_graphs import GraphSettings, create_decode_graphs, is_decode
 from moeserve.worker.kv_cache import allocate_kv_caches, bytes_per_block
@@ -82,16 +86,15 @@ def rank_device(spec: WorkerSpec, local_rank: int) -> torch.device:
 
 
 class Worker:
+    """`member`: the rank this process was launched as, the name node 0 and the store know it by
+    (its heartbeat, its error); `rank`: its place in the current process group, the same until a
+    heal (`rejoin`) forms a smaller group."""
+
     def __init__(self, spec: WorkerSpec, rank: int, node_rank: int, device: torch.device, store: dist.Store) -> None:
         p = spec.parallel
-        self.spec, self.rank, self.node_rank, self.device = spec, rank, node_rank, device
-        dist.init_process_group(
-            collective_backend(spec),
-            store=dist.PrefixStore(RANKS_PREFIX, store),
-            rank=rank,
-            world_size=p.ep,
-            timeout=timedelta(seconds=p.collective_timeout_s),
-        )
+        self.spec, self.rank, self.node_rank, self.device, self.store = spec, rank, node_rank, device, store
+        self.member = rank
+        self._join_group(RANKS_PREFIX, rank, p.ep)
         self.group_index, tp_rank = divmod(rank, p.tp)
         tp_group = None
         for g in range(p.num_dp_groups):  # every rank creates every group, in the same order
@@ -100,6 +103,77 @@ class Worker:
             if g == self.group_index:
                 tp_group = group
         self.tp = TensorParallel(tp_rank, p.tp, tp_group)
+
+    def _join_group(self, prefix: str, rank: int, world_size: int) -> None:
+        dist.init_process_group(
+            collective_backend(self.spec),
+            store=dist.PrefixStore(prefix, self.store),
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=self.spec.parallel.collective_timeout_s),
+        )
+
+    def leave_group(self) -> None:
+        """Close this rank's connections to its peers (idempotent). After a failed step, at once:
+        a peer still waiting on this rank in a collective then fails too instead of hanging, so
+        every survivor gets out of the broken step."""
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def rejoin(self, message: Heal) -> HealDone:
+        """Form the group of `message.generation` with the survivors and take over the lost ranks'
+        expert slots (see `eplb.survivors`); the runner forgets every request, which the scheduler
+        announces again. Stage times are logged."""
+        started = time.perf_counter()
+        self.leave_group()
+        rank = message.members.index(self.member)
+        self._join_group(f"{RANKS_PREFIX}/{message.generation}", rank, len(message.members))
+        regrouped = time.perf_counter()
+        old_map = self.expert_map
+        new_map = survivor_map(old_map, message.survivors)
+        model = self.runner.model
+        self._set_aside_routed(old_map)  # counted under the old map; dropped below with the old group's counts
+        self._routed = None
+        model.take_dispatch_rows()
+        placement = new_map.slot_placement(rank)
+        dispatcher = create_dispatcher(
+            a2a_backend_for(self.spec.parallel.a2a_backend),
+            placement,
+            self.device,
+            group=dist.group.WORLD,
+            dispatch_fp8=self.spec.parallel.dispatch_fp8,
+        )
+        weights, recovered = _recover_experts(model, old_map, new_map, message.survivors, rank, self.spec)
+        model.rehome(dispatcher, weights, new_map, rank)
+        self.runner.forget_requests()
+        self.rank, self.group_index, self.expert_map = rank, rank, new_map
+        if self.rebalancer is not None:
+            self.rebalancer.expert_map, self.rebalancer.rank, self.rebalancer.group = new_map, rank, dist.group.WORLD
+        done_at = time.perf_counter()
+        logger.info(
+            "rank %d is group rank %d of %d (generation %d): regrouped in %.3f s; %d expert slots from peers, "
+            "%d from the checkpoint (%.2f MiB) in %.3f s",
+            self.member,
+            rank,
+            len(message.members),
+            message.generation,
+            regrouped - started,
+            recovered.peer_slots,
+            recovered.checkpoint_slots,
+            (recovered.peer_bytes + recovered.checkpoint_bytes) / 2**20,
+            done_at - regrouped,
+        )
+        return HealDone(
+            message.generation,
+            self.member,
+            rank,
+            regroup_s=regrouped - started,
+            experts_s=done_at - regrouped,
+            peer_slots=recovered.peer_slots,
+            checkpoint_slots=recovered.checkpoint_slots,
+            peer_bytes=recovered.peer_bytes,
+            checkpoint_bytes=recovered.checkpoint_bytes,
+        )
 
     def load(self) -> LoadReport:
         spec = self.spec
@@ -227,6 +301,31 @@ class Worker:
                 total[e] += n
 
 
+def _recover_experts(
+    model, old_map: ExpertMap, new_map: ExpertMap, survivors: tuple[int, ...], rank: int, spec: WorkerSpec
+) -> tuple[list[dict[str, torch.Tensor]], Recovered]:
+    """Each MoE layer's new expert parameters for group rank `rank` (`eplb.recovery`), by name."""
+    reader = ExpertReader(spec.model, spec.dtype)
+    recovered, weights = Recovered(), []
+    try:
+        for i, block in enumerate(model.moe_blocks()):
+            names = [name for name, _ in block.experts.named_parameters(recurse=False)]
+            if len(names) != len(list(block.experts.parameters())):
+                raise RuntimeError("expert weights under a parametrization (FP8) cannot be recovered yet")
+
+            def read(experts: list[int], i: int = i, names: list[str] = names) -> list[torch.Tensor]:
+                return reader.read(i, names, experts)
+
+            params = [getattr(block.experts, name) for name in names]
+            plan = recovery_plan(old_map, new_map, survivors, i)
+            fresh, done = recover_layer(params, plan, rank, read, tag=len(names) * i)
+            recovered.add(done)
+            weights.append(dict(zip(names, fresh)))
+    finally:
+        reader.close()
+    return weights, recovered
+
+
 def serve_rank(
     master_addr: str, master_port: int, rank: int, local_rank: int, node_rank: int, parent_pid: int | None
 ) -> None:
@@ -251,6 +350,7 @@ def serve_rank(
         )
         raise
     channel.send(report)
+    heals = spec.parallel.on_rank_failure == "heal"
 
     def receive_bitmask(step: int) -> TokenBitmask:
         while True:
@@ -268,11 +368,36 @@ def serve_rank(
         if isinstance(message, Shutdown):
             break
         if isinstance(message, Sync):
-            channel.send(SyncAck(rank))
+            channel.send(SyncAck(worker.rank))
             continue
-        channel.send(worker.step(message, receive_bitmask))
+        if isinstance(message, StepBitmask):
+            continue  # the mask of a step this rank abandoned (it failed before sampling)
+        if isinstance(message, Heal):
+            if worker.member in message.members:
+                channel.send(_rejoin(worker, message, channel))
+            continue
+        if not heals:
+            channel.send(worker.step(message, receive_bitmask))
+            continue
+        try:
+            output = worker.step(message, receive_bitmask)
+        except Exception as exc:  # noqa: BLE001 - node 0 decides: heal if a rank is lost, else stop
+            worker.leave_group()
+            logger.warning("rank %d: step %d failed (%s); waiting for node 0", rank, message.step, exc)
+            channel.send(StepFailed(message.step, rank, f"{type(exc).__name__}: {exc}"))
+            continue
+        channel.send(output)
     channel.close()
-    dist.destroy_process_group()
+    worker.leave_group()
+
+
+def _rejoin(worker: Worker, message: Heal, channel: ControlClient) -> HealDone:
+    """`worker.rejoin`, or its failure told to node 0 before this rank dies of it."""
+    try:
+        return worker.rejoin(message)
+    except Exception as exc:
+        channel.send(HealDone(message.generation, worker.member, -1, error=f"{type(exc).__name__}: {exc}"))
+        raise
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,9 +25,9 @@ import torch
 from moeserve.config import EngineConfig, ModelConfig
 from moeserve.dispatch.expert_load import RoutedTokens
 from moeserve.eplb.rebalancer import RebalanceReport
-from moeserve.executor import create_executor
+from moeserve.executor import HealReport, RanksLostError, create_executor
 from moeserve.sampling_params import SamplingParams
-from moeserve.scheduler import DataParallelScheduler, QueueFullError, Request, SchedulerConfig
+from moeserve.scheduler import DataParallelScheduler, QueueFullError, Request, SchedulerConfig, StepPlan
 from moeserve.structured import GrammarCompiler, StructuredOutputManager
 from moeserve.worker.kv_cache import num_blocks_for
 from moeserve.worker.prompt_logprobs import PromptLogprobs
@@ -93,6 +93,9 @@ class CoreStep:
     """Of those, the tokens found in the prefix cache."""
     prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
     """The prompt positions this step computed, per sequence that asked for prompt logprobs."""
+    heals: list[HealReport] = field(default_factory=list)
+    """Lost ranks healed in this step (`--on-rank-failure heal`): its plan was abandoned, no
+    token came of it, and its requests were requeued to recompute."""
 
 
 def build_scheduler(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype, max_model_len: int):
@@ -112,6 +115,7 @@ def build_scheduler(config: EngineConfig, model_config: ModelConfig, dtype: torc
             slo_ttft_s=config.slo.ttft_s,
             slo_tbt_s=config.slo.tbt_s,
             slo_admission=config.slo.admission,
+            dp_routing=config.dp_routing,
         ),
         num_groups=parallel.num_dp_groups,
     )
@@ -146,6 +150,10 @@ class EngineCore:
         )
         self._compiling: dict[str, tuple[Request, Future]] = {}
         """Sequences under a grammar still being compiled: held here, out of the scheduler."""
+        self._first_scheduled_late: dict[str, float] = {}
+        """First admissions of a step lost with a rank, reported with the next step."""
+        self.heals: list[HealReport] = []
+        """Every heal after lost ranks so far (`--on-rank-failure heal`)."""
 
     def shutdown(self) -> None:
         """Stop the executor's processes, if any; the core cannot step afterwards."""
@@ -250,6 +258,8 @@ class EngineCore:
                 request = self._requests.pop(new.request_id, None)
                 if request is not None and request.first_scheduled_time is not None:
                     first_scheduled[new.request_id] = request.first_scheduled_time
+        if self._first_scheduled_late:
+            first_scheduled, self._first_scheduled_late = {**self._first_scheduled_late, **first_scheduled}, {}
         started = time.monotonic()
         report_load = started - self._routing_asked >= ROUTING_INTERVAL_S
         if report_load:  # asked before the step, so the report includes it
@@ -258,6 +268,11 @@ class EngineCore:
         pending = self.structured.start_bitmask([s.request_id for s in plan.scheduled if s.sample])
         try:
             sampled = self.executor.execute(plan) if pending is None else self.executor.execute(plan, pending)
+        except RanksLostError as lost:
+            if pending is not None:
+                pending.settle()  # the filler must be done with the matchers before the heal
+            self._first_scheduled_late = first_scheduled
+            return self._heal(lost, failed, started)
         except BaseException:
             if pending is not None:
                 pending.settle()  # never leave the filler reading matchers that what follows changes
@@ -266,8 +281,11 @@ class EngineCore:
         if not plan.is_empty and self.config.min_step_time_s > 0:  # the test-only capacity knob
             time.sleep(max(0.0, started + self.config.min_step_time_s - time.monotonic()))
         duration_s = time.monotonic() - started
+        group_durations_s = None
+        if not plan.is_empty and self.config.debug_slow_rank is not None:  # the test-only straggler
+            duration_s, group_durations_s = self._straggle(plan, started, duration_s)
         token_ids = {rid: t.token_id for rid, t in sampled.items()}
-        ended = self.scheduler.update(plan, token_ids, duration_s)
+        ended = self.scheduler.update(plan, token_ids, duration_s, group_durations_s)
         finished = [FinishedSequence(r.request_id, r.finish_reason, r.stop_reason) for r in ended]
         if bitmask is not None:
             finished += self._advance_grammars(token_ids, bitmask.request_ids, {r.request_id for r in ended})
@@ -293,6 +311,40 @@ class EngineCore:
             prefix_cache_queries=plan.prefix_cache_queries,
             prefix_cache_hits=plan.prefix_cache_hits,
             prompt_logprobs=prompt_logprobs,
+        )
+
+    def _straggle(self, plan: StepPlan, started: float, duration_s: float) -> tuple[float, tuple[float, ...]]:
+        """Wait out the slow rank's extra time for its group's share of `plan` (see
+        `moeserve.straggler`): the step's new duration, and each group's own time, the slow
+        group's longer by what it waited."""
+        slow = self.config.debug_slow_rank
+        group = slow.rank // self.config.parallel.tp
+        time.sleep(slow.delay_s(plan.groups[group].num_batched_tokens))
+        slowed_s = time.monotonic() - started
+        return slowed_s, tuple(slowed_s if g == group else duration_s for g in range(len(plan.groups)))
+
+    def _heal(self, lost: RanksLostError, failed: list[FinishedSequence], started: float) -> CoreStep:
+        """The step was lost with ranks: the executor heals (or raises, and the engine stops),
+        then the requests are requeued to recompute what the step would have computed. Grammar
+        matchers advance only with tokens, so they stand where the lost step found them."""
+        report = self.executor.heal(lost)
+        requeue_started = time.monotonic()
+        moved = self.scheduler.heal(report.lost_groups)
+        now = time.monotonic()
+        report = dataclasses.replace(
+            report, requeue_s=now - requeue_started, moved_requests=moved, total_s=now - report.detected_at
+        )
+        logger.warning("%s", report.describe())
+        self.heals.append(report)
+        return CoreStep(
+            sampled={},
+            finished=failed,
+            first_scheduled={},
+            time=now,
+            step_duration_s=now - started,
+            num_preemptions=0,
+            scheduler=self.scheduler_stats(),
+            heals=[report],
         )
 
     def _advance_grammars(

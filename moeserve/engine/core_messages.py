@@ -21,6 +21,7 @@ from moeserve.dispatch.expert_load import RoutedTokens
 from moeserve.dispatch.wire import WireVolume
 from moeserve.engine.core import CoreRequest, CoreStep, FinishedSequence, SchedulerStats
 from moeserve.eplb.rebalancer import RebalanceReport
+from moeserve.executor.healing import HealReport
 from moeserve.sampling_params import SamplingParams
 from moeserve.scheduler import QueueFullError, SLORejectedError
 from moeserve.worker.prompt_logprobs import PromptLogprobs
@@ -176,6 +177,15 @@ def _unrebalance(entry: list[Any]) -> RebalanceReport:
     return RebalanceReport(step, tuple(before), tuple(after), experts, moved_bytes, balance_s, transfer_s)
 
 
+def _heal(h: HealReport) -> list[Any]:
+    values = dataclasses.astuple(h)
+    return [list(v) if isinstance(v, tuple) else v for v in values]
+
+
+def _unheal(entry: list[Any]) -> HealReport:
+    return HealReport(*(tuple(v) if isinstance(v, list) else v for v in entry))
+
+
 def _step(s: CoreStep) -> list[Any]:
     routed = None
     if s.routed_tokens is not None:
@@ -195,6 +205,7 @@ def _step(s: CoreStep) -> list[Any]:
         s.prefix_cache_queries,
         s.prefix_cache_hits,
         {rid: [p.start, p.logprobs, p.ranks, p.top] for rid, p in s.prompt_logprobs.items()},
+        [_heal(h) for h in s.heals],
     ]
 
 
@@ -212,6 +223,7 @@ def _unstep(entry: list[Any]) -> CoreStep:
         queries,
         hits,
         prompt,
+        heals,
     ) = entry
     routed_tokens = None
     if routed is not None:
@@ -233,6 +245,7 @@ def _unstep(entry: list[Any]) -> CoreStep:
             rid: PromptLogprobs(start, logprobs, ranks, [[(a, b) for a, b in row] for row in top])
             for rid, (start, logprobs, ranks, top) in prompt.items()
         },
+        heals=[_unheal(h) for h in heals],
     )
 
 

@@ -127,6 +127,7 @@ class EngineFrontend:
             num_preemptions=step.num_preemptions,
             routed_tokens=step.routed_tokens,
             rebalances=step.rebalances,
+            heals=step.heals,
             prefix_cache_queries=step.prefix_cache_queries,
             prefix_cache_hits=step.prefix_cache_hits,
         )

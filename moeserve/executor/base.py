@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 from moeserve.dispatch.expert_load import RoutedTokens
 from moeserve.eplb.rebalancer import RebalanceReport
+from moeserve.executor.healing import HealReport, RanksLostError
 from moeserve.scheduler import StepPlan
 from moeserve.worker.prompt_logprobs import PromptLogprobs
 from moeserve.worker.runner import SampledToken
@@ -52,6 +53,11 @@ class Executor(ABC):
     def add_failure_listener(self, listener: Callable[[str], None]) -> None:  # noqa: B027 - a no-op is right here
         """`listener(reason)` is called once if the executor can no longer run steps (a rank
         process was lost). The in-process executor has no such failure."""
+
+    def heal(self, lost: RanksLostError) -> HealReport:
+        """Go on without the ranks `execute` raised `lost` for; only an executor that raises
+        `RanksLostError` heals. Raises (and the engine stops) when it cannot."""
+        raise lost
 
     def shutdown(self) -> None:  # noqa: B027 - an executor that started nothing has nothing to stop
         """Stop what the executor started; idempotent."""

@@ -10,12 +10,20 @@ finished; in between the sampling rank appends its own tokens, exactly as the sc
 A lost rank (exited, killed, stalled, unreachable) ends the executor: `failure` is set, the
 listeners are told, node 0's ranks are stopped, and a step in flight raises `WorkerLostError`
 within `POLL_S`, so nothing waits for a collective to time out.
+
+With `--on-rank-failure heal` (and at least `--min-ranks` left) a loss raises `RanksLostError`
+instead, and the engine core calls `heal`: the lost ranks are fenced (SIGKILL: a frozen rank
+must never come back into a group that went on without it, and its closed sockets break the
+survivors out of any collective it was part of), the survivors form process group generation
+g + 1 over the same store, each computes the new expert map and fills its new slots, and the
+executor steps on with fewer groups. Each stage is bounded and logged.
 """
 
 from __future__ import annotations
 
 import atexit
 import logging
+import signal
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -28,20 +36,24 @@ from moeserve.dispatch.wire import WireVolume, dispatch_row_bytes
 from moeserve.distributed.channel import ControlServer
 from moeserve.distributed.launcher import start_ranks, stop_ranks
 from moeserve.distributed.messages import (
+    Heal,
+    HealDone,
     LoadReport,
     Shutdown,
     StepBitmask,
+    StepFailed,
     StepInput,
     StepOutput,
     Sync,
     SyncAck,
     WorkerSpec,
 )
-from moeserve.distributed.monitor import RankMonitor
+from moeserve.distributed.monitor import Loss, RankMonitor
 from moeserve.distributed.rendezvous import CONTROL_KEY, SPEC_KEY, host_store, put
 from moeserve.eplb import RebalanceReport
 from moeserve.eplb.record import LoadRecord
 from moeserve.executor.base import Executor
+from moeserve.executor.healing import HealReport, RanksLostError
 from moeserve.scheduler import StepPlan
 from moeserve.worker.prompt_logprobs import PromptLogprobs
 from moeserve.worker.runner import SampledToken
@@ -50,6 +62,8 @@ from moeserve.worker.sampling_metadata import PendingBitmask
 logger = logging.getLogger(__name__)
 
 POLL_S = 0.1  # how often a waiting node 0 checks whether a rank was lost
+FENCE_S = 5.0  # a SIGKILLed rank is reaped within this, or the heal fails
+HEAL_S = 60.0  # the survivors regroup and recover their experts within this, or the heal fails
 
 
 class WorkerLostError(RuntimeError):
@@ -89,6 +103,11 @@ class MultiprocessExecutor(Executor):
         self._prompt_logprobs: dict[str, PromptLogprobs] = {}  # from the sampling ranks, not yet taken
         self._closed = False
         self._monitor: RankMonitor | None = None
+        self.members = list(range(p.ep))
+        """The live ranks as launched, in the order of their ranks in the current process group."""
+        self._generation = 0  # of the ranks' process group: one more with each heal
+        self._loss: RanksLostError | None = None  # a loss to heal, raised by the next step
+        self._step_failed: tuple[float, StepFailed] | None = None  # the first rank that said its step failed
 
         self._store = host_store(p.master_port, p.ep, p.startup_timeout_s)
         single_node = p.nnodes == 1
@@ -143,11 +162,36 @@ class MultiprocessExecutor(Executor):
                 return
         listener(self.failure)
 
-    def _lost(self, reason: str) -> None:
+    def rank_pids(self) -> dict[int, int]:
+        """This node's live ranks (as launched) -> their process ids."""
+        return {m: p.pid for m, p in self._procs.items() if m in self.members}
+
+    @property
+    def world(self) -> int:
+        """Ranks in the current process group (`ep` until a heal)."""
+        return len(self.members)
+
+    def _lost(self, loss: Loss) -> None:
+        """From the monitor's thread: heal at the next step if the policy allows, else stop."""
+        left = [m for m in self.members if m not in loss.ranks]
+        p = self.parallel
+        if p.on_rank_failure == "heal" and loss.ranks and len(left) >= p.min_ranks:
+            logger.error("lost rank(s) %s: %s; healing", ", ".join(map(str, loss.ranks)), loss.reason)
+            self._loss = RanksLostError(loss.reason, loss.ranks, time.monotonic())
+            return
+        if p.on_rank_failure == "heal" and loss.ranks:
+            loss = Loss(f"{loss.reason}; {len(left)} rank(s) left, fewer than --min-ranks {p.min_ranks}", loss.ranks)
+        self._fail(loss.reason)
+
+    def _fail(self, reason: str) -> None:
         with self._lock:
+            if self.failure is not None:
+                return
             self.failure = reason
             listeners = list(self._listeners)
         logger.error("lost a rank: %s; the engine cannot continue", reason)
+        if self._monitor is not None:
+            self._monitor.stop()
         stop_ranks(self._procs, grace_s=2.0)
         for listener in listeners:
             try:
@@ -158,6 +202,15 @@ class MultiprocessExecutor(Executor):
     def _check(self) -> None:
         if self.failure is not None:
             raise WorkerLostError(self.failure)
+        if self._loss is not None:
+            raise self._loss
+        if self._step_failed is not None:
+            since, failed = self._step_failed
+            # A peer's loss shows in the monitor within a poll and its settling time; a step that
+            # failed with every rank still alive is a failure of its own, and the end.
+            if time.monotonic() - since > self.parallel.heartbeat_timeout_s + 1.0:
+                self._fail(f"rank {failed.rank} failed step {failed.step}: {failed.error}")
+                raise WorkerLostError(self.failure)
 
     # ---- start-up --------------------------------------------------------------------------
 
@@ -235,7 +288,7 @@ class MultiprocessExecutor(Executor):
 
     def _collect(self, step: int) -> dict[str, SampledToken]:
         sampled: dict[str, SampledToken] = {}
-        pending = set(range(self.parallel.ep))
+        pending = set(range(self.world))
         deadline = time.monotonic() + self.parallel.collective_timeout_s
         while pending:
             message = self._channel.receive(POLL_S)
@@ -247,6 +300,10 @@ class MultiprocessExecutor(Executor):
                         f"{self.parallel.collective_timeout_s:.0f} s"
                     )
                 continue
+            if isinstance(message, StepFailed) and message.step == step and self._step_failed is None:
+                logger.warning("rank %d: step %d failed: %s", message.rank, message.step, message.error)
+                self._step_failed = (time.monotonic(), message)
+                continue
             if not isinstance(message, StepOutput) or message.step != step:
                 continue  # a late Sync answer
             pending.discard(message.rank)
@@ -257,7 +314,7 @@ class MultiprocessExecutor(Executor):
             if message.routed_tokens is not None:
                 self._add_routed(message.rank, message.routed_tokens)
             if message.dispatch_rows is not None:
-                known = self._wire.setdefault(message.rank, [0] * self.parallel.ep)
+                known = self._wire.setdefault(message.rank, [0] * self.world)
                 self._wire[message.rank] = [a + b for a, b in zip(known, message.dispatch_rows)]
             if message.rebalance is not None:
                 self.rebalances.append(message.rebalance)
@@ -292,15 +349,101 @@ class MultiprocessExecutor(Executor):
         (`ask_routed_tokens`) or rebalanced; None until every rank has reported."""
         routed, self._routed = self._routed, {}
         wire_rows, self._wire = self._wire, {}
-        if len(routed) < self.parallel.ep:
+        if len(routed) < self.world:
             return None
         wire = None
-        if len(wire_rows) == self.parallel.ep:
-            wire = WireVolume([wire_rows[r] for r in range(self.parallel.ep)], *self._row_bytes)
-        tokens = RoutedTokens.from_ranks([routed[r] for r in range(self.parallel.ep)], self._moe_layers, wire)
+        if len(wire_rows) == self.world:
+            wire = WireVolume([wire_rows[r] for r in range(self.world)], *self._row_bytes)
+        tokens = RoutedTokens.from_ranks([routed[r] for r in range(self.world)], self._moe_layers, wire)
         if self._load_record is not None:
             self._load_record.add(tokens.counts)
         return tokens
+
+    # ---- healing (`--on-rank-failure heal`) -------------------------------------------------
+
+    def heal(self, lost: RanksLostError) -> HealReport:
+        """Fence the lost ranks, regroup the survivors, have them recover the experts; the engine
+        core requeues the requests. Raises `WorkerLostError` (the engine stops) if any stage fails
+        or overruns its bound."""
+        aborted = time.monotonic()
+        lost_groups = tuple(self.members.index(m) for m in lost.lost if m in self.members)
+        survivors = tuple(g for g, m in enumerate(self.members) if m not in lost.lost)
+        members = tuple(self.members[g] for g in survivors)
+        try:
+            self._fence(lost.lost)
+            fenced = time.monotonic()
+            self._generation += 1
+            self._channel.publish(Heal(self._generation, members, survivors))
+            answers = self._await_heal(members)
+        except WorkerLostError as exc:
+            self._fail(f"{lost.reason}; the heal failed: {exc}")
+            raise WorkerLostError(self.failure) from exc
+        self.members = list(members)
+        self.num_groups = len(members)
+        self._loss = self._step_failed = None
+        self._routed, self._wire = {}, {}  # counted under the old group; the ranks dropped theirs too
+        slowest_regroup = max(a.regroup_s for a in answers)
+        report = HealReport(
+            lost_ranks=tuple(lost.lost),
+            reason=lost.reason,
+            ranks_left=len(members),
+            generation=self._generation,
+            lost_groups=lost_groups,
+            detected_at=lost.detected_at,
+            abort_s=aborted - lost.detected_at,
+            fence_s=fenced - aborted + slowest_regroup,
+            experts_s=max(a.experts_s for a in answers),
+            peer_slots=sum(a.peer_slots for a in answers),
+            checkpoint_slots=sum(a.checkpoint_slots for a in answers),
+            recovered_bytes=sum(a.peer_bytes + a.checkpoint_bytes for a in answers),
+        )
+        logger.info(
+            "process group generation %d: %d ranks (%s); slowest regroup %.3f s, slowest expert recovery %.3f s",
+            self._generation,
+            len(members),
+            ", ".join(map(str, members)),
+            slowest_regroup,
+            report.experts_s,
+        )
+        self._monitor = RankMonitor(
+            self._store, self.parallel, {m: p for m, p in self._procs.items() if m in members}, self._lost, members
+        )
+        return report
+
+    def _fence(self, lost: tuple[int, ...]) -> None:
+        """SIGKILL and reap the lost ranks of this node (a frozen one included)."""
+        started = time.monotonic()
+        for member in lost:
+            proc = self._procs.get(member)
+            if proc is None:
+                raise WorkerLostError(f"rank {member} runs on another node, which cannot be fenced from here")
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGKILL)
+        for member in lost:
+            try:
+                self._procs[member].wait(FENCE_S)
+            except Exception as exc:  # noqa: BLE001 - a process that outlives SIGKILL is the kernel's problem
+                raise WorkerLostError(f"rank {member} did not die within {FENCE_S:.0f} s of SIGKILL") from exc
+        logger.info("fenced rank(s) %s in %.3f s", ", ".join(map(str, lost)), time.monotonic() - started)
+
+    def _await_heal(self, members: tuple[int, ...]) -> list[HealDone]:
+        answers: dict[int, HealDone] = {}
+        deadline = time.monotonic() + HEAL_S
+        while len(answers) < len(members):
+            for member in members:
+                proc = self._procs.get(member)
+                if proc is not None and proc.poll() is not None:
+                    raise WorkerLostError(f"rank {member} died while healing")
+            if time.monotonic() > deadline:
+                missing = sorted(set(members) - set(answers))
+                raise WorkerLostError(f"rank(s) {missing} did not rejoin within {HEAL_S:.0f} s")
+            message = self._channel.receive(POLL_S)
+            if not isinstance(message, HealDone) or message.generation != self._generation:
+                continue  # what the lost step left in flight
+            if message.error is not None:
+                raise WorkerLostError(f"rank {message.member} could not rejoin: {message.error}")
+            answers[message.member] = message
+        return [answers[m] for m in members]
 
     # ---- shutdown --------------------------------------------------------------------------
 

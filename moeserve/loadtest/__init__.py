@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from moeserve.loadtest.cli import add_bench_parser, main
     from moeserve.loadtest.metrics import Objectives
     from moeserve.loadtest.serve import BenchConfig, BenchResult, bench_serve
+    from moeserve.loadtest.slo_mix import MixClass, parse_slo_mix
 
 _LAZY = {
     "add_bench_parser": "cli",
@@ -29,9 +30,20 @@ _LAZY = {
     "BenchResult": "serve",
     "bench_serve": "serve",
     "Objectives": "metrics",
+    "MixClass": "slo_mix",
+    "parse_slo_mix": "slo_mix",
 }
 
-__all__ = ["BenchConfig", "BenchResult", "Objectives", "add_bench_parser", "bench_serve", "main"]
+__all__ = [
+    "BenchConfig",
+    "BenchResult",
+    "MixClass",
+    "Objectives",
+    "add_bench_parser",
+    "bench_serve",
+    "main",
+    "parse_slo_mix",
+]
 
 
 def __getattr__(name: str) -> Any:

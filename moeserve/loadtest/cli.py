@@ -71,6 +71,15 @@ def _fraction(text: str) -> float:
     return value
 
 
+def _slo_mix(text: str) -> tuple:
+    from moeserve.loadtest.slo_mix import parse_slo_mix
+
+    try:
+        return parse_slo_mix(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _add_serve(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "serve",
@@ -193,6 +202,14 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         "--search-max-probes", type=int, default=16, help="most runs a search makes (default: %(default)s)"
     )
     slo.add_argument(
+        "--slo-mix",
+        type=_slo_mix,
+        metavar="SPEC",
+        help="a mix of SLO classes, NAME:WEIGHT:ttft=MS,tbt=MS;... e.g. chat:0.7:ttft=500,tbt=50;batch:0.3:ttft=20000,"
+        "tbt=200: each request carries its class's targets in its slo field, and goodput and attainment are "
+        "reported per class, client side and from the server's per-class counters",
+    )
+    slo.add_argument(
         "--no-cross-check",
         action="store_true",
         help="do not read the server's /metrics SLO counters before and after each run",
@@ -256,6 +273,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         warmup_requests=args.warmup_requests,
         cross_check=not args.no_cross_check,
         progress=not args.disable_tqdm,
+        slo_mix=args.slo_mix or (),
     )
 
 

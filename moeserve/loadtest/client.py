@@ -98,6 +98,8 @@ def request_payload(settings: RequestSettings, prompt: Prompt) -> tuple[str, dic
         body["max_tokens"] = prompt.output_len
     if settings.ignore_eos:
         body["ignore_eos"] = True
+    if prompt.slo_ms is not None:
+        body["slo"] = {"ttft_ms": prompt.slo_ms[0], "tbt_ms": prompt.slo_ms[1]}
     return ENDPOINTS[settings.endpoint], body
 
 

@@ -36,6 +36,8 @@ class Prompt:
     """Prompt tokens when known without asking the server (token ids), else None."""
     output_len: int
     """max_tokens of the request."""
+    slo_ms: tuple[float, float] | None = None
+    """(TTFT, TBT) targets in ms, sent as the request's `slo` field (`--slo-mix`); None: none sent."""
 
 
 def _lengths(rng: np.random.Generator, num: int, mean: int, range_ratio: float) -> list[int]:

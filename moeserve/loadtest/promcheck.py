@@ -68,14 +68,19 @@ def parse_slo_counters(text: str) -> SLOCounters:
     return SLOCounters(sums[REQUESTS], sums[TTFT_MET], sums[TBT_MET], targets["ttft"], targets["tbt"])
 
 
-async def read_slo_counters(session: aiohttp.ClientSession, base_url: str) -> SLOCounters:
+async def read_metrics_text(session: aiohttp.ClientSession, base_url: str) -> str:
+    """The server's /metrics exposition; MetricsUnavailable when it cannot be had."""
     try:
         async with session.get(f"{base_url}/metrics", timeout=aiohttp.ClientTimeout(total=10)) as response:
             if response.status != 200:
                 raise MetricsUnavailable(f"GET /metrics answered HTTP {response.status}")
-            return parse_slo_counters(await response.text())
+            return await response.text()
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
         raise MetricsUnavailable(f"GET /metrics failed: {type(e).__name__}: {e}") from None
+
+
+async def read_slo_counters(session: aiohttp.ClientSession, base_url: str) -> SLOCounters:
+    return parse_slo_counters(await read_metrics_text(session, base_url))
 
 
 @dataclass(frozen=True)

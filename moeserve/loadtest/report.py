@@ -13,6 +13,7 @@ from moeserve.loadtest.metrics import LatencyStats, Objectives, RequestMetrics
 from moeserve.loadtest.promcheck import CrossCheck
 from moeserve.loadtest.runner import RunReport
 from moeserve.loadtest.search import SearchResult, SearchSettings
+from moeserve.loadtest.slo_mix import class_json, class_table
 
 SCHEMA_VERSION = 1
 _LATENCIES = (("ttft", "TTFT"), ("tbt", "TBT (every gap)"), ("tpot", "TPOT"), ("e2el", "E2EL"))
@@ -91,6 +92,7 @@ def run_json(report: RunReport) -> dict[str, Any]:
         "attainment": s.attainment,
         **{f"{kind}_ms": _stats_json(getattr(s, kind)) for kind, _ in _LATENCIES},
         "cross_check": _cross_check_json(report.cross_check),
+        "slo_classes": [class_json(c) for c in report.classes],
         "requests": [_request_json(m) for m in report.requests],
     }
 
@@ -176,6 +178,8 @@ def run_table(report: RunReport, objectives: Objectives) -> str:
             row(kind, str(count))
         example = next(m for m in report.requests if not m.ok)
         lines.append(f"  e.g. request {example.index}: {example.error_detail[:200]}")
+    if report.classes:
+        lines.append(class_table(report.classes))
     lines.append(cross_check_text(report.cross_check))
     lines.append("=" * width)
     return "\n".join(lines)

@@ -24,6 +24,7 @@ from moeserve.loadtest.client import RequestRecord
 from moeserve.loadtest.datasets import Prompt
 from moeserve.loadtest.metrics import RequestMetrics, RunSummary
 from moeserve.loadtest.promcheck import CrossCheck
+from moeserve.loadtest.slo_mix import ClassReport
 
 Send = Callable[[int, Prompt], Awaitable[RequestRecord]]
 """Send prompt number i and return its record (never raises for server or network trouble)."""
@@ -102,3 +103,5 @@ class RunReport:
     requests: list[RequestMetrics]
     summary: RunSummary
     cross_check: CrossCheck
+    classes: tuple[ClassReport, ...] = ()
+    """Per SLO class of `--slo-mix`; empty without one."""

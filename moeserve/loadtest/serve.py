@@ -26,6 +26,7 @@ from moeserve.loadtest.promcheck import CrossCheck, MetricsUnavailable
 from moeserve.loadtest.report import document, json_rate, search_json
 from moeserve.loadtest.runner import LoadSettings, RunReport, run_at_rate
 from moeserve.loadtest.search import SearchResult, SearchSettings, find_max_rate
+from moeserve.loadtest.slo_mix import ClassCounts, MixClass, assign_classes, class_reports, parse_class_counters
 
 logger = logging.getLogger("moeserve.loadtest")
 
@@ -70,6 +71,8 @@ class BenchConfig:
     warmup_requests: int = 0
     cross_check: bool = True
     progress: bool = True
+    slo_mix: tuple[MixClass, ...] = ()
+    """SLO classes to draw each request's `slo` field from (`--slo-mix`); each is reported on its own."""
 
     def __post_init__(self) -> None:
         url = self.base_url.rstrip("/")
@@ -127,6 +130,10 @@ class BenchConfig:
         data["request_rate"] = json_rate(self.request_rate)
         data["sweep_rates"] = list(self.sweep_rates)
         data["goodput_objectives_ms"] = {kind: target * 1000.0 for kind, target in self.objectives.given().items()}
+        data["slo_mix"] = [
+            {"name": c.name, "weight": c.weight, "ttft_ms": c.targets_ms[0], "tbt_ms": c.targets_ms[1]}
+            for c in self.slo_mix
+        ]
         return data
 
 
@@ -196,8 +203,10 @@ class _Session:
         prompts: list[Prompt],
         count_tokens: Callable[[str], int] | None,
         on_run: Callable[[RunReport], None] | None,
+        class_of: list[int],
     ) -> None:
         self.config = config
+        self.class_of = class_of
         self.http = http
         self.prompts = prompts
         self.on_run = on_run
@@ -217,6 +226,14 @@ class _Session:
             if record.error is not None:
                 logger.warning("warm-up request %d failed: %s %s", i, record.error, record.error_detail)
 
+    async def _class_counters(self) -> dict[str, ClassCounts] | None:
+        """The server's per-class SLO counters now; None when /metrics cannot give them."""
+        try:
+            return parse_class_counters(await promcheck.read_metrics_text(self.http, self.config.base_url))
+        except (MetricsUnavailable, ValueError) as e:
+            logger.warning("per-class SLO counters unavailable: %s", e)
+            return None
+
     async def run(self, rate: float) -> RunReport:
         """One run at `rate`, measured, with the server's counters read around it."""
         before, skip_reason = None, "disabled (--no-cross-check)"
@@ -225,10 +242,12 @@ class _Session:
                 before = await promcheck.read_slo_counters(self.http, self.config.base_url)
             except MetricsUnavailable as e:
                 skip_reason = str(e)
+        classes_before = await self._class_counters() if before is not None and self.config.slo_mix else None
         result = await run_at_rate(self.send, self.prompts, rate, self.load, progress=self.config.progress)
         requests = [request_metrics(r, result.start_time) for r in result.records]
         summary = summarize_run(requests, self.config.objectives, result.duration_s)
         cross = CrossCheck.skipped(skip_reason)
+        class_deltas = None
         if before is not None:
             admitted = sum(m.error not in _NOT_ADMITTED for m in requests)
             try:
@@ -236,7 +255,13 @@ class _Session:
                 cross = promcheck.compare(before, after, requests)
             except MetricsUnavailable as e:
                 cross = CrossCheck.skipped(str(e))
-        report = RunReport(rate, len(self.prompts), requests, summary, cross)
+            classes_after = await self._class_counters() if classes_before is not None else None
+            if classes_after is not None:
+                class_deltas = {k: v.minus(classes_before.get(k, ClassCounts())) for k, v in classes_after.items()}
+        classes = ()
+        if self.config.slo_mix:
+            classes = class_reports(self.config.slo_mix, self.class_of, requests, result.duration_s, class_deltas)
+        report = RunReport(rate, len(self.prompts), requests, summary, cross, classes)
         self.reports.append(report)
         if self.on_run is not None:
             self.on_run(report)
@@ -247,6 +272,9 @@ async def bench_serve(config: BenchConfig, on_run: Callable[[RunReport], None] |
     """Run the benchmark `config` describes against a live server; `on_run` sees each run as it ends."""
     count_tokens = _token_counter(config.tokenizer)
     prompts = load_prompts(config, count_tokens)
+    class_of = assign_classes(len(prompts), config.slo_mix, config.seed) if config.slo_mix else []
+    if config.slo_mix:
+        prompts = [dataclasses.replace(p, slo_ms=config.slo_mix[c].targets_ms) for p, c in zip(prompts, class_of)]
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
     # No connection limit beyond --max-concurrency: aiohttp's default of 100 would be a hidden cap.
     connector = aiohttp.TCPConnector(limit=config.max_concurrency or 0)
@@ -255,7 +283,7 @@ async def bench_serve(config: BenchConfig, on_run: Callable[[RunReport], None] |
     ) as http:
         model = config.model or await _first_model(http, config.base_url)
         settings = RequestSettings(config.endpoint, model, config.ignore_eos, config.timeout_s)
-        session = _Session(config, http, settings, prompts, count_tokens, on_run)
+        session = _Session(config, http, settings, prompts, count_tokens, on_run, class_of)
         await session.warm_up()
         search = None
         search_doc = None

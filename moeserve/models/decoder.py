@@ -223,6 +223,18 @@ class MoECausalLM(nn.Module):
         """The MoE layers' blocks in model order (the order `ExpertMap` layers are in)."""
         return [layer.mlp for layer in self.layers if isinstance(layer.mlp, MoEBlock)]
 
+    def rehome(
+        self, dispatcher: Dispatcher, expert_params: list[dict[str, torch.Tensor]], expert_map: ExpertMap, rank: int
+    ) -> None:
+        """After lost ranks: every MoE layer serves `dispatcher`'s slots with `expert_params[i]`
+        (`MoEBlock.rehome`) and routes through `expert_map` as group rank `rank`."""
+        blocks = self.moe_blocks()
+        if len(expert_params) != len(blocks):
+            raise ValueError(f"expert weights for {len(expert_params)} MoE layers, the model has {len(blocks)}")
+        for block, params in zip(blocks, expert_params):
+            block.rehome(dispatcher, params)
+        self.set_expert_map(expert_map, rank)
+
     def set_expert_map(self, expert_map: ExpertMap, rank: int) -> None:
         """Route through `expert_map`'s physical slots from the next step on (the expert weights
         must already be the ones it names for `rank`); an identity map routes by the ids as they are."""

@@ -367,6 +367,34 @@ def load_model(
     return model
 
 
+class ExpertReader:
+    """Logical experts' weights read from the checkpoint and stacked as an MoE layer holds them:
+    what a survivor of lost ranks loads for experts no surviving rank holds (`eplb.recovery`).
+    Unquantized experts only: an FP8 layer would also need its scales re-stacked."""
+
+    def __init__(self, folder: str | Path, dtype: torch.dtype) -> None:
+        self._reader = CheckpointReader(folder)
+        arch, self._cfg = resolve_architecture(self._reader.config)
+        self._names, self._dtype = arch.names, dtype
+
+    def read(self, moe_layer: int, params: list[str], experts: list[int]) -> list[torch.Tensor]:
+        """Each of the experts module's `params` (w13, w2, b13, b2) of MoE layer `moe_layer`
+        (in model order), stacked over `experts`."""
+        layer = self._cfg.moe_layer_indices[moe_layer]
+        stacked = []
+        for param in params:
+            source = layer_source(layer, f"mlp.experts.{param}", self._names, tuple(experts), self._cfg.num_experts)
+            if any(self._reader.dtype(name) == _FP8 for name in source.names):
+                raise CheckpointError(
+                    f"{source.names[0]} is FP8: FP8 experts cannot be reloaded from the checkpoint yet"
+                )
+            stacked.append(read_source(source, self._reader, self._dtype))
+        return stacked
+
+    def close(self) -> None:
+        self._reader.close()
+
+
 @dataclass(frozen=True)
 class WeightBytes:
     experts: int  # routed experts this rank holds

@@ -10,6 +10,8 @@ from typing import Literal, get_args
 Policy = Literal["fcfs", "slo"]
 AdmissionMode = Literal["off", "reject", "degrade"]
 ADMISSION_MODES: tuple[str, ...] = get_args(AdmissionMode)
+DPRouting = Literal["tokens", "requests"]
+DP_ROUTINGS: tuple[str, ...] = get_args(DPRouting)
 POLICIES: tuple[str, ...] = get_args(Policy)
 
 
@@ -67,6 +69,11 @@ class SchedulerConfig:
     """When the step-time model predicts a new request's TTFT target will be missed: "reject"
     raises `SLORejectedError` (HTTP 429), "degrade" admits it as best effort, "off" admits it.
     A request's own targets (`SamplingParams.slo`) replace slo_ttft_s and slo_tbt_s for it."""
+    dp_routing: DPRouting = "tokens"
+    """How a new request picks its data-parallel group (with more than one): "tokens" sends it
+    to the group whose backlog, priced by that group's own measured step times, clears soonest,
+    so a long prompt counts for its length and a slow group gets less; "requests" to the group
+    with the fewest requests (queued ones counting 4, running ones 1)."""
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "num_kv_blocks"):
@@ -76,6 +83,8 @@ class SchedulerConfig:
             raise ValueError(f"max_waiting must be >= 1 or None, got {self.max_waiting}")
         if self.slo_admission not in ADMISSION_MODES:
             raise ValueError(f"slo_admission must be one of {ADMISSION_MODES}, got {self.slo_admission!r}")
+        if self.dp_routing not in DP_ROUTINGS:
+            raise ValueError(f"dp_routing must be one of {DP_ROUTINGS}, got {self.dp_routing!r}")
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
         for name in ("slo_ttft_s", "slo_tbt_s"):

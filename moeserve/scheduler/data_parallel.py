@@ -4,21 +4,24 @@ With `ep` ranks and `tp`-way attention, `ep / tp` groups each own a KV cache and
 requests; the MoE layers join every group in each step. A request is placed in one group for
 its whole life (its KV lives there): with prefix caching the one holding the longest prefix of
 its prompt unless that one is much busier (`prefix_routing`), else the one with the least load
-when it arrives. All groups step together, so one step's plan holds every group's plan, some of
-which may be empty.
+when it arrives: by default the least predicted time to clear its backlog (`load_routing`), or
+the fewest requests (`dp_routing="requests"`). All groups step together, so one step's plan
+holds every group's plan, some of which may be empty.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from moeserve.scheduler.block_hash import block_hashes
 from moeserve.scheduler.config import SchedulerConfig
+from moeserve.scheduler.load_routing import TimeRouter
 from moeserve.scheduler.prefix_routing import PrefixRouter
 from moeserve.scheduler.request import Request
 from moeserve.scheduler.scheduler import QueueFullError, ScheduledRequest, Scheduler, SchedulerOutput
+from moeserve.scheduler.step_time import StepShape
 
 
 @dataclass(frozen=True)
@@ -72,14 +75,24 @@ class DataParallelScheduler:
         self.groups = [Scheduler(replace(config, max_waiting=None), clock) for _ in range(num_groups)]
         self._group_of: dict[str, int] = {}
         self._router = PrefixRouter(num_groups) if config.enable_prefix_caching and num_groups > 1 else None
+        self.time_router = (
+            TimeRouter(num_groups, config.max_num_batched_tokens)
+            if config.dp_routing == "tokens" and num_groups > 1
+            else None
+        )
+        """Each group's own step-time model, with `dp_routing="tokens"` and several groups."""
 
-    def _least_loaded(self) -> int:
-        """Queued requests weigh more than running ones (they will all need a prefill), then
-        KV blocks in use break ties, then the lowest group index."""
+    def _least_loaded(self, request: Request) -> int:
+        """With token routing, the group that would clear its backlog plus `request` soonest;
+        else (and among equals) queued requests weigh more than running ones (they will all need
+        a prefill), then KV blocks in use break ties, then the lowest group index."""
 
         def load(g: int) -> tuple[int, int, int]:
             return (self._load_score(g), self.groups[g].block_manager.num_used_blocks, g)
 
+        if self.time_router is not None:
+            backlogs = [group.backlog() for group in self.groups]
+            return self.time_router.choose(backlogs, request.num_tokens, load)
         return min(range(len(self.groups)), key=load)
 
     def _load_score(self, group: int) -> int:
@@ -103,7 +116,7 @@ class DataParallelScheduler:
         """The group for a new request, and the hashes of its prompt's full blocks it was matched
         by: the least loaded group, or with prefix caching the one that holds the longest prefix
         of its prompt, unless that one is much busier."""
-        least = self._least_loaded()
+        least = self._least_loaded(request)
         if self._router is None:
             return least, []
         block_size = self.config.block_size
@@ -144,6 +157,37 @@ class DataParallelScheduler:
     def has_unfinished_requests(self) -> bool:
         return any(s.has_unfinished_requests() for s in self.groups)
 
+    def heal(self, lost: Collection[int]) -> int:
+        """Go on without the groups `lost` (their ranks are gone) after the step in flight was
+        lost. Every request of a lost group moves to a surviving group's queue, the least loaded
+        at the time, keeping the tokens it has sampled, to recompute from prompt + outputs there;
+        the surviving groups' requests are requeued for recompute in their own group
+        (`Scheduler.lose_step`). Groups after a lost one are renumbered, as their ranks are.
+        Returns how many requests moved."""
+        survivors = [g for g in range(len(self.groups)) if g not in lost]
+        if not survivors:
+            raise ValueError("no data-parallel group is left")
+        released = [r for g in sorted(lost) for r in self.groups[g].release_all()]
+        for g in survivors:
+            self.groups[g].lose_step()
+        renumbered = {old: new for new, old in enumerate(survivors)}
+        self.groups = [self.groups[g] for g in survivors]
+        self._group_of = {rid: renumbered[g] for rid, g in self._group_of.items() if g in renumbered}
+        loads = [self._load_score(g) for g in range(len(self.groups))]
+        adopted: list[list[Request]] = [[] for _ in self.groups]
+        for request in released:
+            group = min(range(len(self.groups)), key=lambda g: (loads[g], g))
+            loads[group] += 4  # as a queued request weighs in `_load_score`
+            adopted[group].append(request)
+            self._group_of[request.request_id] = group
+        for scheduler, requests in zip(self.groups, adopted):
+            scheduler.adopt(requests)
+        if self._router is not None:
+            self._router = self._router.regrouped(self._group_of, len(self.groups)) if len(self.groups) > 1 else None
+        if self.time_router is not None:
+            self.time_router = self.time_router.keeping(survivors) if len(self.groups) > 1 else None
+        return len(released)
+
     @property
     def num_waiting(self) -> int:
         return sum(s.num_waiting for s in self.groups)
@@ -165,10 +209,24 @@ class DataParallelScheduler:
         return StepPlan(tuple(s.schedule() for s in self.groups))
 
     def update(
-        self, plan: StepPlan, sampled_token_ids: Mapping[str, int], duration_s: float | None = None
+        self,
+        plan: StepPlan,
+        sampled_token_ids: Mapping[str, int],
+        duration_s: float | None = None,
+        group_durations_s: Sequence[float] | None = None,
     ) -> list[Request]:
         """As `Scheduler.update` for every group; each group with work saw the whole lockstep
-        step's time (the slowest group's)."""
+        step's time (the slowest group's), which its TBT targets are about. `group_durations_s`,
+        when the executor can tell, is the time each group's ranks spent on their own share; the
+        token router learns each group's speed from it (else from `duration_s`)."""
+        if group_durations_s is not None and len(group_durations_s) != len(self.groups):
+            raise ValueError(f"{len(group_durations_s)} group durations for {len(self.groups)} groups")
+        if self.time_router is not None and duration_s is not None:
+            for g, output in enumerate(plan.groups):
+                if not output.is_empty:
+                    shape = StepShape.of((len(s.token_ids), s.start_position) for s in output.scheduled)
+                    own = duration_s if group_durations_s is None else group_durations_s[g]
+                    self.time_router.observe(g, shape, own)
         finished = [
             request
             for scheduler, output in zip(self.groups, plan.groups)

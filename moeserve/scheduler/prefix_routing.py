@@ -13,7 +13,7 @@ spreading costs a prefill per group while piling up would cost every request a l
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from moeserve.scheduler.block_hash import BlockHash
 
@@ -44,6 +44,16 @@ class PrefixRouter:
     def add(self, request_id: str, group: int, hashes: Sequence[BlockHash]) -> None:
         self._placed[request_id] = (group, tuple(hashes))
         self._pending[group].update(hashes)
+
+    def regrouped(self, group_of: Mapping[str, int], num_groups: int) -> PrefixRouter:
+        """This router's placements over `num_groups` groups after a regrouping (a lost group's
+        requests moved elsewhere, the groups after it renumbered): each request in `group_of` keeps
+        its prompt's hashes under its new group; the others are dropped."""
+        router = PrefixRouter(num_groups)
+        for request_id, (_, hashes) in self._placed.items():
+            if request_id in group_of:
+                router.add(request_id, group_of[request_id], hashes)
+        return router
 
     def remove(self, request_id: str) -> None:
         """Forget a finished request; unknown ids are ignored."""

@@ -71,6 +71,9 @@ class Request:
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
     """When the request first ran (arrival -> first schedule is its queueing time)."""
+    announced: bool = False
+    """Whether the runners hold its sampling state (sent in a plan's `new_requests`): from its
+    first admission on, until a lost rank makes them start afresh (`Scheduler.lose_step`)."""
     predicted_ttft_s: float | None = None
     """The TTFT admission predicted for it (`slo_admission` on and the step-time model ready)."""
     best_effort: bool = False

@@ -40,7 +40,10 @@ Policies (`SchedulerConfig.policy`) differ only in the queue's order and the siz
   enough steps, it sizes like fcfs. The queue (`SloQueue`) serves streams preempted mid-output
   first, then requests by TTFT deadline (arrival + `slo_ttft_s`), then those past it.
   A request's own targets (`SamplingParams.slo`) replace the server's for it: its deadline is
-  its own, and a step's prefill fits the tightest TBT target among the step's decodes.
+  its own, and a step's prefill fits the tightest TBT target among the step's decodes. When the
+  queue's head has used half its TTFT target waiting for a seat or blocks that a stream with
+  looser targets (both TTFT and TBT) holds, that stream is preempted to make room and queues
+  again by its own deadline, behind the tight request (`_yield_to_tight`).
 Admission (`slo_admission`, either policy): a new request whose TTFT target the step-time model
 predicts will be missed is refused (`SLORejectedError`) or admitted as best effort
 (`admission.py`).
@@ -60,7 +63,7 @@ from moeserve.sampling_params import SamplingParams
 from moeserve.scheduler.admission import AdmissionTally, Backlog, SLORejectedError, predict_ttft
 from moeserve.scheduler.block_hash import BlockHash, block_hashes
 from moeserve.scheduler.block_manager import BlockManager
-from moeserve.scheduler.config import SchedulerConfig
+from moeserve.scheduler.config import SchedulerConfig, blocks_for_tokens
 from moeserve.scheduler.policy import ChunkSizer, FcfsQueue, SloQueue, WaitingQueue
 from moeserve.scheduler.request import STATUS_BY_FINISH_REASON, Request, RequestStatus
 from moeserve.scheduler.step_time import StepShape, StepTimeModel
@@ -100,6 +103,9 @@ class NewRequest:
     sampling_params: SamplingParams
     prompt_token_ids: tuple[int, ...]
     """A snapshot, immutable, so every holder (the plan, an in-process runner) can share it."""
+    output_token_ids: tuple[int, ...] = ()
+    """Tokens it sampled before these runners knew it: none for a new request; those a client has
+    already been sent for one announced again after a lost rank (`Scheduler.lose_step`)."""
 
 
 @dataclass(frozen=True)
@@ -298,10 +304,69 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self._running)
 
+    def backlog(self) -> StepShape:
+        """The shape of one step feeding everything this scheduler holds: each running request
+        its next tokens from where it stands (a decode one token at its context's end, a prefill
+        the rest of its prompt), each queued request its prompt from position 0 (the prefix
+        cache ignored). What token-aware data-parallel routing prices a group's load by."""
+        shape = StepShape()
+        for request in self._requests.values():
+            remaining = request.num_tokens - request.num_computed_tokens
+            if remaining > 0:
+                shape = shape.plus_chunk(remaining, request.num_computed_tokens)
+        return shape
+
     @property
     def step_time_model(self) -> StepTimeModel | None:
         """The model sizing prefill chunks (slo) and predicting TTFT (admission), else None."""
         return self._model
+
+    # ----- a lost rank (`--on-rank-failure heal`) -----
+
+    def lose_step(self) -> None:
+        """The step in flight was lost with a rank: no `update` comes for it, and the runners
+        dropped every request's state. Every running request is preempted, newest first as
+        preemption goes, to recompute its prompt and outputs on readmission (its full blocks are
+        found again in the prefix cache: the survivors' caches are intact), and every live request
+        is announced again, with the tokens it has sampled. Nothing a client was sent changes:
+        outputs are only ever appended by `update`, which the lost step never reached."""
+        self._awaiting_update = False
+        while self._running:
+            victim = self._running[-1]
+            self._requeue_for_recompute(victim)
+        for request in self._requests.values():
+            request.announced = False
+
+    def release_all(self) -> list[Request]:
+        """Hand every live request over (this group is gone with its rank): running ones first, in
+        admission order, then the queued ones head first; none holds a block here any more."""
+        self.lose_step()
+        released = []
+        while self._waiting:
+            released.append(self._waiting.pop())
+        self._requests.clear()
+        self._finished_ids.clear()  # their runner is gone with the rank
+        return released
+
+    def adopt(self, requests: list[Request]) -> None:
+        """Take over requests another group released (`release_all`), in that order: those that
+        ran go to the head of the queue as preempted requests do (their clients are reading a
+        stream), those that never ran join it as new arrivals."""
+        for request in requests:
+            if request.request_id in self._requests:
+                raise ValueError(f"request id {request.request_id!r} is already in use")
+        ran = [r for r in requests if r.status is RequestStatus.PREEMPTED]
+        for request in requests:
+            self._requests[request.request_id] = request
+        for request in reversed(ran):  # requeue pushes to the front: the last first keeps their order
+            self._waiting.requeue(request)
+        for request in requests:
+            if request.status is RequestStatus.WAITING:
+                self._waiting.add(request)
+
+    def live_requests(self) -> list[Request]:
+        """Every unfinished request of this group."""
+        return list(self._requests.values())
 
     # ----- the step -----
 
@@ -313,9 +378,11 @@ class Scheduler:
           blocks, `num_computed_tokens == 0`) and `_running` (RUNNING);
         - a running request's blocks cover positions `[0, num_computed_tokens)`; only cached full
           blocks, which nobody writes again, have several owners; `len(_running) <= max_num_seqs`;
-        - `_running` is in admission order and preemption takes its tail, so the victim is always
-          the most recently admitted; under fcfs admission pops the queue head and preemption
-          pushes the victim back to the head, so `_running + _waiting` is in arrival order;
+        - `_running` is in admission order and preemption for blocks takes its tail, so that
+          victim is always the most recently admitted (slo's yield to a tight request takes a
+          looser decode from anywhere, before any grant, leaving the rest in order); under fcfs
+          admission pops the queue head and preemption pushes the victim back to the head, so
+          `_running + _waiting` is in arrival order;
         - only `_running[-1]` can be mid-prefill: nothing is admitted after a prompt that is split
           (by the budget or, under slo, the TBT target) until its prefill completes;
         - the plan grants at most `max_num_batched_tokens` tokens, each scheduled request's blocks
@@ -326,6 +393,8 @@ class Scheduler:
             raise RuntimeError("schedule() called again before update() of the previous step")
         load = _StepLoad(self.config.slo_tbt_s) if self._chunk_sizer is not None else None
         plan = _StepPlan(self.config.max_num_batched_tokens, load)
+        if self.config.policy == "slo":
+            self._yield_to_tight(plan)
         self._schedule_running(plan)
         if not plan.preempted_ids:
             self._admit_waiting(plan)
@@ -370,6 +439,38 @@ class Scheduler:
         return finished
 
     # ----- planning -----
+
+    def _yield_to_tight(self, plan: _StepPlan) -> None:
+        """slo: preempt a loose-target stream for the queue's head when the head is a newcomer
+        that has used half its TTFT target waiting, cannot get a seat or the blocks of its first
+        chunk, and some running decode's TTFT and TBT targets are both looser than its own. The
+        victim is the loosest by TBT (then TTFT, then the newest); it requeues as a newcomer would,
+        by its own deadline, so the head goes first. The step then admits nobody (as after any
+        preemption); the next one admits the head."""
+        if not self._waiting:
+            return
+        self._waiting.refresh()
+        head = self._waiting.head()
+        ttft_s, tbt_s = self._targets(head)
+        if head.num_output_tokens or self._clock() - head.arrival_time < ttft_s / 2 or not self._is_blocked(head):
+            return
+        looser = [
+            (self._targets(r)[1], self._targets(r)[0], index, r)
+            for index, r in enumerate(self._running)
+            if _is_decode(r) and self._targets(r)[0] > ttft_s and self._targets(r)[1] > tbt_s
+        ]
+        if looser:
+            victim = max(looser, key=lambda entry: entry[:3])[3]
+            self._preempt(victim, plan)
+            self._waiting.remove(victim)
+            self._waiting.add(victim)
+
+    def _is_blocked(self, request: Request) -> bool:
+        """No seat for `request`, or too few free blocks for its first chunk (cached prefix aside)."""
+        if len(self._running) >= self.config.max_num_seqs:
+            return True
+        first_chunk = min(request.num_tokens, self.config.max_num_batched_tokens)
+        return self.block_manager.num_free_blocks < blocks_for_tokens(first_chunk, self.config.block_size)
 
     def _schedule_running(self, plan: _StepPlan) -> None:
         """Grant every running request its next tokens in admission order, preempting from the
@@ -420,8 +521,10 @@ class Scheduler:
                 plan.prefix_cache_hits += num_cached
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = self._clock()
-                prompt = tuple(request.prompt_token_ids)
-                plan.new_requests.append(NewRequest(request.request_id, request.sampling_params, prompt))
+            if not request.announced:
+                request.announced = True
+                prompt, outputs = tuple(request.prompt_token_ids), tuple(request.output_token_ids)
+                plan.new_requests.append(NewRequest(request.request_id, request.sampling_params, prompt, outputs))
             request.status = RequestStatus.RUNNING
             self._running.append(request)
             plan.grant(request, num_new_tokens)
@@ -478,8 +581,11 @@ class Scheduler:
     def _preempt(self, request: Request, plan: _StepPlan) -> None:
         """Drop a running request's KV and requeue it (fcfs: at the head), to recompute on
         readmission."""
-        self._running.remove(request)
         plan.preempted_ids.append(request.request_id)
+        self._requeue_for_recompute(request)
+
+    def _requeue_for_recompute(self, request: Request) -> None:
+        self._running.remove(request)
         self.block_manager.free(request)
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED

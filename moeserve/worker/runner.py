@@ -89,6 +89,14 @@ class ModelRunner:
         """The requests whose state this runner holds."""
         return self.batch.request_ids
 
+    def forget_requests(self) -> None:
+        """Drop every request's state: after a lost rank the step in flight may have left it
+        half-updated, and the scheduler announces each live request again (`Scheduler.lose_step`)."""
+        for request_id in self.batch.request_ids:
+            self.batch.remove(request_id)
+            self.prompt_logprobs.remove(request_id)
+        self._prompt_logprobs_out.clear()
+
     def _track(self, plan: SchedulerOutput) -> None:
         """Forget the finished requests first: a new request may reuse a finished one's id."""
         for request_id in plan.finished_request_ids:
@@ -97,9 +105,15 @@ class ModelRunner:
         new = plan.new_requests
         if self.samples:
             for r in new:
-                self.prompt_logprobs.add(r.request_id, r.sampling_params.prompt_logprobs, r.prompt_token_ids)
+                if not r.output_token_ids:  # one announced again has had its prompt's logprobs
+                    self.prompt_logprobs.add(r.request_id, r.sampling_params.prompt_logprobs, r.prompt_token_ids)
         rows = [
-            SamplingRow(r.sampling_params, r.prompt_token_ids, (), make_generator(r.sampling_params.seed, self.device))
+            SamplingRow(
+                r.sampling_params,
+                r.prompt_token_ids,
+                r.output_token_ids,
+                make_generator(r.sampling_params.seed, self.device),
+            )
             for r in new
         ]
         self.batch.add([r.request_id for r in new], rows)

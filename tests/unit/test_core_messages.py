@@ -28,6 +28,7 @@ from moeserve.engine.core_process import CoreLoop
 from moeserve.engine.engine import ModelFacts
 from moeserve.engine_config import EngineConfig
 from moeserve.eplb import RebalanceReport
+from moeserve.executor import HealReport
 from moeserve.sampling_params import SamplingParams
 from moeserve.scheduler import QueueFullError
 from moeserve.worker.prompt_logprobs import PromptLogprobs
@@ -75,6 +76,14 @@ def test_outputs_round_trip() -> None:
     assert decode_outputs(encode_outputs(quiet)).step.rebalances == []
     dead = CoreOutputs(SchedulerStats(0, 0, 0, 0), dead="rank 1 was killed")
     assert decode_outputs(encode_outputs(dead)).dead == "rank 1 was killed"
+
+
+def test_heal_reports_round_trip() -> None:
+    heal = HealReport((2, 5), "rank 2 was killed by SIGKILL", 6, 1, (2,), 55.5, 0.05, 0.01, 0.2, 3, 8, 6_291_456)
+    step = CoreStep({}, [], {}, 1.0, 0.3, 0, SchedulerStats(0, 4, 0, 96), heals=[heal])
+    back = decode_outputs(encode_outputs(CoreOutputs(SchedulerStats(0, 4, 0, 96), step=step)))
+    assert back.step.heals == [heal]  # the rank tuples stay tuples
+    assert isinstance(back.step.heals[0].lost_ranks, tuple)
 
 
 def test_prompt_logprobs_round_trip() -> None:

@@ -35,7 +35,7 @@ from moeserve.engine.outputs import RequestOutput
 from moeserve.engine.stats import RequestMetrics
 from moeserve.engine_config import EngineConfig, SLOConfig
 from moeserve.sampling_params import SamplingParams
-from moeserve.scheduler import Request, SchedulerConfig, SchedulerOutput, SLORejectedError, StepShape
+from moeserve.scheduler import Request, RequestStatus, SchedulerConfig, SchedulerOutput, SLORejectedError, StepShape
 from moeserve.scheduler.admission import Backlog, predict_ttft
 from moeserve.scheduler.policy import SLO_STEP_HEADROOM, ChunkSizer, FcfsQueue, SloQueue
 from moeserve.slo import RequestSLO, SLOCatalog, SLOClass, parse_slo_class
@@ -371,3 +371,39 @@ def test_offline_engine_marks_a_best_effort_request_in_its_final_metrics(make_ch
     tight_metrics, loose_metrics = (out.metrics for out in outputs)
     assert tight_metrics.best_effort_ttft_s >= 0.5 and tight_metrics.slo_class == "chat"
     assert loose_metrics.best_effort_ttft_s is None and loose_metrics.slo_class == "batch"
+
+
+# ---- preempting a loose stream for a tight request ------------------------------------------------
+
+
+def test_a_loose_stream_yields_its_seat_to_a_tight_request_at_risk() -> None:
+    """Two seats held by loose streams (TTFT 20 s, TBT 1 s); a chat request (TTFT 1 s, TBT 50 ms)
+    waits. Before it has used half its target nothing happens; then the loosest stream (by TBT,
+    then the newest) is preempted, the chat request is admitted next step, and the victim waits
+    behind it by its own deadline."""
+    clock = ManualClock()
+    scheduler = make_scheduler(clock, max_num_seqs=2)
+    scheduler.add_request(slo_request("batch-a", 0.0, ttft_s=20.0, tbt_s=1.0, max_tokens=50))
+    scheduler.add_request(slo_request("batch-b", 0.0, ttft_s=20.0, tbt_s=1.0, max_tokens=50))
+    step(scheduler, clock)
+    clock.now = 1.0
+    scheduler.add_request(slo_request("chat", 1.0, ttft_s=1.0, tbt_s=0.05, max_tokens=4))
+    clock.now = 1.4  # 0.4 s of its 1 s waited: not yet at risk
+    assert step(scheduler, clock).preempted_request_ids == []
+    clock.now = 1.6
+    output = step(scheduler, clock)
+    assert output.preempted_request_ids == ["batch-b"] and {s.request_id for s in output.scheduled} == {"batch-a"}
+    output = step(scheduler, clock)
+    assert {s.request_id for s in output.scheduled} == {"batch-a", "chat"}
+    victim = scheduler.added["batch-b"]
+    assert scheduler.num_waiting == 1 and victim.status is RequestStatus.PREEMPTED and victim.num_preemptions == 1
+
+
+def test_no_stream_yields_to_a_request_whose_targets_are_not_tighter_in_both() -> None:
+    clock = ManualClock()
+    scheduler = make_scheduler(clock, max_num_seqs=1)
+    scheduler.add_request(slo_request("stream", 0.0, ttft_s=20.0, tbt_s=0.05, max_tokens=50))
+    step(scheduler, clock)
+    scheduler.add_request(slo_request("same-tbt", 0.0, ttft_s=1.0, tbt_s=0.05, max_tokens=4))
+    clock.now = 5.0  # long past half its TTFT target, but the stream's TBT is as tight as its own
+    assert all(not step(scheduler, clock).preempted_request_ids for _ in range(5))

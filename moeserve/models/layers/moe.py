@@ -85,6 +85,23 @@ class MoEBlock(nn.Module):
                     torch.empty(1, cfg.hidden_size, dtype=dtype, device=device), requires_grad=False
                 )
 
+    def rehome(self, dispatcher: Dispatcher, expert_params: dict[str, torch.Tensor]) -> None:
+        """Serve the slots `dispatcher.placement` gives this rank after lost ranks, with
+        `expert_params` (each expert parameter by name, slot-major) as their weights. The per-slot
+        and per-destination counters restart at zero: the caller has read them under the old
+        placement. The replica table is the model's to set (`MoECausalLM.rehome`)."""
+        placement = dispatcher.placement
+        for name, value in expert_params.items():
+            if value.shape[0] != placement.num_local_experts:
+                want = placement.num_local_experts
+                raise ValueError(f"{name} has {value.shape[0]} slots; the placement gives {want}")
+            setattr(self.experts, name, nn.Parameter(value, requires_grad=False))
+        self.dispatcher = dispatcher
+        device = self.routed_tokens.device
+        self.routed_tokens = torch.zeros(placement.num_local_experts, dtype=torch.int64, device=device)
+        self.dispatch_rows = torch.zeros(placement.ep_size, dtype=torch.int64, device=device)
+        self.slot_owner = placement.owner.to(device) if placement.ep_size > 1 else None
+
     def track_logical_load(self) -> None:
         """Count each step's routing per logical expert from now on (one scatter-add per step)."""
         if self.logical_load is None:

@@ -1,0 +1,69 @@
+"""Where lost ranks' experts go (`eplb.survivors`) and how a survivor fills its new slots."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+from moeserve.dispatch import ExpertMap
+from moeserve.eplb.recovery import recover_layer
+from moeserve.eplb.survivors import SlotSource, recovery_plan, survivor_map
+
+
+def check_serves_every_expert(new: ExpertMap) -> None:
+    for i in range(new.num_layers):
+        assert set(new.physical_to_logical[i]) == set(range(new.num_logical))
+
+
+def test_survivors_keep_their_experts_and_the_lost_ones_go_where_slots_are_free():
+    old = ExpertMap.default(6, 0, 4, 2)  # slots 2, 2, 1, 1: rank 2 holds expert 4
+    new = survivor_map(old, [0, 1, 3])
+    assert new.ep_size == 3 and new.num_physical == 6
+    check_serves_every_expert(new)
+    assert [new.local_logical(0, r) for r in range(3)] == [(0, 1), (2, 3), (5, 4)]
+    plan = recovery_plan(old, new, [0, 1, 3], 0)
+    assert [s.kind for s in plan[0] + plan[1]] == ["local"] * 4
+    assert plan[2] == [SlotSource(0, 5, "local", 2, 0), SlotSource(1, 4, "checkpoint")]
+
+
+def test_a_surviving_replica_is_copied_from_its_rank_not_read_from_the_checkpoint():
+    old = ExpertMap.default(6, 2, 4, 1)  # 8 slots: ranks hold (0, 1), (2, 3), (4, 5), (0, 1)
+    new = survivor_map(old, [1, 2, 3])  # rank 0 lost: 0 and 1 survive on old rank 3 (new rank 2)
+    check_serves_every_expert(new)
+    assert Counter(new.physical_to_logical[0]) == Counter(old.physical_to_logical[0])  # replica counts kept
+    plan = recovery_plan(old, new, [1, 2, 3], 0)
+    sources = [s for per_rank in plan for s in per_rank]
+    assert not [s for s in sources if s.kind == "checkpoint"]
+    assert {(s.expert, s.src) for s in sources if s.kind == "peer"} == {(0, 2), (1, 2)}
+
+
+def test_two_losses_in_a_row_keep_every_expert_served():
+    old = ExpertMap.default(16, 0, 8, 3)
+    once = survivor_map(old, [0, 1, 2, 4, 5, 6, 7])
+    twice = survivor_map(once, [0, 1, 2, 3, 5, 6])
+    check_serves_every_expert(once)
+    check_serves_every_expert(twice)
+    assert sorted(len(twice.slots_of(r)) for r in range(6)) == [2, 2, 3, 3, 3, 3]
+
+
+@pytest.mark.parametrize("survivors", [[], [1, 0], [0, 4], [0, 0]])
+def test_bad_survivor_lists_are_refused(survivors):
+    with pytest.raises(ValueError, match="survivors"):
+        survivor_map(ExpertMap.default(6, 0, 4, 1), survivors)
+
+
+def test_recover_layer_copies_its_own_slots_and_reads_the_rest():
+    w13 = torch.arange(3 * 2 * 4, dtype=torch.float32).reshape(3, 2, 4)
+    w2 = -torch.arange(3 * 4 * 1, dtype=torch.float32).reshape(3, 4, 1)
+    plan = [[SlotSource(0, 7, "local", 0, 2), SlotSource(1, 9, "checkpoint"), SlotSource(2, 5, "local", 0, 0)]]
+    stored = {9: (torch.full((2, 4), 9.0), torch.full((4, 1), 9.0))}
+
+    def read(experts: list[int]) -> list[torch.Tensor]:
+        return [torch.stack([stored[e][k] for e in experts]) for k in range(2)]
+
+    (new13, new2), done = recover_layer([w13, w2], plan, 0, read, tag=0)
+    assert torch.equal(new13, torch.stack([w13[2], torch.full((2, 4), 9.0), w13[0]]))
+    assert torch.equal(new2, torch.stack([w2[2], torch.full((4, 1), 9.0), w2[0]]))
+    assert (done.checkpoint_slots, done.peer_slots, done.checkpoint_bytes) == (1, 0, 4 * (8 + 4))
