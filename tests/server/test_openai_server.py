@@ -290,7 +290,8 @@ def test_small_kv_pool_preempts_and_still_matches(start_server, layout: str, ref
     """A pool of 40 blocks of 4 tokens holds about two of these sequences: the rest wait or are
     preempted and recomputed, and every output is still the solo greedy output (the offline
     engine's, which is batch-invariant)."""
-    server = start_server(*LAYOUTS[layout], "--block-size", "4", "--kv-cache-blocks", str(SMALL_POOL[layout][0]))
+    pool = ("--block-size", "4", "--kv-cache-blocks", str(SMALL_POOL[layout][0]), "--max-model-len", "96")
+    server = start_server(*LAYOUTS[layout], *pool)  # a pool must hold one whole sequence of max_model_len
     try:
         prompts = [f"request number {i} asks for many tokens" for i in range(8)]
 
