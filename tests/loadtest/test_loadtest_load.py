@@ -71,9 +71,9 @@ def test_duration_stops_sending_and_lets_in_flight_requests_finish():
 
 def test_a_capped_run_does_not_send_after_the_duration():
     log: dict = {}
-    load = LoadSettings(burstiness=1.0, max_concurrency=1, duration_s=0.25, seed=0)
-    result = asyncio.run(run_at_rate(_sender(0.1, log), PROMPTS, math.inf, load, progress=False))
-    assert len(result.records) == 3  # sent at 0, 0.1 and 0.2 s; the rest waited past 0.25 s
+    load = LoadSettings(burstiness=1.0, max_concurrency=1, duration_s=0.5, seed=0)
+    result = asyncio.run(run_at_rate(_sender(0.2, log), PROMPTS, math.inf, load, progress=False))
+    assert len(result.records) == 3  # sent at 0, 0.2 and 0.4 s; the rest waited past 0.5 s (0.1 s to spare)
 
 
 def _knee(knee: float):
