@@ -43,8 +43,21 @@ def make_checkpoint(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Pat
     return make
 
 
+# Folders whose files each take minutes (server launches, rank processes), run first: with
+# `-n 2 --dist loadfile` the workers take files in collection order, and a long file started
+# last keeps one worker busy alone at the end.
+HEAVY_FIRST = ("server", "distributed", "parity")
+
+
+def _heaviness(item: pytest.Item) -> int:
+    folder = item.path.parent.name
+    return HEAVY_FIRST.index(folder) if folder in HEAVY_FIRST else len(HEAVY_FIRST)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests marked `gpu` skip, with the reason, where there is no CUDA device (CI)."""
+    """Heavy folders first (a stable sort: each file keeps its tests' order); tests marked `gpu`
+    skip, with the reason, where there is no CUDA device (CI)."""
+    items.sort(key=_heaviness)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
