@@ -43,21 +43,39 @@ def make_checkpoint(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Pat
     return make
 
 
-# Folders whose files each take minutes (server launches, rank processes), run first: with
-# `-n 2 --dist loadfile` the workers take files in collection order, and a long file started
-# last keeps one worker busy alone at the end.
-HEAVY_FIRST = ("server", "distributed", "parity")
+# The longest files first, longest first (seconds, serially, on 2 cores): with `-n 2 --dist
+# loadfile` each worker takes the next file in collection order when it is free, so a long file
+# collected late would run alone at the end. Files not named here follow in their usual order.
+LONGEST_FIRST = (
+    "test_ep_parity.py",  # ~210
+    "test_openai_server.py",  # ~110
+    "test_nvshmem_dispatcher.py",  # ~80
+    "test_transformers_parity.py",  # ~65
+    "test_cli.py",  # ~45
+    "test_ep_serving.py",  # ~40
+    "test_eplb_live.py",  # ~40
+    "test_bench_serve.py",  # ~35
+    "test_server_safety.py",  # ~30
+    "test_engine.py",  # ~30
+    "test_torch_dispatcher.py",  # ~25
+    "test_gpu_runbook.py",  # ~25
+    "test_heal_serving.py",  # ~25
+    "test_eplb_server.py",  # ~20
+    "test_host_syncs_ep.py",  # ~20
+    "test_fp8_dispatchers.py",  # ~20
+    "test_fp8_checkpoints.py",  # ~20
+)
 
 
-def _heaviness(item: pytest.Item) -> int:
-    folder = item.path.parent.name
-    return HEAVY_FIRST.index(folder) if folder in HEAVY_FIRST else len(HEAVY_FIRST)
+def _start_rank(item: pytest.Item) -> int:
+    name = item.path.name
+    return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Heavy folders first (a stable sort: each file keeps its tests' order); tests marked `gpu`
-    skip, with the reason, where there is no CUDA device (CI)."""
-    items.sort(key=_heaviness)
+    """The longest files first (a stable sort: each file keeps its tests' order); tests marked
+    `gpu` skip, with the reason, where there is no CUDA device (CI)."""
+    items.sort(key=_start_rank)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
