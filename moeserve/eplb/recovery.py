@@ -2,7 +2,7 @@
 
 Every survivor runs `recover_layer` for each MoE layer, in the same order, over the new process
 group: its own slots are copied locally, surviving replicas come point to point from the rank
-holding them (`batch_isend_irecv`, as a live rebalance moves weights), and experts that only the
+holding them (`transfer.exchange_slots`, as a live rebalance moves weights), and experts that only the
 lost ranks held are read from the checkpoint. The new tensors are built aside: the number of
 slots a rank holds changes, so the layer's parameters are replaced, not overwritten.
 """
@@ -13,9 +13,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from moeserve.eplb.survivors import SlotSource
+from moeserve.eplb.transfer import Transfer, exchange_slots
 
 ReadCheckpoint = Callable[[list[int]], list[torch.Tensor]]
 """Logical experts -> each expert parameter stacked over them, in the parameters' order."""
@@ -49,33 +49,15 @@ def recover_layer(
     mine = plan[rank]
     fresh = [p.new_empty(len(mine), *p.shape[1:]) for p in params]
     slot_bytes = sum(p[0].numel() * p.element_size() for p in params)
-    done = Recovered()
-    ops, inbox = [], []
-    for dst, sources in enumerate(plan):
-        if dst == rank:
-            continue
-        rows = [s.src_slot for s in sources if s.kind == "peer" and s.src == rank]
-        if rows:
-            index = torch.tensor(rows, device=params[0].device)
-            for k, p in enumerate(params):
-                ops.append(dist.P2POp(dist.isend, p.index_select(0, index).contiguous(), dst, tag=tag + k))
-    for src in sorted({s.src for s in mine if s.kind == "peer"}):
-        slots = [s.slot for s in mine if s.kind == "peer" and s.src == src]
-        for k, p in enumerate(params):
-            buffer = p.new_empty(len(slots), *p.shape[1:])
-            ops.append(dist.P2POp(dist.irecv, buffer, src, tag=tag + k))
-            inbox.append((k, slots, buffer))
-        done.peer_slots += len(slots)
-        done.peer_bytes += len(slots) * slot_bytes
-    for s in mine:
-        if s.kind == "local":
-            for k, p in enumerate(params):
-                fresh[k][s.slot] = p[s.src_slot]
-    if ops:
-        for request in dist.batch_isend_irecv(ops):
-            request.wait()
-    for k, slots, buffer in inbox:
-        fresh[k][slots] = buffer
+    moves = [
+        Transfer(s.expert, dst if s.kind == "local" else s.src, s.src_slot, dst, s.slot)
+        for dst, sources in enumerate(plan)
+        for s in sources
+        if s.kind != "checkpoint"
+    ]
+    exchange_slots(params, fresh, moves, rank, None, tag)
+    from_peers = sum(1 for s in mine if s.kind == "peer")
+    done = Recovered(peer_slots=from_peers, peer_bytes=from_peers * slot_bytes)
     from_checkpoint = [s for s in mine if s.kind == "checkpoint"]
     if from_checkpoint:
         read = read_checkpoint([s.expert for s in from_checkpoint])

@@ -84,6 +84,23 @@ def _move_layer(
     params: list[torch.Tensor], plan: list[Transfer], rank: int, group: dist.ProcessGroup | None, tag: int
 ) -> None:
     fresh = [torch.empty_like(p) for p in params]
+    exchange_slots(params, fresh, plan, rank, group, tag)
+    with torch.no_grad():
+        for p, value in zip(params, fresh):
+            p.copy_(value)
+
+
+def exchange_slots(
+    params: Sequence[torch.Tensor],
+    fresh: Sequence[torch.Tensor],
+    plan: Sequence[Transfer],
+    rank: int,
+    group: dist.ProcessGroup | None,
+    tag: int,
+) -> None:
+    """Fill `fresh` (this rank's new slots, slot-major as `params`) from `plan`: this rank's own
+    slots copied locally, every other rank's point to point in one `batch_isend_irecv`, one tag
+    per parameter from `tag`. Every rank of the group calls it with the same plan."""
     ops, inbox = [], []
     for peer in sorted({t.dst for t in plan if t.src == rank and t.dst != rank}):
         rows = torch.tensor([t.src_slot for t in plan if t.src == rank and t.dst == peer], device=params[0].device)
@@ -104,9 +121,6 @@ def _move_layer(
             request.wait()
     for k, slots, buffer in inbox:
         fresh[k][slots] = buffer
-    with torch.no_grad():
-        for p, value in zip(params, fresh):
-            p.copy_(value)
 
 
 def _global(rank: int, group: dist.ProcessGroup | None) -> int:
