@@ -268,15 +268,13 @@ class EngineCore:
         pending = self.structured.start_bitmask([s.request_id for s in plan.scheduled if s.sample])
         try:
             sampled = self.executor.execute(plan) if pending is None else self.executor.execute(plan, pending)
-        except RanksLostError as lost:
-            if pending is not None:
-                pending.settle()  # the filler must be done with the matchers before the heal
-            self._first_scheduled_late = first_scheduled
-            return self._heal(lost, failed, started)
-        except BaseException:
+        except BaseException as exc:
             if pending is not None:
                 pending.settle()  # never leave the filler reading matchers that what follows changes
-            raise
+            if not isinstance(exc, RanksLostError):
+                raise
+            self._first_scheduled_late = first_scheduled
+            return self._heal(exc, failed, started)
         bitmask = None if pending is None else pending.get()
         if not plan.is_empty and self.config.min_step_time_s > 0:  # the test-only capacity knob
             time.sleep(max(0.0, started + self.config.min_step_time_s - time.monotonic()))

@@ -455,9 +455,11 @@ class Scheduler:
         if head.num_output_tokens or self._clock() - head.arrival_time < ttft_s / 2 or not self._is_blocked(head):
             return
         looser = [
-            (self._targets(r)[1], self._targets(r)[0], index, r)
+            (own_tbt_s, own_ttft_s, index, r)
             for index, r in enumerate(self._running)
-            if _is_decode(r) and self._targets(r)[0] > ttft_s and self._targets(r)[1] > tbt_s
+            if _is_decode(r)
+            for own_ttft_s, own_tbt_s in [self._targets(r)]
+            if own_ttft_s > ttft_s and own_tbt_s > tbt_s
         ]
         if looser:
             victim = max(looser, key=lambda entry: entry[:3])[3]

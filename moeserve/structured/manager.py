@@ -108,11 +108,11 @@ class StructuredOutputManager:
         """Start filling the allowed next tokens of those of `request_ids` under a grammar (one
         batched fill, on the filler thread); None when none is. The matchers must not change
         until the mask is taken: the core advances them only after the step has sampled."""
-        constrained = [self._matchers[r] for r in request_ids if r in self._matchers]
-        if not constrained:
-            return None
         ids = tuple(r for r in request_ids if r in self._matchers)
-        return PendingBitmask(self._filler.submit(self._fill, ids, constrained).result)
+        if not ids:
+            return None
+        matchers = [self._matchers[r] for r in ids]
+        return PendingBitmask(self._filler.submit(self._fill, ids, matchers).result)
 
     def _fill(self, request_ids: tuple[str, ...], matchers: list[xgr.GrammarMatcher]) -> TokenBitmask:
         bitmask = xgr.allocate_token_bitmask(len(matchers), self.compiler.vocab_size)  # [K, W] int32

@@ -17,6 +17,7 @@ import shutil
 import pytest
 import torch
 from helpers.hf_configs import VOCAB
+from helpers.reference import hf_greedy_tokens, hf_model
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -95,22 +96,8 @@ def prompts() -> list[list[int]]:
 
 
 def hf_greedy(folder, batch: list[list[int]]):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    outs = []
-    for p in batch:
-        ids = model.generate(
-            torch.tensor([p]),
-            attention_mask=torch.ones(1, len(p), dtype=torch.long),
-            max_new_tokens=32,
-            min_new_tokens=32,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-        outs.append(ids[0, len(p) :].tolist())
-    return model, outs
+    model = hf_model(folder)
+    return model, [hf_greedy_tokens(model, p, 32) for p in batch]
 
 
 def max_prefill_dlogit(ours, ref_model, batch: list[list[int]]) -> float:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.reference import hf_greedy_tokens, hf_model
 
 from moeserve import LLM, SamplingParams
 from moeserve.models import load_model
@@ -101,12 +102,6 @@ def prompts_for(seed: int, vocab: int) -> list[list[int]]:
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
 
 
-def hf_model(folder):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-
-
 @pytest.mark.parametrize("arch,seed,overrides", CASES, ids=IDS)
 def test_prefill_logits_match(make_checkpoint, arch, seed, overrides):
     folder = make_checkpoint(arch, seed, **overrides)
@@ -141,15 +136,7 @@ def test_greedy_generation_matches(make_checkpoint, arch, seed, overrides):
         [{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
     )
     for p, out in zip(prompts, outs):
-        ref = ref_model.generate(
-            torch.tensor([p]),
-            attention_mask=torch.ones(1, len(p), dtype=torch.long),
-            max_new_tokens=32,
-            min_new_tokens=32,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )[0, len(p) :].tolist()
+        ref = hf_greedy_tokens(ref_model, p, 32)
         assert out.outputs[0].token_ids == ref, f"prompt of {len(p)} tokens"
         assert out.outputs[0].finish_reason == "length"
 
