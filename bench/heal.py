@@ -15,7 +15,7 @@ group. Its figures: restart -> loaded, loaded -> taken in (waiting for the next 
 pause (regroup, expert slots copied back), restart -> serving; every round's outputs must equal
 the single process's and the group must be back to ep ranks.
 
-    python bench/heal.py [--requests 32] [--max-tokens 48] [--scenarios ep4,ep8x2,ep4r4]
+    python bench/heal.py [--requests 32] [--max-tokens 48] [--scenarios ep4,ep8x2,ep4r4,ep4rejoin]
 
 Writes bench/results/heal.json.
 """
@@ -211,7 +211,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=48)
-    parser.add_argument("--scenarios", default="ep4,ep8x2,ep4r4", help=f"comma-separated, of {', '.join(SCENARIOS)}")
+    parser.add_argument(
+        "--scenarios", default="ep4,ep8x2,ep4r4,ep4rejoin", help=f"comma-separated, of {', '.join(SCENARIOS)}"
+    )
     parser.add_argument("--out", type=Path, default=RESULTS / "heal.json")
     args = parser.parse_args()
     model = make_model(SPEC, Path(tempfile.mkdtemp()) / "model")
