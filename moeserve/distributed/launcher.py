@@ -1,8 +1,8 @@
 """Starting a node's rank processes, and the process that minds them on nodes other than 0.
 
 Ranks are numbered node by node: node n runs ranks [n * L, (n + 1) * L) with L = ep / nnodes,
-each on its node's `local_rank`-th device. Each is a fresh interpreter
-(`python -m moeserve.distributed.worker`), not a fork: CUDA and the process groups are set up
+each on its node's `local_rank`-th device. Each is forked from a warm process that has only
+imported the worker (`processes.py`), not from this one: CUDA and the process groups are set up
 in a clean process, and a crash of one rank never takes its siblings' memory with it.
 """
 
@@ -12,10 +12,10 @@ import logging
 import os
 import signal
 import subprocess
-import sys
 import time
 
 from moeserve.config import ParallelConfig
+from moeserve.distributed.processes import ChildProcess, start_process
 
 logger = logging.getLogger(__name__)
 
@@ -27,14 +27,11 @@ def node_ranks(parallel: ParallelConfig, node_rank: int) -> range:
 
 def start_ranks(
     parallel: ParallelConfig, master_addr: str, master_port: int, node_rank: int, watch_parent: bool
-) -> dict[int, subprocess.Popen]:
+) -> dict[int, ChildProcess]:
     """Start this node's ranks; with `watch_parent` each exits when this process is gone."""
     procs = {}
     for local_rank, rank in enumerate(node_ranks(parallel, node_rank)):
         command = [
-            sys.executable,
-            "-m",
-            "moeserve.distributed.worker",
             "--master-addr",
             master_addr,
             "--master-port",
@@ -50,7 +47,7 @@ def start_ranks(
         ]
         if watch_parent:
             command += ["--parent-pid", str(os.getpid())]
-        procs[rank] = subprocess.Popen(command)
+        procs[rank] = start_process("moeserve.distributed.worker", command)
     logger.info(
         "node %d: started ranks %d-%d (pids %s)",
         node_rank,
@@ -70,7 +67,7 @@ def exit_description(code: int) -> str:
     return f"exited with code {code}"
 
 
-def stop_ranks(procs: dict[int, subprocess.Popen], grace_s: float = 5.0) -> None:
+def stop_ranks(procs: dict[int, ChildProcess], grace_s: float = 5.0) -> None:
     """SIGTERM, then SIGKILL whoever is left after `grace_s` (a stopped process ignores SIGTERM)."""
     for proc in procs.values():
         if proc.poll() is None:
