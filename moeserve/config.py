@@ -126,6 +126,14 @@ class BlockFP8Config:
 
 
 @dataclass(frozen=True)
+class MXFP4Config:
+    """gpt-oss's MXFP4 experts as OpenAI publishes them: each routed expert projection is e2m1
+    FP4 codes, two per byte, with one e8m0 power-of-two scale per 32 input values
+    (`mxfp4_format.py`); everything else is unquantized. The format has no setting to carry:
+    blocks of 32 and the scale bias are fixed. Activations stay in the compute dtype."""
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """A checkpoint's architecture, in moeserve's own terms."""
 
@@ -161,7 +169,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     eos_token_ids: tuple[int, ...] = ()
     checkpoint_dtype: torch.dtype = torch.float32
-    weight_quant: BlockFP8Config | None = None  # None: weights stored in checkpoint_dtype
+    weight_quant: BlockFP8Config | MXFP4Config | None = None  # None: weights stored in checkpoint_dtype
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:

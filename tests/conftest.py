@@ -54,6 +54,7 @@ LONGEST_FIRST = (
     "test_heal_serving.py",  # ~55
     "test_cli.py",  # ~45
     "test_ep_serving.py",  # ~40
+    "test_model_families_server.py",  # ~35
     "test_eplb_live.py",  # ~40
     "test_bench_serve.py",  # ~35
     "test_server_safety.py",  # ~30
@@ -64,6 +65,7 @@ LONGEST_FIRST = (
     "test_host_syncs_ep.py",  # ~20
     "test_fp8_dispatchers.py",  # ~20
     "test_fp8_checkpoints.py",  # ~20
+    "test_mxfp4_checkpoints.py",  # ~20
 )
 
 

@@ -18,7 +18,8 @@ Two departures from HF's own random init, both so that the tiny models test some
   go untested.
 
 With ``quantize="fp8"`` the saved weights are then rewritten as the FP8 releases lay them out
-(``quantize_fp8.py``).
+(``quantize_fp8.py``), with ``quantize="mxfp4"`` gpt-oss's experts as its MXFP4 release lays
+them out (``quantize_mxfp4.py``).
 
 gpt-oss is saved as transformers lays out its bf16 form: a layer's experts in four stacked
 tensors (``mlp.experts.gate_up_proj`` and ``down_proj`` with their biases), not one per expert.
@@ -45,7 +46,7 @@ from transformers import (
     Qwen3MoeConfig,
 )
 
-from moeserve.checkpoints.quantize_fp8 import quantize_checkpoint
+from moeserve.checkpoints import quantize_fp8, quantize_mxfp4
 from moeserve.checkpoints.spec import SUPPORTED_ARCHS, MakeModelSpec
 from moeserve.checkpoints.tokenizer import BOS_ID, EOS_ID, IM_END_ID, PAD_ID, train_tokenizer
 
@@ -77,7 +78,9 @@ def make_model(spec: MakeModelSpec, out_dir: Path) -> Path:
     model.generation_config = _generation_config()
     model.save_pretrained(out_dir, max_shard_size=spec.max_shard_bytes)
     if spec.quantize == "fp8":
-        quantize_checkpoint(out_dir)
+        quantize_fp8.quantize_checkpoint(out_dir)
+    elif spec.quantize == "mxfp4":
+        quantize_mxfp4.quantize_checkpoint(out_dir)
     train_tokenizer(spec.vocab, out_dir, model_max_length=spec.max_position_embeddings)
     logger.info("made %s model (%s) in %s", spec.arch, _describe(spec), out_dir)
     return out_dir

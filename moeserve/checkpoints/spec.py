@@ -13,7 +13,7 @@ from moeserve.checkpoints.tokenizer import MIN_VOCAB_SIZE
 
 Arch = Literal["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "olmoe", "glm4_moe", "minimax_m2", "gpt_oss"]
 DType = Literal["float32", "bfloat16", "float16"]
-Quantize = Literal["none", "fp8"]
+Quantize = Literal["none", "fp8", "mxfp4"]
 SUPPORTED_ARCHS: tuple[str, ...] = get_args(Arch)
 SUPPORTED_DTYPES: tuple[str, ...] = get_args(DType)
 GROUPED_ROUTER_ARCHS = ("deepseek_v3", "glm4_moe")  # group-limited routing, dense first layers, shared experts
@@ -86,7 +86,9 @@ class MakeModelSpec:
     """Largest safetensors file; above it HF writes shards and model.safetensors.index.json."""
     quantize: Quantize = "none"
     """fp8: linear weights saved as FP8 with a float32 scale per 128x128 block, as DeepSeek-V3
-    and Qwen3-FP8 are published (embeddings, LM head, norms and routers stay in dtype)."""
+    and Qwen3-FP8 are published (embeddings, LM head, norms and routers stay in dtype). mxfp4
+    (gpt_oss only): the experts saved as FP4 codes with a power-of-two scale per 32 values, as
+    gpt-oss-20b/120b are published (expert biases in bf16, the rest in dtype)."""
 
     def __post_init__(self) -> None:
         _check_common(self)
@@ -134,10 +136,19 @@ def _check_common(spec: MakeModelSpec) -> None:
     _require(
         spec.vocab >= MIN_VOCAB_SIZE, f"vocab={spec.vocab}: a byte-level tokenizer needs at least {MIN_VOCAB_SIZE}"
     )
-    _require(spec.quantize in ("none", "fp8"), f"quantize={spec.quantize!r}: expected one of {get_args(Quantize)}")
+    _require(spec.quantize in get_args(Quantize), f"quantize={spec.quantize!r}: expected one of {get_args(Quantize)}")
     _require(
         spec.quantize != "fp8" or spec.arch != "gpt_oss",
-        "gpt_oss is published with MXFP4 experts, not FP8: quantize=fp8 is not offered for it",
+        "gpt_oss is published with MXFP4 experts, not FP8: use quantize=mxfp4 for it",
+    )
+    _require(
+        spec.quantize != "mxfp4" or spec.arch == "gpt_oss",
+        f"quantize=mxfp4 is gpt_oss's expert format (as transformers reads it), not {spec.arch}'s: use fp8",
+    )
+    _require(
+        spec.quantize != "mxfp4" or (spec.hidden % 32 == 0 and spec.expert_intermediate % 32 == 0),
+        f"quantize=mxfp4 cuts expert rows into blocks of 32: hidden={spec.hidden} and "
+        f"moe_intermediate={spec.expert_intermediate} must be multiples of 32",
     )
     _require(spec.init_std > 0, f"init_std={spec.init_std} must be positive")
     _require(

@@ -1,8 +1,8 @@
 """Starting a node's rank processes, and the process that minds them on nodes other than 0.
 
 Ranks are numbered node by node: node n runs ranks [n * L, (n + 1) * L) with L = ep / nnodes,
-each on its node's `local_rank`-th device. Each is a fresh interpreter
-(`python -m moeserve.distributed.worker`), not a fork: CUDA and the process groups are set up
+each on its node's `local_rank`-th device. Each is forked from a warm process that has only
+imported the worker (`processes.py`), not from this one: CUDA and the process groups are set up
 in a clean process, and a crash of one rank never takes its siblings' memory with it.
 """
 
@@ -12,10 +12,10 @@ import logging
 import os
 import signal
 import subprocess
-import sys
 import time
 
 from moeserve.config import ParallelConfig
+from moeserve.distributed.processes import ChildProcess, start_process
 
 logger = logging.getLogger(__name__)
 
@@ -27,7 +27,7 @@ def node_ranks(parallel: ParallelConfig, node_rank: int) -> range:
 
 def start_ranks(
     parallel: ParallelConfig, master_addr: str, master_port: int, node_rank: int, watch_parent: bool
-) -> dict[int, subprocess.Popen]:
+) -> dict[int, ChildProcess]:
     """Start this node's ranks; with `watch_parent` each exits when this process is gone."""
     procs = {
         rank: start_rank(rank, local_rank, master_addr, master_port, node_rank, watch_parent)
@@ -45,12 +45,9 @@ def start_ranks(
 
 def start_rank(
     rank: int, local_rank: int, master_addr: str, master_port: int, node_rank: int, watch_parent: bool
-) -> subprocess.Popen:
+) -> ChildProcess:
     """One rank process, with the flags it is started with at launch and on a restart alike."""
-    command = [
-        sys.executable,
-        "-m",
-        "moeserve.distributed.worker",
+    argv = [
         "--master-addr",
         master_addr,
         "--master-port",
@@ -65,8 +62,8 @@ def start_rank(
         logging.getLevelName(logging.getLogger().getEffectiveLevel()),
     ]
     if watch_parent:
-        command += ["--parent-pid", str(os.getpid())]
-    return subprocess.Popen(command)
+        argv += ["--parent-pid", str(os.getpid())]
+    return start_process("moeserve.distributed.worker", argv)
 
 
 def exit_description(code: int) -> str:
@@ -78,7 +75,7 @@ def exit_description(code: int) -> str:
     return f"exited with code {code}"
 
 
-def stop_ranks(procs: dict[int, subprocess.Popen], grace_s: float = 5.0) -> None:
+def stop_ranks(procs: dict[int, ChildProcess], grace_s: float = 5.0) -> None:
     """SIGTERM, then SIGKILL whoever is left after `grace_s` (a stopped process ignores SIGTERM)."""
     for proc in procs.values():
         if proc.poll() is None:

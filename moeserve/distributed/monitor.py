@@ -15,7 +15,6 @@ by a signal or failing on its own, before ranks whose error is a broken connecti
 from __future__ import annotations
 
 import logging
-import subprocess
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -25,6 +24,7 @@ import torch.distributed as dist
 
 from moeserve.config import ParallelConfig
 from moeserve.distributed.launcher import exit_description
+from moeserve.distributed.processes import ChildProcess
 from moeserve.distributed.rendezvous import heartbeat_key, read_error
 
 logger = logging.getLogger(__name__)
@@ -57,7 +57,7 @@ class RankMonitor:
         self,
         store: dist.Store,
         parallel: ParallelConfig,
-        local_procs: dict[int, subprocess.Popen],
+        local_procs: dict[int, ChildProcess],
         on_lost: Callable[[Loss], None],
         members: Sequence[int] | None = None,
     ) -> None:

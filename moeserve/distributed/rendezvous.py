@@ -8,7 +8,6 @@ there before dying, and the ranks build their torch.distributed group on a prefi
 from __future__ import annotations
 
 import logging
-import os
 import pickle
 import threading
 import time
@@ -17,6 +16,8 @@ from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
+
+from moeserve.distributed.processes import started_by
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +87,7 @@ class Heartbeat:
     def _run(self) -> None:
         key = heartbeat_key(self._rank)
         while True:
-            if self._parent_pid is not None and os.getppid() != self._parent_pid:
+            if self._parent_pid is not None and not started_by(self._parent_pid):
                 self._on_orphaned("the process that started this rank is gone")
                 return
             try:

@@ -335,7 +335,7 @@ def _recover_experts(
         for i, block in enumerate(model.moe_blocks()):
             names = [name for name, _ in block.experts.named_parameters(recurse=False)]
             if len(names) != len(list(block.experts.parameters())):
-                raise RuntimeError("expert weights under a parametrization (FP8) cannot be recovered yet")
+                raise RuntimeError("expert weights under a parametrization (FP8, MXFP4) cannot be recovered yet")
 
             def read(experts: list[int], i: int = i, names: list[str] = names) -> list[torch.Tensor]:
                 return reader.read(i, names, experts)

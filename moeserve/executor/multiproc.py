@@ -27,7 +27,6 @@ from __future__ import annotations
 import atexit
 import logging
 import signal
-import subprocess
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -53,6 +52,7 @@ from moeserve.distributed.messages import (
     WorkerSpec,
 )
 from moeserve.distributed.monitor import Loss, RankMonitor
+from moeserve.distributed.processes import ChildProcess
 from moeserve.distributed.rendezvous import CONTROL_KEY, GENERATION_KEY, SPEC_KEY, host_store, put
 from moeserve.eplb import RebalanceReport
 from moeserve.eplb.record import LoadRecord
@@ -429,7 +429,7 @@ class MultiprocessExecutor(Executor):
         self._channel.publish(message)
         return self._await_regroup(message.members)
 
-    def _restart_rank(self, member: int) -> subprocess.Popen:
+    def _restart_rank(self, member: int) -> ChildProcess:
         """A lost rank's process again, with its launch flags (one node: its local rank is its rank)."""
         proc = start_rank(member, member, "127.0.0.1", self._store.port, 0, watch_parent=True)
         self._procs[member] = proc

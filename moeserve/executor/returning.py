@@ -13,7 +13,6 @@ engine serves on without it.
 from __future__ import annotations
 
 import logging
-import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ import torch.distributed as dist
 
 from moeserve.distributed.launcher import exit_description
 from moeserve.distributed.messages import LoadReport
+from moeserve.distributed.processes import ChildProcess
 from moeserve.distributed.rendezvous import error_key, read_error
 
 logger = logging.getLogger(__name__)
@@ -32,7 +32,7 @@ class Restart:
     """One restarted rank process on its way back; `loaded_at` set once it reported loaded."""
 
     member: int
-    proc: subprocess.Popen
+    proc: ChildProcess
     started_at: float
     loaded_at: float | None = None
 
@@ -41,7 +41,7 @@ class ReturningRanks:
     """start(member) -> the new process (node 0 keeps it with its other rank processes)."""
 
     def __init__(
-        self, limit: int, startup_timeout_s: float, store: dist.Store, start: Callable[[int], subprocess.Popen]
+        self, limit: int, startup_timeout_s: float, store: dist.Store, start: Callable[[int], ChildProcess]
     ) -> None:
         self._limit, self._timeout_s, self._store, self._start = limit, startup_timeout_s, store, start
         self._used: dict[int, int] = {}  # launch rank -> restarts so far

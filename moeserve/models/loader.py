@@ -9,7 +9,9 @@ leaves nothing half-loaded.
 
 FP8 checkpoints (`models/fp8.py`): the parameters whose checkpoint tensors are float8_e4m3fn
 are replaced by FP8 storage and their scales, read as stored; a tensor-parallel rank reads its
-slice of both, which must cut the weight at scale-block boundaries.
+slice of both, which must cut the weight at scale-block boundaries. MXFP4 checkpoints
+(gpt-oss, `models/mxfp4.py`): the expert projections are replaced by packed FP4 codes and their
+scales, of this rank's experts only.
 """
 
 from __future__ import annotations
@@ -22,13 +24,14 @@ from typing import Literal
 
 import torch
 
-from moeserve.config import BlockFP8Config, ModelConfig
+from moeserve.config import BlockFP8Config, ModelConfig, MXFP4Config
 from moeserve.dispatch import Dispatcher, ExpertMap, ExpertPlacement, create_dispatcher
 from moeserve.fp8_format import FP8_DTYPE, scale_name, scale_shape
 from moeserve.models.architectures import CheckpointNames, resolve_architecture
 from moeserve.models.checkpoint import CheckpointError, CheckpointReader
 from moeserve.models.decoder import MoECausalLM
 from moeserve.models.fp8 import quantize_parameter
+from moeserve.models.mxfp4 import MXFP4ExpertsSource, pack_parameter
 from moeserve.models.tensor_parallel import SINGLE, Shard, TensorParallel, shard_of
 from moeserve.ops import TORCH_OPS, LayerOps
 
@@ -258,6 +261,40 @@ def fp8_sources(
     return found
 
 
+def mxfp4_sources(
+    sources: dict[str, WeightSource | FusedExpertsSource],
+    targets: dict[str, torch.Tensor],
+    reader: CheckpointReader,
+    quant: BlockFP8Config | MXFP4Config | None,
+) -> dict[str, MXFP4ExpertsSource]:
+    """Our expert projections held as MXFP4 in the checkpoint (none unless config.json says
+    mxfp4), each checked; any other `*_blocks`/`*_scales` tensor is refused by name, since only
+    gpt-oss's expert projections exist in the format."""
+    if not isinstance(quant, MXFP4Config):
+        return {}
+    found = {
+        name: MXFP4ExpertsSource(source.name, source.experts, source.num_experts, source.layout)
+        for name, source in sources.items()
+        if isinstance(source, FusedExpertsSource)
+        and source.layout in ("gate_up", "down")
+        and f"{source.name}_blocks" in reader
+    }
+    if not found:
+        raise CheckpointError(
+            f"config.json says quant_method 'mxfp4' but {reader.folder} has no mlp.experts.*_blocks tensor"
+        )
+    for name, source in found.items():
+        source.check(reader, targets[name].shape)
+    read = {tensor for source in found.values() for tensor in source.names}
+    stray = sorted(n for n in reader.weight_map if n.endswith(("_blocks", "_scales")) and n not in read)
+    if stray:
+        raise CheckpointError(
+            f"tensor {stray[0]} looks MXFP4: only gpt-oss's expert projections "
+            "(mlp.experts.gate_up_proj, mlp.experts.down_proj) are read in that format"
+        )
+    return found
+
+
 def scale_shard(shard: Shard, block: tuple[int, int], name: str) -> Shard:
     """The scale rows (or columns) of a tensor-parallel slice of an FP8 weight: whole blocks
     only, since a block's one scale cannot be split between ranks."""
@@ -331,10 +368,16 @@ def load_model(
     experts_by_layer = {layer: expert_map.local_logical(i, placement.rank) for i, layer in enumerate(moe_layers)}
     targets = {name: p for name, p in model.named_parameters()}
     sources = {name: weight_source(name, arch.names, experts_by_layer, cfg.num_experts) for name in targets}
-    check_sources(sources, targets, reader)
-    fp8 = fp8_sources(sources, reader, cfg.weight_quant)
-    block = cfg.weight_quant.block if cfg.weight_quant is not None else (0, 0)
+    mxfp4 = mxfp4_sources(sources, targets, reader, cfg.weight_quant)
+    plain = {name: source for name, source in sources.items() if name not in mxfp4}
+    check_sources(plain, targets, reader)
+    fp8_quant = cfg.weight_quant if isinstance(cfg.weight_quant, BlockFP8Config) else None
+    fp8 = fp8_sources(plain, reader, fp8_quant)
+    block = fp8_quant.block if fp8_quant is not None else (0, 0)
     storage = {}
+    for name in mxfp4:
+        module, attr = name.rsplit(".", 1)
+        storage[name] = pack_parameter(model.get_submodule(module), attr)
     for name, source in fp8.items():
         module, attr = name.rsplit(".", 1)
         grid = _scale_grid(source, reader, block, shard_of(targets[name]))
@@ -342,7 +385,10 @@ def load_model(
     with torch.no_grad():
         for name, param in targets.items():
             shard = shard_of(param)
-            if name in storage:
+            if name in mxfp4:
+                for stored, value in zip(storage[name], mxfp4[name].read(reader)):
+                    stored.copy_(value)
+            elif name in storage:
                 weight, scales = storage[name]
                 weight.copy_(read_source(fp8[name], reader, FP8_DTYPE, shard))
                 scales.copy_(read_scales(fp8[name], reader, block, shard))
@@ -362,7 +408,7 @@ def load_model(
         sizes.experts / 2**20,
         sizes.other / 2**20,
         dtype,
-        f", {len(fp8)} parameters in FP8" if fp8 else "",
+        f", {len(fp8)} parameters in FP8" if fp8 else f", {len(mxfp4)} parameters in MXFP4" if mxfp4 else "",
     )
     return model
 
@@ -370,7 +416,7 @@ def load_model(
 class ExpertReader:
     """Logical experts' weights read from the checkpoint and stacked as an MoE layer holds them:
     what a survivor of lost ranks loads for experts no surviving rank holds (`eplb.recovery`).
-    Unquantized experts only: an FP8 layer would also need its scales re-stacked."""
+    Unquantized experts only: an FP8 or MXFP4 layer would also need its scales re-stacked."""
 
     def __init__(self, folder: str | Path, dtype: torch.dtype) -> None:
         self._reader = CheckpointReader(folder)

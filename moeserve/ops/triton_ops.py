@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moeserve.config import MLAConfig, ModelConfig, RouterConfig
+from moeserve.config import MLAConfig, ModelConfig, MXFP4Config, RouterConfig
 from moeserve.dispatch.base import DispatchLayout
 from moeserve.kernels.fused_moe import block_m_for, fused_moe
 from moeserve.kernels.mla_attention import mla_decode
@@ -48,9 +48,11 @@ class TritonOps(LayerOps[TritonAttentionPlan]):
 
     @classmethod
     def supports_model(cls, cfg: ModelConfig) -> str | None:
-        """Block-quantized FP8 weights (no w8a8 GEMM yet) and gpt-oss's layer options have no
-        kernel yet: sinks in the attention kernels, biases and the clamped SwiGLU in
-        `fused_moe`, its top-k-then-softmax router in `route`."""
+        """Quantized weights (no block-scaled FP8 w8a8 GEMM, no MXFP4 GEMM yet) and gpt-oss's
+        layer options have no kernel yet: sinks in the attention kernels, biases and the clamped
+        SwiGLU in `fused_moe`, its top-k-then-softmax router in `route`."""
+        if isinstance(cfg.weight_quant, MXFP4Config):
+            return "the Triton kernels have no MXFP4 (FP4 x bf16) expert GEMM yet; use kernels=torch for MXFP4 weights"
         if cfg.weight_quant is not None:
             return "the Triton kernels have no block-scaled FP8 (w8a8) GEMM yet; use kernels=torch for FP8 weights"
         if cfg.attention_sinks:

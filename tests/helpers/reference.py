@@ -1,14 +1,22 @@
-"""transformers as the reference: its model in float32 and its greedy tokens for one prompt."""
+"""transformers as the reference: its model in float32, its greedy tokens for one prompt, and the
+largest prefill logit gap between it and a loaded moeserve model."""
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import torch
 
 
 def hf_model(folder):
-    from transformers import AutoModelForCausalLM
+    """transformers' model of `folder` in float32. An MXFP4 checkpoint (gpt-oss) is dequantized
+    by transformers' own code, as it does on a machine without its MXFP4 kernels."""
+    from transformers import AutoModelForCausalLM, Mxfp4Config
 
-    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    quant = json.loads((Path(folder) / "config.json").read_text()).get("quantization_config") or {}
+    extra = {"quantization_config": Mxfp4Config(dequantize=True)} if quant.get("quant_method") == "mxfp4" else {}
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **extra).eval()
 
 
 def hf_greedy_tokens(model, prompt: list[int], num_tokens: int) -> list[int]:
@@ -23,3 +31,21 @@ def hf_greedy_tokens(model, prompt: list[int], num_tokens: int) -> list[int]:
         pad_token_id=0,
     )
     return ids[0, len(prompt) :].tolist()
+
+
+def max_prefill_dlogit(ours, ref_model, batch: list[list[int]]) -> float:
+    """Largest |logit difference| over every prompt's prefill, ours (one batch) vs transformers."""
+    from moeserve.ops import attention_batch
+
+    block_size, tables, next_block = 4, [], 0
+    for p in batch:
+        n = -(-len(p) // block_size)
+        tables.append(list(range(next_block, next_block + n)))
+        next_block += n
+    caches = [torch.zeros(ours.kv_cache_shape(next_block, block_size)) for _ in ours.layers]
+    plan = ours.ops.plan_attention(attention_batch(tables, [0] * len(batch), [len(p) for p in batch], block_size))
+    with torch.inference_mode():
+        positions = torch.cat([torch.arange(len(p)) for p in batch])
+        logits = ours.compute_logits(ours(torch.tensor(sum(batch, [])), positions, plan, caches))
+        refs = torch.cat([ref_model(torch.tensor([p])).logits[0] for p in batch])
+    return (logits - refs).abs().max().item()

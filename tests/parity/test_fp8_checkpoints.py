@@ -17,7 +17,8 @@ import shutil
 import pytest
 import torch
 from helpers.hf_configs import VOCAB
-from helpers.reference import hf_greedy_tokens, hf_model
+from helpers.load_only import LoadOnly
+from helpers.reference import hf_greedy_tokens, hf_model, max_prefill_dlogit
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -28,7 +29,6 @@ from moeserve.models import load_model
 from moeserve.models.checkpoint import CheckpointError
 from moeserve.models.loader import scale_shard
 from moeserve.models.tensor_parallel import Shard
-from moeserve.ops import attention_batch
 
 logger = logging.getLogger(__name__)
 
@@ -98,22 +98,6 @@ def prompts() -> list[list[int]]:
 def hf_greedy(folder, batch: list[list[int]]):
     model = hf_model(folder)
     return model, [hf_greedy_tokens(model, p, 32) for p in batch]
-
-
-def max_prefill_dlogit(ours, ref_model, batch: list[list[int]]) -> float:
-    """Largest |logit difference| over every prompt's prefill, ours (FP8) vs transformers."""
-    block_size, tables, next_block = 4, [], 0
-    for p in batch:
-        n = -(-len(p) // block_size)
-        tables.append(list(range(next_block, next_block + n)))
-        next_block += n
-    caches = [torch.zeros(ours.kv_cache_shape(next_block, block_size)) for _ in ours.layers]
-    plan = ours.ops.plan_attention(attention_batch(tables, [0] * len(batch), [len(p) for p in batch], block_size))
-    with torch.inference_mode():
-        positions = torch.cat([torch.arange(len(p)) for p in batch])
-        logits = ours.compute_logits(ours(torch.tensor(sum(batch, [])), positions, plan, caches))
-        refs = torch.cat([ref_model(torch.tensor([p])).logits[0] for p in batch])
-    return (logits - refs).abs().max().item()
 
 
 def test_checkpoint_has_the_published_layout(fp8_pair):
@@ -199,19 +183,8 @@ def test_ep_rank_reads_only_its_experts_fp8_bytes_and_scales(tmp_path, monkeypat
     """`make-model --quantize fp8` over several shards (the index lists the scales); rank 1 of 4
     reads experts 2 and 3 only, FP8 bytes and scales, and holds exactly the full model's."""
     from moeserve.checkpoints import MakeModelSpec, make_model
-    from moeserve.dispatch import Dispatcher, ExpertPlacement
+    from moeserve.dispatch import ExpertPlacement
     from moeserve.models.checkpoint import CheckpointReader
-
-    class LoadOnly(Dispatcher):
-        """Stands in for rank 1's all-to-all: the model is loaded, never run."""
-
-        name = "load-only"
-
-        def dispatch(self, hidden, topk_ids, topk_weights):
-            raise AssertionError("not used")
-
-        def combine(self, expert_output, handle):
-            raise AssertionError("not used")
 
     folder = make_model(
         MakeModelSpec(arch="deepseek_v3", experts=8, vocab=320, max_shard_bytes=64 * 1024, quantize="fp8"),

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 from helpers.hf_configs import hf_config
 
+from moeserve.config import MXFP4Config
 from moeserve.models import CheckpointError
 from moeserve.models.architectures import SUPPORTED_QUANT_METHODS, resolve_architecture
 from moeserve.ops.triton_ops import TritonOps
@@ -74,7 +75,7 @@ def test_rotary_wider_than_a_head_is_refused():
         )
 
 
-@pytest.mark.parametrize("method", ["awq", "gptq", "bitsandbytes", "modelopt", "mxfp4", "compressed-tensors"])
+@pytest.mark.parametrize("method", ["awq", "gptq", "bitsandbytes", "modelopt", "torchao", "compressed-tensors"])
 def test_unsupported_quantization_names_itself_and_the_supported_ones(method):
     assert method not in SUPPORTED_QUANT_METHODS
     raw = raw_config("qwen3_moe", quantization_config={"quant_method": method, "bits": 4})
@@ -82,6 +83,19 @@ def test_unsupported_quantization_names_itself_and_the_supported_ones(method):
         resolve_architecture(raw)
     assert f"quant_method {method!r} is not supported" in str(err.value)
     assert "supported quant methods: fp8" in str(err.value)
+
+
+def test_mxfp4_is_read_for_gpt_oss_only():
+    """MXFP4 (published gpt-oss) is gpt-oss's expert format: other architectures declaring it are
+    refused by name; a malformed modules_to_not_convert is refused too."""
+    mxfp4 = {"quant_method": "mxfp4", "modules_to_not_convert": ["lm_head"]}
+    assert isinstance(
+        resolve_architecture(raw_config("gpt_oss", quantization_config=mxfp4))[1].weight_quant, MXFP4Config
+    )
+    with pytest.raises(CheckpointError, match="gpt-oss's experts only .*not Qwen3MoeForCausalLM"):
+        resolve_architecture(raw_config("qwen3_moe", quantization_config=mxfp4))
+    with pytest.raises(CheckpointError, match="modules_to_not_convert should be a list of names"):
+        resolve_architecture(raw_config("gpt_oss", quantization_config={**mxfp4, "modules_to_not_convert": "lm_head"}))
 
 
 FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 64]}

@@ -253,6 +253,10 @@ def test_tokenizer_needs_room_for_bytes_and_specials(tmp_path: Path) -> None:
         ({"arch": "glm4_moe", "head_dim": 18}, "multiple of 4"),
         ({"arch": "olmoe", "heads": 4, "head_dim": 8}, "must equal hidden"),
         ({"arch": "gpt_oss", "intermediate": 128}, "no dense MLP"),
+        ({"arch": "gpt_oss", "quantize": "fp8"}, "use quantize=mxfp4"),
+        ({"arch": "qwen3_moe", "quantize": "mxfp4"}, "gpt_oss's expert format"),
+        ({"arch": "gpt_oss", "quantize": "mxfp4", "hidden": 48}, "multiples of 32"),
+        ({"arch": "gpt_oss", "quantize": "int4"}, "quantize='int4'"),
     ],
 )
 def test_bad_spec_is_a_value_error(fields: dict[str, object], message: str) -> None:

@@ -1,0 +1,112 @@
+"""The server serves each newer checkpoint family through the `openai` client: GLM-4.5 MoE,
+MiniMax-M2, gpt-oss in bf16 and in MXFP4, OLMoE, and an FP8 block-quantized checkpoint. Each
+answers a chat completion and a streamed completion with the greedy text of an in-process `LLM`
+on the same checkpoint.
+
+gpt-oss MXFP4, the family furthest from the others (packed experts, attention sinks, sliding
+windows), is served by a real `moeserve launch --model DIR` (started in the background while the
+others run). A launch costs two fresh interpreters, so the other families are served in process:
+the server's own app (`build_app`) over the engine in a thread (`AsyncEngine`), the same handlers,
+tokenizer and chat template, without the process boundary that tests/server/ covers elsewhere.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import openai
+import pytest
+from fastapi.testclient import TestClient
+from server_utils import MAX_MODEL_LEN
+
+from moeserve import LLM, CompletionOutput, SamplingParams
+from moeserve.api import ServerSettings, ServingState, build_app
+from moeserve.api.metrics import ServerMetrics
+from moeserve.api.state import ModelInfo
+from moeserve.checkpoints import quantize_fp8, quantize_mxfp4
+from moeserve.config import SLOConfig
+from moeserve.engine.async_engine import AsyncEngine
+from moeserve.engine.tokenizer import load_tokenizer
+
+LAUNCHED = "gpt_oss_mxfp4"
+FAMILIES = ("glm4_moe", "minimax_m2", "gpt_oss", "olmoe", "qwen3_moe_fp8", LAUNCHED)
+MESSAGES = [{"role": "user", "content": "Which experts answer?"}]
+PROMPT = "Mixture of experts models route"
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
+ENGINE = dict(max_model_len=MAX_MODEL_LEN, kv_cache_blocks=32)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(make_checkpoint, tmp_path_factory) -> dict[str, Path]:
+    folders = {arch: make_checkpoint(arch) for arch in ("gpt_oss", "glm4_moe", "minimax_m2", "olmoe")}
+    root = tmp_path_factory.mktemp("quantized")
+    folders[LAUNCHED] = shutil.copytree(folders["gpt_oss"], root / LAUNCHED)
+    quantize_mxfp4.quantize_checkpoint(folders[LAUNCHED])
+    folders["qwen3_moe_fp8"] = shutil.copytree(make_checkpoint("qwen3_moe"), root / "qwen3_moe_fp8")
+    quantize_fp8.quantize_checkpoint(folders["qwen3_moe_fp8"], (16, 16))
+    return folders
+
+
+@pytest.fixture(scope="module")
+def launching(start_server, checkpoints):
+    """The `moeserve launch` of LAUNCHED, under way in the background (a future of the server)."""
+    with ThreadPoolExecutor(1) as pool:
+        future = pool.submit(start_server, "--kv-cache-memory", "16MiB", checkpoint=checkpoints[LAUNCHED], wait=False)
+        yield future
+    future.result().stop()
+
+
+Expected = tuple[CompletionOutput, CompletionOutput]
+
+
+def greedy_answers(llm: LLM) -> Expected:
+    """The in-process engine's greedy chat answer to MESSAGES and completion of PROMPT."""
+    chat = llm.chat(MESSAGES, GREEDY, use_tqdm=False)[0].outputs[0]
+    return chat, llm.generate([PROMPT], GREEDY, use_tqdm=False)[0].outputs[0]
+
+
+def in_process(llm: LLM, folder: Path) -> Iterator[openai.OpenAI]:
+    """The server's app over `llm`'s engine in a thread of this process, reached through the
+    openai client (`llm` is not used directly from here on: the engine thread owns it)."""
+    state = ServingState(ServerSettings(served_model_name="tiny"), ServerMetrics("tiny", SLOConfig()))
+    engine = AsyncEngine(llm.engine)
+    engine.start()
+    tokenizers = load_tokenizer(folder), load_tokenizer(folder)
+    state.set_ready(engine, ModelInfo(MAX_MODEL_LEN, tokenizers[0], str(folder), prompt_tokenizer=tokenizers[1]))
+    try:
+        with TestClient(build_app(state)) as http:
+            yield openai.OpenAI(base_url=f"{http.base_url}/v1", api_key="unused", max_retries=0, http_client=http)
+    finally:
+        engine.shutdown()
+
+
+@pytest.fixture
+def served(request, checkpoints, launching) -> Iterator[tuple[openai.OpenAI, Expected]]:
+    """(a client of the family's server, the in-process LLM's greedy answers on its checkpoint)."""
+    family = request.node.callspec.params["family"]
+    llm = LLM(str(checkpoints[family]), **ENGINE)
+    expected = greedy_answers(llm)
+    if family != LAUNCHED:
+        for api in in_process(llm, checkpoints[family]):
+            yield api, expected
+        return
+    server = launching.result()
+    server.wait_healthy()
+    yield openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60), expected
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_family_serves_chat_and_streamed_completions(served, family: str) -> None:
+    api, (want_chat, want_text) = served
+    chat = api.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=12, temperature=0.0)
+    assert chat.choices[0].message.content == want_chat.text
+    assert chat.usage.completion_tokens == len(want_chat.token_ids) > 0
+
+    chunks = list(api.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0.0, stream=True))
+    assert len(chunks) > 1, "the answer arrives in several chunks"
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == want_text.text
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finish == [want_text.finish_reason]
