@@ -9,7 +9,13 @@ requeue, kill -> serving again (the engine can step), and kill -> the next token
 step that recomputes every requeued request). Every output must equal the single process's greedy tokens,
 every KV block must come back and the killed ranks must be reaped, or the run is marked failed.
 
-    python bench/heal.py [--requests 32] [--max-tokens 48] [--scenarios ep4,ep8x2,ep4r4]
+The rejoin scenario (ep4rejoin) lets node 0 restart the killed rank (`rank_restarts`): the batch
+is generated again until the restarted rank has loaded and rejoined, then once more on the full
+group. Its figures: restart -> loaded, loaded -> taken in (waiting for the next step), the steps'
+pause (regroup, expert slots copied back), restart -> serving; every round's outputs must equal
+the single process's and the group must be back to ep ranks.
+
+    python bench/heal.py [--requests 32] [--max-tokens 48] [--scenarios ep4,ep8x2,ep4r4,ep4rejoin]
 
 Writes bench/results/heal.json.
 """
@@ -58,13 +64,18 @@ class Scenario:
     kills: tuple[int, ...]
     """Launch ranks to SIGKILL, one after the other (each once the previous heal is done)."""
     redundant: int = 0
+    restarts: int = 0
+    """Restarts node 0 may give each killed rank (the rejoin scenario); 0 keeps the heal figures
+    free of a restarted rank loading beside them."""
 
 
 SCENARIOS = {
     "ep4": Scenario("ep4", 4, (2,)),
     "ep8x2": Scenario("ep8x2", 8, (2, 5)),
     "ep4r4": Scenario("ep4r4", 4, (0,), redundant=4),  # rank 0 held experts 0-4; rank 3 replicas of 0-3
+    "ep4rejoin": Scenario("ep4rejoin", 4, (2,), restarts=1),
 }
+MAX_ROUNDS = 12  # batches generated while waiting for the restarted rank to rejoin
 
 
 def prompts(count: int) -> list[dict]:
@@ -103,6 +114,7 @@ def run(model: Path, scenario: Scenario, batch: list[dict], params: SamplingPara
         on_rank_failure="heal",
         min_ranks=2,
         num_redundant_experts=scenario.redundant,
+        rank_restarts=scenario.restarts,
         **ENGINE,
     )
     core = llm.engine.core
@@ -144,18 +156,54 @@ def run(model: Path, scenario: Scenario, batch: list[dict], params: SamplingPara
             }
         )
     equal = [list(o.outputs[0].token_ids) == list(e) for o, e in zip(outputs, expected)]
+    reaped = all(is_reaped(pids[victim]) for victim in scenario.kills)
+    rejoin = rejoin_rounds(llm, batch, params, expected) if scenario.restarts else None
     blocks_used = core.scheduler.num_used_blocks
     llm.engine.shutdown()
-    reaped = all(is_reaped(pids[victim]) for victim in scenario.kills)
     ok = all(equal) and blocks_used == 0 and reaped and len(heals) == len(scenario.kills)
-    return {
+    result = {
         **asdict(scenario),
-        "ok": ok,
+        "ok": ok and (rejoin is None or rejoin["ok"]),
         "outputs_equal_single_process": f"{sum(equal)}/{len(equal)}",
         "kv_blocks_left": blocks_used,
         "killed_ranks_reaped": reaped,
         "generate_s": round(elapsed, 2),
         "heals": heals,
+    }
+    if rejoin is not None:
+        result["rejoin"] = rejoin
+    return result
+
+
+def rejoin_rounds(llm: LLM, batch: list[dict], params: SamplingParams, expected: list) -> dict:
+    """Generate the batch again until the restarted rank rejoined, then once more on the full
+    group; every round's outputs must equal the single process's."""
+    core = llm.engine.core
+    rounds, equal, after = 0, True, 0
+    while rounds < MAX_ROUNDS and after < 1:
+        if core.rejoins:
+            after += 1  # this round runs on the group with the rank back from its first step
+        outputs = llm.generate(batch, params, use_tqdm=False)
+        rounds += 1
+        equal = equal and all(list(o.outputs[0].token_ids) == list(e) for o, e in zip(outputs, expected))
+    if not core.rejoins:
+        return {"ok": False, "rounds": rounds, "why": "the restarted rank never rejoined"}
+    r = core.rejoins[0]
+    return {
+        "ok": equal and core.executor.world == len(core.executor.rank_pids()) == r.ranks_now,
+        "rounds": rounds,
+        "outputs_equal_single_process_every_round": equal,
+        "ranks": list(r.ranks),
+        "ranks_now": r.ranks_now,
+        "restart_to_loaded_s": round(r.load_s, 4),
+        "loaded_to_next_step_s": round(r.wait_s, 4),
+        "pause_s": round(r.pause_s, 4),
+        "regroup_s": round(r.regroup_s, 4),
+        "expert_slots_s": round(r.experts_s, 4),
+        "restart_to_serving_s": round(r.total_s, 4),
+        "slots_from_other_ranks": r.peer_slots,
+        "slots_from_checkpoint": r.checkpoint_slots,
+        "moved_mib": round(r.moved_bytes / 2**20, 3),
     }
 
 
@@ -163,7 +211,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=48)
-    parser.add_argument("--scenarios", default="ep4,ep8x2,ep4r4", help=f"comma-separated, of {', '.join(SCENARIOS)}")
+    parser.add_argument(
+        "--scenarios", default="ep4,ep8x2,ep4r4,ep4rejoin", help=f"comma-separated, of {', '.join(SCENARIOS)}"
+    )
     parser.add_argument("--out", type=Path, default=RESULTS / "heal.json")
     args = parser.parse_args()
     model = make_model(SPEC, Path(tempfile.mkdtemp()) / "model")

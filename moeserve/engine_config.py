@@ -127,14 +127,18 @@ class ParallelConfig:
     tokens and interleave their passes, so one's MoE dispatch/combine is in flight while the
     other computes. The same tokens as without; it pays off when the all-to-all is slow (EP)."""
     eplb: EplbConfig = field(default_factory=EplbConfig)
-    on_rank_failure: Literal["exit", "heal"] = "exit"
+    on_rank_failure: Literal["auto", "exit", "heal"] = "auto"
     """What a lost rank (killed, failing, or silent for heartbeat_timeout) does to the engine:
     exit (every open request fails, the server exits 1) or heal (the survivors form a new group
     without it, take over its experts and its requests, and serving goes on; one node, tp 1,
-    gloo, the torch all-to-all)."""
+    CPU and gloo, the torch all-to-all); auto: heal where the layout allows it, else exit."""
     min_ranks: int = 1
     """With on_rank_failure heal: the fewest ranks worth serving with; a loss below it exits as
     on_rank_failure exit does."""
+    rank_restarts: int = 3
+    """With on_rank_failure heal: how often node 0 restarts each lost rank (a fresh process, the
+    same flags) after healing over it; once loaded it rejoins the group at the engine's next step
+    and takes expert slots back. 0: serve on without it."""
 
     def __post_init__(self) -> None:
         if self.master_port is None:
@@ -160,12 +164,19 @@ class ParallelConfig:
         self._check_healing()
 
     def _check_healing(self) -> None:
-        if self.on_rank_failure not in ("exit", "heal"):
-            raise ValueError(f"on_rank_failure {self.on_rank_failure!r} is not one of exit, heal")
+        if self.on_rank_failure not in ("auto", "exit", "heal"):
+            raise ValueError(f"on_rank_failure {self.on_rank_failure!r} is not one of auto, exit, heal")
         if not 1 <= self.min_ranks <= self.ep:
             raise ValueError(f"min_ranks must be in [1, ep={self.ep}] (got {self.min_ranks})")
-        if self.on_rank_failure != "heal":
-            return
+        if self.rank_restarts < 0:
+            raise ValueError(f"rank_restarts must be >= 0 (got {self.rank_restarts})")
+        if self.on_rank_failure == "heal":
+            problem = self.heal_problem()
+            if problem is not None:
+                raise ValueError(f"--on-rank-failure heal: {problem}")
+
+    def heal_problem(self, device: str = "cpu") -> str | None:
+        """Why this layout on `device` cannot heal over a lost rank, or None if it can."""
         # Why each: a TP group that lost a member has lost its attention heads (nothing replicates
         # them); a rank on another node cannot be fenced from node 0; NCCL has no way out of a
         # collective with a dead peer but an abort this engine does not drive yet; the symmetric
@@ -181,8 +192,16 @@ class ParallelConfig:
             problem = "it needs the gloo collectives"
         elif self.a2a_backend == "nvshmem":
             problem = "it needs the torch all-to-all"
-        if problem is not None:
-            raise ValueError(f"--on-rank-failure heal: {problem}")
+        elif not device.startswith("cpu"):
+            problem = "it needs the gloo collectives, so the CPU device for now"
+        return problem
+
+    def resolved(self, device: str) -> ParallelConfig:
+        """This layout with on_rank_failure auto decided for `device`: heal where it can."""
+        if self.on_rank_failure != "auto":
+            return self
+        policy = "heal" if self.heal_problem(device) is None else "exit"
+        return dataclasses.replace(self, on_rank_failure=policy)
 
     @property
     def is_distributed(self) -> bool:
@@ -412,8 +431,11 @@ class EngineConfig:
         if self.dtype == "auto" and self.device.split(":")[0] == "cpu":
             object.__setattr__(self, "dtype", auto_cpu_dtype())
         check_rank_devices(self.device, self.parallel)
-        if self.parallel.on_rank_failure == "heal" and not self.device.startswith("cpu"):
-            raise ValueError("--on-rank-failure heal: it needs the gloo collectives, so the CPU device for now")
+        if self.parallel.on_rank_failure == "heal":
+            problem = self.parallel.heal_problem(self.device)
+            if problem is not None:
+                raise ValueError(f"--on-rank-failure heal: {problem}")
+        object.__setattr__(self, "parallel", self.parallel.resolved(self.device))
         if self.max_num_batched_tokens is None:
             default = _scheduler_default("max_num_batched_tokens")
             object.__setattr__(self, "max_num_batched_tokens", max(default, self.max_num_seqs))  # type: ignore[call-overload]

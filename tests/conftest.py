@@ -51,6 +51,7 @@ LONGEST_FIRST = (
     "test_openai_server.py",  # ~110
     "test_nvshmem_dispatcher.py",  # ~80
     "test_transformers_parity.py",  # ~65
+    "test_heal_serving.py",  # ~55
     "test_cli.py",  # ~45
     "test_ep_serving.py",  # ~40
     "test_model_families_server.py",  # ~35
@@ -60,7 +61,6 @@ LONGEST_FIRST = (
     "test_engine.py",  # ~30
     "test_torch_dispatcher.py",  # ~25
     "test_gpu_runbook.py",  # ~25
-    "test_heal_serving.py",  # ~25
     "test_eplb_server.py",  # ~20
     "test_host_syncs_ep.py",  # ~20
     "test_fp8_dispatchers.py",  # ~20

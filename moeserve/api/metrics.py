@@ -41,7 +41,8 @@ imbalance series are absent).
 
 Healing (`--on-rank-failure heal`): `moeserve:rank_failures_total` (ranks lost and healed over),
 `moeserve:heals_total` and `moeserve:last_heal_seconds` (from naming the lost rank to serving
-again).
+again); `moeserve:rank_rejoins_total` (restarted ranks taken back into the group) and
+`moeserve:last_rejoin_seconds` (the steps' pause for the last one: regroup and expert slots).
 """
 
 from __future__ import annotations
@@ -365,6 +366,11 @@ class ServerMetrics:
             "moeserve:last_heal_seconds",
             "The last heal, from naming the lost rank to serving again: abort, fence, expert recovery, requeue.",
         )
+        self.rejoins = counter("moeserve:rank_rejoins", "Restarted ranks taken back into the group.")
+        self.rejoin_time = gauge(
+            "moeserve:last_rejoin_seconds",
+            "The steps' pause for the last rejoin: the returned rank subscribed, regrouped, expert slots refilled.",
+        )
         self._http = Counter(
             "moeserve:http_requests",
             "HTTP requests answered, by route and status code.",
@@ -414,8 +420,11 @@ class ServerMetrics:
             self.rank_failures.inc(len(heal.lost_ranks))
             self.heals.inc()
             self.heal_time.set(heal.total_s)
-        if stats.heals:
-            self._unsampled.clear()  # counted over the ranks before the heal
+        for rejoin in stats.rejoins:
+            self.rejoins.inc(len(rejoin.ranks))
+            self.rejoin_time.set(rejoin.pause_s)
+        if stats.heals or stats.rejoins:
+            self._unsampled.clear()  # counted over the ranks before the regroup
 
     def _record_rebalance(self, report: RebalanceReport) -> None:
         self.rebalances.inc()

@@ -29,25 +29,10 @@ def start_ranks(
     parallel: ParallelConfig, master_addr: str, master_port: int, node_rank: int, watch_parent: bool
 ) -> dict[int, ChildProcess]:
     """Start this node's ranks; with `watch_parent` each exits when this process is gone."""
-    procs = {}
-    for local_rank, rank in enumerate(node_ranks(parallel, node_rank)):
-        command = [
-            "--master-addr",
-            master_addr,
-            "--master-port",
-            str(master_port),
-            "--rank",
-            str(rank),
-            "--local-rank",
-            str(local_rank),
-            "--node-rank",
-            str(node_rank),
-            "--log-level",
-            logging.getLevelName(logging.getLogger().getEffectiveLevel()),
-        ]
-        if watch_parent:
-            command += ["--parent-pid", str(os.getpid())]
-        procs[rank] = start_process("moeserve.distributed.worker", command)
+    procs = {
+        rank: start_rank(rank, local_rank, master_addr, master_port, node_rank, watch_parent)
+        for local_rank, rank in enumerate(node_ranks(parallel, node_rank))
+    }
     logger.info(
         "node %d: started ranks %d-%d (pids %s)",
         node_rank,
@@ -56,6 +41,29 @@ def start_ranks(
         ", ".join(str(p.pid) for p in procs.values()),
     )
     return procs
+
+
+def start_rank(
+    rank: int, local_rank: int, master_addr: str, master_port: int, node_rank: int, watch_parent: bool
+) -> ChildProcess:
+    """One rank process, with the flags it is started with at launch and on a restart alike."""
+    argv = [
+        "--master-addr",
+        master_addr,
+        "--master-port",
+        str(master_port),
+        "--rank",
+        str(rank),
+        "--local-rank",
+        str(local_rank),
+        "--node-rank",
+        str(node_rank),
+        "--log-level",
+        logging.getLevelName(logging.getLogger().getEffectiveLevel()),
+    ]
+    if watch_parent:
+        argv += ["--parent-pid", str(os.getpid())]
+    return start_process("moeserve.distributed.worker", argv)
 
 
 def exit_description(code: int) -> str:

@@ -69,6 +69,8 @@ class Sync:
 @dataclass(frozen=True)
 class SyncAck:
     rank: int
+    member: int
+    """The rank as launched (`rank` is its place in the current group)."""
 
 
 @dataclass(frozen=True)
@@ -111,7 +113,7 @@ class StepOutput:
 @dataclass(frozen=True)
 class StepFailed:
     """A rank's step raised (`--on-rank-failure heal`): most likely a peer is gone and the
-    collective broke. The rank has left its process group and waits for a `Heal` (or to be
+    collective broke. The rank has left its process group and waits for a `Regroup` (or to be
     stopped); node 0 heals if it finds a rank lost, else stops with `error`."""
 
     step: int
@@ -120,32 +122,36 @@ class StepFailed:
 
 
 @dataclass(frozen=True)
-class Heal:
-    """Node 0 to the survivors: form process group `generation` without the lost ranks.
+class Regroup:
+    """Node 0 to the ranks: form process group `generation` of `members`, after a loss (without
+    the lost ranks) or a return (with the returned ranks after the others).
 
-    members: the survivors' launch ranks (the names their heartbeats and errors go by) in the order
-             of their new group ranks.
-    survivors: the same ranks' group ranks before this heal, from which each survivor computes
-               the new expert map (`eplb.survivors.survivor_map`: every survivor holds the current
-               map, live rebalances included; node 0 does not).
+    members:  launch ranks (the names heartbeats and errors go by) in the order of their new
+              group ranks.
+    previous: for each of them, its group rank before (None: a returned rank, holding nothing
+              yet); from these each rank computes the new expert map (`eplb.survivors.survivor_map`)
+              from the current one, which group rank 0 shares (node 0 does not hold it).
+    forget_requests: the step in flight was lost: the runners drop every request, which the
+              scheduler announces again. A return happens between steps and keeps them.
     """
 
     generation: int
     members: tuple[int, ...]
-    survivors: tuple[int, ...]
+    previous: tuple[int | None, ...]
+    forget_requests: bool
 
 
 @dataclass(frozen=True)
-class HealDone:
-    """A survivor's answer to `Heal`: it serves as group rank `rank` (or why it cannot)."""
+class RegroupDone:
+    """A rank's answer to `Regroup`: it serves as group rank `rank` (or why it cannot)."""
 
     generation: int
     member: int
     rank: int
     regroup_s: float = 0.0
-    """Leaving the broken group and forming the new one (the rendezvous of `generation`)."""
+    """Leaving the old group and forming the new one (the rendezvous of `generation`)."""
     experts_s: float = 0.0
-    """Filling its new expert slots: its own copies, surviving replicas, the checkpoint."""
+    """Filling its new expert slots: its own copies, other ranks' replicas, the checkpoint."""
     peer_slots: int = 0
     checkpoint_slots: int = 0
     peer_bytes: int = 0

@@ -78,7 +78,7 @@ class RankMonitor:
                 continue
             # Let the knock-on failures show, so the cause is named first; survivors that heal
             # never die of a lost peer, so under heal there are none to wait for.
-            if self._parallel.on_rank_failure == "exit":
+            if self._parallel.on_rank_failure != "heal":
                 time.sleep(SETTLE_S)
             loss = self._check()
             if loss is not None and not self._stop.is_set():

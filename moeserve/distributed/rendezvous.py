@@ -24,6 +24,7 @@ logger = logging.getLogger(__name__)
 SPEC_KEY = "moeserve/spec"
 CONTROL_KEY = "moeserve/control"
 RANKS_PREFIX = "moeserve/ranks"  # the ranks' own process group
+GENERATION_KEY = "moeserve/generation"  # of that group: 0 at launch, one more with each regroup
 
 
 def heartbeat_key(rank: int) -> str:

@@ -28,9 +28,9 @@ from moeserve.dispatch import ExpertMap, a2a_backend_for, create_dispatcher
 from moeserve.dispatch.expert_load import logical_rows
 from moeserve.distributed.channel import ControlClient
 from moeserve.distributed.messages import (
-    Heal,
-    HealDone,
     LoadReport,
+    Regroup,
+    RegroupDone,
     Shutdown,
     StepBitmask,
     StepFailed,
@@ -49,6 +49,7 @@ from moeserve.distributed.rendezvous import (
     error_key,
     get,
 )
+from moeserve.distributed.returning import AwaitingGroup, is_returning
 from moeserve.eplb import Rebalancer, Recovered, recover_layer, recovery_plan, survivor_map
 from moeserve.models import TensorParallel, load_model, model_config
 from moeserve.models.loader import ExpertReader, weight_bytes
@@ -88,12 +89,27 @@ def rank_device(spec: WorkerSpec, local_rank: int) -> torch.device:
 class Worker:
     """`member`: the rank this process was launched as, the name node 0 and the store know it by
     (its heartbeat, its error); `rank`: its place in the current process group, the same until a
-    heal (`rejoin`) forms a smaller group."""
+    `regroup` forms a smaller group (lost ranks) or a larger one (returned ranks).
 
-    def __init__(self, spec: WorkerSpec, rank: int, node_rank: int, device: torch.device, store: dist.Store) -> None:
+    returning: this process restarts a lost rank (`distributed.returning`): it joins no group
+    until node 0's `Regroup` takes it in, and runs no step before."""
+
+    def __init__(
+        self,
+        spec: WorkerSpec,
+        rank: int,
+        node_rank: int,
+        device: torch.device,
+        store: dist.Store,
+        returning: bool = False,
+    ) -> None:
         p = spec.parallel
         self.spec, self.rank, self.node_rank, self.device, self.store = spec, rank, node_rank, device, store
         self.member = rank
+        self.serving = not returning
+        if returning:  # heal needs tp 1: the rank is its own data-parallel group
+            self.group_index, self.tp = rank, TensorParallel(0, 1, None)
+            return
         self._join_group(RANKS_PREFIX, rank, p.ep)
         self.group_index, tp_rank = divmod(rank, p.tp)
         tp_group = None
@@ -120,21 +136,22 @@ class Worker:
         if dist.is_initialized():
             dist.destroy_process_group()
 
-    def rejoin(self, message: Heal) -> HealDone:
-        """Form the group of `message.generation` with the survivors and take over the lost ranks'
-        expert slots (see `eplb.survivors`); the runner forgets every request, which the scheduler
-        announces again. Stage times are logged."""
+    def regroup(self, message: Regroup) -> RegroupDone:
+        """Form the group of `message.generation` and take the expert slots the new map gives
+        this rank (see `eplb.survivors`): after lost ranks their slots, after a return the share
+        it takes back. Group rank 0, which held the old group's map, shares it and its EPLB step
+        count (a returned rank has neither). Stage times are logged."""
         started = time.perf_counter()
         self.leave_group()
         rank = message.members.index(self.member)
         self._join_group(f"{RANKS_PREFIX}/{message.generation}", rank, len(message.members))
+        shared = [self.expert_map, self.rebalancer.window.steps if self.rebalancer is not None else 0]
+        dist.broadcast_object_list(shared, src=0)
+        old_map, eplb_steps = shared
         regrouped = time.perf_counter()
-        old_map = self.expert_map
-        new_map = survivor_map(old_map, message.survivors)
+        new_map = survivor_map(old_map, message.previous)
         model = self.runner.model
-        self._set_aside_routed(old_map)  # counted under the old map; dropped below with the old group's counts
-        self._routed = None
-        model.take_dispatch_rows()
+        self._routed = None  # counted under the old group, as node 0's copy is dropped; `rehome` zeroes the counters
         placement = new_map.slot_placement(rank)
         dispatcher = create_dispatcher(
             a2a_backend_for(self.spec.parallel.a2a_backend),
@@ -143,12 +160,16 @@ class Worker:
             group=dist.group.WORLD,
             dispatch_fp8=self.spec.parallel.dispatch_fp8,
         )
-        weights, recovered = _recover_experts(model, old_map, new_map, message.survivors, rank, self.spec)
+        weights, recovered = _recover_experts(model, old_map, new_map, message.previous, rank, self.spec)
         model.rehome(dispatcher, weights, new_map, rank)
-        self.runner.forget_requests()
+        if message.forget_requests:
+            self.runner.forget_requests()
         self.rank, self.group_index, self.expert_map = rank, rank, new_map
         if self.rebalancer is not None:
             self.rebalancer.expert_map, self.rebalancer.rank, self.rebalancer.group = new_map, rank, dist.group.WORLD
+            if not self.serving:  # rebalance at the same steps as the others, from its own loads on
+                self.rebalancer.window.restart_at(eplb_steps)
+        self.serving = True
         done_at = time.perf_counter()
         logger.info(
             "rank %d is group rank %d of %d (generation %d): regrouped in %.3f s; %d expert slots from peers, "
@@ -163,7 +184,7 @@ class Worker:
             (recovered.peer_bytes + recovered.checkpoint_bytes) / 2**20,
             done_at - regrouped,
         )
-        return HealDone(
+        return RegroupDone(
             message.generation,
             self.member,
             rank,
@@ -186,10 +207,13 @@ class Worker:
             eplb.expert_placement,
         )
         placement = self.expert_map.slot_placement(self.rank)
-        backend = a2a_backend_for(spec.parallel.a2a_backend)
-        dispatcher = create_dispatcher(
-            backend, placement, self.device, group=dist.group.WORLD, dispatch_fp8=spec.parallel.dispatch_fp8
-        )
+        if self.serving:
+            backend = a2a_backend_for(spec.parallel.a2a_backend)
+            dispatcher = create_dispatcher(
+                backend, placement, self.device, group=dist.group.WORLD, dispatch_fp8=spec.parallel.dispatch_fp8
+            )
+        else:
+            dispatcher = AwaitingGroup(placement, spec.parallel.dispatch_fp8)
         model = load_model(
             Path(spec.model),
             spec.dtype,
@@ -302,7 +326,7 @@ class Worker:
 
 
 def _recover_experts(
-    model, old_map: ExpertMap, new_map: ExpertMap, survivors: tuple[int, ...], rank: int, spec: WorkerSpec
+    model, old_map: ExpertMap, new_map: ExpertMap, previous: tuple[int | None, ...], rank: int, spec: WorkerSpec
 ) -> tuple[list[dict[str, torch.Tensor]], Recovered]:
     """Each MoE layer's new expert parameters for group rank `rank` (`eplb.recovery`), by name."""
     reader = ExpertReader(spec.model, spec.dtype)
@@ -317,7 +341,7 @@ def _recover_experts(
                 return reader.read(i, names, experts)
 
             params = [getattr(block.experts, name) for name in names]
-            plan = recovery_plan(old_map, new_map, survivors, i)
+            plan = recovery_plan(old_map, new_map, previous, i)
             fresh, done = recover_layer(params, plan, rank, read, tag=len(names) * i)
             recovered.add(done)
             weights.append(dict(zip(names, fresh)))
@@ -341,7 +365,10 @@ def serve_rank(
     spec: WorkerSpec = get(store, SPEC_KEY)
     channel = ControlClient(*get(store, CONTROL_KEY))
     device = rank_device(spec, local_rank)
-    worker = Worker(spec, rank, node_rank, device, store)
+    returning = is_returning(store)
+    if returning:
+        logger.info("rank %d comes back into a running engine: it joins the ranks' group once loaded", rank)
+    worker = Worker(spec, rank, node_rank, device, store, returning)
     try:
         report = worker.load()
     except Exception as exc:  # noqa: BLE001 - node 0 reports it; this rank cannot serve
@@ -368,14 +395,16 @@ def serve_rank(
         if isinstance(message, Shutdown):
             break
         if isinstance(message, Sync):
-            channel.send(SyncAck(worker.rank))
+            channel.send(SyncAck(worker.rank, worker.member))
             continue
         if isinstance(message, StepBitmask):
             continue  # the mask of a step this rank abandoned (it failed before sampling)
-        if isinstance(message, Heal):
+        if isinstance(message, Regroup):
             if worker.member in message.members:
-                channel.send(_rejoin(worker, message, channel))
+                channel.send(_regroup(worker, message, channel))
             continue
+        if not worker.serving:
+            continue  # a step of the group this returned rank has not joined yet
         if not heals:
             channel.send(worker.step(message, receive_bitmask))
             continue
@@ -391,12 +420,12 @@ def serve_rank(
     worker.leave_group()
 
 
-def _rejoin(worker: Worker, message: Heal, channel: ControlClient) -> HealDone:
-    """`worker.rejoin`, or its failure told to node 0 before this rank dies of it."""
+def _regroup(worker: Worker, message: Regroup, channel: ControlClient) -> RegroupDone:
+    """`worker.regroup`, or its failure told to node 0 before this rank dies of it."""
     try:
-        return worker.rejoin(message)
+        return worker.regroup(message)
     except Exception as exc:
-        channel.send(HealDone(message.generation, worker.member, -1, error=f"{type(exc).__name__}: {exc}"))
+        channel.send(RegroupDone(message.generation, worker.member, -1, error=f"{type(exc).__name__}: {exc}"))
         raise
 
 

@@ -25,7 +25,7 @@ import torch
 from moeserve.config import EngineConfig, ModelConfig
 from moeserve.dispatch.expert_load import RoutedTokens
 from moeserve.eplb.rebalancer import RebalanceReport
-from moeserve.executor import HealReport, RanksLostError, create_executor
+from moeserve.executor import HealReport, RanksLostError, RejoinReport, create_executor
 from moeserve.sampling_params import SamplingParams
 from moeserve.scheduler import DataParallelScheduler, QueueFullError, Request, SchedulerConfig, StepPlan
 from moeserve.structured import GrammarCompiler, StructuredOutputManager
@@ -96,6 +96,8 @@ class CoreStep:
     heals: list[HealReport] = field(default_factory=list)
     """Lost ranks healed in this step (`--on-rank-failure heal`): its plan was abandoned, no
     token came of it, and its requests were requeued to recompute."""
+    rejoins: list[RejoinReport] = field(default_factory=list)
+    """Restarted ranks taken back into the group before this step was planned."""
 
 
 def build_scheduler(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype, max_model_len: int):
@@ -154,6 +156,8 @@ class EngineCore:
         """First admissions of a step lost with a rank, reported with the next step."""
         self.heals: list[HealReport] = []
         """Every heal after lost ranks so far (`--on-rank-failure heal`)."""
+        self.rejoins: list[RejoinReport] = []
+        """Every return of a restarted rank so far."""
 
     def shutdown(self) -> None:
         """Stop the executor's processes, if any; the core cannot step afterwards."""
@@ -250,6 +254,7 @@ class EngineCore:
     # ---- the step ---------------------------------------------------------------------------
 
     def step(self) -> CoreStep:
+        rejoined = self._rejoin()
         failed = self._admit_compiled()
         plan = self.scheduler.schedule()
         first_scheduled = {}
@@ -274,7 +279,7 @@ class EngineCore:
             if not isinstance(exc, RanksLostError):
                 raise
             self._first_scheduled_late = first_scheduled
-            return self._heal(exc, failed, started)
+            return self._heal(exc, failed, started, rejoined)
         bitmask = None if pending is None else pending.get()
         if not plan.is_empty and self.config.min_step_time_s > 0:  # the test-only capacity knob
             time.sleep(max(0.0, started + self.config.min_step_time_s - time.monotonic()))
@@ -309,6 +314,7 @@ class EngineCore:
             prefix_cache_queries=plan.prefix_cache_queries,
             prefix_cache_hits=plan.prefix_cache_hits,
             prompt_logprobs=prompt_logprobs,
+            rejoins=rejoined,
         )
 
     def _straggle(self, plan: StepPlan, started: float, duration_s: float) -> tuple[float, tuple[float, ...]]:
@@ -321,7 +327,18 @@ class EngineCore:
         slowed_s = time.monotonic() - started
         return slowed_s, tuple(slowed_s if g == group else duration_s for g in range(len(plan.groups)))
 
-    def _heal(self, lost: RanksLostError, failed: list[FinishedSequence], started: float) -> CoreStep:
+    def _rejoin(self) -> list[RejoinReport]:
+        """Restarted ranks back in the group (if any are ready) serve as new groups from this step."""
+        report = self.executor.rejoin()
+        if report is None:
+            return []
+        self.scheduler.add_groups(len(report.ranks))
+        self.rejoins.append(report)
+        return [report]
+
+    def _heal(
+        self, lost: RanksLostError, failed: list[FinishedSequence], started: float, rejoined: list[RejoinReport]
+    ) -> CoreStep:
         """The step was lost with ranks: the executor heals (or raises, and the engine stops),
         then the requests are requeued to recompute what the step would have computed. Grammar
         matchers advance only with tokens, so they stand where the lost step found them."""
@@ -343,6 +360,7 @@ class EngineCore:
             num_preemptions=0,
             scheduler=self.scheduler_stats(),
             heals=[report],
+            rejoins=rejoined,
         )
 
     def _advance_grammars(

@@ -21,7 +21,7 @@ from moeserve.dispatch.expert_load import RoutedTokens
 from moeserve.dispatch.wire import WireVolume
 from moeserve.engine.core import CoreRequest, CoreStep, FinishedSequence, SchedulerStats
 from moeserve.eplb.rebalancer import RebalanceReport
-from moeserve.executor.healing import HealReport
+from moeserve.executor.healing import HealReport, RejoinReport
 from moeserve.sampling_params import SamplingParams
 from moeserve.scheduler import QueueFullError, SLORejectedError
 from moeserve.worker.prompt_logprobs import PromptLogprobs
@@ -186,6 +186,14 @@ def _unheal(entry: list[Any]) -> HealReport:
     return HealReport(*(tuple(v) if isinstance(v, list) else v for v in entry))
 
 
+def _rejoin(r: RejoinReport) -> list[Any]:
+    return [list(r.ranks), *dataclasses.astuple(r)[1:]]
+
+
+def _unrejoin(entry: list[Any]) -> RejoinReport:
+    return RejoinReport(tuple(entry[0]), *entry[1:])
+
+
 def _step(s: CoreStep) -> list[Any]:
     routed = None
     if s.routed_tokens is not None:
@@ -206,6 +214,7 @@ def _step(s: CoreStep) -> list[Any]:
         s.prefix_cache_hits,
         {rid: [p.start, p.logprobs, p.ranks, p.top] for rid, p in s.prompt_logprobs.items()},
         [_heal(h) for h in s.heals],
+        [_rejoin(r) for r in s.rejoins],
     ]
 
 
@@ -224,6 +233,7 @@ def _unstep(entry: list[Any]) -> CoreStep:
         hits,
         prompt,
         heals,
+        rejoins,
     ) = entry
     routed_tokens = None
     if routed is not None:
@@ -246,6 +256,7 @@ def _unstep(entry: list[Any]) -> CoreStep:
             for rid, (start, logprobs, ranks, top) in prompt.items()
         },
         heals=[_unheal(h) for h in heals],
+        rejoins=[_unrejoin(r) for r in rejoins],
     )
 
 

@@ -128,6 +128,7 @@ class EngineFrontend:
             routed_tokens=step.routed_tokens,
             rebalances=step.rebalances,
             heals=step.heals,
+            rejoins=step.rejoins,
             prefix_cache_queries=step.prefix_cache_queries,
             prefix_cache_hits=step.prefix_cache_hits,
         )

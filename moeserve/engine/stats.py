@@ -16,7 +16,7 @@ from typing import Protocol
 
 from moeserve.dispatch.expert_load import RoutedTokens
 from moeserve.eplb.rebalancer import RebalanceReport
-from moeserve.executor.healing import HealReport
+from moeserve.executor.healing import HealReport, RejoinReport
 from moeserve.slo import DEFAULT_CLASS
 
 logger = logging.getLogger(__name__)
@@ -77,6 +77,8 @@ class IterationStats:
     """Live expert rebalances that ended with this step."""
     heals: list[HealReport] = field(default_factory=list)
     """Lost ranks healed in this step (`--on-rank-failure heal`)."""
+    rejoins: list[RejoinReport] = field(default_factory=list)
+    """Restarted ranks taken back into the group before this step."""
     prefix_cache_queries: int = 0
     """Tokens of the sequences admitted in this step, each admission counted (vLLM's count)."""
     prefix_cache_hits: int = 0

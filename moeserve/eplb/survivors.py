@@ -1,16 +1,19 @@
-"""Where the experts go when ranks are lost (`--on-rank-failure heal`), and where each comes from.
+"""Where the experts go when the group changes (`--on-rank-failure heal`): ranks lost, or ranks
+back (a restarted rank rejoining), and where each new slot's weights come from.
 
-The survivors keep the P physical slots between them, laid contiguously over the smaller group
-as always (`ExpertPlacement.contiguous`), and keep the experts they hold: only the lost ranks'
-slots need new homes, so the least weight moves while the server is paused. Every logical expert
-must stay served: one no survivor holds any more goes first, to the survivor with the most free
-slots, then the lost ranks' other slots (replicas of experts a survivor still holds) are given
-out the same way, so each expert keeps as many replicas as it had. A live rebalance
-(`--enable-eplb`) later balances the new group by measured load.
+The ranks keep the P physical slots between them, laid contiguously over the new group as
+always (`ExpertPlacement.contiguous`), and keep the experts they hold as far as their new share
+of slots allows: only the lost ranks' slots (and what no longer fits) need new homes, so the
+least weight moves while the server is paused. Every logical expert must stay served: one no
+remaining rank holds any more goes first, to the rank with the most free slots, then the other
+homeless slots (replicas of experts a rank still holds) are given out the same way, so each
+expert keeps as many replicas as it had. A returned rank starts empty: the slots the others can
+no longer fit are its share. A live rebalance (`--enable-eplb`) later balances the new group by
+measured load.
 
-Each new slot is then filled from the best source: the rank's own copy, else a surviving replica
-on another rank (point to point), else the checkpoint (the expert was only on lost ranks).
-Pure Python: node 0 computes the map, every survivor the same plan.
+Each new slot is then filled from the best source: the rank's own copy, else a replica on
+another rank (point to point), else the checkpoint (the expert was only on lost ranks).
+Pure Python: every rank computes the same map and the same plan.
 """
 
 from __future__ import annotations
@@ -23,29 +26,31 @@ from moeserve.dispatch.expert_map import ExpertMap
 from moeserve.dispatch.placement import ExpertPlacement
 
 
-def survivor_map(old: ExpertMap, survivors: Sequence[int]) -> ExpertMap:
-    """The map over `survivors` (old ranks, ascending; the new rank r is `survivors[r]`)."""
-    survivors = list(survivors)
-    if not survivors or survivors != sorted(set(survivors)) or not 0 <= survivors[0] <= survivors[-1] < old.ep_size:
-        raise ValueError(f"survivors must be distinct ranks of [0, {old.ep_size}) in ascending order: {survivors}")
-    if old.num_physical < len(survivors):
-        raise ValueError(f"{old.num_physical} expert slots cannot be spread over {len(survivors)} ranks")
-    capacities = [len(slots) for slots in ExpertPlacement.contiguous(old.num_physical, len(survivors)).experts_by_rank]
-    lost = [r for r in range(old.ep_size) if r not in survivors]
+def survivor_map(old: ExpertMap, previous: Sequence[int | None]) -> ExpertMap:
+    """The map over a new group whose rank r was rank `previous[r]` of `old`'s (ascending),
+    or None for a rank that joins holding nothing; old ranks left out are lost."""
+    kept = [r for r in previous if r is not None]
+    if not kept or kept != sorted(set(kept)) or not 0 <= kept[0] <= kept[-1] < old.ep_size:
+        raise ValueError(f"survivors must be distinct ranks of [0, {old.ep_size}) in ascending order: {list(previous)}")
+    if old.num_physical < len(previous):
+        raise ValueError(f"{old.num_physical} expert slots cannot be spread over {len(previous)} ranks")
+    capacities = [len(slots) for slots in ExpertPlacement.contiguous(old.num_physical, len(previous)).experts_by_rank]
+    lost = [r for r in range(old.ep_size) if r not in kept]
     layers = []
     for i in range(old.num_layers):
-        contents = [list(old.local_logical(i, r))[:capacity] for r, capacity in zip(survivors, capacities)]
+        held = [() if r is None else old.local_logical(i, r) for r in previous]
+        contents = [list(experts[:capacity]) for experts, capacity in zip(held, capacities)]
         homeless = [e for r in lost for e in old.local_logical(i, r)]
-        homeless += [e for r, capacity in zip(survivors, capacities) for e in old.local_logical(i, r)[capacity:]]
-        held = {e for experts in contents for e in experts}
-        missing = [e for e in dict.fromkeys(homeless) if e not in held]
+        homeless += [e for experts, capacity in zip(held, capacities) for e in experts[capacity:]]
+        present = {e for experts in contents for e in experts}
+        missing = [e for e in dict.fromkeys(homeless) if e not in present]
         replicas = list(homeless)
         for e in missing:
             replicas.remove(e)
         for e in missing + replicas:
             _give(e, contents, capacities)
         layers.append(tuple(e for experts in contents for e in experts))
-    return ExpertMap(tuple(layers), old.num_logical, len(survivors))
+    return ExpertMap(tuple(layers), old.num_logical, len(previous))
 
 
 def _give(expert: int, contents: list[list[int]], capacities: list[int]) -> None:
@@ -73,11 +78,11 @@ class SlotSource:
     src_slot: int = -1
 
 
-def recovery_plan(old: ExpertMap, new: ExpertMap, survivors: Sequence[int], layer: int) -> list[list[SlotSource]]:
-    """Per new rank, the source of each of its slots in MoE layer `layer`. A replica held by
-    several survivors is read from them in turn (by destination and slot), so no one sender
-    carries a whole lost rank's share."""
-    held = [old.local_logical(layer, r) for r in survivors]
+def recovery_plan(old: ExpertMap, new: ExpertMap, previous: Sequence[int | None], layer: int) -> list[list[SlotSource]]:
+    """Per new rank, the source of each of its slots in MoE layer `layer` (`previous` as
+    `survivor_map` takes it). A replica held by several ranks is read from them in turn (by
+    destination and slot), so no one sender carries a whole lost rank's share."""
+    held = [() if r is None else old.local_logical(layer, r) for r in previous]
     holders = {e: [r for r, experts in enumerate(held) if e in experts] for e in range(old.num_logical)}
     plan = []
     for dst in range(new.ep_size):

@@ -50,3 +50,9 @@ class LoadWindow:
         size = self.window_steps + 1
         oldest = max(self.steps - self.window_steps, 0)
         return self.ring[self.steps % size] - self.ring[oldest % size]
+
+    def restart_at(self, steps: int) -> None:
+        """Count on from step `steps` with an empty window: a returned rank, which must rebalance
+        at the same steps as the group it joins, has no load of its own before it."""
+        self.ring[:] = torch.stack(self.counters)  # type: ignore[arg-type]
+        self.steps = steps

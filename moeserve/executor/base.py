@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 from moeserve.dispatch.expert_load import RoutedTokens
 from moeserve.eplb.rebalancer import RebalanceReport
-from moeserve.executor.healing import HealReport, RanksLostError
+from moeserve.executor.healing import HealReport, RanksLostError, RejoinReport
 from moeserve.scheduler import StepPlan
 from moeserve.worker.prompt_logprobs import PromptLogprobs
 from moeserve.worker.runner import SampledToken
@@ -58,6 +58,12 @@ class Executor(ABC):
         """Go on without the ranks `execute` raised `lost` for; only an executor that raises
         `RanksLostError` heals. Raises (and the engine stops) when it cannot."""
         raise lost
+
+    def rejoin(self) -> RejoinReport | None:
+        """Between two steps: take back ranks that were lost and have returned, or None if there
+        are none (only an executor that heals restarts ranks). The engine then plans with
+        `num_groups` groups again."""
+        return None
 
     def shutdown(self) -> None:  # noqa: B027 - an executor that started nothing has nothing to stop
         """Stop what the executor started; idempotent."""

@@ -58,3 +58,39 @@ class HealReport:
             f"replicas, {self.checkpoint_slots} from the checkpoint, {self.recovered_bytes / 2**20:.2f} MiB; "
             f"requeue {self.requeue_s:.3f} s, {self.moved_requests} requests moved to other groups)"
         )
+
+
+@dataclass(frozen=True)
+class RejoinReport:
+    """Restarted ranks taken back into the group (seconds; monotonic clock of node 0).
+
+    restarted_at: when node 0 restarted the first of them; load_s: from then until the last one
+    reported its share of the model loaded; wait_s: from then until the engine's next step took
+    them in; pause_s: the steps' pause for it: their subscription checked, the group re-formed
+    (regroup_s, the slowest rank) and the expert slots refilled (experts_s, the slowest rank);
+    total_s: from the restart to serving with them.
+    """
+
+    ranks: tuple[int, ...]
+    """Launch ranks of the returned ranks, appended in this order to the group."""
+    ranks_now: int
+    generation: int
+    restarted_at: float
+    load_s: float
+    wait_s: float
+    regroup_s: float
+    experts_s: float
+    peer_slots: int
+    checkpoint_slots: int
+    moved_bytes: int
+    pause_s: float
+    total_s: float
+
+    def describe(self) -> str:
+        return (
+            f"rejoined: rank(s) {', '.join(map(str, self.ranks))} back, serving on {self.ranks_now} ranks "
+            f"(process group generation {self.generation}) {self.total_s:.2f} s after the restart (load "
+            f"{self.load_s:.2f} s, wait for a step {self.wait_s:.2f} s, pause {self.pause_s:.3f} s: regroup "
+            f"{self.regroup_s:.3f} s, experts {self.experts_s:.3f} s, {self.peer_slots} slots from other ranks, "
+            f"{self.checkpoint_slots} from the checkpoint, {self.moved_bytes / 2**20:.2f} MiB)"
+        )

@@ -16,7 +16,10 @@ instead, and the engine core calls `heal`: the lost ranks are fenced (SIGKILL: a
 must never come back into a group that went on without it, and its closed sockets break the
 survivors out of any collective it was part of), the survivors form process group generation
 g + 1 over the same store, each computes the new expert map and fills its new slots, and the
-executor steps on with fewer groups. Each stage is bounded and logged.
+executor steps on with fewer groups. Each stage is bounded and logged. Node 0 then restarts
+each lost rank (`--rank-restarts`, `executor.returning`); once one has loaded, `rejoin` takes it
+back at the engine's next step: generation g + 2 with it appended, its expert slots back from
+the others (`eplb.survivors`), and one more data-parallel group.
 """
 
 from __future__ import annotations
@@ -34,11 +37,11 @@ from moeserve.config import EngineConfig, ModelConfig
 from moeserve.dispatch.expert_load import RoutedTokens
 from moeserve.dispatch.wire import WireVolume, dispatch_row_bytes
 from moeserve.distributed.channel import ControlServer
-from moeserve.distributed.launcher import start_ranks, stop_ranks
+from moeserve.distributed.launcher import start_rank, start_ranks, stop_ranks
 from moeserve.distributed.messages import (
-    Heal,
-    HealDone,
     LoadReport,
+    Regroup,
+    RegroupDone,
     Shutdown,
     StepBitmask,
     StepFailed,
@@ -49,11 +52,13 @@ from moeserve.distributed.messages import (
     WorkerSpec,
 )
 from moeserve.distributed.monitor import Loss, RankMonitor
-from moeserve.distributed.rendezvous import CONTROL_KEY, SPEC_KEY, host_store, put
+from moeserve.distributed.processes import ChildProcess
+from moeserve.distributed.rendezvous import CONTROL_KEY, GENERATION_KEY, SPEC_KEY, host_store, put
 from moeserve.eplb import RebalanceReport
 from moeserve.eplb.record import LoadRecord
 from moeserve.executor.base import Executor
-from moeserve.executor.healing import HealReport, RanksLostError
+from moeserve.executor.healing import HealReport, RanksLostError, RejoinReport
+from moeserve.executor.returning import ReturningRanks
 from moeserve.scheduler import StepPlan
 from moeserve.worker.prompt_logprobs import PromptLogprobs
 from moeserve.worker.runner import SampledToken
@@ -63,7 +68,8 @@ logger = logging.getLogger(__name__)
 
 POLL_S = 0.1  # how often a waiting node 0 checks whether a rank was lost
 FENCE_S = 5.0  # a SIGKILLed rank is reaped within this, or the heal fails
-HEAL_S = 60.0  # the survivors regroup and recover their experts within this, or the heal fails
+HEAL_S = 60.0  # the ranks regroup and recover their experts within this, or the heal (or rejoin) fails
+SUBSCRIBE_S = 10.0  # a returned rank answers on the control channel within this, or it is restarted again
 
 
 class WorkerLostError(RuntimeError):
@@ -105,7 +111,7 @@ class MultiprocessExecutor(Executor):
         self._monitor: RankMonitor | None = None
         self.members = list(range(p.ep))
         """The live ranks as launched, in the order of their ranks in the current process group."""
-        self._generation = 0  # of the ranks' process group: one more with each heal
+        self._generation = 0  # of the ranks' process group: one more with each heal and each rejoin
         self._loss: RanksLostError | None = None  # a loss to heal, raised by the next step
         self._step_failed: tuple[float, StepFailed] | None = None  # the first rank that said its step failed
 
@@ -132,6 +138,7 @@ class MultiprocessExecutor(Executor):
             ),
         )
         put(self._store, CONTROL_KEY, self._channel.addresses)
+        put(self._store, GENERATION_KEY, 0)
         logger.info(
             "rendezvous at %s:%d: %d ranks on %d node(s), %d data-parallel group(s) of tp=%d",
             node0_addr,
@@ -142,6 +149,7 @@ class MultiprocessExecutor(Executor):
             p.tp,
         )
         self._procs = start_ranks(p, node0_addr, self._store.port, node_rank=0, watch_parent=True)
+        self._returning = ReturningRanks(p.rank_restarts, p.startup_timeout_s, self._store, self._restart_rank)
         atexit.register(self.shutdown)
         self._monitor = RankMonitor(self._store, p, self._procs, self._lost)
         try:
@@ -291,7 +299,7 @@ class MultiprocessExecutor(Executor):
         pending = set(range(self.world))
         deadline = time.monotonic() + self.parallel.collective_timeout_s
         while pending:
-            message = self._channel.receive(POLL_S)
+            message = self._receive(POLL_S)
             self._check()
             if message is None:
                 if time.monotonic() > deadline:
@@ -372,9 +380,7 @@ class MultiprocessExecutor(Executor):
         try:
             self._fence(lost.lost)
             fenced = time.monotonic()
-            self._generation += 1
-            self._channel.publish(Heal(self._generation, members, survivors))
-            answers = self._await_heal(members)
+            answers = self._regroup(Regroup(self._generation + 1, members, survivors, forget_requests=True))
         except WorkerLostError as exc:
             self._fail(f"{lost.reason}; the heal failed: {exc}")
             raise WorkerLostError(self.failure) from exc
@@ -405,10 +411,103 @@ class MultiprocessExecutor(Executor):
             slowest_regroup,
             report.experts_s,
         )
-        self._monitor = RankMonitor(
+        self._monitor = self._watch(members)
+        for member in lost.lost:
+            self._returning.restart(member)
+        return report
+
+    def _watch(self, members: tuple[int, ...]) -> RankMonitor:
+        return RankMonitor(
             self._store, self.parallel, {m: p for m, p in self._procs.items() if m in members}, self._lost, members
         )
+
+    def _regroup(self, message: Regroup) -> list[RegroupDone]:
+        """Publish `message` (the store's generation first: a rank restarted from now on knows
+        it comes back) and collect every member's answer."""
+        self._generation = message.generation
+        put(self._store, GENERATION_KEY, message.generation)
+        self._channel.publish(message)
+        return self._await_regroup(message.members)
+
+    def _restart_rank(self, member: int) -> ChildProcess:
+        """A lost rank's process again, with its launch flags (one node: its local rank is its rank)."""
+        proc = start_rank(member, member, "127.0.0.1", self._store.port, 0, watch_parent=True)
+        self._procs[member] = proc
+        return proc
+
+    def _receive(self, timeout_s: float) -> object | None:
+        """The next control message, a restarted rank's load report noted on the way."""
+        message = self._channel.receive(timeout_s)
+        if isinstance(message, LoadReport):
+            self._returning.note(message)
+        return message
+
+    def rejoin(self) -> RejoinReport | None:
+        """Between two steps: take the restarted ranks that have loaded back into the group (None
+        if none is ready). They are appended to the members, so the others keep their group
+        ranks, requests and KV caches; the new map gives them their share of the expert slots
+        back, copied from the others. Raises `WorkerLostError` (the engine stops) if the group
+        fails midway."""
+        if not self._returning.pending or self.failure is not None or self._loss is not None:
+            return None
+        while self._receive(0.0) is not None:
+            pass
+        ready = self._returning.ready()
+        if not ready:
+            return None
+        started = time.monotonic()
+        subscribed = self._await_subscribed(tuple(r.member for r in ready))
+        if not subscribed:
+            return None
+        newcomers = tuple(r.member for r in ready if r.member in subscribed)
+        members = (*self.members, *newcomers)
+        previous = (*range(len(self.members)), *(None for _ in newcomers))
+        self._monitor.stop()
+        try:
+            answers = self._regroup(Regroup(self._generation + 1, members, previous, forget_requests=False))
+        except WorkerLostError as exc:
+            self._fail(f"restarted rank(s) {', '.join(map(str, newcomers))} could not rejoin: {exc}")
+            raise WorkerLostError(self.failure) from exc
+        done = time.monotonic()
+        self._returning.taken(newcomers)
+        self.members, self.num_groups = list(members), len(members)
+        self._routed, self._wire = {}, {}  # counted under the old group; the ranks dropped theirs too
+        restarted_at = min(r.started_at for r in ready if r.member in newcomers)
+        loaded_at = max(r.loaded_at or started for r in ready if r.member in newcomers)
+        report = RejoinReport(
+            ranks=newcomers,
+            ranks_now=len(members),
+            generation=self._generation,
+            restarted_at=restarted_at,
+            load_s=loaded_at - restarted_at,
+            wait_s=started - loaded_at,
+            regroup_s=max(a.regroup_s for a in answers),
+            experts_s=max(a.experts_s for a in answers),
+            peer_slots=sum(a.peer_slots for a in answers),
+            checkpoint_slots=sum(a.checkpoint_slots for a in answers),
+            moved_bytes=sum(a.peer_bytes + a.checkpoint_bytes for a in answers),
+            pause_s=done - started,
+            total_s=done - restarted_at,
+        )
+        logger.info("%s", report.describe())
+        self._monitor = self._watch(members)
         return report
+
+    def _await_subscribed(self, members: tuple[int, ...]) -> set[int]:
+        """Publish `Sync` until the restarted `members` answer it (a subscriber hears only what
+        is published after it connected); one that does not within `SUBSCRIBE_S` is restarted."""
+        acked: set[int] = set()
+        deadline = time.monotonic() + SUBSCRIBE_S
+        while len(acked) < len(members) and time.monotonic() < deadline:
+            self._channel.publish(Sync())
+            message = self._receive(POLL_S)
+            while message is not None:
+                if isinstance(message, SyncAck) and message.member in members:
+                    acked.add(message.member)
+                message = self._receive(0.0)
+        for member in set(members) - acked:
+            self._returning.retry(member, f"did not answer on the control channel within {SUBSCRIBE_S:.0f} s")
+        return acked
 
     def _fence(self, lost: tuple[int, ...]) -> None:
         """SIGKILL and reap the lost ranks of this node (a frozen one included)."""
@@ -426,22 +525,22 @@ class MultiprocessExecutor(Executor):
                 raise WorkerLostError(f"rank {member} did not die within {FENCE_S:.0f} s of SIGKILL") from exc
         logger.info("fenced rank(s) %s in %.3f s", ", ".join(map(str, lost)), time.monotonic() - started)
 
-    def _await_heal(self, members: tuple[int, ...]) -> list[HealDone]:
-        answers: dict[int, HealDone] = {}
+    def _await_regroup(self, members: tuple[int, ...]) -> list[RegroupDone]:
+        answers: dict[int, RegroupDone] = {}
         deadline = time.monotonic() + HEAL_S
         while len(answers) < len(members):
             for member in members:
                 proc = self._procs.get(member)
                 if proc is not None and proc.poll() is not None:
-                    raise WorkerLostError(f"rank {member} died while healing")
+                    raise WorkerLostError(f"rank {member} died while regrouping")
             if time.monotonic() > deadline:
                 missing = sorted(set(members) - set(answers))
-                raise WorkerLostError(f"rank(s) {missing} did not rejoin within {HEAL_S:.0f} s")
-            message = self._channel.receive(POLL_S)
-            if not isinstance(message, HealDone) or message.generation != self._generation:
+                raise WorkerLostError(f"rank(s) {missing} did not regroup within {HEAL_S:.0f} s")
+            message = self._receive(POLL_S)
+            if not isinstance(message, RegroupDone) or message.generation != self._generation:
                 continue  # what the lost step left in flight
             if message.error is not None:
-                raise WorkerLostError(f"rank {message.member} could not rejoin: {message.error}")
+                raise WorkerLostError(f"rank {message.member} could not regroup: {message.error}")
             answers[message.member] = message
         return [answers[m] for m in members]
 

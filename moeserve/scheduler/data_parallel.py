@@ -72,6 +72,7 @@ class DataParallelScheduler:
         if num_groups < 1:
             raise ValueError(f"num_groups must be >= 1, got {num_groups}")
         self.config = config
+        self._clock = clock
         self.groups = [Scheduler(replace(config, max_waiting=None), clock) for _ in range(num_groups)]
         self._group_of: dict[str, int] = {}
         self._router = PrefixRouter(num_groups) if config.enable_prefix_caching and num_groups > 1 else None
@@ -187,6 +188,19 @@ class DataParallelScheduler:
         if self.time_router is not None:
             self.time_router = self.time_router.keeping(survivors) if len(self.groups) > 1 else None
         return len(released)
+
+    def add_groups(self, count: int) -> None:
+        """`count` new, empty groups after the others (returned ranks rejoined): new requests find
+        them the least loaded; running requests stay where their KV is."""
+        if count < 1:
+            raise ValueError(f"count must be >= 1, got {count}")
+        first = len(self.groups)
+        self.groups += [Scheduler(replace(self.config, max_waiting=None), self._clock) for _ in range(count)]
+        if self.config.enable_prefix_caching:
+            self._router = (self._router or PrefixRouter(first)).regrouped(self._group_of, len(self.groups))
+        if self.config.dp_routing == "tokens":
+            router = self.time_router or TimeRouter(first, self.config.max_num_batched_tokens)
+            self.time_router = router.growing(count)
 
     @property
     def num_waiting(self) -> int:

@@ -38,6 +38,13 @@ class TimeRouter:
         router.models = [self.models[g] for g in groups]
         return router
 
+    def growing(self, count: int) -> TimeRouter:
+        """This router with `count` new groups after the others (returned ranks), each with a
+        fresh model that learns from its own steps."""
+        router = TimeRouter(len(self.models) + count, self.budget)
+        router.models[: len(self.models)] = self.models
+        return router
+
     @property
     def ready(self) -> bool:
         """Every group's model can price work (each has seen enough of its own steps)."""

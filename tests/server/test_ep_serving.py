@@ -85,7 +85,10 @@ def long_stream(server: ServerProcess, outcome: list) -> threading.Thread:
 @pytest.mark.parametrize("how", ["killed", "frozen"])
 def test_a_lost_rank_stops_the_server_and_names_it(start_server, how: str) -> None:
     # Steps are slowed so the stream below is surely mid-flight when the rank goes.
-    server = start_server("--ep", "2", "--heartbeat-timeout", "2", "--debug-min-step-time-ms", "30", *SMALL_KV)
+    server = start_server(
+        "--ep", "2", "--on-rank-failure", "exit", "--heartbeat-timeout", "2", "--debug-min-step-time-ms", "30",
+        *SMALL_KV,
+    )  # fmt: skip
     pids = rank_pids(server)
     outcome: list = []
     stream = long_stream(server, outcome)

@@ -28,7 +28,7 @@ from moeserve.engine.core_process import CoreLoop
 from moeserve.engine.engine import ModelFacts
 from moeserve.engine_config import EngineConfig
 from moeserve.eplb import RebalanceReport
-from moeserve.executor import HealReport
+from moeserve.executor import HealReport, RejoinReport
 from moeserve.sampling_params import SamplingParams
 from moeserve.scheduler import QueueFullError
 from moeserve.worker.prompt_logprobs import PromptLogprobs
@@ -78,12 +78,16 @@ def test_outputs_round_trip() -> None:
     assert decode_outputs(encode_outputs(dead)).dead == "rank 1 was killed"
 
 
-def test_heal_reports_round_trip() -> None:
+def test_heal_and_rejoin_reports_round_trip() -> None:
     heal = HealReport((2, 5), "rank 2 was killed by SIGKILL", 6, 1, (2,), 55.5, 0.05, 0.01, 0.2, 3, 8, 6_291_456)
     step = CoreStep({}, [], {}, 1.0, 0.3, 0, SchedulerStats(0, 4, 0, 96), heals=[heal])
     back = decode_outputs(encode_outputs(CoreOutputs(SchedulerStats(0, 4, 0, 96), step=step)))
     assert back.step.heals == [heal]  # the rank tuples stay tuples
     assert isinstance(back.step.heals[0].lost_ranks, tuple)
+    rejoin = RejoinReport((2,), 4, 2, 60.0, 3.5, 0.03, 0.02, 0.08, 16, 0, 12_582_912, 0.1, 3.6)
+    step = CoreStep({}, [], {}, 1.0, 0.3, 0, SchedulerStats(0, 4, 0, 128), rejoins=[rejoin])
+    back = decode_outputs(encode_outputs(CoreOutputs(SchedulerStats(0, 4, 0, 128), step=step)))
+    assert back.step.rejoins == [rejoin] and isinstance(back.step.rejoins[0].ranks, tuple)
 
 
 def test_prompt_logprobs_round_trip() -> None:
@@ -172,6 +176,9 @@ class ReportingExecutor:
 
     def ask_routed_tokens(self) -> None:
         self.calls.append("ask")
+
+    def rejoin(self) -> None:
+        return None  # no rank comes back here
 
     def execute(self, plan) -> dict:
         self.steps += 1

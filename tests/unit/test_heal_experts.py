@@ -48,7 +48,20 @@ def test_two_losses_in_a_row_keep_every_expert_served():
     assert sorted(len(twice.slots_of(r)) for r in range(6)) == [2, 2, 3, 3, 3, 3]
 
 
-@pytest.mark.parametrize("survivors", [[], [1, 0], [0, 4], [0, 0]])
+def test_a_returned_rank_takes_back_the_slots_the_others_no_longer_fit():
+    old = ExpertMap.default(16, 4, 4, 2)  # 20 slots, 5 a rank; rank 3 holds 15 and replicas of 0-3
+    healed = survivor_map(old, [0, 1, 3])
+    grown = survivor_map(healed, [0, 1, 2, None])
+    check_serves_every_expert(grown)
+    assert grown.ep_size == 4 and Counter(grown.physical_to_logical[0]) == Counter(old.physical_to_logical[0])
+    for r in range(3):  # each keeps the slots it holds, as far as its share of 5 goes
+        assert grown.local_logical(0, r) == healed.local_logical(0, r)[:5]
+    plan = recovery_plan(healed, grown, [0, 1, 2, None], 0)
+    assert [s.kind for s in plan[0] + plan[1] + plan[2]] == ["local"] * 15
+    assert plan[3] and all(s.kind == "peer" for s in plan[3])  # every expert is still held: nothing read
+
+
+@pytest.mark.parametrize("survivors", [[], [None], [1, 0], [0, 4], [0, 0]])
 def test_bad_survivor_lists_are_refused(survivors):
     with pytest.raises(ValueError, match="survivors"):
         survivor_map(ExpertMap.default(6, 0, 4, 1), survivors)

@@ -7,9 +7,22 @@ import pytest
 from moeserve.engine_config import EngineConfig, ParallelConfig
 
 
-def test_exit_stays_the_default():
-    assert ParallelConfig(ep=4).on_rank_failure == "exit"
+def test_heal_is_the_default_where_the_layout_can_heal():
+    def policy(**options) -> str:
+        return EngineConfig.from_options(**options).parallel.on_rank_failure
+
+    assert policy(ep=4, device="cpu") == "heal"
+    assert policy(ep=1, device="cpu") == "exit"
+    assert policy(ep=4, tp=2, device="cpu") == "exit"
+    assert policy(ep=4, a2a_backend="nvshmem", device="cpu") == "exit"
+    assert policy(ep=4, on_rank_failure="exit", device="cpu") == "exit"
+    assert ParallelConfig(ep=4).resolved("cuda").on_rank_failure == "exit"  # NCCL cannot heal yet
     assert EngineConfig.from_options(ep=4, on_rank_failure="heal", min_ranks=2, device="cpu").parallel.min_ranks == 2
+
+
+def test_restarts_cannot_be_negative():
+    with pytest.raises(ValueError, match="rank_restarts"):
+        ParallelConfig(ep=4, rank_restarts=-1)
 
 
 @pytest.mark.parametrize(

@@ -110,3 +110,27 @@ def test_new_requests_route_over_the_survivors_with_what_their_models_learnt():
     assert dp.time_router is None  # one group left: nothing to choose between
     dp.add_request(request("later", 4))
     assert dp.group_of("later") == 0
+
+
+def test_returned_groups_join_empty_after_the_others_and_take_new_requests():
+    """A restarted rank rejoins as a new last group: running requests stay where their KV is."""
+    dp = scheduler(3)
+    for i in range(6):
+        dp.add_request(request(f"r{i}", 4))
+    streamed: dict[str, list[int]] = {}
+    step(dp, streamed)
+    dp.schedule()
+    dp.heal({1})
+    step(dp, streamed)
+    placed = {rid: dp.group_of(rid) for rid in streamed}
+    dp.add_groups(1)
+    assert len(dp.groups) == 3 and len(dp.time_router.models) == 3 and dp.num_kv_blocks == 3 * 32
+    assert {rid: dp.group_of(rid) for rid in streamed} == placed
+    dp.add_request(request("late", 4))
+    assert dp.group_of("late") == 2  # the empty group is the least loaded
+    for _ in range(40):
+        if not dp.has_unfinished_requests():
+            break
+        step(dp, streamed)
+    assert not dp.has_unfinished_requests() and dp.num_used_blocks == 0
+    assert all(tokens == [token_for(rid, 4 + k) for k in range(len(tokens))] for rid, tokens in streamed.items())
