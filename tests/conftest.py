@@ -63,6 +63,7 @@ LONGEST_FIRST = (
     "test_gpu_runbook.py",  # ~25
     "test_eplb_server.py",  # ~20
     "test_host_syncs_ep.py",  # ~20
+    "test_heal_ep8.py",  # ~20
     "test_fp8_dispatchers.py",  # ~20
     "test_fp8_checkpoints.py",  # ~20
     "test_mxfp4_checkpoints.py",  # ~20
