@@ -14,7 +14,8 @@ import torch
 
 from moeserve.config import MLAConfig, ModelConfig, MXFP4Config, RouterConfig
 from moeserve.dispatch.base import DispatchLayout
-from moeserve.kernels.fused_moe import block_m_for, fused_moe
+from moeserve.kernels.fused_moe import fused_moe
+from moeserve.kernels.launch_config import block_m_for
 from moeserve.kernels.mla_attention import mla_decode
 from moeserve.kernels.moe_align import moe_align_block_size
 from moeserve.kernels.norm import fused_add_rms_norm, rms_norm
