@@ -9,12 +9,17 @@ the largest output is that bound with a margin. fp16 outputs add their own round
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 from moeserve.fp8_format import BlockFP8Weight, quantize
 from moeserve.kernels.fp8_gemm import w8a8_linear, w8a8_linear_reference
 
+ROOT = Path(__file__).resolve().parents[2]
 TOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}
 
 
@@ -56,6 +61,14 @@ def test_empty_batch_and_bad_arguments(device):
     odd = BlockFP8Weight(weight.data, weight.scale_inv[..., :1], (128, 96))
     with pytest.raises(ValueError, match="power of two"):
         w8a8_linear(torch.randn(3, 64, device=device), odd)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU exit")
+def test_bench_exits_2_without_cuda():
+    """bench/fp8_gemm.py (the w8a8 vs bf16 ratios) refuses in one line, with the runbook's status."""
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "fp8_gemm.py")], capture_output=True, text=True)
+    assert proc.returncode == 2 and "needs a CUDA GPU" in proc.stderr
+    assert len(proc.stdout.strip().splitlines()) + len(proc.stderr.strip().splitlines()) == 1
 
 
 @pytest.mark.gpu
