@@ -293,7 +293,8 @@ def measure_mode(
 def measure_overlap(plan: Plan, device: torch.device, clock: Clock, comm_sms: int | None) -> dict:
     """time(both) / max(time alone): low-latency dispatch + combine of every PE on one stream,
     `fused_moe` over what one PE's experts receive on another, capped to the SMs the comm leaves."""
-    from moeserve.kernels.fused_moe import block_m_for, default_max_programs, fused_moe
+    from moeserve.kernels.fused_moe import fused_moe
+    from moeserve.kernels.launch_config import block_m_for, default_max_programs
     from moeserve.kernels.moe_align import moe_align_block_size
 
     dispatchers, inputs = build_pes(plan, device, plan.latency_tokens, comm_sms)

@@ -41,7 +41,8 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere, moeserve installed or not
 
-from moeserve.kernels.fused_moe import block_m_for, config_for, default_max_programs, fused_moe  # noqa: E402
+from moeserve.kernels.fused_moe import fused_moe  # noqa: E402
+from moeserve.kernels.launch_config import block_m_for, config_for, default_max_programs  # noqa: E402
 from moeserve.kernels.moe_align import moe_align_block_size  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"

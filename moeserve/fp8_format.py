@@ -7,6 +7,8 @@ loader's in-memory form (`models/fp8.py`) and the tiny-checkpoint writer (`check
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -51,3 +53,49 @@ def dequantize(
     scale = scale.repeat_interleave(block[1], dim=-1)[..., :cols]
     values = weight.float().reshape(*lead, parts, rows, cols) * scale
     return values.reshape(*lead, all_rows, cols).to(dtype)
+
+
+@dataclass(frozen=True)
+class BlockFP8Weight:
+    """A quantized weight as an FP8 GEMM takes it: the stored bytes and their scales, not a
+    dequantized copy (what makes w8a8 worth it: half the bytes read of bf16).
+
+    data: float8_e4m3fn `[..., parts * rows, cols]` (`...`: stacked experts, if any).
+    scale_inv: float32 `[..., parts, ceil(rows / block[0]), ceil(cols / block[1])]`: one grid per
+      part, since a fused parameter (gate then up) concatenates checkpoint tensors whose tiles
+      need not meet at a tile boundary.
+    block: (rows, cols) of the tile one scale covers.
+    """
+
+    data: torch.Tensor
+    scale_inv: torch.Tensor
+    block: tuple[int, int]
+
+    def __post_init__(self) -> None:
+        *lead, all_rows, cols = self.data.shape
+        parts = self.scale_inv.shape[-3] if self.scale_inv.dim() >= 3 else 0
+        if self.data.dtype != FP8_DTYPE or self.scale_inv.dtype != torch.float32:
+            raise ValueError(
+                f"need {FP8_DTYPE} data and float32 scales, got {self.data.dtype} and {self.scale_inv.dtype}"
+            )
+        if not parts or all_rows % parts:
+            raise ValueError(f"scales {tuple(self.scale_inv.shape)} have no part grid dividing {all_rows} rows")
+        want = (*lead, parts, *scale_shape((all_rows // parts, cols), self.block))
+        if tuple(self.scale_inv.shape) != want:
+            raise ValueError(
+                f"scales {tuple(self.scale_inv.shape)} do not cover data {tuple(self.data.shape)} in "
+                f"{self.block[0]}x{self.block[1]} tiles ({parts} parts): expected {want}"
+            )
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    @property
+    def rows_per_part(self) -> int:
+        """Rows of one part: output feature n is row `n % rows_per_part` of part `n // rows_per_part`."""
+        return self.data.shape[-2] // self.scale_inv.shape[-3]
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight's values in `dtype` (what the torch path computes with)."""
+        return dequantize(self.data, self.scale_inv, self.block, dtype)

@@ -76,10 +76,14 @@ STAGES = (
     Stage(
         "kernels",
         "fused MoE GEMM vs torch._grouped_mm and a per-expert loop at DeepSeek-V3/Qwen3/Mixtral shapes, "
-        "as fractions of the copy bandwidth (decode) and the bf16 GEMM rate (prefill)",
-        (Script("bench/moe_kernel.py", (), "moe_kernel.json"),),
+        "as fractions of the copy bandwidth (decode) and the bf16 GEMM rate (prefill); the block-scaled "
+        "FP8 (w8a8) linear and fused MoE against their bf16 paths, side by side (speedup ratios)",
+        (
+            Script("bench/moe_kernel.py", (), "moe_kernel.json"),
+            Script("bench/fp8_gemm.py", (), "fp8_gemm.json"),
+        ),
+        360,
         240,
-        150,
     ),
     Stage(
         "decode",

@@ -29,13 +29,15 @@ bound (few rows per expert, BLOCK_M = 16 wastes little), prefill is tensor-core 
 The alignment's block size must be the kernel's BLOCK_M: callers get it from `block_m_for` and
 `fused_moe` recovers it from the alignment's shape.
 
-FP8 weights (e4m3 with per-128x128-block scales) are a later step: the weight tile loads in the K
-loops are the single place a scale pointer and a per-K-block rescale of the partial product would go.
+Block-scaled FP8 (w8a8, `fused_moe_fp8.py`) runs the same two kernels with `W8A8` set: the rows
+and the weights arrive as float8_e4m3fn with scales (`W8A8Scales`), and each K tile's fp32 partial
+product is multiplied by its rows' activation scales and its columns' weight scales before it is
+added to the accumulator (DeepSeek-V3's scheme: a K tile never straddles a scale block).
 """
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -45,107 +47,21 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from moeserve.kernels.fp8_quant import per_token_group_quant
+from moeserve.kernels.gemm_tiles import tile_coords, weight_scale_offsets
+from moeserve.kernels.launch_config import (
+    SM90_SHARED_MEMORY,
+    config_for_block_m,
+    default_max_programs,
+    device_index,
+    fit_num_stages,
+    shared_memory_budget,
+)
+
 if TYPE_CHECKING:
     from moeserve.kernels.moe_align import AlignedPairs
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-SM90_SHARED_MEMORY = 232448  # bytes a block may opt into on H100/H200; the budget under the interpreter
-CPU_PROGRAMS = 4  # the interpreter runs programs one after another: a few still exercise the persistent loop
-
-
-@dataclass(frozen=True)
-class KernelConfig:
-    """Launch parameters shared by both GEMMs of one `fused_moe` call.
-
-    In the gate/up kernel a tile holds two `[block_m, block_n]` fp32 accumulators (gate and up
-    columns n), so its shared-memory and register footprint is that of a 2 * block_n tile.
-    """
-
-    block_m: int
-    block_n: int
-    block_k: int
-    group_m: int
-    num_warps: int
-    num_stages: int
-
-
-# (largest mean tokens per expert, config), first match wins. block_m is unique per row: it is how
-# `fused_moe` finds the config from an alignment. Starting points for bf16 on an H100, to retune with
-# bench/moe_kernel.py; in bf16 every row fits sm_90's shared memory at its stage count, and
-# `fit_num_stages` trims the stages where a wider dtype or a smaller GPU would not.
-KERNEL_CONFIGS: tuple[tuple[float, KernelConfig], ...] = (
-    (16, KernelConfig(block_m=16, block_n=64, block_k=128, group_m=1, num_warps=4, num_stages=4)),
-    (64, KernelConfig(block_m=32, block_n=64, block_k=128, group_m=4, num_warps=4, num_stages=4)),
-    (256, KernelConfig(block_m=64, block_n=128, block_k=64, group_m=8, num_warps=4, num_stages=4)),
-    (float("inf"), KernelConfig(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=3)),
-)
-
-
-def config_for(num_tokens: int, top_k: int, num_experts: int) -> KernelConfig:
-    """The config for `num_tokens` rows routed `top_k` ways over `num_experts` (local) experts."""
-    if num_tokens < 0 or top_k < 1 or num_experts < 1:
-        raise ValueError(
-            f"need num_tokens >= 0, top_k >= 1, num_experts >= 1; got {num_tokens}, {top_k}, {num_experts}"
-        )
-    tokens_per_expert = num_tokens * top_k / num_experts
-    return next(cfg for limit, cfg in KERNEL_CONFIGS if tokens_per_expert <= limit)
-
-
-def block_m_for(num_tokens: int, top_k: int, num_experts: int) -> int:
-    """The block size to align `topk_ids [num_tokens, top_k]` with before calling `fused_moe`."""
-    return config_for(num_tokens, top_k, num_experts).block_m
-
-
-def _config_for_block_m(block_m: int) -> KernelConfig:
-    for _, cfg in KERNEL_CONFIGS:
-        if cfg.block_m == block_m:
-            return cfg
-    known = [cfg.block_m for _, cfg in KERNEL_CONFIGS]
-    raise ValueError(f"alignment block_m={block_m} has no kernel config (known: {known}); align with block_m_for(...)")
-
-
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-@functools.cache
-def _shared_memory_budget(device_index: int) -> int:
-    props = torch.cuda.get_device_properties(device_index)
-    return getattr(props, "shared_memory_per_block_optin", SM90_SHARED_MEMORY)
-
-
-def fit_num_stages(cfg: KernelConfig, elem_bytes: int, weight_tiles: int, budget: int) -> int:
-    """The config's stage count, lowered until every stage's operand tiles fit `budget` bytes.
-
-    A stage holds one `[block_m, block_k]` activation tile and `weight_tiles` `[block_k, block_n]`
-    weight tiles (2 for gate/up, 1 for down). The table is sized for bf16: fp32 needs fewer stages.
-    """
-    stage_bytes = (cfg.block_m + weight_tiles * cfg.block_n) * cfg.block_k * elem_bytes
-    return max(1, min(cfg.num_stages, budget // stage_bytes))
-
-
-def _device_index(device: torch.device) -> int:
-    return device.index if device.index is not None else torch.cuda.current_device()
-
-
-def default_max_programs(device: torch.device) -> int:
-    """One program per SM on CUDA; a handful under the CPU interpreter."""
-    if device.type == "cuda":
-        return _sm_count(_device_index(device))
-    return CPU_PROGRAMS
-
-
-@triton.jit
-def _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
-    """Tile index -> (row block, column block), GROUP_M row blocks at a time so tiles running
-    together share weight columns in L2."""
-    group_width = GROUP_M * num_pid_n
-    first_m = (tile // group_width) * GROUP_M
-    group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (tile % group_width) % group_rows
-    pid_n = (tile % group_width) // group_rows
-    return pid_m, pid_n
 
 
 @triton.jit
@@ -167,20 +83,35 @@ def _gate_up_kernel(
     stride_wk,
     stride_am,
     stride_an,
+    x_scale_ptr,
+    w_scale_ptr,
+    stride_xsm,
+    stride_xsk,
+    stride_wse,
+    stride_wsp,
+    stride_wsn,
+    stride_wsk,
+    rows_per_part,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr,
     PRECISION: tl.constexpr,
+    W8A8: tl.constexpr,
+    SCALE_N: tl.constexpr,
+    SCALE_K: tl.constexpr,
 ):
-    """act[s, n] = silu(hidden[pair_s // top_k] . w_gate[n]) * (hidden[pair_s // top_k] . w_up[n])."""
+    """act[s, n] = silu(hidden[pair_s // top_k] . w_gate[n]) * (hidden[pair_s // top_k] . w_up[n]).
+
+    W8A8: hidden and w13 are FP8; hidden's scales `[T, K / SCALE_K]` are read at the token's row,
+    w13's `[E, parts, ...]` at each column (gate n and up I + n may sit in different parts)."""
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     num_pid_m = tl.cdiv(tl.load(num_padded_ptr), BLOCK_M)
     num_pid_n = tl.cdiv(inter_size, BLOCK_N)
     for tile in range(pid, num_pid_m * num_pid_n, num_programs):
-        pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
+        pid_m, pid_n = tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         pair = tl.load(sorted_ids_ptr + offs_m)
         row_ok = pair < num_pairs  # padding rows hold the sentinel num_pairs
@@ -192,6 +123,15 @@ def _gate_up_kernel(
         a_ptrs = hidden_ptr + token[:, None] * stride_hm + offs_k[None, :] * stride_hk
         gate_ptrs = w13_ptr + expert * stride_we + offs_wn[None, :] * stride_wn + offs_k[:, None] * stride_wk
         up_ptrs = gate_ptrs + inter_size * stride_wn
+        if W8A8:
+            x_scale_ptrs = x_scale_ptr + token * stride_xsm
+            w_scale_base = w_scale_ptr + expert * stride_wse
+            gate_scale_ptrs = w_scale_base + weight_scale_offsets(
+                offs_wn, rows_per_part, stride_wsp, stride_wsn, SCALE_N
+            )
+            up_scale_ptrs = w_scale_base + weight_scale_offsets(
+                offs_wn + inter_size, rows_per_part, stride_wsp, stride_wsn, SCALE_N
+            )
         acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, hidden_size, BLOCK_K):
@@ -204,8 +144,14 @@ def _gate_up_kernel(
                 a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
                 w_gate = tl.load(gate_ptrs, mask=k_ok[:, None], other=0.0)
                 w_up = tl.load(up_ptrs, mask=k_ok[:, None], other=0.0)
-            acc_gate += tl.dot(a, w_gate, input_precision=PRECISION)
-            acc_up += tl.dot(a, w_up, input_precision=PRECISION)
+            if W8A8:
+                kb = k0 // SCALE_K
+                x_scale = tl.load(x_scale_ptrs + kb * stride_xsk, mask=row_ok, other=0.0)[:, None]
+                acc_gate += tl.dot(a, w_gate) * x_scale * tl.load(gate_scale_ptrs + kb * stride_wsk)[None, :]
+                acc_up += tl.dot(a, w_up) * x_scale * tl.load(up_scale_ptrs + kb * stride_wsk)[None, :]
+            else:
+                acc_gate += tl.dot(a, w_gate, input_precision=PRECISION)
+                acc_up += tl.dot(a, w_up, input_precision=PRECISION)
             a_ptrs += BLOCK_K * stride_hk
             gate_ptrs += BLOCK_K * stride_wk
             up_ptrs += BLOCK_K * stride_wk
@@ -233,6 +179,15 @@ def _down_kernel(
     stride_wk,
     stride_om,
     stride_on,
+    x_scale_ptr,
+    w_scale_ptr,
+    stride_xsm,
+    stride_xsk,
+    stride_wse,
+    stride_wsp,
+    stride_wsn,
+    stride_wsk,
+    rows_per_part,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -240,14 +195,19 @@ def _down_kernel(
     EVEN_K: tl.constexpr,
     HAS_WEIGHTS: tl.constexpr,
     PRECISION: tl.constexpr,
+    W8A8: tl.constexpr,
+    SCALE_N: tl.constexpr,
+    SCALE_K: tl.constexpr,
 ):
-    """out[pair_s, n] = (act[s] . w2[n]) * pair_weights[pair_s], for real (non-padding) pairs."""
+    """out[pair_s, n] = (act[s] . w2[n]) * pair_weights[pair_s], for real (non-padding) pairs.
+
+    W8A8: act and w2 are FP8, act's scales `[slots, I / SCALE_K]` read at row s."""
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     num_pid_m = tl.cdiv(tl.load(num_padded_ptr), BLOCK_M)
     num_pid_n = tl.cdiv(hidden_size, BLOCK_N)
     for tile in range(pid, num_pid_m * num_pid_n, num_programs):
-        pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
+        pid_m, pid_n = tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         pair = tl.load(sorted_ids_ptr + offs_m)
         row_ok = pair < num_pairs
@@ -258,6 +218,13 @@ def _down_kernel(
         # Every row of a live block was written by the gate/up kernel (padding rows as zeros).
         a_ptrs = act_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :] * stride_ak
         w_ptrs = w2_ptr + expert * stride_we + offs_wn[None, :] * stride_wn + offs_k[:, None] * stride_wk
+        if W8A8:
+            x_scale_ptrs = x_scale_ptr + offs_m.to(tl.int64) * stride_xsm
+            w_scale_ptrs = (
+                w_scale_ptr
+                + expert * stride_wse
+                + weight_scale_offsets(offs_wn, rows_per_part, stride_wsp, stride_wsn, SCALE_N)
+            )
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, inter_size, BLOCK_K):
             if EVEN_K:
@@ -267,7 +234,14 @@ def _down_kernel(
                 k_ok = offs_k + k0 < inter_size
                 a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
                 w = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
-            acc += tl.dot(a, w, input_precision=PRECISION)
+            if W8A8:
+                kb = k0 // SCALE_K
+                scales = (
+                    tl.load(x_scale_ptrs + kb * stride_xsk)[:, None] * tl.load(w_scale_ptrs + kb * stride_wsk)[None, :]
+                )
+                acc += tl.dot(a, w) * scales
+            else:
+                acc += tl.dot(a, w, input_precision=PRECISION)
             a_ptrs += BLOCK_K * stride_ak
             w_ptrs += BLOCK_K * stride_wk
         if HAS_WEIGHTS:
@@ -276,7 +250,7 @@ def _down_kernel(
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_n[None, :] < hidden_size))
 
 
-def _validate(
+def check_moe_call(
     hidden: torch.Tensor,
     w13: torch.Tensor,
     w2: torch.Tensor,
@@ -284,8 +258,10 @@ def _validate(
     top_k: int,
     pair_weights: torch.Tensor | None,
     max_programs: int | None,
+    weight_dtype: torch.dtype | None = None,
 ) -> int:
-    """Checks shapes, dtypes and devices; returns the alignment's block_m."""
+    """Checks shapes, dtypes and devices; returns the alignment's block_m. weight_dtype: the
+    weights' dtype (None: hidden's; float8_e4m3fn for the w8a8 path)."""
     if hidden.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
         raise ValueError(
             f"need hidden [T, H], w13 [E, 2I, H], w2 [E, H, I]; got {tuple(hidden.shape)}, {tuple(w13.shape)}, "
@@ -296,9 +272,18 @@ def _validate(
         raise ValueError(
             f"inconsistent shapes: hidden {tuple(hidden.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}"
         )
-    if hidden.dtype not in SUPPORTED_DTYPES or w13.dtype != hidden.dtype or w2.dtype != hidden.dtype:
+    if weight_dtype is None and (
+        hidden.dtype not in SUPPORTED_DTYPES or w13.dtype != hidden.dtype or w2.dtype != hidden.dtype
+    ):
         raise ValueError(
             f"hidden, w13, w2 must share one of {SUPPORTED_DTYPES}; got {hidden.dtype}, {w13.dtype}, {w2.dtype}"
+        )
+    if weight_dtype is not None and (
+        hidden.dtype not in SUPPORTED_DTYPES or w13.dtype != weight_dtype or w2.dtype != weight_dtype
+    ):
+        raise ValueError(
+            f"hidden must be one of {SUPPORTED_DTYPES} and w13, w2 {weight_dtype}; got {hidden.dtype}, "
+            f"{w13.dtype}, {w2.dtype}"
         )
     if not isinstance(top_k, int) or top_k < 1:
         raise ValueError(f"top_k must be a positive int, got {top_k!r}")
@@ -334,6 +319,31 @@ def _validate(
     return block_m
 
 
+@dataclass(frozen=True)
+class W8A8Scales:
+    """The scales of a w8a8 `launch_fused_moe`, whose hidden, w13 and w2 are then float8_e4m3fn.
+
+    hidden: float32 `[T_rows, ceil(H / block[1])]`, hidden's per-token-group scales (`fp8_quant`).
+    w13, w2: the weights' `BlockFP8Weight.scale_inv`, `[E, parts, grid rows, grid cols]`.
+    block: the weights' scale tile; block[1] is also the activations' group along K.
+    """
+
+    hidden: torch.Tensor
+    w13: torch.Tensor
+    w2: torch.Tensor
+    block: tuple[int, int]
+
+
+def _scale_args(rows: torch.Tensor, weight_scales: torch.Tensor, weight: torch.Tensor) -> tuple:
+    """The kernels' scale arguments: pointers, strides, and rows per part of the weight."""
+    return (rows, weight_scales, *rows.stride(), *weight_scales.stride(), weight.shape[1] // weight_scales.shape[1])
+
+
+def _no_scale_args(dummy: torch.Tensor) -> tuple:
+    """The scale arguments of a dense launch: never read (W8A8 is off)."""
+    return (dummy, dummy, 0, 0, 0, 0, 0, 0, 1)
+
+
 def fused_moe(
     hidden: torch.Tensor,
     w13: torch.Tensor,
@@ -354,20 +364,40 @@ def fused_moe(
     activation between the GEMMs is rounded to hidden's dtype. `max_programs` caps each kernel's
     persistent grid (default: one program per SM) so the other SMs stay free.
     """
-    block_m = _validate(hidden, w13, w2, aligned, top_k, pair_weights, max_programs)
+    block_m = check_moe_call(hidden, w13, w2, aligned, top_k, pair_weights, max_programs)
+    return launch_fused_moe(hidden, w13, w2, aligned, top_k, block_m, hidden.dtype, pair_weights, max_programs)
+
+
+def launch_fused_moe(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    aligned: AlignedPairs,
+    top_k: int,
+    block_m: int,
+    out_dtype: torch.dtype,
+    pair_weights: torch.Tensor | None = None,
+    max_programs: int | None = None,
+    w8a8: W8A8Scales | None = None,
+) -> torch.Tensor:
+    """Both kernels on arguments `check_moe_call` has passed; the activation between them is
+    `out_dtype`. With `w8a8` it is then quantized per token group (its live rows only, bounded
+    on the device by `aligned.num_padded`) for the FP8 down GEMM."""
     if hidden.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(
             f"fused_moe runs on CUDA, or elsewhere only under TRITON_INTERPRET=1; hidden is on {hidden.device}"
         )
-    cfg = _config_for_block_m(block_m)
+    cfg = config_for_block_m(block_m)
+    if w8a8 is not None:  # a K tile must not straddle two scale blocks
+        cfg = dataclasses.replace(cfg, block_k=min(cfg.block_k, w8a8.block[1]))
     num_experts, two_inter, hidden_size = w13.shape
     inter_size = two_inter // 2
     num_pairs = hidden.shape[0] * top_k
-    out = torch.zeros(num_pairs, hidden_size, dtype=hidden.dtype, device=hidden.device)
+    out = torch.zeros(num_pairs, hidden_size, dtype=out_dtype, device=hidden.device)
     if num_pairs == 0:
         return out
     num_slots = aligned.sorted_pair_ids.numel()
-    act = torch.empty(num_slots, inter_size, dtype=hidden.dtype, device=hidden.device)
+    act = torch.empty(num_slots, inter_size, dtype=out_dtype, device=hidden.device)
     programs = max_programs if max_programs is not None else default_max_programs(hidden.device)
     num_blocks = num_slots // block_m
     # fp32 stays exact (no tf32), like torch's default matmul: it is a checking dtype, not a serving one.
@@ -378,9 +408,12 @@ def fused_moe(
         BLOCK_K=cfg.block_k,
         GROUP_M=cfg.group_m,
         PRECISION=precision,
+        W8A8=w8a8 is not None,
+        SCALE_N=1 if w8a8 is None else w8a8.block[0],
+        SCALE_K=1 if w8a8 is None else w8a8.block[1],
         num_warps=cfg.num_warps,
     )
-    budget = _shared_memory_budget(_device_index(hidden.device)) if hidden.device.type == "cuda" else SM90_SHARED_MEMORY
+    budget = shared_memory_budget(device_index(hidden.device)) if hidden.device.type == "cuda" else SM90_SHARED_MEMORY
 
     # Grids are capped by the tile count of a fully padded alignment, a host-side bound.
     grid = (min(programs, num_blocks * triton.cdiv(inter_size, cfg.block_n)),)
@@ -402,10 +435,15 @@ def fused_moe(
         w13.stride(2),
         act.stride(0),
         act.stride(1),
+        *(_no_scale_args(hidden) if w8a8 is None else _scale_args(w8a8.hidden, w8a8.w13, w13)),
         EVEN_K=hidden_size % cfg.block_k == 0,
         num_stages=fit_num_stages(cfg, hidden.element_size(), 2, budget),
         **launch,
     )
+    down_scales = _no_scale_args(act)
+    if w8a8 is not None:
+        act, act_scales = per_token_group_quant(act, w8a8.block[1], aligned.num_padded)
+        down_scales = _scale_args(act_scales, w8a8.w2, w2)
     grid = (min(programs, num_blocks * triton.cdiv(hidden_size, cfg.block_n)),)
     _down_kernel[grid](
         act,
@@ -425,9 +463,10 @@ def fused_moe(
         w2.stride(2),
         out.stride(0),
         out.stride(1),
+        *down_scales,
         EVEN_K=inter_size % cfg.block_k == 0,
         HAS_WEIGHTS=pair_weights is not None,
-        num_stages=fit_num_stages(cfg, hidden.element_size(), 1, budget),
+        num_stages=fit_num_stages(cfg, act.element_size(), 1, budget),
         **launch,
     )
     return out
@@ -447,7 +486,7 @@ def fused_moe_reference(
     Computes in fp32 and rounds the activation to hidden's dtype as the kernel stores it.
     `max_programs` only exists for signature parity: there is no grid here.
     """
-    _validate(hidden, w13, w2, aligned, top_k, pair_weights, max_programs)
+    check_moe_call(hidden, w13, w2, aligned, top_k, pair_weights, max_programs)
     num_pairs = hidden.shape[0] * top_k
     out = torch.zeros(num_pairs, w13.shape[2], dtype=hidden.dtype, device=hidden.device)
     if num_pairs == 0:

@@ -63,7 +63,7 @@ class DecoderLayer(nn.Module):
         if cfg.moe_layers[layer]:
             self.mlp: nn.Module = MoEBlock(cfg, dispatcher, dtype, device, ops)
         else:
-            self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype, device)
+            self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype, device, ops)
 
     def forward(
         self,

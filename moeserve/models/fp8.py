@@ -4,10 +4,12 @@ A weight `[out, in]` is stored as float8_e4m3fn with float32 inverse scales
 `[ceil(out/bo), ceil(in/bi)]`, one per `(bo, bi)` tile (the last row and column of tiles may be
 partial); its value is `weight.float() * scale_inv` over each tile (DeepSeek-V3, Qwen3-FP8).
 
-In memory a quantized parameter keeps its FP8 bytes and its scales, and the torch path
-dequantizes it each time a layer reads it, in the layer's compute dtype: the parameter is
-wrapped in a `torch.nn.utils.parametrize` parametrization, so every layer keeps reading
-`self.weight` / `self.w13` unchanged. Our fused parameters concatenate several checkpoint
+In memory a quantized parameter keeps its FP8 bytes and its scales, wrapped in a
+`torch.nn.utils.parametrize` parametrization that dequantizes on read, in the layer's compute
+dtype: whatever reads `self.weight` / `self.w13` gets ordinary values. The GEMMs read past it:
+layers hand `stored_weight(...)` to the ops backend, which gets the FP8 bytes and scales as a
+`BlockFP8Weight` and decides itself (dequantize at use on the torch path, a w8a8 GEMM on the
+Triton path). Our fused parameters concatenate several checkpoint
 tensors (gate and up) whose tiles need not meet at a tile boundary, so the scales keep one
 grid per part: `[..., parts, ceil(rows/bo), ceil(cols/bi)]` for a parameter `[..., parts * rows,
 cols]` (`...`: the stacked experts).
@@ -19,7 +21,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from moeserve.fp8_format import FP8_DTYPE, dequantize
+from moeserve.fp8_format import FP8_DTYPE, BlockFP8Weight, dequantize
 
 
 class BlockFP8(nn.Module):
@@ -53,3 +55,13 @@ def quantize_parameter(
     parametrize.register_parametrization(module, name, BlockFP8(scales, block, old.dtype), unsafe=True)
     param_list = module.parametrizations[name]
     return param_list.original, param_list[0].scale_inv
+
+
+def stored_weight(module: nn.Module, name: str) -> torch.Tensor | BlockFP8Weight:
+    """`module.<name>` as stored: a `BlockFP8Weight` of its FP8 bytes and scales if it is
+    block-quantized FP8 (without dequantizing), else what reading it gives (the parameter, or
+    another format's dequantized values)."""
+    if not parametrize.is_parametrized(module, name) or not isinstance(module.parametrizations[name][0], BlockFP8):
+        return getattr(module, name)
+    param_list = module.parametrizations[name]
+    return BlockFP8Weight(param_list.original, param_list[0].scale_inv, param_list[0].block)

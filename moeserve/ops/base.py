@@ -1,10 +1,10 @@
 """The numerical operations layers delegate to, with one backend per kind of device.
 
-Layers own parameters and the order of operations; how a norm, a rotation, attention over the
-paged cache, routing or the experts' grouped GEMM is computed is a backend's business:
+Layers own parameters and the order of operations; how a norm, a rotation, a linear, attention
+over the paged cache, routing or the experts' grouped GEMM is computed is a backend's business:
 `TorchOps` (the reference, and the CPU path) or `TritonOps` (the GPU path, also runnable on CPU
 through Triton's interpreter for tests). Every backend must give the reference's results within
-its dtype's tolerance.
+its dtype's tolerance (with FP8 weights, within what quantizing the activations changes).
 """
 
 from __future__ import annotations
@@ -17,9 +17,19 @@ import torch
 
 from moeserve.config import GatedActivation, MLAConfig, ModelConfig, RouterConfig
 from moeserve.dispatch.base import DispatchLayout
+from moeserve.fp8_format import BlockFP8Weight
 from moeserve.ops.attention import AttentionBatch, AttentionPlan, DecodeGraphInputs
 
 PlanT = TypeVar("PlanT", bound=AttentionPlan)
+
+Weight = torch.Tensor | BlockFP8Weight
+"""A GEMM weight as a layer stores it: a tensor in the model's dtype, or block-quantized FP8
+bytes with their scales (`models.fp8.stored_weight`), which each backend multiplies its own way."""
+
+
+def dense_weight(weight: Weight, dtype: torch.dtype) -> torch.Tensor:
+    """`weight`'s values as a tensor: FP8 dequantized into `dtype`, anything else as it is."""
+    return weight.dequantize(dtype) if isinstance(weight, BlockFP8Weight) else weight
 
 
 class LayerOps(ABC, Generic[PlanT]):
@@ -62,6 +72,12 @@ class LayerOps(ABC, Generic[PlanT]):
         """`h = x + residual` in their dtype, then `(rms_norm(h), h)`: the residual add that closes
         a sub-layer and the norm that opens the next, in one pass where the backend can fuse them.
         Neither input is modified."""
+
+    @abstractmethod
+    def linear(self, x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x `[..., in]` times weight `[out, in]` transposed, plus bias `[out]` -> `[..., out]` in x's
+        dtype. An FP8 weight: the torch path dequantizes it and matches the dequantized model; a
+        w8a8 path also quantizes x (per token group) and is as close as that rounding allows."""
 
     @abstractmethod
     def rotary_qk(
@@ -115,8 +131,8 @@ class LayerOps(ABC, Generic[PlanT]):
         layout: DispatchLayout,
         counts: torch.Tensor,
         topk_ids: torch.Tensor | None,
-        w13: torch.Tensor,
-        w2: torch.Tensor,
+        w13: Weight,
+        w2: Weight,
         b13: torch.Tensor | None = None,
         b2: torch.Tensor | None = None,
         activation: GatedActivation | None = None,
@@ -124,7 +140,8 @@ class LayerOps(ABC, Generic[PlanT]):
         """A DispatchOutput's rows through their experts' gated MLPs, without a host sync.
 
         x `[N, H]`, counts int64 `[E_local]` and topk_ids (TOKEN_MAJOR: int64 `[T, K]` local ids)
-        as the DispatchOutput gives them; w13 `[E_local, 2I, H]`, w2 `[E_local, H, I]`; biases
+        as the DispatchOutput gives them; w13 `[E_local, 2I, H]`, w2 `[E_local, H, I]` (both FP8 or
+        neither, as `linear`'s weight); biases
         b13 `[E_local, 2I]` and b2 `[E_local, H]` or None (gpt-oss has them); `activation`
         turns gate and up into the down projection's input (None: silu(gate) * up).
         Returns TOKEN_MAJOR: `[T * K, H]`, row `t * K + k` = expert `topk_ids[t, k]` on token t;

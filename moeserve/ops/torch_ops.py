@@ -5,11 +5,12 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
 from moeserve.config import MLAConfig, RouterConfig
 from moeserve.dispatch.base import DispatchLayout
 from moeserve.ops.attention import AttentionBatch, DecodeGraphInputs
-from moeserve.ops.base import LayerOps
+from moeserve.ops.base import LayerOps, Weight, dense_weight
 from moeserve.ops.grouped_mlp import grouped_mlp
 from moeserve.ops.rotary import apply_rotary
 from moeserve.ops.torch_attention import (
@@ -44,6 +45,10 @@ class TorchOps(LayerOps[TorchAttentionPlan]):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         h = x + residual
         return self.rms_norm(h, weight, eps), h
+
+    def linear(self, x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """An FP8 weight is dequantized at use (weight-only: x is not quantized)."""
+        return F.linear(x, dense_weight(weight, x.dtype), bias)
 
     def rotary_qk(
         self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool
@@ -96,7 +101,9 @@ class TorchOps(LayerOps[TorchAttentionPlan]):
 
     def experts(self, x, layout, counts, topk_ids, w13, w2, b13=None, b2=None, activation=None):
         """One grouped GEMM pair over all experts; token-major pairs are sorted by expert first
-        (a stable device sort of static size) and their outputs put back in pair order."""
+        (a stable device sort of static size) and their outputs put back in pair order. FP8 weights
+        are dequantized at use, all local experts at once."""
+        w13, w2 = dense_weight(w13, x.dtype), dense_weight(w2, x.dtype)
         if layout is DispatchLayout.EXPERT_MAJOR:
             return grouped_mlp(x, counts, w13, w2, b13, b2, activation)
         order = torch.argsort(topk_ids.reshape(-1), stable=True)  # [T*K] pairs grouped by expert

@@ -11,10 +11,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from moeserve.config import MLAConfig, ModelConfig, MXFP4Config, RouterConfig
 from moeserve.dispatch.base import DispatchLayout
-from moeserve.kernels.fused_moe import block_m_for, fused_moe
+from moeserve.fp8_format import BlockFP8Weight
+from moeserve.kernels.fp8_gemm import w8a8_linear
+from moeserve.kernels.fp8_quant import group_problem
+from moeserve.kernels.fused_moe import fused_moe
+from moeserve.kernels.fused_moe_fp8 import fused_moe_w8a8
+from moeserve.kernels.launch_config import block_m_for
 from moeserve.kernels.mla_attention import mla_decode
 from moeserve.kernels.moe_align import moe_align_block_size
 from moeserve.kernels.norm import fused_add_rms_norm, rms_norm
@@ -22,7 +28,7 @@ from moeserve.kernels.paged_attention import PagedInputs, paged_attention, paged
 from moeserve.kernels.rotary import apply_rotary_qk_
 from moeserve.kernels.routing import route
 from moeserve.ops.attention import AttentionBatch, AttentionPlan, DecodeGraphInputs
-from moeserve.ops.base import LayerOps
+from moeserve.ops.base import LayerOps, Weight
 from moeserve.ops.grouped_mlp import row_experts
 
 
@@ -48,13 +54,14 @@ class TritonOps(LayerOps[TritonAttentionPlan]):
 
     @classmethod
     def supports_model(cls, cfg: ModelConfig) -> str | None:
-        """Quantized weights (no block-scaled FP8 w8a8 GEMM, no MXFP4 GEMM yet) and gpt-oss's
-        layer options have no kernel yet: sinks in the attention kernels, biases and the clamped
-        SwiGLU in `fused_moe`, its top-k-then-softmax router in `route`."""
+        """Block-quantized FP8 weights run as w8a8 when their K tile suits the kernels; MXFP4
+        weights (no FP4 x bf16 GEMM yet) and gpt-oss's layer options have no kernel yet: sinks in
+        the attention kernels, biases and the clamped SwiGLU in `fused_moe`, its
+        top-k-then-softmax router in `route`."""
         if isinstance(cfg.weight_quant, MXFP4Config):
             return "the Triton kernels have no MXFP4 (FP4 x bf16) expert GEMM yet; use kernels=torch for MXFP4 weights"
-        if cfg.weight_quant is not None:
-            return "the Triton kernels have no block-scaled FP8 (w8a8) GEMM yet; use kernels=torch for FP8 weights"
+        if cfg.weight_quant is not None and group_problem(cfg.weight_quant.block[1]) is not None:
+            return f"{group_problem(cfg.weight_quant.block[1])}; use kernels=torch"
         if cfg.attention_sinks:
             return "the Triton attention kernels have no attention sinks (gpt-oss); use kernels=torch"
         if cfg.expert_bias or cfg.expert_activation.kind != "silu":
@@ -94,6 +101,13 @@ class TritonOps(LayerOps[TritonAttentionPlan]):
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return fused_add_rms_norm(x, residual, weight, eps)
+
+    def linear(self, x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """FP8: the w8a8 GEMM (x quantized per token group), bias added after; dense: cuBLAS."""
+        if not isinstance(weight, BlockFP8Weight):
+            return F.linear(x, weight, bias)
+        out = w8a8_linear(x.reshape(-1, x.shape[-1]), weight).view(*x.shape[:-1], weight.shape[0])
+        return out if bias is None else out + bias
 
     def rotary_qk(
         self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool
@@ -138,12 +152,17 @@ class TritonOps(LayerOps[TritonAttentionPlan]):
     def experts(self, x, layout, counts, topk_ids, w13, w2, b13=None, b2=None, activation=None):
         """TOKEN_MAJOR: `fused_moe` gathers each pair's token from `topk_ids` itself (top_k = K).
         EXPERT_MAJOR: each row is one pair of its own (top_k = 1) whose expert follows from the
-        device counts; padding rows get no expert and come out as zeros. The weights stay with combine()."""
+        device counts; padding rows get no expert and come out as zeros. The weights stay with combine().
+        FP8 experts run the w8a8 fused MoE on their stored bytes and scales."""
         if b13 is not None or b2 is not None or (activation is not None and activation.kind != "silu"):
             raise ValueError("kernels=triton: fused_moe has no expert biases nor clamped SwiGLU (see supports_model)")
+        fp8 = isinstance(w13, BlockFP8Weight)
+        if fp8 != isinstance(w2, BlockFP8Weight):
+            raise ValueError("kernels=triton: w13 and w2 must both be FP8 or both unquantized")
         num_experts = w13.shape[0]
         if layout is DispatchLayout.EXPERT_MAJOR:
             topk_ids = row_experts(counts, x.shape[0])[:, None]
         num_rows, top_k = topk_ids.shape
         aligned = moe_align_block_size(topk_ids, num_experts, block_m_for(num_rows, top_k, num_experts))
-        return fused_moe(x.contiguous(), w13, w2, aligned, top_k=top_k)
+        moe = fused_moe_w8a8 if fp8 else fused_moe
+        return moe(x.contiguous(), w13, w2, aligned, top_k=top_k)

@@ -18,15 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from moeserve.dispatch import DispatchLayout
-from moeserve.kernels.fused_moe import (
-    KERNEL_CONFIGS,
-    SM90_SHARED_MEMORY,
-    block_m_for,
-    config_for,
-    fit_num_stages,
-    fused_moe,
-    fused_moe_reference,
-)
+from moeserve.kernels.fused_moe import fused_moe, fused_moe_reference
+from moeserve.kernels.launch_config import KERNEL_CONFIGS, SM90_SHARED_MEMORY, block_m_for, config_for, fit_num_stages
 from moeserve.models.layers.experts import Experts
 
 ROOT = Path(__file__).resolve().parents[2]

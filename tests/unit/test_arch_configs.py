@@ -114,9 +114,11 @@ def test_fp8_block_config_is_read_and_its_other_forms_refused():
             resolve_architecture(raw_config("qwen3_moe", quantization_config={**FP8, **change}))
 
 
-def test_triton_backend_refuses_fp8_weights_until_it_has_a_w8a8_gemm():
-    reason = TritonOps.supports_model(resolve_architecture(raw_config("glm4_moe", quantization_config=FP8))[1])
-    assert reason is not None and "FP8" in reason and "kernels=torch" in reason
+def test_triton_backend_takes_fp8_weights_whose_k_block_its_w8a8_kernels_tile():
+    assert TritonOps.supports_model(resolve_architecture(raw_config("glm4_moe", quantization_config=FP8))[1]) is None
+    odd = {**FP8, "weight_block_size": [128, 96]}  # a K tile of 96 is no Triton block
+    reason = TritonOps.supports_model(resolve_architecture(raw_config("glm4_moe", quantization_config=odd))[1])
+    assert reason is not None and "FP8" in reason and "96" in reason and "kernels=torch" in reason
 
 
 def test_triton_backend_refuses_gpt_oss_by_reason_and_takes_the_others():

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from moeserve.config import ModelConfig
+from moeserve.models.layers.linear import Linear
 from moeserve.models.layers.norm import ProjectionNorm, RMSNorm
 from moeserve.models.tensor_parallel import (
     SINGLE,
@@ -24,12 +25,6 @@ from moeserve.models.tensor_parallel import (
 )
 from moeserve.ops import TORCH_OPS, LayerOps
 from moeserve.ops.attention import AttentionPlan, write_to_cache
-
-
-def linear(in_dim: int, out_dim: int, bias: bool, dtype: torch.dtype, device: torch.device | str) -> nn.Linear:
-    layer = nn.Linear(in_dim, out_dim, bias=bias, dtype=dtype, device=device)
-    layer.requires_grad_(False)
-    return layer
 
 
 class Attention(nn.Module):
@@ -60,16 +55,16 @@ class Attention(nn.Module):
         self.interleaved_rope = cfg.rope.interleaved
         q_cols, kv_cols = self.num_heads * d, self.num_kv_heads * d
         self.q_proj = column_parallel(
-            linear(h, q_cols, cfg.qkv_bias, dtype, device), tp.rank * q_cols, cfg.num_heads * d, tp
+            Linear(h, q_cols, cfg.qkv_bias, dtype, device, ops), tp.rank * q_cols, cfg.num_heads * d, tp
         )
         self.k_proj = column_parallel(
-            linear(h, kv_cols, cfg.qkv_bias, dtype, device), first_kv * d, cfg.num_kv_heads * d, tp
+            Linear(h, kv_cols, cfg.qkv_bias, dtype, device, ops), first_kv * d, cfg.num_kv_heads * d, tp
         )
         self.v_proj = column_parallel(
-            linear(h, kv_cols, cfg.qkv_bias, dtype, device), first_kv * d, cfg.num_kv_heads * d, tp
+            Linear(h, kv_cols, cfg.qkv_bias, dtype, device, ops), first_kv * d, cfg.num_kv_heads * d, tp
         )
         self.o_proj = row_parallel(
-            linear(q_cols, h, cfg.o_bias, dtype, device), tp.rank * q_cols, cfg.num_heads * d, tp
+            Linear(q_cols, h, cfg.o_bias, dtype, device, ops), tp.rank * q_cols, cfg.num_heads * d, tp
         )
         self.rotary_dim = cfg.rope.rotary_dim
         self.clip_qkv = cfg.clip_qkv

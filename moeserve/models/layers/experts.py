@@ -7,6 +7,7 @@ from torch import nn
 
 from moeserve.config import GatedActivation
 from moeserve.dispatch import DispatchOutput
+from moeserve.models.fp8 import stored_weight
 from moeserve.ops import TORCH_OPS, LayerOps
 
 
@@ -48,14 +49,15 @@ class Experts(nn.Module):
             )
 
     def forward(self, received: DispatchOutput) -> torch.Tensor:
-        """The rows of a dispatch through their experts: what combine() takes (see `LayerOps.experts`)."""
+        """The rows of a dispatch through their experts: what combine() takes (see `LayerOps.experts`).
+        FP8 experts reach the backend as stored (bytes and scales), not dequantized."""
         return self.ops.experts(
             received.hidden,
             received.layout,
             received.num_tokens_per_expert,
             received.topk_ids,
-            self.w13,
-            self.w2,
+            stored_weight(self, "w13"),
+            stored_weight(self, "w2"),
             self.b13,
             self.b2,
             self.activation,

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from moeserve.config import ModelConfig
-from moeserve.models.layers.attention import linear
+from moeserve.models.layers.linear import Linear
 from moeserve.models.layers.norm import RMSNorm
 from moeserve.models.tensor_parallel import SINGLE, TensorParallel, column_parallel, row_parallel
 from moeserve.ops import TORCH_OPS, LayerOps
@@ -49,28 +49,28 @@ class MLAttention(nn.Module):
         q_out = heads * m.qk_head_dim
         if m.q_lora_rank is None:
             self.q_proj = column_parallel(
-                linear(h, q_out, False, dtype, device), first * m.qk_head_dim, cfg.num_heads * m.qk_head_dim, tp
+                Linear(h, q_out, False, dtype, device, ops), first * m.qk_head_dim, cfg.num_heads * m.qk_head_dim, tp
             )
         else:
-            self.q_a_proj = linear(h, m.q_lora_rank, cfg.qkv_bias, dtype, device)
+            self.q_a_proj = Linear(h, m.q_lora_rank, cfg.qkv_bias, dtype, device, ops)
             self.q_a_norm = RMSNorm(m.q_lora_rank, cfg.rms_norm_eps, dtype, device, ops)
             self.q_b_proj = column_parallel(
-                linear(m.q_lora_rank, q_out, False, dtype, device),
+                Linear(m.q_lora_rank, q_out, False, dtype, device, ops),
                 first * m.qk_head_dim,
                 cfg.num_heads * m.qk_head_dim,
                 tp,
             )
-        self.kv_a_proj = linear(h, m.kv_lora_rank + m.qk_rope_head_dim, cfg.qkv_bias, dtype, device)
+        self.kv_a_proj = Linear(h, m.kv_lora_rank + m.qk_rope_head_dim, cfg.qkv_bias, dtype, device, ops)
         self.kv_a_norm = RMSNorm(m.kv_lora_rank, cfg.rms_norm_eps, dtype, device, ops)
         kv_per_head = m.qk_nope_head_dim + m.v_head_dim
         self.kv_b_proj = column_parallel(
-            linear(m.kv_lora_rank, heads * kv_per_head, False, dtype, device),
+            Linear(m.kv_lora_rank, heads * kv_per_head, False, dtype, device, ops),
             first * kv_per_head,
             cfg.num_heads * kv_per_head,
             tp,
         )
         self.o_proj = row_parallel(
-            linear(heads * m.v_head_dim, h, cfg.o_bias, dtype, device),
+            Linear(heads * m.v_head_dim, h, cfg.o_bias, dtype, device, ops),
             first * m.v_head_dim,
             cfg.num_heads * m.v_head_dim,
             tp,
@@ -96,5 +96,7 @@ class MLAttention(nn.Module):
         # Views into q and kv_a_proj's output, which are ours: a backend may rotate them in place.
         q_rope, k_rope = self.ops.rotary_qk(q_rope, k_rope[:, None, :], cos, sin, self.interleaved_rope)
         write_to_cache(kv_cache, torch.cat((self.kv_a_norm(kv_nope), k_rope[:, 0]), dim=-1), plan.slot_mapping)
+        # kv_b_proj's values (dequantized on read if FP8): the backends use it as a matrix, to expand
+        # the latents or to absorb into q and the output; DeepSeek-V3's own code dequantizes it too.
         out = self.ops.mla_attention(q_nope, q_rope, kv_cache, plan, self.kv_b_proj.weight, m, self.scale)
         return self.o_proj(out.reshape(num_tokens, out.shape[1] * out.shape[2]))  # explicit: T may be 0

@@ -6,10 +6,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moeserve.models.fp8 import stored_weight
+from moeserve.ops import TORCH_OPS, LayerOps
+
 
 class GatedMLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self,
+        hidden: int,
+        intermediate: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+        ops: LayerOps = TORCH_OPS,
+    ) -> None:
         super().__init__()
+        self.ops = ops
         self.intermediate = intermediate
         # gate and up stacked in one GEMM: [2I, H]
         self.gate_up = nn.Parameter(
@@ -18,5 +29,5 @@ class GatedMLP(nn.Module):
         self.down = nn.Parameter(torch.empty(hidden, intermediate, dtype=dtype, device=device), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down)
+        gate, up = self.ops.linear(x, stored_weight(self, "gate_up")).chunk(2, dim=-1)
+        return self.ops.linear(F.silu(gate) * up, stored_weight(self, "down"))

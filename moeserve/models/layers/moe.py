@@ -79,7 +79,7 @@ class MoEBlock(nn.Module):
         self.shared = None
         self.shared_gate = None
         if cfg.shared_expert_intermediate_size:
-            self.shared = GatedMLP(cfg.hidden_size, cfg.shared_expert_intermediate_size, dtype, device)
+            self.shared = GatedMLP(cfg.hidden_size, cfg.shared_expert_intermediate_size, dtype, device, ops)
             if cfg.shared_expert_gated:
                 self.shared_gate = nn.Parameter(
                     torch.empty(1, cfg.hidden_size, dtype=dtype, device=device), requires_grad=False
