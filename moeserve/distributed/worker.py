@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from moeserve.dispatch import ExpertMap, a2a_backend_for, create_dispatcher
 from moeserve.dispatch.expert_load import logical_rows
@@ -333,14 +334,16 @@ def _recover_experts(
     recovered, weights = Recovered(), []
     try:
         for i, block in enumerate(model.moe_blocks()):
-            names = [name for name, _ in block.experts.named_parameters(recurse=False)]
-            if len(names) != len(list(block.experts.parameters())):
-                raise RuntimeError("expert weights under a parametrization (FP8, MXFP4) cannot be recovered yet")
+            # Every tensor of the experts: a quantized one's stored bytes and scales as well.
+            named = list(block.experts.named_parameters())
+            names, params = [name for name, _ in named], [param for _, param in named]
 
-            def read(experts: list[int], i: int = i, names: list[str] = names) -> list[torch.Tensor]:
-                return reader.read(i, names, experts)
+            def read(
+                experts: list[int], i: int = i, module: nn.Module = block.experts, names: list[str] = names
+            ) -> list[torch.Tensor]:
+                held = reader.read(i, module, experts)
+                return [held[name] for name in names]
 
-            params = [getattr(block.experts, name) for name in names]
             plan = recovery_plan(old_map, new_map, previous, i)
             fresh, done = recover_layer(params, plan, rank, read, tag=len(names) * i)
             recovered.add(done)

@@ -23,6 +23,8 @@ from pathlib import Path
 from typing import Literal
 
 import torch
+from torch import nn
+from torch.nn.utils import parametrize
 
 from moeserve.config import BlockFP8Config, ModelConfig, MXFP4Config
 from moeserve.dispatch import Dispatcher, ExpertMap, ExpertPlacement, create_dispatcher
@@ -30,8 +32,8 @@ from moeserve.fp8_format import FP8_DTYPE, scale_name, scale_shape
 from moeserve.models.architectures import CheckpointNames, resolve_architecture
 from moeserve.models.checkpoint import CheckpointError, CheckpointReader
 from moeserve.models.decoder import MoECausalLM
-from moeserve.models.fp8 import quantize_parameter
-from moeserve.models.mxfp4 import MXFP4ExpertsSource, pack_parameter
+from moeserve.models.fp8 import BlockFP8, quantize_parameter
+from moeserve.models.mxfp4 import MXFP4, MXFP4ExpertsSource, pack_parameter
 from moeserve.models.tensor_parallel import SINGLE, Shard, TensorParallel, shard_of
 from moeserve.ops import TORCH_OPS, LayerOps
 
@@ -321,6 +323,23 @@ def read_scales(
     return torch.stack(parts) if source.stacked else parts[0]
 
 
+def read_held(
+    source: WeightSource | FusedExpertsSource | MXFP4ExpertsSource,
+    reader: CheckpointReader,
+    dtype: torch.dtype,
+    fp8_block: tuple[int, int] | None,
+    shard: Shard | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """A parameter's tensors exactly as the model holds them: its value in `dtype`, or, quantized,
+    its stored bytes and scales (an MXFP4 source; an FP8 one when `fp8_block` is given). The one
+    place a checkpoint tensor takes its in-memory layout, for a load and for a heal alike."""
+    if isinstance(source, MXFP4ExpertsSource):
+        return source.read(reader)
+    if fp8_block is not None:
+        return read_source(source, reader, FP8_DTYPE, shard), read_scales(source, reader, fp8_block, shard)
+    return (read_source(source, reader, dtype, shard),)
+
+
 def _scale_grid(
     source: WeightSource, reader: CheckpointReader, block: tuple[int, int], shard: Shard | None
 ) -> tuple[int, ...]:
@@ -384,17 +403,12 @@ def load_model(
         storage[name] = quantize_parameter(model.get_submodule(module), attr, len(source.parts[0]), block, grid)
     with torch.no_grad():
         for name, param in targets.items():
-            shard = shard_of(param)
-            if name in mxfp4:
-                for stored, value in zip(storage[name], mxfp4[name].read(reader)):
-                    stored.copy_(value)
-            elif name in storage:
-                weight, scales = storage[name]
-                weight.copy_(read_source(fp8[name], reader, FP8_DTYPE, shard))
-                scales.copy_(read_scales(fp8[name], reader, block, shard))
-            else:
-                # Router correction bias and fp32 gates keep their own dtype (see Router).
-                param.copy_(read_source(sources[name], reader, param.dtype, shard))
+            source = mxfp4.get(name) or fp8.get(name) or sources[name]
+            fp8_block = block if name in fp8 else None
+            # Router correction bias and fp32 gates keep their own dtype (see Router).
+            held = read_held(source, reader, param.dtype, fp8_block, shard_of(param))
+            for stored, value in zip(storage.get(name, (param,)), held, strict=True):
+                stored.copy_(value)
     reader.close()
     model.set_expert_map(expert_map, placement.rank)
     sizes = weight_bytes(model)
@@ -416,29 +430,52 @@ def load_model(
 class ExpertReader:
     """Logical experts' weights read from the checkpoint and stacked as an MoE layer holds them:
     what a survivor of lost ranks loads for experts no surviving rank holds (`eplb.recovery`).
-    Unquantized experts only: an FP8 or MXFP4 layer would also need its scales re-stacked."""
+    A quantized parameter gives its stored bytes and its scales, as `load_model` holds them for a
+    rank whose slots hold those experts (`read_held`)."""
 
     def __init__(self, folder: str | Path, dtype: torch.dtype) -> None:
         self._reader = CheckpointReader(folder)
         arch, self._cfg = resolve_architecture(self._reader.config)
         self._names, self._dtype = arch.names, dtype
 
-    def read(self, moe_layer: int, params: list[str], experts: list[int]) -> list[torch.Tensor]:
-        """Each of the experts module's `params` (w13, w2, b13, b2) of MoE layer `moe_layer`
-        (in model order), stacked over `experts`."""
+    def read(self, moe_layer: int, module: nn.Module, experts: list[int]) -> dict[str, torch.Tensor]:
+        """Every parameter of MoE layer `moe_layer`'s experts `module` (in model order), by its
+        name in `module.named_parameters()` (`parametrizations.w13.original` and
+        `parametrizations.w13.0.scale_inv` for FP8 storage and scales), stacked over `experts`."""
         layer = self._cfg.moe_layer_indices[moe_layer]
-        stacked = []
-        for param in params:
+        read: dict[str, torch.Tensor] = {}
+        for param in _held_parameters(module):
             source = layer_source(layer, f"mlp.experts.{param}", self._names, tuple(experts), self._cfg.num_experts)
-            if any(self._reader.dtype(name) == _FP8 for name in source.names):
-                raise CheckpointError(
-                    f"{source.names[0]} is FP8: FP8 experts cannot be reloaded from the checkpoint yet"
-                )
-            stacked.append(read_source(source, self._reader, self._dtype))
-        return stacked
+            names, fp8_block = [param], None
+            if parametrize.is_parametrized(module, param):
+                param_list = module.parametrizations[param]
+                names = [f"parametrizations.{param}.{n}" for n, _ in param_list.named_parameters()]
+                quant = param_list[0]
+                if isinstance(quant, MXFP4):
+                    source = MXFP4ExpertsSource(source.name, source.experts, source.num_experts, source.layout)
+                elif isinstance(quant, BlockFP8):
+                    fp8_block = quant.block
+                else:
+                    raise TypeError(f"experts.{param} is under an unknown parametrization {type(quant).__name__}")
+            elif any(self._reader.dtype(name) == _FP8 for name in source.names):
+                raise CheckpointError(f"{source.names[0]} is FP8 but the model holds experts.{param} unquantized")
+            read.update(zip(names, read_held(source, self._reader, self._dtype, fp8_block), strict=True))
+        return read
 
     def close(self) -> None:
         self._reader.close()
+
+
+def _held_parameters(module: nn.Module) -> list[str]:
+    """`module`'s own parameter names, a parametrized one by the name it is read by, in the order
+    `named_parameters()` gives their tensors."""
+    names = []
+    for name, _ in module.named_parameters():
+        if name.startswith("parametrizations."):
+            name = name.split(".")[1]
+        if name not in names:
+            names.append(name)
+    return names
 
 
 @dataclass(frozen=True)

@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import shutil
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
+from helpers.load_only import LoadOnly
 
+from moeserve.checkpoints import quantize_fp8, quantize_mxfp4
 from moeserve.dispatch import ExpertMap
 from moeserve.eplb.recovery import recover_layer
 from moeserve.eplb.survivors import SlotSource, recovery_plan, survivor_map
+from moeserve.models import load_model
+from moeserve.models.loader import ExpertReader
 
 
 def check_serves_every_expert(new: ExpertMap) -> None:
@@ -80,3 +86,37 @@ def test_recover_layer_copies_its_own_slots_and_reads_the_rest():
     assert torch.equal(new13, torch.stack([w13[2], torch.full((2, 4), 9.0), w13[0]]))
     assert torch.equal(new2, torch.stack([w2[2], torch.full((4, 1), 9.0), w2[0]]))
     assert (done.checkpoint_slots, done.peer_slots, done.checkpoint_bytes) == (1, 0, 4 * (8 + 4))
+
+
+@pytest.fixture(scope="module")
+def quantized_checkpoints(make_checkpoint, tmp_path_factory) -> dict[str, Path]:
+    """An FP8 qwen3_moe (several (16, 16) scale blocks per expert) and an MXFP4 gpt_oss, 8 experts each."""
+    root = tmp_path_factory.mktemp("quantized")
+    fp8 = shutil.copytree(make_checkpoint("qwen3_moe", 5, num_experts=8), root / "fp8")
+    quantize_fp8.quantize_checkpoint(fp8, (16, 16))
+    mxfp4 = shutil.copytree(make_checkpoint("gpt_oss", 5, num_local_experts=8), root / "mxfp4")
+    quantize_mxfp4.quantize_checkpoint(mxfp4)
+    return {"fp8": fp8, "mxfp4": mxfp4}
+
+
+@pytest.mark.parametrize("kind", ["fp8", "mxfp4"])
+def test_the_reader_gives_quantized_experts_as_a_load_holds_them(quantized_checkpoints, kind):
+    """A heal reads lost experts into a rank's slots: every tensor of the experts module (stored
+    bytes, scales, biases) must be byte for byte what loading a rank holding those experts gives."""
+    folder = quantized_checkpoints[kind]
+    experts = [6, 1, 3, 0]  # out of order, as a survivor's new slots may be
+    expert_map = ExpertMap(((6, 1, 3, 0, 2, 4, 5, 7),) * 2, 8, 2)  # rank 0's slots hold 6, 1, 3, 0 in both layers
+    fresh = load_model(folder, dispatcher=LoadOnly(expert_map.slot_placement(0)), expert_map=expert_map)
+    reader = ExpertReader(folder, torch.float32)
+    try:
+        for i, block in enumerate(fresh.moe_blocks()):
+            assert block.experts.parametrizations, "the experts are held quantized"
+            read = reader.read(i, block.experts, experts)
+            held = dict(block.experts.named_parameters())
+            assert read.keys() == held.keys()
+            for name, value in held.items():
+                got = read[name]
+                assert (got.dtype, got.shape) == (value.dtype, value.shape), name
+                assert torch.equal(got.view(torch.uint8), value.view(torch.uint8)), name
+    finally:
+        reader.close()

@@ -87,15 +87,19 @@ class MoEBlock(nn.Module):
 
     def rehome(self, dispatcher: Dispatcher, expert_params: dict[str, torch.Tensor]) -> None:
         """Serve the slots `dispatcher.placement` gives this rank after lost ranks, with
-        `expert_params` (each expert parameter by name, slot-major) as their weights. The per-slot
-        and per-destination counters restart at zero: the caller has read them under the old
+        `expert_params` (each tensor of `experts.named_parameters()` by its name, slot-major: a
+        quantized one's storage and scales too) as their weights. The per-slot and
+        per-destination counters restart at zero: the caller has read them under the old
         placement. The replica table is the model's to set (`MoECausalLM.rehome`)."""
         placement = dispatcher.placement
         for name, value in expert_params.items():
             if value.shape[0] != placement.num_local_experts:
                 want = placement.num_local_experts
                 raise ValueError(f"{name} has {value.shape[0]} slots; the placement gives {want}")
-            setattr(self.experts, name, nn.Parameter(value, requires_grad=False))
+            # By the module that owns it: a quantized parameter's storage and scales are
+            # replaced where they live, under its parametrization, not through its read name.
+            owner, _, attr = name.rpartition(".")
+            setattr(self.experts.get_submodule(owner), attr, nn.Parameter(value, requires_grad=False))
         self.dispatcher = dispatcher
         device = self.routed_tokens.device
         self.routed_tokens = torch.zeros(placement.num_local_experts, dtype=torch.int64, device=device)
