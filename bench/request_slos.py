@@ -340,14 +340,15 @@ def main() -> None:
     result = json.loads(path.read_text()) if path.exists() else {}
     result.update(
         {
-            "device": f"CPU: {platform.processor() or platform.machine()}, {os.cpu_count()} cores (shared)",
+            "device": f"CPU: {platform.processor() or platform.machine()}, {os.cpu_count()} cores",
             "model": f"random qwen3_moe, {SPEC.layers} layers, hidden {SPEC.hidden}, {SPEC.experts} experts, float32",
             "mix": args.mix,
             "lengths": {name: {"prompt": p, "output": o} for name, (p, o) in LENGTHS.items()},
             "step_ms_floor": args.step_ms,
             "max_num_batched_tokens": BUDGET,
             "repeats": args.repeats,
-            "note": "CPU shared with other jobs: the wall-clock parts measure their load too (see step_ms)",
+            "load_average_1m_at_start": round(os.getloadavg()[0], 2),
+            "note": "wall-clock parts measure the machine's other load too: step_ms against step_ms_floor shows it",
         }
     )
     if "sim" in parts:
