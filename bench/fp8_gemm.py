@@ -35,6 +35,8 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere, moeserve installed or not
 
+from moe_kernel import SHAPES as MOES  # noqa: E402  # the bf16 bench's MoE shapes, so the two compare
+
 from moeserve.fp8_format import BlockFP8Weight, quantize  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
@@ -57,22 +59,6 @@ LINEARS = (
     LinearShape("o_proj", 16384, 7168),
     LinearShape("dense_gate_up", 7168, 36864),
     LinearShape("dense_down", 18432, 7168),
-)
-
-
-@dataclass(frozen=True)
-class MoEShape:
-    name: str
-    hidden: int
-    inter: int
-    num_experts: int
-    top_k: int
-
-
-MOES = (
-    MoEShape("deepseek_v3_ep8", hidden=7168, inter=2048, num_experts=256 // 8, top_k=8),
-    MoEShape("qwen3_30b_a3b", hidden=2048, inter=768, num_experts=128, top_k=8),
-    MoEShape("mixtral_8x7b", hidden=4096, inter=14336, num_experts=8, top_k=2),
 )
 
 
