@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere, moeserve installed or not
+sys.path.insert(0, str(ROOT / "bench"))  # its sibling moe_kernel, also when imported by the runbook
 
 from moe_kernel import SHAPES as MOES  # noqa: E402  # the bf16 bench's MoE shapes, so the two compare
 
