@@ -86,3 +86,15 @@ def test_which_callers_may_fork(monkeypatch, spec_name, file, safe):
         main.__file__ = file
     monkeypatch.setitem(sys.modules, "__main__", main)
     assert processes._main_reimport_is_safe() is safe
+
+
+def test_the_preloaded_worker_import_leaves_cuda_and_device_libraries_alone():
+    """The forkserver imports the worker before it forks every rank: had that import initialised
+    CUDA or loaded Triton or nvshmem4py, every rank would inherit their state across a fork."""
+    probe = (
+        "import sys, torch, moeserve.distributed.worker; "
+        "print(torch.cuda.is_initialized(), sorted(m for m in sys.modules if m.split('.')[0] in ('triton', 'nvshmem')))"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["False", "[]"]
