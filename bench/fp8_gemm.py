@@ -36,7 +36,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere, moeserve installed or not
 sys.path.insert(0, str(ROOT / "bench"))  # its sibling moe_kernel, also when imported by the runbook
 
-from moe_kernel import SHAPES as MOES  # noqa: E402  # the bf16 bench's MoE shapes, so the two compare
+# The bf16 bench's MoE shapes, L2 flush and timer, so that the two benches compare.
+from moe_kernel import L2_FLUSH_BYTES, SHAPES, cold_us, rel_err  # noqa: E402
 
 from moeserve.fp8_format import BlockFP8Weight, quantize  # noqa: E402
 
@@ -44,7 +45,6 @@ RESULTS = ROOT / "bench" / "results"
 TOKENS = (1, 16, 128, 1024, 4096)
 MOE_TOKENS = (1, 64, 1024)
 BLOCK = (128, 128)
-L2_FLUSH_BYTES = 256 << 20
 
 
 @dataclass(frozen=True)
@@ -85,18 +85,8 @@ def time_pair(
     for rep in range(reps):
         order = (("bf16", bf16), ("fp8", fp8)) if rep % 2 == 0 else (("fp8", fp8), ("bf16", bf16))
         for name, fn in order:
-            flush.zero_()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times[name].append(start.elapsed_time(end) * 1e3)
+            times[name].append(cold_us(fn, flush))
     return statistics.median(times["bf16"]), statistics.median(times["fp8"])
-
-
-def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-12)).item()
 
 
 def row(kind: str, name: str, tokens: int, bf16_us: float, fp8_us: float, err: float, **extra) -> dict:
@@ -138,7 +128,7 @@ def bench_moes(tokens: tuple[int, ...], timer, device: torch.device) -> list[dic
 
     rows = []
     gen = torch.Generator(device=device).manual_seed(0)
-    for shape in MOES:
+    for shape in SHAPES:
         e, h, i = shape.num_experts, shape.hidden, shape.inter
         w13 = torch.randn(e, 2 * i, h, device=device, generator=gen) * h**-0.5
         w2 = torch.randn(e, h, i, device=device, generator=gen) * i**-0.5

@@ -153,20 +153,22 @@ def grouped_mm_supported(dtype: torch.dtype, device: torch.device | str) -> bool
     return True
 
 
+def cold_us(fn: Callable[[], object], flush: torch.Tensor) -> float:
+    """One CUDA-event time of `fn` in microseconds, after flushing the L2."""
+    flush.zero_()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3
+
+
 def time_us(fn: Callable[[], object], warmup: int, reps: int, flush: torch.Tensor) -> float:
     """Median CUDA-event time of `fn`, with a cold L2 each repeat."""
     for _ in range(warmup):
         fn()
-    times = []
-    for _ in range(reps):
-        flush.zero_()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
+    return statistics.median(cold_us(fn, flush) for _ in range(reps))
 
 
 def measure_ceilings(flush: torch.Tensor, reps: int) -> dict[str, float]:

@@ -13,12 +13,9 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 
+from moeserve.checkpoints.rewrite import rewrite_tensors
 from moeserve.fp8_format import quantize, scale_name
-
-INDEX_FILE = "model.safetensors.index.json"  # the index of a sharded Hugging Face checkpoint
 
 _KEPT = ("embed_tokens", "lm_head", "gate", "router", "shared_expert_gate")  # module names left unquantized
 
@@ -34,27 +31,14 @@ def quantize_checkpoint(folder: str | Path, block: tuple[int, int] = (128, 128))
     """Quantize `folder`'s safetensors in place (each file keeps its tensors and gains their
     scales; the index, if any, lists them) and declare it in config.json."""
     folder = Path(folder)
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no safetensors weights in {folder}")
-    added: dict[str, str] = {}
-    for file in files:
-        with safe_open(file, framework="pt") as f:
-            tensors = {name: f.get_tensor(name) for name in f.keys()}
-            metadata = f.metadata()
-        out = {}
-        for name, tensor in tensors.items():
-            if is_quantized(name, tensor):
-                out[name], out[scale_name(name)] = quantize(tensor, block)
-                added[scale_name(name)] = file.name
-            else:
-                out[name] = tensor
-        save_file(out, file, metadata=metadata)
-    index = folder / INDEX_FILE
-    if index.exists():
-        data = json.loads(index.read_text())
-        data["weight_map"].update(added)
-        index.write_text(json.dumps(data, indent=2) + "\n")
+
+    def rewrite(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+        if not is_quantized(name, tensor):
+            return {name: tensor}
+        weight, scale_inv = quantize(tensor, block)
+        return {name: weight, scale_name(name): scale_inv}
+
+    rewrite_tensors(folder, rewrite)
     config_path = folder / "config.json"
     config = json.loads(config_path.read_text())
     config["quantization_config"] = {

@@ -16,12 +16,10 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 
+from moeserve.checkpoints.rewrite import rewrite_tensors
 from moeserve.mxfp4_format import quantize
 
-INDEX_FILE = "model.safetensors.index.json"  # the index of a sharded Hugging Face checkpoint
 _PROJECTIONS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 _BIASES = ("mlp.experts.gate_up_proj_bias", "mlp.experts.down_proj_bias")
 # gpt-oss-20b's and -120b's config.json: everything but the experts stays unquantized.
@@ -45,24 +43,6 @@ def quantize_checkpoint(folder: str | Path) -> None:
     config = json.loads(config_path.read_text())
     if config.get("architectures") != ["GptOssForCausalLM"]:
         raise ValueError(f"MXFP4 is gpt-oss's expert format; {folder} holds {config.get('architectures')}")
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no safetensors weights in {folder}")
-    renamed: dict[str, dict[str, str]] = {}  # old name -> {new name: file}
-    for file in files:
-        with safe_open(file, framework="pt") as f:
-            tensors = {name: f.get_tensor(name) for name in f.keys()}
-            metadata = f.metadata()
-        out = {}
-        for name, tensor in tensors.items():
-            new = _rewrite(name, tensor)
-            out.update(new)
-            renamed[name] = {n: file.name for n in new}
-        save_file(out, file, metadata=metadata)
-    index = folder / INDEX_FILE
-    if index.exists():
-        data = json.loads(index.read_text())
-        data["weight_map"] = {new: f for old in data["weight_map"] for new, f in renamed[old].items()}
-        index.write_text(json.dumps(data, indent=2) + "\n")
+    rewrite_tensors(folder, _rewrite)
     config["quantization_config"] = {"modules_to_not_convert": MODULES_NOT_CONVERTED, "quant_method": "mxfp4"}
     config_path.write_text(json.dumps(config, indent=2) + "\n")

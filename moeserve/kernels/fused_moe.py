@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -472,6 +473,17 @@ def launch_fused_moe(
     return out
 
 
+def pairs_by_expert(aligned: AlignedPairs, num_pairs: int) -> Iterator[tuple[int, torch.Tensor]]:
+    """(expert, the ids of the (token, k) pairs routed to it) for every expert the aligned
+    layout gives pairs: how the torch references walk what the kernels compute block by block."""
+    block_m = aligned.sorted_pair_ids.numel() // aligned.block_experts.numel()
+    ids = aligned.sorted_pair_ids.long()
+    slot_expert = aligned.block_experts.long().repeat_interleave(block_m)
+    live = ids < num_pairs
+    for expert in torch.unique(slot_expert[live]).tolist():
+        yield expert, ids[live & (slot_expert == expert)]
+
+
 def fused_moe_reference(
     hidden: torch.Tensor,
     w13: torch.Tensor,
@@ -491,12 +503,7 @@ def fused_moe_reference(
     out = torch.zeros(num_pairs, w13.shape[2], dtype=hidden.dtype, device=hidden.device)
     if num_pairs == 0:
         return out
-    block_m = aligned.sorted_pair_ids.numel() // aligned.block_experts.numel()
-    ids = aligned.sorted_pair_ids.long()
-    slot_expert = aligned.block_experts.long().repeat_interleave(block_m)
-    live = ids < num_pairs
-    for expert in torch.unique(slot_expert[live]).tolist():
-        pairs = ids[live & (slot_expert == expert)]
+    for expert, pairs in pairs_by_expert(aligned, num_pairs):
         x = hidden[pairs // top_k].float()
         gate, up = F.linear(x, w13[expert].float()).chunk(2, dim=-1)
         act = (F.silu(gate) * up).to(hidden.dtype).float()

@@ -21,7 +21,7 @@ from moeserve.kernels.fp8_quant import (
     per_token_group_quant,
     per_token_group_quant_reference,
 )
-from moeserve.kernels.fused_moe import W8A8Scales, check_moe_call, launch_fused_moe
+from moeserve.kernels.fused_moe import W8A8Scales, check_moe_call, launch_fused_moe, pairs_by_expert
 
 if TYPE_CHECKING:
     from moeserve.kernels.moe_align import AlignedPairs
@@ -87,12 +87,7 @@ def fused_moe_w8a8_reference(
         return out
     x_all = _fake_quant(hidden, group)
     w13_values, w2_values = w13.dequantize(torch.float32), w2.dequantize(torch.float32)
-    block_m = aligned.sorted_pair_ids.numel() // aligned.block_experts.numel()
-    ids = aligned.sorted_pair_ids.long()
-    slot_expert = aligned.block_experts.long().repeat_interleave(block_m)
-    live = ids < num_pairs
-    for expert in torch.unique(slot_expert[live]).tolist():
-        pairs = ids[live & (slot_expert == expert)]
+    for expert, pairs in pairs_by_expert(aligned, num_pairs):
         gate, up = F.linear(x_all[pairs // top_k], w13_values[expert]).chunk(2, dim=-1)
         act = _fake_quant((F.silu(gate) * up).to(hidden.dtype), group)
         y = F.linear(act, w2_values[expert])

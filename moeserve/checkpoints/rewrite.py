@@ -1,0 +1,43 @@
+"""Rewriting a checkpoint folder's tensors in place: what the FP8 and MXFP4 quantizers share.
+
+Each safetensors file keeps its metadata and is rewritten with what `rewrite` makes of each of its
+tensors (the same name, or new names such as a weight and its scales); the index of a sharded
+checkpoint, if there is one, then lists the new names in the files that hold them.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from moeserve.models.checkpoint import INDEX_FILE
+
+Rewrite = Callable[[str, torch.Tensor], dict[str, torch.Tensor]]
+"""(name, tensor) -> the tensors to save in its place, by name."""
+
+
+def rewrite_tensors(folder: Path, rewrite: Rewrite) -> None:
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no safetensors weights in {folder}")
+    renamed: dict[str, dict[str, str]] = {}  # old name -> {new name: file}
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            tensors = {name: f.get_tensor(name) for name in f.keys()}
+            metadata = f.metadata()
+        out: dict[str, torch.Tensor] = {}
+        for name, tensor in tensors.items():
+            new = rewrite(name, tensor)
+            out.update(new)
+            renamed[name] = {n: file.name for n in new}
+        save_file(out, file, metadata=metadata)
+    index = folder / INDEX_FILE
+    if index.exists():
+        data = json.loads(index.read_text())
+        data["weight_map"] = {new: f for old in data["weight_map"] for new, f in renamed[old].items()}
+        index.write_text(json.dumps(data, indent=2) + "\n")
