@@ -15,8 +15,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from moeserve.models.checkpoint import INDEX_FILE
-
+INDEX_FILE = "model.safetensors.index.json"  # the index of a sharded Hugging Face checkpoint
 Rewrite = Callable[[str, torch.Tensor], dict[str, torch.Tensor]]
 """(name, tensor) -> the tensors to save in its place, by name."""
 
