@@ -40,11 +40,13 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+from serve_tbt_overhead import ENGINE_CPU as STEP_CPU
+from serve_tbt_overhead import OTHER_CPU as NEIGHBOUR_CPU
+from serve_tbt_overhead import PROMPT, bare_step_timer
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
-STEP_CPU, NEIGHBOUR_CPU = 0, 1
 NEIGHBOURS = ("idle", "python", "copy-l2", "copy-dram", "http")
-PROMPT = "Mixture of experts routes each token to a few experts"
 
 
 def run_neighbour(kind: str, streams: int, tick_s: float) -> None:
@@ -142,30 +144,7 @@ def main() -> None:
         print("needs two CPUs (0 and 1)", file=sys.stderr)
         sys.exit(2)
 
-    os.sched_setaffinity(0, {STEP_CPU})
-    import torch
-
-    torch.set_num_threads(1)
-    sys.path.insert(0, str(ROOT))
-    from moeserve import LLM, SamplingParams
-    from moeserve.engine.stats import IterationStats
-
-    durations: list[tuple[int, float]] = []
-
-    class Recorder:
-        def record(self, stats: IterationStats) -> None:
-            if stats.step_duration_s is not None:
-                durations.append((stats.num_generation_tokens, stats.step_duration_s))
-
-    llm = LLM(args.model, max_model_len=args.tokens + 64, max_num_seqs=args.streams, stat_loggers=[Recorder()])
-    params = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
-    prompts = [f"{PROMPT} {i}" for i in range(args.streams)]
-    llm.generate(prompts, params, use_tqdm=False)  # warm-up
-
-    def median_step_ms() -> float:
-        durations.clear()
-        llm.generate(prompts, params, use_tqdm=False)
-        return 1000 * statistics.median([d for n, d in durations if n == args.streams][1:])
+    bare_step_s = bare_step_timer(args.model, args.streams, args.tokens, args.tokens + 64)  # moves us to core 0
 
     steps: dict[str, list[float]] = {kind: [] for kind in NEIGHBOURS}
     for round_index in range(args.rounds):
@@ -173,7 +152,7 @@ def main() -> None:
         for kind in order:
             child = start_neighbour(kind, args)
             try:
-                steps[kind].append(median_step_ms())
+                steps[kind].append(1000 * bare_step_s())
             finally:
                 if child is not None:
                     child.kill()

@@ -47,6 +47,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -78,9 +79,11 @@ def core_pid(api_pid: int) -> int:
     raise RuntimeError(f"no engine core process under pid {api_pid}")
 
 
-def baseline_step_s(model: str | None, streams: int, tokens: int, max_model_len: int) -> float:
-    """Median duration of engine steps that decode all `streams` sequences at once, on the
-    engine core's core with its thread count."""
+def bare_step_timer(model: str | None, streams: int, tokens: int, max_model_len: int) -> Callable[[], float]:
+    """An engine in this process, on the engine core's core with its thread count, warmed up; the
+    function returned generates `streams` sequences of `tokens` tokens and gives the median
+    duration of the steps that decoded all of them at once (seconds). Moves this process to
+    that core for good. `cpu_neighbour.py` times its step with it too."""
     import torch
 
     from moeserve import LLM, SamplingParams
@@ -99,10 +102,15 @@ def baseline_step_s(model: str | None, streams: int, tokens: int, max_model_len:
     llm = LLM(model, max_model_len=max_model_len, max_num_seqs=streams, stat_loggers=[Recorder()])
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
     llm.generate([PROMPT] * streams, params, use_tqdm=False)  # warm-up
-    durations.clear()
-    llm.generate([f"{PROMPT} {i}" for i in range(streams)], params, use_tqdm=False)
-    full = [d for n, d in durations if n == streams][1:]  # batches of all decodes, skipping the prefill step
-    return statistics.median(full)
+    prompts = [f"{PROMPT} {i}" for i in range(streams)]
+
+    def median_step_s() -> float:
+        durations.clear()
+        llm.generate(prompts, params, use_tqdm=False)
+        full = [d for n, d in durations if n == streams][1:]  # batches of all decodes, skipping the prefill step
+        return statistics.median(full)
+
+    return median_step_s
 
 
 async def one_stream(http: httpx.AsyncClient, tokens: int) -> tuple[float, int, list[float]]:
@@ -249,7 +257,7 @@ def main() -> None:
     args = parser.parse_args()
     max_model_len = args.tokens + 64
 
-    base = baseline_step_s(args.model, args.streams, args.tokens, max_model_len)
+    base = bare_step_timer(args.model, args.streams, args.tokens, max_model_len)()
     print(f"baseline: median step with {args.streams} decodes = {1000 * base:.2f} ms")
     layouts = list(LAYOUTS) if args.layout == "both" else [args.layout]
     runs = [measure(args, layout, base, max_model_len) for layout in layouts]
