@@ -21,6 +21,7 @@ from moeserve.ops import attention_batch
 from moeserve.ops.attention import AttentionPlan
 from moeserve.scheduler import ScheduledRequest, SchedulerOutput
 from moeserve.worker.decode_graphs import DecodeGraphs, is_decode
+from moeserve.worker.host_memory import retain_freed_host_memory
 from moeserve.worker.input_batch import InputBatch
 from moeserve.worker.prompt_logprobs import PromptLogprobs, PromptLogprobsTracker
 from moeserve.worker.sampler import Sampler, SamplerOutput, SamplingRow, make_generator
@@ -70,6 +71,8 @@ class ModelRunner:
         self.block_size = block_size
         self.eos_token_ids = tuple(eos_token_ids)
         self.device = torch.device(device)
+        if self.device.type == "cpu":
+            retain_freed_host_memory()  # steps reuse their freed buffers instead of faulting fresh pages in
         self.lockstep = lockstep
         self.samples = samples
         self.two_batch_overlap = two_batch_overlap
