@@ -86,6 +86,9 @@ class BlockManager:
         `num_computed_tokens` to match). All or nothing: when the free list is too short nothing
         is taken and False is returned, so a caller that then preempts someone can try again.
         """
+        num_held_tokens = len(request.block_ids) * self.block_size
+        if not cached_blocks and request.num_computed_tokens + num_new_tokens <= num_held_tokens:
+            return True  # the blocks it holds have room: a decode step's usual case
         if cached_blocks and (request.block_ids or request.num_computed_tokens):
             raise ValueError(f"request {request.request_id!r} already holds blocks; cached blocks are for admission")
         num_tokens = len(cached_blocks) * self.block_size + request.num_computed_tokens + num_new_tokens
@@ -108,9 +111,9 @@ class BlockManager:
         being filled by a chunked prefill or by decodes is never handed to anyone. A block whose
         content is already cached (a copy computed alongside, or the block recomputed for a last
         token) stays private and is taken first once freed."""
-        if not self.enable_caching:
-            return
         first = num_computed_before // self.block_size
+        if not self.enable_caching or request.num_computed_tokens // self.block_size == first:
+            return  # no block was completed
         hashes = block_hashes(request, self.block_size, request.num_computed_tokens // self.block_size)
         for index in range(first, len(hashes)):
             block_hash, block_id = hashes[index], request.block_ids[index]
