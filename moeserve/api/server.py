@@ -26,7 +26,7 @@ from moeserve.api.metrics import ServerMetrics
 from moeserve.api.state import ModelInfo, ServerSettings, ServingState
 from moeserve.config import EngineConfig
 from moeserve.engine.core_client import EngineCoreClient
-from moeserve.engine.cpu_binding import bind_current_process, plan_cpu_binding
+from moeserve.engine.cpu_binding import CpuBinding, bind_current_process, plan_cpu_binding
 from moeserve.engine.stats import LoggingStatLogger
 from moeserve.engine.tokenizer import load_tokenizer
 
@@ -55,9 +55,9 @@ def load_engine(
     state: ServingState,
     config: EngineConfig,
     on_failure: Callable[[], None],
-    engine_cpus: tuple[int, ...] | None = None,
+    binding: CpuBinding | None = None,
 ) -> None:
-    """Start the engine core process (on `engine_cpus`, if given) and attach its client to
+    """Start the engine core process (on `binding`'s CPUs, if given) and attach its client to
     `state`; on failure, now or later (the core died, a rank was lost), log why and call
     `on_failure`."""
     try:
@@ -69,7 +69,7 @@ def load_engine(
             on_failure()
 
         engine = EngineCoreClient(
-            config, stat_loggers=[state.metrics, LoggingStatLogger()], on_death=engine_died, cpus=engine_cpus
+            config, stat_loggers=[state.metrics, LoggingStatLogger()], on_death=engine_died, binding=binding
         )
         engine.start()
         model = ModelInfo(
@@ -137,7 +137,7 @@ def serve(settings: ServerSettings, engine_config: EngineConfig) -> int:
 
     threading.Thread(
         target=load_engine,
-        args=(state, engine_config, stop_after_failure, binding.engine if binding else None),
+        args=(state, engine_config, stop_after_failure, binding),
         name="moeserve-loader",
         daemon=True,
     ).start()

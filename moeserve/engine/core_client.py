@@ -50,6 +50,7 @@ from moeserve.engine.core_messages import (
     encode_inputs,
     refusal,
 )
+from moeserve.engine.cpu_binding import CpuBinding
 from moeserve.engine.engine import ModelFacts
 from moeserve.engine.frontend import EngineFrontend
 from moeserve.engine.stats import IterationStats, RequestMetrics, StatLogger
@@ -64,9 +65,9 @@ POLL_S = 0.1  # how often the output thread looks at the core process when no fr
 class CoreProcess:
     """The engine core's process and the two sockets to it (bound here, on loopback)."""
 
-    def __init__(self, config: EngineConfig, cpus: tuple[int, ...] | None = None) -> None:
-        """cpus: the CPUs the core may run on (and size its torch thread pool by); None: this
-        process's."""
+    def __init__(self, config: EngineConfig, binding: CpuBinding | None = None) -> None:
+        """binding: the CPUs the core may run on (and size its torch thread pool by), and the
+        frontend's, where its socket thread goes; None: this process's, for all its threads."""
         self._context = zmq.Context()
         self.inputs = self._context.socket(zmq.PUSH)
         self.inputs.setsockopt(zmq.LINGER, 0)
@@ -89,8 +90,8 @@ class CoreProcess:
             "--log-level",
             logging.getLevelName(logging.getLogger().getEffectiveLevel()),
         ]
-        if cpus is not None:
-            command += ["--cpus", ",".join(map(str, cpus))]
+        if binding is not None:
+            command += ["--cpus", ",".join(map(str, binding.engine)), "--io-cpus", ",".join(map(str, binding.frontend))]
         self.proc = subprocess.Popen(command, stdin=subprocess.PIPE)
         self.proc.stdin.write(pickle.dumps(config))
         self.proc.stdin.close()
@@ -139,14 +140,14 @@ class EngineCoreClient(QueuedEngineClient):
         config: EngineConfig,
         stat_loggers: Sequence[StatLogger] = (),
         on_death: Callable[[BaseException], None] | None = None,
-        cpus: tuple[int, ...] | None = None,
+        binding: CpuBinding | None = None,
     ) -> None:
         """Reads the model's facts and tokenizer here; `start()` loads the model in the core, on
-        `cpus` if given (`cpu_binding`). on_death(error): called on the output thread if the core
+        `binding`'s CPUs if given (`cpu_binding`). on_death(error): called on the output thread if the core
         dies (not after `shutdown()`)."""
         super().__init__()
         self.config = config
-        self._cpus = cpus
+        self._binding = binding
         self.facts = ModelFacts.read(config)
         self.max_model_len = self.facts.max_model_len
         self.frontend = EngineFrontend(
@@ -173,7 +174,7 @@ class EngineCoreClient(QueuedEngineClient):
         cannot), then start the output thread."""
         if self._process is not None:
             raise RuntimeError("EngineCoreClient.start() was already called")
-        self._process = CoreProcess(self.config, self._cpus)
+        self._process = CoreProcess(self.config, self._binding)
         try:
             self.num_kv_blocks = self._process.wait_ready().kv_blocks_total
         except BaseException:

@@ -24,6 +24,7 @@ import os
 import pickle
 import signal
 import sys
+from collections.abc import Iterable
 
 import torch
 import zmq
@@ -53,8 +54,13 @@ _NO_GAUGES = SchedulerStats(0, 0, 0, 0)  # in frames sent when there is no sched
 class CoreChannel:
     """The core's ends of the two sockets the server bound: frames in, frames out."""
 
-    def __init__(self, inputs_address: str, outputs_address: str) -> None:
+    def __init__(self, inputs_address: str, outputs_address: str, io_cpus: Iterable[int] = ()) -> None:
+        """io_cpus: where zmq's threads (socket I/O, reaper) run; the process's CPUs if empty. The
+        server gives them the frontend's CPU, so that moving each step's frame to the socket
+        never preempts the step on the core's own CPU."""
         self._context = zmq.Context()
+        for cpu in io_cpus:
+            self._context.set(zmq.THREAD_AFFINITY_CPU_ADD, cpu)  # before the first socket starts them
         self._inputs = self._context.socket(zmq.PULL)
         self._inputs.setsockopt(zmq.LINGER, 0)
         self._inputs.setsockopt(zmq.RCVHWM, 0)
@@ -187,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parent-pid", type=int, required=True, help="exit when this process is gone")
     parser.add_argument("--log-level", default="INFO")
     parser.add_argument("--cpus", help="comma-separated CPUs to run on (the server's cpu_binding); default: inherited")
+    parser.add_argument("--io-cpus", help="comma-separated CPUs for zmq's socket threads; default: those of --cpus")
     args = parser.parse_args(argv)
     if args.cpus:
         bind_current_process(int(cpu) for cpu in args.cpus.split(","))  # before any torch thread exists
@@ -204,7 +211,8 @@ def main(argv: list[str] | None = None) -> int:
         # One torch thread per CPU this process may use: the server may have bound it to fewer
         # than the machine has (`cpu_binding`), and more threads than CPUs only contend.
         torch.set_num_threads(len(os.sched_getaffinity(0)))
-    channel = CoreChannel(args.inputs, args.outputs)
+    io_cpus = [int(cpu) for cpu in args.io_cpus.split(",")] if args.io_cpus else []
+    channel = CoreChannel(args.inputs, args.outputs, io_cpus)
     try:
         code = serve_core(config, channel, args.parent_pid)
     finally:

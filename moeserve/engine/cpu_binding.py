@@ -29,7 +29,7 @@ CpuBindingMode = Literal["auto", "off"]
 @dataclass(frozen=True)
 class CpuBinding:
     """engine: the CPUs of the engine core process and its torch threads; frontend: the API
-    process's (HTTP, tokenizer, detokenizer)."""
+    process's (HTTP, tokenizer, detokenizer), and those of the engine core's socket threads."""
 
     engine: tuple[int, ...]
     frontend: tuple[int, ...]

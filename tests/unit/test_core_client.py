@@ -10,11 +10,13 @@ import signal
 import threading
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
 from moeserve import LLM, SamplingParams
 from moeserve.engine.core_client import EngineCoreClient
+from moeserve.engine.cpu_binding import CpuBinding
 from moeserve.engine.stats import IterationStats
 from moeserve.engine.streams import EngineDeadError
 from moeserve.engine_config import EngineConfig
@@ -144,3 +146,25 @@ def test_a_dead_core_fails_streams_with_the_reason(folder: str) -> None:
     with pytest.raises(EngineDeadError):
         asyncio.run(client.submit([5, 6], LONG))
     client.shutdown(timeout=5)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to bind apart")
+def test_a_bound_core_steps_on_its_cpus_and_moves_frames_on_the_frontends(folder: str) -> None:
+    """With a CPU binding, every thread of the core process keeps to the engine's CPUs but zmq's
+    (its socket I/O and reaper threads), which run on the frontend's: a frame sent never
+    preempts the step."""
+    engine_cpu, frontend_cpu = sorted(os.sched_getaffinity(0))[:2]
+    config = EngineConfig(model=folder, max_model_len=128)
+    client = EngineCoreClient(config, binding=CpuBinding(engine=(engine_cpu,), frontend=(frontend_cpu,)))
+    client.start()
+    try:
+        affinities = {}
+        for task in Path(f"/proc/{client.pid}/task").iterdir():
+            name = (task / "comm").read_text().strip()
+            affinities.setdefault(name, set()).add(frozenset(os.sched_getaffinity(int(task.name))))
+    finally:
+        client.shutdown(timeout=20)
+    zmq_threads = {name for name in affinities if name.startswith("ZMQbg/")}
+    assert "ZMQbg/IO/0" in zmq_threads, affinities
+    for name, seen in affinities.items():
+        assert seen == {frozenset({frontend_cpu if name in zmq_threads else engine_cpu})}, (name, seen)
