@@ -4,11 +4,14 @@ Baseline (this process): the engine alone steps a batch of 64 decoding sequences
 time of a step where all 64 decode is the floor any server could reach for that batch.
 Measured: `moeserve launch` on the same model in a child process, 64 concurrent streaming
 clients (raw HTTP, this process). Per stream, TBT is (last token time - first token time) /
-(tokens - 1) as the client sees it; the overhead is median client TBT / baseline step - 1.
+(tokens - 1) as the client sees it; the overhead is median client TBT / median baseline step - 1.
+Baseline and server take turns, one baseline before each round of streams, because a shared
+host's speed drifts by tens of percent over minutes: a baseline timed once, minutes away from
+the load, measures the drift as much as the server.
 The server's own view (/metrics: step time and engine-side TBT) tells whether the overhead is in
 the step (the engine thread slowed by the HTTP side) or in delivery.
 
-    python bench/serve_tbt_overhead.py [--model DIR] [--streams 64] [--tokens 128] [--rounds 3]
+    python bench/serve_tbt_overhead.py [--model DIR] [--streams 64] [--tokens 128] [--rounds 7]
                                        [--layout split|shared]
 
 Writes bench/results/serve_tbt_overhead.json (one entry per layout measured). Besides the
@@ -52,6 +55,8 @@ from pathlib import Path
 
 import httpx
 
+from moeserve.cpu_features import cpu_has_native_bf16
+
 RESULTS = Path(__file__).parent / "results"
 PROMPT = "Mixture of experts routes each token to a few experts"
 
@@ -81,9 +86,9 @@ def core_pid(api_pid: int) -> int:
 
 def bare_step_timer(model: str | None, streams: int, tokens: int, max_model_len: int) -> Callable[[], float]:
     """An engine in this process, on the engine core's core with its thread count, warmed up; the
-    function returned generates `streams` sequences of `tokens` tokens and gives the median
-    duration of the steps that decoded all of them at once (seconds). Moves this process to
-    that core for good. `cpu_neighbour.py` times its step with it too."""
+    function returned moves this process to that core, generates `streams` sequences of `tokens`
+    tokens and gives the median duration of the steps that decoded all of them at once
+    (seconds). `cpu_neighbour.py` times its step with it too."""
     import torch
 
     from moeserve import LLM, SamplingParams
@@ -105,6 +110,7 @@ def bare_step_timer(model: str | None, streams: int, tokens: int, max_model_len:
     prompts = [f"{PROMPT} {i}" for i in range(streams)]
 
     def median_step_s() -> float:
+        os.sched_setaffinity(0, {ENGINE_CPU})
         durations.clear()
         llm.generate(prompts, params, use_tqdm=False)
         full = [d for n, d in durations if n == streams][1:]  # batches of all decodes, skipping the prefill step
@@ -113,39 +119,79 @@ def bare_step_timer(model: str | None, streams: int, tokens: int, max_model_len:
     return median_step_s
 
 
-async def one_stream(http: httpx.AsyncClient, tokens: int) -> tuple[float, int, list[float]]:
-    """(client TBT of this stream, tokens received, arrival times of chunks)."""
-    body = {
-        "prompt": PROMPT,
-        "max_tokens": tokens,
-        "temperature": 0.0,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    times, usage = [], None
-    async with http.stream("POST", "/v1/completions", json=body) as response:
-        response.raise_for_status()
-        async for line in response.aiter_lines():
+def completion_request(url: str, tokens: int) -> bytes:
+    """The raw HTTP request of one stream: a streamed completion of `tokens` tokens."""
+    body = json.dumps(
+        {
+            "prompt": PROMPT,
+            "max_tokens": tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+    ).encode()
+    host = url.removeprefix("http://")
+    head = f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+    return head.encode() + f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body
+
+
+async def one_stream(url: str, tokens: int) -> list[tuple[float, bytes]]:
+    """Stream one completion; its response's chunks with their arrival times.
+
+    A bare socket client that does nothing per chunk but timestamp it: the clients share a core
+    with the API process, and a client that parsed every chunk with an HTTP library as it came
+    would take CPU the API process needs (httpx took about 4.6 ms a step for 64 streams, more
+    than the API process itself), and the queueing that caused would count as serving overhead.
+    `stream_timing` reads the chunks once the round is over."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(completion_request(url, tokens))
+        status = await reader.readline()
+        if b" 200 " not in status:
+            raise RuntimeError(f"the server answered {status.decode().strip()}")
+        headers = (await reader.readuntil(b"\r\n\r\n")).lower()
+        if b"transfer-encoding: chunked" not in headers:
+            raise RuntimeError("expected a chunked streaming response")
+        chunks = []
+        while size := int((await reader.readline()).split(b";")[0], 16):
+            chunks.append((time.perf_counter(), await reader.readexactly(size + 2)))  # the chunk and its CRLF
+        return chunks
+    finally:
+        writer.close()
+
+
+def stream_timing(chunks: list[tuple[float, bytes]]) -> tuple[float, int, list[float]]:
+    """(client TBT, tokens received, arrival time of each token) of one stream's chunks. TBT is
+    (last token's time - first token's time) / (tokens - 1); tokens are the usage's count."""
+    token_times, usage = [], None
+    for arrived, data in chunks:
+        for line in data.decode().split("\n"):
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            now = time.perf_counter()
-            chunk = json.loads(line[6:])
-            if chunk.get("usage"):
-                usage = chunk["usage"]["completion_tokens"]
-            elif chunk["choices"]:
-                times.append(now)
-    return (times[-1] - times[0]) / (usage - 1), usage, times
+            event = json.loads(line[6:])
+            if event.get("usage"):
+                usage = event["usage"]["completion_tokens"]
+            elif event["choices"]:
+                token_times.append(arrived)
+    return (token_times[-1] - token_times[0]) / (usage - 1), usage, token_times
+
+
+METRIC_SERIES = tuple(
+    f"{name}_{stat}"
+    for name in ("engine_step_duration_seconds", "time_between_tokens_seconds")
+    for stat in ("sum", "count")
+)
 
 
 def scrape(url: str) -> dict[str, float]:
+    """The server's `METRIC_SERIES` now."""
     text = httpx.get(f"{url}/metrics").text
-    values = {}
-    for name in ("engine_step_duration_seconds", "time_between_tokens_seconds"):
-        for stat in ("sum", "count"):
-            match = re.search(rf"^moeserve:{name}_{stat}\{{[^}}]*\}} (\S+)$", text, re.M)
-            values[f"{name}_{stat}"] = float(match.group(1))
-    return values
+    return {
+        series: float(re.search(rf"^moeserve:{series}\{{[^}}]*\}} (\S+)$", text, re.M).group(1))
+        for series in METRIC_SERIES
+    }
 
 
 def start_server(
@@ -188,38 +234,56 @@ def start_server(
     raise RuntimeError(f"server did not start:\n{log.read_text()}")
 
 
-async def load_round(url: str, streams: int, tokens: int) -> list[tuple[float, int, list[float]]]:
-    limits = httpx.Limits(max_connections=streams + 4, max_keepalive_connections=streams + 4)
-    async with httpx.AsyncClient(base_url=url, timeout=300, limits=limits) as http:
-        return await asyncio.gather(*(one_stream(http, tokens) for _ in range(streams)))
+def load_round(url: str, streams: int, tokens: int) -> list[tuple[float, int, list[float]]]:
+    """`streams` concurrent streams of `tokens` tokens: each one's `stream_timing`."""
+
+    async def all_streams() -> list[list[tuple[float, bytes]]]:
+        return await asyncio.gather(*(one_stream(url, tokens) for _ in range(streams)))
+
+    return [stream_timing(chunks) for chunks in asyncio.run(all_streams())]
 
 
-def measure(args: argparse.Namespace, layout: str, base: float, max_model_len: int) -> dict:
-    """One server in `layout`, driven by `args.rounds` rounds of streams: its entry of the results."""
+def measure(args: argparse.Namespace, layout: str, bare_step_s: Callable[[], float], max_model_len: int) -> dict:
+    """One server in `layout`, driven by `args.rounds` rounds of streams, each after a baseline:
+    its entry of the results."""
     server_cpus, client_cpu = LAYOUTS[layout]
     log = Path(tempfile.mkdtemp()) / "server.log"
     proc, url = start_server(args.model, args.streams, max_model_len, log, server_cpus)
-    os.sched_setaffinity(0, {client_cpu})
     try:
-        asyncio.run(load_round(url, args.streams, 8))  # warm-up: connections, first steps
+        os.sched_setaffinity(0, {client_cpu})
+        load_round(url, args.streams, 8)  # warm-up: connections, first steps
         core = core_pid(proc.pid)
-        before = scrape(url)
-        api_cpu, core_cpu = cpu_seconds(proc.pid), cpu_seconds(core)
-        client_tbts, gaps = [], []
+        client_tbts, gaps, rounds = [], [], []
+        api_cpu = core_cpu = client_cpu_s = 0.0
+        totals = dict.fromkeys(METRIC_SERIES, 0.0)  # the /metrics series summed over the measured rounds
         for _ in range(args.rounds):
-            for tbt, _, times in asyncio.run(load_round(url, args.streams, args.tokens)):
-                client_tbts.append(tbt)
+            base = bare_step_s()  # the server idles meanwhile
+            os.sched_setaffinity(0, {client_cpu})
+            before = scrape(url)
+            api_before, core_before, clients_before = cpu_seconds(proc.pid), cpu_seconds(core), cpu_seconds(os.getpid())
+            streams = load_round(url, args.streams, args.tokens)
+            api_cpu += cpu_seconds(proc.pid) - api_before
+            core_cpu += cpu_seconds(core) - core_before
+            client_cpu_s += cpu_seconds(os.getpid()) - clients_before
+            after = scrape(url)
+            for series in totals:
+                totals[series] += after[series] - before[series]
+            round_tbts = [tbt for tbt, _, _ in streams]
+            client_tbts.extend(round_tbts)
+            rounds.append(
+                {"baseline_step_ms": 1000 * base, "client_tbt_median_ms": 1000 * statistics.median(round_tbts)}
+            )
+            for _, _, times in streams:
                 gaps.extend(b - a for a, b in zip(times, times[1:]))
-        api_cpu, core_cpu = cpu_seconds(proc.pid) - api_cpu, cpu_seconds(core) - core_cpu
-        after = scrape(url)
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(60)
 
     def mean_of(name: str) -> float:
-        return (after[f"{name}_sum"] - before[f"{name}_sum"]) / (after[f"{name}_count"] - before[f"{name}_count"])
+        return totals[f"{name}_sum"] / totals[f"{name}_count"]
 
-    steps = after["engine_step_duration_seconds_count"] - before["engine_step_duration_seconds_count"]
+    steps = totals["engine_step_duration_seconds_count"]
+    base = statistics.median(r["baseline_step_ms"] for r in rounds) / 1000
     client_tbt = statistics.median(client_tbts)
     gaps.sort()
     placement = (
@@ -230,6 +294,7 @@ def measure(args: argparse.Namespace, layout: str, base: float, max_model_len: i
     return {
         "layout": layout,
         "placement": placement,
+        "baseline_step_median_ms": 1000 * base,
         "client_tbt_median_ms": 1000 * client_tbt,
         "client_chunk_gap_p50_ms": 1000 * gaps[len(gaps) // 2],
         "client_chunk_gap_p99_ms": 1000 * gaps[int(len(gaps) * 0.99)],
@@ -238,7 +303,9 @@ def measure(args: argparse.Namespace, layout: str, base: float, max_model_len: i
         "api_process_cpu_per_step_ms": 1000 * api_cpu / steps,
         "api_process_cpu_per_stream_token_us": 1e6 * api_cpu / (args.rounds * args.streams * args.tokens),
         "engine_core_cpu_per_step_ms": 1000 * core_cpu / steps,
+        "clients_cpu_per_step_ms": 1000 * client_cpu_s / steps,
         "overhead_vs_bare_step": client_tbt / base - 1,
+        "rounds": rounds,
     }
 
 
@@ -247,7 +314,7 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="checkpoint folder (default: the built-in demo model)")
     parser.add_argument("--streams", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=128)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument(
         "--layout",
         choices=[*LAYOUTS, "both"],
@@ -257,20 +324,27 @@ def main() -> None:
     args = parser.parse_args()
     max_model_len = args.tokens + 64
 
-    base = bare_step_timer(args.model, args.streams, args.tokens, max_model_len)()
-    print(f"baseline: median step with {args.streams} decodes = {1000 * base:.2f} ms")
+    bare_step_s = bare_step_timer(args.model, args.streams, args.tokens, max_model_len)
     layouts = list(LAYOUTS) if args.layout == "both" else [args.layout]
-    runs = [measure(args, layout, base, max_model_len) for layout in layouts]
+    runs = []
+    for layout in layouts:
+        runs.append(measure(args, layout, bare_step_s, max_model_len))
+        print(
+            f"{layout}: baseline step {runs[-1]['baseline_step_median_ms']:.2f} ms, client TBT "
+            f"{runs[-1]['client_tbt_median_ms']:.2f} ms, overhead {100 * runs[-1]['overhead_vs_bare_step']:+.1f}%",
+            flush=True,
+        )
     result = {
         "device": (
             f"CPU: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; bare step on core "
-            f"{ENGINE_CPU} with 1 torch thread, as the engine core in every layout"
+            f"{ENGINE_CPU} with 1 torch thread, as the engine core in every layout; "
+            f"{'native' if cpu_has_native_bf16() else 'no native'} bf16, so --dtype auto computes in "
+            f"{'the checkpoint dtype' if cpu_has_native_bf16() else 'float32'}"
         ),
         "model": args.model or "built-in demo (qwen3_moe, bf16)",
         "streams": args.streams,
         "tokens_per_stream": args.tokens,
         "rounds": args.rounds,
-        "baseline_step_ms": 1000 * base,
         "layouts": runs,
     }
     RESULTS.mkdir(exist_ok=True)
