@@ -1,4 +1,5 @@
-"""Prefill speed of the demo model on CPU: `--dtype bfloat16` (its checkpoint's dtype) vs `--dtype auto`.
+"""Prefill speed of the demo model on CPU: `--dtype bfloat16` (its checkpoint's dtype) vs `--dtype auto`
+(and vs `--dtype float32`, which tells whether `auto`'s choice is the faster one on this CPU).
 
     python bench/cpu_auto_dtype.py [--prompts 8] [--prompt-len 128] [--rounds 5]
 
@@ -42,8 +43,11 @@ def main() -> int:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
-    options = dict(device="cpu", max_model_len=args.prompt_len + 8, max_num_seqs=args.prompts)
-    engines = {"bfloat16": LLM(dtype="bfloat16", **options), "auto": LLM(dtype="auto", **options)}
+    # no prefix cache: every round must compute its prompts, not find them cached from the last
+    options = dict(
+        device="cpu", max_model_len=args.prompt_len + 8, max_num_seqs=args.prompts, enable_prefix_caching=False
+    )
+    engines = {dtype: LLM(dtype=dtype, **options) for dtype in ("bfloat16", "float32", "auto")}
     g = torch.Generator().manual_seed(0)
     prompts = [{"prompt_token_ids": torch.randint(10, 500, (args.prompt_len,), generator=g).tolist()}]
     prompts *= args.prompts
@@ -55,6 +59,7 @@ def main() -> int:
         for name, llm in engines.items():
             rates[name].append(prefill_tokens_per_s(llm, prompts, params))
     ratios = [a / b for a, b in zip(rates["auto"], rates["bfloat16"])]
+    float32_ratios = [a / b for a, b in zip(rates["float32"], rates["bfloat16"])]
     result = {
         "cpu": platform.processor() or platform.machine(),
         "native_bf16": cpu_has_native_bf16(),
@@ -63,9 +68,11 @@ def main() -> int:
         "torch_threads": torch.get_num_threads(),
         "prompts": args.prompts,
         "prompt_len": args.prompt_len,
+        "prefix_caching": False,
         "prefill_tokens_per_s": rates,
         "auto_over_bfloat16_per_round": ratios,
         "auto_over_bfloat16_median": statistics.median(ratios),
+        "float32_over_bfloat16_median": statistics.median(float32_ratios),
     }
     print(json.dumps(result, indent=2))
     RESULTS.mkdir(parents=True, exist_ok=True)
