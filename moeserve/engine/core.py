@@ -146,7 +146,7 @@ class EngineCore:
             self.eos_token_ids,
         )
         self._requests: dict[str, Request] = {}  # sequences not yet admitted once, for first_scheduled
-        self._routing_asked = 0.0
+        self._routing_asked = float("-inf")  # never: the first step asks, however recent the boot
         self.structured = StructuredOutputManager(
             GrammarCompiler(lambda: _load_tokenizer(config.model), model_config.vocab_size, self.eos_token_ids)
         )

@@ -202,7 +202,7 @@ def test_the_load_is_asked_before_the_step_it_covers_and_taken_at_each_rebalance
     """A report covers its own step (asked before it, not after), and a rebalance closes one."""
     executor = ReportingExecutor(rebalance_at={3})
     monkeypatch.setattr(core, "executor", executor)
-    monkeypatch.setattr(core, "_routing_asked", 0.0)
+    monkeypatch.setattr(core, "_routing_asked", float("-inf"))  # never asked (0.0 is recent on a fresh boot)
     monkeypatch.setattr(engine_core, "ROUTING_INTERVAL_S", 3600.0)  # due once: the first step
     steps = [core.step() for _ in range(4)]
     assert executor.calls == ["ask", "execute", "take", "execute", "execute", "take", "execute"]
