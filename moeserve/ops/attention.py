@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from moeserve.ops.host_ints import int64_tensor
+
 
 @dataclass(frozen=True)
 class AttentionBatch:
@@ -79,7 +81,7 @@ def attention_batch(
         start_positions=tuple(int(s) for s in start_positions),
         query_lens=tuple(int(q) for q in query_lens),
         block_size=block_size,
-        slot_mapping=torch.tensor(slots, dtype=torch.int64).to(device),
+        slot_mapping=int64_tensor(slots).to(device),
     )
 
 

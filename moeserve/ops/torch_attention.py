@@ -23,12 +23,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from itertools import accumulate
+from itertools import accumulate, chain
 
 import torch
 
 from moeserve.config import MLAConfig
 from moeserve.ops.attention import AttentionBatch, AttentionPlan, DecodeGraphInputs, gather_from_cache
+from moeserve.ops.host_ints import int64_tensor
 
 MIN_PADDED_CONTEXT = 32
 """Decodes with contexts up to this many tokens share one bucket length."""
@@ -151,11 +152,12 @@ def torch_attention_plan(batch: AttentionBatch) -> TorchAttentionPlan:
     query_lens, context_lens = batch.query_lens, batch.context_lens
     if any(q < 1 for q in query_lens):
         raise ValueError(f"every sequence needs query_len >= 1, got {list(query_lens)}")
+    seq_key_lens = [bucket_key_len(qlen, ctx) for qlen, ctx in zip(query_lens, context_lens)]
     groups: dict[tuple[int, int], list[int]] = {}
-    for i, (qlen, ctx) in enumerate(zip(query_lens, context_lens)):
-        groups.setdefault((qlen, bucket_key_len(qlen, ctx)), []).append(i)
+    for i, (qlen, key_len) in enumerate(zip(query_lens, seq_key_lens)):
+        groups.setdefault((qlen, key_len), []).append(i)
     order = [i for members in groups.values() for i in members]  # sequences in bucket order
-    key_lens = [bucket_key_len(query_lens[i], context_lens[i]) for i in order]
+    key_lens = [seq_key_lens[i] for i in order]
     key_starts = list(accumulate(key_lens, initial=0))
     key_offsets = [0] * len(order)
     for k, i in enumerate(order):
@@ -164,18 +166,20 @@ def torch_attention_plan(batch: AttentionBatch) -> TorchAttentionPlan:
         empty = torch.zeros(0, dtype=torch.int64, device=batch.device)
         return TorchAttentionPlan(batch.slot_mapping, (), (), (), empty, None, ())
 
-    key_slots = _key_slots(batch, order, key_lens, key_starts)
+    key_slots = _key_slots(batch, context_lens, order, key_lens, key_starts)
     # Queries: each token's row in the step and its position, in bucket order.
     query_lens_in_order = [query_lens[i] for i in order]
     first_rows = list(accumulate(query_lens, initial=0))
-    per_seq = torch.tensor(
-        [
-            list(accumulate(query_lens_in_order, initial=0))[:-1],
-            [first_rows[i] for i in order],
-            [batch.start_positions[i] for i in order],
-        ]
-    )
-    row_start, first_row, start_position = per_seq.repeat_interleave(torch.tensor(query_lens_in_order), dim=1)
+    per_seq = int64_tensor(
+        chain(
+            accumulate(query_lens_in_order[:-1], initial=0),
+            (first_rows[i] for i in order),
+            (batch.start_positions[i] for i in order),
+        )
+    ).view(3, -1)
+    if first_rows[-1] > len(order):  # some sequence brings several tokens: spread over them
+        per_seq = per_seq.repeat_interleave(int64_tensor(query_lens_in_order), dim=1)
+    row_start, first_row, start_position = per_seq
     offset = torch.arange(first_rows[-1]) - row_start  # [T]: the token's index in its sequence's chunk
     query_positions = start_position + offset
     in_order = order == sorted(order)
@@ -254,17 +258,21 @@ def decode_graph_planner(inputs: DecodeGraphInputs) -> Callable[[], TorchAttenti
     return plan
 
 
-def _key_slots(batch: AttentionBatch, order: list[int], key_lens: list[int], key_starts: list[int]) -> torch.Tensor:
+def _key_slots(
+    batch: AttentionBatch, context_lens: tuple[int, ...], order: list[int], key_lens: list[int], key_starts: list[int]
+) -> torch.Tensor:
     """`[N]` slots of the sequences `order` in turn, each over its `key_lens` entries starting at
     `key_starts`: per entry its sequence's offsets, then its position (past the context: folded
     back to 0, its first slot) and that position's slot."""
-    context_lens, block_size = batch.context_lens, batch.block_size
+    block_size = batch.block_size
     table_starts = list(accumulate((len(t) for t in batch.block_tables), initial=0))
-    per_seq = torch.tensor([key_starts[:-1], [context_lens[i] for i in order], [table_starts[i] for i in order]])
-    key_start, context_len, table_start = per_seq.repeat_interleave(torch.tensor(key_lens), dim=1)  # [N] each
+    per_seq = int64_tensor(
+        chain(key_starts[:-1], (context_lens[i] for i in order), (table_starts[i] for i in order))
+    ).view(3, -1)
+    key_start, context_len, table_start = per_seq.repeat_interleave(int64_tensor(key_lens), dim=1)  # [N] each
     positions = torch.arange(key_starts[-1]) - key_start
     positions.masked_fill_(positions >= context_len, 0)
-    tables = torch.tensor([block for table in batch.block_tables for block in table], dtype=torch.int64)
+    tables = int64_tensor(chain.from_iterable(batch.block_tables))
     return tables[table_start + positions // block_size] * block_size + positions % block_size
 
 

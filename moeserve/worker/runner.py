@@ -19,6 +19,7 @@ import torch
 from moeserve.models import MoECausalLM
 from moeserve.ops import attention_batch
 from moeserve.ops.attention import AttentionPlan
+from moeserve.ops.host_ints import int64_tensor
 from moeserve.scheduler import ScheduledRequest, SchedulerOutput
 from moeserve.worker.decode_graphs import DecodeGraphs, is_decode
 from moeserve.worker.host_memory import retain_freed_host_memory
@@ -199,7 +200,7 @@ class ModelRunner:
         attention plan."""
         query_lens = [len(s.token_ids) for s in scheduled]
         start_positions = [s.start_position for s in scheduled]
-        input_ids = torch.tensor(list(itertools.chain.from_iterable(s.token_ids for s in scheduled)), dtype=torch.int64)
+        input_ids = int64_tensor(itertools.chain.from_iterable(s.token_ids for s in scheduled))
         batch = attention_batch(
             [s.block_ids for s in scheduled], start_positions, query_lens, self.block_size, self.device
         )
@@ -239,7 +240,9 @@ class ModelRunner:
 def packed_positions(start_positions: Sequence[int], query_lens: Sequence[int]) -> torch.Tensor:
     """The position of every packed token, `[T]` int64 on the host: sequence i's tokens sit at
     start_positions[i], start_positions[i] + 1, ... (one arange and one repeat, no Python loop)."""
-    starts = torch.tensor(start_positions, dtype=torch.int64)  # [S]
-    lens = torch.tensor(query_lens, dtype=torch.int64)  # [S]
+    starts = int64_tensor(start_positions)  # [S]
+    if len(query_lens) == sum(query_lens):  # decodes only: one token per sequence, at its start
+        return starts
+    lens = int64_tensor(query_lens)  # [S]
     first_index = torch.cumsum(lens, 0) - lens  # [S] where each sequence begins in the packed batch
     return torch.arange(sum(query_lens), dtype=torch.int64) + torch.repeat_interleave(starts - first_index, lens)
