@@ -27,7 +27,7 @@ from moeserve.checkpoints.quantize_fp8 import quantize_checkpoint
 from moeserve.fp8_format import dequantize, quantize
 from moeserve.models import load_model
 from moeserve.models.checkpoint import CheckpointError
-from moeserve.models.loader import scale_shard
+from moeserve.models.quantized_sources import scale_shard
 from moeserve.models.tensor_parallel import Shard
 
 logger = logging.getLogger(__name__)

@@ -1,0 +1,145 @@
+"""Quantized checkpoint tensors: which of our parameters are stored FP8 or MXFP4, checked, and
+how their bytes and scales are read as the model holds them.
+
+FP8 (`models/fp8.py`): block-scaled float8_e4m3fn weights with float32 scales, one per block; a
+tensor-parallel rank reads its slice of both, which must cut the weight at scale-block
+boundaries. MXFP4 (gpt-oss, `models/mxfp4.py`): the expert projections as packed FP4 codes and
+their scales, of a rank's experts only.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moeserve.config import BlockFP8Config, MXFP4Config
+from moeserve.fp8_format import FP8_DTYPE, scale_name, scale_shape
+from moeserve.models.checkpoint import CheckpointError, CheckpointReader
+from moeserve.models.mxfp4 import MXFP4ExpertsSource
+from moeserve.models.tensor_parallel import Shard
+from moeserve.models.weight_sources import FusedExpertsSource, WeightSource, read_source
+
+FP8_TENSOR = "F8_E4M3"
+"""safetensors' name of float8_e4m3fn."""
+
+
+def fp8_sources(
+    sources: dict[str, WeightSource | FusedExpertsSource], reader: CheckpointReader, quant: BlockFP8Config | None
+) -> dict[str, WeightSource]:
+    """Our parameters whose checkpoint tensors are FP8, each checked to have its scales in the
+    published layout (float32, one per block, partial blocks included)."""
+    found: dict[str, WeightSource] = {}
+    for name, source in sources.items():
+        fp8 = [reader.dtype(n) == FP8_TENSOR for n in source.names]
+        if not any(fp8):
+            continue
+        if quant is None:
+            raise CheckpointError(f"tensor {source.names[0]} is FP8 but config.json has no quantization_config")
+        if isinstance(source, FusedExpertsSource):
+            raise CheckpointError(f"tensor {source.name} is FP8: FP8 stacked expert tensors are not supported")
+        if not all(fp8):
+            raise CheckpointError(f"tensors {', '.join(source.names)} mix FP8 and unquantized weights in one parameter")
+        found[name] = source
+    if quant is not None and not found:
+        raise CheckpointError(
+            f"config.json says quant_method 'fp8' but no weight tensor of {reader.folder} is float8_e4m3fn"
+        )
+    for source in found.values():
+        for tensor in source.names:
+            scales, want = scale_name(tensor), scale_shape(reader.shape(tensor), quant.block)
+            if scales not in reader:
+                raise CheckpointError(f"FP8 tensor {tensor} has no {scales} in the checkpoint")
+            if reader.shape(scales) != want or reader.dtype(scales) != "F32":
+                raise CheckpointError(
+                    f"tensor {scales} is {reader.dtype(scales)} {list(reader.shape(scales))}, "
+                    f"expected F32 {list(want)}: "
+                    f"one scale per {quant.block[0]}x{quant.block[1]} block of {tensor} {list(reader.shape(tensor))}"
+                )
+    return found
+
+
+def mxfp4_sources(
+    sources: dict[str, WeightSource | FusedExpertsSource],
+    targets: dict[str, torch.Tensor],
+    reader: CheckpointReader,
+    quant: BlockFP8Config | MXFP4Config | None,
+) -> dict[str, MXFP4ExpertsSource]:
+    """Our expert projections held as MXFP4 in the checkpoint (none unless config.json says
+    mxfp4), each checked; any other `*_blocks`/`*_scales` tensor is refused by name, since only
+    gpt-oss's expert projections exist in the format."""
+    if not isinstance(quant, MXFP4Config):
+        return {}
+    found = {
+        name: MXFP4ExpertsSource(source.name, source.experts, source.num_experts, source.layout)
+        for name, source in sources.items()
+        if isinstance(source, FusedExpertsSource)
+        and source.layout in ("gate_up", "down")
+        and f"{source.name}_blocks" in reader
+    }
+    if not found:
+        raise CheckpointError(
+            f"config.json says quant_method 'mxfp4' but {reader.folder} has no mlp.experts.*_blocks tensor"
+        )
+    for name, source in found.items():
+        source.check(reader, targets[name].shape)
+    read = {tensor for source in found.values() for tensor in source.names}
+    stray = sorted(n for n in reader.weight_map if n.endswith(("_blocks", "_scales")) and n not in read)
+    if stray:
+        raise CheckpointError(
+            f"tensor {stray[0]} looks MXFP4: only gpt-oss's expert projections "
+            "(mlp.experts.gate_up_proj, mlp.experts.down_proj) are read in that format"
+        )
+    return found
+
+
+def scale_shard(shard: Shard, block: tuple[int, int], name: str) -> Shard:
+    """The scale rows (or columns) of a tensor-parallel slice of an FP8 weight: whole blocks
+    only, since a block's one scale cannot be split between ranks."""
+    size = block[shard.dim]
+    end = shard.start + shard.length
+    if shard.start % size or (shard.length % size and end != shard.full):
+        raise CheckpointError(
+            f"tensor parallelism gives a rank entries [{shard.start}, {end}) of dim {shard.dim} of FP8 tensor {name} "
+            f"({shard.full}), which cuts a {block[0]}x{block[1]} scale block: each rank's share must be a multiple "
+            f"of {size}; use a tensor-parallel size that splits it in whole blocks"
+        )
+    return Shard(shard.dim, shard.start // size, -(-shard.length // size), -(-shard.full // size))
+
+
+def read_scales(
+    source: WeightSource, reader: CheckpointReader, block: tuple[int, int], shard: Shard | None
+) -> torch.Tensor:
+    """The scales of an FP8 parameter in `fp8.BlockFP8`'s layout: one grid per part."""
+    if shard is not None:
+        (name,) = source.names
+        rows = scale_shard(shard, block, name)
+        return reader.get_part(scale_name(name), rows.dim, rows.start, rows.length)[None]
+    parts = [torch.stack([reader.get(scale_name(n)) for n in part]) for part in source.parts]
+    return torch.stack(parts) if source.stacked else parts[0]
+
+
+def read_held(
+    source: WeightSource | FusedExpertsSource | MXFP4ExpertsSource,
+    reader: CheckpointReader,
+    dtype: torch.dtype,
+    fp8_block: tuple[int, int] | None,
+    shard: Shard | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """A parameter's tensors exactly as the model holds them: its value in `dtype`, or, quantized,
+    its stored bytes and scales (an MXFP4 source; an FP8 one when `fp8_block` is given). The one
+    place a checkpoint tensor takes its in-memory layout, for a load and for a heal alike."""
+    if isinstance(source, MXFP4ExpertsSource):
+        return source.read(reader)
+    if fp8_block is not None:
+        return read_source(source, reader, FP8_DTYPE, shard), read_scales(source, reader, fp8_block, shard)
+    return (read_source(source, reader, dtype, shard),)
+
+
+def scale_grid(
+    source: WeightSource, reader: CheckpointReader, block: tuple[int, int], shard: Shard | None
+) -> tuple[int, ...]:
+    """The scale grid of one part of the parameter this rank holds."""
+    if shard is None:
+        return scale_shape(reader.shape(source.names[0]), block)
+    full = list(scale_shape(reader.shape(source.names[0]), block))
+    full[shard.dim] = scale_shard(shard, block, source.names[0]).length
+    return tuple(full)
