@@ -25,6 +25,7 @@ from safetensors.torch import save_file
 from moeserve import LLM, SamplingParams
 from moeserve.checkpoints.quantize_fp8 import quantize_checkpoint
 from moeserve.fp8_format import dequantize, quantize
+from moeserve.models import fp8 as fp8_module
 from moeserve.models import load_model
 from moeserve.models.checkpoint import CheckpointError
 from moeserve.models.quantized_sources import scale_shard
@@ -135,6 +136,27 @@ def test_greedy_tokens_at_ep4_match_dequantized_transformers(fp8_pair, reference
         outs = llm.generate([{"prompt_token_ids": p} for p in batch], GREEDY, use_tqdm=False)
     got = [o.outputs[0].token_ids for o in outs]
     assert got == expected
+
+
+def test_mla_kv_b_is_dequantized_once_not_every_step(fp8_pair, monkeypatch):
+    """The FP8 kv_b_proj of each MLA layer is dequantized at its first forward and kept (the
+    greedy tokens above come from the kept values); the other steps read no kv_b values."""
+    fp8, _ = fp8_pair("deepseek_v3", {})
+    model = load_model(fp8)
+    layers = [layer.attn for layer in model.layers]
+    kv_b_shape = layers[0].kv_b_proj.parametrizations.weight.original.shape
+    reads = []
+    real = fp8_module.dequantize
+
+    def counted(weight, *args, **kwargs):
+        if weight.shape == kv_b_shape:
+            reads.append(weight.data_ptr())
+        return real(weight, *args, **kwargs)
+
+    monkeypatch.setattr(fp8_module, "dequantize", counted)
+    llm = LLM(str(fp8), block_size=8, max_model_len=96)
+    llm.generate([{"prompt_token_ids": p} for p in prompts()], GREEDY, use_tqdm=False)
+    assert len(reads) == len(layers) == len(set(reads))  # one read per layer, over 32 steps
 
 
 def test_resident_weights_are_at_most_055x_bf16(fp8_pair):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from moeserve.config import ModelConfig
 from moeserve.models.layers.linear import Linear
@@ -75,6 +76,20 @@ class MLAttention(nn.Module):
             cfg.num_heads * m.v_head_dim,
             tp,
         )
+        self._kv_b_values: torch.Tensor | None = None  # a quantized kv_b_proj's values, once read
+
+    def kv_b_matrix(self) -> torch.Tensor:
+        """kv_b_proj's values, which the backends use as a matrix (to expand the latents, or to
+        absorb into q and the output). A quantized kv_b_proj is dequantized on its first read and
+        the values kept, as vLLM keeps them: read through its parametrization, every forward of
+        every layer would dequantize all of it again (DeepSeek-V3: 16.8M values a layer, 2 GiB of
+        bf16 writes a step over its 61 layers), for 34 MB of bf16 a layer held. The weight is not
+        written after the load: rebalances and heals move experts only."""
+        if not parametrize.is_parametrized(self.kv_b_proj, "weight"):
+            return self.kv_b_proj.weight
+        if self._kv_b_values is None:
+            self._kv_b_values = self.kv_b_proj.weight
+        return self._kv_b_values
 
     @staticmethod
     def cache_shape(cfg: ModelConfig, num_blocks: int, block_size: int, tp_size: int = 1) -> tuple[int, ...]:
@@ -96,7 +111,5 @@ class MLAttention(nn.Module):
         # Views into q and kv_a_proj's output, which are ours: a backend may rotate them in place.
         q_rope, k_rope = self.ops.rotary_qk(q_rope, k_rope[:, None, :], cos, sin, self.interleaved_rope)
         write_to_cache(kv_cache, torch.cat((self.kv_a_norm(kv_nope), k_rope[:, 0]), dim=-1), plan.slot_mapping)
-        # kv_b_proj's values (dequantized on read if FP8): the backends use it as a matrix, to expand
-        # the latents or to absorb into q and the output; DeepSeek-V3's own code dequantizes it too.
-        out = self.ops.mla_attention(q_nope, q_rope, kv_cache, plan, self.kv_b_proj.weight, m, self.scale)
+        out = self.ops.mla_attention(q_nope, q_rope, kv_cache, plan, self.kv_b_matrix(), m, self.scale)
         return self.o_proj(out.reshape(num_tokens, out.shape[1] * out.shape[2]))  # explicit: T may be 0
