@@ -34,9 +34,10 @@ compute the other micro-batch meanwhile. dispatch() and combine() are those step
 (`finish`): one code path, the same bytes either way.
 
 FP8 (`dispatch_fp8`): the payload rows are the packed FP8 rows (`fp8.encode_rows`, int32 words)
-instead of the hidden rows, moved by the same code; the received rows are dequantised
-(`fp8.decode_rows`) after the regrouping. Low-latency padding rows are zero words, which
-dequantise to zeros. combine() is unchanged: it moves the experts' outputs in their own dtype.
+instead of the hidden rows, moved by the same code; the received rows are unpacked
+(`fp8.decode_rows`) after the regrouping, and handed over as they came and dequantised.
+Low-latency padding rows are zero words, which dequantise to zeros. combine() is unchanged: it
+moves the experts' outputs in their own dtype.
 
 Everything else stays on the tensors' device, so the same code runs on gloo (CPU) and NCCL
 (GPU); gloo carries float32, float16 and bfloat16 rows as they are.
@@ -193,10 +194,10 @@ class AllToAllDispatcher(SteppedDispatcher):
             topk_weights=topk_weights,
         )
         received = recv.index_select(0, recv_order)
-        if self.dispatch_fp8:
-            received = decode_rows(received, hidden.shape[-1], hidden.dtype)
+        fp8_rows = decode_rows(received, hidden.shape[-1]) if self.dispatch_fp8 else None
         return DispatchOutput(
-            hidden=received,
+            hidden=received if fp8_rows is None else fp8_rows.dequantize(hidden.dtype),
+            fp8_rows=fp8_rows,
             num_tokens_per_expert=recv_counts.sum(0)[: self.placement.num_local_experts],
             num_tokens_per_expert_host=host_counts,
             layout=DispatchLayout.EXPERT_MAJOR,

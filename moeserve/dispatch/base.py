@@ -33,6 +33,7 @@ from typing import ClassVar, TypeVar
 
 import torch
 
+from moeserve.dispatch.fp8 import FP8Rows
 from moeserve.dispatch.placement import ExpertPlacement
 
 T = TypeVar("T")
@@ -89,15 +90,16 @@ class DispatchOutput:
 
     hidden:                      `[N, H]` in the input's dtype, on its device, arranged as `layout` says.
                                  With `dispatch_fp8`, the dequantised FP8 rows (`fp8.round_trip`
-                                 of the sent rows): the torch expert path takes them as they are;
-                                 a GPU w8a8 expert kernel could later take the FP8 rows and scales
-                                 directly and skip the dequantisation.
+                                 of the sent rows), what the torch expert path takes.
     num_tokens_per_expert:       int64 `[E_local]` on hidden's device: rows (pairs) per local expert.
     num_tokens_per_expert_host:  the same counts as a tuple, only from a backend that already read
                                  them back (None otherwise); never worth a sync of its own.
     layout:                      see `DispatchLayout`.
     topk_ids:                    TOKEN_MAJOR: int64 `[T, K]` local expert ids of each row; else None.
     handle:                      pass unchanged to combine().
+    fp8_rows:                    with `dispatch_fp8`, the same rows as received, FP8 bytes and
+                                 scales (`fp8.FP8Rows`): FP8 experts whose GEMMs quantize their
+                                 input alike (w8a8, 128-channel groups) take them as they are.
     """
 
     hidden: torch.Tensor
@@ -106,6 +108,7 @@ class DispatchOutput:
     handle: DispatchHandle
     num_tokens_per_expert_host: tuple[int, ...] | None = None
     topk_ids: torch.Tensor | None = None
+    fp8_rows: FP8Rows | None = None
 
 
 class Dispatcher(ABC):

@@ -35,6 +35,8 @@ dequantises to zeros, as an unquantised padding row would be.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 GROUP = 128  # channels per scale
@@ -104,20 +106,38 @@ def unpack(words: torch.Tensor, hidden_size: int) -> tuple[torch.Tensor, torch.T
     return q, scales
 
 
+@dataclass(frozen=True)
+class FP8Rows:
+    """Rows as the FP8 dispatch carried them: q `[N, H]` float8_e4m3fn and scales `[N, G]` float32.
+    An FP8 expert GEMM that quantizes its input per token and 128 channels the same way takes
+    these as they are, instead of quantizing their dequantised values again."""
+
+    q: torch.Tensor
+    scales: torch.Tensor
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        return dequantize(self.q, self.scales, dtype)
+
+
 def encode_rows(x: torch.Tensor) -> torch.Tensor:
     """x `[T, H]` -> its wire rows, int32 `[T, W]`: what a dispatcher sends with FP8 on."""
     return pack(*quantize(x))
 
 
-def decode_rows(words: torch.Tensor, hidden_size: int, dtype: torch.dtype) -> torch.Tensor:
-    """Received wire rows int32 `[N, W]` -> `[N, H]` in the activation dtype, for the experts."""
-    return dequantize(*unpack(words, hidden_size), dtype)
+def decode_rows(words: torch.Tensor, hidden_size: int) -> FP8Rows:
+    """Received wire rows int32 `[N, W]` -> the FP8 rows they carry, for the experts."""
+    return FP8Rows(*unpack(words, hidden_size))
 
 
 def round_trip(x: torch.Tensor) -> torch.Tensor:
-    """What the experts see of x after an FP8 dispatch: the `local` backend applies exactly this,
-    so one process computes what an EP group computes."""
-    return dequantize(*quantize(x), x.dtype)
+    """What the experts see of x after an FP8 dispatch, dequantised: `local_rows(x).dequantize`."""
+    return local_rows(x).dequantize(x.dtype)
+
+
+def local_rows(x: torch.Tensor) -> FP8Rows:
+    """x `[T, H]` as an FP8 dispatch would deliver it: the `local` backend hands its experts
+    exactly this, so one process computes what an EP group computes."""
+    return FP8Rows(*quantize(x))
 
 
 def _fp8_bytes(hidden_size: int) -> int:

@@ -3,8 +3,8 @@
 Nothing moves: dispatch() hands the tokens over as they are (TOKEN_MAJOR) with the router's ids,
 so the experts' grouped GEMM gathers rows by expert itself (`fused_moe` does it on the fly), and
 the only work here is counting pairs per expert on the device. combine() is `weighted_sum`.
-With `dispatch_fp8` the tokens are quantised and dequantised in place of the send (`fp8.round_trip`),
-so one process computes what an EP group sending FP8 rows computes.
+With `dispatch_fp8` the tokens are quantised in place of the send (`fp8.local_rows`) and handed
+over as FP8 rows and dequantised, so one process computes what an EP group sending FP8 rows computes.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 from moeserve.dispatch.base import Dispatcher, DispatchHandle, DispatchLayout, DispatchOutput
 from moeserve.dispatch.combine import weighted_sum
 from moeserve.dispatch.counts import count_per_expert
-from moeserve.dispatch.fp8 import round_trip
+from moeserve.dispatch.fp8 import local_rows
 from moeserve.dispatch.placement import ExpertPlacement
 
 
@@ -49,8 +49,10 @@ class LocalDispatcher(Dispatcher):
     ) -> DispatchOutput:
         """See `Dispatcher.dispatch`; the bound is not needed (nothing is sent)."""
         num_tokens = topk_ids.shape[0]
+        fp8_rows = local_rows(hidden) if self.dispatch_fp8 else None
         return DispatchOutput(
-            hidden=round_trip(hidden) if self.dispatch_fp8 else hidden,
+            hidden=hidden if fp8_rows is None else fp8_rows.dequantize(hidden.dtype),
+            fp8_rows=fp8_rows,
             num_tokens_per_expert=count_per_expert(topk_ids, self.placement.num_experts),
             layout=DispatchLayout.TOKEN_MAJOR,
             topk_ids=topk_ids,

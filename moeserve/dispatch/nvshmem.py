@@ -35,8 +35,8 @@ exactly and fixes the number of chunks every rank runs; then the chunks stream t
 compute between them (two-batch overlap) and emulated PEs in one process can be run in lockstep.
 FP8 (`dispatch_fp8`): the payload is the packed FP8 rows (`fp8.encode_rows`), so the layout's
 `row_bytes` is `fp8.packed_row_bytes(H)` (0.52x a bf16 row at H = 7168) and the kernels move them
-unchanged; the receiver dequantises its output rows (`fp8.decode_rows`). Combine rows stay in
-the activation dtype.
+unchanged; the receiver unpacks its output rows (`fp8.decode_rows`), hands them to the experts as
+they came (`DispatchOutput.fp8_rows`) and dequantised. Combine rows stay in the activation dtype.
 
 Not built: peers without a direct address (other nodes, reached by IBGDA puts).
 """
@@ -198,8 +198,10 @@ class NvshmemDispatcher(SteppedDispatcher):
             topk_weights=topk_weights,
             out_dtype=hidden.dtype,
         )
+        fp8_rows = decode_rows(out, hidden.shape[1]) if self.dispatch_fp8 else None
         return DispatchOutput(
-            hidden=decode_rows(out, hidden.shape[1], hidden.dtype) if self.dispatch_fp8 else out.view(hidden.dtype),
+            hidden=out.view(hidden.dtype) if fp8_rows is None else fp8_rows.dequantize(hidden.dtype),
+            fp8_rows=fp8_rows,
             num_tokens_per_expert=running.view(lmax, ep).sum(1)[: self.placement.num_local_experts],
             num_tokens_per_expert_host=host_counts,
             layout=DispatchLayout.EXPERT_MAJOR,

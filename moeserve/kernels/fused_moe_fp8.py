@@ -43,22 +43,46 @@ def fused_moe_w8a8(
     top_k: int,
     pair_weights: torch.Tensor | None = None,
     max_programs: int | None = None,
+    hidden_fp8: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """`fused_moe` with FP8 experts: `[T_rows * top_k, H]` in hidden's dtype.
 
-    hidden `[T_rows, H]` (fp16, bf16 or fp32), quantized here per token group; w13 data
-    `[E, 2I, H]` with scales `[E, parts, ...]`, w2 data `[E, H, I]` with scales `[E, 1, ...]`
-    (`BlockFP8Weight`); `aligned`, `top_k`, `pair_weights`, `max_programs` as for `fused_moe`.
+    hidden `[T_rows, H]` (fp16, bf16 or fp32), quantized here per token group, unless
+    `hidden_fp8` gives it quantized already: (float8_e4m3fn `[T_rows, H]`, float32 scales
+    `[T_rows, ceil(H / block_k)]`), groups of the weights' K block (an FP8 dispatch's rows);
+    w13 data `[E, 2I, H]` with scales `[E, parts, ...]`, w2 data `[E, H, I]` with scales
+    `[E, 1, ...]` (`BlockFP8Weight`); `aligned`, `top_k`, `pair_weights`, `max_programs` as for
+    `fused_moe`.
     """
     _check_weights(w13, w2)
     block_m = check_moe_call(
         hidden, w13.data, w2.data, aligned, top_k, pair_weights, max_programs, weight_dtype=FP8_DTYPE
     )
-    hidden_q, hidden_scales = per_token_group_quant(hidden, w13.block[1])
+    if hidden_fp8 is None:
+        hidden_q, hidden_scales = per_token_group_quant(hidden, w13.block[1])
+    else:
+        hidden_q, hidden_scales = _check_quantized(hidden, hidden_fp8, w13.block[1])
     scales = W8A8Scales(hidden_scales, w13.scale_inv, w2.scale_inv, w13.block)
     return launch_fused_moe(
         hidden_q, w13.data, w2.data, aligned, top_k, block_m, hidden.dtype, pair_weights, max_programs, scales
     )
+
+
+def _check_quantized(
+    hidden: torch.Tensor, hidden_fp8: tuple[torch.Tensor, torch.Tensor], group: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`hidden_fp8`, checked to be `hidden`'s rows quantized in groups of `group` channels."""
+    q, scales = hidden_fp8
+    rows, cols = hidden.shape
+    want = (rows, -(-cols // group))
+    if q.dtype != FP8_DTYPE or q.shape != hidden.shape or scales.dtype != torch.float32 or scales.shape != want:
+        raise ValueError(
+            f"hidden_fp8 must be float8_e4m3fn {list(hidden.shape)} and float32 scales {list(want)}; "
+            f"got {q.dtype} {list(q.shape)} and {scales.dtype} {list(scales.shape)}"
+        )
+    if q.device != hidden.device or scales.device != hidden.device:
+        raise ValueError(f"hidden_fp8 is on {q.device} / {scales.device}, hidden on {hidden.device}")
+    return q.contiguous(), scales.contiguous()
 
 
 def _fake_quant(x: torch.Tensor, group: int) -> torch.Tensor:
@@ -73,11 +97,12 @@ def fused_moe_w8a8_reference(
     aligned: AlignedPairs,
     top_k: int,
     pair_weights: torch.Tensor | None = None,
+    hidden_fp8: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Torch version of `fused_moe_w8a8`, one expert at a time, what the kernels are tested
-    against: the rows quantized per token group exactly as the kernel does, then dequantized,
-    weights dequantized, fp32 matmuls; the activation rounded to hidden's dtype and quantized
-    again before the down projection."""
+    against: the rows quantized per token group exactly as the kernel does (or `hidden_fp8`'s),
+    then dequantized, weights dequantized, fp32 matmuls; the activation rounded to hidden's
+    dtype and quantized again before the down projection."""
     _check_weights(w13, w2)
     check_moe_call(hidden, w13.data, w2.data, aligned, top_k, pair_weights, None, weight_dtype=FP8_DTYPE)
     group = w13.block[1]
@@ -85,7 +110,10 @@ def fused_moe_w8a8_reference(
     out = torch.zeros(num_pairs, w13.shape[2], dtype=hidden.dtype, device=hidden.device)
     if num_pairs == 0:
         return out
-    x_all = _fake_quant(hidden, group)
+    if hidden_fp8 is None:
+        x_all = _fake_quant(hidden, group)
+    else:
+        x_all = dequantize_groups(*_check_quantized(hidden, hidden_fp8, group), group)
     w13_values, w2_values = w13.dequantize(torch.float32), w2.dequantize(torch.float32)
     for expert, pairs in pairs_by_expert(aligned, num_pairs):
         gate, up = F.linear(x_all[pairs // top_k], w13_values[expert]).chunk(2, dim=-1)

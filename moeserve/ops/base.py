@@ -17,6 +17,7 @@ import torch
 
 from moeserve.config import GatedActivation, MLAConfig, ModelConfig, RouterConfig
 from moeserve.dispatch.base import DispatchLayout
+from moeserve.dispatch.fp8 import FP8Rows
 from moeserve.fp8_format import BlockFP8Weight
 from moeserve.ops.attention import AttentionBatch, AttentionPlan, DecodeGraphInputs
 
@@ -136,6 +137,7 @@ class LayerOps(ABC, Generic[PlanT]):
         b13: torch.Tensor | None = None,
         b2: torch.Tensor | None = None,
         activation: GatedActivation | None = None,
+        x_fp8: FP8Rows | None = None,
     ) -> torch.Tensor:
         """A DispatchOutput's rows through their experts' gated MLPs, without a host sync.
 
@@ -143,7 +145,9 @@ class LayerOps(ABC, Generic[PlanT]):
         as the DispatchOutput gives them; w13 `[E_local, 2I, H]`, w2 `[E_local, H, I]` (both FP8 or
         neither, as `linear`'s weight); biases
         b13 `[E_local, 2I]` and b2 `[E_local, H]` or None (gpt-oss has them); `activation`
-        turns gate and up into the down projection's input (None: silu(gate) * up).
+        turns gate and up into the down projection's input (None: silu(gate) * up). `x_fp8`: the
+        same rows as the FP8 dispatch carried them (`DispatchOutput.fp8_rows`), or None; a backend
+        whose FP8 experts quantize their input the same way may use them instead of x.
         Returns TOKEN_MAJOR: `[T * K, H]`, row `t * K + k` = expert `topk_ids[t, k]` on token t;
         EXPERT_MAJOR: `[N, H]`, row by row (padding rows past `sum(counts)` unspecified).
         """

@@ -99,10 +99,10 @@ class TorchOps(LayerOps[TorchAttentionPlan]):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return ids, weights * cfg.routed_scaling_factor
 
-    def experts(self, x, layout, counts, topk_ids, w13, w2, b13=None, b2=None, activation=None):
+    def experts(self, x, layout, counts, topk_ids, w13, w2, b13=None, b2=None, activation=None, x_fp8=None):
         """One grouped GEMM pair over all experts; token-major pairs are sorted by expert first
         (a stable device sort of static size) and their outputs put back in pair order. FP8 weights
-        are dequantized at use, all local experts at once."""
+        are dequantized at use, all local experts at once (weight-only: x as it is, `x_fp8` unused)."""
         w13, w2 = dense_weight(w13, x.dtype), dense_weight(w2, x.dtype)
         if layout is DispatchLayout.EXPERT_MAJOR:
             return grouped_mlp(x, counts, w13, w2, b13, b2, activation)

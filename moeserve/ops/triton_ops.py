@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from moeserve.config import MLAConfig, ModelConfig, MXFP4Config, RouterConfig
 from moeserve.dispatch.base import DispatchLayout
+from moeserve.dispatch.fp8 import GROUP as FP8_ROW_GROUP
 from moeserve.fp8_format import BlockFP8Weight
 from moeserve.kernels.fp8_gemm import w8a8_linear
 from moeserve.kernels.fp8_quant import group_problem
@@ -149,11 +150,13 @@ class TritonOps(LayerOps[TritonAttentionPlan]):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return route(cfg, logits, correction_bias)
 
-    def experts(self, x, layout, counts, topk_ids, w13, w2, b13=None, b2=None, activation=None):
+    def experts(self, x, layout, counts, topk_ids, w13, w2, b13=None, b2=None, activation=None, x_fp8=None):
         """TOKEN_MAJOR: `fused_moe` gathers each pair's token from `topk_ids` itself (top_k = K).
         EXPERT_MAJOR: each row is one pair of its own (top_k = 1) whose expert follows from the
         device counts; padding rows get no expert and come out as zeros. The weights stay with combine().
-        FP8 experts run the w8a8 fused MoE on their stored bytes and scales."""
+        FP8 experts run the w8a8 fused MoE on their stored bytes and scales, and on the FP8 rows
+        the dispatch delivered when their groups are the weights' K blocks (128 channels, as
+        DeepSeek-V3's): no quantization of the rows' dequantised values again."""
         if b13 is not None or b2 is not None or (activation is not None and activation.kind != "silu"):
             raise ValueError("kernels=triton: fused_moe has no expert biases nor clamped SwiGLU (see supports_model)")
         fp8 = isinstance(w13, BlockFP8Weight)
@@ -164,5 +167,9 @@ class TritonOps(LayerOps[TritonAttentionPlan]):
             topk_ids = row_experts(counts, x.shape[0])[:, None]
         num_rows, top_k = topk_ids.shape
         aligned = moe_align_block_size(topk_ids, num_experts, block_m_for(num_rows, top_k, num_experts))
-        moe = fused_moe_w8a8 if fp8 else fused_moe
-        return moe(x.contiguous(), w13, w2, aligned, top_k=top_k)
+        if not fp8:
+            return fused_moe(x.contiguous(), w13, w2, aligned, top_k=top_k)
+        quantized = None
+        if x_fp8 is not None and w13.block[1] == FP8_ROW_GROUP:
+            quantized = (x_fp8.q, x_fp8.scales)
+        return fused_moe_w8a8(x.contiguous(), w13, w2, aligned, top_k=top_k, hidden_fp8=quantized)

@@ -47,7 +47,7 @@ class W8A8ReferenceOps(TorchOps):
             x = fake_quant(x.reshape(-1, x.shape[-1]), weight.block[1]).view(x.shape)
         return super().linear(x, weight, bias)
 
-    def experts(self, x, layout, counts, topk_ids, w13, w2, b13=None, b2=None, activation=None):
+    def experts(self, x, layout, counts, topk_ids, w13, w2, b13=None, b2=None, activation=None, x_fp8=None):
         """Every (token, k) pair by itself (tiny models: gathering each pair's weights is cheap)."""
         assert layout is DispatchLayout.TOKEN_MAJOR and isinstance(w13, BlockFP8Weight)
         group, ids = w13.block[1], topk_ids.reshape(-1)

@@ -13,11 +13,16 @@ from __future__ import annotations
 import pytest
 import torch
 
+from moeserve.dispatch.base import DispatchLayout
+from moeserve.dispatch.fp8 import local_rows
 from moeserve.fp8_format import BlockFP8Weight, quantize
+from moeserve.kernels import fused_moe_fp8
 from moeserve.kernels.fused_moe_fp8 import fused_moe_w8a8, fused_moe_w8a8_reference
 from moeserve.kernels.launch_config import block_m_for
 from moeserve.kernels.moe_align import moe_align_block_size
+from moeserve.ops import triton_ops
 from moeserve.ops.grouped_mlp import row_experts
+from moeserve.ops.triton_ops import TritonOps
 
 # Past one 128 block: two K tiles (one partial) in both GEMMs, gate and up meeting inside a block.
 H, I, E, K = 192, 160, 4, 2
@@ -79,6 +84,42 @@ def test_expert_major_rows_with_padding(device, weights):
     got = fused_moe_w8a8(rows, w13, w2, aligned, 1)
     assert_close(got, fused_moe_w8a8_reference(rows, w13, w2, aligned, 1))
     assert torch.equal(got[11:], torch.zeros_like(got[11:])) and got[:11].abs().amax(dim=1).min() > 0
+
+
+def test_rows_an_fp8_dispatch_delivered_are_taken_as_they_are(device, weights, monkeypatch):
+    """Given the dispatch's FP8 rows (`DispatchOutput.fp8_rows`: 128-channel groups, as the
+    weights' K block), the kernel computes on those bytes and scales and quantizes nothing of
+    its input; the result is the reference's on the same rows."""
+    w13, w2 = weights
+    x, topk_ids, pair_weights = moe_inputs(9, torch.float32, device)
+    rows = local_rows(x)
+    hidden = rows.dequantize(torch.float32)
+    aligned = moe_align_block_size(topk_ids, E, block_m_for(9, K, E))
+
+    def no_input_quantization(*args, **kwargs):
+        raise AssertionError("the rows were quantized again")
+
+    monkeypatch.setattr(fused_moe_fp8, "per_token_group_quant", no_input_quantization)
+    got = fused_moe_w8a8(hidden, w13, w2, aligned, K, pair_weights, hidden_fp8=(rows.q, rows.scales))
+    want = fused_moe_w8a8_reference(hidden, w13, w2, aligned, K, pair_weights, hidden_fp8=(rows.q, rows.scales))
+    assert_close(got, want)
+    with pytest.raises(ValueError, match="hidden_fp8 must be"):
+        fused_moe_w8a8(hidden, w13, w2, aligned, K, hidden_fp8=(rows.q, rows.scales[:, :1]))
+
+
+def test_triton_experts_hand_the_kernel_dispatched_rows_of_its_block(device, weights, monkeypatch):
+    """TritonOps.experts passes an FP8 dispatch's rows on when their groups are the weights' K
+    blocks (128), and quantizes x itself when they are not."""
+    w13, w2 = weights
+    x, topk_ids, _ = moe_inputs(4, torch.float32, device)
+    rows = local_rows(x)
+    seen = []
+    monkeypatch.setattr(triton_ops, "fused_moe_w8a8", lambda *args, **kwargs: seen.append(kwargs["hidden_fp8"]))
+    ops, counts = TritonOps(), torch.zeros(E, dtype=torch.int64, device=device)
+    ops.experts(rows.dequantize(x.dtype), DispatchLayout.TOKEN_MAJOR, counts, topk_ids.long(), w13, w2, x_fp8=rows)
+    other_block = BlockFP8Weight(w13.data, w13.scale_inv.repeat_interleave(2, dim=-1)[..., :3], (128, 64))
+    ops.experts(x, DispatchLayout.TOKEN_MAJOR, counts, topk_ids.long(), other_block, w2, x_fp8=rows)
+    assert seen[0][0] is rows.q and seen[0][1] is rows.scales and seen[1] is None
 
 
 def test_bad_weights_are_refused(device, weights):

@@ -135,8 +135,9 @@ def test_contiguous_placement_spreads_uneven_counts():
 @pytest.mark.parametrize("backend", sorted(DISPATCHERS))
 def test_fp8_dispatch_hands_the_experts_dequantised_rows(one_rank_group, backend):
     """With `dispatch_fp8` every backend's experts get `fp8.round_trip` of the tokens (bf16 rows,
-    H = 200: two groups, the second partial), bit for bit, and combine stays in bf16."""
-    from moeserve.dispatch.fp8 import round_trip
+    H = 200: two groups, the second partial), bit for bit, and the FP8 rows those came from;
+    combine stays in bf16."""
+    from moeserve.dispatch.fp8 import local_rows, round_trip
 
     g = torch.Generator().manual_seed(3)
     num_tokens, num_experts, top_k, hidden_size = 11, 8, 2, 200
@@ -146,15 +147,23 @@ def test_fp8_dispatch_hands_the_experts_dequantised_rows(one_rank_group, backend
     dispatcher = create_dispatcher(backend, ExpertPlacement.contiguous(num_experts), dispatch_fp8=True)
     for bound in (None, num_tokens):
         received = dispatcher.dispatch(x, ids, weights, bound)
-        sent = round_trip(x)
+        sent, sent_rows = round_trip(x), local_rows(x)
         assert received.hidden.dtype == torch.bfloat16 and not torch.equal(sent, x)
+        rows = received.fp8_rows
+        assert torch.equal(rows.dequantize(torch.bfloat16), received.hidden)
         if received.layout is DispatchLayout.TOKEN_MAJOR:
+            assert torch.equal(rows.q.view(torch.uint8), sent_rows.q.view(torch.uint8))
+            assert torch.equal(rows.scales, sent_rows.scales)
             assert torch.equal(received.hidden, sent)
             pair_rows = received.hidden.repeat_interleave(top_k, dim=0)  # [T * K, H]
         else:
             pair_rows = received.hidden
-            by_expert = sent.index_select(0, torch.argsort(ids.flatten(), stable=True) // top_k)
+            order = torch.argsort(ids.flatten(), stable=True) // top_k
+            by_expert = sent.index_select(0, order)
             assert torch.equal(received.hidden[: num_tokens * top_k], by_expert)
+            live = num_tokens * top_k
+            assert torch.equal(rows.q[:live].view(torch.uint8), sent_rows.q.view(torch.uint8).index_select(0, order))
+            assert torch.equal(rows.scales[:live], sent_rows.scales.index_select(0, order))
             assert not received.hidden[num_tokens * top_k :].any()  # padding rows dequantise to zeros
         out = dispatcher.combine(pair_rows * 2, received.handle)  # toy experts: double each row
         weighted = (weights.to(torch.bfloat16)[:, :, None] * (2 * sent)[:, None, :]).sum(1)

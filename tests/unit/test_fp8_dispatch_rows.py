@@ -103,10 +103,10 @@ def test_wire_row_layout(hidden_size: int, row_bytes: int) -> None:
     assert torch.equal(raw[:, padded:].contiguous().view(torch.float32), scales)
     back_q, back_scales = fp8.unpack(words, hidden_size)
     assert torch.equal(back_q.view(torch.uint8), q.view(torch.uint8)) and torch.equal(back_scales, scales)
-    assert torch.equal(fp8.decode_rows(fp8.encode_rows(x), hidden_size, x.dtype), fp8.round_trip(x))
+    assert torch.equal(fp8.decode_rows(fp8.encode_rows(x), hidden_size).dequantize(x.dtype), fp8.round_trip(x))
     assert fp8.encode_rows(x[:0]).shape == (0, row_bytes // 4)  # a rank without tokens
     zero_words = torch.zeros(2, row_bytes // 4, dtype=torch.int32)  # low-latency padding rows
-    assert not fp8.decode_rows(zero_words, hidden_size, torch.float32).any()
+    assert not fp8.decode_rows(zero_words, hidden_size).dequantize(torch.float32).any()
 
 
 def test_bad_input_is_refused() -> None:

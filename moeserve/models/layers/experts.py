@@ -50,7 +50,8 @@ class Experts(nn.Module):
 
     def forward(self, received: DispatchOutput) -> torch.Tensor:
         """The rows of a dispatch through their experts: what combine() takes (see `LayerOps.experts`).
-        FP8 experts reach the backend as stored (bytes and scales), not dequantized."""
+        FP8 experts reach the backend as stored (bytes and scales), not dequantized; so do the
+        rows of an FP8 dispatch, beside their dequantised values."""
         return self.ops.experts(
             received.hidden,
             received.layout,
@@ -61,4 +62,5 @@ class Experts(nn.Module):
             self.b13,
             self.b2,
             self.activation,
+            received.fp8_rows,
         )
