@@ -75,11 +75,14 @@ def attention_batch(
             raise ValueError(
                 f"sequence {i}: block table holds {len(blocks)} blocks, positions up to {start + qlen} need {needed}"
             )
-        slots.extend(blocks[p // block_size] * block_size + p % block_size for p in range(start, start + qlen))
+        if qlen == 1:  # a decode: its one slot
+            slots.append(blocks[start // block_size] * block_size + start % block_size)
+        else:
+            slots.extend(blocks[p // block_size] * block_size + p % block_size for p in range(start, start + qlen))
     return AttentionBatch(
-        block_tables=tuple(tuple(int(b) for b in blocks) for blocks in block_tables),
-        start_positions=tuple(int(s) for s in start_positions),
-        query_lens=tuple(int(q) for q in query_lens),
+        block_tables=tuple(tuple(map(int, blocks)) for blocks in block_tables),
+        start_positions=tuple(map(int, start_positions)),
+        query_lens=tuple(map(int, query_lens)),
         block_size=block_size,
         slot_mapping=int64_tensor(slots).to(device),
     )

@@ -214,7 +214,9 @@ class ModelRunner:
         """The rows of `hidden [T, H]` that sample: the last token of each sampling sequence."""
         ends = itertools.accumulate(len(s.token_ids) for s in scheduled)
         rows = [end - 1 for end, s in zip(ends, scheduled) if s.sample]
-        return hidden[torch.tensor(rows, dtype=torch.int64, device=self.device)]
+        if len(rows) == hidden.shape[0]:  # every row samples (decodes only): all of them, in order
+            return hidden
+        return hidden[int64_tensor(rows).to(self.device)]
 
     @staticmethod
     def _unpack(
