@@ -1,10 +1,11 @@
 """Count host syncs by where they happen: inside an MoE block's forward or elsewhere.
 
 A host sync is any call that needs a device tensor's values on the host: `Tensor.tolist`,
-`.item`, `.cpu`, `.numpy`, the Python conversions (`bool`, `int`, `float`, `__index__`) and
-`torch.tensor` built from a Python list or tuple (an upload whose values the host computed,
-usually from a sync just before). On CPU none of these stalls anything, which is exactly why
-they are counted rather than timed: the same code on a GPU would stall.
+`.item`, `.cpu`, `.numpy`, the Python conversions (`bool`, `int`, `float`, `__index__`), and
+the uploads of values the host computed (usually from a sync just before): `torch.tensor` built
+from a Python list or tuple, and `torch.frombuffer` (how `ops.host_ints` packs ints). On CPU
+none of these stalls anything, which is exactly why they are counted rather than timed: the
+same code on a GPU would stall.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import torch
 from torch import nn
 
 TENSOR_METHODS = ("tolist", "item", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
+UPLOADS = ("torch.tensor(list)", "torch.frombuffer")
+"""How the counter names an upload of host-computed values."""
 
 
 @dataclass
@@ -69,6 +72,14 @@ class HostSyncCounter:
             return original_tensor(data, *args, **kwargs)
 
         torch.tensor = counted_tensor
+        original_frombuffer = torch.frombuffer
+        self._saved["torch.frombuffer"] = original_frombuffer
+
+        def counted_frombuffer(*args, **kwargs):
+            self._record("torch.frombuffer")
+            return original_frombuffer(*args, **kwargs)
+
+        torch.frombuffer = counted_frombuffer
         for block in self.blocks:
             self._hooks.append(block.register_forward_pre_hook(self._enter_moe))
             self._hooks.append(block.register_forward_hook(self._leave_moe))
@@ -84,6 +95,7 @@ class HostSyncCounter:
         for hook in self._hooks:
             hook.remove()
         torch.tensor = self._saved.pop("torch.tensor")
+        torch.frombuffer = self._saved.pop("torch.frombuffer")
         for name, original in self._saved.items():
             setattr(torch.Tensor, name, original)
         self._saved.clear()
