@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.nn.utils import parametrize
 
 from moeserve.config import ModelConfig
+from moeserve.fp8_format import BlockFP8Weight
+from moeserve.models.fp8 import stored_weight
 from moeserve.models.layers.linear import Linear
 from moeserve.models.layers.norm import RMSNorm
 from moeserve.models.tensor_parallel import SINGLE, TensorParallel, column_parallel, row_parallel
@@ -80,15 +81,17 @@ class MLAttention(nn.Module):
 
     def kv_b_matrix(self) -> torch.Tensor:
         """kv_b_proj's values, which the backends use as a matrix (to expand the latents, or to
-        absorb into q and the output). A quantized kv_b_proj is dequantized on its first read and
-        the values kept, as vLLM keeps them: read through its parametrization, every forward of
-        every layer would dequantize all of it again (DeepSeek-V3: 16.8M values a layer, 2 GiB of
-        bf16 writes a step over its 61 layers), for 34 MB of bf16 a layer held. The weight is not
-        written after the load: rebalances and heals move experts only."""
-        if not parametrize.is_parametrized(self.kv_b_proj, "weight"):
+        absorb into q and the output). An FP8 kv_b_proj is dequantized on its first read and the
+        values kept, as vLLM keeps them: read through its parametrization, every forward of every
+        layer would dequantize all of it again (DeepSeek-V3: 16.8M values a layer, 2 GiB of bf16
+        writes a step over its 61 layers), for 34 MB of bf16 a layer held. The weight is not
+        written after the load: rebalances and heals move experts only. `stored_weight` tells FP8
+        apart without `parametrize.is_parametrized`'s caught AttributeError on every forward."""
+        if self._kv_b_values is not None:
+            return self._kv_b_values
+        if not isinstance(stored_weight(self.kv_b_proj, "weight"), BlockFP8Weight):
             return self.kv_b_proj.weight
-        if self._kv_b_values is None:
-            self._kv_b_values = self.kv_b_proj.weight
+        self._kv_b_values = self.kv_b_proj.weight
         return self._kv_b_values
 
     @staticmethod
