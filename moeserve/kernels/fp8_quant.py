@@ -18,13 +18,12 @@ interpreter alike:
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from moeserve.fp8_format import FP8_DTYPE, FP8_MAX
+from moeserve.kernels.targets import require_launchable
 
 AMAX_FLOOR = 1e-10
 ACTIVATION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -118,10 +117,7 @@ def per_token_group_quant(
             f"FP8 (e4m3) activations need an sm_89+ GPU (Ada, Hopper or newer); {torch.cuda.get_device_name(x.device)} "
             "is older: use kernels=torch for FP8 checkpoints there"
         )
-    if x.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError(
-            f"per_token_group_quant runs on CUDA, or elsewhere under TRITON_INTERPRET=1; x is on {x.device}"
-        )
+    require_launchable(x, "per_token_group_quant")
     num_tokens, num_cols = x.shape
     q = torch.empty(num_tokens, num_cols, dtype=FP8_DTYPE, device=x.device)
     scales = torch.empty(num_tokens, triton.cdiv(num_cols, group), dtype=torch.float32, device=x.device)

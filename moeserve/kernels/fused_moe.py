@@ -38,7 +38,6 @@ added to the accumulator (DeepSeek-V3's scheme: a K tile never straddles a scale
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -58,6 +57,7 @@ from moeserve.kernels.launch_config import (
     fit_num_stages,
     shared_memory_budget,
 )
+from moeserve.kernels.targets import require_launchable
 
 if TYPE_CHECKING:
     from moeserve.kernels.moe_align import AlignedPairs
@@ -384,10 +384,7 @@ def launch_fused_moe(
     """Both kernels on arguments `check_moe_call` has passed; the activation between them is
     `out_dtype`. With `w8a8` it is then quantized per token group (its live rows only, bounded
     on the device by `aligned.num_padded`) for the FP8 down GEMM."""
-    if hidden.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError(
-            f"fused_moe runs on CUDA, or elsewhere only under TRITON_INTERPRET=1; hidden is on {hidden.device}"
-        )
+    require_launchable(hidden, "fused_moe")
     cfg = config_for_block_m(block_m)
     if w8a8 is not None:  # a K tile must not straddle two scale blocks
         cfg = dataclasses.replace(cfg, block_k=min(cfg.block_k, w8a8.block[1]))
