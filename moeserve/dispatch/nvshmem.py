@@ -44,6 +44,7 @@ Not built: peers without a direct address (other nodes, reached by IBGDA puts).
 from __future__ import annotations
 
 import importlib.util
+import time
 from dataclasses import dataclass
 
 import torch
@@ -60,6 +61,22 @@ from moeserve.dispatch.symmetric import SymmetricBuffer, SymmetricHeap
 CHUNK_TOKENS = 128  # tokens per rank per chunk: the low-latency bound, as the torch backend's
 GPU_COMM_SMS = 20  # programs of every communication kernel on a GPU; the rest compute
 CPU_COMM_PROGRAMS = 3  # under the interpreter programs run one after another: a few exercise the striding
+WAIT_TIMEOUT_S = 100.0  # a peer silent this long is dead or mismatched (DeepEP's bound is of this order)
+
+
+class PeerTimeout(RuntimeError):
+    """A wait for a peer ran out: the peer is dead, stalled, or running a different step."""
+
+
+# What a timed-out wait was waiting for, by the phase code the kernels record, and which peer
+# its first late word belongs to (words are numbered from the slot's first word).
+PHASES = {
+    1: ("dispatch send (waiting for the destination's credit)", None),
+    2: ("dispatch receive (waiting for the source's rows)", lambda word, ep, lmax: word % ep),
+    3: ("combine send (waiting for the source's credit)", None),
+    4: ("combine receive (waiting for the expert rank's rows)", lambda word, ep, lmax: word // lmax % ep),
+    5: ("notify (waiting for the peer's counts)", lambda word, ep, lmax: word % ep),
+}
 
 
 @dataclass(frozen=True)
@@ -96,11 +113,13 @@ class NvshmemDispatcher(SteppedDispatcher):
         chunk_tokens: int = CHUNK_TOKENS,
         num_comm_sms: int | None = None,
         dispatch_fp8: bool = False,
+        timeout_s: float = WAIT_TIMEOUT_S,
     ) -> None:
         """heap: the transport (None: shared memory over `group` on CPU, NVSHMEM on CUDA).
         chunk_tokens: tokens per rank per chunk, and the largest low-latency bound.
         num_comm_sms: programs of each communication kernel (None: 20 on GPUs, 3 on CPU).
-        dispatch_fp8: send FP8 rows with per-128-channel scales (see the module docstring)."""
+        dispatch_fp8: send FP8 rows with per-128-channel scales (see the module docstring).
+        timeout_s: how long any wait for a peer may take before it raises `PeerTimeout`."""
         super().__init__(placement, dispatch_fp8)
         self.device = torch.device(device)
         self.heap = heap if heap is not None else _default_heap(group, self.device)
@@ -113,6 +132,13 @@ class NvshmemDispatcher(SteppedDispatcher):
             raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
         self.chunk_tokens = chunk_tokens
         self.num_programs = _programs(self.device, num_comm_sms)
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        self.timeout_s = timeout_s
+        # (phase, peer or word, seq, 0) of the first wait that ran out; the kernels write it, the
+        # host reads it (`_check_peers`) where it can without stalling the GPU.
+        self._error = torch.zeros(4, dtype=torch.int64, device=self.device)
+        self._error_seen = _ErrorMirror(self._error)
         self._expert_slot = placement.expert_slot.to(self.device)
         # Imported here, not with the module: it decorates the kernels (compiled or interpreted)
         # and pulls in triton, which no process that never builds this backend needs.
@@ -183,7 +209,9 @@ class NvshmemDispatcher(SteppedDispatcher):
         for chunk in range(num_chunks):
             seq = self._launch_send(payload, order, send_counts[chunk], send_starts[chunk], chunk, layout, top_k)
             yield
-            counts = self._wait("dispatch_signal", (seq % layout.slots) * groups, groups, seq)
+            counts = self._wait(
+                "dispatch_signal", (seq % layout.slots) * groups, groups, seq, self._kernels.DISPATCH_SIGNAL
+            )
             offsets = torch.cumsum(counts, 0) - counts if base is None else base + running
             self._launch_recv(counts, offsets, out, row_meta, seq, layout)
             running += counts
@@ -216,14 +244,16 @@ class NvshmemDispatcher(SteppedDispatcher):
         seq = self._next("notify")
         slot = seq % layout.slots
         offsets = layout.offsets
-        self._kernels.notify_send_kernel[(min(self.num_programs, ep),)](
-            self._buffer.addresses, rows, self.heap.rank, seq, slot, offsets["notify"], offsets["notify_signal"],
-            EP=ep, WIDTH=lmax + 1, BLOCK=self._kernels.block_for(lmax + 1),
+        self._kernels.notify_send[(min(self.num_programs, ep),)](
+            self._buffer.addresses, rows, self.heap.rank, self._kernels.epoch(seq), slot, offsets["notify"],
+            offsets["notify_signal"], EP=ep, WIDTH=lmax + 1, BLOCK=self._kernels.block_for(lmax + 1),
         )  # fmt: skip
         yield
-        self._wait("notify_signal", slot * ep, ep, seq)
+        self._wait("notify_signal", slot * ep, ep, seq, self._kernels.NOTIFY_SIGNAL)
         notify = self._buffer.view(offsets["notify"], (layout.slots, ep, lmax + 1), torch.int64)
-        return notify[slot].tolist()  # the one host read of the high-throughput mode
+        received = notify[slot].tolist()  # the one host read of the high-throughput mode
+        self._check_peers(synced=True)
+        return received
 
     def _send_plan(
         self, topk_ids: torch.Tensor, num_chunks: int, layout: SymmetricLayout
@@ -244,19 +274,19 @@ class NvshmemDispatcher(SteppedDispatcher):
         seq = self._next("dispatch")
         offsets = layout.offsets
         block_m, block_w = self._blocks(payload.shape[1])
-        self._kernels.dispatch_send_kernel[(self.num_programs,)](
-            self._buffer.addresses, payload, order, counts, starts, self.heap.rank, seq, seq % layout.slots,
-            chunk * self.chunk_tokens, offsets["dispatch_rows"], offsets["dispatch_meta"],
-            offsets["dispatch_signal"], offsets["dispatch_credit"],
+        self._kernels.dispatch_send[(self.num_programs,)](
+            self._buffer.addresses, payload, order, counts, starts, self._error, self.heap.rank, seq,
+            self._kernels.epoch(seq), seq % layout.slots, chunk * self.chunk_tokens, offsets["dispatch_rows"],
+            offsets["dispatch_meta"], offsets["dispatch_signal"], offsets["dispatch_credit"], self._timeout_ns,
             EP=layout.ep, L=layout.local_experts, C=self.chunk_tokens, K=top_k, SLOTS=layout.slots,
-            WORDS=payload.shape[1], BLOCK_M=block_m, BLOCK_W=block_w,
+            WORDS=payload.shape[1], BLOCK_M=block_m, BLOCK_W=block_w, **self._clock,
         )  # fmt: skip
         return seq
 
     def _launch_recv(self, counts, offsets, out, row_meta, seq, layout) -> None:
         regions = layout.offsets
         block_m, block_w = self._blocks(out.shape[1])
-        self._kernels.dispatch_recv_kernel[(self.num_programs,)](
+        self._kernels.dispatch_recv[(self.num_programs,)](
             self._buffer.addresses, counts, offsets, out, row_meta, self.heap.rank, seq, seq % layout.slots,
             regions["dispatch_rows"], regions["dispatch_meta"], regions["dispatch_done"],
             regions["dispatch_credit"],
@@ -283,15 +313,17 @@ class NvshmemDispatcher(SteppedDispatcher):
         for chunk in range(handle.chunk_counts.shape[0]):
             seq = self._next("combine")
             slot = seq % layout.slots
-            self._kernels.combine_send_kernel[(self.num_programs,)](
+            self._kernels.combine_send[(self.num_programs,)](
                 self._buffer.addresses, words, handle.row_meta, handle.chunk_counts[chunk],
-                handle.chunk_offsets[chunk], self.heap.rank, seq, slot, offsets["combine_rows"],
-                offsets["combine_signal"], offsets["combine_credit"],
+                handle.chunk_offsets[chunk], self._error, self.heap.rank, seq, self._kernels.epoch(seq), slot,
+                offsets["combine_rows"], offsets["combine_signal"], offsets["combine_credit"], self._timeout_ns,
                 EP=layout.ep, L=layout.local_experts, C=self.chunk_tokens, K=top_k, SLOTS=layout.slots,
-                WORDS=words.shape[1], BLOCK_M=block_m, BLOCK_W=block_w,
+                WORDS=words.shape[1], BLOCK_M=block_m, BLOCK_W=block_w, **self._clock,
             )  # fmt: skip
             yield
-            self._wait("combine_signal", slot * layout.groups, layout.groups, seq)
+            self._wait(
+                "combine_signal", slot * layout.groups, layout.groups, seq, self._kernels.COMBINE_SIGNAL
+            )
             first = chunk * self.chunk_tokens
             tokens = max(0, min(num_tokens - first, self.chunk_tokens))
             slot_rows = self.chunk_tokens * top_k
@@ -303,21 +335,50 @@ class NvshmemDispatcher(SteppedDispatcher):
             span = slice(first, first + tokens)
             order = None if handle.sum_order is None else handle.sum_order[span]
             out[span] = weighted_sum(rows, handle.topk_ids[span], handle.topk_weights[span], order)
-            self._kernels.give_credit_kernel[(min(self.num_programs, layout.ep),)](
+            self._kernels.give_credit[(min(self.num_programs, layout.ep),)](
                 self._buffer.addresses, self.heap.rank, seq, offsets["combine_credit"], EP=layout.ep
             )
         return out
 
     # -- helpers ----------------------------------------------------------------------------
 
-    def _wait(self, region: str, first_word: int, num_words: int, seq: int) -> torch.Tensor:
+    def _wait(self, region: str, first_word: int, num_words: int, seq: int, phase) -> torch.Tensor:
         """int64 `[num_words]`: the counts in words [first_word, +num_words) of `region`, once all carry seq."""
         counts = torch.empty(num_words, dtype=torch.int64, device=self.device)
-        self._kernels.wait_signals_kernel[(1,)](
-            self._buffer.addresses, self.heap.rank, self._layout.offsets[region], first_word, counts, seq,
-            NUM_WORDS=num_words, BLOCK=self._kernels.block_for(num_words, 1024),
+        self._kernels.wait_signals[(1,)](
+            self._buffer.addresses, self._error, self.heap.rank, self._layout.offsets[region], first_word, counts,
+            seq, self._kernels.epoch(seq), self._timeout_ns, phase.value,
+            NUM_WORDS=num_words, BLOCK=self._kernels.block_for(num_words, 1024), **self._clock,
         )  # fmt: skip
+        self._check_peers(synced=self.device.type != "cuda")
         return counts
+
+    @property
+    def _timeout_ns(self) -> int:
+        return int(self.timeout_s * 1e9)
+
+    @property
+    def _clock(self) -> dict:
+        """The kernels' clock: the GPU's global timer when compiled, the host's when interpreted."""
+        if self.device.type == "cuda":
+            return {"GLOBALTIMER": True, "HOST_CLOCK": None}
+        return {"GLOBALTIMER": False, "HOST_CLOCK": time.monotonic_ns}
+
+    def _check_peers(self, synced: bool) -> None:
+        """Raise `PeerTimeout` if a wait of this dispatcher ran out. `synced`: the kernels so far
+        have finished (a CPU transport, or right after a host read); on a GPU otherwise only
+        what an earlier, completed copy of the error words shows is looked at, never waited for."""
+        error = self._error_seen.read(synced)
+        if error is None or error[0] == 0:
+            return
+        phase, where, seq = error[0], error[1], error[2]
+        what, peer_of_word = PHASES.get(phase, (f"phase {phase}", None))
+        layout = self._layout
+        peer = where if peer_of_word is None else peer_of_word(where % layout.groups, layout.ep, layout.local_experts)
+        raise PeerTimeout(
+            f"rank {self.heap.rank}: no word from rank {peer} for {self.timeout_s:g} s in {what}, "
+            f"sequence {seq}: that rank is dead, stalled, or running a different step"
+        )
 
     def _allocate(self, row_bytes: int, out_row_bytes: int, top_k: int) -> SymmetricLayout:
         """The buffer, allocated on first use (a collective: every rank dispatches its first layer together)."""
@@ -350,10 +411,7 @@ class NvshmemDispatcher(SteppedDispatcher):
         return rows.contiguous().view(torch.int32).view(rows.shape[0], row_bytes // 4)
 
     def _blocks(self, words: int) -> tuple[int, int]:
-        """(rows, words) per tile: small tiles on GPUs (registers), large under the interpreter (numpy)."""
-        if self.device.type == "cuda":
-            return 16, self._kernels.block_for(words, 512)
-        return 64, self._kernels.block_for(words, 4096)
+        return self._kernels.copy_tiles(words, self.device.type)
 
     def _next(self, counter: str) -> int:
         self._seq[counter] += 1
@@ -372,3 +430,27 @@ def _default_heap(group: dist.ProcessGroup | None, device: torch.device) -> Symm
     from moeserve.dispatch.symmetric.shm import SharedMemoryHeap
 
     return SharedMemoryHeap(group)
+
+
+class _ErrorMirror:
+    """A host copy of a dispatcher's error words, read without stalling a GPU: each look starts
+    a non-blocking copy and reads only a copy that has already completed."""
+
+    def __init__(self, error: torch.Tensor) -> None:
+        self._error = error
+        self._cuda = error.device.type == "cuda"
+        self._host = torch.zeros(4, dtype=torch.int64, pin_memory=self._cuda)
+        self._copied = torch.cuda.Event() if self._cuda else None
+        self._pending = False
+
+    def read(self, synced: bool) -> list[int] | None:
+        if not self._cuda or synced:
+            return self._error.tolist()
+        seen = None
+        if self._pending and self._copied.query():
+            seen, self._pending = self._host.tolist(), False
+        if not self._pending:
+            self._host.copy_(self._error, non_blocking=True)
+            self._copied.record()
+            self._pending = True
+        return seen

@@ -6,21 +6,22 @@ hidden state, or its FP8 bytes and scales). Every rank allocates the same, in th
 
     dispatch_rows    [S, L, EP, C] rows   slot s, local expert e, source rank r: r's rows for e
     dispatch_meta    [S, L, EP, C] int32  each row's pair in its source's chunk, token * K + k
-    dispatch_signal  [S, L, EP] int64     seq << 32 | rows, written by the source after its rows
+    dispatch_signal  [S, L, EP] int64     epoch << 32 | rows, written by the source after its rows
     dispatch_credit  [EP] int64           (as a sender) the last seq rank d has copied out of us
-    dispatch_done    [EP] int64           (as a receiver) groups copied out per source, ever
+    dispatch_done    [S, EP] int64        (as a receiver) groups copied out of a slot per source, ever
     notify           [S, EP, L + 1] int64 a source's row counts per local expert, and its tokens
     notify_signal    [S, EP] int64
     combine_rows     [S, C * K] rows      one row per (token, k) of our chunk, back from its expert
-    combine_signal   [S, EP, L] int64     seq << 32 | rows, per (expert rank, local expert)
+    combine_signal   [S, EP, L] int64     epoch << 32 | rows, per (expert rank, local expert)
     combine_credit   [EP] int64           (as an expert rank) the last seq source s has reduced
 
 A sender's region of a receive slot is `C` rows per (expert, source) because a token picks an
 expert at most once, so no count from any other rank is needed before storing: one round trip
 per chunk. The cost is `E * C` rows per slot whatever EP is, most of them empty (DeepEP's
 low-latency layout makes the same trade). Slots are reused every `S` sequences, guarded by the
-credit words; sequence numbers only grow, so a signal from an earlier use of a slot is never
-mistaken for the current one and nothing needs cleaning between steps.
+credit words; a signal word holds its slot's previous epoch or the current one (`peer_copy.epoch`,
+compared for equality), so a signal from an earlier use of a slot is never mistaken for the
+current one and nothing needs cleaning between steps.
 
 Per rank for DeepSeek-V3 (E=256, H=7168, K=8, bf16 rows, C=128, S=2), from `deepseek_v3_line` (a
 test checks this line): dispatch rows 896.0 MiB, combine rows 28.0 MiB, total 924.3 MiB. The same
@@ -76,7 +77,7 @@ class SymmetricLayout:
             "dispatch_meta": s * g * c * 4,
             "dispatch_signal": s * g * SIGNAL_BYTES,
             "dispatch_credit": self.ep * SIGNAL_BYTES,
-            "dispatch_done": self.ep * SIGNAL_BYTES,
+            "dispatch_done": s * self.ep * SIGNAL_BYTES,
             "notify": s * self.ep * (self.local_experts + 1) * 8,
             "notify_signal": s * self.ep * SIGNAL_BYTES,
             "combine_rows": s * c * self.top_k * self.out_row_bytes,

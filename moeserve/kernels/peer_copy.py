@@ -6,8 +6,8 @@ program of its own launch:
 
 * `dispatch_send`:  per (destination rank, local expert) group, the sender's rows and their
   pair metadata into its own region of the destination's receive slot, then one signal word
-  there, `seq << 32 | rows`, with release semantics;
-* `wait_signals`:   spin (acquire) until a run of signal words carries `seq`, hand out the counts;
+  there, `epoch << 32 | rows`, with release semantics;
+* `wait_signals`:   spin (acquire) until a run of signal words carries the epoch, hand out the counts;
 * `dispatch_recv`:  per (local expert, source) group, the received rows into the caller's
   expert-major output, then a credit to the source once all of its groups are copied out;
 * `combine_send`:   per group, each expert-output row home to its pair's `[token, k]` row of the
@@ -18,24 +18,60 @@ program of its own launch:
 Peers are reached through an int64 table of their buffers' addresses (`SymmetricBuffer.addresses`),
 never through tensor arguments, so the same kernels serve every transport: in-process emulated PEs,
 shared-memory rank processes on CPU (Triton's interpreter) and NVLink peers on GPUs. Rows move as
-int32 words, so the kernels are blind to the payload's dtype (bf16, fp32, FP8 plus scales).
+int32 words, so the kernels are blind to the payload's dtype (bf16, fp32, FP8 plus scales); a row
+of a multiple of 16 bytes (every real model's) moves in 16-byte vector loads and stores, because
+every region and row is 16-byte aligned and the kernels tell the compiler so (`tl.multiple_of`).
 Every kernel runs on a fixed number of programs (`num_programs`, the communication SMs) that
 stride over the groups, leaving the rest of the GPU to the experts' GEMM.
+
+What a GPU run needs that the interpreter never shows:
+
+* Sequence numbers, ranks, slots and offsets change from call to call. Compiled Triton would turn
+  an int argument equal to 1 into a constant (and recompile for multiples of 16), so all of them
+  are `do_not_specialize`: one compile per shape, and the first call (`seq == 1`) compiles too.
+* Every wait is bounded (`timeout` nanoseconds: of the GPU's `%globaltimer` when compiled,
+  of `HOST_CLOCK`, the host's monotonic clock, when interpreted; the interpreter runs the
+  kernel's Python, so it may call one). A wait that runs out records `(phase, word, seq)` in the caller's `error`
+  words, hands out zero counts and stops; every later wait sees the record and returns at once,
+  so a dead or mismatched peer turns into a host-side error naming it instead of a hung GPU.
+* Signal words carry `epoch(seq)` (1 .. 2**31 - 1, wrapping), compared for equality: a slot's word
+  holds either its previous use's epoch or the current one, never a later one (credits forbid
+  it), so equality is exact where `seq << 32` would overflow int64 after 2**31 sequences.
+* Completion is counted per ring slot and credits are raised with `atomic_max`: two streams that
+  finish sequences out of order can neither miss the last group of a sequence nor move a credit
+  back.
 """
 
 from __future__ import annotations
 
-import os
-
-import torch
 import triton
 import triton.language as tl
 
-SEQ: tl.constexpr = tl.constexpr(1 << 32)  # a signal word is seq * SEQ + count: newer sequence numbers compare larger
+from moeserve.kernels.targets import DeviceKernel
 
-# Pointers are rebuilt inline from the address table (`(address + offset).to(pointer_type)`) rather
-# than in helper functions: under the interpreter every call of a nested jit function costs
-# milliseconds, per group, which the CPU tests would pay thousands of times.
+EPOCHS = 2**31 - 1  # signal epochs run 1 .. EPOCHS; 0 is a word never written
+SEQ: tl.constexpr = tl.constexpr(1 << 32)  # a signal word is epoch * SEQ + count
+
+# Phases a timed-out wait records in `error[0]` (the host names them, `nvshmem.PHASES`).
+DISPATCH_CREDIT: tl.constexpr = tl.constexpr(1)
+DISPATCH_SIGNAL: tl.constexpr = tl.constexpr(2)
+COMBINE_CREDIT: tl.constexpr = tl.constexpr(3)
+COMBINE_SIGNAL: tl.constexpr = tl.constexpr(4)
+NOTIFY_SIGNAL: tl.constexpr = tl.constexpr(5)
+
+# Arguments that change per call: never value-specialized (see the module docstring).
+_PER_CALL = ["rank", "seq", "epoch", "slot", "first_token", "first_word", "timeout", "phase"]
+
+# Pointers are rebuilt inline from the address table (`(address + offset).to(pointer_type)`) and the
+# bounded waits are written out in each kernel rather than in helper functions: under the
+# interpreter every call of a nested jit function costs milliseconds, per group, which the CPU
+# tests would pay thousands of times, and a kernel launched interpreted by `DeviceKernel` can
+# call no nested jit function outside `tl.reduce`.
+
+
+def epoch(seq: int) -> int:
+    """The signal epoch of sequence number `seq` (>= 1)."""
+    return (seq - 1) % EPOCHS + 1
 
 
 def block_for(count: int, cap: int | None = None) -> int:
@@ -44,38 +80,45 @@ def block_for(count: int, cap: int | None = None) -> int:
     return block if cap is None else min(block, cap)
 
 
-def _jit(fn):
-    """Compiled for CUDA; Triton's interpreter on machines without it, where the CPU transports
-    run these same kernels (chosen here, per kernel, so no environment variable must be set first)."""
-    if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-        return triton.jit(fn)
-    from triton.runtime.interpreter import InterpretedFunction
+def copy_tiles(words: int, device_type: str) -> tuple[int, int]:
+    """(rows, words) per copy tile: 16 x up to 512 words on GPUs (32 KiB a tile: 64 registers of
+    payload per thread at 4 warps, 16 of them 128-bit); larger under the interpreter, where each
+    tile is one numpy operation. The compile check asks for the GPU's with `device_type="cuda"`."""
+    if device_type == "cuda":
+        return 16, block_for(words, 512)
+    return 64, block_for(words, 4096)
 
-    return InterpretedFunction(fn)
 
-
-@_jit
+@triton.jit
 def _add(a, b):
     # tl.sum would do, but the standard library's functions are compiled-only unless the
     # interpreter was chosen before triton was imported; tl.reduce with our own combiner is not.
     return a + b
 
 
-@_jit
+@triton.jit
+def _min(a, b):
+    return tl.minimum(a, b)
+
+
+@triton.jit(do_not_specialize=_PER_CALL)
 def dispatch_send_kernel(
     addresses,
     payload,  # int32 [T, WORDS]: this rank's token rows
     pair_order,  # int64: pair ids (t * K + k) sorted by (chunk, dest rank, local expert), stable
     group_counts,  # int64 [EP * L]: this chunk's pairs per (dest rank, local expert)
     group_starts,  # int64 [EP * L]: where each group begins in pair_order
+    error,  # int64 [4]: (phase, peer, seq, 0) of the first wait that ran out, else zeros
     rank,
     seq,
+    epoch,
     slot,
     first_token,
     rows_offset,
     meta_offset,
     signal_offset,
     credit_offset,
+    timeout,
     EP: tl.constexpr,
     L: tl.constexpr,
     C: tl.constexpr,
@@ -84,6 +127,8 @@ def dispatch_send_kernel(
     WORDS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_W: tl.constexpr,
+    GLOBALTIMER: tl.constexpr,
+    HOST_CLOCK: tl.constexpr,
 ):
     credits = (tl.load(addresses + rank) + credit_offset).to(tl.pointer_type(tl.int64))
     w = tl.arange(0, BLOCK_W).to(tl.int64)
@@ -92,48 +137,98 @@ def dispatch_send_kernel(
         expert = g % L
         count = tl.load(group_counts + g)
         start = tl.load(group_starts + g)
+        ready = seq > 0
         if seq > SLOTS:  # the slot was used SLOTS sequences ago: wait until dest has copied it out
             credit = tl.atomic_add(credits + dest, 0, sem="acquire", scope="sys")
-            while credit < seq - SLOTS:
+            failed = tl.load(error) != 0
+            spent = tl.cast(0, tl.int64)
+            if GLOBALTIMER:
+                start_ns = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], tl.int64, False, 1)
+            else:
+                start_ns = HOST_CLOCK()
+            while (credit < seq - SLOTS) & (spent < timeout) & (not failed):
                 credit = tl.atomic_add(credits + dest, 0, sem="acquire", scope="sys")
-        peer = tl.load(addresses + dest)
-        rows = (peer + rows_offset).to(tl.pointer_type(tl.int32))
-        meta = (peer + meta_offset).to(tl.pointer_type(tl.int32))
-        region = (((slot * L + expert) * EP + rank) * C).to(tl.int64)
-        for m0 in range(0, count, BLOCK_M):
-            i = m0 + tl.arange(0, BLOCK_M).to(tl.int64)
-            mask = i < count
-            pair = tl.load(pair_order + start + i, mask=mask, other=0)
-            token = pair // K
-            tl.store(meta + region + i, ((token - first_token) * K + pair % K).to(tl.int32), mask=mask)
-            for w0 in range(0, WORDS, BLOCK_W):
-                m = mask[:, None] & (w0 + w < WORDS)[None, :]
-                row = tl.load(payload + token[:, None] * WORDS + (w0 + w)[None, :], mask=m)
-                tl.store(rows + (region + i)[:, None] * WORDS + (w0 + w)[None, :], row, mask=m)
-        tl.debug_barrier()  # every thread's stores before the release below
-        signal = (peer + signal_offset).to(tl.pointer_type(tl.int64)) + (slot * L + expert) * EP + rank
-        tl.atomic_xchg(signal, seq.to(tl.int64) * SEQ + count, sem="release", scope="sys")
+                if GLOBALTIMER:
+                    now = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], tl.int64, False, 1)
+                    spent = now - start_ns
+                else:
+                    spent = HOST_CLOCK() - start_ns
+            ready = credit >= seq - SLOTS
+            if not ready:
+                if tl.atomic_cas(error, tl.cast(0, tl.int64), tl.cast(DISPATCH_CREDIT, tl.int64)) == 0:
+                    tl.store(error + 1, dest.to(tl.int64))
+                    tl.store(error + 2, seq.to(tl.int64))
+        if ready:
+            peer = tl.load(addresses + dest)
+            rows = tl.multiple_of((peer + rows_offset).to(tl.pointer_type(tl.int32)), 16)
+            meta = (peer + meta_offset).to(tl.pointer_type(tl.int32))
+            region = (((slot * L + expert) * EP + rank) * C).to(tl.int64)
+            for m0 in range(0, count, BLOCK_M):
+                i = m0 + tl.arange(0, BLOCK_M).to(tl.int64)
+                mask = i < count
+                pair = tl.load(pair_order + start + i, mask=mask, other=0)
+                token = pair // K
+                tl.store(meta + region + i, ((token - first_token) * K + pair % K).to(tl.int32), mask=mask)
+                for w0 in range(0, WORDS, BLOCK_W):
+                    m = mask[:, None] & (w0 + w < WORDS)[None, :]
+                    row = tl.load(payload + token[:, None] * WORDS + (w0 + w)[None, :], mask=m)
+                    tl.store(rows + (region + i)[:, None] * WORDS + (w0 + w)[None, :], row, mask=m)
+            tl.debug_barrier()  # every thread's stores before the release below
+            signal = (peer + signal_offset).to(tl.pointer_type(tl.int64)) + (slot * L + expert) * EP + rank
+            tl.atomic_xchg(signal, epoch.to(tl.int64) * SEQ + count, sem="release", scope="sys")
 
 
-@_jit
+@triton.jit(do_not_specialize=_PER_CALL)
 def wait_signals_kernel(
-    addresses, rank, signal_offset, first_word, counts_out, seq, NUM_WORDS: tl.constexpr, BLOCK: tl.constexpr
+    addresses,
+    error,
+    rank,
+    signal_offset,
+    first_word,
+    counts_out,
+    seq,
+    epoch,
+    timeout,
+    phase,
+    NUM_WORDS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    GLOBALTIMER: tl.constexpr,
+    HOST_CLOCK: tl.constexpr,
 ):
-    """One program: wait for words [first_word, first_word + NUM_WORDS) to reach seq; counts_out gets their counts."""
+    """One program: wait for words [first_word, first_word + NUM_WORDS) to carry `epoch`;
+    counts_out gets their counts (zeros for words that never did, once the wait ran out)."""
     words = (tl.load(addresses + rank) + signal_offset).to(tl.pointer_type(tl.int64)) + first_word
-    target = seq.to(tl.int64) * SEQ
+    target = epoch.to(tl.int64)
+    failed = tl.load(error) != 0
+    spent = tl.cast(0, tl.int64)
+    if GLOBALTIMER:
+        start_ns = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], tl.int64, False, 1)
+    else:
+        start_ns = HOST_CLOCK()
     for w0 in range(0, NUM_WORDS, BLOCK):
         i = w0 + tl.arange(0, BLOCK)
         mask = i < NUM_WORDS
-        value = tl.where(mask, tl.atomic_add(words + i, 0, mask=mask, sem="acquire", scope="sys"), target)
-        pending = tl.reduce((value < target).to(tl.int32), 0, _add)
-        while pending > 0:
-            value = tl.where(mask, tl.atomic_add(words + i, 0, mask=mask, sem="acquire", scope="sys"), target)
-            pending = tl.reduce((value < target).to(tl.int32), 0, _add)
-        tl.store(counts_out + i, value - target, mask=mask)
+        value = tl.atomic_add(words + i, 0, mask=mask, sem="acquire", scope="sys")
+        late = mask & ((value >> 32) != target)
+        pending = tl.reduce(late.to(tl.int32), 0, _add)
+        while (pending > 0) & (spent < timeout) & (not failed):
+            value = tl.atomic_add(words + i, 0, mask=mask, sem="acquire", scope="sys")
+            late = mask & ((value >> 32) != target)
+            pending = tl.reduce(late.to(tl.int32), 0, _add)
+            if GLOBALTIMER:
+                now = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], tl.int64, False, 1)
+                spent = now - start_ns
+            else:
+                spent = HOST_CLOCK() - start_ns
+        if (pending > 0) & (not failed):
+            if tl.atomic_cas(error, tl.cast(0, tl.int64), phase.to(tl.int64)) == 0:
+                tl.store(error + 1, (first_word + tl.reduce(tl.where(late, i, NUM_WORDS), 0, _min)).to(tl.int64))
+                tl.store(error + 2, seq.to(tl.int64))
+        failed = failed | (pending > 0)
+        tl.store(counts_out + i, tl.where(late, 0, value & 0xFFFFFFFF), mask=mask)
 
 
-@_jit
+@triton.jit(do_not_specialize=_PER_CALL)
 def dispatch_recv_kernel(
     addresses,
     counts,  # int64 [L * EP]: rows per (local expert, source) this chunk, from wait_signals
@@ -155,9 +250,9 @@ def dispatch_recv_kernel(
     BLOCK_W: tl.constexpr,
 ):
     own = tl.load(addresses + rank)
-    rows = (own + rows_offset).to(tl.pointer_type(tl.int32))
+    rows = tl.multiple_of((own + rows_offset).to(tl.pointer_type(tl.int32)), 16)
     meta = (own + meta_offset).to(tl.pointer_type(tl.int32))
-    done = (own + done_offset).to(tl.pointer_type(tl.int64))
+    done = (own + done_offset).to(tl.pointer_type(tl.int64)) + slot * EP
     w = tl.arange(0, BLOCK_W).to(tl.int64)
     for g in range(tl.program_id(0), L * EP, tl.num_programs(0)):
         source = g % EP
@@ -172,27 +267,31 @@ def dispatch_recv_kernel(
                 m = mask[:, None] & (w0 + w < WORDS)[None, :]
                 row = tl.load(rows + (region + i)[:, None] * WORDS + (w0 + w)[None, :], mask=m)
                 tl.store(out + (offset + i)[:, None] * WORDS + (w0 + w)[None, :], row, mask=m)
-        # The last of the source's L groups to be copied out hands the slot back to it.
+        # The last of the source's L groups in this slot to be copied out hands the slot back. The
+        # count is per slot, and a slot holds one sequence at a time, so every L-th group is the last.
         tl.debug_barrier()
         finished = tl.atomic_add(done + source, 1, sem="acq_rel", scope="gpu") + 1
-        if finished == seq.to(tl.int64) * L:
+        if finished % L == 0:
             credit = (tl.load(addresses + source) + credit_offset).to(tl.pointer_type(tl.int64)) + rank
-            tl.atomic_xchg(credit, seq.to(tl.int64), sem="release", scope="sys")
+            tl.atomic_max(credit, seq.to(tl.int64), sem="release", scope="sys")
 
 
-@_jit
+@triton.jit(do_not_specialize=_PER_CALL)
 def combine_send_kernel(
     addresses,
     expert_out,  # int32 [N, WORDS]: the experts' rows, in dispatch_recv's order
     row_meta,  # int32 [N]: each row's pair in its source's chunk
     counts,  # int64 [L * EP]: this chunk's rows per (local expert, source)
     offsets,  # int64 [L * EP]: each group's first row in expert_out
+    error,
     rank,
     seq,
+    epoch,
     slot,
     rows_offset,
     signal_offset,
     credit_offset,
+    timeout,
     EP: tl.constexpr,
     L: tl.constexpr,
     C: tl.constexpr,
@@ -201,6 +300,8 @@ def combine_send_kernel(
     WORDS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_W: tl.constexpr,
+    GLOBALTIMER: tl.constexpr,
+    HOST_CLOCK: tl.constexpr,
 ):
     credits = (tl.load(addresses + rank) + credit_offset).to(tl.pointer_type(tl.int64))
     w = tl.arange(0, BLOCK_W).to(tl.int64)
@@ -209,31 +310,49 @@ def combine_send_kernel(
         source = g % EP
         count = tl.load(counts + g)
         offset = tl.load(offsets + g)
+        ready = seq > 0
         if seq > SLOTS:  # the slot was used SLOTS sequences ago: wait until source has reduced it
             credit = tl.atomic_add(credits + source, 0, sem="acquire", scope="sys")
-            while credit < seq - SLOTS:
+            failed = tl.load(error) != 0
+            spent = tl.cast(0, tl.int64)
+            if GLOBALTIMER:
+                start_ns = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], tl.int64, False, 1)
+            else:
+                start_ns = HOST_CLOCK()
+            while (credit < seq - SLOTS) & (spent < timeout) & (not failed):
                 credit = tl.atomic_add(credits + source, 0, sem="acquire", scope="sys")
-        peer = tl.load(addresses + source)
-        rows = (peer + rows_offset).to(tl.pointer_type(tl.int32))
-        for m0 in range(0, count, BLOCK_M):
-            i = m0 + tl.arange(0, BLOCK_M).to(tl.int64)
-            mask = i < count
-            dest_row = slot * C * K + tl.load(row_meta + offset + i, mask=mask, other=0).to(tl.int64)
-            for w0 in range(0, WORDS, BLOCK_W):
-                m = mask[:, None] & (w0 + w < WORDS)[None, :]
-                row = tl.load(expert_out + (offset + i)[:, None] * WORDS + (w0 + w)[None, :], mask=m)
-                tl.store(rows + dest_row[:, None] * WORDS + (w0 + w)[None, :], row, mask=m)
-        tl.debug_barrier()
-        signal = (peer + signal_offset).to(tl.pointer_type(tl.int64)) + (slot * EP + rank) * L + expert
-        tl.atomic_xchg(signal, seq.to(tl.int64) * SEQ + count, sem="release", scope="sys")
+                if GLOBALTIMER:
+                    now = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], tl.int64, False, 1)
+                    spent = now - start_ns
+                else:
+                    spent = HOST_CLOCK() - start_ns
+            ready = credit >= seq - SLOTS
+            if not ready:
+                if tl.atomic_cas(error, tl.cast(0, tl.int64), tl.cast(COMBINE_CREDIT, tl.int64)) == 0:
+                    tl.store(error + 1, source.to(tl.int64))
+                    tl.store(error + 2, seq.to(tl.int64))
+        if ready:
+            peer = tl.load(addresses + source)
+            rows = tl.multiple_of((peer + rows_offset).to(tl.pointer_type(tl.int32)), 16)
+            for m0 in range(0, count, BLOCK_M):
+                i = m0 + tl.arange(0, BLOCK_M).to(tl.int64)
+                mask = i < count
+                dest_row = slot * C * K + tl.load(row_meta + offset + i, mask=mask, other=0).to(tl.int64)
+                for w0 in range(0, WORDS, BLOCK_W):
+                    m = mask[:, None] & (w0 + w < WORDS)[None, :]
+                    row = tl.load(expert_out + (offset + i)[:, None] * WORDS + (w0 + w)[None, :], mask=m)
+                    tl.store(rows + dest_row[:, None] * WORDS + (w0 + w)[None, :], row, mask=m)
+            tl.debug_barrier()
+            signal = (peer + signal_offset).to(tl.pointer_type(tl.int64)) + (slot * EP + rank) * L + expert
+            tl.atomic_xchg(signal, epoch.to(tl.int64) * SEQ + count, sem="release", scope="sys")
 
 
-@_jit
+@triton.jit(do_not_specialize=_PER_CALL)
 def notify_send_kernel(
     addresses,
     counts,  # int64 [EP, WIDTH]: row d goes to rank d's notify slot, at row `rank`
     rank,
-    seq,
+    epoch,
     slot,
     notify_offset,
     signal_offset,
@@ -249,12 +368,21 @@ def notify_send_kernel(
         tl.store(notify + i, tl.load(counts + dest * WIDTH + i, mask=mask), mask=mask)
         tl.debug_barrier()
         signal = (peer + signal_offset).to(tl.pointer_type(tl.int64)) + slot * EP + rank
-        tl.atomic_xchg(signal, seq.to(tl.int64) * SEQ, sem="release", scope="sys")
+        tl.atomic_xchg(signal, epoch.to(tl.int64) * SEQ, sem="release", scope="sys")
 
 
-@_jit
+@triton.jit(do_not_specialize=_PER_CALL)
 def give_credit_kernel(addresses, rank, seq, credit_offset, EP: tl.constexpr):
-    """Every peer's credit word for us becomes seq: what it stored into our slot has been read."""
+    """Every peer's credit word for us rises to seq: what it stored into our slot has been read."""
     for dest in range(tl.program_id(0), EP, tl.num_programs(0)):
         credit = (tl.load(addresses + dest) + credit_offset).to(tl.pointer_type(tl.int64)) + rank
-        tl.atomic_xchg(credit, seq.to(tl.int64), sem="release", scope="sys")
+        tl.atomic_max(credit, seq.to(tl.int64), sem="release", scope="sys")
+
+
+dispatch_send = DeviceKernel(dispatch_send_kernel)
+wait_signals = DeviceKernel(wait_signals_kernel)
+dispatch_recv = DeviceKernel(dispatch_recv_kernel)
+combine_send = DeviceKernel(combine_send_kernel)
+notify_send = DeviceKernel(notify_send_kernel)
+give_credit = DeviceKernel(give_credit_kernel)
+KERNELS = (dispatch_send, wait_signals, dispatch_recv, combine_send, notify_send, give_credit)
