@@ -50,7 +50,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench")]  # run as a script from anywhere
 from dispatch_check import HIGH_THROUGHPUT, LOW_LATENCY, cases_for, check_case, routing, symmetric_memory_cases  # noqa: E402
 from dispatch_timing import Clock, CudaClock, WallClock, kernel_profile, rows_per_chunk, time_mode, traffic  # noqa: E402
 
-from moeserve.dispatch import ExpertPlacement, NvshmemDispatcher  # noqa: E402
+from moeserve.dispatch import DispatchRows, ExpertPlacement, NvshmemDispatcher  # noqa: E402
 from moeserve.dispatch.fp8 import packed_row_bytes  # noqa: E402
 from moeserve.dispatch.symmetric import EmulatedWorld, run_lockstep  # noqa: E402
 from moeserve.dispatch.symmetric.nvshmem_heap import nvshmem_heap_unavailable  # noqa: E402
@@ -230,6 +230,7 @@ def build_pes(plan: Plan, device: torch.device, tokens: int, comm_sms: int | Non
         dispatchers.append(
             NvshmemDispatcher(
                 placement,
+                DispatchRows(plan.hidden, plan.top_k, plan.dtype),
                 device=device,
                 heap=world.heaps[rank],
                 chunk_tokens=plan.chunk_tokens,

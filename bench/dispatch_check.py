@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moeserve.dispatch import DispatchOutput, ExpertPlacement, LocalDispatcher, NvshmemDispatcher
+from moeserve.dispatch import DispatchOutput, DispatchRows, ExpertPlacement, LocalDispatcher, NvshmemDispatcher
 from moeserve.dispatch.base import Steps
 from moeserve.dispatch.symmetric import SymmetricHeap, run_lockstep
 from moeserve.ops.grouped_mlp import row_experts
@@ -212,8 +212,9 @@ def check_case(
     inputs = [rank_inputs(case, world, r, device) for r in range(world)]
     placements = [placement_for(case, world, r) for r in range(world)]
     scale, shift = toy_weights(case, device)
+    rows = DispatchRows(case.hidden, case.top_k, case.dtype)
     dispatchers = [
-        NvshmemDispatcher(p, device=device, heap=h, chunk_tokens=chunk_tokens, dispatch_fp8=case.fp8)
+        NvshmemDispatcher(p, rows, device=device, heap=h, chunk_tokens=chunk_tokens, dispatch_fp8=case.fp8)
         for p, h in zip(placements, heaps())
     ]
 
