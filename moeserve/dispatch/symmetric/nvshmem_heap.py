@@ -49,7 +49,7 @@ class NvshmemHeap(SymmetricHeap):
         if nbytes < 1:
             raise ValueError(f"a symmetric buffer needs at least one byte, got {nbytes}")
         local = self._symm_mem.empty(nbytes, dtype=torch.uint8, device=self.device)
-        local.zero_()
+        local.zero_()  # queued on the current stream: done only once `_zeroed_everywhere` returns
         handle = self._symm_mem.rendezvous(local, group=self._group)
         addresses = list(handle.buffer_ptrs)
         if any(address == 0 for address in addresses):
@@ -58,7 +58,20 @@ class NvshmemHeap(SymmetricHeap):
                 "run the nvshmem backend inside one NVLink domain or use --a2a-backend torch"
             )
         self._handles.append(handle)
-        handle.barrier()  # every rank zeroed its copy before any peer stores into it
+        self._zeroed_everywhere()
         return SymmetricBuffer(
             local=local, addresses=torch.tensor(addresses, dtype=torch.int64, device=self.device), rank=self.rank
         )
+
+    def _zeroed_everywhere(self) -> None:
+        """Return once every rank's zero-fill has run, so that no peer's store can land before it
+        and be wiped. The fill is only queued on this rank's stream, so the host waits for the
+        device first, then for every rank to get that far. The handle's own `barrier()` would
+        not do: in the PyTorch sources read while writing this (NVSHMEMSymmetricMemory), the
+        NVSHMEM backend's barrier is an empty TODO. The group's barrier is used instead (on NCCL
+        the host blocks until it completes)."""
+        torch.cuda.synchronize(self.device)
+        if dist.get_backend(self._group) == dist.Backend.NCCL:
+            dist.barrier(group=self._group, device_ids=[self.device.index])
+        else:
+            dist.barrier(group=self._group)
