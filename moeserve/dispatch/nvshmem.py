@@ -117,7 +117,7 @@ class NvshmemDispatcher(SteppedDispatcher):
             raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
         self.rows, self.chunk_tokens = rows, chunk_tokens
         self._layout = SymmetricLayout.for_rows(placement, rows, chunk_tokens, dispatch_fp8)
-        self.heap = heap if heap is not None else _default_heap(group, self.device)
+        self.heap = heap if heap is not None else _default_heap(group, self.device, self._layout.nbytes)
         if (self.heap.world_size, self.heap.rank) != (placement.ep_size, placement.rank):
             raise ValueError(
                 f"the placement is rank {placement.rank} of ep_size={placement.ep_size} but the heap is PE "
@@ -358,11 +358,13 @@ class NvshmemDispatcher(SteppedDispatcher):
         return self._seq[counter]
 
 
-def _default_heap(group: dist.ProcessGroup | None, device: torch.device) -> SymmetricHeap:
+def _default_heap(group: dist.ProcessGroup | None, device: torch.device, nbytes: int) -> SymmetricHeap:
+    """nbytes: the dispatcher's one buffer, which NVSHMEM's heap is sized for. A process builds one
+    dispatcher for all its MoE layers (they take turns in one buffer), so that is all it allocates."""
     if device.type == "cuda":
         from moeserve.dispatch.symmetric.nvshmem_heap import NvshmemHeap
 
-        return NvshmemHeap(group, device)
+        return NvshmemHeap(group, device, planned_bytes=(nbytes,))
     if not dist.is_initialized():
         from moeserve.dispatch.symmetric import EmulatedWorld
 

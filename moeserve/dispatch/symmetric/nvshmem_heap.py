@@ -14,11 +14,14 @@ tests and `bench/dispatch.py`, not by CI.
 from __future__ import annotations
 
 import importlib.util
+import os
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
 from moeserve.dispatch.symmetric.heap import SymmetricBuffer, SymmetricHeap
+from moeserve.dispatch.symmetric.nvshmem_heap_size import SYMMETRIC_SIZE_VAR, heap_size_to_export, required_heap_bytes
 
 
 def nvshmem_heap_unavailable(device: torch.device) -> str | None:
@@ -32,14 +35,31 @@ def nvshmem_heap_unavailable(device: torch.device) -> str | None:
     return None
 
 
+def size_nvshmem_heap(planned_bytes: Sequence[int], device: torch.device) -> None:
+    """Export `NVSHMEM_SYMMETRIC_SIZE` for `planned_bytes`, or refuse (`nvshmem_heap_size`).
+
+    NVSHMEM reads the variable once, in PyTorch's first symmetric-memory allocation of the process,
+    so this must run before it: the dispatcher's heap is built at startup, before any such
+    allocation (nothing else in moeserve allocates symmetric memory). A later heap in the same
+    process is checked against the size then in effect, the variable's value; buffers an earlier
+    heap still holds are not counted against it."""
+    free_bytes, _ = torch.cuda.mem_get_info(device)
+    value = heap_size_to_export(required_heap_bytes(planned_bytes), os.environ.get(SYMMETRIC_SIZE_VAR), free_bytes)
+    if value is not None:
+        os.environ[SYMMETRIC_SIZE_VAR] = str(value)
+
+
 class NvshmemHeap(SymmetricHeap):
     name = "nvshmem"
 
-    def __init__(self, group: dist.ProcessGroup | None, device: torch.device) -> None:
+    def __init__(self, group: dist.ProcessGroup | None, device: torch.device, planned_bytes: Sequence[int]) -> None:
+        """planned_bytes: the buffers this heap will hold at once. NVSHMEM's heap is sized for them
+        here, before this heap allocates anything (see `size_nvshmem_heap`)."""
         import torch.distributed._symmetric_memory as symm_mem
 
         group = group or dist.group.WORLD
         super().__init__(dist.get_rank(group), dist.get_world_size(group), device)
+        size_nvshmem_heap(planned_bytes, self.device)
         if symm_mem.is_nvshmem_available():
             symm_mem.set_backend("NVSHMEM")
         self._symm_mem, self._group = symm_mem, group
