@@ -7,6 +7,10 @@ the table the kernels take. That needs every peer to be load/store reachable (NV
 node). Peers on other nodes have no such address and are reached by NVSHMEM puts over IBGDA,
 which these kernels do not issue yet: a group spanning nodes is refused.
 
+A heap is built with the buffers it will hold, so that NVSHMEM's heap is sized for them before
+NVSHMEM starts (`nvshmem_heap_size`), and hands a buffer out only once every rank's zero-fill has
+completed (a device synchronize, then the group's barrier).
+
 Runs only on GPUs; none was lent while this was written, so it is checked by the `gpu`-marked
 tests and `bench/dispatch.py`, not by CI.
 """
