@@ -47,10 +47,18 @@ import torch.distributed as dist
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]  # run as a script from anywhere, moeserve installed or not
 
-from dispatch_check import HIGH_THROUGHPUT, LOW_LATENCY, cases_for, check_case, routing, symmetric_memory_cases  # noqa: E402
+from dispatch_check import (  # noqa: E402
+    HIGH_THROUGHPUT,
+    LOW_LATENCY,
+    case_layout,
+    cases_for,
+    check_case,
+    routing,
+    symmetric_memory_cases,
+)
 from dispatch_timing import Clock, CudaClock, WallClock, kernel_profile, rows_per_chunk, time_mode, traffic  # noqa: E402
 
-from moeserve.dispatch import ExpertPlacement, NvshmemDispatcher  # noqa: E402
+from moeserve.dispatch import DispatchRows, ExpertPlacement, NvshmemDispatcher  # noqa: E402
 from moeserve.dispatch.fp8 import packed_row_bytes  # noqa: E402
 from moeserve.dispatch.symmetric import EmulatedWorld, run_lockstep  # noqa: E402
 from moeserve.dispatch.symmetric.nvshmem_heap import nvshmem_heap_unavailable  # noqa: E402
@@ -230,6 +238,7 @@ def build_pes(plan: Plan, device: torch.device, tokens: int, comm_sms: int | Non
         dispatchers.append(
             NvshmemDispatcher(
                 placement,
+                DispatchRows(plan.hidden, plan.top_k, plan.dtype),
                 device=device,
                 heap=world.heaps[rank],
                 chunk_tokens=plan.chunk_tokens,
@@ -407,13 +416,12 @@ def symmetric_child(path: Path) -> int:
 
             from moeserve.dispatch.symmetric.nvshmem_heap import NvshmemHeap
 
-            heap = NvshmemHeap(None, device)
+            chunk = FULL.chunk_tokens
+            runs = [(case, *mode) for case in symmetric_memory_cases() for mode in case.modes(1, chunk)]
+            # every run builds a dispatcher, and so a buffer, on the one heap: sized for all of them
+            heap = NvshmemHeap(None, device, [case_layout(case, 1, chunk).nbytes for case, *_ in runs])
             result["nvshmem_available"] = bool(symm_mem.is_nvshmem_available())
-            cases = [
-                check_case(case, 1, mode, bound, lambda: [heap], device, FULL.chunk_tokens)
-                for case in symmetric_memory_cases()
-                for mode, bound in case.modes(1, FULL.chunk_tokens)
-            ]
+            cases = [check_case(case, 1, mode, bound, lambda: [heap], device, chunk) for case, mode, bound in runs]
             result.update(ran=True, passed=all(c["passed"] for c in cases), cases=cases)
     except Exception as e:  # noqa: BLE001 - why it could not run is the result
         result.update(reason=f"{type(e).__name__}: {e}", traceback=traceback.format_exc()[-3000:])

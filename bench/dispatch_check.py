@@ -22,8 +22,9 @@ from dataclasses import dataclass
 
 import torch
 
-from moeserve.dispatch import DispatchOutput, ExpertPlacement, LocalDispatcher, NvshmemDispatcher
+from moeserve.dispatch import DispatchOutput, DispatchRows, ExpertPlacement, LocalDispatcher, NvshmemDispatcher
 from moeserve.dispatch.base import Steps
+from moeserve.dispatch.nvshmem_layout import SymmetricLayout
 from moeserve.dispatch.symmetric import SymmetricHeap, run_lockstep
 from moeserve.ops.grouped_mlp import row_experts
 
@@ -88,6 +89,12 @@ def symmetric_memory_cases() -> list[Case]:
         Case("E64-k8-uniform-bf16-H2048", 64, 8, 2048, "uniform", "contiguous", (128,), torch.bfloat16, 7),
         Case("E16-k4-skewed-fp32-H1000-3chunks", 16, 4, 1000, "skewed", "contiguous", (300,), torch.float32, 8),
     ]
+
+
+def case_layout(case: Case, world: int, chunk_tokens: int) -> SymmetricLayout:
+    """The symmetric buffer each PE's dispatcher allocates for `case`: what a heap is sized for."""
+    rows = DispatchRows(case.hidden, case.top_k, case.dtype)
+    return SymmetricLayout.for_rows(placement_for(case, world, 0), rows, chunk_tokens, case.fp8)
 
 
 def placement_for(case: Case, world: int, rank: int) -> ExpertPlacement:
@@ -212,8 +219,9 @@ def check_case(
     inputs = [rank_inputs(case, world, r, device) for r in range(world)]
     placements = [placement_for(case, world, r) for r in range(world)]
     scale, shift = toy_weights(case, device)
+    rows = DispatchRows(case.hidden, case.top_k, case.dtype)
     dispatchers = [
-        NvshmemDispatcher(p, device=device, heap=h, chunk_tokens=chunk_tokens, dispatch_fp8=case.fp8)
+        NvshmemDispatcher(p, rows, device=device, heap=h, chunk_tokens=chunk_tokens, dispatch_fp8=case.fp8)
         for p, h in zip(placements, heaps())
     ]
 

@@ -9,6 +9,7 @@ from moeserve.dispatch.nvshmem import NvshmemDispatcher
 from moeserve.dispatch.placement import ExpertPlacement
 from moeserve.dispatch.registry import DISPATCHERS, a2a_backend_for, create_dispatcher
 from moeserve.dispatch.replicas import ReplicaTable
+from moeserve.dispatch.rows import DispatchRows
 
 __all__ = [
     "AllToAllDispatcher",
@@ -16,6 +17,7 @@ __all__ = [
     "DispatchHandle",
     "DispatchLayout",
     "DispatchOutput",
+    "DispatchRows",
     "Dispatcher",
     "ExpertMap",
     "ExpertPlacement",

@@ -31,6 +31,11 @@ High-throughput (no bound, or a larger one): a notify round first exchanges each
 and token count, read back to the host once (the declared `syncs_host`), which sizes the output
 exactly and fixes the number of chunks every rank runs; then the chunks stream through the slots.
 
+The buffer is allocated when the dispatcher is built, for the model's `DispatchRows`: at startup,
+where every rank builds its dispatcher collectively and in the same order, and the heap returns
+only once every rank's copy is zeroed. No dispatch allocates (see `dispatch.rows` for the race
+that allocating in the first dispatch allowed).
+
 `dispatch_steps`/`combine_steps` yield after each send, before the matching wait, so a caller may
 compute between them (two-batch overlap) and emulated PEs in one process can be run in lockstep.
 FP8 (`dispatch_fp8`): the payload is the packed FP8 rows (`fp8.encode_rows`), so the layout's
@@ -56,7 +61,8 @@ from moeserve.dispatch.counts import count_per_expert
 from moeserve.dispatch.fp8 import decode_rows, encode_rows
 from moeserve.dispatch.nvshmem_layout import SymmetricLayout
 from moeserve.dispatch.placement import ExpertPlacement
-from moeserve.dispatch.symmetric import SymmetricBuffer, SymmetricHeap
+from moeserve.dispatch.rows import DispatchRows
+from moeserve.dispatch.symmetric import SymmetricHeap
 
 CHUNK_TOKENS = 128  # tokens per rank per chunk: the low-latency bound, as the torch backend's
 GPU_COMM_SMS = 20  # programs of every communication kernel on a GPU; the rest compute
@@ -107,6 +113,7 @@ class NvshmemDispatcher(SteppedDispatcher):
     def __init__(
         self,
         placement: ExpertPlacement,
+        rows: DispatchRows,
         group: dist.ProcessGroup | None = None,
         device: torch.device | str = "cpu",
         heap: SymmetricHeap | None = None,
@@ -115,22 +122,26 @@ class NvshmemDispatcher(SteppedDispatcher):
         dispatch_fp8: bool = False,
         timeout_s: float = WAIT_TIMEOUT_S,
     ) -> None:
-        """heap: the transport (None: shared memory over `group` on CPU, NVSHMEM on CUDA).
+        """rows: what every dispatch moves; the buffer is laid out and allocated for them here.
+        Collective: every rank of the group builds its dispatcher with the same rows, in the same
+        order as its other symmetric allocations.
+        heap: the transport (None: shared memory over `group` on CPU, NVSHMEM on CUDA).
         chunk_tokens: tokens per rank per chunk, and the largest low-latency bound.
         num_comm_sms: programs of each communication kernel (None: 20 on GPUs, 3 on CPU).
         dispatch_fp8: send FP8 rows with per-128-channel scales (see the module docstring).
         timeout_s: how long any wait for a peer may take before it raises `PeerTimeout`."""
         super().__init__(placement, dispatch_fp8)
         self.device = torch.device(device)
-        self.heap = heap if heap is not None else _default_heap(group, self.device)
+        if chunk_tokens < 1:
+            raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
+        self.rows, self.chunk_tokens = rows, chunk_tokens
+        self._layout = SymmetricLayout.for_rows(placement, rows, chunk_tokens, dispatch_fp8)
+        self.heap = heap if heap is not None else _default_heap(group, self.device, self._layout.nbytes)
         if (self.heap.world_size, self.heap.rank) != (placement.ep_size, placement.rank):
             raise ValueError(
                 f"the placement is rank {placement.rank} of ep_size={placement.ep_size} but the heap is PE "
                 f"{self.heap.rank} of {self.heap.world_size}"
             )
-        if chunk_tokens < 1:
-            raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
-        self.chunk_tokens = chunk_tokens
         self.num_programs = _programs(self.device, num_comm_sms)
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
@@ -145,8 +156,7 @@ class NvshmemDispatcher(SteppedDispatcher):
         from moeserve.kernels import peer_copy
 
         self._kernels = peer_copy
-        self._buffer: SymmetricBuffer | None = None
-        self._layout: SymmetricLayout | None = None
+        self._buffer = self.heap.allocate(self._layout.nbytes)
         self._seq = {"dispatch": 0, "combine": 0, "notify": 0}
 
     @classmethod
@@ -184,8 +194,8 @@ class NvshmemDispatcher(SteppedDispatcher):
         num_tokens, top_k = topk_ids.shape
         if max_tokens_per_rank is not None and num_tokens > max_tokens_per_rank:
             raise ValueError(f"{num_tokens} tokens exceed this step's max_tokens_per_rank={max_tokens_per_rank}")
+        layout = self._layout_for(hidden, top_k)
         payload = self._words(encode_rows(hidden) if self.dispatch_fp8 else hidden)  # int32 [T, W]
-        layout = self._allocate(payload.shape[1] * 4, hidden.shape[1] * hidden.element_size(), top_k)
         ep, lmax, groups = layout.ep, layout.local_experts, layout.groups
 
         if self.syncs_host(max_tokens_per_rank):
@@ -380,26 +390,14 @@ class NvshmemDispatcher(SteppedDispatcher):
             f"sequence {seq}: that rank is dead, stalled, or running a different step"
         )
 
-    def _allocate(self, row_bytes: int, out_row_bytes: int, top_k: int) -> SymmetricLayout:
-        """The buffer, allocated on first use (a collective: every rank dispatches its first layer together)."""
-        layout = self._layout
-        if layout is not None and (layout.row_bytes, layout.out_row_bytes, layout.top_k) == (
-            row_bytes,
-            out_row_bytes,
-            top_k,
-        ):
-            return layout
-        wanted = SymmetricLayout(
-            self.placement.ep_size, self.placement.max_local_experts, top_k, self.chunk_tokens, row_bytes, out_row_bytes
-        )
-        if layout is not None:
+    def _layout_for(self, hidden: torch.Tensor, top_k: int) -> SymmetricLayout:
+        """The buffer's layout, once this dispatch's rows are shown to be those it was allocated for."""
+        if (hidden.shape[1], top_k, hidden.dtype) != (self.rows.hidden_size, self.rows.top_k, self.rows.dtype):
             raise ValueError(
-                f"this dispatcher's buffer was laid out for {layout}; this dispatch needs {wanted} "
-                "(hidden size, dtype and top-k must not change between calls)"
+                f"this dispatcher's buffer was allocated for {self.rows}; this dispatch brings hidden size "
+                f"{hidden.shape[1]}, top-k {top_k}, {hidden.dtype} (they are fixed when the dispatcher is built)"
             )
-        self._buffer = self.heap.allocate(wanted.nbytes)
-        self._layout = wanted
-        return wanted
+        return self._layout
 
     def _words(self, rows: torch.Tensor) -> torch.Tensor:
         """rows `[N, H]` as int32 words `[N, W]`: the kernels copy bits, whatever the dtype."""
@@ -418,11 +416,13 @@ class NvshmemDispatcher(SteppedDispatcher):
         return self._seq[counter]
 
 
-def _default_heap(group: dist.ProcessGroup | None, device: torch.device) -> SymmetricHeap:
+def _default_heap(group: dist.ProcessGroup | None, device: torch.device, nbytes: int) -> SymmetricHeap:
+    """nbytes: the dispatcher's one buffer, which NVSHMEM's heap is sized for. A process builds one
+    dispatcher for all its MoE layers (they take turns in one buffer), so that is all it allocates."""
     if device.type == "cuda":
         from moeserve.dispatch.symmetric.nvshmem_heap import NvshmemHeap
 
-        return NvshmemHeap(group, device)
+        return NvshmemHeap(group, device, planned_bytes=(nbytes,))
     if not dist.is_initialized():
         from moeserve.dispatch.symmetric import EmulatedWorld
 

@@ -34,6 +34,10 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from functools import cached_property
 
+from moeserve.dispatch.fp8 import packed_row_bytes
+from moeserve.dispatch.placement import ExpertPlacement
+from moeserve.dispatch.rows import DispatchRows
+
 SLOTS = 2
 SIGNAL_BYTES = 8
 ALIGN = 16
@@ -63,6 +67,22 @@ class SymmetricLayout:
                 raise ValueError(f"{f.name} must be a positive int, got {value!r}")
         if self.row_bytes % 4 or self.out_row_bytes % 4:
             raise ValueError(f"rows of {self.row_bytes} and {self.out_row_bytes} bytes: the kernels move 4-byte words")
+
+    @classmethod
+    def for_rows(
+        cls, placement: ExpertPlacement, rows: DispatchRows, chunk_tokens: int, dispatch_fp8: bool
+    ) -> SymmetricLayout:
+        """The layout a dispatcher of `placement` needs for a model's `rows`: everything it depends
+        on is known at startup, so the buffer can be allocated before any dispatch."""
+        out_row_bytes = rows.hidden_size * rows.dtype.itemsize
+        return cls(
+            ep=placement.ep_size,
+            local_experts=placement.max_local_experts,
+            top_k=rows.top_k,
+            chunk_tokens=chunk_tokens,
+            row_bytes=packed_row_bytes(rows.hidden_size) if dispatch_fp8 else out_row_bytes,
+            out_row_bytes=out_row_bytes,
+        )
 
     @property
     def groups(self) -> int:

@@ -12,6 +12,7 @@ from moeserve.dispatch.base import Dispatcher
 from moeserve.dispatch.local import LocalDispatcher
 from moeserve.dispatch.nvshmem import NvshmemDispatcher
 from moeserve.dispatch.placement import ExpertPlacement
+from moeserve.dispatch.rows import DispatchRows
 
 DISPATCHERS: dict[str, type[Dispatcher]] = {
     backend.name: backend for backend in (LocalDispatcher, AllToAllDispatcher, NvshmemDispatcher)
@@ -23,11 +24,14 @@ def create_dispatcher(
     placement: ExpertPlacement,
     device: torch.device | str = "cpu",
     group: dist.ProcessGroup | None = None,
+    rows: DispatchRows | None = None,
     **options: object,
 ) -> Dispatcher:
-    """group: the EP process group, for backends that communicate (None: their default); the
-    device and group go to the backends whose constructors take them. options: backend-specific
-    keywords (e.g. the `nvshmem` backend's `chunk_tokens`)."""
+    """group: the EP process group, for backends that communicate (None: their default). rows:
+    the model's dispatched rows, for backends that allocate their buffers at construction (the
+    `nvshmem` backend needs them). The device, group and rows go to the backends whose
+    constructors take them. options: backend-specific keywords (e.g. the `nvshmem` backend's
+    `chunk_tokens`)."""
     if name not in DISPATCHERS:
         raise ValueError(f"unknown dispatcher {name!r}; available: {sorted(DISPATCHERS)}")
     backend = DISPATCHERS[name]
@@ -35,7 +39,9 @@ def create_dispatcher(
     if reason is not None:
         raise ValueError(f"dispatcher {name!r} cannot run here: {reason}")
     accepted = inspect.signature(backend).parameters
-    given = {"group": group, "device": torch.device(device)}
+    if "rows" in accepted and rows is None:
+        raise ValueError(f"dispatcher {name!r} allocates its buffer when built: pass the model's rows (DispatchRows)")
+    given = {"group": group, "device": torch.device(device), "rows": rows}
     return backend(placement, **{k: v for k, v in given.items() if k in accepted}, **options)
 
 

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moeserve.dispatch import ExpertMap, a2a_backend_for, create_dispatcher
+from moeserve.dispatch import DispatchRows, ExpertMap, a2a_backend_for, create_dispatcher
 from moeserve.dispatch.expert_load import logical_rows
 from moeserve.distributed.channel import ControlClient
 from moeserve.distributed.messages import (
@@ -159,6 +159,7 @@ class Worker:
             placement,
             self.device,
             group=dist.group.WORLD,
+            rows=self.rows,
             dispatch_fp8=self.spec.parallel.dispatch_fp8,
         )
         weights, recovered = _recover_experts(model, old_map, new_map, message.previous, rank, self.spec)
@@ -208,10 +209,17 @@ class Worker:
             eplb.expert_placement,
         )
         placement = self.expert_map.slot_placement(self.rank)
+        # Known before the weights: a dispatcher that allocates its buffers does so here, at startup.
+        self.rows = DispatchRows(cfg.hidden_size, cfg.router.top_k, spec.dtype)
         if self.serving:
             backend = a2a_backend_for(spec.parallel.a2a_backend)
             dispatcher = create_dispatcher(
-                backend, placement, self.device, group=dist.group.WORLD, dispatch_fp8=spec.parallel.dispatch_fp8
+                backend,
+                placement,
+                self.device,
+                group=dist.group.WORLD,
+                rows=self.rows,
+                dispatch_fp8=spec.parallel.dispatch_fp8,
             )
         else:
             dispatcher = AwaitingGroup(placement, spec.parallel.dispatch_fp8)

@@ -18,6 +18,7 @@ from moeserve.dispatch import (
     Dispatcher,
     DispatchLayout,
     DispatchOutput,
+    DispatchRows,
     ExpertPlacement,
     create_dispatcher,
 )
@@ -141,7 +142,8 @@ def run_cases(
     torch.set_num_threads(1)
     results = []
     for case in cases:
-        dispatcher = create_dispatcher(backend, placement_for(case, world_size, rank), **(options or {}))
+        rows = DispatchRows(case.hidden_size, case.top_k, case.dtype)
+        dispatcher = create_dispatcher(backend, placement_for(case, world_size, rank), rows=rows, **(options or {}))
         results.append(finish(case_steps(dispatcher, case, rank, world_size)))
     return {"cases": results, "refusals": refusals(rank, world_size) if backend == "torch" else []}
 

@@ -19,6 +19,7 @@ from dispatch_cases import Case, assert_matches_local, case_steps, placement_for
 from ranks import run_ranks
 from test_torch_dispatcher import cases_for
 
+from moeserve.dispatch import DispatchRows
 from moeserve.dispatch.nvshmem import NvshmemDispatcher
 from moeserve.dispatch.symmetric import EmulatedWorld, run_lockstep
 
@@ -38,6 +39,7 @@ def emulated_results(world_size: int, cases: list[Case], chunk_tokens: int, disp
         dispatchers = [
             NvshmemDispatcher(
                 placement_for(case, world_size, r),
+                DispatchRows(case.hidden_size, case.top_k, case.dtype),
                 heap=world.heaps[r],
                 chunk_tokens=chunk_tokens,
                 dispatch_fp8=dispatch_fp8,

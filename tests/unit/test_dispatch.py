@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from helpers.routing import routing
 
 from moeserve.config import GatedActivation
-from moeserve.dispatch import DISPATCHERS, DispatchLayout, ExpertPlacement, create_dispatcher
+from moeserve.dispatch import DISPATCHERS, DispatchLayout, DispatchRows, ExpertPlacement, create_dispatcher
 from moeserve.models.layers.experts import Experts
 from moeserve.ops.grouped_mlp import grouped_mlp, masked_mlp, row_experts
 
@@ -54,7 +54,8 @@ def test_backend_matches_reference(one_rank_group, backend, kind, num_tokens, nu
     experts = Experts(num_experts, H, I, torch.float32)
     experts.w13.copy_(torch.randn(num_experts, 2 * I, H, generator=g) * 0.3)
     experts.w2.copy_(torch.randn(num_experts, H, I, generator=g) * 0.3)
-    dispatcher = create_dispatcher(backend, ExpertPlacement.contiguous(num_experts))
+    rows = DispatchRows(H, top_k, torch.float32)  # taken by the backends that allocate when built
+    dispatcher = create_dispatcher(backend, ExpertPlacement.contiguous(num_experts), rows=rows)
 
     received = dispatcher.dispatch(x, ids, weights, num_tokens if bound == "tight" else None)
     counts = received.num_tokens_per_expert
@@ -144,7 +145,8 @@ def test_fp8_dispatch_hands_the_experts_dequantised_rows(one_rank_group, backend
     x = torch.randn(num_tokens, hidden_size, generator=g).to(torch.bfloat16)
     ids = routing("skewed", num_tokens, num_experts, top_k, g)
     weights = torch.rand(num_tokens, top_k, generator=g)
-    dispatcher = create_dispatcher(backend, ExpertPlacement.contiguous(num_experts), dispatch_fp8=True)
+    rows = DispatchRows(hidden_size, top_k, torch.bfloat16)
+    dispatcher = create_dispatcher(backend, ExpertPlacement.contiguous(num_experts), rows=rows, dispatch_fp8=True)
     for bound in (None, num_tokens):
         received = dispatcher.dispatch(x, ids, weights, bound)
         sent, sent_rows = round_trip(x), local_rows(x)

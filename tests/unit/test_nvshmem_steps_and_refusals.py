@@ -5,13 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moeserve.dispatch import ExpertPlacement, create_dispatcher
+from moeserve.dispatch import DispatchRows, ExpertPlacement, create_dispatcher
 from moeserve.dispatch.nvshmem import NvshmemDispatcher
 from moeserve.dispatch.symmetric import EmulatedWorld
 
+ROWS = DispatchRows(hidden_size=8, top_k=2, dtype=torch.float32)  # what `inputs` makes by default
 
-def one_pe(**options) -> NvshmemDispatcher:
-    return NvshmemDispatcher(ExpertPlacement.contiguous(4), heap=EmulatedWorld(1).heaps[0], **options)
+
+def one_pe(rows: DispatchRows = ROWS, **options) -> NvshmemDispatcher:
+    return NvshmemDispatcher(ExpertPlacement.contiguous(4), rows, heap=EmulatedWorld(1).heaps[0], **options)
 
 
 def inputs(tokens: int, hidden: int = 8, dtype: torch.dtype = torch.float32):
@@ -45,19 +47,23 @@ def test_bad_calls_are_refused() -> None:
         dispatcher.combine(received.hidden[:3], received.handle)
     with pytest.raises(ValueError, match="float64 rows for a torch.float32 dispatch"):
         dispatcher.combine(received.hidden.double(), received.handle)
-    with pytest.raises(ValueError, match="hidden size, dtype and top-k must not change"):
+    with pytest.raises(ValueError, match="brings hidden size 16, top-k 2, torch.float32"):
         dispatcher.dispatch(*inputs(5, hidden=16), 5)
-    with pytest.raises(ValueError, match="need a multiple of 4"):
-        one_pe().dispatch(*inputs(2, hidden=3, dtype=torch.float16), 2)
+    with pytest.raises(ValueError, match="brings hidden size 8, top-k 2, torch.float16"):
+        dispatcher.dispatch(*inputs(5, dtype=torch.float16), 5)
+    with pytest.raises(ValueError, match="the kernels move 4-byte words"):  # refused when built, before any allocation
+        one_pe(DispatchRows(3, 2, torch.float16))
+    with pytest.raises(ValueError, match="pass the model's rows"):
+        create_dispatcher("nvshmem", ExpertPlacement.contiguous(4))
 
 
 def test_heap_must_match_the_placement() -> None:
     with pytest.raises(ValueError, match="heap is PE 0 of 2"):
-        NvshmemDispatcher(ExpertPlacement.contiguous(4, ep_size=2, rank=1), heap=EmulatedWorld(2).heaps[0])
+        NvshmemDispatcher(ExpertPlacement.contiguous(4, ep_size=2, rank=1), ROWS, heap=EmulatedWorld(2).heaps[0])
 
 
 def test_cuda_needs_a_device() -> None:
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
     with pytest.raises(ValueError, match="needs a CUDA device"):
-        create_dispatcher("nvshmem", ExpertPlacement.contiguous(4), device="cuda")
+        create_dispatcher("nvshmem", ExpertPlacement.contiguous(4), device="cuda", rows=ROWS)

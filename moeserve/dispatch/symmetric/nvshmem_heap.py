@@ -7,6 +7,10 @@ the table the kernels take. That needs every peer to be load/store reachable (NV
 node). Peers on other nodes have no such address and are reached by NVSHMEM puts over IBGDA,
 which these kernels do not issue yet: a group spanning nodes is refused.
 
+A heap is built with the buffers it will hold, so that NVSHMEM's heap is sized for them before
+NVSHMEM starts (`nvshmem_heap_size`), and hands a buffer out only once every rank's zero-fill has
+completed (a device synchronize, then the group's barrier).
+
 Runs only on GPUs; none was lent while this was written, so it is checked by the `gpu`-marked
 tests and `bench/dispatch.py`, not by CI.
 """
@@ -14,11 +18,14 @@ tests and `bench/dispatch.py`, not by CI.
 from __future__ import annotations
 
 import importlib.util
+import os
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
 from moeserve.dispatch.symmetric.heap import SymmetricBuffer, SymmetricHeap
+from moeserve.dispatch.symmetric.nvshmem_heap_size import SYMMETRIC_SIZE_VAR, heap_size_to_export, required_heap_bytes
 
 
 def nvshmem_heap_unavailable(device: torch.device) -> str | None:
@@ -32,14 +39,31 @@ def nvshmem_heap_unavailable(device: torch.device) -> str | None:
     return None
 
 
+def size_nvshmem_heap(planned_bytes: Sequence[int], device: torch.device) -> None:
+    """Export `NVSHMEM_SYMMETRIC_SIZE` for `planned_bytes`, or refuse (`nvshmem_heap_size`).
+
+    NVSHMEM reads the variable once, in PyTorch's first symmetric-memory allocation of the process,
+    so this must run before it: the dispatcher's heap is built at startup, before any such
+    allocation (nothing else in moeserve allocates symmetric memory). A later heap in the same
+    process is checked against the size then in effect, the variable's value; buffers an earlier
+    heap still holds are not counted against it."""
+    free_bytes, _ = torch.cuda.mem_get_info(device)
+    value = heap_size_to_export(required_heap_bytes(planned_bytes), os.environ.get(SYMMETRIC_SIZE_VAR), free_bytes)
+    if value is not None:
+        os.environ[SYMMETRIC_SIZE_VAR] = str(value)
+
+
 class NvshmemHeap(SymmetricHeap):
     name = "nvshmem"
 
-    def __init__(self, group: dist.ProcessGroup | None, device: torch.device) -> None:
+    def __init__(self, group: dist.ProcessGroup | None, device: torch.device, planned_bytes: Sequence[int]) -> None:
+        """planned_bytes: the buffers this heap will hold at once. NVSHMEM's heap is sized for them
+        here, before this heap allocates anything (see `size_nvshmem_heap`)."""
         import torch.distributed._symmetric_memory as symm_mem
 
         group = group or dist.group.WORLD
         super().__init__(dist.get_rank(group), dist.get_world_size(group), device)
+        size_nvshmem_heap(planned_bytes, self.device)
         if symm_mem.is_nvshmem_available():
             symm_mem.set_backend("NVSHMEM")
         self._symm_mem, self._group = symm_mem, group
@@ -49,7 +73,7 @@ class NvshmemHeap(SymmetricHeap):
         if nbytes < 1:
             raise ValueError(f"a symmetric buffer needs at least one byte, got {nbytes}")
         local = self._symm_mem.empty(nbytes, dtype=torch.uint8, device=self.device)
-        local.zero_()
+        local.zero_()  # queued on the current stream: done only once `_zeroed_everywhere` returns
         handle = self._symm_mem.rendezvous(local, group=self._group)
         addresses = list(handle.buffer_ptrs)
         if any(address == 0 for address in addresses):
@@ -58,7 +82,20 @@ class NvshmemHeap(SymmetricHeap):
                 "run the nvshmem backend inside one NVLink domain or use --a2a-backend torch"
             )
         self._handles.append(handle)
-        handle.barrier()  # every rank zeroed its copy before any peer stores into it
+        self._zeroed_everywhere()
         return SymmetricBuffer(
             local=local, addresses=torch.tensor(addresses, dtype=torch.int64, device=self.device), rank=self.rank
         )
+
+    def _zeroed_everywhere(self) -> None:
+        """Return once every rank's zero-fill has run, so that no peer's store can land before it
+        and be wiped. The fill is only queued on this rank's stream, so the host waits for the
+        device first, then for every rank to get that far. The handle's own `barrier()` would
+        not do: in the PyTorch sources read while writing this (NVSHMEMSymmetricMemory), the
+        NVSHMEM backend's barrier is an empty TODO. The group's barrier is used instead (on NCCL
+        the host blocks until it completes)."""
+        torch.cuda.synchronize(self.device)
+        if dist.get_backend(self._group) == dist.Backend.NCCL:
+            dist.barrier(group=self._group, device_ids=[self.device.index])
+        else:
+            dist.barrier(group=self._group)
