@@ -56,6 +56,18 @@ def test_heap_must_match_the_placement() -> None:
         NvshmemDispatcher(ExpertPlacement.contiguous(4, ep_size=2, rank=1), heap=EmulatedWorld(2).heaps[0])
 
 
+def test_comm_sms_must_leave_the_gemms_an_sm() -> None:
+    from moeserve.kernels.launch_config import compute_sms
+
+    assert compute_sms(132, 20) == 112
+    assert compute_sms(132, 131) == 1
+    for comm in (0, 132, 200):
+        with pytest.raises(ValueError, match=f"num_comm_sms={comm} must be at least 1 and leave"):
+            compute_sms(132, comm)
+    with pytest.raises(ValueError, match="num_comm_sms must be at least 1"):
+        one_pe(num_comm_sms=0)
+
+
 def test_cuda_needs_a_device() -> None:
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
