@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -12,6 +13,9 @@ from moeserve.dispatch.base import Dispatcher
 from moeserve.dispatch.local import LocalDispatcher
 from moeserve.dispatch.nvshmem import NvshmemDispatcher
 from moeserve.dispatch.placement import ExpertPlacement
+
+if TYPE_CHECKING:
+    from moeserve.engine_config import ParallelConfig
 
 DISPATCHERS: dict[str, type[Dispatcher]] = {
     backend.name: backend for backend in (LocalDispatcher, AllToAllDispatcher, NvshmemDispatcher)
@@ -23,11 +27,13 @@ def create_dispatcher(
     placement: ExpertPlacement,
     device: torch.device | str = "cpu",
     group: dist.ProcessGroup | None = None,
+    num_comm_sms: int | None = None,
     **options: object,
 ) -> Dispatcher:
-    """group: the EP process group, for backends that communicate (None: their default); the
-    device and group go to the backends whose constructors take them. options: backend-specific
-    keywords (e.g. the `nvshmem` backend's `chunk_tokens`)."""
+    """group: the EP process group, for backends that communicate (None: their default);
+    num_comm_sms: the SMs of backends whose kernels communicate (None: their default); the
+    device, group and num_comm_sms go to the backends whose constructors take them. options:
+    backend-specific keywords (e.g. the `nvshmem` backend's `chunk_tokens`)."""
     if name not in DISPATCHERS:
         raise ValueError(f"unknown dispatcher {name!r}; available: {sorted(DISPATCHERS)}")
     backend = DISPATCHERS[name]
@@ -35,7 +41,7 @@ def create_dispatcher(
     if reason is not None:
         raise ValueError(f"dispatcher {name!r} cannot run here: {reason}")
     accepted = inspect.signature(backend).parameters
-    given = {"group": group, "device": torch.device(device)}
+    given = {"group": group, "device": torch.device(device), "num_comm_sms": num_comm_sms}
     return backend(placement, **{k: v for k, v in given.items() if k in accepted}, **options)
 
 
@@ -49,3 +55,17 @@ def a2a_backend_for(choice: str) -> str:
     if choice not in ("torch", "nvshmem"):
         raise ValueError(f"unknown a2a backend {choice!r}; choose auto, torch or nvshmem")
     return choice
+
+
+def ep_dispatcher(
+    parallel: ParallelConfig, placement: ExpertPlacement, device: torch.device | str, group: dist.ProcessGroup | None
+) -> Dispatcher:
+    """The dispatcher an expert-parallel rank serves with, as the engine's options say."""
+    return create_dispatcher(
+        a2a_backend_for(parallel.a2a_backend),
+        placement,
+        device,
+        group=group,
+        num_comm_sms=parallel.num_comm_sms,
+        dispatch_fp8=parallel.dispatch_fp8,
+    )

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moeserve.dispatch import ExpertMap, a2a_backend_for, create_dispatcher
+from moeserve.dispatch import ExpertMap, ep_dispatcher
 from moeserve.dispatch.expert_load import logical_rows
 from moeserve.distributed.channel import ControlClient
 from moeserve.distributed.messages import (
@@ -154,13 +154,7 @@ class Worker:
         model = self.runner.model
         self._routed = None  # counted under the old group, as node 0's copy is dropped; `rehome` zeroes the counters
         placement = new_map.slot_placement(rank)
-        dispatcher = create_dispatcher(
-            a2a_backend_for(self.spec.parallel.a2a_backend),
-            placement,
-            self.device,
-            group=dist.group.WORLD,
-            dispatch_fp8=self.spec.parallel.dispatch_fp8,
-        )
+        dispatcher = ep_dispatcher(self.spec.parallel, placement, self.device, dist.group.WORLD)
         weights, recovered = _recover_experts(model, old_map, new_map, message.previous, rank, self.spec)
         model.rehome(dispatcher, weights, new_map, rank)
         if message.forget_requests:
@@ -209,10 +203,7 @@ class Worker:
         )
         placement = self.expert_map.slot_placement(self.rank)
         if self.serving:
-            backend = a2a_backend_for(spec.parallel.a2a_backend)
-            dispatcher = create_dispatcher(
-                backend, placement, self.device, group=dist.group.WORLD, dispatch_fp8=spec.parallel.dispatch_fp8
-            )
+            dispatcher = ep_dispatcher(spec.parallel, placement, self.device, dist.group.WORLD)
         else:
             dispatcher = AwaitingGroup(placement, spec.parallel.dispatch_fp8)
         model = load_model(

@@ -231,6 +231,24 @@ def test_dispatch_fp8_is_a_switch() -> None:
     assert EngineConfig.from_options(dispatch_fp8=True).parallel.dispatch_fp8 is True
 
 
+def test_num_comm_sms_reaches_the_nvshmem_dispatcher() -> None:
+    from moeserve.dispatch import ExpertPlacement, ep_dispatcher
+
+    def parallel(*argv: str):
+        args = parse(*argv)
+        return EngineConfig.from_options(**{n: getattr(args, n) for n in args.engine_options}).parallel
+
+    assert parallel("launch").num_comm_sms is None
+    config = parallel("launch", "--a2a-backend", "nvshmem", "--num-comm-sms", "7")
+    assert config.num_comm_sms == 7
+    # ep 1 on CPU: one rank, no process group, the emulated heap (what a rank builds at ep 1)
+    dispatcher = ep_dispatcher(config, ExpertPlacement.contiguous(4), "cpu", None)
+    assert dispatcher.name == "nvshmem" and dispatcher.num_programs == 7
+    for bad in ("0", "-3"):
+        with pytest.raises(ValueError, match="num_comm_sms must be at least 1"):
+            parallel("launch", "--num-comm-sms", bad)
+
+
 def test_prefix_caching_is_on_unless_switched_off() -> None:
     def caching(*argv: str) -> bool:
         args = parse(*argv)
