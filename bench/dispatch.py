@@ -2,6 +2,7 @@
 
     python bench/dispatch.py                  # on a GPU: bench/results/dispatch.json (or $OUT/results/)
     python bench/dispatch.py --smoke --out F  # anywhere: tiny sizes, Triton's interpreter without CUDA
+    python bench/dispatch.py --concurrent     # on a GPU: the PEs at once, bench/results/dispatch_concurrent.json
 
 1. Environment: device, torch/triton versions, SM count, and a 1 GiB device-to-device copy's
    bandwidth (read + write bytes), which every bandwidth figure below is a fraction of.
@@ -15,8 +16,17 @@
    high-throughput at 4096 tokens per PE as GB/s of kernel traffic and its fraction of the
    copy's; and overlap: the low-latency dispatch + combine (kernels on `num_comm_sms` programs)
    on one stream beside `fused_moe` (capped to the other SMs by `max_programs`) on another, as
-   time(both) / max(time alone). On CUDA also the high-throughput run with the comm kernels on
-   every SM, and the low-latency run's device time per kernel.
+   time(both) / max(time alone), and as time(both) / (time(comm) + time(GEMM)), the serial sum
+   two-batch overlap would otherwise pay (1.0: no overlap at all; 0.5 at best for equal
+   lengths). On CUDA also the high-throughput run with the comm kernels on every SM, and the
+   low-latency run's device time per kernel.
+
+--concurrent instead runs step 2's cases with every emulated PE on a host thread and a CUDA
+stream of its own (`dispatch_check.run_concurrently`), its dispatchers' comm streams beside it,
+several rounds on the same dispatchers: nothing but the kernels' signals and credits orders the
+PEs, so a real wait, credit or slot reuse that is wrong shows as a difference or a hang. 8 PEs
+of 20 comm programs fit beside each other on an H100's 132 SMs. It needs CUDA (exit 2 without,
+--smoke or not: on CPU the PEs can only take turns).
 
 Without CUDA and without --smoke: one line, exit status 2. Exit 1: a case was not bit-equal
 (emulated, or over symmetric memory); 3: the run reached --time-limit, or --stall-limit without
@@ -54,6 +64,7 @@ from dispatch_check import (  # noqa: E402
     cases_for,
     check_case,
     routing,
+    run_concurrently,
     symmetric_memory_cases,
 )
 from dispatch_timing import Clock, CudaClock, WallClock, kernel_profile, rows_per_chunk, time_mode, traffic  # noqa: E402
@@ -72,11 +83,15 @@ GOALS = {
     "min_fraction_of_copy": 0.8,
     "overlap": "dispatch + combine on K SMs beside fused_moe on the rest: time(both) / max(time alone) <= this",
     "max_overlap_ratio": 1.1,
+    "concurrent": "every PE on its own host thread and stream, repeated rounds: bit-equal to local",
 }
+CONCURRENT_ROUNDS = 3  # more sequence numbers than the ring's 2 slots: every slot is reused
+
 EMULATION = (
     "N PEs emulated in one process on one device: each PE's symmetric buffer is an ordinary device "
     "tensor that its peers' kernels store into through its address, so no byte crosses NVLink. All "
-    "PEs' kernels run one after another on one stream and share this device's SMs and HBM. A per-PE "
+    "PEs' kernels run one after another on one stream (each dispatcher without comm streams of its own) "
+    "and share this device's SMs and HBM. A per-PE "
     "figure is the device time of the kernels (and small torch ops) one PE runs, summed over its "
     "steps and averaged over the PEs: a loopback through HBM, without NVLink's bandwidth and latency "
     "and without waiting for the slowest peer, and with the host's launch time left out (the "
@@ -244,6 +259,7 @@ def build_pes(plan: Plan, device: torch.device, tokens: int, comm_sms: int | Non
                 chunk_tokens=plan.chunk_tokens,
                 num_comm_sms=comm_sms,
                 dispatch_fp8=fp8,
+                comm_stream=False,  # one stream for all PEs, which the clock's events time
             )
         )
         hidden = torch.randn(tokens, plan.hidden, generator=g, device=device).to(plan.dtype)
@@ -367,6 +383,7 @@ def measure_overlap(plan: Plan, device: torch.device, clock: Clock, comm_sms: in
         samples["both_us"].append(timed([comm(rounds), gemm(calls, gemm_programs)]))
         samples["gemm_all_sms_us"].append(timed([gemm(calls, None)]))
     med = {k: statistics.median(v) for k, v in samples.items()}
+    serial = med["comm_alone_us"] + med["gemm_alone_us"]
     return {
         "comm": f"low-latency dispatch + combine of {plan.pes} emulated PEs at {plan.latency_tokens} tokens each, "
         f"{rounds} time(s), kernels on {comm_programs} programs",
@@ -379,7 +396,42 @@ def measure_overlap(plan: Plan, device: torch.device, clock: Clock, comm_sms: in
         "gemm_calls": calls,
         **med,
         "ratio": med["both_us"] / max(med["comm_alone_us"], med["gemm_alone_us"]),
+        "serial_us": serial,
+        "ratio_to_serial": med["both_us"] / serial,
         "repeats_measured_again": retried,
+    }
+
+
+def concurrent(plan: Plan, device: torch.device, progress: Callable[[], None]) -> dict:
+    """Step 2's cases with the PEs at once (see --concurrent in the module docstring)."""
+    records = []
+    for world in plan.worlds:
+        for case in cases_for(world, plan.smoke):
+            for mode, bound in case.modes(world, plan.chunk_tokens):
+                try:
+                    rec = check_case(
+                        case,
+                        world,
+                        mode,
+                        bound,
+                        lambda w=world: EmulatedWorld(w, device).heaps,
+                        device,
+                        plan.chunk_tokens,
+                        drive=lambda steps: run_concurrently(steps, device),
+                        rounds=CONCURRENT_ROUNDS,
+                    )
+                except Exception as e:  # noqa: BLE001 - a case that fails to run is a failed case, recorded
+                    rec = {"world": world, "case": case.name, "mode": mode, "passed": False, "problems": [repr(e)]}
+                records.append(rec)
+                progress()
+                verdict = "bit-equal" if rec["passed"] else f"FAILED: {'; '.join(rec['problems'][:3])}"
+                print(f"  {world} PEs at once  {case.name:44s} {mode:15s} {verdict}", flush=True)
+                torch.cuda.empty_cache()
+    return {
+        "reference": "local dispatcher on all PEs' tokens",
+        "rounds": CONCURRENT_ROUNDS,
+        "passed": all(r["passed"] for r in records),
+        "cases": records,
     }
 
 
@@ -483,7 +535,8 @@ def summary(record: dict) -> list[str]:
         )
     if "overlap" in v:
         lines.append(
-            f"overlap: {v['overlap']['ratio']:.2f}x the longer alone (goal <= 1.1x), met: {v['overlap']['met']}"
+            f"overlap: {v['overlap']['ratio']:.2f}x the longer alone (goal <= 1.1x), met: {v['overlap']['met']}; "
+            f"{record['overlap']['ratio_to_serial']:.2f}x the serial sum"
         )
     for stage in ("latency", "latency_fp8", "bandwidth", "overlap", "bandwidth_all_sms"):
         if "error" in record.get(stage, {}):
@@ -491,9 +544,9 @@ def summary(record: dict) -> list[str]:
     return lines
 
 
-def default_out(smoke: bool) -> Path:
+def default_out(smoke: bool, concurrent: bool = False) -> Path:
     """$OUT/results/ when the GPU runbook sets OUT, else bench/results/ (smoke: the temp dir, never the repo)."""
-    name = "dispatch_smoke.json" if smoke else "dispatch.json"
+    name = "dispatch_concurrent.json" if concurrent else "dispatch_smoke.json" if smoke else "dispatch.json"
     if os.environ.get("OUT"):
         return Path(os.environ["OUT"]) / "results" / name
     return Path(tempfile.gettempdir()) / name if smoke else RESULTS / name
@@ -506,6 +559,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, help="result JSON (default: see default_out)")
     parser.add_argument("--reps", type=int, help="timed repeats (default: 10, smoke 1)")
     parser.add_argument("--comm-sms", type=int, help="programs of each communication kernel (default: the backend's)")
+    parser.add_argument(
+        "--concurrent", action="store_true", help="only the correctness cases, every PE on its own thread and stream"
+    )
     parser.add_argument("--time-limit", type=float, default=540.0, help="seconds before the run stops and saves")
     parser.add_argument("--stall-limit", type=float, default=180.0, help="seconds without progress before it stops")
     parser.add_argument("--symmetric-child", type=Path, help=argparse.SUPPRESS)
@@ -517,6 +573,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.symmetric_child:
         return symmetric_child(args.symmetric_child)
     cuda = torch.cuda.is_available()
+    if not cuda and args.concurrent:
+        print("bench/dispatch.py --concurrent runs each PE on a CUDA stream: no CUDA device here", file=sys.stderr)
+        return 2
     if not cuda and not args.smoke:
         print("bench/dispatch.py needs a CUDA device (none here); --smoke runs the CPU dry run", file=sys.stderr)
         return 2
@@ -526,7 +585,7 @@ def main(argv: list[str] | None = None) -> int:
     plan = replace(plan, reps=args.reps) if args.reps else plan
     device = torch.device("cuda" if cuda else "cpu")
     run = Run(
-        args.out or default_out(args.smoke),
+        args.out or default_out(args.smoke, args.concurrent),
         {"bench": "dispatch", "smoke": plan.smoke, "goals": GOALS},
         args.time_limit,
         args.stall_limit,
@@ -539,6 +598,8 @@ def main(argv: list[str] | None = None) -> int:
     run.record["plan"] = {k: (str(v) if isinstance(v, torch.dtype) else v) for k, v in vars(plan).items()}
     run.record["copy"] = copy_bandwidth(device, clock, plan.reps)
     run.save()
+    if args.concurrent:
+        return concurrent_run(run, plan, device)
 
     run.stage("correctness")
     run.record["correctness"] = correctness(plan, device, run.progress)
@@ -576,6 +637,18 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(summary(run.record)) + f"\nwrote {run.path}", flush=True)
     symmetric = run.record["symmetric_memory"]
     return 0 if correct and (symmetric.get("passed") or not symmetric.get("ran")) else 1
+
+
+def concurrent_run(run: Run, plan: Plan, device: torch.device) -> int:
+    """The --concurrent run after the environment: its one stage; exit 1 unless every case is bit-equal."""
+    run.stage("concurrent")
+    run.record["concurrent"] = concurrent(plan, device, run.progress)
+    run.finish()
+    cases = run.record["concurrent"]["cases"]
+    passed = sum(c["passed"] for c in cases)
+    print(f"PEs at once, {CONCURRENT_ROUNDS} rounds each: {passed}/{len(cases)} cases bit-equal to local", flush=True)
+    print(f"wrote {run.path}", flush=True)
+    return 0 if run.record["concurrent"]["passed"] else 1
 
 
 if __name__ == "__main__":

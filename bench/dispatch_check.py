@@ -10,6 +10,11 @@ on all PEs' tokens at once, the reference the `torch` backend is itself tested a
   low-latency mode, the counts read to the host in the high-throughput one);
 * combine's output equals `local`'s for this PE's tokens.
 
+How the PEs' steps are driven is the caller's: `run_lockstep` on one host thread (the PEs' comm
+streams see their kernels in the order of the rounds), or `run_concurrently` on CUDA, each PE on
+a host thread and a stream of its own with nothing ordering them but the kernels' own signals
+and credits, over several rounds on the same dispatchers so the ring slots are reused.
+
 The toy experts (`rows * rows * scale[e] + shift[e]`) are elementwise, so a row's output does not
 depend on which rows share its batch and `torch.equal` is the right test on every device and
 dtype; both sides then reduce with the one `weighted_sum`.
@@ -18,12 +23,14 @@ dtype; both sides then reduce with the one `weighted_sum`.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from moeserve.dispatch import DispatchOutput, DispatchRows, ExpertPlacement, LocalDispatcher, NvshmemDispatcher
-from moeserve.dispatch.base import Steps
+from moeserve.dispatch.base import Steps, finish
 from moeserve.dispatch.nvshmem_layout import SymmetricLayout
 from moeserve.dispatch.symmetric import SymmetricHeap, run_lockstep
 from moeserve.ops.grouped_mlp import row_experts
@@ -204,6 +211,22 @@ def compare_pe(
     return problems
 
 
+def run_concurrently(steps: Sequence[Steps[Any]], device: torch.device) -> list[Any]:
+    """Each PE's steps run to the end on a host thread and a CUDA stream of its own (its
+    dispatcher's comm streams beside it), all at once: no PE waits for another on the host, so
+    every wait, credit and slot reuse is the kernels' own, as on PEs that are separate GPUs."""
+
+    def one(pe_steps: Steps[Any]) -> Any:
+        stream = torch.cuda.Stream(device)
+        with torch.cuda.stream(stream):
+            result = finish(pe_steps)
+        stream.synchronize()
+        return result
+
+    with ThreadPoolExecutor(max_workers=len(steps)) as pool:
+        return list(pool.map(one, steps))
+
+
 def check_case(
     case: Case,
     world: int,
@@ -212,8 +235,12 @@ def check_case(
     heaps: Callable[[], list[SymmetricHeap]],
     device: torch.device,
     chunk_tokens: int,
+    drive: Callable[[Sequence[Steps[Any]]], list[Any]] = run_lockstep,
+    rounds: int = 1,
 ) -> dict:
-    """One case in one mode on `world` PEs of the heaps `heaps()` returns; a record for the JSON."""
+    """One case in one mode on `world` PEs of the heaps `heaps()` returns; a record for the JSON.
+    drive: runs the PEs' steps (see the module docstring); rounds: times the case is run on the
+    same dispatchers, each checked."""
     dtype = str(case.dtype).removeprefix("torch.")
     record = {"world": world, "case": case.name, "mode": mode, "dtype": dtype, "fp8": case.fp8}
     inputs = [rank_inputs(case, world, r, device) for r in range(world)]
@@ -234,12 +261,14 @@ def check_case(
 
         return run
 
-    results = run_lockstep([pe_steps(d, i, bound, experts_of(p)) for d, i, p in zip(dispatchers, inputs, placements)])
     ref = reference(case, inputs, scale, shift)
     starts = [sum(case.tokens(world)[:r]) for r in range(world)]
-    problems = [
-        f"PE {r}: {problem}"
-        for r, ((received, out), placement) in enumerate(zip(results, placements))
-        for problem in compare_pe(received, out, ref, placement, starts[r], bound, case.top_k)
-    ]
-    return dict(record, passed=not problems, problems=problems)
+    problems = []
+    for repeat in range(rounds):
+        results = drive([pe_steps(d, i, bound, experts_of(p)) for d, i, p in zip(dispatchers, inputs, placements)])
+        problems += [
+            f"round {repeat} PE {r}: {problem}" if rounds > 1 else f"PE {r}: {problem}"
+            for r, ((received, out), placement) in enumerate(zip(results, placements))
+            for problem in compare_pe(received, out, ref, placement, starts[r], bound, case.top_k)
+        ]
+    return dict(record, rounds=rounds, passed=not problems, problems=problems)

@@ -116,6 +116,11 @@ class ParallelConfig:
     of bf16, as DeepEP's low-latency mode does; experts and combine stay in the activation dtype.
     Applied at ep=1 too, so every layout computes the same tokens (which differ slightly from
     unquantised dispatch)."""
+    num_comm_sms: int | None = None
+    """SMs the nvshmem all-to-all's kernels run on, from comm streams of their own beside the
+    compute stream; the experts' GEMMs keep to the GPU's other SMs, so the two share the GPU
+    rather than take turns (two-batch overlap's gain). None: 20 on GPUs, 3 programs under the
+    CPU interpreter. At least 1, and fewer than the GPU's SMs."""
     collective_timeout_s: float = option(120.0, name="collective_timeout", aliases=("collective_timeout_s",))
     """Seconds any collective may wait before the rank gives up (a stalled peer)."""
     heartbeat_timeout_s: float = option(5.0, name="heartbeat_timeout", aliases=("heartbeat_timeout_s",))
@@ -157,6 +162,8 @@ class ParallelConfig:
             raise ValueError(f"backend {self.backend!r} is not one of auto, gloo, nccl")
         if self.a2a_backend not in A2A_BACKENDS:
             raise ValueError(f"a2a_backend {self.a2a_backend!r} is not one of {', '.join(A2A_BACKENDS)}")
+        if self.num_comm_sms is not None and self.num_comm_sms < 1:
+            raise ValueError(f"num_comm_sms must be at least 1 (got {self.num_comm_sms})")
         if min(self.collective_timeout_s, self.heartbeat_timeout_s, self.startup_timeout_s) <= 0:
             raise ValueError("timeouts must be > 0")
         if self.eplb.enabled and self.ep < 2:

@@ -103,9 +103,18 @@ STAGES = (
     Stage(
         "dispatch",
         "the nvshmem backend's kernels bit-equal to local on emulated PEs and over symmetric memory, then "
-        "their latency, bandwidth and overlap at DeepSeek-V3's shape",
-        (Script("bench/dispatch.py", ("--time-limit", "240", "--stall-limit", "90"), "dispatch.json"),),
-        300,
-        250,
+        "their latency, bandwidth and overlap (against the longer alone and the serial sum) at DeepSeek-V3's "
+        "shape; then bit-equal again with every emulated PE on its own thread and stream, nothing but the "
+        "kernels' signals and credits ordering them",
+        (
+            Script("bench/dispatch.py", ("--time-limit", "240", "--stall-limit", "90"), "dispatch.json"),
+            Script(
+                "bench/dispatch.py",
+                ("--concurrent", "--time-limit", "120", "--stall-limit", "60"),
+                "dispatch_concurrent.json",
+            ),
+        ),
+        420,
+        370,
     ),
 )

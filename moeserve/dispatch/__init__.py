@@ -7,7 +7,7 @@ from moeserve.dispatch.expert_map import ExpertMap, rank_imbalance
 from moeserve.dispatch.local import LocalDispatcher
 from moeserve.dispatch.nvshmem import NvshmemDispatcher
 from moeserve.dispatch.placement import ExpertPlacement
-from moeserve.dispatch.registry import DISPATCHERS, a2a_backend_for, create_dispatcher
+from moeserve.dispatch.registry import DISPATCHERS, a2a_backend_for, create_dispatcher, ep_dispatcher
 from moeserve.dispatch.replicas import ReplicaTable
 from moeserve.dispatch.rows import DispatchRows
 
@@ -26,5 +26,6 @@ __all__ = [
     "ReplicaTable",
     "a2a_backend_for",
     "create_dispatcher",
+    "ep_dispatcher",
     "rank_imbalance",
 ]

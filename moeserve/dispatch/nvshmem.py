@@ -38,6 +38,22 @@ that allocating in the first dispatch allowed).
 
 `dispatch_steps`/`combine_steps` yield after each send, before the matching wait, so a caller may
 compute between them (two-batch overlap) and emulated PEs in one process can be run in lockstep.
+
+Streams (`streams`): the kernels (and the small torch ops between them) run on comm streams of
+the dispatcher's own, on `num_comm_sms` programs, so the caller's compute stream runs beside them
+(another micro-batch's attention and experts) on the SMs left, which the experts' persistent
+grids keep to (`launch_config.reserve_comm_sms`). The streams meet only at events: the first
+send waits for the compute stream as it was when dispatch or combine was called (the rows
+exist), and before dispatch or combine returns, and before the one host read, the compute stream
+waits for the comm stream (the rows arrived). Every tensor the comm stream uses is referenced
+by the generator until that last wait is enqueued, so none is freed to the caching allocator
+while the comm stream may still read or write it.
+
+Two comm streams, taken in turn by successive dispatches (a combine runs on its dispatch's):
+a combine send waits for its experts, and on one stream every later comm kernel would wait
+behind it, the other micro-batch's receive included, which would serialise two-batch overlap
+again. Its micro-batches dispatch in turn, so each gets a comm stream of its own. Correctness
+never rests on which stream a call gets: the events order whatever must be ordered.
 FP8 (`dispatch_fp8`): the payload is the packed FP8 rows (`fp8.encode_rows`), so the layout's
 `row_bytes` is `fp8.packed_row_bytes(H)` (0.52x a bf16 row at H = 7168) and the kernels move them
 unchanged; the receiver unpacks its output rows (`fp8.decode_rows`), hands them to the experts as
@@ -48,6 +64,7 @@ Not built: peers without a direct address (other nodes, reached by IBGDA puts).
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import time
 from dataclasses import dataclass
@@ -62,6 +79,7 @@ from moeserve.dispatch.fp8 import decode_rows, encode_rows
 from moeserve.dispatch.nvshmem_layout import SymmetricLayout
 from moeserve.dispatch.placement import ExpertPlacement
 from moeserve.dispatch.rows import DispatchRows
+from moeserve.dispatch.streams import Streams, streams_for
 from moeserve.dispatch.symmetric import SymmetricHeap
 
 CHUNK_TOKENS = 128  # tokens per rank per chunk: the low-latency bound, as the torch backend's
@@ -83,6 +101,7 @@ PHASES = {
     4: ("combine receive (waiting for the expert rank's rows)", lambda word, ep, lmax: word // lmax % ep),
     5: ("notify (waiting for the peer's counts)", lambda word, ep, lmax: word % ep),
 }
+COMM_STREAMS = 2  # one per micro-batch of two-batch overlap (module docstring)
 
 
 @dataclass(frozen=True)
@@ -97,10 +116,13 @@ class NvshmemHandle(DispatchHandle):
     topk_ids: torch.Tensor
     topk_weights: torch.Tensor
     out_dtype: torch.dtype
+    comm_lane: int  # which of the dispatcher's comm streams the dispatch ran on; combine runs there too
 
 
 def _programs(device: torch.device, override: int | None) -> int:
     if override is not None:
+        if override < 1:
+            raise ValueError(f"num_comm_sms must be at least 1, got {override}")
         return override
     return GPU_COMM_SMS if device.type == "cuda" else CPU_COMM_PROGRAMS
 
@@ -121,6 +143,8 @@ class NvshmemDispatcher(SteppedDispatcher):
         num_comm_sms: int | None = None,
         dispatch_fp8: bool = False,
         timeout_s: float = WAIT_TIMEOUT_S,
+        streams: Streams | None = None,
+        comm_stream: bool = True,
     ) -> None:
         """rows: what every dispatch moves; the buffer is laid out and allocated for them here.
         Collective: every rank of the group builds its dispatcher with the same rows, in the same
@@ -129,7 +153,11 @@ class NvshmemDispatcher(SteppedDispatcher):
         chunk_tokens: tokens per rank per chunk, and the largest low-latency bound.
         num_comm_sms: programs of each communication kernel (None: 20 on GPUs, 3 on CPU).
         dispatch_fp8: send FP8 rows with per-128-channel scales (see the module docstring).
-        timeout_s: how long any wait for a peer may take before it raises `PeerTimeout`."""
+        timeout_s: how long any wait for a peer may take before it raises `PeerTimeout`.
+        streams: the device's streams and events (None: `streams_for(device)`).
+        comm_stream: launch on a comm stream of our own beside the caller's (module docstring);
+            False: on the caller's stream, after its work, as emulated PEs that one host thread
+            times on one stream need."""
         super().__init__(placement, dispatch_fp8)
         self.device = torch.device(device)
         if chunk_tokens < 1:
@@ -150,6 +178,15 @@ class NvshmemDispatcher(SteppedDispatcher):
         # host reads it (`_check_peers`) where it can without stalling the GPU.
         self._error = torch.zeros(4, dtype=torch.int64, device=self.device)
         self._error_seen = _ErrorMirror(self._error)
+        self.streams = streams if streams is not None else streams_for(self.device)
+        self.comm_streams = tuple(
+            self.streams.new_stream(f"comm {i}") for i in range(COMM_STREAMS if comm_stream else 0)
+        )
+        self._dispatches = 0
+        if comm_stream and self.device.type == "cuda":
+            from moeserve.kernels.launch_config import reserve_comm_sms
+
+            reserve_comm_sms(self.device, self.num_programs)
         self._expert_slot = placement.expert_slot.to(self.device)
         # Imported here, not with the module: it decorates the kernels (compiled or interpreted)
         # and pulls in triton, which no process that never builds this backend needs.
@@ -197,9 +234,12 @@ class NvshmemDispatcher(SteppedDispatcher):
         layout = self._layout_for(hidden, top_k)
         payload = self._words(encode_rows(hidden) if self.dispatch_fp8 else hidden)  # int32 [T, W]
         ep, lmax, groups = layout.ep, layout.local_experts, layout.groups
+        lane = self._dispatches % COMM_STREAMS
+        self._dispatches += 1
+        comm = self._comm(lane)
 
         if self.syncs_host(max_tokens_per_rank):
-            received = yield from self._notify(topk_ids, layout)  # [EP, L + 1] per source: counts, tokens
+            received = yield from self._notify(topk_ids, layout, comm)  # [EP, L + 1] per source: counts, tokens
             num_chunks = -(-max(row[-1] for row in received) // self.chunk_tokens)
             per_group = torch.tensor([row[:lmax] for row in received], dtype=torch.int64).t().reshape(-1)  # (e, s)
             num_rows = int(per_group.sum())
@@ -216,16 +256,19 @@ class NvshmemDispatcher(SteppedDispatcher):
         chunk_counts = torch.zeros(num_chunks, groups, dtype=torch.int64, device=self.device)
         chunk_offsets = torch.zeros_like(chunk_counts)
         running = torch.zeros(groups, dtype=torch.int64, device=self.device)
+        self._comm_after_compute(comm)  # the payload and the send plan exist
         for chunk in range(num_chunks):
-            seq = self._launch_send(payload, order, send_counts[chunk], send_starts[chunk], chunk, layout, top_k)
+            seq = self._launch_send(payload, order, send_counts[chunk], send_starts[chunk], chunk, layout, top_k, comm)
             yield
             counts = self._wait(
-                "dispatch_signal", (seq % layout.slots) * groups, groups, seq, self._kernels.DISPATCH_SIGNAL
+                "dispatch_signal", (seq % layout.slots) * groups, groups, seq, self._kernels.DISPATCH_SIGNAL, comm
             )
-            offsets = torch.cumsum(counts, 0) - counts if base is None else base + running
-            self._launch_recv(counts, offsets, out, row_meta, seq, layout)
-            running += counts
-            chunk_counts[chunk], chunk_offsets[chunk] = counts, offsets
+            with self._on_comm(comm, "dispatch_recv"):
+                offsets = torch.cumsum(counts, 0) - counts if base is None else base + running
+                self._launch_recv(counts, offsets, out, row_meta, seq, layout)
+                running += counts
+                chunk_counts[chunk], chunk_offsets[chunk] = counts, offsets
+        self._compute_after_comm(comm)  # the rows arrived: the experts may read them
 
         handle = NvshmemHandle(
             num_tokens=num_tokens,
@@ -235,6 +278,7 @@ class NvshmemDispatcher(SteppedDispatcher):
             topk_ids=topk_ids,
             topk_weights=topk_weights,
             out_dtype=hidden.dtype,
+            comm_lane=lane,
         )
         fp8_rows = decode_rows(out, hidden.shape[1]) if self.dispatch_fp8 else None
         return DispatchOutput(
@@ -246,7 +290,7 @@ class NvshmemDispatcher(SteppedDispatcher):
             handle=handle,
         )
 
-    def _notify(self, topk_ids: torch.Tensor, layout: SymmetricLayout) -> Steps[list[list[int]]]:
+    def _notify(self, topk_ids: torch.Tensor, layout: SymmetricLayout, comm: object) -> Steps[list[list[int]]]:
         """Every rank's pairs per (our local expert) and its token count, read to the host."""
         ep, lmax = layout.ep, layout.local_experts
         counts = count_per_expert(self._expert_slot[topk_ids.reshape(-1)], ep * lmax).view(ep, lmax)
@@ -254,12 +298,15 @@ class NvshmemDispatcher(SteppedDispatcher):
         seq = self._next("notify")
         slot = seq % layout.slots
         offsets = layout.offsets
-        self._kernels.notify_send[(min(self.num_programs, ep),)](
-            self._buffer.addresses, rows, self.heap.rank, self._kernels.epoch(seq), slot, offsets["notify"],
-            offsets["notify_signal"], EP=ep, WIDTH=lmax + 1, BLOCK=self._kernels.block_for(lmax + 1),
-        )  # fmt: skip
+        self._comm_after_compute(comm)  # the counts exist
+        with self._on_comm(comm, "notify_send"):
+            self._kernels.notify_send[(min(self.num_programs, ep),)](
+                self._buffer.addresses, rows, self.heap.rank, self._kernels.epoch(seq), slot, offsets["notify"],
+                offsets["notify_signal"], EP=ep, WIDTH=lmax + 1, BLOCK=self._kernels.block_for(lmax + 1),
+            )  # fmt: skip
         yield
-        self._wait("notify_signal", slot * ep, ep, seq, self._kernels.NOTIFY_SIGNAL)
+        self._wait("notify_signal", slot * ep, ep, seq, self._kernels.NOTIFY_SIGNAL, comm)
+        self._compute_after_comm(comm)  # the read below is enqueued on the compute stream
         notify = self._buffer.view(offsets["notify"], (layout.slots, ep, lmax + 1), torch.int64)
         received = notify[slot].tolist()  # the one host read of the high-throughput mode
         self._check_peers(synced=True)
@@ -280,17 +327,18 @@ class NvshmemDispatcher(SteppedDispatcher):
         starts = torch.cumsum(counts, 0) - counts
         return order, counts.view(num_chunks, layout.groups), starts.view(num_chunks, layout.groups)
 
-    def _launch_send(self, payload, order, counts, starts, chunk, layout, top_k) -> int:
+    def _launch_send(self, payload, order, counts, starts, chunk, layout, top_k, comm) -> int:
         seq = self._next("dispatch")
         offsets = layout.offsets
         block_m, block_w = self._blocks(payload.shape[1])
-        self._kernels.dispatch_send[(self.num_programs,)](
-            self._buffer.addresses, payload, order, counts, starts, self._error, self.heap.rank, seq,
-            self._kernels.epoch(seq), seq % layout.slots, chunk * self.chunk_tokens, offsets["dispatch_rows"],
-            offsets["dispatch_meta"], offsets["dispatch_signal"], offsets["dispatch_credit"], self._timeout_ns,
-            EP=layout.ep, L=layout.local_experts, C=self.chunk_tokens, K=top_k, SLOTS=layout.slots,
-            WORDS=payload.shape[1], BLOCK_M=block_m, BLOCK_W=block_w, **self._clock,
-        )  # fmt: skip
+        with self._on_comm(comm, "dispatch_send"):
+            self._kernels.dispatch_send[(self.num_programs,)](
+                self._buffer.addresses, payload, order, counts, starts, self._error, self.heap.rank, seq,
+                self._kernels.epoch(seq), seq % layout.slots, chunk * self.chunk_tokens, offsets["dispatch_rows"],
+                offsets["dispatch_meta"], offsets["dispatch_signal"], offsets["dispatch_credit"], self._timeout_ns,
+                EP=layout.ep, L=layout.local_experts, C=self.chunk_tokens, K=top_k, SLOTS=layout.slots,
+                WORDS=payload.shape[1], BLOCK_M=block_m, BLOCK_W=block_w, **self._clock,
+            )  # fmt: skip
         return seq
 
     def _launch_recv(self, counts, offsets, out, row_meta, seq, layout) -> None:
@@ -320,48 +368,74 @@ class NvshmemDispatcher(SteppedDispatcher):
         words = self._words(expert_output)
         block_m, block_w = self._blocks(words.shape[1])
         out = expert_output.new_empty(num_tokens, hidden_size)
+        comm = self._comm(handle.comm_lane)
+        self._comm_after_compute(comm)  # the experts' rows exist
         for chunk in range(handle.chunk_counts.shape[0]):
             seq = self._next("combine")
             slot = seq % layout.slots
-            self._kernels.combine_send[(self.num_programs,)](
-                self._buffer.addresses, words, handle.row_meta, handle.chunk_counts[chunk],
-                handle.chunk_offsets[chunk], self._error, self.heap.rank, seq, self._kernels.epoch(seq), slot,
-                offsets["combine_rows"], offsets["combine_signal"], offsets["combine_credit"], self._timeout_ns,
-                EP=layout.ep, L=layout.local_experts, C=self.chunk_tokens, K=top_k, SLOTS=layout.slots,
-                WORDS=words.shape[1], BLOCK_M=block_m, BLOCK_W=block_w, **self._clock,
-            )  # fmt: skip
+            with self._on_comm(comm, "combine_send"):
+                self._kernels.combine_send[(self.num_programs,)](
+                    self._buffer.addresses, words, handle.row_meta, handle.chunk_counts[chunk],
+                    handle.chunk_offsets[chunk], self._error, self.heap.rank, seq, self._kernels.epoch(seq), slot,
+                    offsets["combine_rows"], offsets["combine_signal"], offsets["combine_credit"], self._timeout_ns,
+                    EP=layout.ep, L=layout.local_experts, C=self.chunk_tokens, K=top_k, SLOTS=layout.slots,
+                    WORDS=words.shape[1], BLOCK_M=block_m, BLOCK_W=block_w, **self._clock,
+                )  # fmt: skip
             yield
             self._wait(
-                "combine_signal", slot * layout.groups, layout.groups, seq, self._kernels.COMBINE_SIGNAL
+                "combine_signal", slot * layout.groups, layout.groups, seq, self._kernels.COMBINE_SIGNAL, comm
             )
             first = chunk * self.chunk_tokens
             tokens = max(0, min(num_tokens - first, self.chunk_tokens))
             slot_rows = self.chunk_tokens * top_k
-            rows = self._buffer.view(
-                offsets["combine_rows"] + slot * slot_rows * layout.out_row_bytes,
-                (tokens * top_k, hidden_size),
-                expert_output.dtype,
-            )
-            span = slice(first, first + tokens)
-            order = None if handle.sum_order is None else handle.sum_order[span]
-            out[span] = weighted_sum(rows, handle.topk_ids[span], handle.topk_weights[span], order)
-            self._kernels.give_credit[(min(self.num_programs, layout.ep),)](
-                self._buffer.addresses, self.heap.rank, seq, offsets["combine_credit"], EP=layout.ep
-            )
+            # On the comm stream, so the credit below follows the read of the slot.
+            with self._on_comm(comm, "combine_reduce"):
+                rows = self._buffer.view(
+                    offsets["combine_rows"] + slot * slot_rows * layout.out_row_bytes,
+                    (tokens * top_k, hidden_size),
+                    expert_output.dtype,
+                )
+                span = slice(first, first + tokens)
+                order = None if handle.sum_order is None else handle.sum_order[span]
+                out[span] = weighted_sum(rows, handle.topk_ids[span], handle.topk_weights[span], order)
+            with self._on_comm(comm, "give_credit"):
+                self._kernels.give_credit[(min(self.num_programs, layout.ep),)](
+                    self._buffer.addresses, self.heap.rank, seq, offsets["combine_credit"], EP=layout.ep
+                )
+        self._compute_after_comm(comm)  # the reduced rows are home
         return out
 
     # -- helpers ----------------------------------------------------------------------------
 
-    def _wait(self, region: str, first_word: int, num_words: int, seq: int, phase) -> torch.Tensor:
+    def _wait(self, region: str, first_word: int, num_words: int, seq: int, phase, comm: object) -> torch.Tensor:
         """int64 `[num_words]`: the counts in words [first_word, +num_words) of `region`, once all carry seq."""
-        counts = torch.empty(num_words, dtype=torch.int64, device=self.device)
-        self._kernels.wait_signals[(1,)](
-            self._buffer.addresses, self._error, self.heap.rank, self._layout.offsets[region], first_word, counts,
-            seq, self._kernels.epoch(seq), self._timeout_ns, phase.value,
-            NUM_WORDS=num_words, BLOCK=self._kernels.block_for(num_words, 1024), **self._clock,
-        )  # fmt: skip
+        with self._on_comm(comm, "wait_signals"):
+            counts = torch.empty(num_words, dtype=torch.int64, device=self.device)
+            self._kernels.wait_signals[(1,)](
+                self._buffer.addresses, self._error, self.heap.rank, self._layout.offsets[region], first_word,
+                counts, seq, self._kernels.epoch(seq), self._timeout_ns, phase.value,
+                NUM_WORDS=num_words, BLOCK=self._kernels.block_for(num_words, 1024), **self._clock,
+            )  # fmt: skip
         self._check_peers(synced=self.device.type != "cuda")
         return counts
+
+    def _comm(self, lane: int) -> object | None:
+        """Comm stream `lane`, or None without comm streams (the caller's stream is used)."""
+        return self.comm_streams[lane] if self.comm_streams else None
+
+    def _on_comm(self, comm: object | None, what: str) -> contextlib.AbstractContextManager[None]:
+        """A context enqueuing `what` on the comm stream `comm` (None: on the caller's stream)."""
+        return self.streams.on(comm if comm is not None else self.streams.current(), what)
+
+    def _comm_after_compute(self, comm: object | None) -> None:
+        """The comm stream's next work waits for the compute stream's work so far."""
+        if comm is not None:
+            self.streams.follow(comm, self.streams.current())
+
+    def _compute_after_comm(self, comm: object | None) -> None:
+        """The compute stream's next work waits for the comm stream's work so far."""
+        if comm is not None:
+            self.streams.follow(self.streams.current(), comm)
 
     @property
     def _timeout_ns(self) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -13,6 +14,9 @@ from moeserve.dispatch.local import LocalDispatcher
 from moeserve.dispatch.nvshmem import NvshmemDispatcher
 from moeserve.dispatch.placement import ExpertPlacement
 from moeserve.dispatch.rows import DispatchRows
+
+if TYPE_CHECKING:
+    from moeserve.engine_config import ParallelConfig
 
 DISPATCHERS: dict[str, type[Dispatcher]] = {
     backend.name: backend for backend in (LocalDispatcher, AllToAllDispatcher, NvshmemDispatcher)
@@ -25,11 +29,13 @@ def create_dispatcher(
     device: torch.device | str = "cpu",
     group: dist.ProcessGroup | None = None,
     rows: DispatchRows | None = None,
+    num_comm_sms: int | None = None,
     **options: object,
 ) -> Dispatcher:
     """group: the EP process group, for backends that communicate (None: their default). rows:
     the model's dispatched rows, for backends that allocate their buffers at construction (the
-    `nvshmem` backend needs them). The device, group and rows go to the backends whose
+    `nvshmem` backend needs them). num_comm_sms: the SMs of backends whose kernels communicate
+    (None: their default). The device, group, rows and num_comm_sms go to the backends whose
     constructors take them. options: backend-specific keywords (e.g. the `nvshmem` backend's
     `chunk_tokens`)."""
     if name not in DISPATCHERS:
@@ -41,7 +47,7 @@ def create_dispatcher(
     accepted = inspect.signature(backend).parameters
     if "rows" in accepted and rows is None:
         raise ValueError(f"dispatcher {name!r} allocates its buffer when built: pass the model's rows (DispatchRows)")
-    given = {"group": group, "device": torch.device(device), "rows": rows}
+    given = {"group": group, "device": torch.device(device), "rows": rows, "num_comm_sms": num_comm_sms}
     return backend(placement, **{k: v for k, v in given.items() if k in accepted}, **options)
 
 
@@ -55,3 +61,22 @@ def a2a_backend_for(choice: str) -> str:
     if choice not in ("torch", "nvshmem"):
         raise ValueError(f"unknown a2a backend {choice!r}; choose auto, torch or nvshmem")
     return choice
+
+
+def ep_dispatcher(
+    parallel: ParallelConfig,
+    placement: ExpertPlacement,
+    device: torch.device | str,
+    group: dist.ProcessGroup | None,
+    rows: DispatchRows,
+) -> Dispatcher:
+    """The dispatcher an expert-parallel rank serves with, as the engine's options say."""
+    return create_dispatcher(
+        a2a_backend_for(parallel.a2a_backend),
+        placement,
+        device,
+        group=group,
+        rows=rows,
+        num_comm_sms=parallel.num_comm_sms,
+        dispatch_fp8=parallel.dispatch_fp8,
+    )

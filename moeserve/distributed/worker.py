@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moeserve.dispatch import DispatchRows, ExpertMap, a2a_backend_for, create_dispatcher
+from moeserve.dispatch import DispatchRows, ExpertMap, ep_dispatcher
 from moeserve.dispatch.expert_load import logical_rows
 from moeserve.distributed.channel import ControlClient
 from moeserve.distributed.messages import (
@@ -154,14 +154,7 @@ class Worker:
         model = self.runner.model
         self._routed = None  # counted under the old group, as node 0's copy is dropped; `rehome` zeroes the counters
         placement = new_map.slot_placement(rank)
-        dispatcher = create_dispatcher(
-            a2a_backend_for(self.spec.parallel.a2a_backend),
-            placement,
-            self.device,
-            group=dist.group.WORLD,
-            rows=self.rows,
-            dispatch_fp8=self.spec.parallel.dispatch_fp8,
-        )
+        dispatcher = ep_dispatcher(self.spec.parallel, placement, self.device, dist.group.WORLD, self.rows)
         weights, recovered = _recover_experts(model, old_map, new_map, message.previous, rank, self.spec)
         model.rehome(dispatcher, weights, new_map, rank)
         if message.forget_requests:
@@ -212,15 +205,7 @@ class Worker:
         # Known before the weights: a dispatcher that allocates its buffers does so here, at startup.
         self.rows = DispatchRows(cfg.hidden_size, cfg.router.top_k, spec.dtype)
         if self.serving:
-            backend = a2a_backend_for(spec.parallel.a2a_backend)
-            dispatcher = create_dispatcher(
-                backend,
-                placement,
-                self.device,
-                group=dist.group.WORLD,
-                rows=self.rows,
-                dispatch_fp8=spec.parallel.dispatch_fp8,
-            )
+            dispatcher = ep_dispatcher(spec.parallel, placement, self.device, dist.group.WORLD, self.rows)
         else:
             dispatcher = AwaitingGroup(placement, spec.parallel.dispatch_fp8)
         model = load_model(

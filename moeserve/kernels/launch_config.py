@@ -91,8 +91,35 @@ def device_index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
+_comm_sms: dict[int, int] = {}
+"""Per GPU (device index): the SMs its communication kernels hold while the GEMMs run (the most
+any dispatcher with a comm stream there asked for)."""
+
+
+def compute_sms(sm_count: int, comm_sms: int) -> int:
+    """The SMs left to compute when communication kernels hold `comm_sms` of `sm_count`; a
+    ValueError unless both sides get at least one."""
+    if not 1 <= comm_sms < sm_count:
+        raise ValueError(
+            f"num_comm_sms={comm_sms} must be at least 1 and leave the experts' GEMMs at least one of "
+            f"the GPU's {sm_count} SMs"
+        )
+    return sm_count - comm_sms
+
+
+def reserve_comm_sms(device: torch.device, comm_sms: int) -> None:
+    """Keep `comm_sms` SMs of this GPU free of persistent GEMM grids: communication kernels on a
+    stream of their own run there. A grid on every SM would hold them all until it drained, and
+    the comm kernels, which other ranks spin on, would start only after the GEMM."""
+    index = device_index(device)
+    compute_sms(_sm_count(index), comm_sms)
+    _comm_sms[index] = max(_comm_sms.get(index, 0), comm_sms)
+
+
 def default_max_programs(device: torch.device) -> int:
-    """One program per SM on CUDA; a handful under the CPU interpreter."""
+    """One program per SM on CUDA, less the SMs reserved for communication (`reserve_comm_sms`);
+    a handful under the CPU interpreter."""
     if device.type == "cuda":
-        return _sm_count(device_index(device))
+        index = device_index(device)
+        return _sm_count(index) - _comm_sms.get(index, 0)
     return CPU_PROGRAMS

@@ -16,6 +16,14 @@ sequence, or none, runs an empty second micro-batch (T = 0), which still joins e
 combine a number of times fixed by the model and by the dispatcher's mode, which the step bound
 decides alike everywhere (a dispatcher's steps must not yield a data-dependent number of times).
 
+Streams: the overlap is real on a GPU only because each micro-batch's dispatch and combine
+kernels go to the dispatcher's comm stream (`NvshmemDispatcher`) while the turns themselves
+enqueue attention, router and experts on the compute stream. A's send is queued on the comm
+stream, then B's attention on the compute stream: the GPU runs them side by side, and the
+streams meet only where A's experts read A's received rows (an event recorded after the
+receive). `interleave` takes each turn on the compute stream under the micro-batch's name, so
+a recording backend (`CpuStreams`) tells the two micro-batches' operations apart.
+
 Micro-batches are whole sequences, so each has an attention plan of its own and the torch
 reference's attention, per sequence, gives the same rows as unsplit. Tensor parallelism splits
 each micro-batch's tokens over the group as it would a whole step: the ranks of a group run the
@@ -28,6 +36,7 @@ from collections.abc import Sequence
 from typing import TypeVar
 
 from moeserve.dispatch.base import Steps
+from moeserve.dispatch.streams import Streams
 from moeserve.models import TensorParallel
 
 T = TypeVar("T")
@@ -73,15 +82,23 @@ def micro_batch_bounds(steps_query_lens: Sequence[Sequence[int]], tp: TensorPara
     )
 
 
-def interleave(passes: Sequence[Steps[T]]) -> list[T]:
+def interleave(passes: Sequence[Steps[T]], streams: Streams | None = None) -> list[T]:
     """Advance each pass to its next yield in turn (0, 1, 0, 1, ...; a pass that has returned is
-    skipped) until all have returned; their results, in the passes' order."""
+    skipped) until all have returned; their results, in the passes' order.
+
+    streams: each turn is enqueued on the stream current at the call (the compute stream) as
+    `micro-batch i`; None: on whatever stream is current, unnamed."""
     results: list[T | None] = [None] * len(passes)
     running = list(range(len(passes)))
+    compute = streams.current() if streams is not None else None
     while running:
         for i in list(running):
             try:
-                next(passes[i])
+                if streams is None:
+                    next(passes[i])
+                else:
+                    with streams.on(compute, f"micro-batch {i}"):
+                        next(passes[i])
             except StopIteration as done:
                 results[i] = done.value
                 running.remove(i)

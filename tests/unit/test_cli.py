@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from moeserve.cli import build_parser, main
@@ -229,6 +230,25 @@ def test_dispatch_fp8_is_a_switch() -> None:
     assert fp8("launch", "--ep", "4", "--dispatch-fp8") is True
     assert fp8("generate", "--prompt", "hi", "--dispatch-fp8") is True
     assert EngineConfig.from_options(dispatch_fp8=True).parallel.dispatch_fp8 is True
+
+
+def test_num_comm_sms_reaches_the_nvshmem_dispatcher() -> None:
+    from moeserve.dispatch import DispatchRows, ExpertPlacement, ep_dispatcher
+
+    def parallel(*argv: str):
+        args = parse(*argv)
+        return EngineConfig.from_options(**{n: getattr(args, n) for n in args.engine_options}).parallel
+
+    assert parallel("launch").num_comm_sms is None
+    config = parallel("launch", "--a2a-backend", "nvshmem", "--num-comm-sms", "7")
+    assert config.num_comm_sms == 7
+    # ep 1 on CPU: one rank, no process group, the emulated heap (what a rank builds at ep 1)
+    rows = DispatchRows(hidden_size=8, top_k=2, dtype=torch.float32)
+    dispatcher = ep_dispatcher(config, ExpertPlacement.contiguous(4), "cpu", None, rows)
+    assert dispatcher.name == "nvshmem" and dispatcher.num_programs == 7
+    for bad in ("0", "-3"):
+        with pytest.raises(ValueError, match="num_comm_sms must be at least 1"):
+            parallel("launch", "--num-comm-sms", bad)
 
 
 def test_prefix_caching_is_on_unless_switched_off() -> None:

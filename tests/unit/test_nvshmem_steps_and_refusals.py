@@ -62,8 +62,50 @@ def test_heap_must_match_the_placement() -> None:
         NvshmemDispatcher(ExpertPlacement.contiguous(4, ep_size=2, rank=1), ROWS, heap=EmulatedWorld(2).heaps[0])
 
 
+def test_comm_sms_must_leave_the_gemms_an_sm() -> None:
+    from moeserve.kernels.launch_config import compute_sms
+
+    assert compute_sms(132, 20) == 112
+    assert compute_sms(132, 131) == 1
+    for comm in (0, 132, 200):
+        with pytest.raises(ValueError, match=f"num_comm_sms={comm} must be at least 1 and leave"):
+            compute_sms(132, comm)
+    with pytest.raises(ValueError, match="num_comm_sms must be at least 1"):
+        one_pe(num_comm_sms=0)
+
+
 def test_cuda_needs_a_device() -> None:
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
     with pytest.raises(ValueError, match="needs a CUDA device"):
         create_dispatcher("nvshmem", ExpertPlacement.contiguous(4), device="cuda", rows=ROWS)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_two_micro_batches_on_the_comm_streams_match_local(device: str) -> None:
+    """Two interleaved micro-batches, each with compute reading its received rows between its
+    dispatch and combine: the events must order the comm streams against that compute (on CUDA
+    for real, where the comm SMs are also reserved from the GEMMs' grid)."""
+    from moeserve.dispatch import LocalDispatcher
+    from moeserve.kernels.launch_config import default_max_programs
+    from moeserve.worker.two_batch import interleave
+
+    dispatcher = NvshmemDispatcher(
+        ExpertPlacement.contiguous(4), ROWS, device=device, heap=EmulatedWorld(1, device).heaps[0], num_comm_sms=8
+    )
+    assert len(dispatcher.comm_streams) == 2
+    if device == "cuda":
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        assert default_max_programs(torch.device(device)) <= sms - 8
+
+    def doubled_by_the_experts(x, ids, w):
+        received = yield from dispatcher.dispatch_steps(x, ids, w, 6)
+        return (yield from dispatcher.combine_steps(received.hidden * 2, received.handle))
+
+    batches = [[t.to(device) for t in inputs(n)] for n in (6, 5)]
+    local = LocalDispatcher(ExpertPlacement.contiguous(4))
+    for _ in range(3):  # more dispatches than ring slots: the slots are reused
+        got = interleave([doubled_by_the_experts(*batch) for batch in batches])
+        for (x, ids, w), out in zip(batches, got):
+            sent = local.dispatch(x, ids, w)
+            assert torch.equal(out, local.combine(sent.hidden.repeat_interleave(2, 0) * 2, sent.handle))
