@@ -69,6 +69,11 @@ _PER_CALL = ["rank", "seq", "epoch", "slot", "first_token", "first_word", "timeo
 # call no nested jit function outside `tl.reduce`.
 
 
+# WIDENING: Triton's interpreter types an int in [2**31, 2**32) as uint32 and its `.to(tl.int64)`
+# keeps the numpy uint32, which its atomics refuse; adding it to an int64 zero widens it in both
+# the interpreter and compiled code (where such a seq is an i64 argument anyway).
+
+
 def epoch(seq: int) -> int:
     """The signal epoch of sequence number `seq` (>= 1)."""
     return (seq - 1) % EPOCHS + 1
@@ -81,11 +86,12 @@ def block_for(count: int, cap: int | None = None) -> int:
 
 
 def copy_tiles(words: int, device_type: str) -> tuple[int, int]:
-    """(rows, words) per copy tile: 16 x up to 512 words on GPUs (32 KiB a tile: 64 registers of
-    payload per thread at 4 warps, 16 of them 128-bit); larger under the interpreter, where each
-    tile is one numpy operation. The compile check asks for the GPU's with `device_type="cuda"`."""
+    """(rows, words) per copy tile: 16 x up to 256 words on GPUs (16 KiB a tile: 32 words of
+    payload per thread at 4 warps, eight 128-bit loads and stores, leaving the waits' and address
+    arithmetic's registers room: 512 words spilled on sm_90); larger under the interpreter, where
+    each tile is one numpy operation. The compile check asks for the GPU's with `device_type="cuda"`."""
     if device_type == "cuda":
-        return 16, block_for(words, 512)
+        return 16, block_for(words, 256)
     return 64, block_for(words, 4096)
 
 
@@ -130,6 +136,7 @@ def dispatch_send_kernel(
     GLOBALTIMER: tl.constexpr,
     HOST_CLOCK: tl.constexpr,
 ):
+    seq64 = tl.full((), 0, tl.int64) + seq  # not seq.to(tl.int64): see WIDENING
     credits = (tl.load(addresses + rank) + credit_offset).to(tl.pointer_type(tl.int64))
     w = tl.arange(0, BLOCK_W).to(tl.int64)
     for g in range(tl.program_id(0), EP * L, tl.num_programs(0)):
@@ -137,8 +144,8 @@ def dispatch_send_kernel(
         expert = g % L
         count = tl.load(group_counts + g)
         start = tl.load(group_starts + g)
-        ready = seq > 0
-        if seq > SLOTS:  # the slot was used SLOTS sequences ago: wait until dest has copied it out
+        ready = seq64 > 0
+        if seq64 > SLOTS:  # the slot was used SLOTS sequences ago: wait until dest has copied it out
             credit = tl.atomic_add(credits + dest, 0, sem="acquire", scope="sys")
             failed = tl.load(error) != 0
             spent = tl.cast(0, tl.int64)
@@ -146,18 +153,18 @@ def dispatch_send_kernel(
                 start_ns = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], tl.int64, False, 1)
             else:
                 start_ns = HOST_CLOCK()
-            while (credit < seq - SLOTS) & (spent < timeout) & (not failed):
+            while (credit < seq64 - SLOTS) & (spent < timeout) & (not failed):
                 credit = tl.atomic_add(credits + dest, 0, sem="acquire", scope="sys")
                 if GLOBALTIMER:
                     now = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], tl.int64, False, 1)
                     spent = now - start_ns
                 else:
                     spent = HOST_CLOCK() - start_ns
-            ready = credit >= seq - SLOTS
+            ready = credit >= seq64 - SLOTS
             if not ready:
                 if tl.atomic_cas(error, tl.cast(0, tl.int64), tl.cast(DISPATCH_CREDIT, tl.int64)) == 0:
                     tl.store(error + 1, dest.to(tl.int64))
-                    tl.store(error + 2, seq.to(tl.int64))
+                    tl.store(error + 2, seq64)
         if ready:
             peer = tl.load(addresses + dest)
             rows = tl.multiple_of((peer + rows_offset).to(tl.pointer_type(tl.int32)), 16)
@@ -197,6 +204,7 @@ def wait_signals_kernel(
 ):
     """One program: wait for words [first_word, first_word + NUM_WORDS) to carry `epoch`;
     counts_out gets their counts (zeros for words that never did, once the wait ran out)."""
+    seq64 = tl.full((), 0, tl.int64) + seq  # not seq.to(tl.int64): see WIDENING
     words = (tl.load(addresses + rank) + signal_offset).to(tl.pointer_type(tl.int64)) + first_word
     target = epoch.to(tl.int64)
     failed = tl.load(error) != 0
@@ -223,7 +231,7 @@ def wait_signals_kernel(
         if (pending > 0) & (not failed):
             if tl.atomic_cas(error, tl.cast(0, tl.int64), phase.to(tl.int64)) == 0:
                 tl.store(error + 1, (first_word + tl.reduce(tl.where(late, i, NUM_WORDS), 0, _min)).to(tl.int64))
-                tl.store(error + 2, seq.to(tl.int64))
+                tl.store(error + 2, seq64)
         failed = failed | (pending > 0)
         tl.store(counts_out + i, tl.where(late, 0, value & 0xFFFFFFFF), mask=mask)
 
@@ -249,6 +257,7 @@ def dispatch_recv_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_W: tl.constexpr,
 ):
+    seq64 = tl.full((), 0, tl.int64) + seq  # not seq.to(tl.int64): see WIDENING
     own = tl.load(addresses + rank)
     rows = tl.multiple_of((own + rows_offset).to(tl.pointer_type(tl.int32)), 16)
     meta = (own + meta_offset).to(tl.pointer_type(tl.int32))
@@ -273,7 +282,7 @@ def dispatch_recv_kernel(
         finished = tl.atomic_add(done + source, 1, sem="acq_rel", scope="gpu") + 1
         if finished % L == 0:
             credit = (tl.load(addresses + source) + credit_offset).to(tl.pointer_type(tl.int64)) + rank
-            tl.atomic_max(credit, seq.to(tl.int64), sem="release", scope="sys")
+            tl.atomic_max(credit, seq64, sem="release", scope="sys")
 
 
 @triton.jit(do_not_specialize=_PER_CALL)
@@ -303,6 +312,7 @@ def combine_send_kernel(
     GLOBALTIMER: tl.constexpr,
     HOST_CLOCK: tl.constexpr,
 ):
+    seq64 = tl.full((), 0, tl.int64) + seq  # not seq.to(tl.int64): see WIDENING
     credits = (tl.load(addresses + rank) + credit_offset).to(tl.pointer_type(tl.int64))
     w = tl.arange(0, BLOCK_W).to(tl.int64)
     for g in range(tl.program_id(0), L * EP, tl.num_programs(0)):
@@ -310,8 +320,8 @@ def combine_send_kernel(
         source = g % EP
         count = tl.load(counts + g)
         offset = tl.load(offsets + g)
-        ready = seq > 0
-        if seq > SLOTS:  # the slot was used SLOTS sequences ago: wait until source has reduced it
+        ready = seq64 > 0
+        if seq64 > SLOTS:  # the slot was used SLOTS sequences ago: wait until source has reduced it
             credit = tl.atomic_add(credits + source, 0, sem="acquire", scope="sys")
             failed = tl.load(error) != 0
             spent = tl.cast(0, tl.int64)
@@ -319,18 +329,18 @@ def combine_send_kernel(
                 start_ns = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], tl.int64, False, 1)
             else:
                 start_ns = HOST_CLOCK()
-            while (credit < seq - SLOTS) & (spent < timeout) & (not failed):
+            while (credit < seq64 - SLOTS) & (spent < timeout) & (not failed):
                 credit = tl.atomic_add(credits + source, 0, sem="acquire", scope="sys")
                 if GLOBALTIMER:
                     now = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], tl.int64, False, 1)
                     spent = now - start_ns
                 else:
                     spent = HOST_CLOCK() - start_ns
-            ready = credit >= seq - SLOTS
+            ready = credit >= seq64 - SLOTS
             if not ready:
                 if tl.atomic_cas(error, tl.cast(0, tl.int64), tl.cast(COMBINE_CREDIT, tl.int64)) == 0:
                     tl.store(error + 1, source.to(tl.int64))
-                    tl.store(error + 2, seq.to(tl.int64))
+                    tl.store(error + 2, seq64)
         if ready:
             peer = tl.load(addresses + source)
             rows = tl.multiple_of((peer + rows_offset).to(tl.pointer_type(tl.int32)), 16)
@@ -374,9 +384,10 @@ def notify_send_kernel(
 @triton.jit(do_not_specialize=_PER_CALL)
 def give_credit_kernel(addresses, rank, seq, credit_offset, EP: tl.constexpr):
     """Every peer's credit word for us rises to seq: what it stored into our slot has been read."""
+    seq64 = tl.full((), 0, tl.int64) + seq  # not seq.to(tl.int64): see WIDENING
     for dest in range(tl.program_id(0), EP, tl.num_programs(0)):
         credit = (tl.load(addresses + dest) + credit_offset).to(tl.pointer_type(tl.int64)) + rank
-        tl.atomic_max(credit, seq.to(tl.int64), sem="release", scope="sys")
+        tl.atomic_max(credit, seq64, sem="release", scope="sys")
 
 
 dispatch_send = DeviceKernel(dispatch_send_kernel)

@@ -6,10 +6,10 @@ communication kernels must also run on CPU in a process that has a GPU, or that 
 variable (the shared-memory transport between rank processes), so `DeviceKernel` chooses per
 launch, by the device of the tensors it is given.
 
-`compile_only()` is for the compile check (`bench/gpu/compile_check.py`): it compiles the model
-kernels' launches for a GPU target on a machine without one and runs none of them, so the
-wrappers' device checks must let CPU tensors through while it is active. (The communication
-kernels it compiles as they run here, interpreted: their protocol needs the data to move.)
+`compile_only()` is for the compile check (`bench/gpu/compile_check.py`): it compiles every
+launch for a GPU target on a machine without one and runs none of them, so the wrappers' device
+checks must let CPU tensors through, and `DeviceKernel` must hand out its compiled kernel for
+them, while it is active.
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ class DeviceKernel:
         return self._interpreted
 
     def for_device(self, device: torch.device) -> Any:
-        if device.type == "cuda":
+        if device.type == "cuda" or _compile_only.get():
             return self.compiled
         return self.interpreted()
 
