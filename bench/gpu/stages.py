@@ -55,15 +55,18 @@ ENV = Stage(
 STAGES = (
     Stage(
         "tests",
-        "every gpu-marked test (each Triton kernel in bf16 at real shapes, CUDA-graph replay of the MoE "
-        "kernels, whole models in bf16) and the whole-model tests on CUDA in fp32 (Triton = torch "
-        "greedy tokens; transformers' greedy tokens)",
+        "first, every Triton kernel compiles with this machine's Triton for sm_90a and sm_100a at the "
+        "runtime's own launch configurations (no communication kernel spills; their PTX keeps the "
+        "protocol's ordering, bounded waits and 128-bit copies); then every gpu-marked test (each Triton "
+        "kernel in bf16 at real shapes, CUDA-graph replay of the MoE kernels, whole models in bf16) and the "
+        "whole-model tests on CUDA in fp32 (Triton = torch greedy tokens; transformers' greedy tokens)",
         (
+            Script("bench/gpu/compile_check.py", (), "kernel_resources.json"),
             Pytest("gpu"),
             Pytest("not gpu", ("tests/kernels/test_model_kernels.py", "tests/parity/test_transformers_parity.py")),
         ),
+        420,
         300,
-        200,
     ),
     Stage(
         "parity",

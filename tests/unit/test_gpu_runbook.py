@@ -52,8 +52,9 @@ def test_dry_run_walks_every_stage(tmp_path):
         assert record["status"] == "skipped" and record["commands"]
         assert all(c["status"] == "skipped" and c["checked"] for c in record["commands"])
     tests = json.loads((tmp_path / "results" / "tests.json").read_text())
-    assert "tests/kernels/test_fused_moe.py" in tests["commands"][0]["argv"]
-    assert re.fullmatch(r"pytest -m 'gpu': \d+ tests in \d+ files collect", tests["commands"][0]["checked"])
+    assert tests["commands"][0]["argv"][1] == "bench/gpu/compile_check.py"  # the compile check comes first
+    assert "tests/kernels/test_fused_moe.py" in tests["commands"][1]["argv"]
+    assert re.fullmatch(r"pytest -m 'gpu': \d+ tests in \d+ files collect", tests["commands"][1]["checked"])
     env_record = json.loads((tmp_path / "results" / "env.json").read_text())
     assert env_record["software"]["python"] and "missing" in env_record["wheels"]
     with tarfile.open(tmp_path / "logs.tar.gz") as tar:

@@ -1,0 +1,314 @@
+"""The launches the compile check compiles: each case calls a kernel module's public wrapper (or
+drives the `nvshmem` dispatcher) the way the runtime does, at the shapes of real checkpoints, with
+token counts at the edges Triton specializes on (1, 16, and odd), so the check sees the very
+grids and compile-time constants a GPU run would get. Everything runs under
+`targets.compile_only`: kernels are compiled, never executed, and the host code around them runs
+on whatever their outputs hold (uninitialised memory: no case reads a value back that matters).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from moeserve.fp8_format import FP8_DTYPE, BlockFP8Weight
+from moeserve.kernels.targets import compile_only
+
+BF16 = torch.bfloat16
+
+
+@dataclass(frozen=True)
+class Case:
+    module: str  # the kernel module it launches (`--only` selects by it)
+    name: str
+    run: Callable[[], None]
+
+
+@dataclass(frozen=True)
+class MoEShape:
+    """The MoE dimensions of a published checkpoint that the kernels specialize on."""
+
+    name: str
+    hidden: int
+    intermediate: int  # per expert
+    experts: int
+    top_k: int
+    ep: int  # the expert-parallel size it is served at
+
+
+DEEPSEEK_V3 = MoEShape("DeepSeek-V3", hidden=7168, intermediate=2048, experts=256, top_k=8, ep=8)
+QWEN3_235B = MoEShape("Qwen3-235B-A22B", hidden=4096, intermediate=1536, experts=128, top_k=8, ep=4)
+MIXTRAL = MoEShape("Mixtral-8x7B", hidden=4096, intermediate=14336, experts=8, top_k=2, ep=2)
+EDGE_TOKENS = (1, 16, 17)  # Triton makes an int of 1 a constant and marks multiples of 16
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    name: str
+    q_heads: int  # per rank, at the tensor-parallel size it is served at
+    kv_heads: int
+    head_dim: int
+    rotary_dim: int
+    interleaved: bool
+
+
+QWEN3_ATTENTION = AttentionShape("Qwen3-235B-A22B at TP 4", 16, 1, 128, 128, False)
+MIXTRAL_ATTENTION = AttentionShape("Mixtral-8x7B at TP 1", 32, 8, 128, 128, False)
+
+
+def interpreted_kernels() -> list[tuple[object, Callable[[dict], dict]]]:
+    """The kernels a CPU transport launches differently from a GPU (the communication kernels),
+    each with how its launch's keywords differ on a GPU."""
+    from moeserve.kernels import peer_copy
+
+    def on_cuda(kwargs: dict) -> dict:
+        """The CPU transport's launch as the dispatcher makes it on a GPU: its tiles and clock."""
+        kwargs = dict(kwargs)
+        if "BLOCK_W" in kwargs:
+            kwargs["BLOCK_M"], kwargs["BLOCK_W"] = peer_copy.copy_tiles(kwargs["WORDS"], "cuda")
+        if "HOST_CLOCK" in kwargs:
+            kwargs["GLOBALTIMER"], kwargs["HOST_CLOCK"] = True, None
+        return kwargs
+
+    return [(k.compiled, on_cuda) for k in peer_copy.KERNELS]
+
+
+# -- communication ---------------------------------------------------------------------------------
+
+
+def _dispatch_rounds(shape: MoEShape, dispatch_fp8: bool, tokens: tuple[int, ...]) -> None:
+    """Every rank of `shape.ep` emulated PEs dispatches and combines `len(tokens)` low-latency
+    steps (sequence numbers 1, 2, ... through both ring slots and their credits) and one
+    high-throughput step (the notify round, then two chunks), in lockstep.
+
+    No kernel runs, so the one value the host reads back, the counts the notify round delivers,
+    is put in each rank's notify slot here, as the peers' notify kernels would have put it."""
+    from moeserve.dispatch.counts import count_per_expert
+    from moeserve.dispatch.nvshmem import NvshmemDispatcher
+    from moeserve.dispatch.placement import ExpertPlacement
+    from moeserve.dispatch.rows import DispatchRows
+    from moeserve.dispatch.symmetric import EmulatedWorld, run_lockstep
+
+    world = EmulatedWorld(shape.ep)
+    dispatchers = [
+        NvshmemDispatcher(
+            ExpertPlacement.contiguous(shape.experts, shape.ep, rank),
+            DispatchRows(shape.hidden, shape.top_k, BF16),
+            heap=world.heaps[rank],
+            chunk_tokens=16,
+            dispatch_fp8=dispatch_fp8,
+        )
+        for rank in range(shape.ep)
+    ]
+    g = torch.Generator().manual_seed(0)
+    rounds = [(t, 16) for t in tokens] + [(max(tokens) + 20, None)]
+    inputs = [
+        [
+            (
+                torch.randn(n, shape.hidden, generator=g).to(BF16),
+                torch.stack([torch.randperm(shape.experts, generator=g)[: shape.top_k] for _ in range(n)]),
+                torch.rand(n, shape.top_k, generator=g),
+            )
+            for _ in range(shape.ep)
+        ]
+        for n, _ in rounds
+    ]
+
+    def deliver_notify(sent: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
+        for d in dispatchers:
+            layout = d._layout
+            slot = (d._seq["notify"] + 1) % layout.slots
+            notify = d._buffer.view(
+                layout.offsets["notify"], (layout.slots, layout.ep, layout.local_experts + 1), torch.int64
+            )
+            for source, (_, ids, _) in enumerate(sent):
+                counts = count_per_expert(d._expert_slot[ids.reshape(-1)], layout.groups).view(layout.ep, -1)
+                notify[slot, source, :-1] = counts[d.heap.rank]
+                notify[slot, source, -1] = ids.shape[0]
+
+    for (_, bound), sent in zip(rounds, inputs):
+        if bound is None:
+            deliver_notify(sent)
+        run_lockstep([_one_round(dispatchers[r], *sent[r], bound) for r in range(shape.ep)])
+
+
+def _one_round(dispatcher, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, bound: int | None):
+    out = yield from dispatcher.dispatch_steps(hidden, ids, weights, bound)
+    yield from dispatcher.combine_steps(out.hidden, out.handle)
+
+
+# -- model kernels (compiled, never run) -----------------------------------------------------------
+
+
+def _norms() -> None:
+    from moeserve.kernels.norm import fused_add_rms_norm, rms_norm
+
+    for hidden in (DEEPSEEK_V3.hidden, QWEN3_235B.hidden):
+        for tokens in EDGE_TOKENS:
+            x = torch.empty(tokens, hidden, dtype=BF16)
+            rms_norm(x, torch.empty(hidden, dtype=BF16), 1e-6)
+            fused_add_rms_norm(x, torch.empty_like(x), torch.empty(hidden, dtype=BF16), 1e-6)
+    rms_norm(torch.empty(17, QWEN3_ATTENTION.q_heads, 128, dtype=BF16), torch.empty(128, dtype=BF16), 1e-6)  # q norm
+    rms_norm(torch.empty(17, 512, dtype=BF16), torch.empty(512, dtype=BF16), 1e-6)  # DeepSeek's kv_a norm
+
+
+def _rotary() -> None:
+    from moeserve.kernels.rotary import apply_rotary, apply_rotary_qk_
+
+    for shape in (QWEN3_ATTENTION, MIXTRAL_ATTENTION):
+        for tokens in EDGE_TOKENS:
+            q = torch.empty(tokens, shape.q_heads, shape.head_dim, dtype=BF16)
+            k = torch.empty(tokens, shape.kv_heads, shape.head_dim, dtype=BF16)
+            cos = torch.empty(tokens, shape.rotary_dim, dtype=BF16)
+            apply_rotary_qk_(q, k, cos, torch.empty_like(cos), shape.interleaved)
+    for tokens in EDGE_TOKENS:  # DeepSeek-V3: 128 heads' 64 rope dims, interleaved, and the shared k_rope
+        cos = torch.empty(tokens, 64, dtype=BF16)
+        apply_rotary(torch.empty(tokens, 128, 64, dtype=BF16), cos, torch.empty_like(cos), True)
+        apply_rotary(torch.empty(tokens, 1, 64, dtype=BF16), cos, torch.empty_like(cos), True)
+
+
+def _routing() -> None:
+    from moeserve.kernels.routing import grouped_sigmoid_topk, softmax_topk
+
+    for tokens in EDGE_TOKENS:
+        softmax_topk(torch.empty(tokens, MIXTRAL.experts, dtype=BF16), MIXTRAL.top_k, renormalize=True)
+        softmax_topk(torch.empty(tokens, QWEN3_235B.experts, dtype=BF16), QWEN3_235B.top_k, renormalize=True)
+        grouped_sigmoid_topk(
+            torch.empty(tokens, DEEPSEEK_V3.experts, dtype=BF16),
+            DEEPSEEK_V3.top_k,
+            num_groups=8,
+            topk_groups=4,
+            correction_bias=torch.zeros(DEEPSEEK_V3.experts),
+            routed_scaling_factor=2.5,
+        )
+
+
+def _local_ids(tokens: int, top_k: int, experts: int) -> torch.Tensor:
+    return torch.stack([torch.randperm(experts)[:top_k] for _ in range(tokens)])
+
+
+def _moe() -> None:
+    """bf16 experts of each shape on one rank's share, at every config row of `KERNEL_CONFIGS`."""
+    from moeserve.kernels.fused_moe import fused_moe
+    from moeserve.kernels.launch_config import block_m_for
+    from moeserve.kernels.moe_align import moe_align_block_size, moe_align_reference
+
+    for shape in (DEEPSEEK_V3, QWEN3_235B, MIXTRAL):
+        local = max(2, shape.experts // shape.ep // 8)  # a few local experts: the count is no constant
+        top_k = min(shape.top_k, local)
+        w13 = torch.empty(local, 2 * shape.intermediate, shape.hidden, dtype=BF16)
+        w2 = torch.empty(local, shape.hidden, shape.intermediate, dtype=BF16)
+        for tokens in (1, 16, 17, 130, 600):  # tokens per expert 1 .. 300: each config row
+            ids = _local_ids(tokens, top_k, local)
+            block_m = block_m_for(tokens, top_k, local)
+            moe_align_block_size(ids, local, block_m)
+            aligned = moe_align_reference(ids, local, block_m)
+            fused_moe(torch.empty(tokens, shape.hidden, dtype=BF16), w13, w2, aligned, top_k)
+
+
+def _fp8_weight(experts: int, parts: int, rows: int, cols: int) -> BlockFP8Weight:
+    lead = (experts,) if experts else ()
+    data = torch.zeros(*lead, parts * rows, cols, dtype=FP8_DTYPE)
+    scales = torch.ones(*lead, parts, -(-rows // 128), -(-cols // 128))
+    return BlockFP8Weight(data, scales, (128, 128))
+
+
+def _fp8() -> None:
+    """DeepSeek-V3's block-scaled FP8: the linear layers' w8a8 GEMM, the activations' quantizer,
+    and the experts' w8a8 fused MoE."""
+    from moeserve.kernels.fp8_gemm import w8a8_linear
+    from moeserve.kernels.fp8_quant import per_token_group_quant
+    from moeserve.kernels.fused_moe_fp8 import fused_moe_w8a8
+    from moeserve.kernels.launch_config import block_m_for
+    from moeserve.kernels.moe_align import moe_align_reference
+
+    shape = DEEPSEEK_V3
+    for tokens in (1, 16, 17, 300):
+        x = torch.empty(tokens, shape.hidden, dtype=BF16)
+        per_token_group_quant(x, 128)
+        w8a8_linear(x, _fp8_weight(0, 1, 1536, shape.hidden))  # q_a_proj
+        w8a8_linear(torch.empty(tokens, 1536, dtype=BF16), _fp8_weight(0, 1, 128 * 192 // 8, 1536))  # q_b_proj at TP 8
+    local = 4
+    w13 = _fp8_weight(local, 2, shape.intermediate, shape.hidden)
+    w2 = _fp8_weight(local, 1, shape.hidden, shape.intermediate)
+    for tokens in (1, 17, 300):
+        ids = _local_ids(tokens, 2, local)
+        aligned = moe_align_reference(ids, local, block_m_for(tokens, 2, local))
+        fused_moe_w8a8(torch.empty(tokens, shape.hidden, dtype=BF16), w13, w2, aligned, 2)
+
+
+def _paged_attention() -> None:
+    """Decode-only steps (split-KV) and mixed steps (prefill tiles), GQA shapes, block size 16."""
+    from moeserve.kernels.paged_attention import paged_attention, paged_inputs
+
+    block_size, blocks = 16, 64
+    for shape in (QWEN3_ATTENTION, MIXTRAL_ATTENTION):
+        k_cache = torch.empty(blocks, block_size, shape.kv_heads, shape.head_dim, dtype=BF16)
+        v_cache = torch.empty_like(k_cache)
+        for starts, lens in (([40], [1]), ([40, 600, 7], [1, 1, 1]), ([0], [17]), ([0, 33], [16, 1])):
+            tables = [
+                list(range(i * 40, i * 40 + 40))[: -(-(s + n) // block_size)]
+                for i, (s, n) in enumerate(zip(starts, lens))
+            ]
+            tables = [[b % blocks for b in t] for t in tables]
+            inputs = paged_inputs(tables, starts, lens, block_size, "cpu")
+            q = torch.empty(inputs.num_tokens, shape.q_heads, shape.head_dim, dtype=BF16)
+            paged_attention(q, k_cache, v_cache, inputs, shape.head_dim**-0.5)
+
+
+def _mla() -> None:
+    """DeepSeek-V3's latent attention at TP 8 (16 heads of 512 + 64), decode and prefill."""
+    from moeserve.kernels.mla_attention import mla_latent_attention
+    from moeserve.kernels.paged_attention import paged_inputs
+
+    heads, lora, rope, block_size = 16, 512, 64, 64
+    kv_cache = torch.empty(32, block_size, lora + rope, dtype=BF16)
+    for starts, lens in (([100], [1]), ([100, 900], [1, 1]), ([0], [17])):
+        tables = [
+            [(i * 16 + j) % 32 for j in range(-(-(s + n) // block_size))] for i, (s, n) in enumerate(zip(starts, lens))
+        ]
+        inputs = paged_inputs(tables, starts, lens, block_size, "cpu")
+        tokens = inputs.num_tokens
+        mla_latent_attention(
+            torch.empty(tokens, heads, lora, dtype=BF16),
+            torch.empty(tokens, heads, rope, dtype=BF16),
+            kv_cache,
+            inputs,
+            (128 + 64) ** -0.5,
+            lora,
+        )
+
+
+CASES: list[Case] = [
+    Case("norm", "RMSNorm and fused add+RMSNorm, DeepSeek-V3/Qwen3 widths", lambda: _compile_only(_norms)()),
+    Case("rotary", "rotary q/k (neox) and DeepSeek's interleaved rope", lambda: _compile_only(_rotary)()),
+    Case("routing", "softmax top-k and DeepSeek's grouped sigmoid top-k", lambda: _compile_only(_routing)()),
+    Case("fused_moe", "moe_align + bf16 fused MoE, three models x five token counts", lambda: _compile_only(_moe)()),
+    Case("fp8", "FP8 group quant, w8a8 linear and w8a8 fused MoE, DeepSeek-V3", lambda: _compile_only(_fp8)()),
+    Case(
+        "paged_attention",
+        "paged attention: decode split-KV and prefill, GQA",
+        lambda: _compile_only(_paged_attention)(),
+    ),
+    Case("mla_attention", "MLA latent attention, DeepSeek-V3 at TP 8", lambda: _compile_only(_mla)()),
+    Case(
+        "peer_copy",
+        "nvshmem dispatch/combine, Mixtral at EP 2",
+        lambda: _compile_only(lambda: _dispatch_rounds(MIXTRAL, False, (1, 3, 2)))(),
+    ),
+    Case(
+        "peer_copy",
+        "nvshmem dispatch/combine, DeepSeek-V3 at EP 8, FP8 rows",
+        lambda: _compile_only(lambda: _dispatch_rounds(DEEPSEEK_V3, True, (1, 2, 1)))(),
+    ),
+]
+
+
+def _compile_only(fn: Callable[[], None]) -> Callable[[], None]:
+    def run() -> None:
+        with compile_only(), torch.no_grad():
+            fn()
+
+    return run

@@ -1,0 +1,356 @@
+"""Compile every Triton kernel of `moeserve/kernels` for Hopper and Blackwell on a machine with no
+GPU, through the launch path a GPU would take, and check what the compiler made of it.
+
+Triton's CUDA backend ships `ptxas`, so PTX and cubins for `sm_90a`/`sm_100a` can be built
+anywhere; what needs a device is only the launch. A stand-in driver hands Triton's own binder the
+target, so each argument is specialized exactly as a real launch would (an int equal to 1 becomes
+a constant, a pointer divisible by 16 is marked so), and `JITFunction.run(..., warmup=True)`
+compiles without launching. The launches themselves come from the real launching code: the
+cases in `compile_cases.py` call the kernels' public wrappers (and the `nvshmem` dispatcher on
+emulated PEs) at real models' shapes under `targets.compile_only`, and every launch they make is
+intercepted here and compiled for each target, never run. The dispatcher's host side runs for
+real, so its launches carry the ints a GPU's would (`seq == 1` on the first call, then 2, 3 ...
+through both ring slots; rank 1 on half the ranks); the communication kernels' tiles and clock,
+which differ on a CPU transport, are taken as a GPU's (`compile_cases.interpreted_kernels`).
+
+For each compiled kernel `ptxas -v` gives registers, spills, stack (local memory), and Triton's
+metadata gives shared memory. It fails on any compile error, any spill in a communication
+kernel, shared memory over the architecture's limit, and any communication kernel whose PTX
+breaks the protocol's memory ordering or moves its payload narrower than 128 bits
+(`ptx_rules`). Results go to `bench/results/kernel_resources.json`.
+
+    python bench/gpu/compile_check.py [--arch 90 100] [--only peer_copy ...] [--out FILE]
+
+Runs on CPU machines (CI) and GPU machines alike: nothing is ever launched on a device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from ptx_rules import COMM_MODULE, check_comm_ptx  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.backends.driver import DriverBase  # noqa: E402
+from triton.runtime.driver import driver  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+DEFAULT_OUT = ROOT / "bench" / "results" / "kernel_resources.json"
+ARCH_NAMES = {90: "sm_90a (H100/H200)", 100: "sm_100a (B200)"}
+# Bytes of shared memory one block may opt into: 227 KiB on both Hopper and Blackwell datacenter parts.
+SHARED_MEMORY_LIMIT = {90: 232448, 100: 232448}
+
+
+class StandInDriver(DriverBase):
+    """What Triton's binder and compiler ask of a driver, for a GPU that is not here. Each target
+    reports its own device number, so the JIT caches of the two targets never mix."""
+
+    def __init__(self, arch: int) -> None:
+        self.target = GPUTarget("cuda", arch, 32)
+        self.arch = arch
+
+    @staticmethod
+    def is_active() -> bool:
+        return False
+
+    def get_current_target(self) -> GPUTarget:
+        return self.target
+
+    def get_current_device(self) -> int:
+        return self.arch
+
+    def get_current_stream(self, device: int | None = None) -> int:
+        return 0
+
+    def get_active_torch_device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def map_python_to_cpp_type(self, ty: str) -> str:
+        return ty
+
+    def get_benchmarker(self):
+        raise RuntimeError("the stand-in driver launches nothing")
+
+    def get_device_interface(self):
+        raise RuntimeError("the stand-in driver launches nothing")
+
+    def get_empty_cache_for_benchmark(self):
+        raise RuntimeError("the stand-in driver launches nothing")
+
+    def clear_cache(self, cache) -> None:
+        pass
+
+
+@dataclass
+class Compiled:
+    """One kernel specialization compiled for one architecture."""
+
+    kernel: str
+    module: str
+    arch: int
+    case: str
+    specialization: str
+    constexprs: str
+    num_warps: int = 0
+    num_stages: int = 0
+    registers: int = 0
+    spill_stores: int = 0
+    spill_loads: int = 0
+    stack_bytes: int = 0
+    shared_bytes: int = 0
+    copies_128bit: bool | None = None
+    problems: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Failure:
+    kernel: str
+    arch: int
+    case: str
+    error: str
+
+
+_PTXAS_USAGE = re.compile(r"Used (\d+) registers")
+_PTXAS_STACK = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+
+
+def ptxas_usage(ptx: str, arch: int) -> dict[str, int]:
+    """Registers, stack and spills of the PTX's kernel, from `ptxas -v` as Triton runs it."""
+    from triton.backends.nvidia import compiler as nvidia
+
+    tool = nvidia.get_ptxas(arch) if "arch" in nvidia.get_ptxas.__code__.co_varnames else nvidia.get_ptxas()
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "kernel.ptx"
+        src.write_text(ptx)
+        done = subprocess.run(
+            [tool.path, "-v", f"--gpu-name={nvidia.sm_arch_from_capability(arch)}", str(src), "-o", str(src) + ".o"],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+    log = done.stdout + done.stderr
+    registers = _PTXAS_USAGE.search(log)
+    stack = _PTXAS_STACK.search(log)
+    if registers is None or stack is None:
+        raise RuntimeError(f"ptxas -v printed no usage line:\n{log}")
+    return {
+        "registers": int(registers.group(1)),
+        "stack_bytes": int(stack.group(1)),
+        "spill_stores": int(stack.group(2)),
+        "spill_loads": int(stack.group(3)),
+    }
+
+
+class CompileCheck:
+    """Intercepts every launch while a case runs and compiles it for each architecture."""
+
+    def __init__(self, archs: list[int]) -> None:
+        self.archs = archs
+        self.compiled: dict[tuple[str, int, str], Compiled] = {}
+        self.failures: list[Failure] = []
+        self.case = ""
+        self._on_cuda: dict[object, Callable[[dict], dict]] = {}
+
+    # -- interception -------------------------------------------------------------------------
+
+    def install(self) -> None:
+        check = self
+        self._jit_run = JITFunction.run
+
+        def jit_run(kernel, *args, grid, warmup, **kwargs):
+            adapt = check._on_cuda.get(kernel.fn)
+            check.compile_launch(kernel, args, adapt(kwargs) if adapt else kwargs)
+
+        JITFunction.run = jit_run
+
+    def uninstall(self) -> None:
+        JITFunction.run = self._jit_run
+
+    def register(self, compiled: JITFunction, on_cuda: Callable[[dict], dict]) -> None:
+        """A kernel whose launch on CPU tensors differs from its launch on a GPU (`DeviceKernel`'s
+        communication kernels): compile its launches with keywords as `on_cuda` makes them."""
+        self._on_cuda[compiled.fn] = on_cuda
+
+    # -- compiling ----------------------------------------------------------------------------
+
+    def compile_launch(self, kernel: JITFunction, args: tuple, kwargs: dict) -> None:
+        for arch in self.archs:
+            previous = driver.active if torch.cuda.is_available() else None
+            driver.set_active(StandInDriver(arch))
+            try:
+                compiled = self._jit_run(kernel, *args, grid=(1,), warmup=True, **kwargs)
+            except Exception as e:  # every compile error is a finding, the check goes on
+                self.failures.append(Failure(_name(kernel), arch, self.case, _short_error(e)))
+                continue
+            finally:
+                driver.set_active(previous)
+            self._record(kernel, compiled, arch)
+
+    def _record(self, kernel: JITFunction, compiled, arch: int) -> None:
+        constants = compiled.src.constants if hasattr(compiled.src, "constants") else {}
+        params = kernel.arg_names
+        constexprs = {params[path[0]]: value for path, value in constants.items() if len(path) == 1}
+        specialization = ", ".join(
+            f"{name}={value}" for name, value in constexprs.items() if not _is_declared(kernel, name)
+        )
+        declared = ", ".join(f"{name}={value}" for name, value in constexprs.items() if _is_declared(kernel, name))
+        key = (_name(kernel), arch, compiled.hash)
+        if key in self.compiled:
+            return
+        meta = compiled.metadata
+        entry = Compiled(
+            kernel=_name(kernel),
+            module=kernel.fn.__module__.rsplit(".", 1)[-1],
+            arch=arch,
+            case=self.case,
+            specialization=specialization,
+            constexprs=declared,
+            num_warps=meta.num_warps,
+            num_stages=meta.num_stages,
+            shared_bytes=meta.shared,
+        )
+        ptx = compiled.asm["ptx"]
+        for name, value in ptxas_usage(ptx, arch).items():
+            setattr(entry, name, value)
+        if entry.shared_bytes > SHARED_MEMORY_LIMIT[arch]:
+            entry.problems.append(f"{entry.shared_bytes} B shared memory > {SHARED_MEMORY_LIMIT[arch]} B")
+        if entry.module == COMM_MODULE:
+            if entry.spill_stores or entry.spill_loads:
+                entry.problems.append(f"spills ({entry.spill_stores} B stores, {entry.spill_loads} B loads)")
+            copies, problems = check_comm_ptx(entry.kernel, ptx)
+            entry.copies_128bit = copies
+            entry.problems += problems
+        self.compiled[key] = entry
+
+
+def _name(kernel: JITFunction) -> str:
+    return kernel.fn.__name__
+
+
+def _is_declared(kernel: JITFunction, name: str) -> bool:
+    return any(p.name == name and p.is_constexpr for p in kernel.params)
+
+
+def _short_error(e: Exception) -> str:
+    text = f"{type(e).__name__}: {e}"
+    lines = [line for line in text.splitlines() if line.strip()]
+    return "\n".join(lines[-12:])
+
+
+# -- running and reporting ---------------------------------------------------------------------
+
+
+def run(archs: list[int], only: list[str] | None) -> tuple[CompileCheck, dict[str, float]]:
+    import compile_cases
+
+    check = CompileCheck(archs)
+    for kernel, on_cuda in compile_cases.interpreted_kernels():
+        check.register(kernel, on_cuda)
+    seconds: dict[str, float] = {}
+    check.install()
+    try:
+        for case in compile_cases.CASES:
+            if only and case.module not in only:
+                continue
+            check.case = case.name
+            start = time.perf_counter()
+            try:
+                case.run()
+            except Exception as e:
+                check.failures.append(Failure(case.module, 0, case.name, "the case raised: " + _short_error(e)))
+                traceback.print_exc()
+            seconds[case.name] = round(time.perf_counter() - start, 2)
+    finally:
+        check.uninstall()
+    return check, seconds
+
+
+def table(check: CompileCheck) -> str:
+    header = ("kernel", "arch", "warps", "stages", "regs", "spill B", "stack B", "smem B", "v4 copies", "specialized")
+    rows = [header]
+    for e in sorted(check.compiled.values(), key=lambda e: (e.module, e.kernel, e.arch, e.specialization)):
+        rows.append(
+            (
+                f"{e.module}.{e.kernel}",
+                f"sm_{e.arch}",
+                str(e.num_warps),
+                str(e.num_stages),
+                str(e.registers),
+                str(e.spill_stores + e.spill_loads),
+                str(e.stack_bytes),
+                str(e.shared_bytes),
+                "-" if e.copies_128bit is None else ("yes" if e.copies_128bit else "NO"),
+                (e.specialization or "-")[:60],
+            )
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--arch", type=int, nargs="+", default=[90, 100], choices=sorted(ARCH_NAMES))
+    parser.add_argument("--only", nargs="+", help="kernel modules to check (e.g. peer_copy norm); default all")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    # The kernels must be decorated as compiled JIT functions: under TRITON_INTERPRET=1 (the kernel
+    # tests set it) each would be an interpreted one. They are imported below, after this.
+    os.environ.pop("TRITON_INTERPRET", None)
+    start = time.perf_counter()
+    check, seconds = run(args.arch, args.only)
+    print(table(check))
+    problems = [(e, p) for e in check.compiled.values() for p in e.problems]
+    kernels = collections.Counter(e.kernel for e in check.compiled.values())
+    print(
+        f"\ntriton {triton.__version__}: {len(check.compiled)} compiled kernels ({len(kernels)} distinct) for "
+        f"{', '.join(ARCH_NAMES[a] for a in args.arch)} in {time.perf_counter() - start:.0f} s; "
+        f"{len(check.failures)} compile errors, {len(problems)} problems"
+    )
+    for f in check.failures:
+        print(f"\nCOMPILE ERROR {f.kernel} sm_{f.arch} ({f.case}):\n{f.error}")
+    for e, p in problems:
+        print(f"PROBLEM {e.module}.{e.kernel} sm_{e.arch} [{e.specialization}]: {p}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(
+        json.dumps(
+            {
+                "triton": triton.__version__,
+                "archs": {str(a): ARCH_NAMES[a] for a in args.arch},
+                "how": "compiled on a CPU machine through Triton's binder with a stand-in driver; nothing launched",
+                "case_seconds": seconds,
+                "kernels": [asdict(e) for e in check.compiled.values()],
+                "compile_errors": [asdict(f) for f in check.failures],
+            },
+            indent=1,
+        )
+        + "\n"
+    )
+    print(f"wrote {args.out.relative_to(ROOT) if args.out.is_relative_to(ROOT) else args.out}")
+    return 1 if check.failures or problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

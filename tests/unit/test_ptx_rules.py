@@ -1,0 +1,84 @@
+"""The PTX rules of the communication kernels (`bench/gpu/ptx_rules.py`) hold on the kernels as
+compiled for sm_90a on this CPU machine, and each rule catches the regression it is there for.
+
+The compile runs in a child process: a test worker may have set TRITON_INTERPRET=1 (the kernel
+tests do), which makes every kernel an interpreted function with no PTX.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+GPU = ROOT / "bench" / "gpu"
+sys.path.insert(0, str(GPU))
+
+from ptx_rules import check_comm_ptx  # noqa: E402
+
+# Compiles three kernels the way a dispatcher launches them on a GPU (DeepSeek-V3's bf16 rows at
+# EP 8: 3584 words), with per-call ints at 1, and prints their PTX as JSON.
+COMPILE = """
+import json, sys, torch
+sys.path.insert(0, sys.argv[1])
+from compile_check import JITFunction, StandInDriver
+from triton.runtime.driver import driver
+from moeserve.kernels import peer_copy as pc
+driver.set_active(StandInDriver(90))
+i64, err = torch.zeros(64, dtype=torch.int64), torch.zeros(4, dtype=torch.int64)
+payload = torch.zeros(4, 3584, dtype=torch.int32)
+clock = dict(GLOBALTIMER=True, HOST_CLOCK=None)
+tiles = dict(zip(("BLOCK_M", "BLOCK_W"), pc.copy_tiles(3584, "cuda")))
+kernels = {
+    "dispatch_send_kernel": (
+        pc.dispatch_send_kernel,
+        (i64, payload, i64, i64, i64, err, 1, 1, 1, 1, 1, 0, 16, 32, 48, 10**11),
+        dict(EP=8, L=32, C=128, K=8, SLOTS=2, WORDS=3584, **tiles, **clock),
+    ),
+    "wait_signals_kernel": (pc.wait_signals_kernel, (i64, err, 1, 64, 1, i64, 1, 1, 10**11, 2),
+        dict(NUM_WORDS=256, BLOCK=256, **clock)),
+    "give_credit_kernel": (pc.give_credit_kernel, (i64, 1, 1, 64), dict(EP=8)),
+}
+ptx = {n: JITFunction.run(k, *args, grid=(1,), warmup=True, **kw).asm["ptx"] for n, (k, args, kw) in kernels.items()}
+print(json.dumps(ptx))
+"""
+
+
+@pytest.fixture(scope="module")
+def ptx() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    done = subprocess.run(
+        [sys.executable, "-c", COMPILE, str(GPU)], capture_output=True, text=True, env=env, timeout=600, cwd=ROOT
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_the_kernels_as_built_keep_every_rule(ptx: dict[str, str]) -> None:
+    for kernel, text in ptx.items():
+        copies, problems = check_comm_ptx(kernel, text)
+        assert problems == [], f"{kernel}: {problems}"
+        assert copies is (True if kernel == "dispatch_send_kernel" else None)
+
+
+@pytest.mark.parametrize(
+    "kernel,old,new,finding",
+    [
+        ("dispatch_send_kernel", ".sys.release.exch", ".gpu.release.exch", "release exchange"),
+        ("dispatch_send_kernel", ".sys.acquire", ".sys.relaxed", "acquire loads"),
+        ("wait_signals_kernel", "%globaltimer", "%clock64", "bounded by the global timer"),
+        ("give_credit_kernel", ".release.max", ".release.exch", "release max"),
+        ("dispatch_send_kernel", ".v4.b32", ".b32", "scalar loads/stores"),
+    ],
+    ids=["signal_at_gpu_scope", "relaxed_wait", "unbounded_wait", "credit_stored_not_raised", "scalar_copies"],
+)
+def test_each_rule_catches_its_regression(ptx: dict[str, str], kernel: str, old: str, new: str, finding: str) -> None:
+    assert old in ptx[kernel], f"{kernel}'s PTX no longer has {old!r}: update this test's regression"
+    _, problems = check_comm_ptx(kernel, ptx[kernel].replace(old, new))
+    assert any(finding in p for p in problems), problems
