@@ -217,6 +217,12 @@ def copy_bandwidth(device: torch.device, clock: Clock, reps: int) -> dict:
 
 
 def correctness(plan: Plan, device: torch.device, progress: Callable[[], None]) -> dict:
+    return _every_case(plan, device, progress, "")
+
+
+def _every_case(plan: Plan, device: torch.device, progress: Callable[[], None], how: str, **options) -> dict:
+    """Every case of the plan in every mode against `local`; `options` go to `check_case` (how
+    the PEs are driven, how many rounds), `how` names that driving in the printed lines."""
     records = []
     for world in plan.worlds:
         for case in cases_for(world, plan.smoke):
@@ -230,13 +236,14 @@ def correctness(plan: Plan, device: torch.device, progress: Callable[[], None]) 
                         lambda w=world: EmulatedWorld(w, device).heaps,
                         device,
                         plan.chunk_tokens,
+                        **options,
                     )
                 except Exception as e:  # noqa: BLE001 - a kernel that fails to build is a failed case, recorded
                     rec = {"world": world, "case": case.name, "mode": mode, "passed": False, "problems": [repr(e)]}
                 records.append(rec)
                 progress()
                 verdict = "bit-equal" if rec["passed"] else f"FAILED: {'; '.join(rec['problems'][:3])}"
-                print(f"  {world} PEs  {case.name:44s} {mode:15s} {verdict}", flush=True)
+                print(f"  {world} PEs{how}  {case.name:44s} {mode:15s} {verdict}", flush=True)
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
     return {"reference": "local dispatcher on all PEs' tokens", "passed": all(r["passed"] for r in records),
@@ -404,35 +411,8 @@ def measure_overlap(plan: Plan, device: torch.device, clock: Clock, comm_sms: in
 
 def concurrent(plan: Plan, device: torch.device, progress: Callable[[], None]) -> dict:
     """Step 2's cases with the PEs at once (see --concurrent in the module docstring)."""
-    records = []
-    for world in plan.worlds:
-        for case in cases_for(world, plan.smoke):
-            for mode, bound in case.modes(world, plan.chunk_tokens):
-                try:
-                    rec = check_case(
-                        case,
-                        world,
-                        mode,
-                        bound,
-                        lambda w=world: EmulatedWorld(w, device).heaps,
-                        device,
-                        plan.chunk_tokens,
-                        drive=lambda steps: run_concurrently(steps, device),
-                        rounds=CONCURRENT_ROUNDS,
-                    )
-                except Exception as e:  # noqa: BLE001 - a case that fails to run is a failed case, recorded
-                    rec = {"world": world, "case": case.name, "mode": mode, "passed": False, "problems": [repr(e)]}
-                records.append(rec)
-                progress()
-                verdict = "bit-equal" if rec["passed"] else f"FAILED: {'; '.join(rec['problems'][:3])}"
-                print(f"  {world} PEs at once  {case.name:44s} {mode:15s} {verdict}", flush=True)
-                torch.cuda.empty_cache()
-    return {
-        "reference": "local dispatcher on all PEs' tokens",
-        "rounds": CONCURRENT_ROUNDS,
-        "passed": all(r["passed"] for r in records),
-        "cases": records,
-    }
+    drive = {"drive": lambda steps: run_concurrently(steps, device), "rounds": CONCURRENT_ROUNDS}
+    return {"rounds": CONCURRENT_ROUNDS, **_every_case(plan, device, progress, " at once", **drive)}
 
 
 def symmetric_memory(device: torch.device, seconds: float) -> dict:
