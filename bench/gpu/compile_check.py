@@ -279,7 +279,31 @@ def run(archs: list[int], only: list[str] | None) -> tuple[CompileCheck, dict[st
             seconds[case.name] = round(time.perf_counter() - start, 2)
     finally:
         check.uninstall()
+    if not only:
+        compiled = {e.kernel for e in check.compiled.values()}
+        for name, module in sorted(launched_kernels().items()):
+            if name not in compiled:
+                check.failures.append(Failure(name, 0, "-", f"{module}.{name} has no case in compile_cases.py"))
     return check, seconds
+
+
+def launched_kernels() -> dict[str, str]:
+    """Every `@triton.jit` function of `moeserve/kernels` that no other one calls (so a kernel that
+    is launched, not a helper), by name, with its module: the set the cases must cover, so that a
+    kernel added later without a case fails the check rather than going unchecked."""
+    import importlib
+    import pkgutil
+
+    import moeserve.kernels
+
+    found: dict[str, tuple[str, JITFunction]] = {}
+    for info in pkgutil.iter_modules(moeserve.kernels.__path__):
+        module = importlib.import_module(f"moeserve.kernels.{info.name}")
+        for name, value in vars(module).items():
+            if isinstance(value, JITFunction) and value.fn.__module__ == module.__name__:
+                found[name] = (info.name, value)
+    called = {name for _, kernel in found.values() for name in kernel.fn.__code__.co_names}
+    return {name: module for name, (module, _) in found.items() if name not in called}
 
 
 def table(check: CompileCheck) -> str:
