@@ -1,16 +1,28 @@
-"""Shared fixtures: tiny checkpoints written by transformers itself, with a locally trained tokenizer."""
+"""Shared fixtures: tiny checkpoints written by transformers itself, with a locally trained tokenizer.
+
+Without CUDA the Triton kernels run under Triton's interpreter, which must be chosen before triton
+is first imported (its standard library, `tl.sum` and the like, is decorated then): hence here,
+before any test module is collected, since a collected module that imports a kernel imports
+triton. Tests that compile for a GPU target (the compile check's) do it in a child process
+without the variable.
+"""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from helpers.hf_configs import VOCAB, write_checkpoint
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from helpers.hf_configs import VOCAB, write_checkpoint  # noqa: E402
 
 ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
 
