@@ -44,6 +44,7 @@ sys.path.insert(0, str(ROOT))  # run as a script from anywhere, moeserve install
 from moeserve.kernels.fused_moe import fused_moe  # noqa: E402
 from moeserve.kernels.launch_config import block_m_for, config_for, default_max_programs  # noqa: E402
 from moeserve.kernels.moe_align import moe_align_block_size  # noqa: E402
+from moeserve.ops.grouped_mlp import grouped_mlp  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 TOKENS = (1, 8, 64, 256, 1024, 4096)
@@ -90,7 +91,7 @@ class Routing:
     num_pairs: int
     order: torch.Tensor  # [N] pair ids grouped by expert
     counts: tuple[int, ...]  # [E] pairs per expert
-    offsets: torch.Tensor  # [E] int32 cumulative counts (torch._grouped_mm's offs)
+    expert_counts: torch.Tensor  # [E] int64 pairs per expert, on the device (grouped_mlp's counts)
     sorted_weights: torch.Tensor  # [N] float32
 
     @classmethod
@@ -104,7 +105,7 @@ class Routing:
             num_pairs=flat.numel(),
             order=order,
             counts=tuple(counts.tolist()),
-            offsets=torch.cumsum(counts, 0).to(torch.int32),
+            expert_counts=counts,
             sorted_weights=pair_weights[order],
         )
 
@@ -131,10 +132,10 @@ def torch_loop(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, routin
 
 
 def torch_grouped(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, routing: Routing) -> torch.Tensor:
-    """Gather, torch._grouped_mm for gate/up, SiLU-and-multiply, torch._grouped_mm for down, weight, scatter."""
+    """Gather, the torch backend's `grouped_mlp` (a grouped_mm for gate/up, SiLU-and-multiply, a
+    grouped_mm for down; widths padded where grouped_mm needs it), weight, scatter."""
     x = hidden[routing.order // routing.top_k]
-    gate, up = torch._grouped_mm(x, w13.transpose(1, 2), offs=routing.offsets).chunk(2, dim=-1)
-    y = torch._grouped_mm(F.silu(gate) * up, w2.transpose(1, 2), offs=routing.offsets)
+    y = grouped_mlp(x, routing.expert_counts, w13, w2)
     out = hidden.new_zeros(routing.num_pairs, hidden.shape[1])
     out[routing.order] = (y.float() * routing.sorted_weights[:, None]).to(out.dtype)
     return out

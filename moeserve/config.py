@@ -118,8 +118,9 @@ class GatedActivation:
 @dataclass(frozen=True)
 class BlockFP8Config:
     """FP8 block-quantized weights as DeepSeek-V3 and Qwen3-FP8 publish them: a quantized linear
-    weight `[out, in]` is float8_e4m3fn with float32 `weight_scale_inv [ceil(out/bo), ceil(in/bi)]`;
-    its value is `weight.float() * scale_inv` over each `block = (bo, bi)` tile. Activations
+    weight `[out, in]` is float8_e4m3fn with `weight_scale_inv [ceil(out/bo), ceil(in/bi)]` (stored
+    float32, bfloat16 or float16, held float32); its value is `weight.float() * scale_inv` over each
+    `block = (bo, bi)` tile. Activations
     are quantized dynamically by kernels that have a w8a8 GEMM (the torch path dequantizes)."""
 
     block: tuple[int, int] = (128, 128)

@@ -1,5 +1,8 @@
 """The FP8 block-quantized checkpoint format as DeepSeek-V3 and Qwen3-FP8 publish it: e4m3 weights
-with one float32 inverse scale per 128x128 tile (`<weight>_scale_inv`), partial edge tiles included.
+with one inverse scale per 128x128 tile (`<weight>_scale_inv`), partial edge tiles included. The
+scales are stored float32 (DeepSeek-V3), bfloat16 (Qwen3-1.7B-FP8, Qwen3-32B-FP8) or float16
+(Qwen3-4B-Instruct-2507-FP8); every one of those is exact in float32, the one dtype they are held
+in once read.
 
 Its own module because both sides of the format need it and neither may import the other: the
 loader's in-memory form (`models/fp8.py`) and the tiny-checkpoint writer (`checkpoints/`).
@@ -14,6 +17,7 @@ import torch
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
 SCALE_SUFFIX = "_scale_inv"  # `x.weight` -> `x.weight_scale_inv`
+SCALE_DTYPE = torch.float32  # scales in memory, whatever float dtype the checkpoint stored
 
 
 def scale_name(weight_name: str) -> str:
@@ -27,17 +31,22 @@ def scale_shape(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, ..
     return (*lead, -(-rows // block[0]), -(-cols // block[1]))
 
 
-def quantize(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """`weight [out, in]` -> (float8_e4m3fn `[out, in]`, float32 scale_inv grid): each tile's
-    largest magnitude maps to the format's largest value, as the published checkpoints do."""
+def quantize(
+    weight: torch.Tensor, block: tuple[int, int], scale_dtype: torch.dtype = SCALE_DTYPE
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`weight [out, in]` -> (float8_e4m3fn `[out, in]`, scale_inv grid in `scale_dtype`): each
+    tile's largest magnitude maps to the format's largest value, as the published checkpoints do.
+    A narrower `scale_dtype` rounds the scale first and the tile is divided by the rounded one,
+    so that the stored pair means what was quantized, as a bf16-scaled release's does."""
     rows, cols = weight.shape
     grid_rows, grid_cols = scale_shape(weight.shape, block)
     padded = weight.new_zeros(grid_rows * block[0], grid_cols * block[1], dtype=torch.float32)
     padded[:rows, :cols] = weight.float()
     tiles = padded.reshape(grid_rows, block[0], grid_cols, block[1])
     amax = tiles.abs().amax(dim=(1, 3)).clamp(min=1e-12)
-    scale_inv = amax / FP8_MAX
-    q = (tiles / scale_inv[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    # Clamped to the dtype's smallest normal: an all-zero tile's scale must stay nonzero in fp16 too.
+    scale_inv = (amax / FP8_MAX).to(scale_dtype).clamp(min=torch.finfo(scale_dtype).tiny)
+    q = (tiles / scale_inv.float()[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q.reshape(padded.shape)[:rows, :cols].contiguous(), scale_inv
 
 
@@ -74,7 +83,7 @@ class BlockFP8Weight:
     def __post_init__(self) -> None:
         *lead, all_rows, cols = self.data.shape
         parts = self.scale_inv.shape[-3] if self.scale_inv.dim() >= 3 else 0
-        if self.data.dtype != FP8_DTYPE or self.scale_inv.dtype != torch.float32:
+        if self.data.dtype != FP8_DTYPE or self.scale_inv.dtype != SCALE_DTYPE:
             raise ValueError(
                 f"need {FP8_DTYPE} data and float32 scales, got {self.data.dtype} and {self.scale_inv.dtype}"
             )

@@ -62,6 +62,7 @@ def make_checkpoint(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Pat
 LONGEST_FIRST = (
     "test_openai_server.py",  # ~150
     "test_nvshmem_dispatcher.py",  # ~95
+    "test_fp8_checkpoints.py",  # ~90 (three ep=4 runs)
     "test_ep_parity.py",  # ~75
     "test_bench_serve.py",  # ~70
     "test_ep_serving.py",  # ~65

@@ -2,7 +2,8 @@
 are published in.
 
 Every linear weight (a 2-D `*.weight` of a projection, shared or routed expert) becomes
-float8_e4m3fn with float32 `*.weight_scale_inv` of one scale per block (`fp8_format.py`);
+float8_e4m3fn with `*.weight_scale_inv` of one scale per block (`fp8_format.py`), float32 as
+DeepSeek stores them unless asked for Qwen3-FP8's bfloat16 or float16;
 the embeddings, the LM head, the norms and the routers' gates stay as they were, as in the
 published checkpoints. config.json gets the published `quantization_config`.
 """
@@ -15,7 +16,7 @@ from pathlib import Path
 import torch
 
 from moeserve.checkpoints.rewrite import rewrite_tensors
-from moeserve.fp8_format import quantize, scale_name
+from moeserve.fp8_format import SCALE_DTYPE, quantize, scale_name
 
 _KEPT = ("embed_tokens", "lm_head", "gate", "router", "shared_expert_gate")  # module names left unquantized
 
@@ -27,15 +28,17 @@ def is_quantized(name: str, tensor: torch.Tensor) -> bool:
     return name.removesuffix(".weight").rsplit(".", 1)[-1] not in _KEPT
 
 
-def quantize_checkpoint(folder: str | Path, block: tuple[int, int] = (128, 128)) -> None:
+def quantize_checkpoint(
+    folder: str | Path, block: tuple[int, int] = (128, 128), scale_dtype: torch.dtype = SCALE_DTYPE
+) -> None:
     """Quantize `folder`'s safetensors in place (each file keeps its tensors and gains their
-    scales; the index, if any, lists them) and declare it in config.json."""
+    scales, in `scale_dtype`; the index, if any, lists them) and declare it in config.json."""
     folder = Path(folder)
 
     def rewrite(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
         if not is_quantized(name, tensor):
             return {name: tensor}
-        weight, scale_inv = quantize(tensor, block)
+        weight, scale_inv = quantize(tensor, block, scale_dtype)
         return {name: weight, scale_name(name): scale_inv}
 
     rewrite_tensors(folder, rewrite)

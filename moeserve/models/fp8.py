@@ -1,8 +1,9 @@
 """Block-quantized FP8 weights: the published format's arithmetic, and parameters kept in it.
 
-A weight `[out, in]` is stored as float8_e4m3fn with float32 inverse scales
-`[ceil(out/bo), ceil(in/bi)]`, one per `(bo, bi)` tile (the last row and column of tiles may be
-partial); its value is `weight.float() * scale_inv` over each tile (DeepSeek-V3, Qwen3-FP8).
+A weight `[out, in]` is stored as float8_e4m3fn with inverse scales `[ceil(out/bo), ceil(in/bi)]`,
+one per `(bo, bi)` tile (the last row and column of tiles may be partial); its value is
+`weight.float() * scale_inv` over each tile (DeepSeek-V3, Qwen3-FP8). Releases store the scales
+in float32, bfloat16 or float16; they are held in float32 (`SCALE_DTYPE`), which holds each exactly.
 
 In memory a quantized parameter keeps its FP8 bytes and its scales, wrapped in a
 `torch.nn.utils.parametrize` parametrization that dequantizes on read, in the layer's compute
@@ -21,7 +22,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from moeserve.fp8_format import FP8_DTYPE, BlockFP8Weight, dequantize
+from moeserve.fp8_format import FP8_DTYPE, SCALE_DTYPE, BlockFP8Weight, dequantize
 
 
 class BlockFP8(nn.Module):
@@ -49,7 +50,7 @@ def quantize_parameter(
     storage = nn.Parameter(torch.empty(old.shape, dtype=FP8_DTYPE, device=old.device), requires_grad=False)
     if hasattr(old, "tp_shard"):
         storage.tp_shard = old.tp_shard  # type: ignore[attr-defined]
-    scales = torch.empty(*old.shape[:-2], parts, *grid, dtype=torch.float32, device=old.device)
+    scales = torch.empty(*old.shape[:-2], parts, *grid, dtype=SCALE_DTYPE, device=old.device)
     setattr(module, name, storage)
     # unsafe: the parametrization changes the dtype (FP8 storage, compute-dtype reads).
     parametrize.register_parametrization(module, name, BlockFP8(scales, block, old.dtype), unsafe=True)

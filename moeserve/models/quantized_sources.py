@@ -1,10 +1,12 @@
 """Quantized checkpoint tensors: which of our parameters are stored FP8 or MXFP4, checked, and
 how their bytes and scales are read as the model holds them.
 
-FP8 (`models/fp8.py`): block-scaled float8_e4m3fn weights with float32 scales, one per block; a
+FP8 (`models/fp8.py`): block-scaled float8_e4m3fn weights with one scale per block, stored in
+float32, bfloat16 or float16 as each release chose and widened (exactly) to float32 as read; a
 tensor-parallel rank reads its slice of both, which must cut the weight at scale-block
 boundaries. MXFP4 (gpt-oss, `models/mxfp4.py`): the expert projections as packed FP4 codes and
-their scales, of a rank's experts only.
+their scales, of a rank's experts only; those scales are uint8 power-of-two exponents, kept as
+stored.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from moeserve.config import BlockFP8Config, MXFP4Config
-from moeserve.fp8_format import FP8_DTYPE, scale_name, scale_shape
+from moeserve.fp8_format import FP8_DTYPE, SCALE_DTYPE, scale_name, scale_shape
 from moeserve.models.checkpoint import CheckpointError, CheckpointReader
 from moeserve.models.mxfp4 import MXFP4ExpertsSource
 from moeserve.models.tensor_parallel import Shard
@@ -20,13 +22,16 @@ from moeserve.models.weight_sources import FusedExpertsSource, WeightSource, rea
 
 FP8_TENSOR = "F8_E4M3"
 """safetensors' name of float8_e4m3fn."""
+FP8_SCALE_TENSORS = ("F32", "BF16", "F16")
+"""safetensors' names of the dtypes FP8 releases store their scales in (DeepSeek-V3: float32;
+Qwen3-FP8: bfloat16 or float16); each widens exactly to float32."""
 
 
 def fp8_sources(
     sources: dict[str, WeightSource | FusedExpertsSource], reader: CheckpointReader, quant: BlockFP8Config | None
 ) -> dict[str, WeightSource]:
     """Our parameters whose checkpoint tensors are FP8, each checked to have its scales in the
-    published layout (float32, one per block, partial blocks included)."""
+    published layout (float32, bfloat16 or float16, one per block, partial blocks included)."""
     found: dict[str, WeightSource] = {}
     for name, source in sources.items():
         fp8 = [reader.dtype(n) == FP8_TENSOR for n in source.names]
@@ -48,10 +53,10 @@ def fp8_sources(
             scales, want = scale_name(tensor), scale_shape(reader.shape(tensor), quant.block)
             if scales not in reader:
                 raise CheckpointError(f"FP8 tensor {tensor} has no {scales} in the checkpoint")
-            if reader.shape(scales) != want or reader.dtype(scales) != "F32":
+            if reader.shape(scales) != want or reader.dtype(scales) not in FP8_SCALE_TENSORS:
                 raise CheckpointError(
                     f"tensor {scales} is {reader.dtype(scales)} {list(reader.shape(scales))}, "
-                    f"expected F32 {list(want)}: "
+                    f"expected {', '.join(FP8_SCALE_TENSORS[:-1])} or {FP8_SCALE_TENSORS[-1]} {list(want)}: "
                     f"one scale per {quant.block[0]}x{quant.block[1]} block of {tensor} {list(reader.shape(tensor))}"
                 )
     return found
@@ -108,12 +113,14 @@ def scale_shard(shard: Shard, block: tuple[int, int], name: str) -> Shard:
 def read_scales(
     source: WeightSource, reader: CheckpointReader, block: tuple[int, int], shard: Shard | None
 ) -> torch.Tensor:
-    """The scales of an FP8 parameter in `fp8.BlockFP8`'s layout: one grid per part."""
+    """The scales of an FP8 parameter in `fp8.BlockFP8`'s layout (one grid per part), float32
+    whatever float dtype the checkpoint stored them in: a heal's freshly read scales must meet
+    the held ones, and the Triton w8a8 GEMM reads float32."""
     if shard is not None:
         (name,) = source.names
         rows = scale_shard(shard, block, name)
-        return reader.get_part(scale_name(name), rows.dim, rows.start, rows.length)[None]
-    parts = [torch.stack([reader.get(scale_name(n)) for n in part]) for part in source.parts]
+        return reader.get_part(scale_name(name), rows.dim, rows.start, rows.length)[None].to(SCALE_DTYPE)
+    parts = [torch.stack([reader.get(scale_name(n)).to(SCALE_DTYPE) for n in part]) for part in source.parts]
     return torch.stack(parts) if source.stacked else parts[0]
 
 

@@ -1,5 +1,5 @@
-"""transformers as the reference: its model in float32, its greedy tokens for one prompt, and the
-largest prefill logit gap between it and a loaded moeserve model."""
+"""transformers as the reference: its model (in float32 unless asked), its greedy tokens for one
+prompt, and the largest prefill logit gap between it and a loaded moeserve model."""
 
 from __future__ import annotations
 
@@ -9,14 +9,18 @@ from pathlib import Path
 import torch
 
 
-def hf_model(folder):
-    """transformers' model of `folder` in float32. An MXFP4 checkpoint (gpt-oss) is dequantized
-    by transformers' own code, as it does on a machine without its MXFP4 kernels."""
+def hf_model(folder, dtype: torch.dtype = torch.float32):
+    """transformers' model of `folder` in `dtype` (float32 unless asked). An MXFP4 checkpoint
+    (gpt-oss) is dequantized by transformers' own code, as it does on a machine without its MXFP4
+    kernels. In bf16/fp16 its experts run as its per-expert loop: its grouped_mm path crashes on
+    an expert width whose rows are not a multiple of 16 bytes (28 bf16 values)."""
     from transformers import AutoModelForCausalLM, Mxfp4Config
 
     quant = json.loads((Path(folder) / "config.json").read_text()).get("quantization_config") or {}
     extra = {"quantization_config": Mxfp4Config(dequantize=True)} if quant.get("quant_method") == "mxfp4" else {}
-    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **extra).eval()
+    if dtype != torch.float32:
+        extra["experts_implementation"] = "eager"
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **extra).eval()
 
 
 def hf_greedy_tokens(model, prompt: list[int], num_tokens: int) -> list[int]:
@@ -34,7 +38,8 @@ def hf_greedy_tokens(model, prompt: list[int], num_tokens: int) -> list[int]:
 
 
 def max_prefill_dlogit(ours, ref_model, batch: list[list[int]]) -> float:
-    """Largest |logit difference| over every prompt's prefill, ours (one batch) vs transformers."""
+    """Largest |logit difference| over every prompt's prefill, ours (one batch, its KV cache in
+    its own dtype) vs transformers."""
     from moeserve.ops import attention_batch
 
     block_size, tables, next_block = 4, [], 0
@@ -42,10 +47,10 @@ def max_prefill_dlogit(ours, ref_model, batch: list[list[int]]) -> float:
         n = -(-len(p) // block_size)
         tables.append(list(range(next_block, next_block + n)))
         next_block += n
-    caches = [torch.zeros(ours.kv_cache_shape(next_block, block_size)) for _ in ours.layers]
+    caches = [torch.zeros(ours.kv_cache_shape(next_block, block_size), dtype=ours.dtype) for _ in ours.layers]
     plan = ours.ops.plan_attention(attention_batch(tables, [0] * len(batch), [len(p) for p in batch], block_size))
     with torch.inference_mode():
         positions = torch.cat([torch.arange(len(p)) for p in batch])
         logits = ours.compute_logits(ours(torch.tensor(sum(batch, [])), positions, plan, caches))
         refs = torch.cat([ref_model(torch.tensor([p])).logits[0] for p in batch])
-    return (logits - refs).abs().max().item()
+    return (logits.float() - refs.float()).abs().max().item()

@@ -1,11 +1,11 @@
 """FP8 block-quantized checkpoints against transformers running their dequantized weights.
 
 Each case is a checkpoint written by transformers (random weights), rewritten in the layout the
-FP8 releases use (float8_e4m3fn weights, float32 `weight_scale_inv` per 128x128 block,
-`quantization_config`). The reference is transformers in fp32 on a copy whose weights are the
-FP8 values times their scales, dequantized here block by block (not by moeserve's code), so
-moeserve, which keeps the FP8 bytes and dequantizes at use, must match it as it matches an
-unquantized checkpoint.
+FP8 releases use (float8_e4m3fn weights, a `weight_scale_inv` per 128x128 block, stored float32
+as DeepSeek's are or bfloat16/float16 as Qwen3-FP8's are, `quantization_config`). The reference
+is transformers, in the case's compute dtype, on a copy whose weights are the FP8 values times
+their scales, dequantized here block by block (not by moeserve's code), so moeserve, which keeps
+the FP8 bytes and dequantizes at use, must match it as it matches an unquantized checkpoint.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+from dataclasses import dataclass, field
 
 import pytest
 import torch
@@ -38,7 +39,36 @@ PUBLISHED = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic
 # Qwen3-MoE sized past one block: hidden 192 and experts of 160 give 2x2 scale grids with partial
 # blocks, and gate/up parts meeting inside a block of our fused gate_up.
 QWEN3 = dict(hidden_size=192, moe_intermediate_size=160, num_experts=8, num_experts_per_tok=2, head_dim=32)
-CASES = [("deepseek_v3", dict()), ("qwen3_moe", QWEN3)]
+
+
+@dataclass(frozen=True)
+class Case:
+    """One FP8 checkpoint and the dtype it is run in (by moeserve and by the reference alike)."""
+
+    arch: str
+    overrides: dict = field(default_factory=dict)  # HF config fields
+    scale_dtype: torch.dtype = torch.float32  # what its `weight_scale_inv` tensors are stored in
+    dtype: torch.dtype = torch.float32
+
+    @property
+    def max_dlogit(self) -> float:
+        """The prefill logit gap allowed: fp32 agrees to rounding; bf16 to a few of its ulps
+        (both sides round the same weights, but sum in their own orders)."""
+        return 1e-4 if self.dtype == torch.float32 else 0.1
+
+
+CASES = {
+    "deepseek_v3": Case("deepseek_v3"),
+    "qwen3_moe": Case("qwen3_moe", QWEN3),
+    # As Qwen3-1.7B-FP8 and Qwen3-32B-FP8 store their scales.
+    "qwen3_moe-bf16_scales": Case("qwen3_moe", QWEN3, scale_dtype=torch.bfloat16),
+    # As Qwen3-4B-Instruct-2507-FP8 stores its scales; experts of 28 (56-byte bf16 rows, which
+    # grouped_mm cannot stride unpadded) run in bf16.
+    "deepseek_v3-width28-fp16_scales-bf16": Case(
+        "deepseek_v3", dict(moe_intermediate_size=28), scale_dtype=torch.float16, dtype=torch.bfloat16
+    ),
+}
+EP4_CASES = ("deepseek_v3", "qwen3_moe-bf16_scales", "deepseek_v3-width28-fp16_scales-bf16")
 PROMPT_LENGTHS = (1, 9, 26)
 GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
 
@@ -55,28 +85,30 @@ def reference_dequantize(weight: torch.Tensor, scale_inv: torch.Tensor) -> torch
 
 @pytest.fixture(scope="module")
 def reference(fp8_pair):
-    """arch -> (transformers on the dequantized weights, its 32 greedy tokens per prompt)."""
+    """case -> (transformers on the dequantized weights, in the case's dtype; its 32 greedy
+    tokens per prompt)."""
     cache = {}
 
-    def get(arch: str, overrides: dict):
-        if arch not in cache:
-            cache[arch] = hf_greedy(fp8_pair(arch, overrides)[1], prompts())
-        return cache[arch]
+    def get(case: str):
+        if case not in cache:
+            cache[case] = hf_greedy(fp8_pair(case)[1], prompts(), CASES[case].dtype)
+        return cache[case]
 
     return get
 
 
 @pytest.fixture(scope="module")
 def fp8_pair(make_checkpoint, tmp_path_factory):
-    """arch -> (FP8 folder, folder of its dequantized weights in fp32)."""
+    """case -> (FP8 folder, folder of its dequantized weights in fp32)."""
     built = {}
 
-    def get(arch: str, overrides: dict):
-        if arch not in built:
-            base = make_checkpoint(arch, 7, **overrides)
-            root = tmp_path_factory.mktemp(f"fp8-{arch}")
+    def get(case: str):
+        if case not in built:
+            spec = CASES[case]
+            base = make_checkpoint(spec.arch, 7, **spec.overrides)
+            root = tmp_path_factory.mktemp(f"fp8-{case}")
             fp8, plain = shutil.copytree(base, root / "fp8"), shutil.copytree(base, root / "dequantized")
-            quantize_checkpoint(fp8, BLOCK)
+            quantize_checkpoint(fp8, BLOCK, spec.scale_dtype)
             with safe_open(fp8 / "model.safetensors", framework="pt") as f:
                 tensors = {n: f.get_tensor(n) for n in f.keys()}
             values = {
@@ -85,8 +117,8 @@ def fp8_pair(make_checkpoint, tmp_path_factory):
                 if not n.endswith("_scale_inv")
             }
             save_file(values, plain / "model.safetensors", metadata={"format": "pt"})
-            built[arch] = fp8, plain
-        return built[arch]
+            built[case] = fp8, plain
+        return built[case]
 
     return get
 
@@ -96,13 +128,13 @@ def prompts() -> list[list[int]]:
     return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
 
 
-def hf_greedy(folder, batch: list[list[int]]):
-    model = hf_model(folder)
+def hf_greedy(folder, batch: list[list[int]], dtype: torch.dtype):
+    model = hf_model(folder, dtype)
     return model, [hf_greedy_tokens(model, p, 32) for p in batch]
 
 
 def test_checkpoint_has_the_published_layout(fp8_pair):
-    fp8, _ = fp8_pair("qwen3_moe", QWEN3)
+    fp8, _ = fp8_pair("qwen3_moe")
     assert json.loads((fp8 / "config.json").read_text())["quantization_config"] == PUBLISHED
     with safe_open(fp8 / "model.safetensors", framework="pt") as f:
         down = "model.layers.0.mlp.experts.3.down_proj.weight"
@@ -113,26 +145,55 @@ def test_checkpoint_has_the_published_layout(fp8_pair):
             assert f.get_slice(kept).get_dtype() == "F32" and kept + "_scale_inv" not in f.keys()
 
 
-@pytest.mark.parametrize("arch,overrides", CASES, ids=[a for a, _ in CASES])
-def test_greedy_tokens_match_dequantized_transformers(fp8_pair, reference, arch, overrides):
-    fp8, _ = fp8_pair(arch, overrides)
-    ours, batch = load_model(fp8), prompts()
-    ref_model, expected = reference(arch, overrides)
+@pytest.mark.parametrize(
+    "case,stored",
+    [("qwen3_moe-bf16_scales", "BF16"), ("deepseek_v3-width28-fp16_scales-bf16", "F16")],
+)
+def test_half_precision_scales_are_held_exactly_in_float32(fp8_pair, case, stored):
+    """Scales stored bf16/fp16, as Qwen3-FP8 releases store them, are held in float32 with the
+    stored values exactly, by a load and by a heal's read of the same experts alike."""
+    from moeserve.models.loader import ExpertReader
+
+    fp8, _ = fp8_pair(case)
+    down = "model.layers.1.mlp.experts.3.down_proj.weight_scale_inv"
+    with safe_open(fp8 / "model.safetensors", framework="pt") as f:
+        assert f.get_slice(down).get_dtype() == stored
+        expected = f.get_tensor(down)
+    model = load_model(fp8, dtype=CASES[case].dtype)
+    experts = model.layers[1].mlp.experts
+    held = experts.parametrizations.w2[0].scale_inv
+    assert held.dtype == torch.float32 and torch.equal(held[3, 0], expected.float())
+    assert model.layers[0].attn.o_proj.parametrizations.weight[0].scale_inv.dtype == torch.float32
+    reader = ExpertReader(fp8, CASES[case].dtype)
+    read = reader.read(model.cfg.moe_layer_indices.index(1), experts, [3])
+    reader.close()
+    assert read["parametrizations.w2.0.scale_inv"].dtype == torch.float32
+    assert torch.equal(read["parametrizations.w2.0.scale_inv"][0], held[3])
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_greedy_tokens_match_dequantized_transformers(fp8_pair, reference, case):
+    fp8, _ = fp8_pair(case)
+    dtype = CASES[case].dtype
+    ours, batch = load_model(fp8, dtype=dtype), prompts()
+    ref_model, expected = reference(case)
     dlogit = max_prefill_dlogit(ours, ref_model, batch)
-    logger.warning("FP8 %s: max |dlogit| vs dequantized transformers %.2e", arch, dlogit)
-    assert dlogit < 1e-4
-    outs = LLM(str(fp8), block_size=8, max_model_len=96).generate(
+    logger.warning("FP8 %s: max |dlogit| vs dequantized transformers %.2e", case, dlogit)
+    assert dlogit < CASES[case].max_dlogit
+    outs = LLM(str(fp8), dtype=dtype, block_size=8, max_model_len=96).generate(
         [{"prompt_token_ids": p} for p in batch], GREEDY, use_tqdm=False
     )
     assert [o.outputs[0].token_ids for o in outs] == expected
 
 
-def test_greedy_tokens_at_ep4_match_dequantized_transformers(fp8_pair, reference):
+@pytest.mark.parametrize("case", EP4_CASES)
+def test_greedy_tokens_at_ep4_match_dequantized_transformers(fp8_pair, reference, case):
     """Four rank processes, each reading only its two experts' FP8 bytes and scales."""
-    fp8, _ = fp8_pair("deepseek_v3", {})
+    fp8, _ = fp8_pair(case)
     batch = prompts()
-    _, expected = reference("deepseek_v3", {})
-    with LLM(str(fp8), ep=4, block_size=8, max_model_len=96, kv_cache_blocks=96) as llm:
+    _, expected = reference(case)
+    dtype = CASES[case].dtype
+    with LLM(str(fp8), ep=4, dtype=dtype, block_size=8, max_model_len=96, kv_cache_blocks=96) as llm:
         outs = llm.generate([{"prompt_token_ids": p} for p in batch], GREEDY, use_tqdm=False)
     got = [o.outputs[0].token_ids for o in outs]
     assert got == expected
@@ -141,7 +202,7 @@ def test_greedy_tokens_at_ep4_match_dequantized_transformers(fp8_pair, reference
 def test_mla_kv_b_is_dequantized_once_not_every_step(fp8_pair, monkeypatch):
     """The FP8 kv_b_proj of each MLA layer is dequantized at its first forward and kept (the
     greedy tokens above come from the kept values); the other steps read no kv_b values."""
-    fp8, _ = fp8_pair("deepseek_v3", {})
+    fp8, _ = fp8_pair("deepseek_v3")
     model = load_model(fp8)
     layers = [layer.attn for layer in model.layers]
     kv_b_shape = layers[0].kv_b_proj.parametrizations.weight.original.shape
@@ -160,7 +221,7 @@ def test_mla_kv_b_is_dequantized_once_not_every_step(fp8_pair, monkeypatch):
 
 
 def test_resident_weights_are_at_most_055x_bf16(fp8_pair):
-    fp8, plain = fp8_pair("qwen3_moe", QWEN3)
+    fp8, plain = fp8_pair("qwen3_moe")
 
     def resident(model) -> int:
         tensors = [*model.parameters(), *model.buffers()]
@@ -189,15 +250,20 @@ def test_partial_blocks_roundtrip_and_tensor_parallel_cuts():
         scale_shard(Shard(1, 64, 64, 128), BLOCK, "o_proj.weight")
 
 
-def test_malformed_scales_are_refused_clearly(fp8_pair, tmp_path):
-    fp8, _ = fp8_pair("deepseek_v3", {})
+@pytest.mark.parametrize(
+    "scales,stored", [(torch.ones(2, 1), r"F32 \[2, 1\]"), (torch.ones(1, 1, dtype=torch.float64), r"F64 \[1, 1\]")]
+)
+def test_malformed_scales_are_refused_clearly(fp8_pair, tmp_path, scales, stored):
+    """A scale grid of the wrong shape, or of a dtype no release stores scales in (float64 here:
+    widening it would be inexact), is refused by name."""
+    fp8, _ = fp8_pair("deepseek_v3")
     broken = shutil.copytree(fp8, tmp_path / "broken")
     with safe_open(broken / "model.safetensors", framework="pt") as f:
         tensors = {n: f.get_tensor(n) for n in f.keys()}
     name = "model.layers.1.mlp.experts.5.up_proj.weight_scale_inv"
-    tensors[name] = torch.ones(2, 1)
+    tensors[name] = scales
     save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(CheckpointError, match=rf"tensor {name} is F32 \[2, 1\], expected F32 \[1, 1\]"):
+    with pytest.raises(CheckpointError, match=rf"tensor {name} is {stored}, expected F32, BF16 or F16 \[1, 1\]"):
         load_model(broken)
 
 

@@ -116,6 +116,35 @@ def test_grouped_mlp_with_biases_and_clamped_swiglu():
     torch.testing.assert_close(masked_mlp(x, counts, w13, w2, b13, b2, act)[:10], expected)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("hidden,width", [(64, 28), (60, 32), (62, 30)])
+def test_grouped_mlp_takes_widths_grouped_mm_cannot_stride(dtype, hidden, width):
+    """Rows of 28 bf16 values (56 bytes), of a hidden size of 60 or 62: what `grouped_mm` refuses
+    unpadded ("strides should be multiple of 16 bytes"). Each expert's rows still get a per-expert
+    F.linear pair's values, biases and the clamped SwiGLU included, within a rounding of the
+    dtype (the padded GEMMs may sum in another order)."""
+    g = torch.Generator().manual_seed(7)
+    counts = torch.tensor([3, 0, 5, 2])
+    x = torch.randn(12, hidden, generator=g).to(dtype)
+    w13 = (torch.randn(4, 2 * width, hidden, generator=g) * 0.3).to(dtype)
+    w2 = (torch.randn(4, hidden, width, generator=g) * 0.3).to(dtype)
+    b13, b2 = torch.randn(4, 2 * width, generator=g).to(dtype), torch.randn(4, hidden, generator=g).to(dtype)
+    act = GatedActivation("clamped_swiglu", alpha=1.702, limit=1.0)
+    plain, biased = [], []
+    for e, rows in enumerate(torch.split(x[:10], counts.tolist())):
+        gate, up = F.linear(rows, w13[e]).chunk(2, dim=-1)
+        plain.append(F.linear(F.silu(gate) * up, w2[e]))
+        gate, up = (F.linear(rows, w13[e]) + b13[e]).chunk(2, dim=-1)
+        gate, up = gate.clamp(max=1.0), up.clamp(-1.0, 1.0)
+        biased.append(F.linear((up + 1) * (gate * torch.sigmoid(gate * 1.702)), w2[e]) + b2[e])
+    tol = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}[dtype]
+    out = grouped_mlp(x, counts, w13, w2)
+    assert out.shape == x.shape and out.dtype == dtype
+    torch.testing.assert_close(out[:10], torch.cat(plain), rtol=tol, atol=tol)
+    out = grouped_mlp(x, counts, w13, w2, b13, b2, act)
+    torch.testing.assert_close(out[:10], torch.cat(biased), rtol=tol, atol=tol)
+
+
 def test_local_refuses_expert_parallel_layouts():
     with pytest.raises(ValueError, match="ep=2"):
         create_dispatcher("local", ExpertPlacement.contiguous(8, ep_size=2, rank=0))

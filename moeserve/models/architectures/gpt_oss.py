@@ -1,5 +1,5 @@
-"""gpt-oss (`GptOssForCausalLM`), bf16/fp32 form (MXFP4 expert weights are refused by the
-quantization check).
+"""gpt-oss (`GptOssForCausalLM`), bf16/fp32 or as published, with MXFP4 routed experts (which
+the loader keeps packed, `models/mxfp4.py`: nothing here depends on how the experts are stored).
 
 Attention: q/k/v/o biases, a learnt per-head sink logit that joins every softmax (and takes
 its share of the probability mass, then is dropped), sliding-window and full layers as

@@ -16,7 +16,7 @@ from moeserve.models.checkpoint import CheckpointError
 
 SUPPORTED_QUANT_METHODS: tuple[str, ...] = ("fp8", "mxfp4")
 """quant_method values the loader reads besides bf16/fp16/fp32: fp8 = block-quantized e4m3
-weights with float32 inverse scales, dynamic activations (DeepSeek-V3/R1, Qwen3-FP8); mxfp4 =
+weights with float32/bfloat16/float16 inverse scales, dynamic activations (DeepSeek-V3/R1, Qwen3-FP8); mxfp4 =
 gpt-oss's routed experts as e2m1 codes with a power-of-two scale per 32 values."""
 MXFP4_ARCHITECTURES = ("GptOssForCausalLM",)  # what transformers reads MXFP4 experts for
 
