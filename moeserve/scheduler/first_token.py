@@ -67,7 +67,7 @@ class Capacity:
     max_num_batched_tokens: int
 
 
-WAIT_REASONS = ("seat", "KV blocks", "prefill")
+WAIT_REASONS = ("a seat", "KV blocks", "prefill")
 
 
 @dataclass(frozen=True)
@@ -183,7 +183,7 @@ class _Projection:
         admitted and prefill is under way."""
         if not self.queue:
             return "prefill"
-        return "seat" if self.seats >= self.capacity.max_num_seqs else "KV blocks"
+        return "a seat" if self.seats >= self.capacity.max_num_seqs else "KV blocks"
 
     def _chunk(self, decode_shape: StepShape, num_decodes: int, head_position: int) -> int:
         """Prefill tokens a step carries: the budget left by the decodes, at most what is

@@ -261,7 +261,7 @@ class Scheduler:
         self.admission.rejected += 1
         raise SLORejectedError(
             f"predicted time to first token {request.predicted_ttft_s * 1000:.0f} ms exceeds the request's target "
-            f"of {ttft_s * 1000:.0f} ms (waiting mostly for a {first_token.bottleneck}: "
+            f"of {ttft_s * 1000:.0f} ms (waiting mostly for {first_token.bottleneck}: "
             f"{self.num_waiting} requests queued, {self.num_running} running)",
             retry_after_s=retry_after_s(first_token.wait_s, ttft_s),
         )

@@ -193,7 +193,7 @@ def test_a_full_batch_makes_a_newcomer_wait_for_the_first_seat_to_free() -> None
     four_decodes = token_cost(StepShape.of([(1, 60)] * 4)) / SLO_STEP_HEADROOM
     assert prediction.wait_s > 20 * four_decodes  # the shortest stream's 20 steps, then its prompt
     assert prediction.wait_s == pytest.approx(21 * four_decodes, rel=0.05)
-    assert prediction.bottleneck == "seat"
+    assert prediction.bottleneck == "a seat"
     behind = project_first_token(model, None, seats, running, [Work(16, 0, 20, 9)], Work(16, 0, 1, 4), 0.025)
     assert behind.wait_s == pytest.approx(26 * four_decodes, rel=0.05)  # the seat freed at 20 went ahead: 25
 
