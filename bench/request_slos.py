@@ -218,12 +218,8 @@ def step_stats(steps: StepTimes) -> dict[str, float]:
 
 
 def tally(engine: LLMEngine) -> dict[str, int]:
-    t = [group.admission for group in engine.scheduler.groups]
-    return {
-        "predicted_on_time": sum(x.predicted_on_time for x in t),
-        "on_time": sum(x.on_time for x in t),
-        "rejected": sum(x.rejected for x in t),
-    }
+    t = engine.scheduler.admission
+    return {"predicted_on_time": t.predicted_on_time, "on_time": t.on_time, "rejected": t.rejected}
 
 
 def part_slo_policies(model: Path, args: argparse.Namespace, mix: tuple[MixClass, ...]) -> dict:

@@ -11,6 +11,10 @@ the ratio, e.g. `rate(moeserve:slo_ttft_met_requests_total[5m]) / rate(moeserve:
 Each request is judged by its own targets (`slo` in the body); the same three counts by SLO class
 are `moeserve:slo_class_*_total{class}`, beside `moeserve:slo_rejections_total{class}` (requests
 SLO admission refused). The unlabelled totals keep the names and series dashboards already read.
+Whether admission keeps its word: `moeserve:slo_admission_promised_requests_total` (requests it
+admitted on a prediction of meeting their TTFT target) and of those
+`moeserve:slo_admission_promises_kept_total` (first token within the target); the ratio is the
+share of promises kept, which should stay near 1.
 The targets are histogram bucket edges too, so the histograms answer the same question per token.
 
 Prefix caching, in tokens as vLLM counts them: `moeserve:prefix_cache_queries_total` (tokens of
@@ -309,6 +313,15 @@ class ServerMetrics:
             "moeserve:slo_rejections",
             "Requests refused at once (HTTP 429) because their TTFT target was predicted to be missed, by class.",
         )
+        self.ttft_promised = counter(
+            "moeserve:slo_admission_promised_requests",
+            "Requests SLO admission admitted on a prediction of meeting their TTFT target.",
+        )
+        self.ttft_promises_kept = counter(
+            "moeserve:slo_admission_promises_kept",
+            "Of moeserve:slo_admission_promised_requests, those whose first token came within the target.",
+        )
+        self._promises_seen = (0, 0)  # the core's running totals, as last counted
         targets = Gauge(
             "moeserve:slo_target_seconds", "The SLO targets requests are judged against.", [*labels, "kind"], registry=r
         )
@@ -379,6 +392,14 @@ class ServerMetrics:
         )
         self._model_name = model_name
 
+    def _record_promises(self, promised: int, kept: int) -> None:
+        """Count the increase of the core's running totals. Frames sent with no scheduler carry
+        zeros, so only a total above the highest seen is new."""
+        seen_promised, seen_kept = self._promises_seen
+        self.ttft_promised.inc(max(0, promised - seen_promised))
+        self.ttft_promises_kept.inc(max(0, kept - seen_kept))
+        self._promises_seen = (max(promised, seen_promised), max(kept, seen_kept))
+
     def record_slo_rejection(self, slo_class: str) -> None:
         """Count a request refused by SLO admission; runs on the event loop."""
         self.slo_rejections.labels(self._model_name, slo_class).inc()
@@ -410,6 +431,7 @@ class ServerMetrics:
         self.waiting.set(stats.num_waiting)
         self.kv_used.set(stats.kv_blocks_used)
         self.kv_total.set(stats.kv_blocks_total)
+        self._record_promises(stats.ttft_promised, stats.ttft_promises_kept)
         if stats.routed_tokens is not None:
             self._record_routing(stats.routed_tokens)
         for rebalance in stats.rebalances:

@@ -67,6 +67,10 @@ class SchedulerStats:
     num_waiting: int
     kv_blocks_used: int
     kv_blocks_total: int
+    ttft_promised: int = 0
+    """Requests SLO admission admitted on a prediction of meeting their TTFT target, so far."""
+    ttft_promises_kept: int = 0
+    """Of those, the ones whose first token did come within the target."""
 
 
 @dataclass
@@ -249,7 +253,14 @@ class EngineCore:
 
     def scheduler_stats(self) -> SchedulerStats:
         s = self.scheduler
-        return SchedulerStats(s.num_running, s.num_waiting + len(self._compiling), s.num_used_blocks, s.num_kv_blocks)
+        return SchedulerStats(
+            s.num_running,
+            s.num_waiting + len(self._compiling),
+            s.num_used_blocks,
+            s.num_kv_blocks,
+            s.admission.predicted_on_time,
+            s.admission.on_time,
+        )
 
     # ---- the step ---------------------------------------------------------------------------
 

@@ -140,6 +140,8 @@ class EngineFrontend:
         stats.num_waiting = gauges.num_waiting
         stats.kv_blocks_used = gauges.kv_blocks_used
         stats.kv_blocks_total = gauges.kv_blocks_total
+        stats.ttft_promised = gauges.ttft_promised
+        stats.ttft_promises_kept = gauges.ttft_promises_kept
         for stat_logger in self.stat_loggers:
             try:
                 stat_logger.record(stats)

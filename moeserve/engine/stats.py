@@ -70,6 +70,11 @@ class IterationStats:
     num_waiting: int = 0
     kv_blocks_used: int = 0
     kv_blocks_total: int = 0
+    ttft_promised: int = 0
+    """Requests admitted on a prediction of meeting their TTFT target, since the engine started
+    (a running total, as the core keeps it: the metrics count its increase)."""
+    ttft_promises_kept: int = 0
+    """Of those, the ones that did."""
     routed_tokens: RoutedTokens | None = None
     """Expert load since the previous stats that carried one (about once a second, and at
     every rebalance: no report spans two expert maps)."""

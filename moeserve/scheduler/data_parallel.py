@@ -4,7 +4,7 @@ With `ep` ranks and `tp`-way attention, `ep / tp` groups each own a KV cache and
 requests; the MoE layers join every group in each step. A request is placed in one group for
 its whole life (its KV lives there): with prefix caching the one holding the longest prefix of
 its prompt unless that one is much busier (`prefix_routing`), else the one with the least load
-when it arrives: by default the least predicted time to clear its backlog (`load_routing`), or
+when it arrives: by default the soonest projected first token (`load_routing`), or
 the fewest requests (`dp_routing="requests"`). All groups step together, so one step's plan
 holds every group's plan, some of which may be empty.
 """
@@ -15,13 +15,14 @@ import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 
+from moeserve.scheduler.admission import AdmissionTally
 from moeserve.scheduler.block_hash import block_hashes
 from moeserve.scheduler.config import SchedulerConfig
 from moeserve.scheduler.load_routing import TimeRouter
 from moeserve.scheduler.prefix_routing import PrefixRouter
 from moeserve.scheduler.request import Request
 from moeserve.scheduler.scheduler import QueueFullError, ScheduledRequest, Scheduler, SchedulerOutput
-from moeserve.scheduler.step_time import StepShape
+from moeserve.scheduler.step_time import StepShape, StepTimeModel
 
 
 @dataclass(frozen=True)
@@ -73,27 +74,31 @@ class DataParallelScheduler:
             raise ValueError(f"num_groups must be >= 1, got {num_groups}")
         self.config = config
         self._clock = clock
-        self.groups = [Scheduler(replace(config, max_waiting=None), clock) for _ in range(num_groups)]
+        self.admission = AdmissionTally()
+        """How SLO admission's predictions turned out, every group's together."""
+        self.groups = [Scheduler(replace(config, max_waiting=None), clock, self.admission) for _ in range(num_groups)]
         self._group_of: dict[str, int] = {}
         self._router = PrefixRouter(num_groups) if config.enable_prefix_caching and num_groups > 1 else None
-        self.time_router = (
-            TimeRouter(num_groups, config.max_num_batched_tokens)
-            if config.dp_routing == "tokens" and num_groups > 1
-            else None
-        )
+        self.time_router = TimeRouter(num_groups) if config.dp_routing == "tokens" and num_groups > 1 else None
         """Each group's own step-time model, with `dp_routing="tokens"` and several groups."""
 
     def _least_loaded(self, request: Request) -> int:
-        """With token routing, the group that would clear its backlog plus `request` soonest;
-        else (and among equals) queued requests weigh more than running ones (they will all need
-        a prefill), then KV blocks in use break ties, then the lowest group index."""
+        """With token routing, the group where `request`'s first token is projected to come
+        soonest (see `load_routing`); else (and among equals) queued requests weigh more than
+        running ones (they will all need a prefill), then KV blocks in use break ties, then the
+        lowest group index."""
 
         def load(g: int) -> tuple[int, int, int]:
             return (self._load_score(g), self.groups[g].block_manager.num_used_blocks, g)
 
         if self.time_router is not None:
-            backlogs = [group.backlog() for group in self.groups]
-            return self.time_router.choose(backlogs, request.num_tokens, load)
+
+            def first_token_s(g: int, model: StepTimeModel) -> float:
+                projection = self.groups[g].project_first_token(request, model)
+                assert projection is not None, "the router asks only once every group's model is ready"
+                return projection.wait_s
+
+            return self.time_router.choose(first_token_s, lambda g: self.groups[g].backlog_tokens(), load)
         return min(range(len(self.groups)), key=load)
 
     def _load_score(self, group: int) -> int:
@@ -195,11 +200,13 @@ class DataParallelScheduler:
         if count < 1:
             raise ValueError(f"count must be >= 1, got {count}")
         first = len(self.groups)
-        self.groups += [Scheduler(replace(self.config, max_waiting=None), self._clock) for _ in range(count)]
+        self.groups += [
+            Scheduler(replace(self.config, max_waiting=None), self._clock, self.admission) for _ in range(count)
+        ]
         if self.config.enable_prefix_caching:
             self._router = (self._router or PrefixRouter(first)).regrouped(self._group_of, len(self.groups))
         if self.config.dp_routing == "tokens":
-            router = self.time_router or TimeRouter(first, self.config.max_num_batched_tokens)
+            router = self.time_router or TimeRouter(first)
             self.time_router = router.growing(count)
 
     @property

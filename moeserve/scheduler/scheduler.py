@@ -44,9 +44,10 @@ Policies (`SchedulerConfig.policy`) differ only in the queue's order and the siz
   queue's head has used half its TTFT target waiting for a seat or blocks that a stream with
   looser targets (both TTFT and TBT) holds, that stream is preempted to make room and queues
   again by its own deadline, behind the tight request (`_yield_to_tight`).
-Admission (`slo_admission`, either policy): a new request whose TTFT target the step-time model
-predicts will be missed is refused (`SLORejectedError`) or admitted as best effort
-(`admission.py`).
+Admission (`slo_admission`, either policy): a new request whose TTFT target is predicted to be
+missed is refused (`SLORejectedError`) or admitted as best effort (`admission.py`); the
+prediction plays this scheduler forward with the step-time model, waiting for seats, KV blocks
+and the prefill ahead (`first_token.py`).
 Progress is guaranteed: `SchedulerConfig` ensures one `max_model_len` sequence fits the cache and
 all decodes fit the budget, the earliest admitted running request can preempt every other one,
 and a step that can run anything grants at least one token.
@@ -60,10 +61,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from moeserve.sampling_params import SamplingParams
-from moeserve.scheduler.admission import AdmissionTally, Backlog, SLORejectedError, predict_ttft
+from moeserve.scheduler.admission import AdmissionTally, SLORejectedError, retry_after_s
 from moeserve.scheduler.block_hash import BlockHash, block_hashes
 from moeserve.scheduler.block_manager import BlockManager
 from moeserve.scheduler.config import SchedulerConfig, blocks_for_tokens
+from moeserve.scheduler.first_token import Capacity, FirstToken, Work, project_first_token
 from moeserve.scheduler.policy import ChunkSizer, FcfsQueue, SloQueue, WaitingQueue
 from moeserve.scheduler.request import STATUS_BY_FINISH_REASON, Request, RequestStatus
 from moeserve.scheduler.step_time import StepShape, StepTimeModel
@@ -190,9 +192,16 @@ class Scheduler:
 
     `clock` stamps first admission (queue time) and, under slo, tells which TTFT deadlines have
     passed; tests pass a fake one. It must share a time base with `Request.arrival_time`.
+    `admission` is where admission keeps score; data-parallel groups share one, so the score
+    outlives a group lost with its rank.
     """
 
-    def __init__(self, config: SchedulerConfig, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        clock: Callable[[], float] = time.monotonic,
+        admission: AdmissionTally | None = None,
+    ) -> None:
         self.config = config
         self.block_manager = BlockManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self._clock = clock
@@ -202,7 +211,7 @@ class Scheduler:
         sizes_chunks = config.policy == "slo" and config.enable_chunked_prefill
         self._model = StepTimeModel() if sizes_chunks or config.slo_admission != "off" else None
         self._chunk_sizer = ChunkSizer(self._model, config.block_size) if sizes_chunks and self._model else None
-        self.admission = AdmissionTally()
+        self.admission = admission or AdmissionTally()
         """How admission's TTFT predictions turned out (see `admission.py`)."""
         self._finished_ids: list[str] = []  # finished since the previous schedule()
         self._awaiting_update = False
@@ -238,15 +247,12 @@ class Scheduler:
     def _admit_or_refuse(self, request: Request) -> None:
         """Predict `request`'s TTFT; refuse it or mark it best effort if its target is missed.
         With the step-time model not ready yet there is no prediction and the request is admitted."""
-        model = self._model
-        if model is None or not model.ready:
+        first_token = self.project_first_token(request)
+        if first_token is None:
             return
-        ttft_s, tbt_s = self._targets(request)
-        prediction = predict_ttft(
-            model, self._chunk_sizer, self._backlog(request, tbt_s), self.config.max_num_batched_tokens
-        )
-        request.predicted_ttft_s = prediction.ttft_s
-        if prediction.ttft_s <= ttft_s:
+        ttft_s = self._targets(request)[0]
+        request.predicted_ttft_s = max(0.0, self._clock() - request.arrival_time) + first_token.wait_s
+        if request.predicted_ttft_s <= ttft_s:
             return
         if self.config.slo_admission == "degrade":
             request.best_effort = True
@@ -254,9 +260,10 @@ class Scheduler:
             return
         self.admission.rejected += 1
         raise SLORejectedError(
-            f"predicted time to first token {prediction.ttft_s * 1000:.0f} ms exceeds the request's target of "
-            f"{ttft_s * 1000:.0f} ms ({self.num_waiting} requests queued, {self.num_running} running)",
-            retry_after_s=math.ceil(prediction.clear_s),
+            f"predicted time to first token {request.predicted_ttft_s * 1000:.0f} ms exceeds the request's target "
+            f"of {ttft_s * 1000:.0f} ms (waiting mostly for {first_token.bottleneck}: "
+            f"{self.num_waiting} requests queued, {self.num_running} running)",
+            retry_after_s=retry_after_s(first_token.wait_s, ttft_s),
         )
 
     def _targets(self, request: Request) -> tuple[float, float]:
@@ -264,18 +271,34 @@ class Scheduler:
         slo = request.sampling_params.slo
         return (self.config.slo_ttft_s, self.config.slo_tbt_s) if slo is None else (slo.ttft_s, slo.tbt_s)
 
-    def _backlog(self, request: Request, tbt_s: float) -> Backlog:
-        """What stands between a new `request` and its first token, now."""
-        tokens = request.num_tokens + sum(r.num_tokens for r in self._waiting.ahead_of(request))
-        decodes, num_decodes, tightest = StepShape(), 0, tbt_s
-        for running in self._running:
-            if _is_decode(running):
-                decodes = decodes.plus_chunk(1, running.num_computed_tokens)
-                num_decodes += 1
-                tightest = min(tightest, self._targets(running)[1])
-            else:
-                tokens += running.num_tokens - running.num_computed_tokens
-        return Backlog(tokens, decodes, num_decodes, tightest, max(0.0, self._clock() - request.arrival_time))
+    def project_first_token(self, request: Request, model: StepTimeModel | None = None) -> FirstToken | None:
+        """When a new `request` would get its first token were it queued here now (see
+        `first_token.py`), timed by `model` (default: this scheduler's); None while that model
+        is not ready. Data-parallel routing asks every group, each timed by its own speed."""
+        model = model or self._model
+        if model is None or not model.ready:
+            return None
+        sizer = self._chunk_sizer
+        if sizer is not None and model is not sizer.model:
+            sizer = ChunkSizer(model, sizer.min_prefill_tokens)
+        ahead = self._waiting.ahead_of(request)
+        tbt_s = min(self._targets(r)[1] for r in (request, *self._running, *ahead))
+        own = Work(request.num_tokens, 0, 1, blocks_for_tokens(request.num_tokens, self.config.block_size))
+        capacity = Capacity(self.config.max_num_seqs, self.config.num_kv_blocks, self.config.max_num_batched_tokens)
+        running = [self._work(r) for r in self._running]
+        return project_first_token(model, sizer, capacity, running, [self._work(r) for r in ahead], own, tbt_s)
+
+    def _work(self, request: Request) -> Work:
+        """What a running or queued request has left, run to its `max_tokens` (or to
+        `max_model_len`): a stop token is unknown in advance, and assuming none keeps a
+        promise made on the projection."""
+        max_model_len = self.config.max_model_len
+        max_tokens = request.sampling_params.max_tokens
+        length = max_model_len if max_tokens is None else min(request.num_prompt_tokens + max_tokens, max_model_len)
+        outputs = max(1, length - request.num_prompt_tokens - request.num_output_tokens)
+        prefill = 0 if _is_decode(request) else request.num_tokens - request.num_computed_tokens
+        blocks = blocks_for_tokens(length, self.config.block_size)
+        return Work(prefill, request.num_computed_tokens, outputs, blocks)
 
     def abort_request(self, request_id: str) -> bool:
         """Finish a request as "abort" (e.g. the client went away); False if it is not live."""
@@ -304,17 +327,11 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self._running)
 
-    def backlog(self) -> StepShape:
-        """The shape of one step feeding everything this scheduler holds: each running request
-        its next tokens from where it stands (a decode one token at its context's end, a prefill
-        the rest of its prompt), each queued request its prompt from position 0 (the prefix
-        cache ignored). What token-aware data-parallel routing prices a group's load by."""
-        shape = StepShape()
-        for request in self._requests.values():
-            remaining = request.num_tokens - request.num_computed_tokens
-            if remaining > 0:
-                shape = shape.plus_chunk(remaining, request.num_computed_tokens)
-        return shape
+    def backlog_tokens(self) -> int:
+        """Tokens still to feed for everything this scheduler holds: the rest of each running
+        request's prefill, one for each decode, each queued request's prompt (the prefix cache
+        ignored). What token-aware routing compares groups by until it can time them."""
+        return sum(r.num_tokens - r.num_computed_tokens for r in self._requests.values())
 
     @property
     def step_time_model(self) -> StepTimeModel | None:

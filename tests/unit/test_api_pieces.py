@@ -77,6 +77,18 @@ def test_metrics_record_and_expose() -> None:
     assert samples["moeserve:num_preemptions_total", None, None] == 1
 
 
+def test_admission_promises_count_the_core_s_running_totals_once() -> None:
+    metrics = ServerMetrics("m", SLOConfig())
+
+    def value(name: str) -> float | None:
+        return metrics.registry.get_sample_value(name, {"model_name": "m"})
+
+    for promised, kept in ((3, 2), (5, 4), (0, 0), (5, 4), (6, 5)):  # (0, 0): a frame with no scheduler
+        metrics.record(IterationStats(0.01, ttft_promised=promised, ttft_promises_kept=kept))
+    assert value("moeserve:slo_admission_promised_requests_total") == 6
+    assert value("moeserve:slo_admission_promises_kept_total") == 5
+
+
 def test_rebalances_count_up_and_the_last_one_sets_the_gauges() -> None:
     metrics = ServerMetrics("m", SLOConfig())
 

@@ -59,24 +59,55 @@ def test_a_straggling_group_gets_fewer_tokens_by_time_than_by_count():
     assert sum(by_time) == sum(by_count)
 
 
-def test_the_router_prices_backlogs_by_each_groups_own_model():
-    router = TimeRouter(2, max_num_batched_tokens=128)
-    for n in range(1, 33):  # group 1 is 4x slower per token, same fixed cost
+def trained_router(slowdown: float) -> TimeRouter:
+    """Two groups with the same fixed cost, group 1 `slowdown` times slower per token."""
+    router = TimeRouter(2)
+    for n in range(1, 33):
         shape = StepShape.of([(n, 0)])
         router.observe(0, shape, 0.001 + 0.0001 * n)
-        router.observe(1, shape, 0.001 + 0.0004 * n)
+        router.observe(1, shape, 0.001 + slowdown * 0.0001 * n)
     assert router.ready
-    light, heavy = StepShape.of([(8, 0)]), StepShape.of([(64, 0)])
-    assert router.choose([heavy, light], 8, lambda g: (g,)) == 1  # 16 slow tokens (6.4 ms) beat 72 fast (7.2 ms)
-    assert router.choose([StepShape.of([(16, 0)]), light], 8, lambda g: (g,)) == 0  # 24 fast (2.4 ms) beat them
-    # 300 tokens take 3 steps of a 128-token budget: the fixed cost is paid three times.
-    assert router.cost(0, StepShape.of([(100, 0), (100, 0), (100, 0)])) == pytest.approx(0.003 + 0.03, rel=0.05)
+    return router
+
+
+def test_the_router_times_each_group_by_its_own_model():
+    router = trained_router(slowdown=4.0)
+    light, heavy = StepShape.of([(16, 0)]), StepShape.of([(72, 0)])
+
+    def choose(*backlogs: StepShape) -> int:
+        return router.choose(lambda g, model: model.predict(backlogs[g]), lambda g: 0, lambda g: (g,))
+
+    assert choose(heavy, light) == 1  # 16 slow tokens (7.4 ms) beat 72 fast (8.2 ms)
+    assert choose(StepShape.of([(24, 0)]), light) == 0  # 24 fast (3.4 ms) beat them
 
 
 def test_before_every_model_is_ready_groups_compare_by_tokens():
-    router = TimeRouter(2, max_num_batched_tokens=64)
+    router = TimeRouter(2)
     router.observe(0, StepShape.of([(4, 0)]), 0.5)  # one slow step teaches nothing yet
-    assert router.choose([StepShape.of([(9, 0)]), StepShape.of([(10, 0)])], 5, lambda g: (g,)) == 0
+
+    def untimed(group: int, model: object) -> float:
+        raise AssertionError("no group is timed before every model is ready")
+
+    assert router.choose(untimed, lambda g: 14 + g, lambda g: (g,)) == 0
+
+
+def test_a_group_with_a_full_batch_gets_no_request_another_can_start_at_once():
+    """Group 0 has few tokens to feed but both its seats are taken by long streams; group 1 has a
+    200-token prompt to prefill and a free seat. By tokens group 0 looks idle; by first token
+    (100 decode steps for a seat against two prefill steps) group 1 is the place."""
+    config = SchedulerConfig(
+        max_num_seqs=2, max_num_batched_tokens=128, max_model_len=256, block_size=16, num_kv_blocks=64
+    )
+    dp = DataParallelScheduler(config, 2)
+    dp.time_router = trained_router(slowdown=1.0)
+    for index in range(2):  # placed by hand, as routing would not fill one group first
+        dp.groups[0].add_request(request(f"stream{index}", prompt_len=8, max_tokens=100))
+    dp.groups[0].schedule()
+    dp.groups[1].add_request(request("document", prompt_len=200))
+    assert dp.groups[0].backlog_tokens() < dp.groups[1].backlog_tokens()
+    newcomer = request("newcomer", prompt_len=16)
+    dp.add_request(newcomer)
+    assert dp.group_of("newcomer") == 1
 
 
 def test_slow_rank_flag_parses_and_bad_values_say_so():

@@ -36,7 +36,7 @@ from moeserve.engine.stats import RequestMetrics
 from moeserve.engine_config import EngineConfig, SLOConfig
 from moeserve.sampling_params import SamplingParams
 from moeserve.scheduler import Request, RequestStatus, SchedulerConfig, SchedulerOutput, SLORejectedError, StepShape
-from moeserve.scheduler.admission import Backlog, predict_ttft
+from moeserve.scheduler.first_token import Capacity, Work, project_first_token
 from moeserve.scheduler.policy import SLO_STEP_HEADROOM, ChunkSizer, FcfsQueue, SloQueue
 from moeserve.slo import RequestSLO, SLOCatalog, SLOClass, parse_slo_class
 
@@ -166,22 +166,71 @@ def test_prefill_chunks_fit_the_tightest_tbt_among_the_decodes() -> None:
 # ---- admission -----------------------------------------------------------------------------
 
 
-def test_the_ttft_prediction_is_prefill_steps_times_the_predicted_step() -> None:
-    scheduler = trained(make_scheduler(ManualClock()))
-    model = scheduler.step_time_model
-    no_decodes = Backlog(1000, StepShape(), 0, tightest_tbt_s=0.025, waited_s=0.1)
-    prediction = predict_ttft(model, None, no_decodes, budget=256)
-    step_s = token_cost(StepShape.of([(256, 0)])) / SLO_STEP_HEADROOM
-    assert prediction.clear_s == pytest.approx(4 * step_s, rel=0.02)  # ceil(1000 / 256) steps
-    assert prediction.ttft_s == pytest.approx(0.1 + prediction.clear_s)
-    short = predict_ttft(model, None, Backlog(100, StepShape(), 0, 0.025, 0.0), budget=256)
-    assert short.clear_s == pytest.approx(token_cost(StepShape.of([(100, 0)])) / SLO_STEP_HEADROOM, rel=0.02)
+CAPACITY = Capacity(max_num_seqs=8, num_kv_blocks=1024, max_num_batched_tokens=256)
 
-    decodes = StepShape.of([(1, 100)] * 4)
-    beside = Backlog(1000, decodes, 4, tightest_tbt_s=0.010, waited_s=0.0)
-    sized = predict_ttft(model, ChunkSizer(model, min_prefill_tokens=4), beside, budget=256)
-    per_step = int((0.010 * SLO_STEP_HEADROOM - 2e-3) / 1e-4) - 4  # what the TBT target lets in
-    assert sized.clear_s == pytest.approx(-(-1000 // per_step) * 0.010, rel=0.05)
+
+def test_with_seats_and_blocks_to_spare_the_wait_is_prefill_steps_times_the_predicted_step() -> None:
+    model = trained(make_scheduler(ManualClock())).step_time_model
+    queued = [Work(400, 0, 4, 4), Work(500, 0, 4, 4)]
+    prediction = project_first_token(model, None, CAPACITY, [], queued, Work(100, 0, 1, 25), 0.025)
+    step_s = token_cost(StepShape.of([(256, 0)])) / SLO_STEP_HEADROOM
+    assert prediction.wait_s == pytest.approx(4 * step_s, rel=0.03)  # ceil(1000 / 256) full steps
+    assert prediction.bottleneck == "prefill"
+    alone = project_first_token(model, None, CAPACITY, [], [], Work(100, 0, 1, 25), 0.025)
+    assert alone.wait_s == pytest.approx(token_cost(StepShape.of([(100, 0)])) / SLO_STEP_HEADROOM, rel=0.03)
+
+    decodes = [Work(0, 100, 50, 40)] * 4
+    sized = project_first_token(model, ChunkSizer(model, 4), CAPACITY, decodes, [], Work(1000, 0, 1, 250), 0.010)
+    per_step = int((0.010 * SLO_STEP_HEADROOM - 2e-3) / 1e-4) - 4  # what the TBT target lets in beside 4 decodes
+    assert sized.wait_s == pytest.approx(-(-1000 // per_step) * 0.010, rel=0.05)
+
+
+def test_a_full_batch_makes_a_newcomer_wait_for_the_first_seat_to_free() -> None:
+    model = trained(make_scheduler(ManualClock())).step_time_model
+    seats = Capacity(max_num_seqs=4, num_kv_blocks=1024, max_num_batched_tokens=256)
+    running = [Work(0, 40, outputs, 20) for outputs in (30, 20, 25, 40)]  # decodes with 20-40 tokens to go
+    prediction = project_first_token(model, None, seats, running, [], Work(16, 0, 1, 4), 0.025)
+    four_decodes = token_cost(StepShape.of([(1, 60)] * 4)) / SLO_STEP_HEADROOM
+    assert prediction.wait_s > 20 * four_decodes  # the shortest stream's 20 steps, then its prompt
+    assert prediction.wait_s == pytest.approx(21 * four_decodes, rel=0.05)
+    assert prediction.bottleneck == "a seat"
+    behind = project_first_token(model, None, seats, running, [Work(16, 0, 20, 9)], Work(16, 0, 1, 4), 0.025)
+    assert behind.wait_s == pytest.approx(26 * four_decodes, rel=0.05)  # the seat freed at 20 went ahead: 25
+
+
+def test_a_full_cache_makes_a_newcomer_wait_for_blocks() -> None:
+    model = trained(make_scheduler(ManualClock())).step_time_model
+    blocks = Capacity(max_num_seqs=64, num_kv_blocks=100, max_num_batched_tokens=256)
+    running = [Work(0, 40, 10, 30), Work(0, 40, 30, 30), Work(0, 40, 50, 30)]  # 90 of 100 blocks at full length
+    prediction = project_first_token(model, None, blocks, running, [], Work(40, 0, 1, 10), 0.025)
+    assert prediction.wait_s < 2 * token_cost(StepShape.of([(40, 0)] + [(1, 40)] * 3))  # its 10 blocks are free
+    ahead = [Work(40, 0, 8, 20)]  # 20 more blocks: only after the first stream is done
+    waits = project_first_token(model, None, blocks, running, ahead, Work(40, 0, 1, 10), 0.025)
+    assert waits.bottleneck == "KV blocks"
+    assert waits.wait_s > 10 * token_cost(StepShape.of([(1, 40)] * 3)) / SLO_STEP_HEADROOM
+
+
+def test_the_projection_keeps_the_scheduler_s_promise_when_seats_are_the_limit() -> None:
+    """The real scheduler, 4 seats of 20-token streams and a queue: each newcomer's predicted
+    TTFT is never early, and within a step or two of the truth."""
+    clock = ManualClock()
+    scheduler = trained(make_scheduler(clock, policy="fcfs", slo_admission="degrade", max_num_seqs=4))
+    for index in range(4):
+        scheduler.add_request(slo_request(f"s{index}", 0.0, ttft_s=10.0, prompt_len=16, max_tokens=20 + 5 * index))
+    step(scheduler, clock)
+    newcomers = [slo_request(f"n{index}", clock.now, ttft_s=10.0, prompt_len=16, max_tokens=8) for index in range(3)]
+    for request in newcomers:
+        scheduler.add_request(request)
+    predicted = {r.request_id: r.predicted_ttft_s for r in newcomers}
+    first_tokens = {}
+    while scheduler.has_unfinished_requests():
+        output = step(scheduler, clock)
+        for s in output.scheduled:
+            if s.sample and s.request_id in predicted and s.request_id not in first_tokens:
+                first_tokens[s.request_id] = clock.now - newcomers[0].arrival_time
+    assert len(first_tokens) == 3
+    for request_id, ttft_s in first_tokens.items():
+        assert ttft_s <= predicted[request_id] <= ttft_s / SLO_STEP_HEADROOM + 0.01, (request_id, ttft_s, predicted)
 
 
 def queue_ahead(mode: str) -> tuple[RecordingScheduler, ManualClock]:
