@@ -182,13 +182,16 @@ def _add_launch(sub: argparse._SubParsersAction) -> None:
 
 def _run_launch(args: argparse.Namespace) -> int:
     from moeserve.api.server import serve
+    from moeserve.distributed.node_network import choose_node_network
 
     engine_options = _engine_options(args)
     if args.node_rank > 0:
         return _run_node(engine_options)
     settings = build(ServerSettings, {name: getattr(args, name) for name in args.server_options})
     settings = dataclasses.replace(settings, served_model_name=settings.model_name(args.model))
-    return serve(settings, EngineConfig.from_options(**engine_options))
+    config = EngineConfig.from_options(**engine_options)
+    choose_node_network(config.parallel, os.environ)  # a node that cannot work refuses before it serves
+    return serve(settings, config)
 
 
 def _run_node(engine_options: dict[str, object]) -> int:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import ipaddress
 import logging
 import re
 from dataclasses import dataclass, field
@@ -105,6 +106,10 @@ class ParallelConfig:
     master_port: int | None = option(None, env=("MASTER_PORT",))
     """Port of that store, the same on every node. None: a free one on a single node, 29500 across
     nodes (0 always picks a free one, which only a single node can use)."""
+    node_ip: str | None = option(None, env=("MOESERVE_NODE_IP",))
+    """This node's address as the other nodes reach it, across nodes: its interface carries gloo,
+    NCCL, NVSHMEM's bootstrap and the control channel. None: the address of the route to
+    master_addr (GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME, where set, win over it)."""
     backend: Literal["auto", "gloo", "nccl"] = option("auto", name="distributed_backend")
     """Collectives between ranks: gloo, nccl, or auto (nccl on CUDA devices, gloo on CPU)."""
     a2a_backend: Literal["auto", "torch", "nvshmem"] = "auto"
@@ -158,6 +163,8 @@ class ParallelConfig:
             raise ValueError(f"node_rank {self.node_rank} outside [0, {self.nnodes})")
         if self.nnodes > 1 and self.master_port == 0:
             raise ValueError("a multi-node launch needs a fixed --master-port that every node uses")
+        if self.node_ip is not None:
+            ipaddress.ip_address(self.node_ip)  # a ValueError that names the text
         if self.backend not in ("auto", "gloo", "nccl"):
             raise ValueError(f"backend {self.backend!r} is not one of auto, gloo, nccl")
         if self.a2a_backend not in A2A_BACKENDS:

@@ -15,6 +15,8 @@ import subprocess
 import time
 
 from moeserve.config import ParallelConfig
+from moeserve.distributed.node_network import use_node_network
+from moeserve.distributed.node_watch import NodeZeroWatch
 from moeserve.distributed.processes import ChildProcess, start_process
 
 logger = logging.getLogger(__name__)
@@ -92,11 +94,16 @@ def stop_ranks(procs: dict[int, ChildProcess], grace_s: float = 5.0) -> None:
 def run_node(parallel: ParallelConfig) -> int:
     """A node other than 0: run its ranks until they end; exit non-zero if any failed.
 
-    Node 0 drives them; when it stops (or dies) they exit, and so does this process. SIGTERM
-    and SIGINT stop the ranks.
+    Node 0 drives them. When it stops it says so and this node follows: exit 0 after a clean stop
+    (its ranks were told to finish), 1 after a failure. When it is silent for
+    `--heartbeat-timeout` (gone, frozen, or the network cut) the ranks are stopped and this
+    process exits 1: a rank blocked on a peer that is gone never gets out on its own. SIGTERM and
+    SIGINT stop the ranks.
     """
+    use_node_network(parallel)
     procs = start_ranks(parallel, parallel.master_addr, parallel.master_port, parallel.node_rank, watch_parent=True)
     logger.info("node %d: ranks join node 0 at %s:%d", parallel.node_rank, parallel.master_addr, parallel.master_port)
+    watch = NodeZeroWatch(parallel)
     stopping = False
 
     def stop(sig: int, _frame: object) -> None:
@@ -107,7 +114,7 @@ def run_node(parallel: ParallelConfig) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, stop)
     worst = 0
-    while procs and not stopping:
+    while procs and not stopping and watch.leaving is None:
         for rank, proc in list(procs.items()):
             code = proc.poll()
             if code is None:
@@ -116,6 +123,22 @@ def run_node(parallel: ParallelConfig) -> int:
             if code:
                 logger.error("rank %d %s", rank, exit_description(code))
                 worst = worst or 1
+        lost = watch.lost()
+        if lost is not None:
+            logger.error("node %d: %s; stopping this node's ranks", parallel.node_rank, lost)
+            worst = 1
+            break
         time.sleep(0.2)
-    stop_ranks(procs)
+    if watch.leaving is not None:
+        leaving = watch.leaving
+        logger.info("node %d: node 0 is stopping (%s): so does this node", parallel.node_rank, leaving.reason)
+        if leaving.clean:  # the ranks were told to finish: give them the time node 0 gives its own
+            deadline = time.monotonic() + 10.0
+            while any(p.poll() is None for p in procs.values()) and time.monotonic() < deadline:
+                time.sleep(0.05)
+        else:
+            worst = 1
+    watch.close()
+    stop_ranks(procs, grace_s=2.0)
+    logger.info("node %d: ranks stopped; exiting %d", parallel.node_rank, worst)
     return worst

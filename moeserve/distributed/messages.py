@@ -162,3 +162,21 @@ class RegroupDone:
 @dataclass(frozen=True)
 class Shutdown:
     pass
+
+
+@dataclass(frozen=True)
+class NodeZeroBeat:
+    """Node 0's pulse to the other nodes' launch processes (`node_watch`), about twice a second."""
+
+    seq: int
+    serving: bool
+    """The ranks have all loaded and answered (before that node 0 still waits for them)."""
+
+
+@dataclass(frozen=True)
+class NodeZeroLeaving:
+    """Node 0 is stopping: `clean` after a SIGTERM or a normal end (the other nodes leave with
+    exit 0), else after a failure, `reason`, which they leave non-zero with."""
+
+    clean: bool
+    reason: str

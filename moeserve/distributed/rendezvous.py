@@ -25,6 +25,7 @@ SPEC_KEY = "moeserve/spec"
 CONTROL_KEY = "moeserve/control"
 RANKS_PREFIX = "moeserve/ranks"  # the ranks' own process group
 GENERATION_KEY = "moeserve/generation"  # of that group: 0 at launch, one more with each regroup
+BEACON_KEY = "moeserve/beacon"  # node 0's pulse to the other nodes (`node_watch`)
 
 
 def heartbeat_key(rank: int) -> str:
@@ -69,7 +70,9 @@ class Heartbeat:
 
     It also watches what the rank lives for: if the store stops answering (node 0 is gone) or,
     for a rank node 0 started itself, its parent process died, the rank exits at once rather
-    than waiting for a collective to time out.
+    than waiting for a collective to time out. The parent is watched from a thread of its own:
+    on a cut network a store call blocks for as long as TCP keeps trying (many minutes), and
+    a rank whose node process is gone must not outlive it meanwhile.
     """
 
     def __init__(
@@ -82,17 +85,21 @@ class Heartbeat:
     ) -> None:
         self._store, self._rank, self._parent_pid = store, rank, parent_pid
         self._on_orphaned, self._interval_s = on_orphaned, interval_s
-        threading.Thread(target=self._run, name="moeserve-heartbeat", daemon=True).start()
+        threading.Thread(target=self._beat, name="moeserve-heartbeat", daemon=True).start()
+        if parent_pid is not None:
+            threading.Thread(target=self._watch_parent, name="moeserve-parent-watch", daemon=True).start()
 
-    def _run(self) -> None:
+    def _beat(self) -> None:
         key = heartbeat_key(self._rank)
         while True:
-            if self._parent_pid is not None and not started_by(self._parent_pid):
-                self._on_orphaned("the process that started this rank is gone")
-                return
             try:
                 self._store.add(key, 1)
             except Exception as exc:  # noqa: BLE001 - whatever broke, node 0 is unreachable
                 self._on_orphaned(f"node 0's store stopped answering ({exc})")
                 return
             time.sleep(self._interval_s)
+
+    def _watch_parent(self) -> None:
+        while started_by(self._parent_pid):
+            time.sleep(self._interval_s)
+        self._on_orphaned("the process that started this rank is gone")

@@ -52,8 +52,10 @@ from moeserve.distributed.messages import (
     WorkerSpec,
 )
 from moeserve.distributed.monitor import Loss, RankMonitor
+from moeserve.distributed.node_network import use_node_network
+from moeserve.distributed.node_watch import Beacon
 from moeserve.distributed.processes import ChildProcess
-from moeserve.distributed.rendezvous import CONTROL_KEY, GENERATION_KEY, SPEC_KEY, host_store, put
+from moeserve.distributed.rendezvous import BEACON_KEY, CONTROL_KEY, GENERATION_KEY, SPEC_KEY, host_store, put
 from moeserve.eplb import RebalanceReport
 from moeserve.eplb.record import LoadRecord
 from moeserve.executor.base import Executor
@@ -115,10 +117,14 @@ class MultiprocessExecutor(Executor):
         self._loss: RanksLostError | None = None  # a loss to heal, raised by the next step
         self._step_failed: tuple[float, StepFailed] | None = None  # the first rank that said its step failed
 
+        network = use_node_network(p)  # first: a node that cannot work refuses before it starts anything
         self._store = host_store(p.master_port, p.ep, p.startup_timeout_s)
-        single_node = p.nnodes == 1
-        node0_addr = "127.0.0.1" if single_node else p.master_addr  # how the ranks reach this process
-        self._channel = ControlServer("127.0.0.1" if single_node else "*", node0_addr)
+        node0_addr = "127.0.0.1" if p.nnodes == 1 else p.master_addr  # how the ranks reach this store
+        # Across nodes the channel and the beacon listen on the address the other nodes reach this
+        # one by (`node_network`), the one gloo/NCCL use too.
+        channel_host = "127.0.0.1" if network is None else network.address
+        self._channel = ControlServer(channel_host, channel_host)
+        self._beacon = None if network is None else Beacon(channel_host, channel_host)
         put(
             self._store,
             SPEC_KEY,
@@ -139,6 +145,8 @@ class MultiprocessExecutor(Executor):
         )
         put(self._store, CONTROL_KEY, self._channel.addresses)
         put(self._store, GENERATION_KEY, 0)
+        if self._beacon is not None:
+            put(self._store, BEACON_KEY, self._beacon.address)
         logger.info(
             "rendezvous at %s:%d: %d ranks on %d node(s), %d data-parallel group(s) of tp=%d",
             node0_addr,
@@ -155,6 +163,8 @@ class MultiprocessExecutor(Executor):
         try:
             self._wait_loaded()
             self._synchronize()
+            if self._beacon is not None:
+                self._beacon.serving()
         except BaseException:
             self.shutdown()
             raise
@@ -554,6 +564,8 @@ class MultiprocessExecutor(Executor):
             self._load_record.save()
         if self._monitor is not None:
             self._monitor.stop()
+        if self._beacon is not None:
+            self._beacon.leave(self.failure is None, self.failure or "node 0 stopped")
         if self.failure is None:
             self._channel.publish(Shutdown())
             deadline = time.monotonic() + 10.0
