@@ -382,9 +382,7 @@ class NvshmemDispatcher(SteppedDispatcher):
                     WORDS=words.shape[1], BLOCK_M=block_m, BLOCK_W=block_w, **self._clock,
                 )  # fmt: skip
             yield
-            self._wait(
-                "combine_signal", slot * layout.groups, layout.groups, seq, self._kernels.COMBINE_SIGNAL, comm
-            )
+            self._wait("combine_signal", slot * layout.groups, layout.groups, seq, self._kernels.COMBINE_SIGNAL, comm)
             first = chunk * self.chunk_tokens
             tokens = max(0, min(num_tokens - first, self.chunk_tokens))
             slot_rows = self.chunk_tokens * top_k
