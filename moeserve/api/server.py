@@ -49,6 +49,9 @@ class _DrainingServer(uvicorn.Server):
                 self.serving.settings.shutdown_timeout_s,
             )
         self.serving.draining = True
+        model = self.serving.model
+        if model is not None and model.grammars is not None:
+            model.grammars.shutdown()  # compiles are not drained: their requests get a 503 now
         super().handle_exit(sig, frame)
 
 
@@ -156,7 +159,7 @@ def serve(settings: ServerSettings, engine_config: EngineConfig) -> int:
         signal.signal(sig, lambda *_: None)
     server.run(sockets=[sock])
     if state.model is not None and state.model.grammars is not None:
-        state.model.grammars.shutdown()  # kills the compile workers: never waits on a compile
+        state.model.grammars.shutdown()  # a model loaded during the drain: its workers go too
     if state.engine is not None:
         state.engine.shutdown(timeout=10.0)
     if failed.is_set():

@@ -142,6 +142,8 @@ class GrammarCompilePool:
     def shutdown(self) -> None:
         """Kill every worker now and fail every waiter: shutdown never waits on a compile."""
         with self._cond:
+            if self._closed:
+                return
             self._closed = True
             jobs = list(self._jobs.values())
             self._jobs.clear()
