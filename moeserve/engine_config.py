@@ -305,6 +305,46 @@ class CudaGraphConfig:
 
 
 @dataclass(frozen=True)
+class StructuredOutputsConfig:
+    """What one request's output constraint may cost. A grammar's compile time and size grow
+    with its spec (a 20,000-value enum compiles for seconds into a 26 MB grammar), and the step
+    loop must not pay for it: specs over these limits are refused with a 400 before any work, the
+    rest compile in worker processes on the frontend's CPUs, killed at the timeout."""
+
+    max_spec_bytes: int = option(128 * 1024, name="structured_outputs_max_spec", parse=parse_bytes)
+    """Largest JSON schema, regex, EBNF grammar or choice list (bytes of its text), e.g. 128KiB."""
+    max_enum_values: int = option(1000, name="structured_outputs_max_enum_values")
+    """Most enum and const values in one JSON schema, and choices in one choice list (OpenAI
+    allows 1000): each is a branch of the grammar, and compile time grows with their number."""
+    max_depth: int = option(32, name="structured_outputs_max_depth")
+    """Deepest nesting of a JSON schema's objects and lists, or of a regex's groups."""
+    compile_timeout_s: float = option(5.0, name="structured_outputs_compile_timeout")
+    """Seconds one grammar may compile; then its worker is killed and the request refused."""
+    compile_workers: int = option(2, name="structured_outputs_compile_workers")
+    """Worker processes compiling grammars (each client may use all but one of them at once)."""
+    compile_queue_per_client: int = option(4, name="structured_outputs_queue_per_client")
+    """Most compiles one client (its API key, else its connection) may have queued or running;
+    beyond it a 429."""
+    max_compiled_bytes: int = option(8 * 1024**2, name="structured_outputs_max_compiled", parse=parse_bytes)
+    """Largest compiled grammar (serialized), e.g. 8MiB: the engine core loads each one it has not
+    cached, about 20 ms per MB of its step loop's time."""
+    cache_bytes: int = option(256 * 1024**2, name="structured_outputs_cache", parse=parse_bytes)
+    """Memory for compiled grammars, each process's (the server's and the engine core's), e.g.
+    256MiB; identical specs share one and the least recently used go first."""
+    max_tools: int = option(128, name="max_tools")
+    """Most tools in one chat request (OpenAI's limit): each is a branch of the grammar when
+    tool_choice is "required", and a part of the prompt."""
+
+    def __post_init__(self) -> None:
+        counts = ("max_spec_bytes", "max_enum_values", "max_depth", "compile_workers", "compile_queue_per_client")
+        for name in (*counts, "max_compiled_bytes", "cache_bytes", "max_tools"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.compile_timeout_s > 0:
+            raise ValueError(f"compile_timeout_s must be > 0, got {self.compile_timeout_s}")
+
+
+@dataclass(frozen=True)
 class SLOConfig:
     """Latency targets: what the `slo` scheduling policy aims for and what /metrics judges
     every finished request against (attainment counters), whichever policy runs."""
@@ -422,6 +462,7 @@ class EngineConfig:
     """fcfs: arrival order, full prefill chunks; slo: prefill chunks sized so decodes keep the TBT
     target, TTFT-deadline order."""
     slo: SLOConfig = field(default_factory=SLOConfig)
+    structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     dp_routing: Literal["tokens", "requests"] = _scheduler_default("dp_routing")  # type: ignore[assignment]
     """With several data-parallel groups (--ep N): tokens sends a new request to the group whose
     backlog clears soonest at that group's measured step times (a long prompt counts for its

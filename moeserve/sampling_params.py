@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import copy
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from moeserve.slo import RequestSLO
@@ -40,6 +40,10 @@ class StructuredOutputs:
 
     kind: StructuredKind
     spec: str = ""
+    compiled: str | None = field(default=None, compare=False, repr=False)
+    """The grammar already compiled for the served tokenizer (xgrammar's serialized form): the
+    server compiles in worker processes and sends it with the request, so the engine core only
+    loads it. Not part of the key; None: the engine compiles it (offline use)."""
 
     def __post_init__(self) -> None:
         if self.kind not in STRUCTURED_KINDS:

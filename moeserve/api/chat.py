@@ -15,9 +15,9 @@ from moeserve.api.errors import APIError
 from moeserve.api.generation import (
     EventStreamResponse,
     admit,
-    check_constraint,
     check_context,
     collect,
+    compile_constraint,
     log_finished,
     submit_all,
 )
@@ -74,10 +74,15 @@ def _tool_reader(request: ChatCompletionRequest, state: ServingState) -> ToolCal
 
 async def create_chat_completion(raw: Request, state: ServingState) -> Response:
     request, engine, model, params = await admit(raw, state, ChatCompletionRequest)
+    if request.tools is not None and len(request.tools) > model.structured.max_tools:
+        raise APIError(
+            f"the request has {len(request.tools)} tools; the limit is {model.structured.max_tools} (--max-tools)",
+            param="tools",
+        )
     reader = _tool_reader(request, state)
     if reader is not None and reader.parser is not None and reader.parser.markers_are_special:
         params = replace(params, skip_special_tokens=False)
-    await check_constraint(model, params, constraint_param(request))
+    params = await compile_constraint(raw, model, params, constraint_param(request))
     prompt_ids = await model.off_loop(lambda tokenizer: _render(request, tokenizer))
     check_context(len(prompt_ids), params.max_tokens, model.max_model_len, "messages")
     request_id = random_id("chatcmpl")

@@ -14,9 +14,9 @@ from moeserve.api.constraints import constraint_param
 from moeserve.api.generation import (
     EventStreamResponse,
     admit,
-    check_constraint,
     check_context,
     collect,
+    compile_constraint,
     log_finished,
     submit_all,
 )
@@ -50,7 +50,7 @@ def _prepare_prompts(request: CompletionRequest, tokenizer) -> list[dict]:
 
 async def create_completion(raw: Request, state: ServingState) -> Response:
     request, engine, model, params = await admit(raw, state, CompletionRequest)
-    await check_constraint(model, params, constraint_param(request))
+    params = await compile_constraint(raw, model, params, constraint_param(request))
     prompts = await model.off_loop(lambda tokenizer: _prepare_prompts(request, tokenizer))
     for prompt in prompts:
         check_context(len(prompt["prompt_token_ids"]), params.max_tokens, model.max_model_len, "prompt")

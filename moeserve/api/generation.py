@@ -5,8 +5,10 @@ engine's refusals to HTTP errors, collect final outputs and log each request's o
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import replace
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -23,6 +25,8 @@ from moeserve.sampling_params import SamplingParams
 from moeserve.scheduler import QueueFullError, SLORejectedError
 from moeserve.slo import DEFAULT_CLASS
 from moeserve.structured import check_structured_outputs
+from moeserve.structured.compile_pool import CompilePoolClosedError, CompileQueueFullError
+from moeserve.structured.limits import check_limits
 
 logger = logging.getLogger("moeserve.api")
 
@@ -46,16 +50,35 @@ async def admit(
     return request, engine, model, params
 
 
-async def check_constraint(model: ModelInfo, params: SamplingParams, param: str) -> None:
-    """400 naming the problem when the output's grammar does not parse. On the prompt thread, as
-    a large schema takes milliseconds; the engine's own check then finds it remembered."""
+async def compile_constraint(raw: Request, model: ModelInfo, params: SamplingParams, param: str) -> SamplingParams:
+    """`params` with its output constraint compiled, out of the engine core (`compile_pool`); a
+    400 naming `param` for a constraint over a limit, one that does not parse or compile in time,
+    a 429 for a client with too many compiles waiting. A client that leaves cancels its compile."""
     spec = params.structured_outputs
     if spec is None:
-        return
+        return params
     try:
-        await model.off_loop(lambda _tokenizer: check_structured_outputs(spec))
+        check_limits(spec, model.structured)
+        if model.grammars is None:  # the engine compiles it; a spec that does not parse is still a 400 here
+            await model.off_loop(lambda _tokenizer: check_structured_outputs(spec))
+            return params
+        compiled = await until_disconnected(raw, model.grammars.compile(spec, client_identity(raw)))
     except ValueError as exc:
         raise APIError(str(exc), param=param) from None
+    except CompileQueueFullError as exc:
+        raise APIError(str(exc), status_code=429, param=param, headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+    except CompilePoolClosedError as exc:
+        raise APIError(str(exc), status_code=503) from None
+    return replace(params, structured_outputs=replace(spec, compiled=compiled))
+
+
+def client_identity(raw: Request) -> str:
+    """Who a request's cost is charged to: its API key when it sends one, else its connection."""
+    scheme, _, token = raw.headers.get("authorization", "").partition(" ")
+    if scheme.lower() == "bearer" and token.strip():
+        return "key:" + hashlib.sha256(token.strip().encode()).hexdigest()[:16]
+    client = raw.client
+    return "conn:unknown" if client is None else f"conn:{client.host}:{client.port}"
 
 
 def check_model(requested: str | None, state: ServingState) -> None:

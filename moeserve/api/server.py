@@ -29,6 +29,7 @@ from moeserve.engine.core_client import EngineCoreClient
 from moeserve.engine.cpu_binding import CpuBinding, bind_current_process, plan_cpu_binding
 from moeserve.engine.stats import LoggingStatLogger
 from moeserve.engine.tokenizer import load_tokenizer
+from moeserve.structured.compile_pool import GrammarCompilePool
 
 logger = logging.getLogger("moeserve.server")
 
@@ -48,6 +49,9 @@ class _DrainingServer(uvicorn.Server):
                 self.serving.settings.shutdown_timeout_s,
             )
         self.serving.draining = True
+        model = self.serving.model
+        if model is not None and model.grammars is not None:
+            model.grammars.shutdown()  # compiles are not drained: their requests get a 503 now
         super().handle_exit(sig, frame)
 
 
@@ -72,11 +76,20 @@ def load_engine(
             config, stat_loggers=[state.metrics, LoggingStatLogger()], on_death=engine_died, binding=binding
         )
         engine.start()
+        grammars = GrammarCompilePool(
+            config.structured_outputs,
+            config.model,
+            engine.facts.model_config.vocab_size,
+            engine.facts.eos_token_ids,
+            cpus=() if binding is None else binding.frontend,
+        )
         model = ModelInfo(
             max_model_len=engine.max_model_len,
             tokenizer=load_tokenizer(Path(config.model)),
             root=config.model,
             prompt_tokenizer=load_tokenizer(Path(config.model)),
+            structured=config.structured_outputs,
+            grammars=grammars,
         )
         state.set_ready(engine, model)
         cfg = engine.facts.model_config
@@ -145,6 +158,8 @@ def serve(settings: ServerSettings, engine_config: EngineConfig) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
     server.run(sockets=[sock])
+    if state.model is not None and state.model.grammars is not None:
+        state.model.grammars.shutdown()  # a model loaded during the drain: its workers go too
     if state.engine is not None:
         state.engine.shutdown(timeout=10.0)
     if failed.is_set():

@@ -16,7 +16,9 @@ from typing import TypeVar
 from moeserve.api.errors import APIError
 from moeserve.api.metrics import ServerMetrics
 from moeserve.engine.streams import EngineClient
+from moeserve.engine_config import StructuredOutputsConfig
 from moeserve.server_config import ServerSettings
+from moeserve.structured.compile_pool import GrammarCompilePool
 
 T = TypeVar("T")
 
@@ -38,6 +40,11 @@ class ModelInfo:
     )
     """Tokenization and chat templates run here, off the event loop: a long prompt or a large
     conversation takes milliseconds, which would stall every open stream's next chunk."""
+    structured: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
+    """What a request's output constraint and tools may cost (the engine's config)."""
+    grammars: GrammarCompilePool | None = None
+    """Where constraints compile, out of the engine core; None: the engine compiles them (an
+    in-process engine, whose step loop has no other clients to protect)."""
 
     async def off_loop(self, work: Callable[[object], T]) -> T:
         """`work(prompt_tokenizer)` on the prompt thread (the loop's tokenizer if there is no other)."""

@@ -152,7 +152,12 @@ class EngineCore:
         self._requests: dict[str, Request] = {}  # sequences not yet admitted once, for first_scheduled
         self._routing_asked = float("-inf")  # never: the first step asks, however recent the boot
         self.structured = StructuredOutputManager(
-            GrammarCompiler(lambda: _load_tokenizer(config.model), model_config.vocab_size, self.eos_token_ids)
+            GrammarCompiler(
+                lambda: _load_tokenizer(config.model),
+                model_config.vocab_size,
+                self.eos_token_ids,
+                config.structured_outputs.cache_bytes,
+            )
         )
         self._compiling: dict[str, tuple[Request, Future]] = {}
         """Sequences under a grammar still being compiled: held here, out of the scheduler."""

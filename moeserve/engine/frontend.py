@@ -75,7 +75,9 @@ class EngineFrontend:
                 f"the prompt has {len(prompt_token_ids)} tokens; the model's maximum context length is "
                 f"{self.max_model_len}, which leaves no room for a generated token"
             )
-        check_structured_outputs(params.structured_outputs)  # a grammar that does not parse is the caller's error
+        spec = params.structured_outputs
+        if spec is not None and spec.compiled is None:  # a compiled one was checked where it compiled
+            check_structured_outputs(spec)  # a grammar that does not parse is the caller's error
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         return replace(params, max_tokens=max_tokens, min_tokens=min(params.min_tokens, max_tokens))
 

@@ -8,9 +8,11 @@ ships it after the plan; the sampling process (the in-process runner, or each gr
 rank) waits for it only when its logits are ready, masks its rows with it and never needs
 xgrammar. When the tokens come back the matchers advance.
 
-Compiling needs the served tokenizer (every token's bytes), so it happens here too, on a worker
-thread: a sequence whose grammar is not ready yet is held back by the core, not the scheduler,
-and the step loop never waits for a compile while it has other work.
+Behind the server, grammars arrive compiled (`compile_pool`: worker processes on the frontend's
+CPUs, where a slow compile costs the step loop nothing) and are only loaded here. Offline, they
+are compiled here, on a worker thread: a sequence whose grammar is not ready yet is held back
+by the core, not the scheduler, and the step loop never waits for a compile while it has other
+work.
 """
 
 from __future__ import annotations
@@ -22,20 +24,23 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import xgrammar as xgr
 
+from moeserve.engine_config import StructuredOutputsConfig
 from moeserve.sampling_params import StructuredOutputs
 from moeserve.structured.grammar import build_grammar
+from moeserve.structured.lru import ByteLRU
 from moeserve.worker.sampling_metadata import PendingBitmask, TokenBitmask
 
 logger = logging.getLogger(__name__)
 
-COMPILED_CACHE_LIMIT = 256  # distinct specs kept compiled; the oldest compiled ones go first
-
 
 class GrammarCompiler:
-    """Compiled grammars by spec, each compiled once, on one worker thread.
+    """Compiled grammars by spec, in an LRU bounded in bytes; identical specs share one.
 
-    `load_tokenizer` is called on that thread the first time a grammar is needed, so a server
-    that never sees structured outputs never builds the tokenizer's xgrammar view.
+    A spec that arrives compiled (the server compiled it in a worker process) is only loaded, on
+    the caller's thread: its size was bounded where it was compiled. One that does not (offline
+    use, where the caller is the only client) is compiled on one worker thread. The tokenizer's
+    xgrammar view is built on first use, so a server that never sees structured outputs never
+    builds it.
     """
 
     def __init__(
@@ -43,41 +48,55 @@ class GrammarCompiler:
         load_tokenizer: Callable[[], object],
         vocab_size: int,
         eos_token_ids: Sequence[int],
+        cache_bytes: int = StructuredOutputsConfig.cache_bytes,
         max_threads: int = 2,
     ) -> None:
         self._load_tokenizer = load_tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
         self._max_threads = max_threads
+        self._info: xgr.TokenizerInfo | None = None
         self._compiler: xgr.GrammarCompiler | None = None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moeserve-grammar")
-        self._compiled: dict[StructuredOutputs, Future[xgr.CompiledGrammar]] = {}
+        self._compiling: dict[StructuredOutputs, Future[xgr.CompiledGrammar]] = {}
+        self._compiled = ByteLRU(cache_bytes)  # of done futures, so a spec asked twice gets the same one
         self._lock = threading.Lock()
 
     def compile(self, spec: StructuredOutputs) -> Future[xgr.CompiledGrammar]:
         """The compiled grammar of `spec`, or the compile in progress (ValueError if it fails)."""
         with self._lock:
-            future = self._compiled.get(spec)
-            if future is None:
+            future = self._compiled.get(spec) or self._compiling.get(spec)
+            if future is not None:
+                return future  # type: ignore[return-value]
+            if spec.compiled is None:
                 future = self._pool.submit(self._compile, spec)
-                self._compiled[spec] = future
-                self._evict()
-            else:  # most recently used last
-                self._compiled[spec] = self._compiled.pop(spec)
-            return future
+                self._compiling[spec] = future
+                future.add_done_callback(lambda f: self._keep(spec, f))
+                return future
+        future = Future()
+        future.set_result(xgr.CompiledGrammar.deserialize_json(spec.compiled, self._tokenizer_info()))
+        self._keep(spec, future)
+        return future
 
-    def _evict(self) -> None:
-        done = [spec for spec, future in self._compiled.items() if future.done()]
-        for spec in done[: max(0, len(self._compiled) - COMPILED_CACHE_LIMIT)]:
-            del self._compiled[spec]
+    def _keep(self, spec: StructuredOutputs, future: Future[xgr.CompiledGrammar]) -> None:
+        """Into the LRU, at its compiled size, once compiled."""
+        with self._lock:
+            self._compiling.pop(spec, None)
+            if not future.cancelled() and future.exception() is None:
+                self._compiled.put(spec, future, future.result().memory_size_bytes)
+
+    def _tokenizer_info(self) -> xgr.TokenizerInfo:
+        with self._lock:
+            if self._info is None:
+                tokenizer = self._load_tokenizer()
+                self._info = xgr.TokenizerInfo.from_huggingface(
+                    tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.eos_token_ids
+                )
+            return self._info
 
     def _compile(self, spec: StructuredOutputs) -> xgr.CompiledGrammar:
         if self._compiler is None:
-            tokenizer = self._load_tokenizer()
-            info = xgr.TokenizerInfo.from_huggingface(
-                tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.eos_token_ids
-            )
-            self._compiler = xgr.GrammarCompiler(info, max_threads=self._max_threads)
+            self._compiler = xgr.GrammarCompiler(self._tokenizer_info(), max_threads=self._max_threads)
         return self._compiler.compile_grammar(build_grammar(spec))
 
     def shutdown(self) -> None:

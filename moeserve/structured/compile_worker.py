@@ -1,0 +1,53 @@
+"""One grammar-compiling worker process: specs in, serialized compiled grammars out.
+
+Started by `compile_pool` (multiprocessing, spawn) on the frontend's CPUs, never the engine
+core's. It loads the served tokenizer once, then answers one job at a time on its pipe:
+`(job_id, kind, spec)` -> `(job_id, True, serialized grammar)` or `(job_id, False, reason)`. A
+compile cannot be interrupted inside xgrammar, so the pool ends an overdue or abandoned one by
+killing this process and starting another.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from multiprocessing.connection import Connection
+
+import xgrammar as xgr
+
+from moeserve.sampling_params import StructuredOutputs
+from moeserve.structured.grammar import build_grammar
+
+NICENESS = 10  # on the frontend's CPUs, HTTP and detokenizing come first: a compile waits for them
+
+
+def tokenizer_info(tokenizer_folder: str, vocab_size: int, eos_token_ids: Sequence[int]) -> xgr.TokenizerInfo:
+    """xgrammar's view of the served tokenizer: what a grammar is compiled for, and loaded with."""
+    from moeserve.engine.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(tokenizer_folder)
+    return xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=list(eos_token_ids))
+
+
+def serve(
+    conn: Connection, tokenizer_folder: str, vocab_size: int, eos_token_ids: Sequence[int], cpus: Sequence[int]
+) -> None:
+    """The worker's main: compile until the pipe closes (the pool is gone or shutting down)."""
+    if cpus:
+        os.sched_setaffinity(0, cpus)  # before xgrammar starts a thread: they inherit it
+    os.nice(NICENESS)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    info = tokenizer_info(tokenizer_folder, vocab_size, eos_token_ids)
+    # One thread: the pool's parallelism is its processes, each bounded by the timeout.
+    compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+    conn.send(None)  # ready
+    while True:
+        try:
+            job_id, kind, spec = conn.recv()
+        except (EOFError, OSError):
+            return
+        try:
+            grammar = build_grammar(StructuredOutputs(kind, spec))
+            conn.send((job_id, True, compiler.compile_grammar(grammar).serialize_json()))
+        except ValueError as exc:
+            conn.send((job_id, False, str(exc)))
