@@ -21,6 +21,7 @@ from moeserve.api.generation import (
     log_finished,
     submit_all,
 )
+from moeserve.api.input_bounds import check_prompt_chars
 from moeserve.api.protocol import (
     ChatCompletionRequest,
     chat_logprobs,
@@ -83,6 +84,8 @@ async def create_chat_completion(raw: Request, state: ServingState) -> Response:
     if reader is not None and reader.parser is not None and reader.parser.markers_are_special:
         params = replace(params, skip_special_tokens=False)
     params = await compile_constraint(raw, model, params, constraint_param(request))
+    texts = [m["content"] for m in request.template_messages() if isinstance(m.get("content"), str)]
+    check_prompt_chars(texts, model.max_model_len, model.token_chars, "messages")
     prompt_ids = await model.off_loop(lambda tokenizer: _render(request, tokenizer))
     check_context(len(prompt_ids), params.max_tokens, model.max_model_len, "messages")
     request_id = random_id("chatcmpl")

@@ -20,6 +20,7 @@ from moeserve.api.generation import (
     log_finished,
     submit_all,
 )
+from moeserve.api.input_bounds import check_prompt_chars
 from moeserve.api.protocol import (
     CompletionRequest,
     completion_logprobs,
@@ -51,6 +52,9 @@ def _prepare_prompts(request: CompletionRequest, tokenizer) -> list[dict]:
 async def create_completion(raw: Request, state: ServingState) -> Response:
     request, engine, model, params = await admit(raw, state, CompletionRequest)
     params = await compile_constraint(raw, model, params, constraint_param(request))
+    for prompt in request.prompts():
+        if isinstance(prompt, str):
+            check_prompt_chars([prompt], model.max_model_len, model.token_chars, "prompt")
     prompts = await model.off_loop(lambda tokenizer: _prepare_prompts(request, tokenizer))
     for prompt in prompts:
         check_context(len(prompt["prompt_token_ids"]), params.max_tokens, model.max_model_len, "prompt")

@@ -30,6 +30,7 @@ from moeserve.api.constraints import (
     tool_constraint,
 )
 from moeserve.api.errors import APIError, from_validation_error
+from moeserve.api.input_bounds import MAX_STOP_TOKEN_IDS, check_stop
 from moeserve.api.openapi import document_sampling_ranges
 from moeserve.api.slo_request import SLOField, SLOUsage, slo_usage
 from moeserve.engine.outputs import CompletionOutput, Logprob, RequestOutput
@@ -111,7 +112,7 @@ class _SamplingRequest(OpenAIModel):
     min_p: float | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
@@ -123,10 +124,17 @@ class _SamplingRequest(OpenAIModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     structured_outputs: StructuredOutputsField | None = None
-    prompt_logprobs: int | None = None
-    """vLLM's: each prompt token's logprob and this many top alternatives, in `prompt_logprobs`."""
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_CHAT_TOP_LOGPROBS)
+    """vLLM's: each prompt token's logprob and this many top alternatives, in `prompt_logprobs`
+    (at most 20, vLLM's default `max_logprobs`: each one is a top-k over the vocabulary per prompt
+    token, computed in the engine core)."""
     # Per-request latency targets (moeserve's own), resolved by the handler against the server's classes.
     slo: SLOField | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _bounded_stop(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        return check_stop(stop)
 
     @property
     def include_usage(self) -> bool:

@@ -7,6 +7,7 @@ answers 503 until `ServingState.set_ready` is called; requests meanwhile get a 5
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from moeserve.api.errors import APIError
+from moeserve.api.input_bounds import longest_token_chars
 from moeserve.api.metrics import ServerMetrics
 from moeserve.engine.streams import EngineClient
 from moeserve.engine_config import StructuredOutputsConfig
@@ -45,6 +47,12 @@ class ModelInfo:
     grammars: GrammarCompilePool | None = None
     """Where constraints compile, out of the engine core; None: the engine compiles them (an
     in-process engine, whose step loop has no other clients to protect)."""
+
+    @functools.cached_property
+    def token_chars(self) -> int:
+        """The most characters one token spells: with `max_model_len`, the longest text that can
+        fit the context (`input_bounds.check_prompt_chars`). Read once, on first use."""
+        return longest_token_chars(self.tokenizer)
 
     async def off_loop(self, work: Callable[[object], T]) -> T:
         """`work(prompt_tokenizer)` on the prompt thread (the loop's tokenizer if there is no other)."""

@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, Response
 from moeserve.api.constraints import ChatTool
 from moeserve.api.errors import APIError
 from moeserve.api.generation import check_model
+from moeserve.api.input_bounds import check_prompt_chars
 from moeserve.api.protocol import ChatMessageParam, OpenAIModel, parse_request
 from moeserve.api.state import ServingState
 from moeserve.api.transport import read_body
@@ -99,6 +100,11 @@ async def tokenize(raw: Request, state: ServingState) -> Response:
     check_model(request.model, state)
     request.check()
     _, model = state.admit()
+    if request.prompt is not None:
+        check_prompt_chars([request.prompt], model.max_model_len, model.token_chars, "prompt")
+    else:
+        texts = [m.text() for m in request.messages or []]
+        check_prompt_chars(texts, model.max_model_len, model.token_chars, "messages")
 
     def work(tokenizer) -> TokenizeResponse:
         ids = _tokenize(request, tokenizer)

@@ -14,6 +14,8 @@ from server_utils import MAX_MODEL_LEN, ServerProcess
 
 OK_COMPLETION = {"model": "tiny", "prompt": "Hello", "max_tokens": 4, "temperature": 0.0}
 OK_CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+LONG_TEXT = "word " * 400_000  # 2 MB: under the body limit, far past what the context holds
+MANY_MESSAGES = [{"role": "user", "content": "hello there " * 40}] * 3000
 KEY = "sk-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
@@ -71,6 +73,27 @@ BAD_REQUESTS = [
         400,
         "stop_token_ids",
     ),
+    # Inputs whose cost grows with the request (moeserve/api/input_bounds.py).
+    ("stop-strings-too-many", "/v1/completions", {**OK_COMPLETION, "stop": ["x"] * 33}, 400, "stop"),
+    ("stop-string-too-long", "/v1/chat/completions", {**OK_CHAT, "stop": "y" * 1025}, 400, "stop"),
+    (
+        "stop-token-ids-too-many",
+        "/v1/completions",
+        {**OK_COMPLETION, "stop_token_ids": [5] * 1025},
+        400,
+        "stop_token_ids",
+    ),
+    (
+        "prompt-logprobs-too-many",
+        "/v1/completions",
+        {**OK_COMPLETION, "prompt_logprobs": 10_000},
+        400,
+        "prompt_logprobs",
+    ),
+    ("prompt-logprobs-negative", "/v1/chat/completions", {**OK_CHAT, "prompt_logprobs": -1}, 400, "prompt_logprobs"),
+    ("prompt-text-past-context", "/v1/completions", {**OK_COMPLETION, "prompt": LONG_TEXT}, 400, "prompt"),
+    ("thousands-of-messages", "/v1/chat/completions", {**OK_CHAT, "messages": MANY_MESSAGES}, 400, "messages"),
+    ("tokenize-past-context", "/tokenize", {"prompt": LONG_TEXT}, 400, "prompt"),
     ("tokenize-both", "/tokenize", {"prompt": "Hi", "messages": OK_CHAT["messages"]}, 400, "prompt"),
     ("tokenize-neither", "/tokenize", {"model": "tiny"}, 400, "prompt"),
     ("tokenize-unknown-model", "/tokenize", {"model": "gpt-9", "prompt": "Hi"}, 404, "model"),
@@ -113,6 +136,32 @@ def assert_openai_error(response: httpx.Response, status: int, param: str | None
 )
 def test_bad_input_gets_a_clear_error(server: ServerProcess, path: str, body, status: int, param: str | None) -> None:
     assert_openai_error(post(server, path, body), status, param)
+
+
+def test_text_past_the_context_is_refused_before_it_is_tokenized(server: ServerProcess) -> None:
+    """2 MB of prompt, or 3,000 messages, would hold the one prompt thread every request waits on
+    for seconds; counted in characters first, they are refused at once, and an ordinary request
+    sent beside them is not held up."""
+    bodies = [("/v1/completions", {**OK_COMPLETION, "prompt": LONG_TEXT})] * 3
+    bodies += [("/v1/chat/completions", {**OK_CHAT, "messages": MANY_MESSAGES})] * 3
+
+    async def attack_and_serve() -> tuple[list[tuple[int, float]], float]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+
+            async def timed(path: str, body: dict) -> tuple[int, float]:
+                start = time.monotonic()
+                response = await client.post(path, json=body)
+                return response.status_code, time.monotonic() - start
+
+            attacks = [asyncio.create_task(timed(path, body)) for path, body in bodies]
+            ordinary = await timed("/v1/chat/completions", OK_CHAT)
+            assert ordinary[0] == 200
+            return list(await asyncio.gather(*attacks)), ordinary[1]
+
+    refused, ordinary_s = asyncio.run(attack_and_serve())
+    assert all(status == 400 for status, _ in refused), refused
+    assert max(seconds for _, seconds in refused) < 5.0, refused  # the bodies' upload and parse, no tokenizing
+    assert ordinary_s < 5.0
 
 
 def test_unknown_route_and_method_use_the_error_format(server: ServerProcess) -> None:
