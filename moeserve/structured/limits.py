@@ -37,8 +37,13 @@ def check_limits(spec: StructuredOutputs, limits: StructuredOutputsConfig) -> No
     elif spec.kind in ("json", "choice"):
         try:
             value = json.loads(spec.spec)
-        except (json.JSONDecodeError, RecursionError):
+        except json.JSONDecodeError:
             return
+        except RecursionError:  # Python's parser recurses per level: deeper than any limit allows
+            raise LimitError(
+                f"the {name} nests deeper than the parser follows; the limit is {limits.max_depth} "
+                "(--structured-outputs-max-depth)"
+            ) from None
         depth, values = _json_shape(value)
         _check_depth(name, depth, limits)
         if spec.kind == "choice" and isinstance(value, list):
