@@ -100,6 +100,8 @@ class Candidate:
     capacity: float
     """Requests/s at full batches."""
     tok_s_per_gpu: float
+    tbt_s: float
+    """A token's wait in a full-batch step (with a prefill chunk, colocated)."""
 
 
 def screen(
@@ -113,10 +115,11 @@ def screen(
             continue
         dec = step_times(shape, hw, dep.decode, workload)
         worst_step = dec.seconds(dep.max_batch, 0 if dep.prefill else dep.chunk)
-        if worst_step / workload.tokens_per_step > slo_tbt_s:
+        tbt = worst_step / workload.tokens_per_step
+        if tbt > slo_tbt_s:
             continue
         cap = capacity(shape, hw, dep, workload)
-        out.append(Candidate(dep, cap, cap * workload.osl / dep.gpus))
+        out.append(Candidate(dep, cap, cap * workload.osl / dep.gpus, tbt))
     return sorted(out, key=lambda c: -c.tok_s_per_gpu)
 
 
