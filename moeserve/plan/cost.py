@@ -133,10 +133,15 @@ def expert_rows(shape: ModelShape, layout: Layout, work: Work) -> float:
 
 
 def active_experts(shape: ModelShape, layout: Layout, work: Work) -> float:
-    """Experts of one rank that any token of the step picks, under uniform routing: each of the
-    E/ep experts is missed by all T*K picks with probability (1 - 1/E)^(T K)."""
+    """Experts of the fullest rank that any token of the step picks, under uniform routing: each
+    of its ceil(E/ep) experts (placement gives the first E % ep ranks one more) is missed by all
+    T K picks with probability (1 - 1/E)^(T K)."""
     picks = work.tokens * layout.dp * shape.top_k
-    return shape.experts / layout.ep * (1 - (1 - 1 / shape.experts) ** picks)
+    return experts_per_rank(shape, layout) * (1 - (1 - 1 / shape.experts) ** picks)
+
+
+def experts_per_rank(shape: ModelShape, layout: Layout) -> int:
+    return math.ceil(shape.experts / layout.ep)
 
 
 def experts(shape: ModelShape, hw: Hardware, layout: Layout, work: Work) -> float:
@@ -273,11 +278,11 @@ def step_cost(shape: ModelShape, hw: Hardware, layout: Layout, work: Work) -> St
 
 
 def weight_bytes_per_gpu(shape: ModelShape, layout: Layout) -> float:
-    """Weights one rank holds: its TP shard of attention, dense MLPs and shared experts, its E/ep
-    routed experts, and the embedding and LM head (bf16, replicated)."""
+    """Weights the fullest rank holds: its TP shard of attention, dense MLPs and shared experts,
+    its ceil(E/ep) routed experts, and the embedding and LM head (bf16, replicated)."""
     dense = shape.layers * shape.attn_params + shape.dense_layers * 3 * shape.hidden * shape.dense_inter
     dense += shape.moe_layers * 3 * shape.hidden * shape.shared_inter
-    routed = shape.moe_layers * shape.experts / layout.ep * shape.expert_params
+    routed = shape.moe_layers * experts_per_rank(shape, layout) * shape.expert_params
     embeddings = 2 * shape.vocab * shape.hidden * 2
     return dense / layout.tp * shape.dense_weight_bytes + routed * shape.expert_weight_bytes + embeddings
 

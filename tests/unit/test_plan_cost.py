@@ -174,6 +174,8 @@ def test_weights_and_kv_capacity_by_hand(v3, h100):
     dense = 61 * 187_105_280 + 3 * 3 * 7168 * 18432 + 58 * 3 * 7168 * 2048
     routed = 58 * 16 * 3 * 7168 * 2048
     assert weight_bytes_per_gpu(v3, Layout(ep=16)) == dense + routed + 2 * 129280 * 7168 * 2
+    # 256 experts over 12 ranks: the fullest holds 22
+    assert weight_bytes_per_gpu(v3, Layout(ep=12)) - weight_bytes_per_gpu(v3, Layout(ep=16)) == 58 * 6 * 3 * 7168 * 2048
     assert max_tokens_in_cache(v3, h100, Layout(ep=8)) == 0.0  # 671B FP8 does not fit 8 x 80 GB
     free = 80e9 * 0.9 - weight_bytes_per_gpu(v3, Layout(ep=16))
     assert max_tokens_in_cache(v3, h100, Layout(ep=16)) == pytest.approx(free / (61 * 1152))
