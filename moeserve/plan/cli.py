@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import time
@@ -55,6 +56,11 @@ def run_plan(args: argparse.Namespace) -> int:
     shape = load_shape(args.model)
     hw = calibrate(Hardware.of(args.gpu), args.calibrate, shape)
     nodes = args.nodes or max(1, math.ceil(args.gpus / hw.gpu.nvlink_domain))
+    if args.gpus % nodes:
+        raise ValueError(f"--gpus {args.gpus} cannot be spread evenly over --nodes {nodes}")
+    # fewer GPUs a node than the GPU's NVLink domain: the node is the domain
+    domain = min(hw.gpu.nvlink_domain, args.gpus // nodes)
+    hw = dataclasses.replace(hw, gpu=dataclasses.replace(hw.gpu, nvlink_domain=domain))
     space = SearchSpace(
         gpus=args.gpus,
         nodes=nodes,

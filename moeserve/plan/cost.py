@@ -61,12 +61,15 @@ class Layout:
 @dataclass(frozen=True)
 class Work:
     """What one attention-DP group computes in one step: decode tokens at a mean context, and
-    prefill tokens whose queries attend over a mean context (prefix + half the chunk)."""
+    prefill tokens whose queries attend over a mean context (prefix + half the chunk).
+    decode_queries: query tokens per decoding sequence (MTP verifies drafts + 1 at once; the
+    sequence's KV is read once for all of them)."""
 
     decode_tokens: float = 0.0
     decode_ctx: float = 0.0
     prefill_tokens: float = 0.0
     prefill_ctx: float = 0.0
+    decode_queries: int = 1
 
     @property
     def tokens(self) -> float:
@@ -74,7 +77,7 @@ class Work:
 
     def halved(self) -> Work:
         """One of two-batch overlap's micro-batches."""
-        return Work(self.decode_tokens / 2, self.decode_ctx, self.prefill_tokens / 2, self.prefill_ctx)
+        return dataclasses.replace(self, decode_tokens=self.decode_tokens / 2, prefill_tokens=self.prefill_tokens / 2)
 
 
 def roofline(flops: float, flop_rate: float, nbytes: float, bandwidth: float) -> float:
@@ -96,16 +99,16 @@ def attention_proj(shape: ModelShape, hw: Hardware, layout: Layout, work: Work) 
 
 def attention_core(shape: ModelShape, hw: Hardware, layout: Layout, work: Work) -> float:
     """Softmax attention over the context. Decode: `attn_ctx_flops` per (query, context token)
-    (MLA absorbed: scores over the 512+64 latent, values over the 512), reading each query's KV
-    (`kv_bytes` per token and layer). MLA's latent is one "head" every TP rank holds whole; GQA's
-    KV heads split over TP. Prefill: `prefill_ctx_flops` per pair (MLA not absorbed), compute
-    bound. Heads split over TP, so FLOPs divide by tp."""
+    (MLA absorbed: scores over the 512+64 latent, values over the 512), reading each sequence's
+    KV once (`kv_bytes` per token and layer; MTP's drafts share it). MLA's latent is one "head"
+    every TP rank holds whole; GQA's KV heads split over TP. Prefill: `prefill_ctx_flops` per
+    pair (MLA not absorbed), compute bound. Heads split over TP, so FLOPs divide by tp."""
     kv_split = 1 if shape.attention == "mla" else min(layout.tp, shape.kv_heads)
     ctx = shape.kv_ctx(work.decode_ctx)
     decode = roofline(
         work.decode_tokens * ctx * shape.attn_ctx_flops / layout.tp,
         hw.attention_flops,
-        work.decode_tokens * ctx * shape.kv_bytes / kv_split,
+        work.decode_tokens / work.decode_queries * ctx * shape.kv_bytes / kv_split,
         hw.hbm_bw,
     )
     pctx = shape.kv_ctx(work.prefill_ctx)

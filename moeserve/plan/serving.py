@@ -90,6 +90,7 @@ class StepTimes:
             decode_ctx=w.isl + w.osl / 2,
             prefill_tokens=prefill,
             prefill_ctx=w.isl / 2,
+            decode_queries=w.mtp_drafts + 1,
         )
         return step_cost(self.shape, self.hw, self.layout, work)
 
@@ -218,7 +219,9 @@ def fits(shape: ModelShape, hw: Hardware, dep: Deployment, workload: Workload) -
     return dep.prefill is None or max_tokens_in_cache(shape, hw, dep.prefill) >= dep.chunk + workload.isl
 
 
-def serve(shape: ModelShape, hw: Hardware, dep: Deployment, workload: Workload, slo_ttft_s: float, slo_tbt_s: float):
+def serve(
+    shape: ModelShape, hw: Hardware, dep: Deployment, workload: Workload, slo_ttft_s: float, slo_tbt_s: float
+) -> ServingResult:
     """Simulate the deployment at the workload's rate (or `load` of its capacity) and judge it."""
     rate = workload.rate if workload.rate is not None else workload.load * capacity(shape, hw, dep, workload)
     e = workload.tokens_per_step

@@ -98,6 +98,13 @@ def test_mla_decode_attention_by_hand(v3, h100):
     assert t8 == pytest.approx(max(flops / 8 / H100_ATTN, kv / H100_HBM))
 
 
+def test_mtp_queries_share_one_kv_read(v3, h100):
+    """Four queries per sequence (3 drafts): FLOPs x4, the KV read once."""
+    work = Work(decode_tokens=4 * 8, decode_ctx=2000, decode_queries=4)
+    t = attention_core(v3, h100, Layout(), work)
+    assert t == pytest.approx(max(32 * 2000 * 278_528 / H100_ATTN, 8 * 2000 * 1152 / H100_HBM))
+
+
 def test_expert_gemm_memory_bound_then_compute_bound(v3, h100):
     layout = Layout(ep=8)
     one = Work(decode_tokens=1)  # per DP group: 8 groups, 8 tokens, 64 picks over 256 experts
