@@ -1,5 +1,6 @@
 """The `moeserve` command: `launch` (the OpenAI-compatible server), `generate`, `bench serve`
-(the SLO load test), `make-model` and `eplb plan` (an expert placement from recorded loads)."""
+(the SLO load test), `make-model`, `eplb plan` (an expert placement from recorded loads) and
+`plan` (size a deployment with a cost model before renting it)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from pathlib import Path
 from moeserve.engine_config import EngineConfig, ParallelConfig, check_rank_devices
 from moeserve.loadtest.cli import add_bench_parser
 from moeserve.options import Option, build, field_docs, options
+from moeserve.plan.cli import add_plan_parser
 from moeserve.server_config import ServerSettings
 
 logger = logging.getLogger("moeserve.cli")
@@ -295,6 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_parser(sub)
     _add_make_model(sub)
     _add_eplb(sub)
+    add_plan_parser(sub)
     return parser
 
 

@@ -262,3 +262,22 @@ def test_prefix_caching_is_on_unless_switched_off() -> None:
     assert caching("generate", "--prompt", "hi", "--no-enable-prefix-caching") is False
     assert caching("launch", "--no-enable-prefix-caching", "--enable-prefix-caching") is True
     assert EngineConfig.from_options(enable_prefix_caching=False).cache.enable_prefix_caching is False
+
+
+def test_plan_prints_its_table_json_and_frontier(capsys, tmp_path) -> None:
+    args = ["plan", "--model", "qwen3-30b-a3b", "--gpus", "8", "--slo-tbt-ms", "50", "--no-disaggregate"]
+    assert main([*args, "--top", "2", "--plot", str(tmp_path / "frontier.png")]) == 0
+    out = capsys.readouterr().out
+    assert "tok/s/GPU" in out and "TBT p99 ms" in out and "dominant" in out
+    assert "figures measured: none" in out
+    assert (tmp_path / "frontier.png").stat().st_size > 0
+    assert main([*args, "--top", "1", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["tool"] == "moeserve plan" and len(doc["results"]) == 1
+    assert doc["results"][0]["tbt_ms"]["p99"] <= 50
+    assert doc["hardware"]["hbm_bw"]["source"] == "assumed"
+
+
+def test_plan_refuses_an_unknown_model_in_one_line(caplog) -> None:
+    assert main(["plan", "--model", "no-such-model", "--gpus", "8"]) == 2
+    assert "known model" in caplog.text

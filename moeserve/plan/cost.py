@@ -1,0 +1,303 @@
+"""The time of one step of this runtime, per layer and per rank, from first principles.
+
+A step is what every rank of one EP group does in lockstep: `ep` ranks hold E/ep experts each;
+attention runs over `ep / tp` data-parallel groups of `tp` tensor-parallel ranks (the layout of
+`ParallelConfig`). Each term below is a roofline: the larger of its FLOPs over the effective FLOP
+rate and its bytes over the effective bandwidth (`hardware.Hardware`: peak times an assumed
+efficiency, or measured). Terms are per layer and per rank; `step_cost` sums them over the
+layers, then applies what overlap hides. The slowest rank sets the step, so expert load
+imbalance (max/mean rows per rank) scales the expert GEMM and the all-to-all.
+
+What the model leaves out, on purpose: kernel launch gaps inside a CUDA graph, norms, rotary and
+activation kernels (elementwise, a few per cent), the router GEMM, and queueing between ranks
+beyond the imbalance factor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+
+from moeserve.dispatch.wire import dispatch_row_bytes, ep_rows_per_token, tp_rows_per_token
+from moeserve.plan.hardware import Hardware
+from moeserve.plan.shapes import ModelShape
+
+COMPUTE_TERMS = ("attention_proj", "attention_core", "dense_mlp", "shared_expert", "experts")
+COMM_TERMS = ("dispatch", "combine", "tp_allreduce")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How one EP group runs a step.
+
+    expert_imbalance: max over mean rows an EP rank receives (1.0 = perfectly balanced; EPLB
+    brings DeepSeek-V3 to ~1.1-1.3). dedupe_nodes: a token crosses to another NVLink domain once
+    per destination domain and is forwarded inside it (DeepEP's normal kernels); moeserve's own
+    dispatch sends one row per (token, k) pair (`moeserve.dispatch.wire`), so False here."""
+
+    ep: int = 1
+    tp: int = 1
+    tbo: bool = False
+    dispatch_fp8: bool = True
+    num_comm_sms: int = 0
+    expert_imbalance: float = 1.0
+    dedupe_nodes: bool = False
+
+    def __post_init__(self) -> None:
+        if self.ep < 1 or self.tp < 1 or self.ep % self.tp:
+            raise ValueError(f"ep {self.ep} must be a positive multiple of tp {self.tp}")
+        if self.expert_imbalance < 1.0:
+            raise ValueError(f"expert_imbalance is max/mean, >= 1, got {self.expert_imbalance}")
+
+    @property
+    def dp(self) -> int:
+        """Attention data-parallel groups."""
+        return self.ep // self.tp
+
+
+@dataclass(frozen=True)
+class Work:
+    """What one attention-DP group computes in one step: decode tokens at a mean context, and
+    prefill tokens whose queries attend over a mean context (prefix + half the chunk).
+    decode_queries: query tokens per decoding sequence (MTP verifies drafts + 1 at once; the
+    sequence's KV is read once for all of them)."""
+
+    decode_tokens: float = 0.0
+    decode_ctx: float = 0.0
+    prefill_tokens: float = 0.0
+    prefill_ctx: float = 0.0
+    decode_queries: int = 1
+
+    @property
+    def tokens(self) -> float:
+        return self.decode_tokens + self.prefill_tokens
+
+    def halved(self) -> Work:
+        """One of two-batch overlap's micro-batches."""
+        return dataclasses.replace(self, decode_tokens=self.decode_tokens / 2, prefill_tokens=self.prefill_tokens / 2)
+
+
+def roofline(flops: float, flop_rate: float, nbytes: float, bandwidth: float) -> float:
+    """Seconds of a kernel bound by whichever of compute and memory is slower (Williams et al.,
+    "Roofline", CACM 2009)."""
+    return max(flops / flop_rate, nbytes / bandwidth)
+
+
+def _dense_rate(shape: ModelShape, hw: Hardware) -> float:
+    return hw.fp8_flops if shape.dense_weight_bytes == 1.0 else hw.bf16_flops
+
+
+def attention_proj(shape: ModelShape, hw: Hardware, layout: Layout, work: Work) -> float:
+    """Q/KV/O projections: 2 FLOPs per parameter per token over the TP shard of `attn_params`;
+    the shard's weights are read once a step."""
+    params = shape.attn_params / layout.tp
+    return roofline(2 * params * work.tokens, _dense_rate(shape, hw), params * shape.dense_weight_bytes, hw.hbm_bw)
+
+
+def attention_core(shape: ModelShape, hw: Hardware, layout: Layout, work: Work) -> float:
+    """Softmax attention over the context. Decode: `attn_ctx_flops` per (query, context token)
+    (MLA absorbed: scores over the 512+64 latent, values over the 512), reading each sequence's
+    KV once (`kv_bytes` per token and layer; MTP's drafts share it). MLA's latent is one "head"
+    every TP rank holds whole; GQA's KV heads split over TP. Prefill: `prefill_ctx_flops` per
+    pair (MLA not absorbed), compute bound. Heads split over TP, so FLOPs divide by tp."""
+    kv_split = 1 if shape.attention == "mla" else min(layout.tp, shape.kv_heads)
+    ctx = shape.kv_ctx(work.decode_ctx)
+    decode = roofline(
+        work.decode_tokens * ctx * shape.attn_ctx_flops / layout.tp,
+        hw.attention_flops,
+        work.decode_tokens / work.decode_queries * ctx * shape.kv_bytes / kv_split,
+        hw.hbm_bw,
+    )
+    pctx = shape.kv_ctx(work.prefill_ctx)
+    prefill = roofline(
+        work.prefill_tokens * pctx * shape.prefill_ctx_flops / layout.tp,
+        hw.attention_flops,
+        work.prefill_tokens * pctx * shape.kv_bytes / kv_split,
+        hw.hbm_bw,
+    )
+    return decode + prefill
+
+
+def dense_mlp(shape: ModelShape, hw: Hardware, layout: Layout, work: Work, inter: int) -> float:
+    """A gated MLP of `inter` (gate, up, down: 3 H I parameters) sharded over TP."""
+    params = 3 * shape.hidden * inter / layout.tp
+    if params == 0:
+        return 0.0
+    return roofline(2 * params * work.tokens, _dense_rate(shape, hw), params * shape.dense_weight_bytes, hw.hbm_bw)
+
+
+def expert_rows(shape: ModelShape, layout: Layout, work: Work) -> float:
+    """Rows the busiest EP rank computes: each TP rank dispatches its 1/tp slice of its group's
+    tokens (K rows each), a rank receives as many as it sends on average, times the imbalance."""
+    return work.tokens / layout.tp * shape.top_k * layout.expert_imbalance
+
+
+def active_experts(shape: ModelShape, layout: Layout, work: Work) -> float:
+    """Experts of the fullest rank that any token of the step picks, under uniform routing: each
+    of its ceil(E/ep) experts (placement gives the first E % ep ranks one more) is missed by all
+    T K picks with probability (1 - 1/E)^(T K)."""
+    picks = work.tokens * layout.dp * shape.top_k
+    return experts_per_rank(shape, layout) * (1 - (1 - 1 / shape.experts) ** picks)
+
+
+def experts_per_rank(shape: ModelShape, layout: Layout) -> int:
+    return math.ceil(shape.experts / layout.ep)
+
+
+def experts(shape: ModelShape, hw: Hardware, layout: Layout, work: Work) -> float:
+    """Grouped expert GEMMs: 2 FLOPs per parameter per row over `expert_rows`, the weights of
+    every active expert read once (FP8 w8a8 for block-FP8 checkpoints, else bf16 FLOPs)."""
+    rate = hw.fp8_flops if shape.fp8_experts else hw.bf16_flops
+    flops = 2 * shape.expert_params * expert_rows(shape, layout, work)
+    nbytes = active_experts(shape, layout, work) * shape.expert_params * shape.expert_weight_bytes
+    return roofline(flops, rate, nbytes, hw.hbm_bw)
+
+
+def link_shares(ep: int, domain: int) -> tuple[float, float]:
+    """Of the rows one rank sends off itself under uniform routing, the share to the other ranks
+    of its NVLink domain and the share to ranks outside it."""
+    if ep == 1:
+        return 0.0, 0.0
+    d = min(domain, ep)
+    return (d - 1) / (ep - 1), (ep - d) / (ep - 1)
+
+
+def remote_domains_per_token(top_k: int, domains: int) -> float:
+    """Expected other NVLink domains a token's K uniform picks reach: of D domains each is hit
+    with probability 1 - (1 - 1/D)^K, and (D - 1)/D of the hits are not the sender's."""
+    if domains <= 1:
+        return 0.0
+    return domains * (1 - (1 - 1 / domains) ** top_k) * (domains - 1) / domains
+
+
+def all_to_all(shape: ModelShape, hw: Hardware, layout: Layout, work: Work, row_bytes: int) -> float:
+    """One dispatch or combine: a fixed latency, then the NVLink and NIC parts in parallel, each
+    bytes over bandwidth. Rows per rank: K per token of the rank's slice, times the imbalance;
+    the off-rank share is (ep - 1)/ep (`wire.ep_rows_per_token` out and back), split between the
+    NVLink domain and the NIC by `link_shares`. With `dedupe_nodes` a token crosses the NIC once
+    per remote domain (`remote_domains_per_token`) instead of once per pair."""
+    if layout.ep == 1:
+        return 0.0
+    tokens = work.tokens / layout.tp * layout.expert_imbalance
+    off_rank = tokens * ep_rows_per_token(shape.top_k, layout.ep) / 2  # out only; combine is the other half
+    nvl_share, nic_share = link_shares(layout.ep, hw.gpu.nvlink_domain)
+    nvl_rows, nic_rows = off_rank * nvl_share, off_rank * nic_share
+    if layout.dedupe_nodes:
+        nic_rows = tokens * remote_domains_per_token(shape.top_k, math.ceil(layout.ep / hw.gpu.nvlink_domain))
+    return hw.a2a_latency_s + max(nvl_rows * row_bytes / hw.nvlink_bw, nic_rows * row_bytes / hw.nic_bw)
+
+
+def dispatch(shape: ModelShape, hw: Hardware, layout: Layout, work: Work) -> float:
+    """Dispatch rows: FP8 bytes + scales (`wire.dispatch_row_bytes`) or bf16 activations."""
+    return all_to_all(shape, hw, layout, work, dispatch_row_bytes(shape.hidden, torch.bfloat16, layout.dispatch_fp8))
+
+
+def combine(shape: ModelShape, hw: Hardware, layout: Layout, work: Work) -> float:
+    """Combine sends the experts' bf16 outputs back: 2 H bytes a row."""
+    return all_to_all(shape, hw, layout, work, dispatch_row_bytes(shape.hidden, torch.bfloat16, False))
+
+
+def tp_allreduce(shape: ModelShape, hw: Hardware, layout: Layout, work: Work) -> float:
+    """A ring all-reduce of the group's bf16 activations over NVLink: each rank sends
+    2 (tp - 1)/tp of T H 2 bytes (`wire.tp_rows_per_token` is the group's 2 (tp - 1) rows)."""
+    if layout.tp == 1:
+        return 0.0
+    nbytes = tp_rows_per_token(layout.tp) / layout.tp * work.tokens * shape.hidden * 2
+    return hw.allreduce_latency_s + nbytes / hw.nvlink_bw
+
+
+def layer_terms(shape: ModelShape, hw: Hardware, layout: Layout, work: Work, moe: bool) -> dict[str, float]:
+    """Seconds of each term for one layer on the busiest rank. A dense layer has its MLP and two
+    all-reduces (after attention and after the MLP); an MoE layer its shared expert, experts,
+    dispatch, combine and one all-reduce (the experts' output is combined, not all-reduced)."""
+    terms = {
+        "attention_proj": attention_proj(shape, hw, layout, work),
+        "attention_core": attention_core(shape, hw, layout, work),
+        "dense_mlp": 0.0 if moe else dense_mlp(shape, hw, layout, work, shape.dense_inter),
+        "shared_expert": dense_mlp(shape, hw, layout, work, shape.shared_inter) if moe else 0.0,
+        "experts": experts(shape, hw, layout, work) if moe else 0.0,
+        "dispatch": dispatch(shape, hw, layout, work) if moe else 0.0,
+        "combine": combine(shape, hw, layout, work) if moe else 0.0,
+        "tp_allreduce": tp_allreduce(shape, hw, layout, work) * (1 if moe else 2),
+    }
+    return terms
+
+
+def lm_head(shape: ModelShape, hw: Hardware, work: Work) -> float:
+    """Logits of the decode tokens (prefill samples once per prompt, left out): vocab x hidden
+    bf16 weights, replicated on every attention-DP rank."""
+    params = shape.vocab * shape.hidden
+    return roofline(2 * params * work.decode_tokens, hw.bf16_flops, params * 2, hw.hbm_bw)
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """One step: each term summed over the layers (seconds, before overlap), and the step time."""
+
+    terms: dict[str, float]
+    seconds: float
+
+    @property
+    def dominant(self) -> str:
+        return max(self.terms, key=self.terms.__getitem__)
+
+
+def _summed(shape: ModelShape, hw: Hardware, layout: Layout, work: Work) -> dict[str, float]:
+    moe = layer_terms(shape, hw, layout, work, moe=True)
+    dense = layer_terms(shape, hw, layout, work, moe=False)
+    return {k: shape.moe_layers * moe[k] + shape.dense_layers * dense[k] for k in moe}
+
+
+def _with_comm_sms(hw: Hardware, layout: Layout) -> Hardware:
+    """Compute keeps the SMs communication does not hold: rates and HBM bandwidth (which SMs
+    drive) scale by (SMs - num_comm_sms) / SMs while both run at once."""
+    share = (hw.gpu.sms - layout.num_comm_sms) / hw.gpu.sms
+    return dataclasses.replace(
+        hw,
+        hbm_bw=hw.hbm_bw * share,
+        bf16_flops=hw.bf16_flops * share,
+        fp8_flops=hw.fp8_flops * share,
+        attention_flops=hw.attention_flops * share,
+    )
+
+
+def step_cost(shape: ModelShape, hw: Hardware, layout: Layout, work: Work) -> StepCost:
+    """The step time. Without two-batch overlap: every term in sequence. With it, the batch
+    runs as two halves, one's communication under the other's compute (on the SMs left to
+    compute): per layer max(2 C_half, 2 M_half), plus one layer's min(C_half, M_half) to fill the pipe.
+    Halves read every weight twice, so TBO loses where weights dominate (small batches)."""
+    extra = lm_head(shape, hw, work) + hw.step_overhead_s
+    if not layout.tbo:
+        terms = _summed(shape, hw, layout, work)
+        return StepCost(terms | {"lm_head": extra}, sum(terms.values()) + extra)
+    half = _summed(shape, _with_comm_sms(hw, layout), layout, work.halved())
+    compute = sum(half[k] for k in COMPUTE_TERMS)
+    comm = sum(half[k] for k in COMM_TERMS)
+    terms = {k: 2 * v for k, v in half.items()} | {"lm_head": extra}
+    return StepCost(terms, max(2 * compute, 2 * comm) + min(compute, comm) / shape.layers + extra)
+
+
+def weight_bytes_per_gpu(shape: ModelShape, layout: Layout) -> float:
+    """Weights the fullest rank holds: its TP shard of attention, dense MLPs and shared experts,
+    its ceil(E/ep) routed experts, and the embedding and LM head (bf16, replicated)."""
+    dense = shape.layers * shape.attn_params + shape.dense_layers * 3 * shape.hidden * shape.dense_inter
+    dense += shape.moe_layers * 3 * shape.hidden * shape.shared_inter
+    routed = shape.moe_layers * experts_per_rank(shape, layout) * shape.expert_params
+    embeddings = 2 * shape.vocab * shape.hidden * 2
+    return dense / layout.tp * shape.dense_weight_bytes + routed * shape.expert_weight_bytes + embeddings
+
+
+def kv_bytes_per_token(shape: ModelShape, layout: Layout) -> float:
+    """KV cache bytes one rank holds per token of its DP group (all layers)."""
+    kv_split = 1 if shape.attention == "mla" else min(layout.tp, shape.kv_heads)
+    return shape.layers * shape.kv_bytes / kv_split
+
+
+def max_tokens_in_cache(shape: ModelShape, hw: Hardware, layout: Layout, usable: float = 0.9) -> float:
+    """Tokens of context one DP group can hold: `usable` of HBM less the weights, over the KV
+    bytes per token (activations and graphs take the rest)."""
+    free = hw.gpu.hbm_bytes * usable - weight_bytes_per_gpu(shape, layout)
+    return max(free, 0.0) / kv_bytes_per_token(shape, layout)

@@ -1,0 +1,142 @@
+"""What the cost model needs of a model: its shapes, counted once from moeserve's own config.
+
+A model is a checkpoint folder (its config.json, read by the same architecture code the server
+loads with, so the planner and the server agree on every dimension) or a known name whose
+config.json is stored beside this module (`configs/`, shapes only: no weights).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from moeserve.config import BlockFP8Config, ModelConfig, MXFP4Config
+
+CONFIGS = Path(__file__).parent / "configs"
+MXFP4_BYTES = 4.25 / 8  # e2m1 code (4 bits) + one e8m0 scale per 32 values
+
+
+def known_models() -> list[str]:
+    return sorted(p.stem for p in CONFIGS.glob("*.json"))
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Per-layer dimensions and bytes; counts are parameters, sizes bytes per parameter."""
+
+    name: str
+    hidden: int
+    layers: int
+    moe_layers: int
+    vocab: int
+    experts: int
+    top_k: int
+    expert_inter: int
+    dense_inter: int
+    shared_inter: int
+    attention: Literal["mla", "gqa"]
+    heads: int
+    kv_heads: int
+    head_dim: int
+    """GQA: the head size; MLA: qk_nope + qk_rope."""
+    attn_params: int
+    """One layer's attention projections."""
+    attn_ctx_flops: int
+    """Decode FLOPs per query token, per context token, per layer (MLA: absorbed)."""
+    prefill_ctx_flops: int
+    """Prefill FLOPs per query token, per context token, per layer (MLA: not absorbed)."""
+    kv_bytes: int
+    """KV cache bytes per token and layer (bf16 cache)."""
+    window_share: float
+    """Share of layers with a sliding window, and the window; their KV read is capped at it."""
+    window: int
+    expert_weight_bytes: float
+    dense_weight_bytes: float
+    fp8_experts: bool
+    """Expert GEMMs run w8a8 FP8 (block-FP8 checkpoints); otherwise in bf16."""
+
+    @property
+    def dense_layers(self) -> int:
+        return self.layers - self.moe_layers
+
+    @property
+    def expert_params(self) -> int:
+        """One routed expert: gate, up and down projections."""
+        return 3 * self.hidden * self.expert_inter
+
+    def kv_ctx(self, ctx: float) -> float:
+        """Mean context a layer attends over at context `ctx` (windowed layers capped)."""
+        return (1 - self.window_share) * ctx + self.window_share * min(ctx, self.window)
+
+
+def shape_of(config: ModelConfig, name: str) -> ModelShape:
+    h = config.hidden_size
+    if config.mla is not None:
+        m = config.mla
+        if m.q_lora_rank:
+            q = h * m.q_lora_rank + m.q_lora_rank * config.num_heads * m.qk_head_dim
+        else:
+            q = h * config.num_heads * m.qk_head_dim
+        kv = h * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank * config.num_heads * (
+            m.qk_nope_head_dim + m.v_head_dim
+        )
+        attn_params = q + kv + config.num_heads * m.v_head_dim * h
+        # absorbed decode: scores over the latent + rope part, values over the latent
+        ctx_flops = 2 * config.num_heads * (2 * m.kv_lora_rank + m.qk_rope_head_dim)
+        prefill_flops = 2 * config.num_heads * (m.qk_head_dim + m.v_head_dim)
+        kv_bytes = 2 * (m.kv_lora_rank + m.qk_rope_head_dim)
+        kind: Literal["mla", "gqa"] = "mla"
+        head_dim = m.qk_head_dim
+    else:
+        d = config.head_dim
+        attn_params = h * (config.num_heads + 2 * config.num_kv_heads) * d + config.num_heads * d * h
+        ctx_flops = prefill_flops = 4 * config.num_heads * d
+        kv_bytes = 2 * 2 * config.num_kv_heads * d
+        kind = "gqa"
+        head_dim = d
+    windows = [w for w in config.sliding_windows if w is not None]
+    quant = config.weight_quant
+    dense_bytes = 1.0 if isinstance(quant, BlockFP8Config) else 2.0
+    expert_bytes = MXFP4_BYTES if isinstance(quant, MXFP4Config) else dense_bytes
+    return ModelShape(
+        name=name,
+        hidden=h,
+        layers=config.num_layers,
+        moe_layers=sum(config.moe_layers),
+        vocab=config.vocab_size,
+        experts=config.num_experts,
+        top_k=config.router.top_k,
+        expert_inter=config.moe_intermediate_size,
+        dense_inter=config.intermediate_size,
+        shared_inter=config.shared_expert_intermediate_size,
+        attention=kind,
+        heads=config.num_heads,
+        kv_heads=config.num_kv_heads,
+        head_dim=head_dim,
+        attn_params=attn_params,
+        attn_ctx_flops=ctx_flops,
+        prefill_ctx_flops=prefill_flops,
+        kv_bytes=kv_bytes,
+        window_share=len(windows) / config.num_layers,
+        window=min(windows) if windows else 0,
+        expert_weight_bytes=expert_bytes,
+        dense_weight_bytes=dense_bytes,
+        fp8_experts=isinstance(quant, BlockFP8Config),
+    )
+
+
+def load_shape(model: str) -> ModelShape:
+    """A known model by name, or a checkpoint folder (only its config.json is read)."""
+    from moeserve.models.architectures import resolve_architecture
+
+    path = Path(model)
+    if (path / "config.json").is_file():
+        raw, name = json.loads((path / "config.json").read_text()), path.name
+    elif (CONFIGS / f"{model}.json").is_file():
+        raw, name = json.loads((CONFIGS / f"{model}.json").read_text()), model
+    else:
+        known = ", ".join(known_models())
+        raise ValueError(f"--model {model!r} is neither a checkpoint folder nor a known model ({known})")
+    return shape_of(resolve_architecture(raw)[1], name)
