@@ -42,6 +42,11 @@ class ServerSettings:
     (<tool_call>{json}</tool_call>, Qwen and many others) or deepseek_v3; None: "auto" is refused
     (a named function and "required" constrain the output instead and need no parser)."""
 
+    per_expert_metrics: bool = False
+    """Label /metrics' routed-token counter by expert and its load-imbalance gauge by MoE layer: one
+    series per expert and per layer, for debugging placement. Off: one counter, and the layers'
+    mean and worst imbalance, a handful of series whatever the model's size."""
+
     def model_name(self, model: str | None) -> str:
         """The id to serve under: the one given, else the checkpoint path, else the demo's."""
         return self.served_model_name or model or DEMO_MODEL_NAME
