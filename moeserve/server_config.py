@@ -42,6 +42,13 @@ class ServerSettings:
     (<tool_call>{json}</tool_call>, Qwen and many others) or deepseek_v3; None: "auto" is refused
     (a named function and "required" constrain the output instead and need no parser)."""
 
+    reasoning_parser: Literal["deepseek_r1", "qwen3", "glm45"] | None = None
+    """Read a reasoning model's <think>...</think> into `reasoning_content` (chat, streamed as
+    `delta.reasoning_content`) and reasoning items (/v1/responses): deepseek_r1, qwen3 or glm45;
+    None: the thinking stays in the content. A request with structured outputs is not split: the
+    constraint holds from the first token, so its output is all answer (Qwen3 and GLM-4.5 are
+    then prompted with enable_thinking false unless chat_template_kwargs says otherwise)."""
+
     per_expert_metrics: bool = False
     """Label /metrics' routed-token counter by expert and its load-imbalance gauge by MoE layer: one
     series per expert and per layer, for debugging placement. Off: one counter, and the layers'
