@@ -49,6 +49,11 @@ class ServerSettings:
     constraint holds from the first token, so its output is all answer (Qwen3 and GLM-4.5 are
     then prompted with enable_thinking false unless chat_template_kwargs says otherwise)."""
 
+    responses_store_size: int = 1000
+    """Responses /v1/responses keeps (with `store`, the default) for GET, DELETE and
+    `previous_response_id`: in memory, the oldest dropped first, lost on restart; each holds its
+    conversation's text. 0 stores none."""
+
     per_expert_metrics: bool = False
     """Label /metrics' routed-token counter by expert and its load-imbalance gauge by MoE layer: one
     series per expert and per layer, for debugging placement. Off: one counter, and the layers'

@@ -15,6 +15,7 @@ from typing import TypeVar
 
 from moeserve.api.errors import APIError
 from moeserve.api.metrics import ServerMetrics
+from moeserve.api.response_store import ResponseStore
 from moeserve.engine.streams import EngineClient
 from moeserve.server_config import ServerSettings
 
@@ -54,6 +55,7 @@ class ServingState:
         self.engine: EngineClient | None = None
         self.model: ModelInfo | None = None
         self.draining = False
+        self.responses = ResponseStore(settings.responses_store_size)
 
     def set_ready(self, engine: EngineClient, model: ModelInfo) -> None:
         self.model = model
