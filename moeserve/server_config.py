@@ -45,9 +45,8 @@ class ServerSettings:
     reasoning_parser: Literal["deepseek_r1", "qwen3", "glm45"] | None = None
     """Read a reasoning model's <think>...</think> into `reasoning_content` (chat, streamed as
     `delta.reasoning_content`) and reasoning items (/v1/responses): deepseek_r1, qwen3 or glm45;
-    None: the thinking stays in the content. A request with structured outputs is not split: the
-    constraint holds from the first token, so its output is all answer (Qwen3 and GLM-4.5 are
-    then prompted with enable_thinking false unless chat_template_kwargs says otherwise)."""
+    None: the thinking stays in the content. Structured outputs then constrain the answer: the
+    output may think first, freely, up to </think>."""
 
     responses_store_size: int = 1000
     """Responses /v1/responses keeps (with `store`, the default) for GET, DELETE and

@@ -98,20 +98,16 @@ class ChatPlan:
 async def plan_chat(
     request: ChatCompletionRequest, state: ServingState, model: ModelInfo, params: SamplingParams
 ) -> ChatPlan:
-    """Render the prompt and choose the output's readers. A constrained output (structured
-    outputs, a forced call) is read whole as the answer: its grammar holds from the first token,
-    so it holds no thinking, and templates with a thinking switch are told so."""
+    """Render the prompt and choose the output's readers. A reasoning model's constrained output
+    (structured outputs, a forced call) is constrained after its thinking: the answer is what
+    must parse, and the split the parser makes is where the grammar's thinking ends."""
     reader = _tool_reader(request, state)
     if reader is not None and reader.parser is not None and reader.parser.markers_are_special:
         params = replace(params, skip_special_tokens=False)
     await check_constraint(model, params, constraint_param(request))
     name = state.settings.reasoning_parser
-    template_kwargs = dict(request.chat_template_kwargs or {})
-    reasoning = None
-    if name is not None and params.structured_outputs is None:
-        reasoning = REASONING_PARSERS[name]()
-    elif name is not None and REASONING_PARSERS[name].thinking_switch:
-        template_kwargs.setdefault("enable_thinking", False)
+    reasoning = None if name is None else REASONING_PARSERS[name]()
+    template_kwargs = request.chat_template_kwargs or {}
 
     def render(tokenizer) -> tuple[list[int], bool]:
         ids = _render(request, tokenizer, template_kwargs)
@@ -120,6 +116,11 @@ async def plan_chat(
 
     prompt_ids, in_reasoning = await model.off_loop(render)
     check_context(len(prompt_ids), params.max_tokens, model.max_model_len, "messages")
+    spec = params.structured_outputs
+    if reasoning is not None and spec is not None:
+        start = "" if in_reasoning else reasoning.start_marker
+        spec = replace(spec, reasoning_start=start, reasoning_end=reasoning.end_marker)
+        params = replace(params, structured_outputs=spec)
     return ChatPlan(params, prompt_ids, reader, reasoning, in_reasoning)
 
 

@@ -15,8 +15,9 @@ a marker could still be forming, so a stream sends what a split adds to the prev
 pieces join up to the whole response's, as tool calls do (`tool_parsers`). The answer then goes
 on to the tool call reader, if any.
 
-Structured outputs (response_format, guided_*, a forced tool_choice) constrain the output from
-its first token, so a constrained request is not split (`chat.py`): its output is all answer.
+Structured outputs (response_format, guided_*, a forced tool_choice) constrain the answer: the
+grammar lets the output think first, up to the first end marker, as `split` reads it
+(`structured.grammar.after_reasoning`).
 """
 
 from __future__ import annotations
@@ -38,8 +39,6 @@ class ReasoningParser:
     name: str
     start_marker = "<think>"
     end_marker = "</think>"
-    thinking_switch = True
-    """Whether the family's templates take `enable_thinking` (false: no reasoning)."""
 
     def opens_in(self, prompt_tail: str) -> bool:
         """Whether a prompt ending with `prompt_tail` leaves the thinking open for the output."""
@@ -67,7 +66,6 @@ class DeepSeekR1ReasoningParser(ReasoningParser):
     so an output without `</think>` is all reasoning, as vLLM reads it."""
 
     name = "deepseek_r1"
-    thinking_switch = False
 
     def opens_in(self, prompt_tail: str) -> bool:
         return True
