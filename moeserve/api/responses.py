@@ -98,8 +98,8 @@ async def create_response(raw: Request, state: ServingState) -> Response:
     reasoning, content, calls, _ = plan.read(sample.text, sample.finish_reason)
     status = "incomplete" if sample.finish_reason == "length" else "completed"
     items = []
-    if reasoning is not None:
-        items.append(reasoning_item(item_id("rs"), reasoning, status))
+    if reasoning is not None:  # complete once the answer began, as a stream closes it
+        items.append(reasoning_item(item_id("rs"), reasoning, status if content is None and not calls else "completed"))
     if content is not None:
         items.append(message_item(item_id("msg"), content, status))
     items += [

@@ -208,3 +208,11 @@ def test_errors_name_the_responses_field(server: ServerProcess, body: dict, para
 def test_metrics_have_no_created_series(server: ServerProcess) -> None:
     text = httpx.get(f"{server.url}/metrics", timeout=10).text
     assert "moeserve:generation_tokens_total" in text and "_created" not in text
+
+
+def test_chat_template_kwargs_reach_the_template_but_not_its_caller(r1_server: ServerProcess) -> None:
+    url = f"{r1_server.url}/v1/chat/completions"
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    assert httpx.post(url, json={**body, "chat_template_kwargs": {"enable_thinking": False}}, timeout=30).is_success
+    reply = httpx.post(url, json={**body, "chat_template_kwargs": {"tokenize": False}}, timeout=30)
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "chat_template_kwargs"
