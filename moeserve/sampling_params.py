@@ -36,20 +36,35 @@ class StructuredOutputs:
     wire as two strings: a JSON schema (serialised) for "json", a regex for "regex", a JSON list
     of strings for "choice", an EBNF grammar (xgrammar's dialect, `root` first) for "grammar";
     "json_object" (any JSON object) ignores it.
+
+    A reasoning model thinks before it answers, and the constraint is on the answer: with
+    `reasoning_end` set, the output is free text without that marker, the marker, then the
+    constrained answer (`structured.grammar.after_reasoning`).
     """
 
     kind: StructuredKind
     spec: str = ""
+    reasoning_start: str = ""
+    """What opens the thinking when the model opens it itself (it may also answer at once);
+    empty: the prompt has opened it, so the output thinks first."""
+    reasoning_end: str = ""
+    """What closes the thinking; empty: the output is all answer."""
     compiled: str | None = field(default=None, compare=False, repr=False)
-    """The grammar already compiled for the served tokenizer (xgrammar's serialized form): the
-    server compiles in worker processes and sends it with the request, so the engine core only
-    loads it. Not part of the key; None: the engine compiles it (offline use)."""
+    """The grammar already compiled for the served tokenizer (xgrammar's serialized form, of the
+    whole constraint: the thinking before the answer too): the server compiles in worker processes
+    and sends it with the request, so the engine core only loads it. Not part of the key; None:
+    the engine compiles it (offline use)."""
 
     def __post_init__(self) -> None:
         if self.kind not in STRUCTURED_KINDS:
             raise ValueError(f"structured_outputs kind must be one of {STRUCTURED_KINDS}, got {self.kind!r}")
-        if not isinstance(self.spec, str):
-            raise ValueError(f"structured_outputs spec must be a string, got {type(self.spec).__name__}")
+        for name in ("spec", "reasoning_start", "reasoning_end"):
+            if not isinstance(getattr(self, name), str):
+                raise ValueError(
+                    f"structured_outputs {name} must be a string, got {type(getattr(self, name)).__name__}"
+                )
+        if self.reasoning_start and not self.reasoning_end:
+            raise ValueError("structured_outputs reasoning_start needs reasoning_end")
 
     @classmethod
     def choice(cls, choices: list[str]) -> StructuredOutputs:

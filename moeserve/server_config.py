@@ -42,6 +42,22 @@ class ServerSettings:
     (<tool_call>{json}</tool_call>, Qwen and many others) or deepseek_v3; None: "auto" is refused
     (a named function and "required" constrain the output instead and need no parser)."""
 
+    reasoning_parser: Literal["deepseek_r1", "qwen3", "glm45"] | None = None
+    """Read a reasoning model's <think>...</think> into `reasoning_content` (chat, streamed as
+    `delta.reasoning_content`) and reasoning items (/v1/responses): deepseek_r1, qwen3 or glm45;
+    None: the thinking stays in the content. Structured outputs then constrain the answer: the
+    output may think first, freely, up to </think>."""
+
+    responses_store_size: int = 1000
+    """Responses /v1/responses keeps (with `store`, the default) for GET, DELETE and
+    `previous_response_id`: in memory, the oldest dropped first, lost on restart; each holds its
+    conversation's text. 0 stores none."""
+
+    per_expert_metrics: bool = False
+    """Label /metrics' routed-token counter by expert and its load-imbalance gauge by MoE layer: one
+    series per expert and per layer, for debugging placement. Off: one counter, and the layers'
+    mean and worst imbalance, a handful of series whatever the model's size."""
+
     def model_name(self, model: str | None) -> str:
         """The id to serve under: the one given, else the checkpoint path, else the demo's."""
         return self.served_model_name or model or DEMO_MODEL_NAME

@@ -70,6 +70,7 @@ LONGEST_FIRST = (
     "test_transformers_parity.py",  # ~55
     "test_heal_serving.py",  # ~55
     "test_server_safety.py",  # ~50
+    "test_responses_server.py",  # ~45 (two servers)
     "test_cli.py",  # ~45
     "test_eplb_server.py",  # ~35
     "test_torch_dispatcher.py",  # ~30

@@ -33,6 +33,8 @@ from moeserve.api.protocol import (
     ModelCard,
     ModelList,
 )
+from moeserve.api.responses import create_response, delete_response, get_response
+from moeserve.api.responses_protocol import ResponseDeleted, ResponseObject, ResponsesRequest
 from moeserve.api.state import ServingState
 from moeserve.api.tokenize import (
     DetokenizeRequest,
@@ -173,6 +175,24 @@ def _routes(list_models: Handler) -> list[_Route]:
             generation_errors,
             body=ChatCompletionRequest,
             chunk=ChatCompletionStreamChunk,
+        ),
+        _Route(
+            "/v1/responses",
+            create_response,
+            "POST",
+            "A response (OpenAI's Responses API), streamed as typed events or not",
+            ResponseObject,
+            generation_errors,
+            body=ResponsesRequest,
+        ),
+        _Route("/v1/responses/{response_id}", get_response, "GET", "A stored response", ResponseObject, (401, 404)),
+        _Route(
+            "/v1/responses/{response_id}",
+            delete_response,
+            "DELETE",
+            "Forget a stored response",
+            ResponseDeleted,
+            (401, 404),
         ),
         _Route("/v1/models", list_models, "GET", "The model this server serves", ModelList, (401,)),
         _Route(

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import AsyncIterator
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -24,6 +26,7 @@ from moeserve.api.generation import (
 from moeserve.api.input_bounds import check_prompt_chars
 from moeserve.api.protocol import (
     ChatCompletionRequest,
+    ToolCall,
     chat_logprobs,
     chat_response,
     chat_usage_chunk,
@@ -31,6 +34,7 @@ from moeserve.api.protocol import (
     sse,
     usage_info,
 )
+from moeserve.api.reasoning_parsers import REASONING_PARSERS, ReasoningParser, ReasoningStream
 from moeserve.api.state import ModelInfo, ServingState
 from moeserve.api.streaming import SampleCursor
 from moeserve.api.tool_calls import ToolCallReader
@@ -38,9 +42,15 @@ from moeserve.api.tool_parsers import TOOL_PARSERS
 from moeserve.engine.streams import RequestStream
 from moeserve.sampling_params import SamplingParams
 
+PROMPT_TAIL_TOKENS = 16
+"""Prompt tokens decoded to see whether the template left the thinking open (`ReasoningParser.opens_in`)."""
 
-def _render(request: ChatCompletionRequest, tokenizer) -> list[int]:
+
+def _render(request: ChatCompletionRequest, tokenizer, template_kwargs: dict[str, Any]) -> list[int]:
     """The conversation as prompt token ids; a template that rejects it is the client's 400."""
+    reserved = set(template_kwargs) & set(inspect.signature(tokenizer.apply_chat_template).parameters)
+    if reserved:
+        raise APIError(f"chat_template_kwargs may not set {sorted(reserved)}", param="chat_template_kwargs")
     try:
         ids = tokenizer.apply_chat_template(
             request.template_messages(),
@@ -48,10 +58,80 @@ def _render(request: ChatCompletionRequest, tokenizer) -> list[int]:
             add_generation_prompt=True,
             tokenize=True,
             return_dict=False,
+            **template_kwargs,
         )
     except Exception as exc:  # jinja raises TemplateError (and friends) on conversations it refuses
         raise APIError(f"the chat template could not render these messages: {exc}", param="messages") from None
     return list(ids)
+
+
+@dataclass(frozen=True)
+class ChatPlan:
+    """How one chat request's output is generated and read: shared by /v1/chat/completions and
+    /v1/responses, which differ only in how they report it."""
+
+    params: SamplingParams
+    prompt_ids: list[int]
+    reader: ToolCallReader | None
+    reasoning: ReasoningParser | None
+    in_reasoning: bool
+    """The prompt left the thinking open: the output starts inside it."""
+
+    def read(self, text: str, finish_reason: str | None) -> tuple[str | None, str | None, list[ToolCall], str | None]:
+        """(reasoning, content, calls, finish reason) of a finished sample; with a reasoning
+        parser an empty answer is None (all thinking, or all calls), as vLLM answers."""
+        reasoning, answer = None, text
+        if self.reasoning is not None:
+            split = self.reasoning.split(text, True, self.in_reasoning)
+            reasoning, answer = split.reasoning or None, split.content
+        content: str | None = answer
+        calls: list[ToolCall] = []
+        if self.reader is not None:
+            content, calls, finish_reason = self.reader.final(answer, finish_reason)
+        if self.reasoning is not None and not content:
+            content = None
+        return reasoning, content, calls, finish_reason
+
+    def reasoning_stream(self) -> ReasoningStream | None:
+        return None if self.reasoning is None else ReasoningStream(self.reasoning, self.in_reasoning)
+
+
+async def plan_chat(
+    raw: Request, request: ChatCompletionRequest, state: ServingState, model: ModelInfo, params: SamplingParams
+) -> ChatPlan:
+    """Render the prompt, compile the output's constraint and choose its readers. A reasoning
+    model's constrained output (structured outputs, a forced call) is constrained after its
+    thinking: the answer is what must parse, and the split the parser makes is where the
+    grammar's thinking ends, so the constraint is compiled once the prompt shows whether the
+    output starts inside the thinking. The cheap bounds (tools, text past the context) come first."""
+    if request.tools is not None and len(request.tools) > model.structured.max_tools:
+        raise APIError(
+            f"the request has {len(request.tools)} tools; the limit is {model.structured.max_tools} (--max-tools)",
+            param="tools",
+        )
+    texts = [m["content"] for m in request.template_messages() if isinstance(m.get("content"), str)]
+    check_prompt_chars(texts, model.max_model_len, model.token_chars, "messages")
+    reader = _tool_reader(request, state)
+    if reader is not None and reader.parser is not None and reader.parser.markers_are_special:
+        params = replace(params, skip_special_tokens=False)
+    name = state.settings.reasoning_parser
+    reasoning = None if name is None else REASONING_PARSERS[name]()
+    template_kwargs = request.chat_template_kwargs or {}
+
+    def render(tokenizer) -> tuple[list[int], bool]:
+        ids = _render(request, tokenizer, template_kwargs)
+        opens = reasoning is not None and reasoning.opens_in(tokenizer.decode(ids[-PROMPT_TAIL_TOKENS:]))
+        return ids, opens
+
+    prompt_ids, in_reasoning = await model.off_loop(render)
+    check_context(len(prompt_ids), params.max_tokens, model.max_model_len, "messages")
+    spec = params.structured_outputs
+    if reasoning is not None and spec is not None:
+        start = "" if in_reasoning else reasoning.start_marker
+        spec = replace(spec, reasoning_start=start, reasoning_end=reasoning.end_marker)
+        params = replace(params, structured_outputs=spec)
+    params = await compile_constraint(raw, model, params, constraint_param(request))
+    return ChatPlan(params, prompt_ids, reader, reasoning, in_reasoning)
 
 
 def _tool_reader(request: ChatCompletionRequest, state: ServingState) -> ToolCallReader | None:
@@ -75,30 +155,24 @@ def _tool_reader(request: ChatCompletionRequest, state: ServingState) -> ToolCal
 
 async def create_chat_completion(raw: Request, state: ServingState) -> Response:
     request, engine, model, params = await admit(raw, state, ChatCompletionRequest)
-    if request.tools is not None and len(request.tools) > model.structured.max_tools:
-        raise APIError(
-            f"the request has {len(request.tools)} tools; the limit is {model.structured.max_tools} (--max-tools)",
-            param="tools",
-        )
-    reader = _tool_reader(request, state)
-    if reader is not None and reader.parser is not None and reader.parser.markers_are_special:
-        params = replace(params, skip_special_tokens=False)
-    params = await compile_constraint(raw, model, params, constraint_param(request))
-    texts = [m["content"] for m in request.template_messages() if isinstance(m.get("content"), str)]
-    check_prompt_chars(texts, model.max_model_len, model.token_chars, "messages")
-    prompt_ids = await model.off_loop(lambda tokenizer: _render(request, tokenizer))
-    check_context(len(prompt_ids), params.max_tokens, model.max_model_len, "messages")
+    plan = await plan_chat(raw, request, state, model, params)
+    params = plan.params
     request_id = random_id("chatcmpl")
-    streams = await submit_all(state, engine, [{"prompt_token_ids": prompt_ids}], params, request_id, "messages")
+    streams = await submit_all(state, engine, [{"prompt_token_ids": plan.prompt_ids}], params, request_id, "messages")
     model_name = state.settings.served_model_name
     num_top = request.top_logprobs or 0
     if request.stream:
-        events = _stream_events(streams[0], request, params, request_id, model_name, model, num_top, reader)
+        events = _stream_events(streams[0], request, plan, request_id, model_name, model, num_top)
         return EventStreamResponse(events, streams, request_id)
     outputs = await collect(raw, streams, request_id)
-    read_calls = None if reader is None else reader.final
     body = chat_response(
-        request_id, model_name, outputs[0], model.tokenizer, num_top, read_calls, request.prompt_logprobs
+        request_id,
+        model_name,
+        outputs[0],
+        model.tokenizer,
+        num_top,
+        plan.read if plan.reader is not None or plan.reasoning is not None else None,
+        request.prompt_logprobs,
     )
     return JSONResponse(body.model_dump())
 
@@ -106,20 +180,21 @@ async def create_chat_completion(raw: Request, state: ServingState) -> Response:
 async def _stream_events(
     stream: RequestStream,
     request: ChatCompletionRequest,
-    params: SamplingParams,
+    plan: ChatPlan,
     request_id: str,
     model_name: str,
     model: ModelInfo,
     num_top: int,
-    reader: ToolCallReader | None,
 ) -> AsyncIterator[str]:
     """SSE events as OpenAI sends them: each choice opens with an assistant role delta, then its
-    content (or tool call) deltas, the last with `finish_reason`; a usage chunk if asked
-    (`EventStreamResponse` adds [DONE]). The chunks of one engine output (its n samples) go out
-    as one write."""
+    reasoning, content (or tool call) deltas, the last with `finish_reason`; a usage chunk if
+    asked (`EventStreamResponse` adds [DONE]). The chunks of one engine output (its n samples)
+    go out as one write."""
+    params, reader = plan.params, plan.reader
     chunks = ChatChunks(request_id, model_name, int(time.time()))
     cursors = [SampleCursor(params) for _ in range(params.n)]
     calls = None if reader is None else [reader.stream() for _ in range(params.n)]
+    thoughts = [plan.reasoning_stream() for _ in range(params.n)]
     final = None
     yield "".join(chunks.event(index, "", role="assistant") for index in range(params.n))
     async for output in stream:
@@ -132,14 +207,28 @@ async def _stream_events(
             if delta.logprobs is not None:
                 logprobs = chat_logprobs(delta.token_ids, delta.logprobs, model.tokenizer, num_top)
             finish_reason = delta.finish_reason
+            text, reasoning = delta.text, None
+            thought = thoughts[sample.index]
+            if thought is not None:
+                reasoning, text = thought.update(text, finish_reason is not None)
             if calls is None:
-                events.append(chunks.event(sample.index, delta.text or None, finish_reason, logprobs))
+                event = chunks.event(sample.index, text or None, finish_reason, logprobs, reasoning=reasoning or None)
+                events.append(event)
             else:
                 call_stream = calls[sample.index]
-                text, call_deltas = call_stream.update(delta.text, finish_reason is not None)
+                text, call_deltas = call_stream.update(text, finish_reason is not None)
                 if finish_reason == "stop" and call_stream.has_calls:
                     finish_reason = "tool_calls"
-                events.append(chunks.event(sample.index, text or None, finish_reason, logprobs, tool_calls=call_deltas))
+                events.append(
+                    chunks.event(
+                        sample.index,
+                        text or None,
+                        finish_reason,
+                        logprobs,
+                        tool_calls=call_deltas,
+                        reasoning=reasoning or None,
+                    )
+                )
         if output.finished:
             final = output
         if events:

@@ -74,15 +74,19 @@ class ChatChunks:
         logprobs: ChatLogprobs | None = None,
         role: Literal["assistant"] | None = None,
         tool_calls: list[DeltaToolCall] | None = None,
+        reasoning: str | None = None,
     ) -> str:
-        """What `sse(chat_chunk(...))` is for a delta of `role`, `content` and `tool_calls`
-        (None or no calls: key left out). Tool call deltas take the models."""
+        """What `sse(chat_chunk(...))` is for a delta of `role`, `content`, `reasoning`
+        (`reasoning_content`) and `tool_calls` (None or no calls: key left out). Tool call deltas
+        take the models."""
         if logprobs is not None or tool_calls:
-            delta = DeltaMessage(role=role, content=content, tool_calls=tool_calls or None)
+            delta = DeltaMessage(role=role, content=content, reasoning_content=reasoning, tool_calls=tool_calls or None)
             return sse(chat_chunk(self.request_id, self.model, self.created, index, delta, finish_reason, logprobs))
         fields = [] if role is None else ['"role":"assistant"']
         if content is not None:
             fields.append(f'"content":{json_string(content)}')
+        if reasoning is not None:
+            fields.append(f'"reasoning_content":{json_string(reasoning)}')
         delta = "{" + ",".join(fields) + "}"
         return (
             f'{self._head}{index},"delta":{delta},"logprobs":null,'

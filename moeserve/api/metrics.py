@@ -21,11 +21,14 @@ Prefix caching, in tokens as vLLM counts them: `moeserve:prefix_cache_queries_to
 every sequence admitted, readmissions after preemption included) and of those
 `moeserve:prefix_cache_hits_total` (found cached, not computed); their ratio is the hit rate.
 
-Expert parallelism: `moeserve:expert_routed_tokens_total{expert}` (rows routed to each global
-expert, all MoE layers together), `moeserve:ep_rank_routed_tokens_total{rank}` (rows each rank's
-experts received) and `moeserve:expert_load_imbalance{layer}` (max / mean of the ranks' loads
-in each MoE layer; 1.0 is perfect balance). Per expert and layer would be layers x experts series
-(15k for DeepSeek-V3), too many for most Prometheus setups. The ranks report their loads about
+Expert parallelism: `moeserve:expert_routed_tokens_total` (rows routed to experts, all MoE
+layers together), `moeserve:ep_rank_routed_tokens_total{rank}` (rows each rank's experts
+received) and `moeserve:expert_load_imbalance{over}` (max / mean of the ranks' loads in a MoE
+layer, `over` the layers' "mean" or the "worst" layer; 1.0 is perfect balance). A model has
+hundreds of experts and dozens of layers, and each label value is a series Prometheus keeps, so
+these are aggregated by default; `--per-expert-metrics` labels the first by `expert` and the
+last by `layer` instead (one series per expert, one per MoE layer). Per expert and layer would
+be layers x experts series (15k for DeepSeek-V3), too many for any setup. The ranks report their loads about
 once a second and at every live rebalance (so no report spans two placements); the gauge takes
 a new value once the reports since its last one hold `IMBALANCE_MIN_ROWS` rows in the layer,
 since a few steps' split of a few hundred rows over the ranks is mostly noise, and a rebalance
@@ -57,7 +60,7 @@ from bisect import bisect_left
 from collections.abc import Iterator, Sequence
 
 from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE  # noqa: F401 - re-exported for the app
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.metrics_core import HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
@@ -65,6 +68,10 @@ from moeserve.config import SLOConfig
 from moeserve.dispatch.expert_load import RoutedTokens, load_imbalance
 from moeserve.engine.stats import IterationStats
 from moeserve.eplb.rebalancer import RebalanceReport
+
+disable_created_metrics()
+"""No `*_created` series: one more series per counter and histogram child, holding a start time
+Prometheus does not use (it detects counter resets itself), which only doubles what a scrape stores."""
 
 _TTFT_BUCKETS = (
     0.001,
@@ -215,10 +222,18 @@ class BatchHistogram:
 class ServerMetrics:
     """Every metric the server exports; `record` is a `StatLogger` the engine calls each step."""
 
-    def __init__(self, model_name: str, slo: SLOConfig, imbalance_min_rows: int = IMBALANCE_MIN_ROWS) -> None:
+    def __init__(
+        self,
+        model_name: str,
+        slo: SLOConfig,
+        imbalance_min_rows: int = IMBALANCE_MIN_ROWS,
+        per_expert: bool = False,
+    ) -> None:
         self.registry = CollectorRegistry()
         self.slo = slo
         self.imbalance_min_rows = imbalance_min_rows
+        self.per_expert = per_expert
+        self._layer_imbalance: dict[int, float] = {}  # MoE layer -> its gauge value, for the aggregate
         self._unsampled: dict[int, list[int]] = {}  # MoE layer -> rows per rank not yet in the gauge
         labels = ["model_name"]
         r = self.registry
@@ -329,8 +344,8 @@ class ServerMetrics:
         targets.labels(model_name, "tbt").set(slo.tbt_s)
         self._expert_rows = Counter(
             "moeserve:expert_routed_tokens",
-            "Token rows routed to each expert, all MoE layers together.",
-            [*labels, "expert"],
+            "Token rows routed to experts (to each expert with --per-expert-metrics), all MoE layers together.",
+            [*labels, "expert"] if per_expert else labels,
             registry=r,
         )
         self._rank_rows = Counter(
@@ -341,9 +356,10 @@ class ServerMetrics:
         )
         self._imbalance = Gauge(
             "moeserve:expert_load_imbalance",
-            f"Max over mean of the ranks' routed rows in each MoE layer, over {imbalance_min_rows} or more recent "
-            "rows (none from before the last rebalance).",
-            [*labels, "layer"],
+            f"Max over mean of the ranks' routed rows in a MoE layer, over {imbalance_min_rows} or more recent "
+            "rows (none from before the last rebalance): the layers' mean and worst, or each layer with "
+            "--per-expert-metrics.",
+            [*labels, "layer"] if per_expert else [*labels, "over"],
             registry=r,
         )
         self._wire = {
@@ -459,8 +475,11 @@ class ServerMetrics:
 
     def _record_routing(self, routed: RoutedTokens) -> None:
         name = self._model_name
-        for expert, rows in enumerate(map(sum, zip(*routed.counts))):
-            self._expert_rows.labels(name, str(expert)).inc(rows)
+        if self.per_expert:
+            for expert, rows in enumerate(map(sum, zip(*routed.counts))):
+                self._expert_rows.labels(name, str(expert)).inc(rows)
+        else:
+            self._expert_rows.labels(name).inc(sum(map(sum, routed.counts)))
         for i, layer in enumerate(routed.layers):
             load = routed.per_rank(i)
             for rank, rows in enumerate(load):
@@ -469,7 +488,7 @@ class ServerMetrics:
             unsampled = load if unsampled is None else [a + b for a, b in zip(unsampled, load)]
             imbalance = load_imbalance(unsampled)
             if imbalance is not None and sum(unsampled) >= self.imbalance_min_rows:
-                self._imbalance.labels(name, str(layer)).set(imbalance)
+                self._set_imbalance(layer, imbalance)
             else:
                 self._unsampled[layer] = unsampled
         wire = routed.wire
@@ -477,6 +496,16 @@ class ServerMetrics:
             self._wire["moeserve:ep_dispatch_bytes"].labels(name, str(rank)).inc(wire.dispatch_bytes(rank))
             self._wire["moeserve:ep_combine_bytes"].labels(name, str(rank)).inc(wire.combine_bytes(rank))
             self._wire["moeserve:ep_local_rows"].labels(name, str(rank)).inc(wire.local(rank))
+
+    def _set_imbalance(self, layer: int, imbalance: float) -> None:
+        """Each layer keeps its last value; by default the gauge shows their mean and worst."""
+        if self.per_expert:
+            self._imbalance.labels(self._model_name, str(layer)).set(imbalance)
+            return
+        self._layer_imbalance[layer] = imbalance
+        values = self._layer_imbalance.values()
+        self._imbalance.labels(self._model_name, "mean").set(sum(values) / len(values))
+        self._imbalance.labels(self._model_name, "worst").set(max(values))
 
     def count_http(self, route: str, status: int) -> None:
         self._http.labels(route, str(status)).inc()

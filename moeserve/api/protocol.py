@@ -308,6 +308,8 @@ class ChatCompletionRequest(_SamplingRequest):
     tool_choice: ToolChoice | None = None
     """None: "auto" with tools, "none" without (OpenAI's defaults)."""
     parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    """vLLM's: extra variables for the chat template, e.g. `{"enable_thinking": false}` for Qwen3."""
 
     def template_messages(self) -> list[dict[str, Any]]:
         """The messages as the chat template expects them: role and string content (and calls)."""
@@ -472,6 +474,8 @@ class DeltaToolCall(_OmitNone):
 class ChatMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None
+    """A reasoning model's thinking (`--reasoning-parser`), as vLLM sends it; sent only then."""
     tool_calls: list[ToolCall] = Field(default_factory=list)
     """Sent only when there are calls, as OpenAI does."""
 
@@ -480,6 +484,8 @@ class ChatMessage(BaseModel):
         data = handler(self)
         if not data.get("tool_calls"):
             data.pop("tool_calls", None)
+        if data.get("reasoning_content") is None:
+            data.pop("reasoning_content", None)
         return data
 
 
@@ -510,6 +516,7 @@ class DeltaMessage(_OmitNone):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
 
@@ -729,21 +736,21 @@ def chat_response(
     output: RequestOutput,
     tokenizer: Tokenizer,
     num_top_logprobs: int = 0,
-    read_calls: Callable[[str, str | None], tuple[str | None, list[ToolCall], str | None]] | None = None,
+    read: Callable[[str, str | None], tuple[str | None, str | None, list[ToolCall], str | None]] | None = None,
     num_prompt_logprobs: int | None = None,
 ) -> ChatCompletionResponse:
     """A chat response with one choice per sample; logprobs where the engine returned them.
-    `read_calls(text, finish_reason) -> (content, tool calls, finish_reason)` for a request
-    whose output may hold tool calls."""
+    `read(text, finish_reason) -> (reasoning, content, tool calls, finish_reason)` for a request
+    whose output may hold reasoning or tool calls."""
     choices = []
     for sample in output.outputs:
-        content, calls, finish_reason = sample.text, [], sample.finish_reason
-        if read_calls is not None:
-            content, calls, finish_reason = read_calls(sample.text, sample.finish_reason)
+        reasoning, content, calls, finish_reason = None, sample.text, [], sample.finish_reason
+        if read is not None:
+            reasoning, content, calls, finish_reason = read(sample.text, sample.finish_reason)
         logprobs = None
         if sample.logprobs is not None:
             logprobs = chat_logprobs(sample.token_ids, sample.logprobs, tokenizer, num_top_logprobs)
-        message = ChatMessage(content=content, tool_calls=calls)
+        message = ChatMessage(content=content, reasoning_content=reasoning, tool_calls=calls)
         choices.append(ChatChoice(index=sample.index, message=message, logprobs=logprobs, finish_reason=finish_reason))
     return ChatCompletionResponse(
         id=request_id,

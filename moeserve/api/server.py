@@ -118,7 +118,8 @@ def load_engine(
 
 def serve(settings: ServerSettings, engine_config: EngineConfig) -> int:
     """Serve until a shutdown signal; returns the process exit code (0 after a clean drain)."""
-    state = ServingState(settings, ServerMetrics(settings.served_model_name, engine_config.slo))
+    metrics = ServerMetrics(settings.served_model_name, engine_config.slo, per_expert=settings.per_expert_metrics)
+    state = ServingState(settings, metrics)
     config = uvicorn.Config(
         build_app(state),
         log_config=None,

@@ -17,6 +17,7 @@ from typing import TypeVar
 from moeserve.api.errors import APIError
 from moeserve.api.input_bounds import longest_token_chars
 from moeserve.api.metrics import ServerMetrics
+from moeserve.api.response_store import ResponseStore
 from moeserve.engine.streams import EngineClient
 from moeserve.engine_config import StructuredOutputsConfig
 from moeserve.server_config import ServerSettings
@@ -69,6 +70,7 @@ class ServingState:
         self.engine: EngineClient | None = None
         self.model: ModelInfo | None = None
         self.draining = False
+        self.responses = ResponseStore(settings.responses_store_size)
 
     def set_ready(self, engine: EngineClient, model: ModelInfo) -> None:
         self.model = model

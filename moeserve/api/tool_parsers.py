@@ -149,7 +149,7 @@ class ToolParser(ABC):
     def scan(self, text: str, final: bool) -> Scan:
         begin = text.find(self.start_marker)
         if begin < 0:
-            return Scan(text if final else text[: len(text) - _partial_suffix(text, self.start_marker)])
+            return Scan(text if final else text[: len(text) - partial_suffix(text, self.start_marker)])
         return Scan(text[:begin], self.calls(text[begin:]))
 
     @abstractmethod
@@ -210,7 +210,7 @@ class DeepSeekV3ToolParser(ToolParser):
         return found
 
 
-def _partial_suffix(text: str, marker: str) -> int:
+def partial_suffix(text: str, marker: str) -> int:
     """Length of the longest end of `text` that is a proper start of `marker`."""
     for size in range(min(len(marker) - 1, len(text)), 0, -1):
         if marker.startswith(text[-size:]):

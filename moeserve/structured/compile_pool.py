@@ -311,7 +311,7 @@ class _Slot:
     def _compile(self, job: _Job, conn) -> tuple[_Outcome | None, bool]:
         """Run `job`: (its outcome, None if abandoned; whether the worker may be reused)."""
         config = self.pool.config
-        conn.send((job.id, job.spec.kind, job.spec.spec))
+        conn.send((job.id, job.spec))
         deadline = time.monotonic() + config.compile_timeout_s
         while not conn.poll(POLL_S):
             if self.pool._abandoned(job):

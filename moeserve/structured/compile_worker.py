@@ -2,7 +2,8 @@
 
 Started by `compile_pool` (multiprocessing, spawn) on the frontend's CPUs, never the engine
 core's. It loads the served tokenizer once, then answers one job at a time on its pipe:
-`(job_id, kind, spec)` -> `(job_id, True, serialized grammar)` or `(job_id, False, reason)`. A
+`(job_id, StructuredOutputs)` -> `(job_id, True, serialized grammar)` or `(job_id, False, reason)`
+(the whole constraint travels, a reasoning model's thinking markers included). A
 compile cannot be interrupted inside xgrammar, so the pool ends an overdue or abandoned one by
 killing this process and starting another.
 """
@@ -15,7 +16,6 @@ from multiprocessing.connection import Connection
 
 import xgrammar as xgr
 
-from moeserve.sampling_params import StructuredOutputs
 from moeserve.structured.grammar import build_grammar
 
 NICENESS = 10  # on the frontend's CPUs, HTTP and detokenizing come first: a compile waits for them
@@ -43,11 +43,11 @@ def serve(
     conn.send(None)  # ready
     while True:
         try:
-            job_id, kind, spec = conn.recv()
+            job_id, spec = conn.recv()
         except (EOFError, OSError):
             return
         try:
-            grammar = build_grammar(StructuredOutputs(kind, spec))
+            grammar = build_grammar(spec)
             conn.send((job_id, True, compiler.compile_grammar(grammar).serialize_json()))
         except ValueError as exc:
             conn.send((job_id, False, str(exc)))

@@ -33,7 +33,13 @@ _LOG_PREFIX = re.compile(r"^\s*\[[0-9:]+\] \S+:\d+: (Check failed: .*? is false:
 
 
 def build_grammar(spec: StructuredOutputs) -> xgr.Grammar:
-    """The grammar of `spec`; ValueError naming the problem when it does not parse."""
+    """The grammar of `spec` (after the thinking, for a reasoning model); ValueError naming the
+    problem when it does not parse."""
+    answer = _answer_grammar(spec)
+    return answer if not spec.reasoning_end else after_reasoning(answer, spec.reasoning_start, spec.reasoning_end)
+
+
+def _answer_grammar(spec: StructuredOutputs) -> xgr.Grammar:
     try:
         if spec.kind == "json":
             schema = json.dumps(bounded_strings(_schema(spec.spec)))
@@ -47,6 +53,50 @@ def build_grammar(spec: StructuredOutputs) -> xgr.Grammar:
         return xgr.Grammar.from_ebnf(spec.spec)
     except (RuntimeError, ValueError, TypeError) as exc:
         raise ValueError(f"invalid {_NAMES[spec.kind]}: {_clean(str(exc))}") from None
+
+
+def after_reasoning(answer: xgr.Grammar, start: str, end: str) -> xgr.Grammar:
+    """Thinking, then `answer`: any text without `end`, then `end`, then the answer. With
+    `start`, the model opens the thinking itself: the output is the answer, or `start` and the
+    above. The constraint holds on the answer only, and the text splits there as the reasoning
+    parser splits it (at the first `end`)."""
+    thinking = xgr.Grammar.concat(xgr.Grammar.from_ebnf(until_marker_ebnf(end)), answer)
+    if not start:
+        return thinking
+    return xgr.Grammar.union(answer, xgr.Grammar.concat(xgr.Grammar.from_ebnf(f"root ::= {_literal(start)}"), thinking))
+
+
+def until_marker_ebnf(marker: str) -> str:
+    """EBNF of any text that holds `marker` only at its end. Rule `s{i}` reads on after `i`
+    characters of the marker matched (the KMP automaton: on a mismatch, the longest end of what
+    was read that begins the marker is kept), so nothing is excluded but the marker itself."""
+    chars = sorted(set(marker))
+    others = "[^" + "".join(_class_char(c) for c in chars) + "]"
+    rules = []
+    for i in range(len(marker)):
+        options = [f"{others} s0"]
+        for c in chars:
+            j = _next_state(marker, i, c)
+            options.append(_literal(c) if j == len(marker) else f"{_literal(c)} s{j}")
+        rules.append(f"s{i} ::= " + " | ".join(options))
+    return "root ::= s0\n" + "\n".join(rules)
+
+
+def _next_state(marker: str, matched: int, c: str) -> int:
+    """Characters of `marker` matched after `c` follows its first `matched` ones."""
+    text = marker[:matched] + c
+    for size in range(min(len(text), len(marker)), 0, -1):
+        if marker.startswith(text[-size:]):
+            return size
+    return 0
+
+
+def _literal(text: str) -> str:
+    return json.dumps(text, ensure_ascii=False)
+
+
+def _class_char(c: str) -> str:
+    return "\\" + c if c in "\\]^-[" else c
 
 
 _NAMES = {

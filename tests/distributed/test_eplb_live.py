@@ -40,7 +40,8 @@ class RoutingLog:
 
     def __init__(self, moe_layers: tuple[int, ...]) -> None:
         self.executor = None
-        self.metrics = ServerMetrics("m", SLOConfig(), imbalance_min_rows=0)  # a gauge value per report
+        # a gauge value per report, per layer
+        self.metrics = ServerMetrics("m", SLOConfig(), imbalance_min_rows=0, per_expert=True)
         self.moe_layers = moe_layers
         self.steps: list[tuple[int, object, float]] = []
 

@@ -108,6 +108,7 @@ def test_metrics_show_the_imbalance_falling_after_a_live_rebalance(skewed_checkp
         "--num-redundant-experts",
         str(NUM_EXPERTS // 4),
         "--enable-eplb",
+        "--per-expert-metrics",
         "--eplb-window-steps",
         str(WINDOW),
         "--eplb-interval-steps",

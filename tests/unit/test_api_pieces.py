@@ -121,7 +121,7 @@ def test_rebalances_count_up_and_the_last_one_sets_the_gauges() -> None:
 
 
 def test_the_imbalance_gauge_waits_for_enough_rows_and_restarts_at_a_rebalance() -> None:
-    metrics = ServerMetrics("m", SLOConfig(), imbalance_min_rows=100)
+    metrics = ServerMetrics("m", SLOConfig(), imbalance_min_rows=100, per_expert=True)
 
     def gauge() -> float | None:
         return metrics.registry.get_sample_value("moeserve:expert_load_imbalance", {"model_name": "m", "layer": "3"})
@@ -227,3 +227,38 @@ def test_batch_histogram_exposes_what_prometheus_histogram_does() -> None:
 
     assert lines(ours) == lines(theirs)
     assert 'moeserve:x_seconds_bucket{le="0.005",model_name="m"} 2.0' in lines(ours)
+
+
+def test_expert_series_are_aggregated_unless_asked_for() -> None:
+    """By default a model's hundreds of experts and dozens of layers make a handful of series;
+    per expert and per layer only with `per_expert`."""
+    routed = RoutedTokens([[5, 1], [2, 2]], [[5, 1], [2, 2]], (1, 3))  # two layers, two ranks of one expert each
+
+    def samples(metrics: ServerMetrics) -> dict[str, float]:
+        metrics.record(IterationStats(0.01, routed_tokens=routed))
+        found = {}
+        for family in text_string_to_metric_families(metrics.exposition().decode()):
+            if family.name in ("moeserve:expert_routed_tokens", "moeserve:expert_load_imbalance"):
+                for s in family.samples:
+                    labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
+                    found[f"{s.name}{{{labels}}}"] = s.value
+        return found
+
+    assert samples(ServerMetrics("m", SLOConfig(), imbalance_min_rows=0)) == {
+        "moeserve:expert_routed_tokens_total{}": 10,
+        "moeserve:expert_load_imbalance{over=mean}": (5 / 3 + 1.0) / 2,
+        "moeserve:expert_load_imbalance{over=worst}": 5 / 3,
+    }
+    assert samples(ServerMetrics("m", SLOConfig(), imbalance_min_rows=0, per_expert=True)) == {
+        "moeserve:expert_routed_tokens_total{expert=0}": 7,
+        "moeserve:expert_routed_tokens_total{expert=1}": 3,
+        "moeserve:expert_load_imbalance{layer=1}": 5 / 3,
+        "moeserve:expert_load_imbalance{layer=3}": 1.0,
+    }
+
+
+def test_metrics_have_no_created_series() -> None:
+    metrics = ServerMetrics("m", SLOConfig())
+    metrics.record(IterationStats(0.01, 7, 3))
+    text = metrics.exposition().decode()
+    assert "moeserve:generation_tokens_total" in text and "_created" not in text

@@ -30,6 +30,10 @@ def test_chat_chunks_match_the_models(request_id: str, model: str, text: str, fi
     for role, content in [("assistant", text), (None, text), (None, None), ("assistant", None)]:
         expected = sse(chat_chunk(request_id, model, 7, 1, DeltaMessage(role=role, content=content), finish))
         assert chunks.event(1, content, finish, role=role) == expected
+        delta = DeltaMessage(role=role, content=content, reasoning_content=text)
+        assert chunks.event(1, content, finish, role=role, reasoning=text) == sse(
+            chat_chunk(request_id, model, 7, 1, delta, finish)
+        )
 
 
 def test_chunks_with_logprobs_take_the_models() -> None:

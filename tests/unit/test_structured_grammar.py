@@ -3,6 +3,7 @@ and the bitmask it fills agree with what the spec allows."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 from pathlib import Path
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from transformers import AutoTokenizer
+from xgrammar.testing import _is_grammar_accept_string
 
 from moeserve.sampling_params import SamplingParams, StructuredOutputs
 from moeserve.structured import GrammarCompiler, StructuredOutputManager, build_grammar, check_structured_outputs
@@ -154,3 +156,34 @@ def test_length_bounded_strings_stay_valid_json(tokenizer_dir: Path) -> None:
     assert accepts('{"s": "abé"}')
     assert not any(accepts(t) for t in ['{"s": "\x07"}', '{"s": ""}', '{"s": "abcd"}', '{"s": "a"b"}'])
     manager.shutdown()
+
+
+ANSWER = '{"a": 1}'
+
+
+@pytest.mark.parametrize(
+    ("start", "text", "accepted"),
+    [
+        # the prompt opened the thinking (DeepSeek-R1): think, close, answer
+        ("", "hmm</think>" + ANSWER, True),
+        ("", "<think>hm</t<</th<</think>" + ANSWER, True),  # near-markers and an old template's opening
+        ("", ANSWER, False),  # no answer before the thinking ends
+        ("", "x</think>y</think>" + ANSWER, False),  # the first </think> ends it, as the parser splits
+        ("", "x</think>{}", False),  # the answer is constrained
+        # the model may open the thinking itself (Qwen3, GLM-4.5): or answer at once
+        ("<think>", ANSWER, True),
+        ("<think>", "<think>hm</think>" + ANSWER, True),
+        ("<think>", "hm</think>" + ANSWER, False),
+    ],
+)
+def test_a_reasoning_model_is_constrained_after_its_thinking(start: str, text: str, accepted: bool) -> None:
+    schema = json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})
+    grammar = build_grammar(StructuredOutputs("json", schema, reasoning_start=start, reasoning_end="</think>"))
+    assert _is_grammar_accept_string(grammar, text) is accepted
+
+
+def test_reasoning_markers_cross_the_wire() -> None:
+    spec = StructuredOutputs("regex", "a+", "<think>", "</think>")
+    assert SamplingParams(structured_outputs=list(dataclasses.astuple(spec))).structured_outputs == spec
+    with pytest.raises(ValueError, match="needs reasoning_end"):
+        StructuredOutputs("regex", "a+", reasoning_start="<think>")
