@@ -34,7 +34,9 @@ MASTER_PORT, API_PORT = "29555", "19555"
 HEARTBEAT_S = 3.0
 PROMPTS = ["Hello there", "a", "Mixture of experts models route every token"]
 MAX_TOKENS = 12
-EXIT_GRACE_S = 8.0  # past the heartbeat timeout: the shutdown itself on 2 loaded cores
+# Past the heartbeat timeout: the shutdown itself (node 0: +6.4 s on quiet cores, +8.9 s seen on 2
+# cores loaded by other suites).
+EXIT_GRACE_S = 12.0
 
 
 @pytest.fixture(scope="module")
