@@ -10,6 +10,7 @@ its id with the first plan after it finished.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from moeserve.ops import attention_batch
 from moeserve.ops.attention import AttentionPlan
 from moeserve.ops.host_ints import int64_tensor
 from moeserve.scheduler import ScheduledRequest, SchedulerOutput
+from moeserve.spec_decode.verify import accept_greedy
 from moeserve.worker.decode_graphs import DecodeGraphs, is_decode
 from moeserve.worker.host_memory import retain_freed_host_memory
 from moeserve.worker.input_batch import InputBatch
@@ -35,6 +37,13 @@ class SampledToken:
     token_id: int
     logprob: float | None = None
     top_logprobs: tuple[tuple[int, float], ...] = ()  # (token id, logprob), most likely first
+    accepted_draft_ids: tuple[int, ...] = ()
+    """Draft tokens the step verified, which come before `token_id` (speculative decoding)."""
+
+    @property
+    def token_ids(self) -> tuple[int, ...]:
+        """Every token this step added to the sequence, in order."""
+        return (*self.accepted_draft_ids, self.token_id)
 
 
 class ModelRunner:
@@ -168,13 +177,24 @@ class ModelRunner:
         if not sampling or not self.samples:
             return {}
         last = [self._sampled_rows(hidden, part) for hidden, part in zip(hiddens, parts)]  # in scheduled order
-        logits = self.model.compute_logits(last[0] if len(last) == 1 else torch.cat(last))  # [S, V]
+        logits = self.model.compute_logits(last[0] if len(last) == 1 else torch.cat(last))  # [S + drafts, V]
+        drafts = [s.token_ids[len(s.token_ids) - s.num_draft_tokens :] for s in scheduled if s.sample]
+        accepted = None
+        if any(drafts):
+            rows, accepted = accept_greedy(logits, drafts)
+            logits = logits[int64_tensor(rows).to(self.device)]  # [S, V]: the row after each one's kept drafts
         request_ids = [scheduled[i].request_id for i in sampling]
         metadata = self.batch.sampling_metadata(self.batch.slots(request_ids))
         allowed = None if token_bitmask is None else token_bitmask.get().for_rows(request_ids, self.device)
         out = self.sampler.sample(logits, metadata, allowed)
         self.batch.record(metadata, out.token_ids)
-        return self._unpack(out, request_ids, metadata.num_logprobs)
+        sampled = self._unpack(out, request_ids, metadata.num_logprobs)
+        if accepted is not None:
+            for request_id, draft, kept in zip(request_ids, drafts, accepted):
+                if kept:
+                    kept_ids = tuple(draft[:kept])
+                    sampled[request_id] = dataclasses.replace(sampled[request_id], accepted_draft_ids=kept_ids)
+        return sampled
 
     def take_prompt_logprobs(self) -> dict[str, PromptLogprobs]:
         """The prompt logprobs computed since the previous call, per request (its chunks joined)."""
@@ -211,9 +231,10 @@ class ModelRunner:
         )
 
     def _sampled_rows(self, hidden: torch.Tensor, scheduled: Sequence[ScheduledRequest]) -> torch.Tensor:
-        """The rows of `hidden [T, H]` that sample: the last token of each sampling sequence."""
+        """The rows of `hidden [T, H]` that sample: the last token of each sampling sequence, and
+        for one that drafts, its last real token and every draft (each row verifies the next)."""
         ends = itertools.accumulate(len(s.token_ids) for s in scheduled)
-        rows = [end - 1 for end, s in zip(ends, scheduled) if s.sample]
+        rows = [row for end, s in zip(ends, scheduled) if s.sample for row in range(end - 1 - s.num_draft_tokens, end)]
         if len(rows) == hidden.shape[0]:  # every row samples (decodes only): all of them, in order
             return hidden
         return hidden[int64_tensor(rows).to(self.device)]
