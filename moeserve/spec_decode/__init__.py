@@ -1,7 +1,7 @@
 """Speculative decoding: cheap draft tokens proposed for a sequence, verified by one target forward.
 
 `config`: the `speculative_config` option; `ngram`: prompt-lookup drafts (pure Python, proposed
-by the scheduler from a sequence's own tokens); `verify`: exact greedy acceptance on the runner.
+by the scheduler from a sequence's own tokens); the runner verifies them (`worker/verify_drafts.py`).
 Imports no torch (the scheduler and the command's parser use the config and the proposer).
 """
 

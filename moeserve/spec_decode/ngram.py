@@ -9,16 +9,14 @@ from moeserve.sampling_params import SamplingParams
 
 
 def can_draft(params: SamplingParams, num_output_tokens: int) -> bool:
-    """Whether a sequence's drafts can be verified exactly by comparing them with the argmax.
-
-    Greedy sampling picks the argmax of the logits only where nothing else reshapes them per
-    position: no penalties (they count the tokens drafted before), no grammar, no min_tokens mask
-    still in force; and logprobs are reported for the sampled token of a step only. Other
-    sequences decode one token per step beside the speculating ones.
+    """Whether a sequence's drafts can be verified exactly, by the argmax (greedy) or by rejection
+    sampling, against the same distribution at every draft position: nothing may reshape the
+    logits per position (no penalties, which count the tokens drafted before; no grammar; no
+    min_tokens mask still in force), and logprobs are reported for the sampled token of a step
+    only. Other sequences decode one token per step beside the speculating ones.
     """
     return (
-        params.greedy
-        and params.repetition_penalty == 1.0
+        params.repetition_penalty == 1.0
         and not params.frequency_penalty
         and not params.presence_penalty
         and params.logprobs is None

@@ -10,7 +10,6 @@ its id with the first plan after it finished.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -22,14 +21,14 @@ from moeserve.ops import attention_batch
 from moeserve.ops.attention import AttentionPlan
 from moeserve.ops.host_ints import int64_tensor
 from moeserve.scheduler import ScheduledRequest, SchedulerOutput
-from moeserve.spec_decode.verify import accept_greedy
 from moeserve.worker.decode_graphs import DecodeGraphs, is_decode
 from moeserve.worker.host_memory import retain_freed_host_memory
 from moeserve.worker.input_batch import InputBatch
 from moeserve.worker.prompt_logprobs import PromptLogprobs, PromptLogprobsTracker
-from moeserve.worker.sampler import Sampler, SamplerOutput, SamplingRow, make_generator
+from moeserve.worker.sampler import Sampler, SamplerOutput, SamplingRow, make_generator, random_probs
 from moeserve.worker.sampling_metadata import PendingBitmask
 from moeserve.worker.two_batch import interleave, split_point
+from moeserve.worker.verify_drafts import accept_greedy, rejection_sample
 
 
 @dataclass(frozen=True)
@@ -178,12 +177,13 @@ class ModelRunner:
             return {}
         last = [self._sampled_rows(hidden, part) for hidden, part in zip(hiddens, parts)]  # in scheduled order
         logits = self.model.compute_logits(last[0] if len(last) == 1 else torch.cat(last))  # [S + drafts, V]
+        request_ids = [scheduled[i].request_id for i in sampling]
         drafts = [s.token_ids[len(s.token_ids) - s.num_draft_tokens :] for s in scheduled if s.sample]
-        accepted = None
+        accepted, resampled = None, {}
         if any(drafts):
+            resampled = self._verify_sampled(logits, request_ids, drafts)
             rows, accepted = accept_greedy(logits, drafts)
             logits = logits[int64_tensor(rows).to(self.device)]  # [S, V]: the row after each one's kept drafts
-        request_ids = [scheduled[i].request_id for i in sampling]
         metadata = self.batch.sampling_metadata(self.batch.slots(request_ids))
         allowed = None if token_bitmask is None else token_bitmask.get().for_rows(request_ids, self.device)
         out = self.sampler.sample(logits, metadata, allowed)
@@ -191,10 +191,35 @@ class ModelRunner:
         sampled = self._unpack(out, request_ids, metadata.num_logprobs)
         if accepted is not None:
             for request_id, draft, kept in zip(request_ids, drafts, accepted):
+                kept, token_id = resampled.get(request_id, (kept, sampled[request_id].token_id))
                 if kept:
-                    kept_ids = tuple(draft[:kept])
-                    sampled[request_id] = dataclasses.replace(sampled[request_id], accepted_draft_ids=kept_ids)
+                    sampled[request_id] = SampledToken(token_id, accepted_draft_ids=tuple(draft[:kept]))
+                elif request_id in resampled:
+                    sampled[request_id] = SampledToken(token_id)
         return sampled
+
+    def _verify_sampled(
+        self, logits: torch.Tensor, request_ids: Sequence[str], drafts: Sequence[Sequence[int]]
+    ) -> dict[str, tuple[int, int]]:
+        """Rejection sampling for the drafting sequences that sample at random (logits `[R, V]`,
+        each sequence's rows in turn): per such sequence, (drafts kept, next token). Each row is
+        judged against the distribution the sampler would draw from there, with the request's
+        parameters: one metadata row per logits row (drafting sequences have no penalties,
+        grammar or min_tokens, so those rows need nothing else)."""
+        firsts = list(itertools.accumulate((len(d) + 1 for d in drafts), initial=0))
+        chosen = [j for j, (rid, d) in enumerate(zip(request_ids, drafts)) if d and not self.batch.is_greedy(rid)]
+        if not chosen:
+            return {}
+        rows = [row for j in chosen for row in range(firsts[j], firsts[j + 1])]
+        slots = [self.batch.slot(request_ids[j]) for j in chosen for _ in range(len(drafts[j]) + 1)]
+        random = self.batch.sampling_metadata(slots).random
+        probs = random_probs(logits[int64_tensor(rows).to(self.device)].float(), random)  # [len(rows), V]
+        result, first = {}, 0
+        for j in chosen:
+            k = len(drafts[j])
+            result[request_ids[j]] = rejection_sample(probs[first : first + k + 1], drafts[j], random.generators[first])
+            first += k + 1
+        return result
 
     def take_prompt_logprobs(self) -> dict[str, PromptLogprobs]:
         """The prompt logprobs computed since the previous call, per request (its chunks joined)."""

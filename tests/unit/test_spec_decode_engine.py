@@ -98,3 +98,21 @@ def test_a_mixed_run_with_aborts_and_preemption_keeps_tokens_and_leaks_no_block(
     assert counts.num_preemptions > 0 and counts.spec_decode.num_accepted_tokens > 0
     assert "5" not in got and "6" not in got  # aborted
     assert llm.engine.scheduler.num_used_blocks == 0
+
+
+def test_seeded_sampling_with_drafts_is_reproducible_and_greedy_neighbours_unchanged(deepseek_folder):
+    """Sampled sequences draft too (rejection sampling): a seeded request draws the same tokens
+    again, drafts are kept, and the greedy sequences beside it keep their plain greedy tokens."""
+    folder = str(deepseek_folder)
+    batch = prompts()
+    sampled = [SamplingParams(max_tokens=24, temperature=0.3, seed=i, ignore_eos=True) for i in range(len(batch))]
+    expected_greedy = token_ids(LLM(folder, **ENGINE).generate(batch, GREEDY, use_tqdm=False))
+    runs = []
+    for _ in range(2):
+        counts = CountingStatLogger()
+        llm = LLM(folder, stat_loggers=[counts], speculative_config=ngram(3), **ENGINE)
+        outputs = token_ids(llm.generate(batch + batch, sampled + [GREEDY] * len(batch), use_tqdm=False))
+        assert outputs[len(batch) :] == expected_greedy
+        assert counts.spec_decode.num_accepted_tokens > 0
+        runs.append(outputs[: len(batch)])
+    assert runs[0] == runs[1]

@@ -104,16 +104,17 @@ def test_drafts_stop_short_of_max_tokens():
     assert [s.token_ids for s in scheduler.schedule().scheduled] == [[11, 10]]
 
 
-def test_only_plain_greedy_requests_draft():
-    scheduler = make_scheduler(NGRAM)
-    plain = SamplingParams(max_tokens=8, temperature=0.0)
+def test_only_requests_whose_drafts_verify_exactly_draft():
+    scheduler = make_scheduler(NGRAM, max_num_seqs=8, enable_prefix_caching=False)  # all admitted at once
+    drafting = [SamplingParams(max_tokens=8, temperature=0.0), SamplingParams(max_tokens=8, temperature=0.8)]
     others = [
-        SamplingParams(max_tokens=8, temperature=0.8),
         SamplingParams(max_tokens=8, temperature=0.0, logprobs=1),
         SamplingParams(max_tokens=8, temperature=0.0, repetition_penalty=1.2),
+        SamplingParams(max_tokens=8, temperature=0.7, presence_penalty=0.5),
+        SamplingParams(max_tokens=8, temperature=0.0, min_tokens=3),
     ]
-    for i, params in enumerate([plain, *others]):
+    for i, params in enumerate([*drafting, *others]):
         scheduler.add_request(Request(str(i), [10, 11, 10, 11, 10], params, (EOS,), arrival_time=0.0))
     prefill = scheduler.schedule()
     scheduler.update(prefill, {s.request_id: 11 for s in prefill.scheduled if s.sample})
-    assert [s.num_draft_tokens for s in scheduler.schedule().scheduled] == [3, 0, 0, 0]
+    assert [s.num_draft_tokens for s in scheduler.schedule().scheduled] == [3, 3, 0, 0, 0, 0]
