@@ -28,6 +28,12 @@ Mechanics shared by both policies: iteration-level batching, preemption by recom
   registers every block a step filled, prompt or output. A queued request whose prefix is being
   computed in this very step waits for the next one, which finds it cached.
 
+- Speculative decoding (`SchedulerConfig.speculative`): a decode whose drafts can be verified
+  exactly feeds n-gram drafts after its last token, out of the budget left once every later
+  running request has its token, and only with blocks free (drafts never preempt). `update` takes
+  the kept drafts and the sampled token, appends them through the stop rules, counts only them as
+  computed and releases the blocks past them (`BlockManager.trim`).
+
 Policies (`SchedulerConfig.policy`) differ only in the queue's order and the size of prefill:
 - fcfs: the queue is in arrival order (preempted requests at its head) and every step may fill
   `max_num_batched_tokens`. Best throughput, but while a long prompt is chunked every running

@@ -1,4 +1,5 @@
-"""The model runner: one scheduler step in, one sampled token per sampling request out.
+"""The model runner: one scheduler step in, one sampled token per sampling request out (after the
+draft tokens it verified and kept, for a request that drafted: `verify_drafts`).
 
 `execute()` turns the step plan into packed inputs (all sequences concatenated, no padding),
 plans attention once for every layer, runs the model, and samples only the rows whose chunk

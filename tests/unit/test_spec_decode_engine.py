@@ -63,7 +63,8 @@ def test_a_mixed_run_with_aborts_and_preemption_keeps_tokens_and_leaks_no_block(
     batch = prompts() + prompts()[:2]
     base = LLM(folder, **ENGINE).generate(batch, GREEDY, use_tqdm=False)
     stop_token = base[3].outputs[0].token_ids[9]
-    stop_text = base[0].outputs[0].text[5:9]
+    stop_text = base[1].outputs[0].text[-8:-4]  # late in the text: the request runs long enough to preempt
+    assert stop_text.strip()
     params = [
         GREEDY,
         SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop=[stop_text]),
@@ -75,7 +76,7 @@ def test_a_mixed_run_with_aborts_and_preemption_keeps_tokens_and_leaks_no_block(
     ]
     batch_params = list(zip(batch, params))
 
-    def run(**options) -> tuple[dict[str, list[int]], LLM, CountingStatLogger]:
+    def run(**options) -> tuple[dict[str, tuple], LLM, CountingStatLogger]:
         counts = CountingStatLogger()
         llm = LLM(folder, stat_loggers=[counts], **tight, **options)
         engine = llm.engine
@@ -89,7 +90,7 @@ def test_a_mixed_run_with_aborts_and_preemption_keeps_tokens_and_leaks_no_block(
                 engine.abort_request(ids[6])
             for out in engine.step():
                 if out.finished:
-                    done[out.request_id] = out.outputs[0].token_ids
+                    done[out.request_id] = (out.outputs[0].token_ids, out.outputs[0].finish_reason)
         return done, llm, counts
 
     expected, _, _ = run()
@@ -97,6 +98,7 @@ def test_a_mixed_run_with_aborts_and_preemption_keeps_tokens_and_leaks_no_block(
     assert got == expected
     assert counts.num_preemptions > 0 and counts.spec_decode.num_accepted_tokens > 0
     assert "5" not in got and "6" not in got  # aborted
+    assert got["1"][1] == got["3"][1] == "stop" and got["2"][1] == "length"  # stop string, stop token, max_tokens
     assert llm.engine.scheduler.num_used_blocks == 0
 
 
