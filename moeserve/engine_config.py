@@ -24,6 +24,7 @@ from moeserve import cpu_features
 from moeserve.options import build, option
 from moeserve.scheduler.config import POLICIES, SchedulerConfig
 from moeserve.slo import DEFAULT_CLASS, RequestSLO, SLOCatalog, SLOClass, parse_slo_class
+from moeserve.spec_decode.config import SpeculativeConfig, parse_speculative_config
 from moeserve.straggler import SlowRank, parse_slow_rank
 
 logger = logging.getLogger(__name__)
@@ -470,6 +471,11 @@ class EngineConfig:
     max_waiting: int | None = option(None, launch_default=1024)
     """Most queued requests; beyond it the server answers 429 with Retry-After (add_request raises
     QueueFullError). None: no bound, as offline `LLM.generate` queues all its prompts at once."""
+    speculative_config: SpeculativeConfig | None = option(None, parse=parse_speculative_config)
+    """Speculative decoding, as a JSON object with vLLM's keys, e.g. {"method": "ngram",
+    "num_speculative_tokens": 3, "prompt_lookup_max": 4}: each decode step also feeds up to that
+    many draft tokens, which one forward verifies. Greedy outputs are the same as without it; only
+    greedy sequences without penalties, logprobs or grammars draft. None: no drafts."""
     min_step_time_s: float = option(
         0.0, name="min_step_time_ms", scale=0.001, aliases=("debug_min_step_time_ms",), hidden=True
     )
@@ -494,6 +500,7 @@ class EngineConfig:
         if self.max_num_batched_tokens is None:
             default = _scheduler_default("max_num_batched_tokens")
             object.__setattr__(self, "max_num_batched_tokens", max(default, self.max_num_seqs))  # type: ignore[call-overload]
+        object.__setattr__(self, "speculative_config", parse_speculative_config(self.speculative_config))
         if isinstance(self.debug_slow_rank, str):
             object.__setattr__(self, "debug_slow_rank", parse_slow_rank(self.debug_slow_rank))
         if self.debug_slow_rank is not None and self.debug_slow_rank.rank >= self.parallel.ep:

@@ -150,5 +150,6 @@ def _instantiate(cls: type, tree: dict[str, typing.Any]) -> typing.Any:
     hints = typing.get_type_hints(cls)
     kwargs = {}
     for name, value in tree.items():
-        kwargs[name] = _instantiate(hints[name], value) if isinstance(value, dict) else value
+        nested = isinstance(value, dict) and dataclasses.is_dataclass(hints[name])  # else a dict-valued option
+        kwargs[name] = _instantiate(hints[name], value) if nested else value
     return cls(**kwargs)

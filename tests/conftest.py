@@ -76,6 +76,7 @@ LONGEST_FIRST = (
     "test_torch_dispatcher.py",  # ~30
     "test_structured_server.py",  # ~30
     "test_engine.py",  # ~30
+    "test_spec_decode_engine.py",  # ~30
     "test_gpu_runbook.py",  # ~20
     "test_fp8_model_kernels.py",  # ~20
     "test_fp8_dispatchers.py",  # ~20

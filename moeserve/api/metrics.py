@@ -21,6 +21,12 @@ Prefix caching, in tokens as vLLM counts them: `moeserve:prefix_cache_queries_to
 every sequence admitted, readmissions after preemption included) and of those
 `moeserve:prefix_cache_hits_total` (found cached, not computed); their ratio is the hit rate.
 
+Speculative decoding (`--speculative-config`), as vLLM counts it: `moeserve:spec_decode_num_drafts_total`
+(sequence-steps that fed drafts), `moeserve:spec_decode_num_draft_tokens_total`,
+`moeserve:spec_decode_num_accepted_tokens_total` and, by draft position,
+`moeserve:spec_decode_num_accepted_tokens_per_pos_total{position}`. Acceptance rate: accepted / draft
+tokens; mean accepted length (tokens a drafting sequence gains per step): 1 + accepted / drafts.
+
 Expert parallelism: `moeserve:expert_routed_tokens_total` (rows routed to experts, all MoE
 layers together), `moeserve:ep_rank_routed_tokens_total{rank}` (rows each rank's experts
 received) and `moeserve:expert_load_imbalance{over}` (max / mean of the ranks' loads in a MoE
@@ -68,6 +74,7 @@ from moeserve.config import SLOConfig
 from moeserve.dispatch.expert_load import RoutedTokens, load_imbalance
 from moeserve.engine.stats import IterationStats
 from moeserve.eplb.rebalancer import RebalanceReport
+from moeserve.spec_decode.stats import SpecDecodeStats
 
 disable_created_metrics()
 """No `*_created` series: one more series per counter and histogram child, holding a start time
@@ -293,6 +300,19 @@ class ServerMetrics:
         self.prefix_cache_hits = counter(
             "moeserve:prefix_cache_hits", "Tokens of sequences admitted that the prefix cache held (not computed)."
         )
+        self.spec_drafts = counter(
+            "moeserve:spec_decode_num_drafts", "Sequence-steps that fed draft tokens (speculative decoding)."
+        )
+        self.spec_draft_tokens = counter("moeserve:spec_decode_num_draft_tokens", "Draft tokens fed for verification.")
+        self.spec_accepted_tokens = counter(
+            "moeserve:spec_decode_num_accepted_tokens", "Draft tokens the target model kept."
+        )
+        self._spec_accepted_per_pos = Counter(
+            "moeserve:spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens kept, by position after the sequence's last token (0: the first draft).",
+            [*labels, "position"],
+            registry=r,
+        )
         self._finished = Counter(
             "moeserve:request_success", "Finished requests, by finish reason.", [*labels, "finished_reason"], registry=r
         )
@@ -420,6 +440,13 @@ class ServerMetrics:
         """Count a request refused by SLO admission; runs on the event loop."""
         self.slo_rejections.labels(self._model_name, slo_class).inc()
 
+    def _record_spec_decode(self, spec: SpecDecodeStats) -> None:
+        self.spec_drafts.inc(spec.num_drafts)
+        self.spec_draft_tokens.inc(spec.num_draft_tokens)
+        self.spec_accepted_tokens.inc(spec.num_accepted_tokens)
+        for position, count in enumerate(spec.accepted_per_position):
+            self._spec_accepted_per_pos.labels(self._model_name, str(position)).inc(count)
+
     def record(self, stats: IterationStats) -> None:
         """Fold one engine step (or abort) into the metrics; runs on the engine thread."""
         if stats.step_duration_s is not None:
@@ -431,6 +458,8 @@ class ServerMetrics:
         self.preemptions.inc(stats.num_preemptions)
         self.prefix_cache_queries.inc(stats.prefix_cache_queries)
         self.prefix_cache_hits.inc(stats.prefix_cache_hits)
+        if stats.spec_decode is not None:
+            self._record_spec_decode(stats.spec_decode)
         for request in stats.finished:
             self._finished.labels(self._model_name, request.finish_reason).inc()
             self.e2e.observe(request.e2e_s)

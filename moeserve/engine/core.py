@@ -28,6 +28,7 @@ from moeserve.eplb.rebalancer import RebalanceReport
 from moeserve.executor import HealReport, RanksLostError, RejoinReport, create_executor
 from moeserve.sampling_params import SamplingParams
 from moeserve.scheduler import DataParallelScheduler, QueueFullError, Request, SchedulerConfig, StepPlan
+from moeserve.spec_decode.stats import SpecDecodeStats
 from moeserve.structured import GrammarCompiler, StructuredOutputManager
 from moeserve.worker.kv_cache import num_blocks_for
 from moeserve.worker.prompt_logprobs import PromptLogprobs
@@ -102,6 +103,8 @@ class CoreStep:
     token came of it, and its requests were requeued to recompute."""
     rejoins: list[RejoinReport] = field(default_factory=list)
     """Restarted ranks taken back into the group before this step was planned."""
+    spec_decode: SpecDecodeStats | None = None
+    """Drafts fed and kept in this step; None when no sequence drafted."""
 
 
 def build_scheduler(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype, max_model_len: int):
@@ -122,6 +125,7 @@ def build_scheduler(config: EngineConfig, model_config: ModelConfig, dtype: torc
             slo_tbt_s=config.slo.tbt_s,
             slo_admission=config.slo.admission,
             dp_routing=config.dp_routing,
+            speculative=config.speculative_config,
         ),
         num_groups=parallel.num_dp_groups,
     )
@@ -304,7 +308,8 @@ class EngineCore:
         if not plan.is_empty and self.config.debug_slow_rank is not None:  # the test-only straggler
             duration_s, group_durations_s = self._straggle(plan, started, duration_s)
         token_ids = {rid: t.token_id for rid, t in sampled.items()}
-        ended = self.scheduler.update(plan, token_ids, duration_s, group_durations_s)
+        added = {rid: t.token_ids for rid, t in sampled.items()}  # accepted drafts, then the sampled token
+        ended = self.scheduler.update(plan, added, duration_s, group_durations_s)
         finished = [FinishedSequence(r.request_id, r.finish_reason, r.stop_reason) for r in ended]
         if bitmask is not None:
             finished += self._advance_grammars(token_ids, bitmask.request_ids, {r.request_id for r in ended})
@@ -317,6 +322,11 @@ class EngineCore:
             routed = self.executor.take_routed_tokens()
             if routed is not None:
                 self._routing_asked = now
+        drafted = {s.request_id: s.num_draft_tokens for s in plan.scheduled if s.num_draft_tokens}
+        spec_decode = None
+        if drafted:
+            kept = {rid: len(t.accepted_draft_ids) for rid, t in sampled.items()}
+            spec_decode = SpecDecodeStats.of_step(drafted, kept)
         return CoreStep(
             sampled=sampled,
             finished=failed + finished,
@@ -331,6 +341,7 @@ class EngineCore:
             prefix_cache_hits=plan.prefix_cache_hits,
             prompt_logprobs=prompt_logprobs,
             rejoins=rejoined,
+            spec_decode=spec_decode,
         )
 
     def _straggle(self, plan: StepPlan, started: float, duration_s: float) -> tuple[float, tuple[float, ...]]:

@@ -24,6 +24,7 @@ from moeserve.eplb.rebalancer import RebalanceReport
 from moeserve.executor.healing import HealReport, RejoinReport
 from moeserve.sampling_params import SamplingParams
 from moeserve.scheduler import QueueFullError, SLORejectedError
+from moeserve.spec_decode.stats import SpecDecodeStats
 from moeserve.worker.prompt_logprobs import PromptLogprobs
 from moeserve.worker.runner import SampledToken
 
@@ -149,15 +150,16 @@ def decode_inputs(data: bytes) -> CoreInputs:
 
 
 def _token(t: SampledToken) -> list[Any]:
-    if t.logprob is None:
+    """[id], or [id, logprob, top, accepted drafts] (the plain token, by far the commonest, short)."""
+    if t.logprob is None and not t.accepted_draft_ids:
         return [t.token_id]
-    return [t.token_id, t.logprob, [list(pair) for pair in t.top_logprobs]]
+    return [t.token_id, t.logprob, [list(pair) for pair in t.top_logprobs], list(t.accepted_draft_ids)]
 
 
 def _untoken(entry: list[Any]) -> SampledToken:
     if len(entry) == 1:
         return SampledToken(entry[0])
-    return SampledToken(entry[0], entry[1], tuple((a, b) for a, b in entry[2]))
+    return SampledToken(entry[0], entry[1], tuple((a, b) for a, b in entry[2]), tuple(entry[3]))
 
 
 def _rebalance(r: RebalanceReport) -> list[Any]:
@@ -215,6 +217,7 @@ def _step(s: CoreStep) -> list[Any]:
         {rid: [p.start, p.logprobs, p.ranks, p.top] for rid, p in s.prompt_logprobs.items()},
         [_heal(h) for h in s.heals],
         [_rejoin(r) for r in s.rejoins],
+        None if s.spec_decode is None else s.spec_decode.to_list(),
     ]
 
 
@@ -234,6 +237,7 @@ def _unstep(entry: list[Any]) -> CoreStep:
         prompt,
         heals,
         rejoins,
+        spec_decode,
     ) = entry
     routed_tokens = None
     if routed is not None:
@@ -257,6 +261,7 @@ def _unstep(entry: list[Any]) -> CoreStep:
         },
         heals=[_unheal(h) for h in heals],
         rejoins=[_unrejoin(r) for r in rejoins],
+        spec_decode=None if spec_decode is None else SpecDecodeStats.from_list(spec_decode),
     )
 
 

@@ -133,6 +133,7 @@ class EngineFrontend:
             rejoins=step.rejoins,
             prefix_cache_queries=step.prefix_cache_queries,
             prefix_cache_hits=step.prefix_cache_hits,
+            spec_decode=step.spec_decode,
         )
         return self.output_processor.process(step, stats), stats
 

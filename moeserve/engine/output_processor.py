@@ -15,6 +15,7 @@ requests no longer known, are dropped.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -235,7 +236,11 @@ class OutputProcessor:
             if seq.finish_reason is not None:
                 continue  # a stop string ended it; the core had not heard yet
             touched[parent_id] = None
-            stop = self._append(parent, seq, token, now, stats)
+            stop = None
+            for piece in _burst(token):
+                stop = self._append(parent, seq, piece, now, stats)
+                if stop is not None:
+                    break
             end = ended.get(sequence_id)
             if stop is not None:
                 parent.finish(seq, "stop", stop)
@@ -257,7 +262,11 @@ class OutputProcessor:
     def _append(
         self, parent: _Parent, seq: _Sequence, token: SampledToken, now: float, stats: IterationStats
     ) -> str | None:
-        """Count the token in the latencies, then add it to its sequence; a matched stop string."""
+        """Count the token in the latencies, then add it to its sequence; a matched stop string.
+
+        Several tokens of one step (accepted drafts) reach the client together: the first one's
+        gap is the time since the previous step's, the others' is 0, as a client timing tokens
+        on arrival sees them."""
         stats.num_generation_tokens += 1
         if parent.first_token_time is None:
             parent.first_token_time = now
@@ -281,3 +290,13 @@ class OutputProcessor:
         for child_id in parent.sequences:
             self._parent_of.pop(child_id, None)
         return parent.output(metrics)
+
+
+def _burst(token: SampledToken) -> list[SampledToken]:
+    """The tokens a step added to one sequence, one `SampledToken` each: accepted drafts (which
+    carry no logprobs: sequences asking for them never draft), then the sampled one."""
+    if not token.accepted_draft_ids:
+        return [token]
+    return [SampledToken(draft) for draft in token.accepted_draft_ids] + [
+        dataclasses.replace(token, accepted_draft_ids=())
+    ]

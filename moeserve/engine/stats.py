@@ -18,6 +18,7 @@ from moeserve.dispatch.expert_load import RoutedTokens
 from moeserve.eplb.rebalancer import RebalanceReport
 from moeserve.executor.healing import HealReport, RejoinReport
 from moeserve.slo import DEFAULT_CLASS
+from moeserve.spec_decode.stats import SpecDecodeStats
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +89,8 @@ class IterationStats:
     """Tokens of the sequences admitted in this step, each admission counted (vLLM's count)."""
     prefix_cache_hits: int = 0
     """Of those, the tokens whose KV the prefix cache held, so they were not computed."""
+    spec_decode: SpecDecodeStats | None = None
+    """Speculative decoding's drafts in this step; None when no sequence drafted."""
 
 
 class StatLogger(Protocol):

@@ -12,6 +12,10 @@ server judges every gap between tokens, the client every gap between content chu
 that decodes to no text yet travels with the next one). Requests the server refused before its
 engine saw them (HTTP 4xx) are in the client's count but not the server's. A server without these
 metrics is not an error: the cross-check says why it was skipped.
+
+A server that speculates (`--speculative-config`) also exports its draft counters; their deltas
+give the run's mean accepted length (tokens a drafting sequence gained per target step: kept
+drafts + 1), reported beside the attainments.
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ REQUESTS = "moeserve:slo_requests_total"
 TTFT_MET = "moeserve:slo_ttft_met_requests_total"
 TBT_MET = "moeserve:slo_tbt_met_requests_total"
 TARGET = "moeserve:slo_target_seconds"
+DRAFTS = "moeserve:spec_decode_num_drafts_total"
+ACCEPTED = "moeserve:spec_decode_num_accepted_tokens_total"
 
 
 class MetricsUnavailable(Exception):
@@ -45,11 +51,15 @@ class SLOCounters:
     tbt_met: float
     ttft_target_s: float
     tbt_target_s: float
+    spec_drafts: float = 0.0
+    """Sequence-steps that fed drafts (0 where the server does not speculate)."""
+    spec_accepted: float = 0.0
+    """Draft tokens the server kept."""
 
 
 def parse_slo_counters(text: str) -> SLOCounters:
     """The SLO counters in a Prometheus text exposition."""
-    sums = {REQUESTS: 0.0, TTFT_MET: 0.0, TBT_MET: 0.0}
+    sums = {REQUESTS: 0.0, TTFT_MET: 0.0, TBT_MET: 0.0, DRAFTS: 0.0, ACCEPTED: 0.0}
     seen = set()
     targets: dict[str, float] = {}
     try:
@@ -62,10 +72,13 @@ def parse_slo_counters(text: str) -> SLOCounters:
                     targets[sample.labels["kind"]] = sample.value
     except ValueError as e:
         raise MetricsUnavailable(f"/metrics is not Prometheus text: {e}") from None
-    missing = sorted(set(sums) - seen) + [f'{TARGET}{{kind="{k}"}}' for k in ("ttft", "tbt") if k not in targets]
+    required = {REQUESTS, TTFT_MET, TBT_MET}  # the draft counters exist only where the server speculates
+    missing = sorted(required - seen) + [f'{TARGET}{{kind="{k}"}}' for k in ("ttft", "tbt") if k not in targets]
     if missing:
         raise MetricsUnavailable(f"/metrics lacks {', '.join(missing)}")
-    return SLOCounters(sums[REQUESTS], sums[TTFT_MET], sums[TBT_MET], targets["ttft"], targets["tbt"])
+    return SLOCounters(
+        sums[REQUESTS], sums[TTFT_MET], sums[TBT_MET], targets["ttft"], targets["tbt"], sums[DRAFTS], sums[ACCEPTED]
+    )
 
 
 async def read_metrics_text(session: aiohttp.ClientSession, base_url: str) -> str:
@@ -100,6 +113,9 @@ class CrossCheck:
     server_tbt: float | None = None
     client_ttft: float | None = None
     client_tbt: float | None = None
+    mean_accepted_length: float | None = None
+    """Speculative decoding's kept drafts + 1 per drafting sequence-step over the run; None where
+    the server drafted nothing."""
 
     @classmethod
     def skipped(cls, reason: str) -> CrossCheck:
@@ -114,6 +130,7 @@ def compare(before: SLOCounters, after: SLOCounters, requests: Sequence[RequestM
     if total <= 0:
         return CrossCheck.skipped("the server counted no finished request during the run")
     client = attainment(requests, Objectives(ttft=after.ttft_target_s, tbt=after.tbt_target_s))
+    drafts = after.spec_drafts - before.spec_drafts
     return CrossCheck(
         available=True,
         reason=None,
@@ -125,6 +142,7 @@ def compare(before: SLOCounters, after: SLOCounters, requests: Sequence[RequestM
         server_tbt=(after.tbt_met - before.tbt_met) / total,
         client_ttft=client["ttft"],
         client_tbt=client["tbt"],
+        mean_accepted_length=1 + (after.spec_accepted - before.spec_accepted) / drafts if drafts > 0 else None,
     )
 
 

@@ -71,6 +71,7 @@ def _cross_check_json(c: CrossCheck) -> dict[str, Any]:
         "client_requests": c.client_requests,
         "server": pair(c.server_ttft, c.server_tbt),
         "client": pair(c.client_ttft, c.client_tbt),
+        "mean_accepted_length": c.mean_accepted_length,
     }
 
 
@@ -196,6 +197,11 @@ def cross_check_text(c: CrossCheck) -> str:
             f"{'attainment':<24}{'client':>12}{'server':>12}",
             f"{'TTFT met':<24}{_pct(c.client_ttft):>12}{_pct(c.server_ttft):>12}",
             f"{'TBT met (every gap)':<24}{_pct(c.client_tbt):>12}{_pct(c.server_tbt):>12}",
+            *(
+                []
+                if c.mean_accepted_length is None
+                else [f"speculative decoding: mean accepted length {c.mean_accepted_length:.2f} (server)"]
+            ),
         ]
     )
 

@@ -130,6 +130,14 @@ class BlockManager:
             self._release_block(block_id)
         request.block_ids.clear()
 
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Release the blocks of `request`'s table past the first `num_tokens` positions, tail
+        first: those taken for draft tokens the target rejected. They hold no verified token, so
+        none is cached; they go back as blocks holding nothing findable."""
+        keep = blocks_for_tokens(num_tokens, self.block_size)
+        while len(request.block_ids) > keep:
+            self._release_block(request.block_ids.pop())
+
     def _take_free_block(self) -> int:
         """The first block of the eviction order, its cached content forgotten."""
         block_id, _ = self._free.popitem(last=False)

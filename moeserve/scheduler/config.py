@@ -7,6 +7,8 @@ import math
 from dataclasses import dataclass
 from typing import Literal, get_args
 
+from moeserve.spec_decode.config import SpeculativeConfig
+
 Policy = Literal["fcfs", "slo"]
 AdmissionMode = Literal["off", "reject", "degrade"]
 ADMISSION_MODES: tuple[str, ...] = get_args(AdmissionMode)
@@ -74,6 +76,10 @@ class SchedulerConfig:
     to the group whose backlog, priced by that group's own measured step times, clears soonest,
     so a long prompt counts for its length and a slow group gets less; "requests" to the group
     with the fewest requests (queued ones counting 4, running ones 1)."""
+    speculative: SpeculativeConfig | None = None
+    """Draft tokens for decodes (`moeserve.spec_decode`): a decode step may feed, after its last
+    token, up to `num_speculative_tokens` drafts, each costing a token of the step's budget and a
+    KV slot until the target model has verified it. None: one token per decode."""
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "num_kv_blocks"):

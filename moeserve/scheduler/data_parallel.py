@@ -232,7 +232,7 @@ class DataParallelScheduler:
     def update(
         self,
         plan: StepPlan,
-        sampled_token_ids: Mapping[str, int],
+        sampled_token_ids: Mapping[str, int | Sequence[int]],
         duration_s: float | None = None,
         group_durations_s: Sequence[float] | None = None,
     ) -> list[Request]:

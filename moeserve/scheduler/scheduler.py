@@ -28,6 +28,12 @@ Mechanics shared by both policies: iteration-level batching, preemption by recom
   registers every block a step filled, prompt or output. A queued request whose prefix is being
   computed in this very step waits for the next one, which finds it cached.
 
+- Speculative decoding (`SchedulerConfig.speculative`): a decode whose drafts can be verified
+  exactly feeds n-gram drafts after its last token, out of the budget left once every later
+  running request has its token, and only with blocks free (drafts never preempt). `update` takes
+  the kept drafts and the sampled token, appends them through the stop rules, counts only them as
+  computed and releases the blocks past them (`BlockManager.trim`).
+
 Policies (`SchedulerConfig.policy`) differ only in the queue's order and the size of prefill:
 - fcfs: the queue is in arrival order (preempted requests at its head) and every step may fill
   `max_num_batched_tokens`. Best throughput, but while a long prompt is chunked every running
@@ -57,7 +63,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from moeserve.sampling_params import SamplingParams
@@ -69,6 +75,7 @@ from moeserve.scheduler.first_token import Capacity, FirstToken, Work, project_f
 from moeserve.scheduler.policy import ChunkSizer, FcfsQueue, SloQueue, WaitingQueue
 from moeserve.scheduler.request import STATUS_BY_FINISH_REASON, Request, RequestStatus
 from moeserve.scheduler.step_time import StepShape, StepTimeModel
+from moeserve.spec_decode.ngram import can_draft, propose_ngram
 
 
 class QueueFullError(RuntimeError):
@@ -89,6 +96,9 @@ class ScheduledRequest:
     sample: bool
     """True when this step reaches the end of the sequence, so a next token must be sampled.
     False for every prompt chunk but the last."""
+    num_draft_tokens: int = 0
+    """How many of `token_ids` (the last ones) are speculative drafts following a decode's last
+    token: the runner verifies them and returns the accepted ones before the token it samples."""
 
 
 @dataclass(frozen=True)
@@ -177,6 +187,7 @@ class _StepPlan:
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
         self.split_prefill = False  # a prefill chunk stops short of its sequence's end
+        self.drafts: dict[str, list[int]] = {}  # request_id -> draft tokens fed after its last token
         self.load = load
 
     def grant(self, request: Request, num_tokens: int) -> None:
@@ -420,12 +431,18 @@ class Scheduler:
         return output
 
     def update(
-        self, output: SchedulerOutput, sampled_token_ids: Mapping[str, int], duration_s: float | None = None
+        self,
+        output: SchedulerOutput,
+        sampled_token_ids: Mapping[str, int | Sequence[int]],
+        duration_s: float | None = None,
     ) -> list[Request]:
         """Apply a step's results: advance each scheduled request's computed tokens, append the
         sampled tokens, and finish requests whose stop rule fires (blocks freed now).
 
-        `sampled_token_ids` must hold a token for every scheduled request with `sample=True`.
+        `sampled_token_ids` must hold a token for every scheduled request with `sample=True`: an
+        int, or, for one that drafted, its accepted drafts followed by the sampled token. Only
+        verified positions count as computed, so prefix caching never registers a block holding
+        a rejected draft; blocks taken for drafts past the kept tokens are released at once.
         Requests aborted or finished while the step ran are skipped. `duration_s`, the step's
         measured wall time (forward plus sampling), teaches slo how long a step of this shape
         takes, so it can size the next prefill chunks; None for a step nobody timed. Returns the
@@ -440,20 +457,34 @@ class Scheduler:
             request = self._requests.get(scheduled.request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue  # finished while the step ran (the id may even be reused by a new request)
-            request.num_computed_tokens += len(scheduled.token_ids)
-            self.block_manager.cache_full_blocks(request, scheduled.start_position)
             if not scheduled.sample:
+                request.num_computed_tokens += len(scheduled.token_ids)
+                self.block_manager.cache_full_blocks(request, scheduled.start_position)
                 continue
-            request.output_token_ids.append(sampled_token_ids[scheduled.request_id])
+            stop = self._append_tokens(request, sampled_token_ids[scheduled.request_id])
+            # Every token but the newest has its KV now: the fed ones and the accepted drafts (the
+            # newest is the one sampled, or a kept draft a stop ended on, computed but not needed).
+            request.num_computed_tokens = request.num_tokens - 1
+            self.block_manager.cache_full_blocks(request, scheduled.start_position)
+            if stop is not None:
+                self._finish(request, *stop)
+                finished.append(request)
+            elif scheduled.num_draft_tokens:
+                self.block_manager.trim(request, request.num_tokens)
+        return finished
+
+    def _append_tokens(self, request: Request, sampled: int | Sequence[int]) -> tuple[str, int | None] | None:
+        """Append a step's tokens one by one until one ends the request; its stop rule, if any."""
+        for token_id in (sampled,) if isinstance(sampled, int) else sampled:
+            request.output_token_ids.append(token_id)
             if request.num_output_tokens == 1 and request.predicted_ttft_s is not None:
                 ttft_target_s = self._targets(request)[0]
                 on_time = request.predicted_ttft_s <= ttft_target_s
                 self.admission.record_first_token(on_time, self._clock() - request.arrival_time, ttft_target_s)
             stop = self._check_stop(request)
             if stop is not None:
-                self._finish(request, *stop)
-                finished.append(request)
-        return finished
+                return stop
+        return None
 
     # ----- planning -----
 
@@ -501,8 +532,29 @@ class Scheduler:
             index += 1
             num_new_tokens = self._num_tokens_to_grant(request, plan)
             assert num_new_tokens > 0, "budget exhausted before every running request got a token"
-            if self._allocate_or_preempt(request, num_new_tokens, plan):
+            drafts = self._drafts(request, plan.budget - (len(self._running) - index))
+            if drafts and self.block_manager.allocate(request, num_new_tokens + len(drafts)):
+                plan.drafts[request.request_id] = drafts
+                plan.grant(request, num_new_tokens + len(drafts))
+            elif self._allocate_or_preempt(request, num_new_tokens, plan):
                 plan.grant(request, num_new_tokens)
+
+    def _drafts(self, request: Request, budget: int) -> list[int]:
+        """Draft tokens for a decode, with speculative decoding on and a request whose drafts can
+        be verified exactly (`can_draft`). `budget`: the step's tokens left once every running
+        request after this one has its one token; drafts never exceed it, nor run the sequence
+        past its max_tokens or max_model_len (a draft there could never be kept). A draft that
+        would need a block nobody has free is not proposed: drafts never preempt anyone."""
+        spec = self.config.speculative
+        if spec is None or not _is_decode(request) or not can_draft(request.sampling_params, request.num_output_tokens):
+            return []
+        room = min(spec.num_speculative_tokens, budget - 1, self.config.max_model_len - request.num_tokens - 1)
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is not None:
+            room = min(room, max_tokens - request.num_output_tokens - 1)
+        if room < 1:
+            return []
+        return propose_ngram(request.all_token_ids, room, spec.prompt_lookup_min, spec.prompt_lookup_max)
 
     def _admit_waiting(self, plan: _StepPlan) -> None:
         """Admit queued requests from the head until the budget, seats or blocks run out, or a
@@ -615,15 +667,17 @@ class Scheduler:
         """Turn the final grants into the runner's view (after all preemptions, so no stale tables)."""
         scheduled = []
         for request, num_new_tokens in plan.grants.values():
+            drafts = plan.drafts.get(request.request_id, [])
             start = request.num_computed_tokens
-            stop = start + num_new_tokens
+            stop = start + num_new_tokens - len(drafts)
             scheduled.append(
                 ScheduledRequest(
                     request_id=request.request_id,
-                    token_ids=request.token_ids_between(start, stop),
+                    token_ids=request.token_ids_between(start, stop) + drafts,
                     start_position=start,
                     block_ids=list(request.block_ids),
                     sample=stop == request.num_tokens,
+                    num_draft_tokens=len(drafts),
                 )
             )
         finished_ids, self._finished_ids = self._finished_ids, []

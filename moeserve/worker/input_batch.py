@@ -134,6 +134,10 @@ class InputBatch:
     def slot(self, request_id: str) -> int:
         return self._slot_of[request_id]
 
+    def is_greedy(self, request_id: str) -> bool:
+        """Whether the request picks the argmax (temperature ~0 or top_k 1)."""
+        return bool(self._greedy[self._slot_of[request_id]])
+
     def slots(self, request_ids: Sequence[str]) -> list[int]:
         slot_of = self._slot_of
         return [slot_of[request_id] for request_id in request_ids]

@@ -1,4 +1,5 @@
-"""The model runner: one scheduler step in, one sampled token per sampling request out.
+"""The model runner: one scheduler step in, one sampled token per sampling request out (after the
+draft tokens it verified and kept, for a request that drafted: `verify_drafts`).
 
 `execute()` turns the step plan into packed inputs (all sequences concatenated, no padding),
 plans attention once for every layer, runs the model, and samples only the rows whose chunk
@@ -25,9 +26,10 @@ from moeserve.worker.decode_graphs import DecodeGraphs, is_decode
 from moeserve.worker.host_memory import retain_freed_host_memory
 from moeserve.worker.input_batch import InputBatch
 from moeserve.worker.prompt_logprobs import PromptLogprobs, PromptLogprobsTracker
-from moeserve.worker.sampler import Sampler, SamplerOutput, SamplingRow, make_generator
+from moeserve.worker.sampler import Sampler, SamplerOutput, SamplingRow, make_generator, random_probs
 from moeserve.worker.sampling_metadata import PendingBitmask
 from moeserve.worker.two_batch import interleave, split_point
+from moeserve.worker.verify_drafts import accept_greedy, rejection_sample
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,13 @@ class SampledToken:
     token_id: int
     logprob: float | None = None
     top_logprobs: tuple[tuple[int, float], ...] = ()  # (token id, logprob), most likely first
+    accepted_draft_ids: tuple[int, ...] = ()
+    """Draft tokens the step verified, which come before `token_id` (speculative decoding)."""
+
+    @property
+    def token_ids(self) -> tuple[int, ...]:
+        """Every token this step added to the sequence, in order."""
+        return (*self.accepted_draft_ids, self.token_id)
 
 
 class ModelRunner:
@@ -168,13 +177,50 @@ class ModelRunner:
         if not sampling or not self.samples:
             return {}
         last = [self._sampled_rows(hidden, part) for hidden, part in zip(hiddens, parts)]  # in scheduled order
-        logits = self.model.compute_logits(last[0] if len(last) == 1 else torch.cat(last))  # [S, V]
+        logits = self.model.compute_logits(last[0] if len(last) == 1 else torch.cat(last))  # [S + drafts, V]
         request_ids = [scheduled[i].request_id for i in sampling]
+        drafts = [s.token_ids[len(s.token_ids) - s.num_draft_tokens :] for s in scheduled if s.sample]
+        accepted, resampled = None, {}
+        if any(drafts):
+            resampled = self._verify_sampled(logits, request_ids, drafts)
+            rows, accepted = accept_greedy(logits, drafts)
+            logits = logits[int64_tensor(rows).to(self.device)]  # [S, V]: the row after each one's kept drafts
         metadata = self.batch.sampling_metadata(self.batch.slots(request_ids))
         allowed = None if token_bitmask is None else token_bitmask.get().for_rows(request_ids, self.device)
         out = self.sampler.sample(logits, metadata, allowed)
         self.batch.record(metadata, out.token_ids)
-        return self._unpack(out, request_ids, metadata.num_logprobs)
+        sampled = self._unpack(out, request_ids, metadata.num_logprobs)
+        if accepted is not None:
+            for request_id, draft, kept in zip(request_ids, drafts, accepted):
+                kept, token_id = resampled.get(request_id, (kept, sampled[request_id].token_id))
+                if kept:
+                    sampled[request_id] = SampledToken(token_id, accepted_draft_ids=tuple(draft[:kept]))
+                elif request_id in resampled:
+                    sampled[request_id] = SampledToken(token_id)
+        return sampled
+
+    def _verify_sampled(
+        self, logits: torch.Tensor, request_ids: Sequence[str], drafts: Sequence[Sequence[int]]
+    ) -> dict[str, tuple[int, int]]:
+        """Rejection sampling for the drafting sequences that sample at random (logits `[R, V]`,
+        each sequence's rows in turn): per such sequence, (drafts kept, next token). Each row is
+        judged against the distribution the sampler would draw from there, with the request's
+        parameters: one metadata row per logits row (drafting sequences have no penalties,
+        grammar or min_tokens, so those rows need nothing else)."""
+        firsts = list(itertools.accumulate((len(d) + 1 for d in drafts), initial=0))
+        chosen = [j for j, (rid, d) in enumerate(zip(request_ids, drafts)) if d and not self.batch.is_greedy(rid)]
+        if not chosen:
+            return {}
+        rows = [row for j in chosen for row in range(firsts[j], firsts[j + 1])]
+        slots = [self.batch.slot(request_ids[j]) for j in chosen for _ in range(len(drafts[j]) + 1)]
+        random = self.batch.sampling_metadata(slots).random
+        probs = random_probs(logits[int64_tensor(rows).to(self.device)].float(), random)  # [len(rows), V]
+        result, first = {}, 0
+        for j in chosen:
+            k = len(drafts[j])
+            result[request_ids[j]] = rejection_sample(probs[first : first + k + 1], drafts[j], random.generators[first])
+            first += k + 1
+        return result
 
     def take_prompt_logprobs(self) -> dict[str, PromptLogprobs]:
         """The prompt logprobs computed since the previous call, per request (its chunks joined)."""
@@ -211,9 +257,10 @@ class ModelRunner:
         )
 
     def _sampled_rows(self, hidden: torch.Tensor, scheduled: Sequence[ScheduledRequest]) -> torch.Tensor:
-        """The rows of `hidden [T, H]` that sample: the last token of each sampling sequence."""
+        """The rows of `hidden [T, H]` that sample: the last token of each sampling sequence, and
+        for one that drafts, its last real token and every draft (each row verifies the next)."""
         ends = itertools.accumulate(len(s.token_ids) for s in scheduled)
-        rows = [end - 1 for end, s in zip(ends, scheduled) if s.sample]
+        rows = [row for end, s in zip(ends, scheduled) if s.sample for row in range(end - 1 - s.num_draft_tokens, end)]
         if len(rows) == hidden.shape[0]:  # every row samples (decodes only): all of them, in order
             return hidden
         return hidden[int64_tensor(rows).to(self.device)]

@@ -200,8 +200,10 @@ def _exponential_race(probs: torch.Tensor, generators: Sequence[torch.Generator 
     return (probs / noise.clamp_min_(torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
 
 
-def _sample_random(logits: torch.Tensor, random: RandomRows) -> torch.Tensor:
-    """Temperature, min_p, top_k, top_p, then the race. logits `[R, V]` (modified); -> `[R]`."""
+def random_probs(logits: torch.Tensor, random: RandomRows) -> torch.Tensor:
+    """The distribution random rows sample from: temperature, min_p, top_k, top_p, softmax.
+    logits `[R, V]` float32 (modified); -> `[R, V]`. Speculative decoding verifies drafts
+    against it."""
     logits.div_(random.temperature.unsqueeze(1))
     if random.min_p is not None:
         _apply_min_p(logits, random.min_p)
@@ -209,7 +211,18 @@ def _sample_random(logits: torch.Tensor, random: RandomRows) -> torch.Tensor:
         _apply_top_k(logits, random.top_k, random.max_top_k)
     if random.top_p is not None:
         logits = _apply_top_p(logits, random.top_p)
-    return _exponential_race(logits.softmax(dim=-1), random.generators)
+    return logits.softmax(dim=-1)
+
+
+def sample_from(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """One token per row of `probs [R, V]` (unnormalised is fine), each seeded row from its own
+    generator; -> `[R]` int64."""
+    return _exponential_race(probs, generators)
+
+
+def _sample_random(logits: torch.Tensor, random: RandomRows) -> torch.Tensor:
+    """`random_probs`, then the race. logits `[R, V]` (modified); -> `[R]`."""
+    return _exponential_race(random_probs(logits, random), random.generators)
 
 
 def _check_rows(logits: torch.Tensor, num_rows: int) -> None:

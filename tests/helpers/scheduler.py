@@ -51,10 +51,12 @@ def check_output(scheduler: RecordingScheduler, output: SchedulerOutput) -> None
         request = scheduler.added[s.request_id]
         assert request.status is RequestStatus.RUNNING
         assert s.token_ids and s.start_position == request.num_computed_tokens
-        assert s.token_ids == request.all_token_ids[s.start_position : s.start_position + len(s.token_ids)]
+        known = len(s.token_ids) - s.num_draft_tokens  # drafts follow the request's own tokens
+        assert s.token_ids[:known] == request.all_token_ids[s.start_position : s.start_position + known]
         assert s.block_ids == request.block_ids
         assert len(s.block_ids) * config.block_size >= s.start_position + len(s.token_ids)
-        assert s.sample == (s.start_position + len(s.token_ids) == request.num_tokens)
+        assert s.sample == (s.start_position + known == request.num_tokens)
+        assert not s.num_draft_tokens or (s.sample and known == 1)
     scheduled = {s.request_id for s in output.scheduled}
     for new in output.new_requests:
         request = scheduler.added[new.request_id]

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from moeserve.engine.stats import IterationStats
+from moeserve.spec_decode.stats import SpecDecodeStats
 
 
 @dataclass
@@ -14,8 +15,11 @@ class CountingStatLogger:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
+    spec_decode: SpecDecodeStats = field(default_factory=SpecDecodeStats)
 
     def record(self, stats: IterationStats) -> None:
         self.prefix_cache_queries += stats.prefix_cache_queries
         self.prefix_cache_hits += stats.prefix_cache_hits
         self.num_preemptions += stats.num_preemptions
+        if stats.spec_decode is not None:
+            self.spec_decode.merge(stats.spec_decode)

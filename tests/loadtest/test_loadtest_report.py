@@ -13,7 +13,7 @@ from moeserve.loadtest.cli import main
 from moeserve.loadtest.datasets import RANDOM_MIN_TOKEN_ID, jsonl_prompts, random_prompts, sharegpt_prompts
 from moeserve.loadtest.metrics import Objectives, request_metrics, summarize_run
 from moeserve.loadtest.promcheck import CrossCheck, MetricsUnavailable, compare, parse_slo_counters
-from moeserve.loadtest.report import plot, rate_table, run_json, run_table
+from moeserve.loadtest.report import cross_check_text, plot, rate_table, run_json, run_table
 from moeserve.loadtest.runner import RunReport
 from moeserve.loadtest.search import Probe, SearchResult
 from moeserve.loadtest.serve import BenchConfig, load_prompts
@@ -72,8 +72,22 @@ def test_cross_check_compares_counter_deltas_with_the_client_against_the_servers
     assert (check.available, check.server_requests, check.client_requests) == (True, 4, 4)
     assert (check.server_ttft, check.server_tbt) == (2 / 4, 3 / 4)
     assert (check.client_ttft, check.client_tbt) == (3 / 4, 3 / 4)
+    assert check.mean_accepted_length is None  # the server drafted nothing
     nothing = compare(parse_slo_counters(exposition(10, 7, 4)), parse_slo_counters(exposition(10, 7, 4)), requests)
     assert not nothing.available and "no finished request" in nothing.reason
+
+
+def test_cross_check_reports_the_mean_accepted_length_of_a_speculating_server():
+    def speculating(requests: float, drafts: float, accepted: float) -> str:
+        registry = CollectorRegistry()
+        Counter("moeserve:spec_decode_num_drafts", "doc", ["model_name"], registry=registry).labels("a").inc(drafts)
+        kept = Counter("moeserve:spec_decode_num_accepted_tokens", "doc", ["model_name"], registry=registry)
+        kept.labels("a").inc(accepted)
+        return exposition(requests, 0, 0) + generate_latest(registry).decode()
+
+    check = compare(parse_slo_counters(speculating(2, 10, 6)), parse_slo_counters(speculating(4, 30, 36)), [])
+    assert check.mean_accepted_length == 1 + 30 / 20
+    assert "mean accepted length 2.50" in cross_check_text(check)
 
 
 def _report(rate: float, requests, cross: CrossCheck | None = None) -> RunReport:
@@ -103,6 +117,7 @@ def test_run_json_in_milliseconds():
         "client_requests": None,
         "server": None,
         "client": None,
+        "mean_accepted_length": None,
     }
     json.dumps(doc, allow_nan=False)
 

@@ -31,6 +31,7 @@ from moeserve.eplb import RebalanceReport
 from moeserve.executor import HealReport, RejoinReport
 from moeserve.sampling_params import SamplingParams
 from moeserve.scheduler import QueueFullError
+from moeserve.spec_decode.stats import SpecDecodeStats
 from moeserve.worker.prompt_logprobs import PromptLogprobs
 from moeserve.worker.runner import SampledToken
 
@@ -51,7 +52,11 @@ def test_outputs_round_trip() -> None:
     wire = WireVolume([[6, 4], [1, 9]], 256, 512)
     routed = RoutedTokens([[1, 2, 3, 4], [0, 0, 5, 5]], [[3, 7], [0, 10]], (1, 3), wire)
     step = CoreStep(
-        sampled={"a": SampledToken(4), "b": SampledToken(5, -0.25, ((5, -0.25), (6, -1.5)))},
+        sampled={
+            "a": SampledToken(4),
+            "b": SampledToken(5, -0.25, ((5, -0.25), (6, -1.5))),
+            "d": SampledToken(9, accepted_draft_ids=(7, 8)),
+        },
         finished=[FinishedSequence("a", "length", None), FinishedSequence("c", "stop", 2)],
         first_scheduled={"b": 100.25},
         time=101.0,
@@ -65,6 +70,7 @@ def test_outputs_round_trip() -> None:
         ],
         prefix_cache_queries=40,
         prefix_cache_hits=32,
+        spec_decode=SpecDecodeStats(2, 5, 3, [2, 1, 0]),
     )
     out = CoreOutputs(SchedulerStats(2, 1, 7, 64), ["r1"], [("r2", "QueueFullError", "full")], step)
     back = decode_outputs(encode_outputs(out))

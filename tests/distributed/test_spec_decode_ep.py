@@ -1,0 +1,30 @@
+"""Speculative decoding across rank processes: at ep=4 every rank runs the verify forward over
+the drafts (their tokens count in each rank's MoE dispatch bound), the sampling ranks keep the
+drafts, and the greedy tokens equal those of one process without drafts, for DeepSeek-V3 (MLA)
+and GLM-4.5."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers.stats import CountingStatLogger
+
+from moeserve import LLM, SamplingParams
+
+ENGINE = dict(block_size=4, max_model_len=96)
+GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "glm4_moe"])
+def test_ngram_drafts_at_ep4_give_one_process_greedy_tokens(make_checkpoint, arch) -> None:
+    folder = str(make_checkpoint(arch, 3))
+    g = torch.Generator().manual_seed(2)
+    prompts = [{"prompt_token_ids": torch.randint(3, 300, (n,), generator=g).tolist()} for n in (7, 23)]
+    prompts += [{"prompt_token_ids": [40, 41, 42, 43] * 4}, {"prompt_token_ids": [9, 8] * 8}]
+    expected = LLM(folder, **ENGINE).generate(prompts, GREEDY, use_tqdm=False)
+    counts = CountingStatLogger()
+    with LLM(folder, ep=4, speculative_config=NGRAM, stat_loggers=[counts], **ENGINE) as llm:
+        got = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
+    assert counts.spec_decode.num_accepted_tokens > 0
