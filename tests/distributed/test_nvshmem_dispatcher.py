@@ -31,8 +31,11 @@ def every(cases: list[Case], step: int, first: int = 0) -> list[Case]:
     return cases[first::step]
 
 
-def emulated_results(world_size: int, cases: list[Case], chunk_tokens: int, dispatch_fp8: bool = False) -> list[dict]:
-    """Per rank, like `run_cases`: every case through N emulated PEs in lockstep."""
+def emulated_results(
+    world_size: int, cases: list[Case], chunk_tokens: int, dispatch_fp8: bool = False, domain: int | None = None
+) -> list[dict]:
+    """Per rank, like `run_cases`: every case through N emulated PEs in lockstep; `domain`: the
+    NVLink domain's size, the other PEs reached by (emulated) puts."""
     per_rank: list[dict] = [{"cases": []} for _ in range(world_size)]
     for case in cases:
         world = EmulatedWorld(world_size)
@@ -43,6 +46,7 @@ def emulated_results(world_size: int, cases: list[Case], chunk_tokens: int, disp
                 heap=world.heaps[r],
                 chunk_tokens=chunk_tokens,
                 dispatch_fp8=dispatch_fp8,
+                nvlink_domain_size=domain,
             )
             for r in range(world_size)
         ]
@@ -60,6 +64,30 @@ def test_emulated_pes_equal_local(world_size: int, chunk: str, step: int, first:
     cases = every(cases_for(world_size), step, first)
     results = emulated_results(world_size, cases, CHUNKS[chunk])
     assert_matches_local(world_size, cases, results, CHUNKS[chunk])
+
+
+@pytest.mark.parametrize(
+    "world_size,domain,chunk,step,first",
+    [(4, 2, "low_latency", 13, 1), (4, 2, "chunked", 13, 2), (2, 1, "chunked", 8, 5), (8, 4, "low_latency", 24, 3)],
+    ids=["ep4-nodes2-low_latency", "ep4-nodes2-chunked", "ep2-nodes2-chunked", "ep8-nodes2-low_latency"],
+)
+def test_puts_between_emulated_nodes_equal_local(
+    world_size: int, domain: int, chunk: str, step: int, first: int, one_thread: None
+) -> None:
+    """PEs outside a rank's NVLink domain reached by the put variants (emulated: staged rows, then
+    data before signal), the rest by stores, in one group: the same rows and results as `local`."""
+    cases = every(cases_for(world_size), step, first)
+    results = emulated_results(world_size, cases, CHUNKS[chunk], domain=domain)
+    assert_matches_local(world_size, cases, results, CHUNKS[chunk])
+
+
+def test_a_domain_must_tile_the_group() -> None:
+    from moeserve.dispatch.nvshmem import check_domain
+
+    assert (check_domain(None, 4), check_domain(2, 4), check_domain(8, 4)) == (4, 2, 4)
+    for bad in (0, 3):
+        with pytest.raises(ValueError, match="nvlink_domain_size"):
+            check_domain(bad, 4)
 
 
 @pytest.mark.parametrize("world_size,step", [(2, 8), (4, 26)], ids=["ranks2", "ranks4"])
