@@ -174,10 +174,7 @@ class NvshmemDispatcher(SteppedDispatcher):
             raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
         self.rows, self.chunk_tokens = rows, chunk_tokens
         self.domain = check_domain(nvlink_domain_size, placement.ep_size)
-        self._put_kind = 0  # no peer is reached by puts (peer_copy.STORE)
-        if self.domain < placement.ep_size:
-            self._put_kind = 2 if self.device.type == "cuda" else 1  # PUT_NVSHMEM, PUT_EMULATED
-        staged = self._put_kind != 0
+        staged = self.domain < placement.ep_size  # some peers are reached by puts
         self._layout = SymmetricLayout.for_rows(placement, rows, chunk_tokens, dispatch_fp8, staged)
         self.heap = heap if heap is not None else _default_heap(group, self.device, self._layout.nbytes, self.domain)
         if (self.heap.world_size, self.heap.rank) != (placement.ep_size, placement.rank):
@@ -185,6 +182,9 @@ class NvshmemDispatcher(SteppedDispatcher):
                 f"the placement is rank {placement.rank} of ep_size={placement.ep_size} but the heap is PE "
                 f"{self.heap.rank} of {self.heap.world_size}"
             )
+        # NVSHMEM's puts on its own heap; on any other transport (emulated PEs on one GPU included)
+        # the emulated put, compiled or interpreted alike. 0: no peer is reached by puts.
+        self._put_kind = 0 if not staged else 2 if self.heap.name == "nvshmem" else 1
         self.num_programs = _programs(self.device, num_comm_sms)
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")

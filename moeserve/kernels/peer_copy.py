@@ -24,6 +24,20 @@ every region and row is 16-byte aligned and the kernels tell the compiler so (`t
 Every kernel runs on a fixed number of programs (`num_programs`, the communication SMs) that
 stride over the groups, leaving the rest of the GPU to the experts' GEMM.
 
+Two kinds of peer. Peers of the rank's NVLink domain (`rank // DOMAIN` equal) are stored into as
+above. The others have no address and are reached by NVSHMEM puts (`nvshmem_device`): the group's
+rows are gathered into a staging region of our own symmetric buffer, then one put-with-signal
+moves them to the same offset of the peer's buffer, the signal word riding on it (combine's rows
+go to scattered `[token, k]` rows: a put per row, a fence, then the signal; credits are signal
+operations). NVSHMEM delivers a put-with-signal's data before its signal and fenced puts before
+what follows them; nothing else is relied on. Each send kernel is launched once per kind of
+peer, its constexpr `KIND` choosing the path, so the put variant's code holds no store into a
+peer (the compile check's PTX rules hold it to that). The receive side is the same for both.
+The puts are non-blocking: a send returns once they are posted, and the receive step's wait on
+the signal is where they are known to have landed. Without NVSHMEM (the interpreter, emulated
+PEs on one GPU) `PUT_EMULATED` keeps the put's shape and promise: the same staging, then a copy
+into the peer's slot and the signal released after it.
+
 What a GPU run needs that the interpreter never shows:
 
 * Sequence numbers, ranks, slots and offsets change from call to call. Compiled Triton would turn
@@ -63,7 +77,7 @@ NOTIFY_SIGNAL: tl.constexpr = tl.constexpr(5)
 # How a launch reaches its peers (`KIND` of the send kernels, `PUT` of the others; see "Two kinds of
 # peer" in the module docstring).
 STORE: tl.constexpr = tl.constexpr(0)  # load/store: the address table (NVLink, shared memory, emulated PEs)
-PUT_EMULATED: tl.constexpr = tl.constexpr(1)  # puts, emulated by the interpreter with NVSHMEM's ordering
+PUT_EMULATED: tl.constexpr = tl.constexpr(1)  # puts emulated by stores in NVSHMEM's order (no NVSHMEM heap)
 PUT_NVSHMEM: tl.constexpr = tl.constexpr(2)  # puts by NVSHMEM's device API (IBGDA between nodes)
 
 # Arguments that change per call: never value-specialized (see the module docstring).
