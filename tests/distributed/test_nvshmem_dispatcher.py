@@ -104,3 +104,32 @@ def test_shared_memory_ranks_equal_torch(world_size: int, step: int, one_thread:
                 want = torch_results[rank]["cases"][c][mode]
                 for key in ("received", "out", "toy_out"):
                     assert torch.equal(got[key], want[key]), f"{case.name}, rank {rank}, {mode}: {key}"
+
+
+def test_rows_to_other_nodes_go_through_the_staging_region(one_thread: None) -> None:
+    """Two PEs in two domains: each one's rows for the other are staged in its own buffer (the
+    put's source) and reach the peer's slot from there; rows for itself are stored directly, so
+    its staging region for itself stays empty."""
+    case = next(c for c in cases_for(2) if c.kind == "uniform" and c.top_k > 1 and min(c.tokens_per_rank) >= 5)
+    world = EmulatedWorld(2)
+    dispatchers = [
+        NvshmemDispatcher(
+            placement_for(case, 2, r),
+            DispatchRows(case.hidden_size, case.top_k, case.dtype),
+            heap=world.heaps[r],
+            chunk_tokens=CHUNKS["low_latency"],
+            nvlink_domain_size=1,
+        )
+        for r in range(2)
+    ]
+    results = run_lockstep([case_steps(d, case, r, 2) for r, d in enumerate(dispatchers)])
+    assert_matches_local(2, [case], [{"cases": [r]} for r in results], CHUNKS["low_latency"])
+    for rank, d in enumerate(dispatchers):
+        layout = d._layout
+        stage = d._buffer.view(
+            layout.offsets["dispatch_stage"],
+            (layout.slots, layout.local_experts, layout.ep, layout.chunk_tokens * layout.row_bytes),
+            torch.uint8,
+        )
+        assert stage[:, :, 1 - rank].any(), f"rank {rank} staged nothing for its peer"
+        assert not stage[:, :, rank].any(), f"rank {rank} staged rows for itself"
