@@ -15,8 +15,11 @@ token and MoE layer the table gives:
   EP's once N > K.
 
 Bytes are rows times the row size (activation dtype; `--dispatch-fp8` halves the dispatch side).
+`ep_intra_bytes` / `ep_inter_bytes` split the live bytes (dispatch and combine) between ranks of
+one NVLink domain and ranks of different ones, which cross the NIC (`--nvlink-domain-size`, of
+ranks; default: all ranks in one domain, a single node).
 
-    python bench/ep_volume.py [--sizes 2 4 8] [--out bench/results/ep_volume.json]
+    python bench/ep_volume.py [--sizes 2 4 8] [--nvlink-domain-size 2] [--out bench/results/ep_volume.json]
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import torch
 import moeserve.engine.core as engine_core
 from moeserve import LLM, SamplingParams
 from moeserve.checkpoints import MakeModelSpec, make_model
-from moeserve.dispatch.wire import ep_rows_per_token, tp_rows_per_token
+from moeserve.dispatch.wire import LINKS, ep_rows_per_token, tp_rows_per_token
 
 RESULTS = Path(__file__).parent / "results"
 SPEC = MakeModelSpec(arch="qwen3_moe", layers=2, hidden=128, heads=8, experts=16, top_k=4)  # 8 heads: tp=8 runs
@@ -52,13 +55,14 @@ class Reports:
             self.routed.append(stats.routed_tokens)
 
 
-def run(folder: Path, ep: int, tp: int) -> dict:
+def run(folder: Path, ep: int, tp: int, domain: int | None) -> dict:
     g = torch.Generator().manual_seed(0)
     batch = [
         {"prompt_token_ids": torch.randint(3, 500, (PROMPT_TOKENS,), generator=g).tolist()} for _ in range(PROMPTS)
     ]
     reports = Reports()
-    with LLM(str(folder), ep=ep, tp=tp, max_model_len=64, stat_loggers=[reports]) as llm:
+    domain = None if domain is None else min(domain, ep)
+    with LLM(str(folder), ep=ep, tp=tp, max_model_len=64, nvlink_domain_size=domain, stat_loggers=[reports]) as llm:
         llm.generate(batch, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True), use_tqdm=False)
     wires = [r.wire for r in reports.routed if r.wire is not None]
     sent = sum(w.sent(src) for w in wires for src in range(ep))
@@ -67,6 +71,10 @@ def run(folder: Path, ep: int, tp: int) -> dict:
     moe_layers = len(reports.routed[0].layers)
     token_layers = pairs / SPEC.top_k  # tokens x MoE layers
     row_bytes = wires[0].dispatch_row_bytes
+    link_bytes = {
+        link: sum(w.dispatch_bytes(r, link) + w.combine_bytes(r, link) for w in wires for r in range(ep))
+        for link in LINKS
+    }
     return {
         "ep": ep,
         "tp": tp,
@@ -77,6 +85,8 @@ def run(folder: Path, ep: int, tp: int) -> dict:
         "ep_formula": ep_rows_per_token(SPEC.top_k, ep),
         "tp_formula": tp_rows_per_token(ep),
         "ep_live_bytes": 2 * sent / token_layers * row_bytes,
+        "ep_intra_bytes": link_bytes["intra_domain"] / token_layers,
+        "ep_inter_bytes": link_bytes["inter_domain"] / token_layers,
         "tp_formula_bytes": tp_rows_per_token(ep) * row_bytes,
     }
 
@@ -84,6 +94,7 @@ def run(folder: Path, ep: int, tp: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--nvlink-domain-size", type=int, default=None, help="ranks per NVLink domain")
     parser.add_argument("--out", type=Path, default=RESULTS / "ep_volume.json")
     args = parser.parse_args()
     engine_core.ROUTING_INTERVAL_S = 0.0  # every step's counters, so none is left unreported
@@ -92,13 +103,14 @@ def main() -> None:
         folder = make_model(SPEC, Path(tmp) / "model")
         for n in args.sizes:
             for tp in (1, n):
-                rows.append(run(folder, n, tp))
+                rows.append(run(folder, n, tp, args.nvlink_domain_size))
                 r = rows[-1]
                 print(
                     f"N={n} tp={tp}: per token and MoE layer, rows crossing ranks {r['ep_live']:.2f} live / "
                     f"{r['ep_formula']:.2f} EP formula (+{r['local']:.2f} stayed local); TP ring all-reduce "
                     f"{r['tp_formula']:.0f} rows; bytes {r['ep_live_bytes']:.0f} EP live vs "
-                    f"{r['tp_formula_bytes']:.0f} TP",
+                    f"{r['tp_formula_bytes']:.0f} TP ({r['ep_intra_bytes']:.0f} inside NVLink domains, "
+                    f"{r['ep_inter_bytes']:.0f} between them)",
                     flush=True,
                 )
     result = {

@@ -127,6 +127,11 @@ class ParallelConfig:
     compute stream; the experts' GEMMs keep to the GPU's other SMs, so the two share the GPU
     rather than take turns (two-batch overlap's gain). None: 20 on GPUs, 3 programs under the
     CPU interpreter. At least 1, and fewer than the GPU's SMs."""
+    nvlink_domain_size: int | None = None
+    """Ranks that reach each other's memory by load/store (an NVLink domain), consecutive from rank
+    0: the nvshmem all-to-all stores into their buffers and reaches every other rank by NVSHMEM
+    puts (IBGDA over the NIC between nodes; emulated on CPU, where it makes one machine's ranks
+    behave as several nodes). None: the ranks of one node, `ep / nnodes`. Must divide ep."""
     collective_timeout_s: float = option(120.0, name="collective_timeout", aliases=("collective_timeout_s",))
     """Seconds any collective may wait before the rank gives up (a stalled peer)."""
     heartbeat_timeout_s: float = option(5.0, name="heartbeat_timeout", aliases=("heartbeat_timeout_s",))
@@ -170,6 +175,9 @@ class ParallelConfig:
             raise ValueError(f"backend {self.backend!r} is not one of auto, gloo, nccl")
         if self.a2a_backend not in A2A_BACKENDS:
             raise ValueError(f"a2a_backend {self.a2a_backend!r} is not one of {', '.join(A2A_BACKENDS)}")
+        domain = self.nvlink_domain_size
+        if domain is not None and (domain < 1 or self.ep % domain):
+            raise ValueError(f"nvlink_domain_size must be a positive divisor of ep={self.ep} (got {domain})")
         if self.num_comm_sms is not None and self.num_comm_sms < 1:
             raise ValueError(f"num_comm_sms must be at least 1 (got {self.num_comm_sms})")
         if min(self.collective_timeout_s, self.heartbeat_timeout_s, self.startup_timeout_s) <= 0:
@@ -229,6 +237,11 @@ class ParallelConfig:
     @property
     def ranks_per_node(self) -> int:
         return self.ep // self.nnodes
+
+    @property
+    def load_store_ranks(self) -> int:
+        """The NVLink domain's size in ranks: the option, or one node's ranks."""
+        return self.nvlink_domain_size if self.nvlink_domain_size is not None else self.ranks_per_node
 
 
 @dataclass(frozen=True)

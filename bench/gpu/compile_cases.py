@@ -61,15 +61,21 @@ MIXTRAL_ATTENTION = AttentionShape("Mixtral-8x7B at TP 1", 32, 8, 128, 128, Fals
 def interpreted_kernels() -> list[tuple[object, Callable[[dict], dict]]]:
     """The kernels a CPU transport launches differently from a GPU (the communication kernels),
     each with how its launch's keywords differ on a GPU."""
-    from moeserve.kernels import peer_copy
+    from moeserve.kernels import nvshmem_device, peer_copy
 
     def on_cuda(kwargs: dict) -> dict:
-        """The CPU transport's launch as the dispatcher makes it on a GPU: its tiles and clock."""
+        """The CPU transport's launch as the dispatcher makes it on a GPU: its tiles and clock,
+        and NVSHMEM's puts where the CPU emulates them, linked with the device library of each
+        target (`extern_libs` given per architecture, see `compile_check.CompileCheck`)."""
         kwargs = dict(kwargs)
         if "BLOCK_W" in kwargs:
             kwargs["BLOCK_M"], kwargs["BLOCK_W"] = peer_copy.copy_tiles(kwargs["WORDS"], "cuda")
         if "HOST_CLOCK" in kwargs:
             kwargs["GLOBALTIMER"], kwargs["HOST_CLOCK"] = True, None
+        for kind in ("KIND", "PUT"):
+            if kwargs.get(kind) == peer_copy.PUT_EMULATED:
+                kwargs[kind] = peer_copy.PUT_NVSHMEM.value
+                kwargs["extern_libs"] = nvshmem_device.extern_libs
         return kwargs
 
     return [(k.compiled, on_cuda) for k in peer_copy.KERNELS]
@@ -78,10 +84,14 @@ def interpreted_kernels() -> list[tuple[object, Callable[[dict], dict]]]:
 # -- communication ---------------------------------------------------------------------------------
 
 
-def _dispatch_rounds(shape: MoEShape, dispatch_fp8: bool, tokens: tuple[int, ...]) -> None:
+def _dispatch_rounds(
+    shape: MoEShape, dispatch_fp8: bool, tokens: tuple[int, ...], nvlink_domain_size: int | None = None
+) -> None:
     """Every rank of `shape.ep` emulated PEs dispatches and combines `len(tokens)` low-latency
     steps (sequence numbers 1, 2, ... through both ring slots and their credits) and one
-    high-throughput step (the notify round, then two chunks), in lockstep.
+    high-throughput step (the notify round, then two chunks), in lockstep. `nvlink_domain_size`
+    below `shape.ep`: the other domains' peers are reached by the put variants, compiled as a
+    GPU's (NVSHMEM's puts).
 
     No kernel runs, so the one value the host reads back, the counts the notify round delivers,
     is put in each rank's notify slot here, as the peers' notify kernels would have put it."""
@@ -99,6 +109,7 @@ def _dispatch_rounds(shape: MoEShape, dispatch_fp8: bool, tokens: tuple[int, ...
             heap=world.heaps[rank],
             chunk_tokens=16,
             dispatch_fp8=dispatch_fp8,
+            nvlink_domain_size=nvlink_domain_size,
         )
         for rank in range(shape.ep)
     ]
@@ -302,6 +313,11 @@ CASES: list[Case] = [
         "peer_copy",
         "nvshmem dispatch/combine, DeepSeek-V3 at EP 8, FP8 rows",
         lambda: _compile_only(lambda: _dispatch_rounds(DEEPSEEK_V3, True, (1, 2, 1)))(),
+    ),
+    Case(
+        "peer_copy",
+        "nvshmem puts between nodes: DeepSeek-V3 at EP 8 over two nodes, FP8 rows",
+        lambda: _compile_only(lambda: _dispatch_rounds(DEEPSEEK_V3, True, (1, 2, 1), nvlink_domain_size=4))(),
     ),
 ]
 

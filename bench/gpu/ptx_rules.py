@@ -10,6 +10,18 @@ per-slot completion counter is an acquire-release add at GPU scope (only this GP
 it). Credits only grow (`atom.max`), so two streams finishing out of order cannot move one back.
 Payload rows move in 16-byte words (`ld/st.global.v4.b32`): scalar copies cut the bandwidth of
 a copy loop to a fraction.
+
+The put variants (`KIND`/`PUT` = `PUT_NVSHMEM`: peers on other nodes) must hand every send to
+NVSHMEM: the rows with their signal in one put-with-signal (or, for combine's scattered rows,
+puts, then a fenced signal), the credits as signal operations. Their payload stores go only to
+the local staging region, so they must hold none of the store path's code: no system-scope
+release exchange, the store that publishes rows stored into a peer (a peer on another node has
+no address; such a store would write local memory at a meaningless address).
+NVSHMEM's `nvshmemx_*` entry points are inlined into the kernel; what remains of each is a call
+to its transfer routine for peers without a load/store path (IBGDA, or its proxy where IBGDA is
+off): `nvshmemi_transfer_put_signal*` for a put-with-signal, `nvshmemi_transfer_rma_nbi*` for a
+non-blocking put, `nvshmemi_transfer_amo_nonfetch*` for a signal operation. Those calls are
+what the rules look for.
 """
 
 from __future__ import annotations
@@ -17,6 +29,7 @@ from __future__ import annotations
 import re
 
 COMM_MODULE = "peer_copy"
+PUT_NVSHMEM = 2  # peer_copy.PUT_NVSHMEM: the launch's constexpr KIND (sends) or PUT (credits)
 
 ACQUIRE_WAIT = (("atom", "ld"), {"sys", "acquire"}, "the waits are system-scope acquire loads")
 RELEASE_SIGNAL = (("atom",), {"sys", "release", "exch"}, "the signal word is a system-scope release exchange")
@@ -33,6 +46,16 @@ REQUIRED: dict[str, list[tuple[tuple[str, ...], set[str], str]]] = {
     "notify_send_kernel": [RELEASE_SIGNAL],
     "give_credit_kernel": [RELEASE_CREDIT],
 }
+PUT_SIGNAL, PUT_NBI, SIGNAL_OP = "nvshmemi_transfer_put_signal", "nvshmemi_transfer_rma_nbi", "nvshmemi_transfer_amo"
+# kernel -> (NVSHMEM transfer routines its put variant must call, whether the store path's signal must be absent)
+PUT_CALLS: dict[str, tuple[tuple[str, ...], bool]] = {
+    "dispatch_send_kernel": ((PUT_SIGNAL,), True),
+    "combine_send_kernel": ((PUT_NBI, SIGNAL_OP), True),
+    "notify_send_kernel": ((PUT_SIGNAL,), True),
+    "dispatch_recv_kernel": ((SIGNAL_OP,), False),  # credits to in-domain peers stay stores
+    "give_credit_kernel": ((SIGNAL_OP,), False),
+}
+_CALL = re.compile(r"\bcall(?:\.uni)?\s*(?:\([^)]*\),\s*)?(\w+)")
 _INSTRUCTION = re.compile(r"\b(atom|red|ld|st)((?:\.\w+)+)")
 
 
@@ -48,16 +71,41 @@ _VECTOR_LOAD = re.compile(r"ld\.global(\.\w+)*\.v4\.b32")
 _VECTOR_STORE = re.compile(r"st\.global(\.\w+)*\.v4\.b32")
 
 
-def check_comm_ptx(kernel: str, ptx: str) -> tuple[bool | None, list[str]]:
-    """(whether its payload copies are 128-bit, or None where it copies no payload; the problems)."""
+def _kernel_body(ptx: str, kernel: str) -> str:
+    """The kernel's own function: NVSHMEM's linked device code (its own atomics and stores) excluded."""
+    start = ptx.find(f".entry {kernel}")
+    if start < 0:
+        return ptx
+    end = ptx.find("\n}", start)  # a function's closing brace is the only one at a line's start
+    return ptx[start : end + 2] if end >= 0 else ptx[start:]
+
+
+def check_put_ptx(kernel: str, ptx: str) -> list[str]:
+    """The problems of a put variant's PTX (see the module docstring)."""
+    calls, no_store_signal = PUT_CALLS.get(kernel, ((), False))
+    body = _kernel_body(ptx, kernel)
+    made = _CALL.findall(body)
+    problems = [f"the put variant never calls NVSHMEM's {name}" for name in calls if not any(name in m for m in made)]
+    if no_store_signal and _has(body, *RELEASE_SIGNAL[:2]):
+        problems.append("the put variant holds the store path's release exchange (a store into a peer)")
+    return problems
+
+
+def check_comm_ptx(kernel: str, ptx: str, put: bool = False) -> tuple[bool | None, list[str]]:
+    """(whether its payload copies are 128-bit, or None where it copies no payload; the problems).
+    put: the kernel was compiled as a put variant (NVSHMEM linked)."""
+    required = [rule for rule in REQUIRED.get(kernel, []) if not (put and rule is RELEASE_SIGNAL)]
+    body = _kernel_body(ptx, kernel)
     problems = [
         f"PTX lacks what shows {proves} ({'/'.join(ops) or 'register'} with {'.'.join(sorted(quals))})"
-        for ops, quals, proves in REQUIRED.get(kernel, [])
-        if not _has(ptx, ops, quals)
+        for ops, quals, proves in required
+        if not _has(body, ops, quals)
     ]
+    if put:
+        problems += check_put_ptx(kernel, ptx)
     if kernel not in COPY_KERNELS:
         return None, problems
-    vector = bool(_VECTOR_LOAD.search(ptx)) and bool(_VECTOR_STORE.search(ptx))
+    vector = bool(_VECTOR_LOAD.search(body)) and bool(_VECTOR_STORE.search(body))
     if not vector:
         problems.append("payload rows are copied with scalar loads/stores, not 128-bit ld/st.global.v4.b32")
     return vector, problems

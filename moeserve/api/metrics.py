@@ -40,8 +40,11 @@ a new value once the reports since its last one hold `IMBALANCE_MIN_ROWS` rows i
 since a few steps' split of a few hundred rows over the ranks is mostly noise, and a rebalance
 drops the rows not yet used, so its next value is measured under the new placement only.
 What the all-to-all moves (`dispatch.wire`): `moeserve:ep_dispatch_bytes_total{rank}` and
-`moeserve:ep_combine_bytes_total{rank}` (payload bytes sent to other ranks) and
-`moeserve:ep_local_rows_total{rank}` (rows that stayed on their rank).
+`moeserve:ep_combine_bytes_total{rank}` (payload bytes sent to other ranks), the same split by
+`link` in `moeserve:ep_dispatch_link_bytes_total{rank,link}` and
+`moeserve:ep_combine_link_bytes_total{rank,link}` (`intra_domain`: inside the rank's NVLink
+domain; `inter_domain`: through the NIC, between nodes) and `moeserve:ep_local_rows_total{rank}`
+(rows that stayed on their rank).
 
 Expert load balancing (`--enable-eplb`): `moeserve:eplb_rebalances_total`,
 `moeserve:eplb_moved_experts_total` (expert slots whose weights changed rank) and
@@ -72,6 +75,7 @@ from prometheus_client.utils import floatToGoString
 
 from moeserve.config import SLOConfig
 from moeserve.dispatch.expert_load import RoutedTokens, load_imbalance
+from moeserve.dispatch.wire import LINKS
 from moeserve.engine.stats import IterationStats
 from moeserve.eplb.rebalancer import RebalanceReport
 from moeserve.spec_decode.stats import SpecDecodeStats
@@ -390,6 +394,19 @@ class ServerMetrics:
                 ("moeserve:ep_local_rows", "Rows each EP rank dispatched to its own expert slots (no link crossed)."),
             )
         }
+        self._link_wire = {
+            name: Counter(name, doc, [*labels, "rank", "link"], registry=r)
+            for name, doc in (
+                (
+                    "moeserve:ep_dispatch_link_bytes",
+                    "EP dispatch bytes sent to other ranks, inside or between NVLink domains.",
+                ),
+                (
+                    "moeserve:ep_combine_link_bytes",
+                    "EP combine bytes sent back to other ranks, inside or between NVLink domains.",
+                ),
+            )
+        }
         self.rebalances = counter("moeserve:eplb_rebalances", "Live expert rebalances done.")
         self.moved_experts = counter(
             "moeserve:eplb_moved_experts", "Expert slots whose weights live rebalances moved to another rank."
@@ -525,6 +542,10 @@ class ServerMetrics:
             self._wire["moeserve:ep_dispatch_bytes"].labels(name, str(rank)).inc(wire.dispatch_bytes(rank))
             self._wire["moeserve:ep_combine_bytes"].labels(name, str(rank)).inc(wire.combine_bytes(rank))
             self._wire["moeserve:ep_local_rows"].labels(name, str(rank)).inc(wire.local(rank))
+            for link in LINKS:
+                dispatched, combined = wire.dispatch_bytes(rank, link), wire.combine_bytes(rank, link)
+                self._link_wire["moeserve:ep_dispatch_link_bytes"].labels(name, str(rank), link).inc(dispatched)
+                self._link_wire["moeserve:ep_combine_link_bytes"].labels(name, str(rank), link).inc(combined)
 
     def _set_imbalance(self, layer: int, imbalance: float) -> None:
         """Each layer keeps its last value; by default the gauge shows their mean and worst."""

@@ -59,7 +59,14 @@ FP8 (`dispatch_fp8`): the payload is the packed FP8 rows (`fp8.encode_rows`), so
 unchanged; the receiver unpacks its output rows (`fp8.decode_rows`), hands them to the experts as
 they came (`DispatchOutput.fp8_rows`) and dequantised. Combine rows stay in the activation dtype.
 
-Not built: peers without a direct address (other nodes, reached by IBGDA puts).
+Two kinds of peer (`nvlink_domain_size`): the ranks of our NVLink domain (`rank // domain` equal)
+are reached by stores through the address table; every other rank by puts (`peer_copy`'s put
+variants: the group's rows gathered into a staging region of our own buffer, then one NVSHMEM
+put-with-signal, or per-row puts, a fence and a signal, into the peer's slot at the same offset).
+Each send runs as one launch per kind of peer, the same kernel source with its `KIND` constexpr,
+so a put variant's code holds no store to a peer. On CPU the put is emulated (`PUT_EMULATED`),
+so a group of emulated nodes runs the whole protocol; on GPUs it is NVSHMEM's (IBGDA between
+nodes), which needs the kernels linked with NVSHMEM's device library.
 """
 
 from __future__ import annotations
@@ -145,6 +152,7 @@ class NvshmemDispatcher(SteppedDispatcher):
         timeout_s: float = WAIT_TIMEOUT_S,
         streams: Streams | None = None,
         comm_stream: bool = True,
+        nvlink_domain_size: int | None = None,
     ) -> None:
         """rows: what every dispatch moves; the buffer is laid out and allocated for them here.
         Collective: every rank of the group builds its dispatcher with the same rows, in the same
@@ -157,19 +165,26 @@ class NvshmemDispatcher(SteppedDispatcher):
         streams: the device's streams and events (None: `streams_for(device)`).
         comm_stream: launch on a comm stream of our own beside the caller's (module docstring);
             False: on the caller's stream, after its work, as emulated PEs that one host thread
-            times on one stream need."""
+            times on one stream need.
+        nvlink_domain_size: consecutive ranks that reach each other by load/store (None: all of
+            them); the others are reached by puts (module docstring)."""
         super().__init__(placement, dispatch_fp8)
         self.device = torch.device(device)
         if chunk_tokens < 1:
             raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
         self.rows, self.chunk_tokens = rows, chunk_tokens
-        self._layout = SymmetricLayout.for_rows(placement, rows, chunk_tokens, dispatch_fp8)
-        self.heap = heap if heap is not None else _default_heap(group, self.device, self._layout.nbytes)
+        self.domain = check_domain(nvlink_domain_size, placement.ep_size)
+        staged = self.domain < placement.ep_size  # some peers are reached by puts
+        self._layout = SymmetricLayout.for_rows(placement, rows, chunk_tokens, dispatch_fp8, staged)
+        self.heap = heap if heap is not None else _default_heap(group, self.device, self._layout.nbytes, self.domain)
         if (self.heap.world_size, self.heap.rank) != (placement.ep_size, placement.rank):
             raise ValueError(
                 f"the placement is rank {placement.rank} of ep_size={placement.ep_size} but the heap is PE "
                 f"{self.heap.rank} of {self.heap.world_size}"
             )
+        # NVSHMEM's puts on its own heap; on any other transport (emulated PEs on one GPU included)
+        # the emulated put, compiled or interpreted alike. 0: no peer is reached by puts.
+        self._put_kind = 0 if not staged else 2 if self.heap.name == "nvshmem" else 1
         self.num_programs = _programs(self.device, num_comm_sms)
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
@@ -193,6 +208,13 @@ class NvshmemDispatcher(SteppedDispatcher):
         from moeserve.kernels import peer_copy
 
         self._kernels = peer_copy
+        # NVSHMEM's put variants are linked with its device library (peer_copy's externs).
+        self._put_libs = {}
+        if self._put_kind == 2:
+            from moeserve.kernels.nvshmem_device import extern_libs, init_linked_modules
+
+            self._put_libs = {"extern_libs": extern_libs(torch.cuda.get_device_capability(self.device)[0] * 10)}
+            init_linked_modules()
         self._buffer = self.heap.allocate(self._layout.nbytes)
         self._seq = {"dispatch": 0, "combine": 0, "notify": 0}
 
@@ -300,10 +322,12 @@ class NvshmemDispatcher(SteppedDispatcher):
         offsets = layout.offsets
         self._comm_after_compute(comm)  # the counts exist
         with self._on_comm(comm, "notify_send"):
-            self._kernels.notify_send[(min(self.num_programs, ep),)](
-                self._buffer.addresses, rows, self.heap.rank, self._kernels.epoch(seq), slot, offsets["notify"],
-                offsets["notify_signal"], EP=ep, WIDTH=lmax + 1, BLOCK=self._kernels.block_for(lmax + 1),
-            )  # fmt: skip
+            for kind, libs in self._send_kinds:
+                self._kernels.notify_send[(min(self.num_programs, ep),)](
+                    self._buffer.addresses, rows, self.heap.rank, self._kernels.epoch(seq), slot, offsets["notify"],
+                    offsets["notify_signal"], offsets["notify_stage"], EP=ep, WIDTH=lmax + 1,
+                    BLOCK=self._kernels.block_for(lmax + 1), KIND=kind, DOMAIN=self.domain, **libs,
+                )  # fmt: skip
         yield
         self._wait("notify_signal", slot * ep, ep, seq, self._kernels.NOTIFY_SIGNAL, comm)
         self._compute_after_comm(comm)  # the read below is enqueued on the compute stream
@@ -332,13 +356,16 @@ class NvshmemDispatcher(SteppedDispatcher):
         offsets = layout.offsets
         block_m, block_w = self._blocks(payload.shape[1])
         with self._on_comm(comm, "dispatch_send"):
-            self._kernels.dispatch_send[(self.num_programs,)](
-                self._buffer.addresses, payload, order, counts, starts, self._error, self.heap.rank, seq,
-                self._kernels.epoch(seq), seq % layout.slots, chunk * self.chunk_tokens, offsets["dispatch_rows"],
-                offsets["dispatch_meta"], offsets["dispatch_signal"], offsets["dispatch_credit"], self._timeout_ns,
-                EP=layout.ep, L=layout.local_experts, C=self.chunk_tokens, K=top_k, SLOTS=layout.slots,
-                WORDS=payload.shape[1], BLOCK_M=block_m, BLOCK_W=block_w, **self._clock,
-            )  # fmt: skip
+            for kind, libs in self._send_kinds:
+                self._kernels.dispatch_send[(self.num_programs,)](
+                    self._buffer.addresses, payload, order, counts, starts, self._error, self.heap.rank, seq,
+                    self._kernels.epoch(seq), seq % layout.slots, chunk * self.chunk_tokens, offsets["dispatch_rows"],
+                    offsets["dispatch_meta"], offsets["dispatch_signal"], offsets["dispatch_credit"],
+                    offsets["dispatch_stage"], offsets["dispatch_stage_meta"], self._timeout_ns,
+                    EP=layout.ep, L=layout.local_experts, C=self.chunk_tokens, K=top_k, SLOTS=layout.slots,
+                    WORDS=payload.shape[1], BLOCK_M=block_m, BLOCK_W=block_w, KIND=kind, DOMAIN=self.domain,
+                    **self._clock, **libs,
+                )  # fmt: skip
         return seq
 
     def _launch_recv(self, counts, offsets, out, row_meta, seq, layout) -> None:
@@ -349,7 +376,7 @@ class NvshmemDispatcher(SteppedDispatcher):
             regions["dispatch_rows"], regions["dispatch_meta"], regions["dispatch_done"],
             regions["dispatch_credit"],
             EP=layout.ep, L=layout.local_experts, C=self.chunk_tokens, WORDS=out.shape[1],
-            BLOCK_M=block_m, BLOCK_W=block_w,
+            BLOCK_M=block_m, BLOCK_W=block_w, PUT=self._put_kind, DOMAIN=self.domain, **self._put_libs,
         )  # fmt: skip
 
     # -- combine ----------------------------------------------------------------------------
@@ -374,13 +401,16 @@ class NvshmemDispatcher(SteppedDispatcher):
             seq = self._next("combine")
             slot = seq % layout.slots
             with self._on_comm(comm, "combine_send"):
-                self._kernels.combine_send[(self.num_programs,)](
-                    self._buffer.addresses, words, handle.row_meta, handle.chunk_counts[chunk],
-                    handle.chunk_offsets[chunk], self._error, self.heap.rank, seq, self._kernels.epoch(seq), slot,
-                    offsets["combine_rows"], offsets["combine_signal"], offsets["combine_credit"], self._timeout_ns,
-                    EP=layout.ep, L=layout.local_experts, C=self.chunk_tokens, K=top_k, SLOTS=layout.slots,
-                    WORDS=words.shape[1], BLOCK_M=block_m, BLOCK_W=block_w, **self._clock,
-                )  # fmt: skip
+                for kind, libs in self._send_kinds:
+                    self._kernels.combine_send[(self.num_programs,)](
+                        self._buffer.addresses, words, handle.row_meta, handle.chunk_counts[chunk],
+                        handle.chunk_offsets[chunk], self._error, self.heap.rank, seq, self._kernels.epoch(seq), slot,
+                        offsets["combine_rows"], offsets["combine_signal"], offsets["combine_credit"],
+                        offsets["combine_stage"], self._timeout_ns,
+                        EP=layout.ep, L=layout.local_experts, C=self.chunk_tokens, K=top_k, SLOTS=layout.slots,
+                        WORDS=words.shape[1], BLOCK_M=block_m, BLOCK_W=block_w, KIND=kind, DOMAIN=self.domain,
+                        **self._clock, **libs,
+                    )  # fmt: skip
             yield
             self._wait("combine_signal", slot * layout.groups, layout.groups, seq, self._kernels.COMBINE_SIGNAL, comm)
             first = chunk * self.chunk_tokens
@@ -398,7 +428,15 @@ class NvshmemDispatcher(SteppedDispatcher):
                 out[span] = weighted_sum(rows, handle.topk_ids[span], handle.topk_weights[span], order)
             with self._on_comm(comm, "give_credit"):
                 self._kernels.give_credit[(min(self.num_programs, layout.ep),)](
-                    self._buffer.addresses, self.heap.rank, seq, offsets["combine_credit"], EP=layout.ep
+                    self._buffer.addresses,
+                    self.heap.rank,
+                    seq,
+                    slot,
+                    offsets["combine_credit"],
+                    EP=layout.ep,
+                    PUT=self._put_kind,
+                    DOMAIN=self.domain,
+                    **self._put_libs,
                 )
         self._compute_after_comm(comm)  # the reduced rows are home
         return out
@@ -434,6 +472,15 @@ class NvshmemDispatcher(SteppedDispatcher):
         """The compute stream's next work waits for the comm stream's work so far."""
         if comm is not None:
             self.streams.follow(self.streams.current(), comm)
+
+    @property
+    def _send_kinds(self) -> list[tuple[int, dict]]:
+        """(KIND, launch keywords) of each send's launches: the stores to our domain, then the puts
+        to the other domains where there are any."""
+        kinds = [(0, {})]
+        if self._put_kind:
+            kinds.append((self._put_kind, self._put_libs))
+        return kinds
 
     @property
     def _timeout_ns(self) -> int:
@@ -488,13 +535,22 @@ class NvshmemDispatcher(SteppedDispatcher):
         return self._seq[counter]
 
 
-def _default_heap(group: dist.ProcessGroup | None, device: torch.device, nbytes: int) -> SymmetricHeap:
+def check_domain(nvlink_domain_size: int | None, ep: int) -> int:
+    """The NVLink domain's size in ranks (None: the whole group), once shown to tile the group."""
+    if nvlink_domain_size is None:
+        return ep
+    if nvlink_domain_size < 1 or ep % min(nvlink_domain_size, ep):
+        raise ValueError(f"nvlink_domain_size={nvlink_domain_size} must be positive and divide ep_size={ep}")
+    return min(nvlink_domain_size, ep)
+
+
+def _default_heap(group: dist.ProcessGroup | None, device: torch.device, nbytes: int, domain: int) -> SymmetricHeap:
     """nbytes: the dispatcher's one buffer, which NVSHMEM's heap is sized for. A process builds one
     dispatcher for all its MoE layers (they take turns in one buffer), so that is all it allocates."""
     if device.type == "cuda":
         from moeserve.dispatch.symmetric.nvshmem_heap import NvshmemHeap
 
-        return NvshmemHeap(group, device, planned_bytes=(nbytes,))
+        return NvshmemHeap(group, device, planned_bytes=(nbytes,), nvlink_domain_size=domain)
     if not dist.is_initialized():
         from moeserve.dispatch.symmetric import EmulatedWorld
 

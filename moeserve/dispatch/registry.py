@@ -71,12 +71,16 @@ def ep_dispatcher(
     rows: DispatchRows,
 ) -> Dispatcher:
     """The dispatcher an expert-parallel rank serves with, as the engine's options say."""
+    name = a2a_backend_for(parallel.a2a_backend)
+    # Which peers the nvshmem kernels reach by stores, which by puts.
+    options = {"nvlink_domain_size": parallel.load_store_ranks} if name == "nvshmem" else {}
     return create_dispatcher(
-        a2a_backend_for(parallel.a2a_backend),
+        name,
         placement,
         device,
         group=group,
         rows=rows,
         num_comm_sms=parallel.num_comm_sms,
         dispatch_fp8=parallel.dispatch_fp8,
+        **options,
     )

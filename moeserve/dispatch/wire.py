@@ -6,6 +6,10 @@ slot is on the source rank never crosses a link; it is counted apart (`local`). 
 counted, not the wire format: the `torch` backend's low-latency mode also sends zero padding up
 to its fixed region, and FP8 rows carry their scales (`row_bytes` includes those).
 
+Links: ranks of one NVLink domain (`domain` consecutive ranks, `--nvlink-domain-size`) exchange
+rows by load/store, the others through the NIC (the `nvshmem` backend's puts); `LINKS` names the
+two, and the bytes of each direction split between them, since the NIC's are the scarce ones.
+
 The analytic side (the seeds' comparison, per token and MoE layer, per rank):
 
 * EP: a token's K rows go out and come back; under uniform routing a share (N - 1) / N of them
@@ -25,6 +29,8 @@ import torch
 from moeserve.dispatch.counts import count_per_expert
 from moeserve.dispatch.fp8 import packed_row_bytes
 
+LINKS = ("intra_domain", "inter_domain")
+
 
 def rows_per_destination(
     slots: torch.Tensor, owner: torch.Tensor, ep_size: int, weights: torch.Tensor | None = None
@@ -42,11 +48,18 @@ def dispatch_row_bytes(hidden_size: int, dtype: torch.dtype, fp8: bool) -> int:
 @dataclass(frozen=True)
 class WireVolume:
     """rows[src][dst]: rows dispatched from src to dst (all MoE layers; combine sends as many back).
-    dispatch_row_bytes / combine_row_bytes: bytes of one row each way."""
+    dispatch_row_bytes / combine_row_bytes: bytes of one row each way. domain: ranks per NVLink
+    domain (0: every rank in one)."""
 
     rows: list[list[int]]
     dispatch_row_bytes: int
     combine_row_bytes: int
+    domain: int = 0
+
+    def link(self, src: int, dst: int) -> str:
+        """Which of `LINKS` rows between src and dst take."""
+        same = self.domain == 0 or src // self.domain == dst // self.domain
+        return LINKS[0] if same else LINKS[1]
 
     def sent(self, src: int) -> int:
         """Rows src dispatched to other ranks."""
@@ -56,12 +69,15 @@ class WireVolume:
         """Rows src dispatched to its own slots (no link crossed)."""
         return self.rows[src][src]
 
-    def dispatch_bytes(self, src: int) -> int:
-        return self.sent(src) * self.dispatch_row_bytes
+    def dispatch_bytes(self, src: int, link: str | None = None) -> int:
+        """Bytes src dispatched to other ranks (over `link` only, if given)."""
+        rows = sum(n for dst, n in enumerate(self.rows[src]) if dst != src and link in (None, self.link(src, dst)))
+        return rows * self.dispatch_row_bytes
 
-    def combine_bytes(self, dst: int) -> int:
-        """Bytes rank dst sends back in combine: the rows other ranks dispatched to it."""
-        return sum(row[dst] for src, row in enumerate(self.rows) if src != dst) * self.combine_row_bytes
+    def combine_bytes(self, dst: int, link: str | None = None) -> int:
+        """Bytes rank dst sends back in combine: the rows other ranks dispatched to it (over `link` only)."""
+        rows = sum(row[dst] for src, row in enumerate(self.rows) if src != dst and link in (None, self.link(src, dst)))
+        return rows * self.combine_row_bytes
 
 
 def ep_rows_per_token(top_k: int, ep_size: int) -> float:

@@ -200,7 +200,7 @@ def _step(s: CoreStep) -> list[Any]:
     routed = None
     if s.routed_tokens is not None:
         r = s.routed_tokens
-        wire = None if r.wire is None else [r.wire.rows, r.wire.dispatch_row_bytes, r.wire.combine_row_bytes]
+        wire = None if r.wire is None else list(dataclasses.astuple(r.wire))
         routed = [r.counts, r.rank_rows, list(r.layers), wire]
     return [
         {rid: _token(t) for rid, t in s.sampled.items()},

@@ -101,6 +101,7 @@ class MultiprocessExecutor(Executor):
         self._row_bytes = (
             dispatch_row_bytes(model_config.hidden_size, dtype, p.dispatch_fp8),
             model_config.hidden_size * dtype.itemsize,
+            p.load_store_ranks,  # which rows cross the NIC (`WireVolume.link`)
         )
         self._routing_wanted = False  # ask the ranks for their expert load with the next step
         self._load_record = None

@@ -24,6 +24,20 @@ every region and row is 16-byte aligned and the kernels tell the compiler so (`t
 Every kernel runs on a fixed number of programs (`num_programs`, the communication SMs) that
 stride over the groups, leaving the rest of the GPU to the experts' GEMM.
 
+Two kinds of peer. Peers of the rank's NVLink domain (`rank // DOMAIN` equal) are stored into as
+above. The others have no address and are reached by NVSHMEM puts (`nvshmem_device`): the group's
+rows are gathered into a staging region of our own symmetric buffer, then one put-with-signal
+moves them to the same offset of the peer's buffer, the signal word riding on it (combine's rows
+go to scattered `[token, k]` rows: a put per row, a fence, then the signal; credits are signal
+operations). NVSHMEM delivers a put-with-signal's data before its signal and fenced puts before
+what follows them; nothing else is relied on. Each send kernel is launched once per kind of
+peer, its constexpr `KIND` choosing the path, so the put variant's code holds no store into a
+peer (the compile check's PTX rules hold it to that). The receive side is the same for both.
+The puts are non-blocking: a send returns once they are posted, and the receive step's wait on
+the signal is where they are known to have landed. Without NVSHMEM (the interpreter, emulated
+PEs on one GPU) `PUT_EMULATED` keeps the put's shape and promise: the same staging, then a copy
+into the peer's slot and the signal released after it.
+
 What a GPU run needs that the interpreter never shows:
 
 * Sequence numbers, ranks, slots and offsets change from call to call. Compiled Triton would turn
@@ -47,6 +61,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from moeserve.kernels import nvshmem_device as nvshmem
 from moeserve.kernels.targets import DeviceKernel
 
 EPOCHS = 2**31 - 1  # signal epochs run 1 .. EPOCHS; 0 is a word never written
@@ -58,6 +73,12 @@ DISPATCH_SIGNAL: tl.constexpr = tl.constexpr(2)
 COMBINE_CREDIT: tl.constexpr = tl.constexpr(3)
 COMBINE_SIGNAL: tl.constexpr = tl.constexpr(4)
 NOTIFY_SIGNAL: tl.constexpr = tl.constexpr(5)
+
+# How a launch reaches its peers (`KIND` of the send kernels, `PUT` of the others; see "Two kinds of
+# peer" in the module docstring).
+STORE: tl.constexpr = tl.constexpr(0)  # load/store: the address table (NVLink, shared memory, emulated PEs)
+PUT_EMULATED: tl.constexpr = tl.constexpr(1)  # puts emulated by stores in NVSHMEM's order (no NVSHMEM heap)
+PUT_NVSHMEM: tl.constexpr = tl.constexpr(2)  # puts by NVSHMEM's device API (IBGDA between nodes)
 
 # Arguments that change per call: never value-specialized (see the module docstring).
 _PER_CALL = ["rank", "seq", "epoch", "slot", "first_token", "first_word", "timeout", "phase"]
@@ -124,6 +145,8 @@ def dispatch_send_kernel(
     meta_offset,
     signal_offset,
     credit_offset,
+    stage_rows_offset,
+    stage_meta_offset,
     timeout,
     EP: tl.constexpr,
     L: tl.constexpr,
@@ -135,17 +158,21 @@ def dispatch_send_kernel(
     BLOCK_W: tl.constexpr,
     GLOBALTIMER: tl.constexpr,
     HOST_CLOCK: tl.constexpr,
+    KIND: tl.constexpr,
+    DOMAIN: tl.constexpr,
 ):
     seq64 = tl.full((), 0, tl.int64) + seq  # not seq.to(tl.int64): see WIDENING
-    credits = (tl.load(addresses + rank) + credit_offset).to(tl.pointer_type(tl.int64))
+    own = tl.load(addresses + rank)
+    credits = (own + credit_offset).to(tl.pointer_type(tl.int64)) + slot * EP
     w = tl.arange(0, BLOCK_W).to(tl.int64)
     for g in range(tl.program_id(0), EP * L, tl.num_programs(0)):
         dest = g // L
         expert = g % L
         count = tl.load(group_counts + g)
         start = tl.load(group_starts + g)
-        ready = seq64 > 0
-        if seq64 > SLOTS:  # the slot was used SLOTS sequences ago: wait until dest has copied it out
+        # Groups of the other kind of peer are the other launch's (see "Two kinds of peer").
+        ready = ((dest // DOMAIN) != (rank // DOMAIN)) == (KIND != STORE)
+        if ready & (seq64 > SLOTS):  # the slot was used SLOTS sequences ago: wait until dest has copied it out
             credit = tl.atomic_add(credits + dest, 0, sem="acquire", scope="sys")
             failed = tl.load(error) != 0
             spent = tl.cast(0, tl.int64)
@@ -166,23 +193,56 @@ def dispatch_send_kernel(
                     tl.store(error + 1, dest.to(tl.int64))
                     tl.store(error + 2, seq64)
         if ready:
-            peer = tl.load(addresses + dest)
-            rows = tl.multiple_of((peer + rows_offset).to(tl.pointer_type(tl.int32)), 16)
-            meta = (peer + meta_offset).to(tl.pointer_type(tl.int32))
-            region = (((slot * L + expert) * EP + rank) * C).to(tl.int64)
+            region = (((slot * L + expert) * EP + rank) * C).to(tl.int64)  # ours, in dest's slot
+            sent = epoch.to(tl.int64) * SEQ + count
+            signal_word = ((slot * L + expert) * EP + rank).to(tl.int64)
+            if KIND == STORE:  # straight into dest's slot
+                target = tl.load(addresses + dest)
+                rows = tl.multiple_of((target + rows_offset).to(tl.pointer_type(tl.int32)), 16)
+                meta = (target + meta_offset).to(tl.pointer_type(tl.int32))
+                at = region
+            else:  # into our staging region for dest, from which the put takes them
+                rows = tl.multiple_of((own + stage_rows_offset).to(tl.pointer_type(tl.int32)), 16)
+                meta = (own + stage_meta_offset).to(tl.pointer_type(tl.int32))
+                at = (((slot * L + expert) * EP + dest) * C).to(tl.int64)
             for m0 in range(0, count, BLOCK_M):
                 i = m0 + tl.arange(0, BLOCK_M).to(tl.int64)
                 mask = i < count
                 pair = tl.load(pair_order + start + i, mask=mask, other=0)
                 token = pair // K
-                tl.store(meta + region + i, ((token - first_token) * K + pair % K).to(tl.int32), mask=mask)
+                tl.store(meta + at + i, ((token - first_token) * K + pair % K).to(tl.int32), mask=mask)
                 for w0 in range(0, WORDS, BLOCK_W):
                     m = mask[:, None] & (w0 + w < WORDS)[None, :]
                     row = tl.load(payload + token[:, None] * WORDS + (w0 + w)[None, :], mask=m)
-                    tl.store(rows + (region + i)[:, None] * WORDS + (w0 + w)[None, :], row, mask=m)
-            tl.debug_barrier()  # every thread's stores before the release below
-            signal = (peer + signal_offset).to(tl.pointer_type(tl.int64)) + (slot * L + expert) * EP + rank
-            tl.atomic_xchg(signal, epoch.to(tl.int64) * SEQ + count, sem="release", scope="sys")
+                    tl.store(rows + (at + i)[:, None] * WORDS + (w0 + w)[None, :], row, mask=m)
+            tl.debug_barrier()  # every thread's stores before the release (or the put) below
+            if KIND == STORE:
+                signal = (target + signal_offset).to(tl.pointer_type(tl.int64)) + signal_word
+                tl.atomic_xchg(signal, sent, sem="release", scope="sys")
+            elif KIND == PUT_EMULATED:  # NVSHMEM's promise, by hand: the rows, then the signal
+                target = tl.load(addresses + dest)
+                peer_rows = tl.multiple_of((target + rows_offset).to(tl.pointer_type(tl.int32)), 16)
+                peer_meta = (target + meta_offset).to(tl.pointer_type(tl.int32))
+                for m0 in range(0, count, BLOCK_M):
+                    i = m0 + tl.arange(0, BLOCK_M).to(tl.int64)
+                    mask = i < count
+                    tl.store(peer_meta + region + i, tl.load(meta + at + i, mask=mask), mask=mask)
+                    for w0 in range(0, WORDS, BLOCK_W):
+                        m = mask[:, None] & (w0 + w < WORDS)[None, :]
+                        row = tl.load(rows + (at + i)[:, None] * WORDS + (w0 + w)[None, :], mask=m)
+                        tl.store(peer_rows + (region + i)[:, None] * WORDS + (w0 + w)[None, :], row, mask=m)
+                signal = (target + signal_offset).to(tl.pointer_type(tl.int64)) + signal_word
+                tl.atomic_xchg(signal, sent, sem="release", scope="sys")
+            else:  # the metadata, a fence, then the rows carrying the signal
+                pe = dest.to(tl.int32)
+                nvshmem.putmem_nbi_block(
+                    own + meta_offset + region * 4, own + stage_meta_offset + at * 4, count * 4, pe
+                )
+                nvshmem.fence()
+                nvshmem.putmem_signal_nbi_block(
+                    own + rows_offset + region * (WORDS * 4), own + stage_rows_offset + at * (WORDS * 4),
+                    count * (WORDS * 4), own + signal_offset + signal_word * 8, sent, pe,
+                )  # fmt: skip
 
 
 @triton.jit(do_not_specialize=_PER_CALL)
@@ -256,6 +316,8 @@ def dispatch_recv_kernel(
     WORDS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_W: tl.constexpr,
+    PUT: tl.constexpr,
+    DOMAIN: tl.constexpr,
 ):
     seq64 = tl.full((), 0, tl.int64) + seq  # not seq.to(tl.int64): see WIDENING
     own = tl.load(addresses + rank)
@@ -281,8 +343,17 @@ def dispatch_recv_kernel(
         tl.debug_barrier()
         finished = tl.atomic_add(done + source, 1, sem="acq_rel", scope="gpu") + 1
         if finished % L == 0:
-            credit = (tl.load(addresses + source) + credit_offset).to(tl.pointer_type(tl.int64)) + rank
-            tl.atomic_max(credit, seq64, sem="release", scope="sys")
+            word = slot * EP + rank
+            # A store, or the emulated put of the one word; NVSHMEM's puts only compiled where they
+            # are linked (a constexpr branch, as every extern call here).
+            by_store = True
+            if PUT == PUT_NVSHMEM:
+                by_store = (source // DOMAIN) == (rank // DOMAIN)
+                if not by_store:
+                    nvshmem.signal_op(own + credit_offset + word * 8, seq64, source.to(tl.int32))
+            if by_store:
+                credit = (tl.load(addresses + source) + credit_offset).to(tl.pointer_type(tl.int64)) + word
+                tl.atomic_max(credit, seq64, sem="release", scope="sys")
 
 
 @triton.jit(do_not_specialize=_PER_CALL)
@@ -300,6 +371,7 @@ def combine_send_kernel(
     rows_offset,
     signal_offset,
     credit_offset,
+    stage_offset,
     timeout,
     EP: tl.constexpr,
     L: tl.constexpr,
@@ -311,17 +383,20 @@ def combine_send_kernel(
     BLOCK_W: tl.constexpr,
     GLOBALTIMER: tl.constexpr,
     HOST_CLOCK: tl.constexpr,
+    KIND: tl.constexpr,
+    DOMAIN: tl.constexpr,
 ):
     seq64 = tl.full((), 0, tl.int64) + seq  # not seq.to(tl.int64): see WIDENING
-    credits = (tl.load(addresses + rank) + credit_offset).to(tl.pointer_type(tl.int64))
+    own = tl.load(addresses + rank)
+    credits = (own + credit_offset).to(tl.pointer_type(tl.int64)) + slot * EP
     w = tl.arange(0, BLOCK_W).to(tl.int64)
     for g in range(tl.program_id(0), L * EP, tl.num_programs(0)):
         expert = g // EP
         source = g % EP
         count = tl.load(counts + g)
         offset = tl.load(offsets + g)
-        ready = seq64 > 0
-        if seq64 > SLOTS:  # the slot was used SLOTS sequences ago: wait until source has reduced it
+        ready = ((source // DOMAIN) != (rank // DOMAIN)) == (KIND != STORE)  # else the other launch's
+        if ready & (seq64 > SLOTS):  # the slot was used SLOTS sequences ago: wait until source has reduced it
             credit = tl.atomic_add(credits + source, 0, sem="acquire", scope="sys")
             failed = tl.load(error) != 0
             spent = tl.cast(0, tl.int64)
@@ -342,19 +417,56 @@ def combine_send_kernel(
                     tl.store(error + 1, source.to(tl.int64))
                     tl.store(error + 2, seq64)
         if ready:
-            peer = tl.load(addresses + source)
-            rows = tl.multiple_of((peer + rows_offset).to(tl.pointer_type(tl.int32)), 16)
-            for m0 in range(0, count, BLOCK_M):
-                i = m0 + tl.arange(0, BLOCK_M).to(tl.int64)
-                mask = i < count
-                dest_row = slot * C * K + tl.load(row_meta + offset + i, mask=mask, other=0).to(tl.int64)
-                for w0 in range(0, WORDS, BLOCK_W):
-                    m = mask[:, None] & (w0 + w < WORDS)[None, :]
-                    row = tl.load(expert_out + (offset + i)[:, None] * WORDS + (w0 + w)[None, :], mask=m)
-                    tl.store(rows + dest_row[:, None] * WORDS + (w0 + w)[None, :], row, mask=m)
-            tl.debug_barrier()
-            signal = (peer + signal_offset).to(tl.pointer_type(tl.int64)) + (slot * EP + rank) * L + expert
-            tl.atomic_xchg(signal, epoch.to(tl.int64) * SEQ + count, sem="release", scope="sys")
+            sent = epoch.to(tl.int64) * SEQ + count
+            signal_word = ((slot * EP + rank) * L + expert).to(tl.int64)
+            if KIND == STORE:  # each row straight home to its [token, k] row of source's slot
+                target = tl.load(addresses + source)
+                rows = tl.multiple_of((target + rows_offset).to(tl.pointer_type(tl.int32)), 16)
+                for m0 in range(0, count, BLOCK_M):
+                    i = m0 + tl.arange(0, BLOCK_M).to(tl.int64)
+                    mask = i < count
+                    dest_row = slot * C * K + tl.load(row_meta + offset + i, mask=mask, other=0).to(tl.int64)
+                    for w0 in range(0, WORDS, BLOCK_W):
+                        m = mask[:, None] & (w0 + w < WORDS)[None, :]
+                        row = tl.load(expert_out + (offset + i)[:, None] * WORDS + (w0 + w)[None, :], mask=m)
+                        tl.store(rows + dest_row[:, None] * WORDS + (w0 + w)[None, :], row, mask=m)
+                tl.debug_barrier()
+                signal = (target + signal_offset).to(tl.pointer_type(tl.int64)) + signal_word
+                tl.atomic_xchg(signal, sent, sem="release", scope="sys")
+            else:  # staged in the group's region of ours, then one put per row home
+                stage = tl.multiple_of((own + stage_offset).to(tl.pointer_type(tl.int32)), 16)
+                at = ((slot * L * EP + g) * C).to(tl.int64)
+                for m0 in range(0, count, BLOCK_M):
+                    i = m0 + tl.arange(0, BLOCK_M).to(tl.int64)
+                    mask = i < count
+                    for w0 in range(0, WORDS, BLOCK_W):
+                        m = mask[:, None] & (w0 + w < WORDS)[None, :]
+                        row = tl.load(expert_out + (offset + i)[:, None] * WORDS + (w0 + w)[None, :], mask=m)
+                        tl.store(stage + (at + i)[:, None] * WORDS + (w0 + w)[None, :], row, mask=m)
+                tl.debug_barrier()
+                if KIND == PUT_EMULATED:  # NVSHMEM's promise, by hand: every row, then the signal
+                    target = tl.load(addresses + source)
+                    rows = tl.multiple_of((target + rows_offset).to(tl.pointer_type(tl.int32)), 16)
+                    for m0 in range(0, count, BLOCK_M):
+                        i = m0 + tl.arange(0, BLOCK_M).to(tl.int64)
+                        mask = i < count
+                        dest_row = slot * C * K + tl.load(row_meta + offset + i, mask=mask, other=0).to(tl.int64)
+                        for w0 in range(0, WORDS, BLOCK_W):
+                            m = mask[:, None] & (w0 + w < WORDS)[None, :]
+                            row = tl.load(stage + (at + i)[:, None] * WORDS + (w0 + w)[None, :], mask=m)
+                            tl.store(rows + dest_row[:, None] * WORDS + (w0 + w)[None, :], row, mask=m)
+                    signal = (target + signal_offset).to(tl.pointer_type(tl.int64)) + signal_word
+                    tl.atomic_xchg(signal, sent, sem="release", scope="sys")
+                else:  # the rows' puts, a fence, then the signal: NVSHMEM delivers it after them
+                    pe = source.to(tl.int32)
+                    for i in range(0, count):
+                        dest_row = slot * C * K + tl.load(row_meta + offset + i).to(tl.int64)
+                        nvshmem.putmem_nbi_block(
+                            own + rows_offset + dest_row * (WORDS * 4), own + stage_offset + (at + i) * (WORDS * 4),
+                            tl.full((), WORDS * 4, tl.int64), pe,
+                        )  # fmt: skip
+                    nvshmem.fence()
+                    nvshmem.signal_op(own + signal_offset + signal_word * 8, sent, pe)
 
 
 @triton.jit(do_not_specialize=_PER_CALL)
@@ -366,28 +478,54 @@ def notify_send_kernel(
     slot,
     notify_offset,
     signal_offset,
+    stage_offset,
     EP: tl.constexpr,
     WIDTH: tl.constexpr,
     BLOCK: tl.constexpr,
+    KIND: tl.constexpr,
+    DOMAIN: tl.constexpr,
 ):
     i = tl.arange(0, BLOCK)
     mask = i < WIDTH
+    own = tl.load(addresses + rank)
+    at = ((slot * EP + rank) * WIDTH).to(tl.int64)  # our row of dest's slot
+    signal_word = (slot * EP + rank).to(tl.int64)
     for dest in range(tl.program_id(0), EP, tl.num_programs(0)):
-        peer = tl.load(addresses + dest)
-        notify = (peer + notify_offset).to(tl.pointer_type(tl.int64)) + (slot * EP + rank) * WIDTH
-        tl.store(notify + i, tl.load(counts + dest * WIDTH + i, mask=mask), mask=mask)
-        tl.debug_barrier()
-        signal = (peer + signal_offset).to(tl.pointer_type(tl.int64)) + slot * EP + rank
-        tl.atomic_xchg(signal, epoch.to(tl.int64) * SEQ, sem="release", scope="sys")
+        if ((dest // DOMAIN) != (rank // DOMAIN)) == (KIND != STORE):  # else the other launch's
+            row = tl.load(counts + dest * WIDTH + i, mask=mask)
+            if KIND == PUT_NVSHMEM:  # staged (row dest of our own slot), then put with the signal
+                staged = ((slot * EP + dest) * WIDTH).to(tl.int64)
+                tl.store((own + stage_offset).to(tl.pointer_type(tl.int64)) + staged + i, row, mask=mask)
+                tl.debug_barrier()
+                nvshmem.putmem_signal_nbi_block(
+                    own + notify_offset + at * 8, own + stage_offset + staged * 8, tl.full((), WIDTH * 8, tl.int64),
+                    own + signal_offset + signal_word * 8, epoch.to(tl.int64) * SEQ, dest.to(tl.int32),
+                )  # fmt: skip
+            else:  # stored, or the emulated put: the row, then the signal
+                peer = tl.load(addresses + dest)
+                notify = (peer + notify_offset).to(tl.pointer_type(tl.int64)) + at
+                tl.store(notify + i, row, mask=mask)
+                tl.debug_barrier()
+                signal = (peer + signal_offset).to(tl.pointer_type(tl.int64)) + signal_word
+                tl.atomic_xchg(signal, epoch.to(tl.int64) * SEQ, sem="release", scope="sys")
 
 
 @triton.jit(do_not_specialize=_PER_CALL)
-def give_credit_kernel(addresses, rank, seq, credit_offset, EP: tl.constexpr):
-    """Every peer's credit word for us rises to seq: what it stored into our slot has been read."""
+def give_credit_kernel(
+    addresses, rank, seq, slot, credit_offset, EP: tl.constexpr, PUT: tl.constexpr, DOMAIN: tl.constexpr
+):
+    """Every peer's credit word for us and this slot rises to seq: what it sent into the slot has been read."""
     seq64 = tl.full((), 0, tl.int64) + seq  # not seq.to(tl.int64): see WIDENING
+    word = slot * EP + rank
     for dest in range(tl.program_id(0), EP, tl.num_programs(0)):
-        credit = (tl.load(addresses + dest) + credit_offset).to(tl.pointer_type(tl.int64)) + rank
-        tl.atomic_max(credit, seq64, sem="release", scope="sys")
+        by_store = True  # or the emulated put of the one word
+        if PUT == PUT_NVSHMEM:
+            by_store = (dest // DOMAIN) == (rank // DOMAIN)
+            if not by_store:
+                nvshmem.signal_op(tl.load(addresses + rank) + credit_offset + word * 8, seq64, dest.to(tl.int32))
+        if by_store:
+            credit = (tl.load(addresses + dest) + credit_offset).to(tl.pointer_type(tl.int64)) + word
+            tl.atomic_max(credit, seq64, sem="release", scope="sys")
 
 
 dispatch_send = DeviceKernel(dispatch_send_kernel)

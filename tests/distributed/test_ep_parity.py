@@ -198,6 +198,31 @@ def test_nvshmem_backend_matches_single_process(reference, arch, overlap):
     assert got == expected
 
 
+# Every architecture once across two emulated nodes; the options that change what moves (two-batch
+# overlap's interleaved steps, FP8 rows) each on an MLA and a GQA model.
+NODES_CASES = [(arch, {}) for arch in ARCH_OVERRIDES] + [
+    ("deepseek_v3", {"two_batch_overlap": True}),
+    ("qwen3_moe", {"two_batch_overlap": True}),
+    ("deepseek_v2", {"dispatch_fp8": True}),
+    ("qwen3_moe", {"dispatch_fp8": True}),
+]
+
+
+@pytest.mark.parametrize("arch,options", NODES_CASES, ids=[f"{a}-{'-'.join(o) or 'plain'}" for a, o in NODES_CASES])
+def test_nvshmem_between_two_emulated_nodes_matches_torch(reference, arch, options):
+    """`nvlink_domain_size=2` at ep=4: ranks {0, 1} and {2, 3} reach each other by the put variants
+    (emulated on CPU: staged rows, data before signal) and their own pair by stores, in one step.
+    The greedy tokens are the `torch` backend's (the single process's, where no option changes
+    the tokens; with FP8 rows, ep=4's through the torch all-to-all)."""
+    folder, expected = reference(arch)
+    if options.get("dispatch_fp8"):
+        with LLM(str(folder), ep=4, a2a_backend="torch", **ENGINE, **options) as llm:
+            expected = [o.outputs[0].token_ids for o in llm.generate(prompts(), GREEDY, use_tqdm=False)]
+    with LLM(str(folder), ep=4, a2a_backend="nvshmem", nvlink_domain_size=2, **ENGINE, **options) as llm:
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts(), GREEDY, use_tqdm=False)]
+    assert got == expected
+
+
 def test_fp8_dispatch_at_ep2_matches_ep1(reference):
     """`--dispatch-fp8`: the MoE layers dispatch FP8 rows, and ep=1's `local` backend quantises
     alike, so ep=2 (the `torch` all-to-all) gives ep=1's greedy tokens with FP8 on. Cumulative

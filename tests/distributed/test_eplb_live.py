@@ -119,3 +119,10 @@ def test_live_rebalance_keeps_greedy_tokens_and_evens_the_load(make_checkpoint, 
     sample = log.metrics.registry.get_sample_value
     sent = [sample("moeserve:ep_dispatch_bytes_total", {"model_name": "m", "rank": str(r)}) for r in range(ep)]
     assert all(sent) and sent == [sum(r.wire.dispatch_bytes(rank) for r in reports) for rank in range(ep)]
+    # One node: every rank in one NVLink domain, so all of it is intra-domain, none crosses a NIC.
+    by_link = {
+        link: [sample("moeserve:ep_dispatch_link_bytes_total", {"model_name": "m", "rank": str(r), "link": link})
+               for r in range(ep)]
+        for link in ("intra_domain", "inter_domain")
+    }  # fmt: skip
+    assert by_link == {"intra_domain": sent, "inter_domain": [0.0] * ep}

@@ -31,8 +31,11 @@ def every(cases: list[Case], step: int, first: int = 0) -> list[Case]:
     return cases[first::step]
 
 
-def emulated_results(world_size: int, cases: list[Case], chunk_tokens: int, dispatch_fp8: bool = False) -> list[dict]:
-    """Per rank, like `run_cases`: every case through N emulated PEs in lockstep."""
+def emulated_results(
+    world_size: int, cases: list[Case], chunk_tokens: int, dispatch_fp8: bool = False, domain: int | None = None
+) -> list[dict]:
+    """Per rank, like `run_cases`: every case through N emulated PEs in lockstep; `domain`: the
+    NVLink domain's size, the other PEs reached by (emulated) puts."""
     per_rank: list[dict] = [{"cases": []} for _ in range(world_size)]
     for case in cases:
         world = EmulatedWorld(world_size)
@@ -43,6 +46,7 @@ def emulated_results(world_size: int, cases: list[Case], chunk_tokens: int, disp
                 heap=world.heaps[r],
                 chunk_tokens=chunk_tokens,
                 dispatch_fp8=dispatch_fp8,
+                nvlink_domain_size=domain,
             )
             for r in range(world_size)
         ]
@@ -62,6 +66,30 @@ def test_emulated_pes_equal_local(world_size: int, chunk: str, step: int, first:
     assert_matches_local(world_size, cases, results, CHUNKS[chunk])
 
 
+@pytest.mark.parametrize(
+    "world_size,domain,chunk,step,first",
+    [(4, 2, "low_latency", 13, 1), (4, 2, "chunked", 13, 2), (2, 1, "chunked", 8, 5), (8, 4, "low_latency", 24, 3)],
+    ids=["ep4-nodes2-low_latency", "ep4-nodes2-chunked", "ep2-nodes2-chunked", "ep8-nodes2-low_latency"],
+)
+def test_puts_between_emulated_nodes_equal_local(
+    world_size: int, domain: int, chunk: str, step: int, first: int, one_thread: None
+) -> None:
+    """PEs outside a rank's NVLink domain reached by the put variants (emulated: staged rows, then
+    data before signal), the rest by stores, in one group: the same rows and results as `local`."""
+    cases = every(cases_for(world_size), step, first)
+    results = emulated_results(world_size, cases, CHUNKS[chunk], domain=domain)
+    assert_matches_local(world_size, cases, results, CHUNKS[chunk])
+
+
+def test_a_domain_must_tile_the_group() -> None:
+    from moeserve.dispatch.nvshmem import check_domain
+
+    assert (check_domain(None, 4), check_domain(2, 4), check_domain(8, 4)) == (4, 2, 4)
+    for bad in (0, 3):
+        with pytest.raises(ValueError, match="nvlink_domain_size"):
+            check_domain(bad, 4)
+
+
 @pytest.mark.parametrize("world_size,step", [(2, 8), (4, 26)], ids=["ranks2", "ranks4"])
 def test_shared_memory_ranks_equal_torch(world_size: int, step: int, one_thread: None) -> None:
     """Rank processes mapping each other's buffers from shared memory, beside the `torch` backend
@@ -76,3 +104,32 @@ def test_shared_memory_ranks_equal_torch(world_size: int, step: int, one_thread:
                 want = torch_results[rank]["cases"][c][mode]
                 for key in ("received", "out", "toy_out"):
                     assert torch.equal(got[key], want[key]), f"{case.name}, rank {rank}, {mode}: {key}"
+
+
+def test_rows_to_other_nodes_go_through_the_staging_region(one_thread: None) -> None:
+    """Two PEs in two domains: each one's rows for the other are staged in its own buffer (the
+    put's source) and reach the peer's slot from there; rows for itself are stored directly, so
+    its staging region for itself stays empty."""
+    case = next(c for c in cases_for(2) if c.kind == "uniform" and c.top_k > 1 and min(c.tokens_per_rank) >= 5)
+    world = EmulatedWorld(2)
+    dispatchers = [
+        NvshmemDispatcher(
+            placement_for(case, 2, r),
+            DispatchRows(case.hidden_size, case.top_k, case.dtype),
+            heap=world.heaps[r],
+            chunk_tokens=CHUNKS["low_latency"],
+            nvlink_domain_size=1,
+        )
+        for r in range(2)
+    ]
+    results = run_lockstep([case_steps(d, case, r, 2) for r, d in enumerate(dispatchers)])
+    assert_matches_local(2, [case], [{"cases": [r]} for r in results], CHUNKS["low_latency"])
+    for rank, d in enumerate(dispatchers):
+        layout = d._layout
+        stage = d._buffer.view(
+            layout.offsets["dispatch_stage"],
+            (layout.slots, layout.local_experts, layout.ep, layout.chunk_tokens * layout.row_bytes),
+            torch.uint8,
+        )
+        assert stage[:, :, 1 - rank].any(), f"rank {rank} staged nothing for its peer"
+        assert not stage[:, :, rank].any(), f"rank {rank} staged rows for itself"

@@ -119,7 +119,7 @@ def test_sequence_numbers_past_two_to_the_31_still_match_local() -> None:
     for d in dispatchers:  # as after days of serving: every earlier sequence sent, read and credited
         d._seq = dict.fromkeys(d._seq, start)
         for region in ("dispatch_credit", "combine_credit"):
-            d._buffer.local[d._layout.offsets[region] :].view(torch.int64)[:2] = start
+            d._buffer.local[d._layout.offsets[region] :].view(torch.int64)[: 2 * d._layout.slots] = start
     results = within(300, lambda: run_lockstep([case_steps(d, case, r, 2) for r, d in enumerate(dispatchers)]))
     assert_matches_local(2, [case], [{"cases": [r]} for r in results], 4)
     assert all(d._seq["dispatch"] > 2**31 and d._seq["combine"] > 2**31 for d in dispatchers)  # crossed it
@@ -138,31 +138,33 @@ def _recv(layout: SymmetricLayout, addresses: torch.Tensor, seq: int) -> None:
         addresses, torch.zeros(groups, dtype=torch.int64), torch.zeros(groups, dtype=torch.int64),
         torch.zeros(0, 4, dtype=torch.int32), torch.zeros(0, dtype=torch.int32), 0, seq, seq % layout.slots,
         offsets["dispatch_rows"], offsets["dispatch_meta"], offsets["dispatch_done"], offsets["dispatch_credit"],
-        EP=1, L=layout.local_experts, C=layout.chunk_tokens, WORDS=4, BLOCK_M=4, BLOCK_W=4,
+        EP=1, L=layout.local_experts, C=layout.chunk_tokens, WORDS=4, BLOCK_M=4, BLOCK_W=4, PUT=0, DOMAIN=1,
     )  # fmt: skip
 
 
-def _credit(layout: SymmetricLayout, buffer: torch.Tensor) -> int:
-    return int(buffer[layout.offsets["dispatch_credit"] :].view(torch.int64)[0])
+def _credit(layout: SymmetricLayout, buffer: torch.Tensor, slot: int) -> int:
+    """The one PE's credit word for `slot` (credits are per slot: `[S, EP]`)."""
+    return int(buffer[layout.offsets["dispatch_credit"] :].view(torch.int64)[slot])
 
 
 @pytest.mark.parametrize("order", [(4, 5), (5, 4)], ids=["in_order", "out_of_order"])
 def test_the_last_group_of_each_slot_credits_its_sequence(order: tuple[int, int]) -> None:
     """Sequences 4 and 5 (slots 0 and 1) copied out in either order: each one's last group sends
-    its credit, and the credit ends at the newer. A count over all sequences compared with
-    `seq * L` sends none when the newer finishes first, and a plain store moves the credit back."""
+    its slot's credit, and neither touches the other slot's. A count over all sequences compared
+    with `seq * L` sends none when the newer finishes first; one word for both slots, set by a
+    put, would move back."""
     layout, buffer, addresses = _one_pe_recv_buffer()
     for seq in order:
         _recv(layout, addresses, seq)
-        assert _credit(layout, buffer) == max(order[: order.index(seq) + 1])
-    assert _credit(layout, buffer) == 5
+        assert _credit(layout, buffer, seq % layout.slots) == seq
+    assert [_credit(layout, buffer, slot) for slot in range(layout.slots)] == [4, 5]
 
 
 def test_credits_never_move_back() -> None:
     layout, buffer, addresses = _one_pe_recv_buffer()
     for seq in (7, 5):
-        peer_copy.give_credit[(1,)](addresses, 0, seq, layout.offsets["dispatch_credit"], EP=1)
-    assert _credit(layout, buffer) == 7
+        peer_copy.give_credit[(1,)](addresses, 0, seq, 1, layout.offsets["dispatch_credit"], EP=1, PUT=0, DOMAIN=1)
+    assert _credit(layout, buffer, 1) == 7
 
 
 def test_per_call_ints_are_never_specialized() -> None:
@@ -197,5 +199,5 @@ def test_a_cpu_transport_interprets_even_where_kernels_are_compiled() -> None:
     assert isinstance(kernel.for_device(torch.device("cpu")), InterpretedFunction)
     assert kernel.for_device(torch.device("cuda")) is kernel.compiled
     layout, buffer, addresses = _one_pe_recv_buffer()
-    kernel[(1,)](addresses, 0, 3, layout.offsets["dispatch_credit"], EP=1)
-    assert _credit(layout, buffer) == 3
+    kernel[(1,)](addresses, 0, 3, 1, layout.offsets["dispatch_credit"], EP=1, PUT=0, DOMAIN=1)
+    assert _credit(layout, buffer, 1) == 3

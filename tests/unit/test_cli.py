@@ -251,6 +251,25 @@ def test_num_comm_sms_reaches_the_nvshmem_dispatcher() -> None:
             parallel("launch", "--num-comm-sms", bad)
 
 
+def test_nvlink_domain_size_reaches_the_nvshmem_dispatcher() -> None:
+    """Default: one node's ranks (every peer by stores on one node, puts between nodes); the flag
+    narrows it, and must divide the group."""
+    from moeserve.dispatch import DispatchRows, ExpertPlacement, ep_dispatcher
+
+    def parallel(*argv: str):
+        args = parse(*argv)
+        return EngineConfig.from_options(**{n: getattr(args, n) for n in args.engine_options}).parallel
+
+    assert parallel("launch", "--ep", "8", "--nnodes", "2").load_store_ranks == 4
+    config = parallel("launch", "--a2a-backend", "nvshmem", "--nvlink-domain-size", "1")
+    assert config.load_store_ranks == 1
+    rows = DispatchRows(hidden_size=8, top_k=2, dtype=torch.float32)
+    dispatcher = ep_dispatcher(config, ExpertPlacement.contiguous(4), "cpu", None, rows)
+    assert dispatcher.domain == 1
+    with pytest.raises(ValueError, match="nvlink_domain_size must be a positive divisor of ep=4"):
+        parallel("launch", "--ep", "4", "--nvlink-domain-size", "3")
+
+
 def test_prefix_caching_is_on_unless_switched_off() -> None:
     def caching(*argv: str) -> bool:
         args = parse(*argv)

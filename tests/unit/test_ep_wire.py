@@ -7,6 +7,7 @@ import torch
 
 from moeserve.dispatch import ExpertMap
 from moeserve.dispatch.wire import (
+    LINKS,
     WireVolume,
     dispatch_row_bytes,
     ep_rows_per_token,
@@ -39,3 +40,17 @@ def test_counters_equal_the_formula_for_uniform_routing(ep):
 def test_fp8_rows_carry_their_scales():
     assert dispatch_row_bytes(7168, torch.bfloat16, True) == 7392
     assert dispatch_row_bytes(7168, torch.bfloat16, False) == 14336
+
+
+def test_bytes_split_between_and_inside_nvlink_domains():
+    """Four ranks in two domains of two: rows between 0 and 1 (or 2 and 3) stay inside a domain,
+    the rest cross the NIC; the two parts add up to the totals, each way."""
+    rows = [[5, 1, 2, 3], [4, 6, 0, 7], [1, 1, 9, 2], [0, 3, 8, 4]]
+    wire = WireVolume(rows, 10, 100, domain=2)
+    assert [wire.dispatch_bytes(0, link) for link in LINKS] == [1 * 10, (2 + 3) * 10]
+    assert [wire.combine_bytes(0, link) for link in LINKS] == [4 * 100, (1 + 0) * 100]
+    for rank in range(4):
+        assert sum(wire.dispatch_bytes(rank, link) for link in LINKS) == wire.dispatch_bytes(rank)
+        assert sum(wire.combine_bytes(rank, link) for link in LINKS) == wire.combine_bytes(rank)
+    one_domain = WireVolume(rows, 10, 100)
+    assert one_domain.dispatch_bytes(0, LINKS[1]) == 0 and one_domain.dispatch_bytes(0, LINKS[0]) == 60

@@ -1,6 +1,10 @@
 """The PTX rules of the communication kernels (`bench/gpu/ptx_rules.py`) hold on the kernels as
 compiled for sm_90a on this CPU machine, and each rule catches the regression it is there for.
 
+The put variants (NVSHMEM's puts, for peers on other nodes) are compiled too where NVSHMEM's
+device library is installed (an nvidia-nvshmem wheel; CI installs one), and skipped with the
+reason otherwise.
+
 The compile runs in a child process: a test worker may have set TRITON_INTERPRET=1 (the kernel
 tests do), which makes every kernel an interpreted function with no PTX.
 """
@@ -21,8 +25,11 @@ sys.path.insert(0, str(GPU))
 
 from ptx_rules import check_comm_ptx  # noqa: E402
 
+from moeserve.kernels.nvshmem_device import device_library  # noqa: E402
+
 # Compiles three kernels the way a dispatcher launches them on a GPU (DeepSeek-V3's bf16 rows at
-# EP 8: 3584 words), with per-call ints at 1, and prints their PTX as JSON.
+# EP 8: 3584 words), with per-call ints at 1, and prints their PTX as JSON; with argv[2] == "put",
+# dispatch_send's and give_credit's put variants (two nodes of 4 ranks) too.
 COMPILE = """
 import json, sys, torch
 sys.path.insert(0, sys.argv[1])
@@ -37,34 +44,76 @@ tiles = dict(zip(("BLOCK_M", "BLOCK_W"), pc.copy_tiles(3584, "cuda")))
 kernels = {
     "dispatch_send_kernel": (
         pc.dispatch_send_kernel,
-        (i64, payload, i64, i64, i64, err, 1, 1, 1, 1, 1, 0, 16, 32, 48, 10**11),
-        dict(EP=8, L=32, C=128, K=8, SLOTS=2, WORDS=3584, **tiles, **clock),
+        (i64, payload, i64, i64, i64, err, 1, 1, 1, 1, 1, 0, 16, 32, 48, 64, 80, 10**11),
+        dict(EP=8, L=32, C=128, K=8, SLOTS=2, WORDS=3584, **tiles, **clock, KIND=0, DOMAIN=8),
     ),
     "wait_signals_kernel": (pc.wait_signals_kernel, (i64, err, 1, 64, 1, i64, 1, 1, 10**11, 2),
         dict(NUM_WORDS=256, BLOCK=256, **clock)),
-    "give_credit_kernel": (pc.give_credit_kernel, (i64, 1, 1, 64), dict(EP=8)),
+    "give_credit_kernel": (pc.give_credit_kernel, (i64, 1, 1, 1, 64), dict(EP=8, PUT=0, DOMAIN=8)),
 }
+if sys.argv[2] == "put":
+    from moeserve.kernels.nvshmem_device import extern_libs
+    for name in ("dispatch_send_kernel", "give_credit_kernel"):
+        kernel, args, kw = kernels[name]
+        kind = "KIND" if "KIND" in kw else "PUT"
+        kernels[name + "[put]"] = (kernel, args, dict(kw, DOMAIN=4, extern_libs=extern_libs(90), **{kind: 2}))
 ptx = {n: JITFunction.run(k, *args, grid=(1,), warmup=True, **kw).asm["ptx"] for n, (k, args, kw) in kernels.items()}
+ptx = {n: text[text.find(".entry"):] for n, text in ptx.items()}  # the kernels, not NVSHMEM's linked code
 print(json.dumps(ptx))
 """
+
+
+NVSHMEM = device_library(90) is not None
+needs_nvshmem = pytest.mark.skipif(not NVSHMEM, reason="no NVSHMEM device library (install an nvidia-nvshmem wheel)")
 
 
 @pytest.fixture(scope="module")
 def ptx() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    variants = "put" if NVSHMEM else "store"
     done = subprocess.run(
-        [sys.executable, "-c", COMPILE, str(GPU)], capture_output=True, text=True, env=env, timeout=600, cwd=ROOT
+        [sys.executable, "-c", COMPILE, str(GPU), variants],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+        cwd=ROOT,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def test_the_kernels_as_built_keep_every_rule(ptx: dict[str, str]) -> None:
-    for kernel, text in ptx.items():
-        copies, problems = check_comm_ptx(kernel, text)
-        assert problems == [], f"{kernel}: {problems}"
+    for name, text in ptx.items():
+        kernel = name.removesuffix("[put]")
+        copies, problems = check_comm_ptx(kernel, text, put=name != kernel)
+        assert problems == [], f"{name}: {problems}"
         assert copies is (True if kernel == "dispatch_send_kernel" else None)
+
+
+@needs_nvshmem
+def test_the_put_variants_call_nvshmem_and_store_into_no_peer(ptx: dict[str, str]) -> None:
+    """NVSHMEM's entry points are inlined: what shows them is the call of their transfer routines."""
+    assert "call.uni _Z37nvshmemi_transfer_put_signal" in ptx["dispatch_send_kernel[put]"]
+    assert ".sys.release.exch" not in ptx["dispatch_send_kernel[put]"]
+    assert "call.uni _Z30nvshmemi_transfer_amo_nonfetch" in ptx["give_credit_kernel[put]"]
+
+
+@needs_nvshmem
+def test_the_put_rule_catches_a_put_launch_that_stores_into_peers(ptx: dict[str, str]) -> None:
+    """A put launch compiled with the store path (the constexpr branch taken wrongly, or a store
+    into a peer added beside the put): its rows and signal would go to an address that a peer on
+    another node does not have."""
+    _, problems = check_comm_ptx("dispatch_send_kernel", ptx["dispatch_send_kernel"], put=True)
+    assert any("never calls NVSHMEM's nvshmemi_transfer_put_signal" in p for p in problems), problems
+    assert any("store path's release exchange" in p for p in problems), problems
+    signal = next(line for line in ptx["dispatch_send_kernel"].splitlines() if ".sys.release.exch" in line)
+    put = ptx["dispatch_send_kernel[put]"]
+    end = put.find("\n}", put.find(".entry"))  # the kernel's closing brace: the signal goes just before it
+    both = f"{put[:end]}\n{signal}{put[end:]}"
+    _, problems = check_comm_ptx("dispatch_send_kernel", both, put=True)
+    assert problems == ["the put variant holds the store path's release exchange (a store into a peer)"]
 
 
 @pytest.mark.parametrize(

@@ -3,9 +3,10 @@
 PyTorch's symmetric memory allocates from the NVSHMEM symmetric heap when its NVSHMEM backend is
 available (`set_backend("NVSHMEM")`) and from CUDA-IPC-mapped memory otherwise; either way its
 rendezvous hands back every peer's buffer address as mapped into this process, which is exactly
-the table the kernels take. That needs every peer to be load/store reachable (NVLink inside one
-node). Peers on other nodes have no such address and are reached by NVSHMEM puts over IBGDA,
-which these kernels do not issue yet: a group spanning nodes is refused.
+the table the kernels take for the peers of this rank's NVLink domain. Peers on other nodes have
+no such address (PyTorch reports 0) and are reached by the kernels' NVSHMEM puts over IBGDA, which
+address them by PE and symmetric offset: their entries are never read. A peer inside the domain
+without an address is refused (the domain is wrong for this machine).
 
 A heap is built with the buffers it will hold, so that NVSHMEM's heap is sized for them before
 NVSHMEM starts (`nvshmem_heap_size`), and hands a buffer out only once every rank's zero-fill has
@@ -56,9 +57,16 @@ def size_nvshmem_heap(planned_bytes: Sequence[int], device: torch.device) -> Non
 class NvshmemHeap(SymmetricHeap):
     name = "nvshmem"
 
-    def __init__(self, group: dist.ProcessGroup | None, device: torch.device, planned_bytes: Sequence[int]) -> None:
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None,
+        device: torch.device,
+        planned_bytes: Sequence[int],
+        nvlink_domain_size: int | None = None,
+    ) -> None:
         """planned_bytes: the buffers this heap will hold at once. NVSHMEM's heap is sized for them
-        here, before this heap allocates anything (see `size_nvshmem_heap`)."""
+        here, before this heap allocates anything (see `size_nvshmem_heap`). nvlink_domain_size:
+        consecutive ranks that must have each other's addresses (None: the whole group)."""
         import torch.distributed._symmetric_memory as symm_mem
 
         group = group or dist.group.WORLD
@@ -67,6 +75,7 @@ class NvshmemHeap(SymmetricHeap):
         if symm_mem.is_nvshmem_available():
             symm_mem.set_backend("NVSHMEM")
         self._symm_mem, self._group = symm_mem, group
+        self._domain = nvlink_domain_size or self.world_size
         self._handles: list[object] = []  # keep every rendezvous alive as long as the heap
 
     def allocate(self, nbytes: int) -> SymmetricBuffer:
@@ -76,10 +85,12 @@ class NvshmemHeap(SymmetricHeap):
         local.zero_()  # queued on the current stream: done only once `_zeroed_everywhere` returns
         handle = self._symm_mem.rendezvous(local, group=self._group)
         addresses = list(handle.buffer_ptrs)
-        if any(address == 0 for address in addresses):
+        first = self.rank // self._domain * self._domain
+        unreachable = [peer for peer in range(first, first + self._domain) if addresses[peer] == 0]
+        if unreachable:
             raise ValueError(
-                "some peers have no load/store address (other nodes): their IBGDA path is not built; "
-                "run the nvshmem backend inside one NVLink domain or use --a2a-backend torch"
+                f"ranks {unreachable} of rank {self.rank}'s NVLink domain ({self._domain} ranks) have no load/store "
+                "address: set --nvlink-domain-size to the ranks that share NVLink (the rest are reached by puts)"
             )
         self._handles.append(handle)
         self._zeroed_everywhere()

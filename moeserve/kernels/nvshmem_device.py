@@ -1,0 +1,125 @@
+"""NVSHMEM's device API as Triton externs: the calls `peer_copy`'s put variants make to reach peers
+that have no load/store address (other nodes, over IBGDA).
+
+Declared here rather than taken from PyTorch's `_nvshmem_triton`, which offers only the blocking
+put-with-signal and refuses to load without a GPU: the kernels post non-blocking puts (the send
+returns and the receive step is the overlap hook), and the compile check must build them on a
+machine with no GPU. Each extern is called by every thread of a program with the same scalar
+arguments, which is what NVSHMEM's `_block` variants expect: the program cooperates on one put.
+
+Only compiled code reaches these (the put variants with `PUT_NVSHMEM`); the interpreter runs the
+emulated put instead. Linking needs the device bitcode `libnvshmem_device*.bc` of an NVSHMEM
+install, passed to the launch as `extern_libs` (`device_library`).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+from triton.language import core
+
+SIGNAL_SET = 0  # NVSHMEM_SIGNAL_SET: the signal word takes the value (NVSHMEM_SIGNAL_ADD is 5)
+LIB_DIR_VAR = "NVSHMEM_LIB_DIR"  # the variable PyTorch's NVSHMEM support reads for the same file
+
+_I64, _I32 = core.dtype("int64"), core.dtype("int32")
+
+
+def device_library(arch: int | None = None) -> Path | None:
+    """The NVSHMEM device bitcode to link, or None where no NVSHMEM wheel or `NVSHMEM_LIB_DIR` has
+    one. Wheels ship one per architecture (`libnvshmem_device_sm_90.bc`), older ones one for all."""
+    roots = []
+    if os.environ.get(LIB_DIR_VAR):
+        roots.append(Path(os.environ[LIB_DIR_VAR]))
+    spec = importlib.util.find_spec("nvidia.nvshmem") if importlib.util.find_spec("nvidia") else None
+    if spec is not None and spec.submodule_search_locations:
+        roots += [Path(p) / "lib" for p in spec.submodule_search_locations]
+    names = ([f"libnvshmem_device_sm_{arch}.bc"] if arch is not None else []) + ["libnvshmem_device.bc"]
+    for root in roots:
+        for name in names:
+            if (root / name).is_file():
+                return root / name
+    return None
+
+
+def extern_libs(arch: int | None = None) -> dict[str, str]:
+    """The launch keyword that links NVSHMEM's device code; raises where there is none."""
+    path = device_library(arch)
+    if path is None:
+        raise FileNotFoundError(
+            f"no NVSHMEM device bitcode: install an nvidia-nvshmem wheel or set {LIB_DIR_VAR} to its lib directory"
+        )
+    return {"libnvshmem_device": str(path)}
+
+
+@core.extern
+def putmem_signal_nbi_block(dest, source, nbytes, signal, value, pe, _semantic=None):
+    """`nbytes` from local `source` to symmetric `dest` on `pe`, then `signal` on `pe` set to `value`:
+    NVSHMEM delivers the signal only after the data. Returns once the put is posted."""
+    return core.extern_elementwise(
+        "",
+        "",
+        [dest, source, nbytes, signal, value, core.full((), SIGNAL_SET, _I32, _semantic=_semantic), pe],
+        {(_I64, _I64, _I64, _I64, _I64, _I32, _I32): ("nvshmemx_putmem_signal_nbi_block", _I32)},
+        is_pure=False,
+        _semantic=_semantic,
+    )
+
+
+@core.extern
+def putmem_nbi_block(dest, source, nbytes, pe, _semantic=None):
+    """`nbytes` from local `source` to symmetric `dest` on `pe`, unordered until a fence or quiet."""
+    return core.extern_elementwise(
+        "",
+        "",
+        [dest, source, nbytes, pe],
+        {(_I64, _I64, _I64, _I32): ("nvshmemx_putmem_nbi_block", _I32)},
+        is_pure=False,
+        _semantic=_semantic,
+    )
+
+
+@core.extern
+def signal_op(signal, value, pe, _semantic=None):
+    """Set symmetric word `signal` on `pe` to `value`, ordered after this PE's fenced puts to `pe`."""
+    return core.extern_elementwise(
+        "",
+        "",
+        [signal, value, core.full((), SIGNAL_SET, _I32, _semantic=_semantic), pe],
+        {(_I64, _I64, _I32, _I32): ("nvshmemx_signal_op", _I32)},
+        is_pure=False,
+        _semantic=_semantic,
+    )
+
+
+@core.extern
+def fence(_semantic=None):
+    """Puts to a PE posted before this are delivered before those posted after it."""
+    return core.extern_elementwise("", "", [], {(): ("nvshmem_fence", _I32)}, is_pure=False, _semantic=_semantic)
+
+
+def init_linked_modules() -> None:
+    """Have every kernel compiled from now on that links NVSHMEM's device code initialise it in its
+    CUDA module (NVSHMEM's device state is per module), as PyTorch's `requires_nvshmem` does for
+    its own kernels: through Triton's one post-compile hook, chained to any hook already set.
+    GPU only; it runs no device code itself."""
+    import triton
+    from torch._C._distributed_c10d import _nvshmemx_cumodule_init
+
+    previous = triton.knobs.runtime.jit_post_compile_hook
+    if getattr(previous, "links_nvshmem", False):
+        return
+
+    def hook(*args, **kwargs) -> None:
+        if previous is not None:
+            previous(*args, **kwargs)
+        jit_function = kwargs["fn"].jit_function
+        cache = jit_function.device_caches[kwargs["compile"]["device"]][0]
+        kernel = cache.get(kwargs["key"])
+        if kernel is not None and "nvshmem" in kernel.asm.get("ptx", ""):
+            kernel.run  # noqa: B018  (loads the module: PyTorch's hook does the same)
+            _nvshmemx_cumodule_init(kernel.module)
+
+    hook.links_nvshmem = True
+    triton.knobs.runtime.jit_post_compile_hook = hook
