@@ -78,6 +78,7 @@ def load_engine(
         engine.start()
         grammars = GrammarCompilePool(
             config.structured_outputs,
+            load_tokenizer,
             config.model,
             engine.facts.model_config.vocab_size,
             engine.facts.eos_token_ids,

@@ -27,7 +27,7 @@ import multiprocessing
 import threading
 import time
 from collections import Counter, OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 
@@ -72,14 +72,17 @@ class GrammarCompilePool:
     def __init__(
         self,
         config: StructuredOutputsConfig,
+        load_tokenizer: Callable[[str], object],
         tokenizer_folder: str,
         vocab_size: int,
         eos_token_ids: Sequence[int],
         cpus: Sequence[int] = (),
     ) -> None:
-        """cpus: where the workers run; empty: wherever this process may."""
+        """load_tokenizer: how a worker loads the served tokenizer from `tokenizer_folder` (a
+        module-level function: spawn pickles it by name). cpus: where the workers run; empty:
+        wherever this process may."""
         self.config = config
-        self._worker_args = (tokenizer_folder, vocab_size, tuple(eos_token_ids), tuple(cpus))
+        self._worker_args = (load_tokenizer, tokenizer_folder, vocab_size, tuple(eos_token_ids), tuple(cpus))
         self._context = multiprocessing.get_context("spawn")
         self._cond = threading.Condition()
         self._queues: OrderedDict[str, deque[_Job]] = OrderedDict()  # by client, visited round-robin

@@ -11,7 +11,7 @@ killing this process and starting another.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 
 import xgrammar as xgr
@@ -21,23 +21,23 @@ from moeserve.structured.grammar import build_grammar
 NICENESS = 10  # on the frontend's CPUs, HTTP and detokenizing come first: a compile waits for them
 
 
-def tokenizer_info(tokenizer_folder: str, vocab_size: int, eos_token_ids: Sequence[int]) -> xgr.TokenizerInfo:
-    """xgrammar's view of the served tokenizer: what a grammar is compiled for, and loaded with."""
-    from moeserve.engine.tokenizer import load_tokenizer
-
-    tokenizer = load_tokenizer(tokenizer_folder)
-    return xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=list(eos_token_ids))
-
-
 def serve(
-    conn: Connection, tokenizer_folder: str, vocab_size: int, eos_token_ids: Sequence[int], cpus: Sequence[int]
+    conn: Connection,
+    load_tokenizer: Callable[[str], object],
+    tokenizer_folder: str,
+    vocab_size: int,
+    eos_token_ids: Sequence[int],
+    cpus: Sequence[int],
 ) -> None:
-    """The worker's main: compile until the pipe closes (the pool is gone or shutting down)."""
+    """The worker's main: compile until the pipe closes (the pool is gone or shutting down).
+    `load_tokenizer` is the server's own loader, handed in (spawn pickles it by name) so that
+    this package needs nothing from the engine's."""
     if cpus:
         os.sched_setaffinity(0, cpus)  # before xgrammar starts a thread: they inherit it
     os.nice(NICENESS)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    info = tokenizer_info(tokenizer_folder, vocab_size, eos_token_ids)
+    tokenizer = load_tokenizer(tokenizer_folder)
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=list(eos_token_ids))
     # One thread: the pool's parallelism is its processes, each bounded by the timeout.
     compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
     conn.send(None)  # ready
