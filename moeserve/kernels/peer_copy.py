@@ -51,9 +51,10 @@ What a GPU run needs that the interpreter never shows:
 * Signal words carry `epoch(seq)` (1 .. 2**31 - 1, wrapping), compared for equality: a slot's word
   holds either its previous use's epoch or the current one, never a later one (credits forbid
   it), so equality is exact where `seq << 32` would overflow int64 after 2**31 sequences.
-* Completion is counted per ring slot and credits are raised with `atomic_max`: two streams that
-  finish sequences out of order can neither miss the last group of a sequence nor move a credit
-  back.
+* Completion is counted per ring slot, and credits are words per ring slot and peer, raised with
+  `atomic_max` on the store path (set in sequence order by NVSHMEM signal ops on the put path,
+  which can only set a word): two streams that finish sequences out of order can neither miss the
+  last group of a sequence nor move a credit back.
 """
 
 from __future__ import annotations
