@@ -109,8 +109,7 @@ async def plan_chat(
             f"the request has {len(request.tools)} tools; the limit is {model.structured.max_tools} (--max-tools)",
             param="tools",
         )
-    texts = [m["content"] for m in request.template_messages() if isinstance(m.get("content"), str)]
-    check_prompt_chars(texts, model.max_model_len, model.token_chars, "messages")
+    check_prompt_chars([m.text() for m in request.messages], model.max_model_len, model.token_chars, "messages")
     reader = _tool_reader(request, state)
     if reader is not None and reader.parser is not None and reader.parser.markers_are_special:
         params = replace(params, skip_special_tokens=False)

@@ -189,6 +189,11 @@ class NvshmemDispatcher(SteppedDispatcher):
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
         self.timeout_s = timeout_s
+        self._timeout_ns = int(timeout_s * 1e9)
+        # The kernels' clock, fixed by the device: the GPU's global timer when compiled, the
+        # host's when interpreted (every launch of a wait passes it).
+        cuda = self.device.type == "cuda"
+        self._clock = {"GLOBALTIMER": cuda, "HOST_CLOCK": None if cuda else time.monotonic_ns}
         # (phase, peer or word, seq, 0) of the first wait that ran out; the kernels write it, the
         # host reads it (`_check_peers`) where it can without stalling the GPU.
         self._error = torch.zeros(4, dtype=torch.int64, device=self.device)
@@ -481,17 +486,6 @@ class NvshmemDispatcher(SteppedDispatcher):
         if self._put_kind:
             kinds.append((self._put_kind, self._put_libs))
         return kinds
-
-    @property
-    def _timeout_ns(self) -> int:
-        return int(self.timeout_s * 1e9)
-
-    @property
-    def _clock(self) -> dict:
-        """The kernels' clock: the GPU's global timer when compiled, the host's when interpreted."""
-        if self.device.type == "cuda":
-            return {"GLOBALTIMER": True, "HOST_CLOCK": None}
-        return {"GLOBALTIMER": False, "HOST_CLOCK": time.monotonic_ns}
 
     def _check_peers(self, synced: bool) -> None:
         """Raise `PeerTimeout` if a wait of this dispatcher ran out. `synced`: the kernels so far
