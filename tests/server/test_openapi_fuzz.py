@@ -19,7 +19,8 @@ from server_utils import ServerProcess
 ROUTES = ("/v1/completions", "/v1/chat/completions")
 CASES_PER_ROUTE = int(os.environ.get("MOESERVE_FUZZ_CASES", "40"))
 """Generated requests per route; raise it for a longer hunt (the test stays deterministic)."""
-SEED = 1515
+SEED = int(os.environ.get("MOESERVE_FUZZ_SEED", "1515"))
+"""Hypothesis seed; another one hunts elsewhere (each stays deterministic)."""
 MAX_TOKENS = 4
 """Generated token budgets above this are lowered, so each case costs a few engine steps."""
 
@@ -95,6 +96,15 @@ def _problem(response: Response) -> str | None:
     return None if body.get("choices") else "200 without choices"
 
 
+def _server_gone(server: ServerProcess, case: Case, error: Exception) -> str:
+    """Why the server stopped answering, for the failure message: the request that was being
+    sent, whether the process is still there, and the end of its log."""
+    code = server.proc.poll()
+    state = "still running" if code is None else f"exited with {code}"
+    tail = "\n".join(server.log().splitlines()[-40:])
+    return f"{case.operation.path} {case.body!r}: {error}\nthe server is {state}; its log ends:\n{tail}"
+
+
 def fuzz(server: ServerProcess, vocab_size: int, cases_per_route: int) -> tuple[list[str], dict[int, int]]:
     """Problems found, and how many responses had each status."""
     schema = schemathesis.openapi.from_url(f"{server.url}/openapi.json")
@@ -117,7 +127,10 @@ def fuzz(server: ServerProcess, vocab_size: int, cases_per_route: int) -> tuple[
         @given(case=cases)
         def send(case) -> None:
             _steer(case.body, vocab_size)
-            response = case.call(base_url=server.url, session=session, timeout=60)
+            try:
+                response = case.call(base_url=server.url, session=session, timeout=60)
+            except requests.ConnectionError as exc:
+                raise AssertionError(_server_gone(server, case, exc)) from exc
             statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
             problem = _problem(response)
             if problem is not None:
