@@ -3,9 +3,10 @@
 Every PromQL expression (panels, template variables, annotations, alert rules) is parsed with a
 real PromQL parser, so a syntax error fails here rather than as an empty panel, and each metric it
 names must be a series of the server's registry: `_total` for counters, `_bucket`/`_sum`/`_count`
-for histograms. The registry is listed from `ServerMetrics` itself, since the expert-parallel and
-EPLB families carry no series until a multi-rank server routes tokens or rebalances; a real
-server's /metrics is checked against that listing, and for the `_created` series it must not have.
+for histograms, carrying every label a matcher, a `by` or a legend names. The registry is listed
+from `ServerMetrics` itself, since the expert-parallel and EPLB families carry no series until a
+multi-rank server routes tokens or rebalances; a real server's /metrics is checked against that
+listing, and for the `_created` series it must not have.
 """
 
 from __future__ import annotations
@@ -46,7 +47,32 @@ def registry_series(metrics: ServerMetrics) -> dict[str, str]:
     }
 
 
-EXPORTED = registry_series(ServerMetrics("m", SLOConfig()))
+def registry_labels(metrics: ServerMetrics) -> dict[str, set[str]]:
+    """Each family's label names, from its samples or, for a labelled family with no child yet
+    (no samples to read), from the collector's declared names (`_labelnames`)."""
+    labels = {
+        family.name: {key for s in family.samples for key in s.labels} - {"le"} for family in metrics.registry.collect()
+    }
+    for collector in metrics.registry._collector_to_names:
+        if hasattr(collector, "_labelnames"):
+            labels[collector._name].update(collector._labelnames)
+    return labels
+
+
+METRICS = ServerMetrics("m", SLOConfig())
+EXPORTED = registry_series(METRICS)
+FAMILY_LABELS = registry_labels(METRICS)
+TARGET_LABELS = {"job", "instance"}  # Prometheus adds them to every series it scrapes
+LEGEND_LABELS = re.compile(r"\{\{\s*(\w+)\s*\}\}")
+
+
+def series_labels(name: str) -> set[str]:
+    """The labels a series carries once scraped; `up` has only the target's."""
+    for suffix, extra in (("_bucket", {"le"}), ("_sum", set()), ("_count", set()), ("_total", set()), ("", set())):
+        family = name.removesuffix(suffix)
+        if name.endswith(suffix) and family in FAMILY_LABELS:
+            return FAMILY_LABELS[family] | TARGET_LABELS | extra
+    return set(TARGET_LABELS)
 
 
 def dashboard_queries() -> Iterator[tuple[str, str]]:
@@ -132,6 +158,28 @@ def test_rates_are_taken_of_counters(where: str, query: str) -> None:
                 assert EXPORTED.get(name) in ("counter", "histogram"), f"{where}: {node.func.name}() of {name}"
         if node.func.name == "histogram_quantile":
             assert series and all(name.endswith("_bucket") for name in series), f"{where}: quantile of {series}"
+
+
+@pytest.mark.parametrize("where,query", QUERIES, ids=[where for where, _ in QUERIES])
+def test_labels_exist_on_the_series(where: str, query: str) -> None:
+    """A misspelt label in a matcher or a `by` selects nothing or merges every series, silently."""
+    for node in walk(parse(query)):
+        if isinstance(node, promql_parser.VectorSelector):
+            for matcher in node.matchers.matchers:
+                assert matcher.name in series_labels(node.name), f"{where}: {node.name} has no label {matcher.name}"
+        if isinstance(node, promql_parser.AggregateExpr) and node.modifier is not None:
+            available = set().union(*(series_labels(name) for name in selector_names(node.expr)))
+            missing = set(node.modifier.labels) - available
+            assert not missing, f"{where}: {node.modifier} names labels its series lack: {missing}"
+
+
+def test_legends_name_labels_of_their_query() -> None:
+    dashboard = json.loads(DASHBOARD.read_text())
+    for panel in dashboard["panels"]:
+        for target in panel.get("targets", ()):
+            available = set().union(*(series_labels(name) for name in selector_names(parse(target["expr"]))))
+            for label in LEGEND_LABELS.findall(target.get("legendFormat", "")):
+                assert label in available, f"panel {panel['title']!r} {target['refId']}: legend names {label}"
 
 
 def test_dashboard_panels_have_unique_ids_and_a_datasource() -> None:
