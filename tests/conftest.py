@@ -72,6 +72,7 @@ LONGEST_FIRST = (
     "test_server_safety.py",  # ~50
     "test_responses_server.py",  # ~45 (two servers)
     "test_cli.py",  # ~45
+    "test_dashboards.py",  # ~45
     "test_eplb_server.py",  # ~35
     "test_torch_dispatcher.py",  # ~30
     "test_structured_server.py",  # ~30

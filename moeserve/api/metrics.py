@@ -8,6 +8,8 @@ SLO attainment is three counters over finished requests, aborted ones included (
 gave up waiting is a miss, not an absence): `moeserve:slo_requests_total`, and of those
 `moeserve:slo_ttft_met_requests_total` and `moeserve:slo_tbt_met_requests_total`. Attainment is
 the ratio, e.g. `rate(moeserve:slo_ttft_met_requests_total[5m]) / rate(moeserve:slo_requests_total[5m])`.
+Goodput, requests per second that met both targets, is `rate(moeserve:slo_met_requests_total[5m])`:
+the two per-target counts cannot give it, since one request may meet one target and miss the other.
 Each request is judged by its own targets (`slo` in the body); the same three counts by SLO class
 are `moeserve:slo_class_*_total{class}`, beside `moeserve:slo_rejections_total{class}` (requests
 SLO admission refused). The unlabelled totals keep the names and series dashboards already read.
@@ -331,6 +333,10 @@ class ServerMetrics:
         self.slo_tbt_met = counter(
             "moeserve:slo_tbt_met_requests", "Finished requests all of whose token gaps were within the TBT target."
         )
+        self.slo_met = counter(
+            "moeserve:slo_met_requests",
+            "Finished requests that met both targets (first token and every gap): its rate is the goodput.",
+        )
 
         def by_class(name: str, doc: str) -> Counter:
             """A counter labelled by SLO class: a bounded set (`SLOCatalog.labels`), all exported from 0."""
@@ -485,6 +491,7 @@ class ServerMetrics:
             self.slo_total.inc()
             self.slo_ttft_met.inc(request.ttft_met)
             self.slo_tbt_met.inc(request.tbt_met)
+            self.slo_met.inc(request.ttft_met and request.tbt_met)
             label = self._model_name, request.slo_class
             self.slo_class_total.labels(*label).inc()
             self.slo_class_ttft_met.labels(*label).inc(request.ttft_met)

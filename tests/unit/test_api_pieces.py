@@ -73,6 +73,7 @@ def test_metrics_record_and_expose() -> None:
     assert samples["moeserve:request_success_total", "abort", None] == 0
     assert samples["moeserve:slo_ttft_met_requests_total", None, None] == 1
     assert samples["moeserve:slo_tbt_met_requests_total", None, None] == 0
+    assert samples["moeserve:slo_met_requests_total", None, None] == 0  # goodput counts only both targets met
     assert samples["moeserve:kv_cache_blocks_used", None, None] == 5
     assert samples["moeserve:num_preemptions_total", None, None] == 1
 

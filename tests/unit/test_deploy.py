@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -44,3 +46,57 @@ def test_recipes_use_real_flags(recipe: str, count: int) -> None:
         assert args.nnodes == 2 and args.node_rank == 1
         assert args.master_addr == "10.0.0.1" and args.master_port == 29500
         assert args.ep % args.nnodes == 0 and args.ep % args.tp == 0
+
+
+ROOT = DEPLOY.parent
+INSTALL = "deploy/docker/install.sh"
+
+
+def dockerfile_instructions() -> list[tuple[str, str]]:
+    """(instruction, arguments) of the Dockerfile, continuation lines joined, comments dropped."""
+    lines = [line for line in (ROOT / "Dockerfile").read_text().splitlines() if not line.lstrip().startswith("#")]
+    joined = "\n".join(lines).replace("\\\n", " ")
+    return [tuple(line.split(None, 1)) for line in joined.splitlines() if line.strip()]
+
+
+def test_dockerfile_installs_with_the_script_ci_runs() -> None:
+    """The image and CI share one install recipe: the Dockerfile runs it (cuda), .ci/run runs it (cpu)."""
+    runs = [args for instruction, args in dockerfile_instructions() if instruction == "RUN"]
+    assert [run for run in runs if re.search(rf"/src/{INSTALL} --flavour cuda --prefix (\S+)", run)]
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert re.search(rf"^timed {INSTALL} --flavour cpu --prefix ", ci, re.M)
+    assert re.search(r'^timed "?\S+/bin/python"? deploy/docker/smoke\.py$', ci, re.M)
+
+
+def test_dockerfile_copies_only_what_the_build_context_holds() -> None:
+    """.dockerignore excludes all but what is re-included; a COPY of anything else fails the build."""
+    patterns = (ROOT / ".dockerignore").read_text().splitlines()
+    included = {line[1:].rstrip("/") for line in patterns if line.startswith("!")}
+    copies = [args.split()[:-1] for instruction, args in dockerfile_instructions() if instruction == "COPY"]
+    sources = [source for copy in copies for source in copy]
+    assert INSTALL in sources
+    for source in sources:
+        assert (ROOT / source).exists(), source
+        assert source in included, f"{source} is not in the build context (.dockerignore)"
+
+
+def test_dockerfile_default_command_is_a_valid_launch() -> None:
+    (cmd,) = [json.loads(args) for instruction, args in dockerfile_instructions() if instruction == "CMD"]
+    assert cmd[:2] == ["moeserve", "launch"]
+    args = build_parser().parse_args(cmd[1:])
+    assert args.host == "0.0.0.0" and args.port == 8000  # reachable from outside the container, on EXPOSE's port
+
+
+@pytest.mark.parametrize(
+    "argv,error",
+    [
+        (["--prefix", "/nonexistent"], "--flavour cpu or cuda is required"),
+        (["--flavour", "gpu", "--prefix", "/nonexistent"], "--flavour cpu or cuda is required"),
+        (["--flavour", "cpu"], "--prefix VENV is required"),
+        (["--flavour", "cpu", "--prefx", "/nonexistent"], "unknown argument --prefx"),
+    ],
+)
+def test_install_script_refuses_bad_arguments_before_installing(argv: list[str], error: str) -> None:
+    result = subprocess.run(["bash", str(ROOT / INSTALL), *argv], capture_output=True, text=True, timeout=30)
+    assert result.returncode == 2 and error in result.stderr, result.stderr
+    assert not Path("/nonexistent").exists()
