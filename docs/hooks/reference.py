@@ -1,4 +1,5 @@
-"""MkDocs hook: the configuration and metrics reference pages, written from the code at every build.
+"""MkDocs hook: the configuration, metrics and command-line reference pages, written from the code
+at every build.
 
 Hand-kept tables of flags and metric names drift from the code within weeks; these are rendered from
 the same sources the program uses: the documented fields of the config dataclasses (which also make
@@ -8,10 +9,12 @@ server's metrics registry holds. tests/unit/test_docs_reference.py checks that e
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import inspect
 from collections.abc import Callable, Iterator
 
+from mkdocs.config.defaults import MkDocsConfig
 from mkdocs.structure.files import File, Files
 
 from moeserve.engine_config import EngineConfig
@@ -135,7 +138,7 @@ def _registry_families(per_expert: bool) -> Iterator[tuple[str, str, str, tuple[
     registry = ServerMetrics("MODEL", SLOConfig(), per_expert=per_expert).registry
     # prometheus_client's own collectors know their label names before any series exists; the
     # registry lists its collectors only privately, and a changed name fails the docs test.
-    for collector in list(registry._collector_to_names):  # noqa: SLF001
+    for collector in list(registry._collector_to_names):
         for family in collector.collect():
             labels = getattr(collector, "_labelnames", None)
             if labels is None:  # a collector of our own: its label names are on its samples
@@ -188,13 +191,46 @@ def metrics_page() -> str:
     )
 
 
+HELP_WIDTH = 100
+"""Columns of the help text on the page: argparse would otherwise wrap at the building terminal's width."""
+
+
+def commands(parser: argparse.ArgumentParser) -> Iterator[argparse.ArgumentParser]:
+    """Every leaf command under `parser` (`moeserve launch`, `moeserve bench serve`, ...)."""
+    for action in parser._actions:  # argparse lists its subcommands on its (private) actions only
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                nested = list(commands(sub))
+                yield from nested or [sub]
+
+
+def command_line_page() -> str:
+    """Each command's `--help`, as the command itself prints it."""
+    from moeserve.cli import build_parser
+
+    parts = [
+        "# Command line",
+        "",
+        "Generated from the `moeserve` command's own parsers when this site is built: each command's "
+        "`--help`. What the engine and server options mean, in full: the [configuration reference](configuration.md).",
+        "",
+    ]
+    for command in commands(build_parser()):
+        formatter = command.formatter_class
+        command.formatter_class = lambda prog, formatter=formatter: formatter(prog, width=HELP_WIDTH)
+        parts += [f"## `{command.prog}`", "", "```text", command.format_help().rstrip(), "```", ""]
+    return "\n".join(parts)
+
+
 PAGES: dict[str, Callable[[], str]] = {
     "reference/configuration.md": configuration_page,
     "reference/metrics.md": metrics_page,
+    "reference/command-line.md": command_line_page,
 }
 
 
-def on_files(files: Files, config) -> Files:  # noqa: ANN001 - MkDocs' config object
+def on_files(files: Files, config: MkDocsConfig) -> Files:
+    """MkDocs calls this once the docs folder is read: the reference pages join the files to build."""
     for path, render in PAGES.items():
         files.append(File.generated(config, path, content=render()))
     return files

@@ -68,3 +68,13 @@ def test_metrics_page_names_every_series_a_scrape_shows(reference, per_expert: b
 def test_help_text_markers_survive_markdown(reference) -> None:
     text = reference._markdown("reads <think>...</think> into `a|b` | c", in_table=True)
     assert text == "reads &lt;think&gt;...&lt;/think&gt; into `a|b` \\| c"
+
+
+def test_command_line_page_has_every_command_help(reference) -> None:
+    from moeserve.cli import build_parser
+
+    page = reference.command_line_page()
+    progs = [command.prog for command in reference.commands(build_parser())]
+    assert {"moeserve launch", "moeserve generate", "moeserve bench serve", "moeserve plan"} <= set(progs)
+    for prog in progs:
+        assert f"## `{prog}`" in page and f"usage: {prog} " in page
