@@ -19,13 +19,13 @@ import shlex
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 from server_utils import ServerProcess
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
-EXAMPLES = sorted(p for p in (DOCS / "examples").iterdir() if p.suffix in (".py", ".sh"))
 SERVER_LINE = "# Server: moeserve launch"
 CONTEXT = 2048  # tool signatures take several hundred tokens of the test checkpoint's byte-level vocabulary
 SNIPPET = re.compile(r'^--8<-- "([^"]+)"$', re.MULTILINE)
@@ -42,6 +42,14 @@ def server_flags(example: Path) -> tuple[str, ...] | None:
     if not first.startswith(SERVER_LINE):
         return None
     return tuple(shlex.split(first.removeprefix(SERVER_LINE)))
+
+
+# Offline examples first: they run while the servers load (started by the first test, awaited
+# by the first example that talks to one).
+EXAMPLES = sorted(
+    (p for p in (DOCS / "examples").iterdir() if p.suffix in (".py", ".sh")),
+    key=lambda p: (server_flags(p) is not None, p.name),
+)
 
 
 def server_key(flags: tuple[str, ...]) -> tuple[str, ...]:
@@ -71,11 +79,9 @@ def servers(
         key: start_server(*launch_flags(key), "--max-model-len", str(CONTEXT), checkpoint=checkpoint, wait=False)
         for key in keys
     }
-    for server in started.values():
-        server.wait_healthy()
     yield started
-    for server in started.values():
-        server.stop()
+    with ThreadPoolExecutor(len(started)) as pool:  # each drains for seconds: side by side
+        list(pool.map(ServerProcess.stop, started.values()))
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +96,9 @@ def command_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.name)
-def test_example_runs(example: Path, request: pytest.FixtureRequest, checkpoint: Path, command_dir: Path) -> None:
+def test_example_runs(
+    example: Path, servers: dict[tuple[str, ...], ServerProcess], checkpoint: Path, command_dir: Path
+) -> None:
     env = {
         **os.environ,
         "PATH": f"{command_dir}{os.pathsep}{os.environ.get('PATH', '')}",
@@ -98,7 +106,9 @@ def test_example_runs(example: Path, request: pytest.FixtureRequest, checkpoint:
     }
     flags = server_flags(example)
     if flags is not None:
-        env["MOESERVE_URL"] = request.getfixturevalue("servers")[server_key(flags)].url
+        server = servers[server_key(flags)]
+        server.wait_healthy()
+        env["MOESERVE_URL"] = server.url
     command = [sys.executable, str(example)] if example.suffix == ".py" else ["bash", "-euo", "pipefail", str(example)]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
     output = f"--- stdout\n{result.stdout[-3000:]}\n--- stderr\n{result.stderr[-3000:]}"
