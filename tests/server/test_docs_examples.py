@@ -32,8 +32,7 @@ SNIPPET = re.compile(r'^--8<-- "([^"]+)"$', re.MULTILINE)
 FENCE = re.compile(r"^```[^\n]*\n(.*?)^```", re.MULTILINE | re.DOTALL)
 # Contributor notes that show internals rather than user examples.
 UNEXECUTED_PAGES = {"architecture.md"}
-
-
+# Flags that change how every answer reads: an example naming one gets a server of its own.
 OWN_SERVER_FLAGS = ("--reasoning-parser",)
 
 
