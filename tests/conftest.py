@@ -67,6 +67,7 @@ LONGEST_FIRST = (
     "test_ep_parity.py",  # ~75
     "test_bench_serve.py",  # ~70
     "test_ep_serving.py",  # ~65
+    "test_docs_examples.py",  # ~60 (two servers; 140 s under a load average of 20)
     "test_transformers_parity.py",  # ~55
     "test_heal_serving.py",  # ~55
     "test_server_safety.py",  # ~50
