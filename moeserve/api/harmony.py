@@ -173,9 +173,11 @@ def render_conversation(
     *,
     reasoning_effort: str = "medium",
     today: date | None = None,
+    add_generation_prompt: bool = True,
 ) -> str:
     """The prompt for the assistant's next turn: harmony's system message, a developer message
-    with the system/developer instructions and the tools, the conversation, ``<|start|>assistant``.
+    with the system/developer instructions and the tools, the conversation, ``<|start|>assistant``
+    (without it if not ``add_generation_prompt``).
 
     ``messages`` are as chat templates take them (`ChatMessageParam.template_message`).
     """
@@ -202,7 +204,7 @@ def render_conversation(
             parts.append(f"{START}{FUNCTIONS}{name} to=assistant{CHANNEL}commentary{MESSAGE}{message['content']}{END}")
         else:
             raise ValueError(f"unsupported role: {role}")
-    return "".join(parts) + START + "assistant"
+    return "".join(parts) + (START + "assistant" if add_generation_prompt else "")
 
 
 def _message(role: str, channel: str | None, content: str) -> str:

@@ -52,6 +52,27 @@ def test_the_prompt_is_rendered_in_harmony(harmony: tuple[ServerProcess, Path]) 
     assert logprobs[0] is None and all(str(token) in entry for token, entry in zip(expected[1:], logprobs[1:]))
 
 
+def test_tokenize_renders_as_the_chat_route(harmony: tuple[ServerProcess, Path]) -> None:
+    server, folder = harmony
+    body = {"messages": MESSAGES, "tools": TOOLS}
+    tokens = httpx.post(f"{server.url}/tokenize", json=body, timeout=60).json()["tokens"]
+    assert tokens == load_tokenizer(folder).encode(render_conversation(CONVERSATION, TOOLS), add_special_tokens=False)
+    refused = httpx.post(f"{server.url}/tokenize", json={**body, "continue_final_message": True}, timeout=60)
+    assert refused.status_code == 400 and "continue_final_message" in refused.text
+
+
+def test_the_responses_api_goes_through_harmony(harmony: tuple[ServerProcess, Path]) -> None:
+    server, _ = harmony
+    body = {"model": "tiny", "input": "Weather in Rome?", "max_output_tokens": 8, "temperature": 0}
+    response = httpx.post(f"{server.url}/v1/responses", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["input_tokens"] == len(
+        load_tokenizer(harmony[1]).encode(
+            render_conversation([{"role": "user", "content": "Weather in Rome?"}], None), add_special_tokens=False
+        )
+    )
+
+
 def test_streamed_and_whole_answers_agree(harmony: tuple[ServerProcess, Path]) -> None:
     server, _ = harmony
     message = chat(server, CHAT).json()["choices"][0]["message"]
