@@ -94,13 +94,13 @@ def _parse_header(header: str) -> tuple[str | None, str | None, str | None]:
     channel = None
     if CHANNEL in header:
         channel = re.split(r"\s|<\|", header.split(CHANNEL, 1)[1], maxsplit=1)[0] or None
-    content_type = None
-    if CONSTRAIN in header:
-        content_type = header.split(CONSTRAIN, 1)[1].split()[0] if header.split(CONSTRAIN, 1)[1].split() else None
-    elif channel is not None:
-        rest = _RECIPIENT.sub("", header.split(CHANNEL, 1)[1][len(channel) :]).split()
-        content_type = rest[0] if rest else None
-    return channel, recipient, content_type
+    if CONSTRAIN in header:  # `<|constrain|>json`
+        words = header.split(CONSTRAIN, 1)[1].split()
+    elif channel is not None:  # `<|channel|>commentary json`, the form without the marker
+        words = _RECIPIENT.sub("", header.split(CHANNEL, 1)[1][len(channel) :]).split()
+    else:
+        words = []
+    return channel, recipient, words[0] if words else None
 
 
 def serialize(messages: list[HarmonyMessage]) -> str:
