@@ -452,7 +452,7 @@ class EngineConfig:
     """Everything the engine needs besides the checkpoint's own config."""
 
     model: str | None = None
-    """Hugging Face checkpoint folder; None: the built-in demo model (made on first use)."""
+    """Hugging Face checkpoint folder; None: the built-in demo model (trained on Python's stdlib)."""
     dtype: str = "auto"
     """Weights and activations: float32, bfloat16, float16 or auto: the checkpoint's own, except
     float32 on a CPU without bf16 instructions (no AVX512_BF16 or AMX), where it is much faster."""
@@ -534,8 +534,8 @@ class EngineConfig:
         return build(cls, values)
 
     def with_model_folder(self) -> EngineConfig:
-        """This config with model=None replaced by the built-in demo model's folder, which is
-        made on first use (seconds), so the server does it after it starts listening."""
+        """This config with model=None replaced by the built-in demo model's folder, which ships
+        with the package."""
         if self.model is not None:
             return self
         from moeserve.checkpoints import demo_model_path

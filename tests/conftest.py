@@ -77,6 +77,7 @@ LONGEST_FIRST = (
     "test_eplb_server.py",  # ~35
     "test_torch_dispatcher.py",  # ~30
     "test_structured_server.py",  # ~30
+    "test_harmony_server.py",  # ~30
     "test_engine.py",  # ~30
     "test_spec_decode_engine.py",  # ~30
     "test_gpu_runbook.py",  # ~20

@@ -23,6 +23,7 @@ from moeserve.api.generation import (
     log_finished,
     submit_all,
 )
+from moeserve.api.harmony import HarmonyReasoningParser, HarmonyToolParser, render_conversation
 from moeserve.api.input_bounds import check_prompt_chars
 from moeserve.api.protocol import (
     ChatCompletionRequest,
@@ -63,6 +64,31 @@ def _render(request: ChatCompletionRequest, tokenizer, template_kwargs: dict[str
     except Exception as exc:  # jinja raises TemplateError (and friends) on conversations it refuses
         raise APIError(f"the chat template could not render these messages: {exc}", param="messages") from None
     return list(ids)
+
+
+def _render_harmony(request: ChatCompletionRequest, tokenizer) -> list[int]:
+    """The conversation in harmony's format (gpt-oss), tokenized by the checkpoint's tokenizer,
+    which holds harmony's markers as special tokens."""
+    tools = request.template_tools() if request.tool_mode != "none" else None
+    try:
+        text = render_conversation(request.template_messages(), tools, reasoning_effort=request.reasoning_effort)
+    except ValueError as exc:
+        raise APIError(str(exc), param="messages") from None
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def _check_harmony(request: ChatCompletionRequest, params: SamplingParams) -> None:
+    """What harmony's reader cannot honour yet: constrained output would have to skip the
+    channel headers, which the grammars do not."""
+    if request.tool_mode in ("named", "required"):
+        raise APIError(
+            'this model speaks harmony (gpt-oss): tool_choice may be "auto" or "none", not force a call',
+            param="tool_choice",
+        )
+    if params.structured_outputs is not None:
+        raise APIError("structured outputs are not supported with harmony (gpt-oss) yet", param="response_format")
+    if request.chat_template_kwargs:
+        raise APIError("harmony (gpt-oss) prompts are not rendered by a chat template", param="chat_template_kwargs")
 
 
 @dataclass(frozen=True)
@@ -110,14 +136,21 @@ async def plan_chat(
             param="tools",
         )
     check_prompt_chars([m.text() for m in request.messages], model.max_model_len, model.token_chars, "messages")
-    reader = _tool_reader(request, state)
+    if model.harmony:
+        _check_harmony(request, params)
+        reader: ToolCallReader | None = ToolCallReader("auto", parser=HarmonyToolParser())
+        reasoning: ReasoningParser | None = HarmonyReasoningParser()
+    else:
+        reader = _tool_reader(request, state)
+        name = state.settings.reasoning_parser
+        reasoning = None if name is None else REASONING_PARSERS[name]()
     if reader is not None and reader.parser is not None and reader.parser.markers_are_special:
         params = replace(params, skip_special_tokens=False)
-    name = state.settings.reasoning_parser
-    reasoning = None if name is None else REASONING_PARSERS[name]()
     template_kwargs = request.chat_template_kwargs or {}
 
     def render(tokenizer) -> tuple[list[int], bool]:
+        if model.harmony:
+            return _render_harmony(request, tokenizer), False
         ids = _render(request, tokenizer, template_kwargs)
         opens = reasoning is not None and reasoning.opens_in(tokenizer.decode(ids[-PROMPT_TAIL_TOKENS:]))
         return ids, opens

@@ -310,6 +310,9 @@ class ChatCompletionRequest(_SamplingRequest):
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
     """vLLM's: extra variables for the chat template, e.g. `{"enable_thinking": false}` for Qwen3."""
+    reasoning_effort: Literal["low", "medium", "high"] = "medium"
+    """How long a harmony model (gpt-oss) thinks, as its system message tells it; other models
+    take their thinking switches through `chat_template_kwargs`."""
 
     def template_messages(self) -> list[dict[str, Any]]:
         """The messages as the chat template expects them: role and string content (and calls)."""

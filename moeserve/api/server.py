@@ -22,6 +22,7 @@ from pathlib import Path
 import uvicorn
 
 from moeserve.api.app import build_app
+from moeserve.api.harmony import speaks_harmony
 from moeserve.api.metrics import ServerMetrics
 from moeserve.api.state import ModelInfo, ServerSettings, ServingState
 from moeserve.config import EngineConfig
@@ -84,11 +85,13 @@ def load_engine(
             engine.facts.eos_token_ids,
             cpus=() if binding is None else binding.frontend,
         )
+        tokenizer = load_tokenizer(Path(config.model))
         model = ModelInfo(
             max_model_len=engine.max_model_len,
-            tokenizer=load_tokenizer(Path(config.model)),
+            tokenizer=tokenizer,
             root=config.model,
             prompt_tokenizer=load_tokenizer(Path(config.model)),
+            harmony=speaks_harmony(engine.facts.model_config.architecture, tokenizer),
             structured=config.structured_outputs,
             grammars=grammars,
         )

@@ -43,6 +43,9 @@ class ModelInfo:
     )
     """Tokenization and chat templates run here, off the event loop: a long prompt or a large
     conversation takes milliseconds, which would stall every open stream's next chunk."""
+    harmony: bool = False
+    """The model speaks OpenAI's harmony format (gpt-oss): chat prompts are rendered and outputs
+    read by `harmony`, not by the chat template and the --reasoning-parser/--tool-call-parser."""
     structured: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     """What a request's output constraint and tools may cost (the engine's config)."""
     grammars: GrammarCompilePool | None = None

@@ -2,7 +2,8 @@
 
 Clients use them to count a prompt's tokens against `max_model_len` before sending it, and to
 read token ids back as text. A chat conversation is rendered by the checkpoint's chat template
-exactly as /v1/chat/completions renders it, so its count is the prompt that route would run.
+(or in harmony's format, for gpt-oss) exactly as /v1/chat/completions renders it, so its count is
+the prompt that route would run.
 Tokenizing runs on the prompt thread, as the generation routes' does.
 """
 
@@ -14,6 +15,7 @@ from fastapi.responses import JSONResponse, Response
 from moeserve.api.constraints import ChatTool
 from moeserve.api.errors import APIError
 from moeserve.api.generation import check_model
+from moeserve.api.harmony import render_conversation
 from moeserve.api.input_bounds import check_prompt_chars
 from moeserve.api.protocol import ChatMessageParam, OpenAIModel, parse_request
 from moeserve.api.state import ServingState
@@ -66,12 +68,14 @@ class DetokenizeResponse(OpenAIModel):
     prompt: str
 
 
-def _tokenize(request: TokenizeRequest, tokenizer) -> list[int]:
+def _tokenize(request: TokenizeRequest, tokenizer, harmony: bool) -> list[int]:
     if request.prompt is not None:
         add_special = True if request.add_special_tokens is None else request.add_special_tokens
         return list(tokenizer.encode(request.prompt, add_special_tokens=add_special))
     messages = [m.template_message() for m in request.messages or ()]
     tools = None if not request.tools else [t.model_dump(by_alias=True, exclude_none=True) for t in request.tools]
+    if harmony:
+        return _tokenize_harmony(request, messages, tools, tokenizer)
     try:
         text = tokenizer.apply_chat_template(
             messages,
@@ -82,6 +86,19 @@ def _tokenize(request: TokenizeRequest, tokenizer) -> list[int]:
         )
     except Exception as exc:  # jinja raises TemplateError (and friends) on conversations it refuses
         raise APIError(f"the chat template could not render these messages: {exc}", param="messages") from None
+    return list(tokenizer.encode(text, add_special_tokens=bool(request.add_special_tokens)))
+
+
+def _tokenize_harmony(request: TokenizeRequest, messages: list, tools: list | None, tokenizer) -> list[int]:
+    """A harmony model's conversation (gpt-oss), rendered as its chat route renders it."""
+    if request.continue_final_message:
+        raise APIError(
+            "harmony (gpt-oss) conversations cannot continue a final message", param="continue_final_message"
+        )
+    try:
+        text = render_conversation(messages, tools, add_generation_prompt=request.add_generation_prompt)
+    except ValueError as exc:
+        raise APIError(str(exc), param="messages") from None
     return list(tokenizer.encode(text, add_special_tokens=bool(request.add_special_tokens)))
 
 
@@ -107,7 +124,7 @@ async def tokenize(raw: Request, state: ServingState) -> Response:
         check_prompt_chars(texts, model.max_model_len, model.token_chars, "messages")
 
     def work(tokenizer) -> TokenizeResponse:
-        ids = _tokenize(request, tokenizer)
+        ids = _tokenize(request, tokenizer, model.harmony)
         strs = tokenizer.convert_ids_to_tokens(ids) if request.return_token_strs else None
         return TokenizeResponse(count=len(ids), max_model_len=model.max_model_len, tokens=ids, token_strs=strs)
 

@@ -47,7 +47,8 @@ class ToolCallReader:
             if c.name is not None
         ]
         if not calls:
-            return (text if self.mode == "auto" else scan.content or None), [], finish_reason
+            whole = self.mode == "auto" and not (self.parser is not None and self.parser.content_is_markup)
+            return (text if whole else scan.content or None), [], finish_reason
         content = scan.content if scan.content.strip() else None
         return content, calls, "tool_calls" if finish_reason == "stop" else finish_reason
 

@@ -146,6 +146,10 @@ class ToolParser(ABC):
     markers_are_special = False
     """Whether the markup is made of special tokens, which the text must then keep."""
 
+    content_is_markup = False
+    """Whether the content too is wrapped in markup (harmony's channels), so that an output
+    without calls is still the scan's content rather than the raw text."""
+
     def scan(self, text: str, final: bool) -> Scan:
         begin = text.find(self.start_marker)
         if begin < 0:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from moeserve.checkpoints.builder import make_model
-    from moeserve.checkpoints.demo import demo_model_path
+    from moeserve.checkpoints.demo import demo_model_path, random_demo_model_path
     from moeserve.checkpoints.spec import SUPPORTED_ARCHS, MakeModelSpec
     from moeserve.checkpoints.tokenizer import train_tokenizer
 
@@ -19,11 +19,19 @@ _LAZY = {
     "SUPPORTED_ARCHS": "spec",
     "MakeModelSpec": "spec",
     "demo_model_path": "demo",
+    "random_demo_model_path": "demo",
     "make_model": "builder",
     "train_tokenizer": "tokenizer",
 }
 
-__all__ = ["SUPPORTED_ARCHS", "MakeModelSpec", "demo_model_path", "make_model", "train_tokenizer"]
+__all__ = [
+    "SUPPORTED_ARCHS",
+    "MakeModelSpec",
+    "demo_model_path",
+    "make_model",
+    "random_demo_model_path",
+    "train_tokenizer",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -48,7 +48,7 @@ from transformers import (
 
 from moeserve.checkpoints import quantize_fp8, quantize_mxfp4
 from moeserve.checkpoints.spec import SUPPORTED_ARCHS, MakeModelSpec
-from moeserve.checkpoints.tokenizer import BOS_ID, EOS_ID, IM_END_ID, PAD_ID, train_tokenizer
+from moeserve.checkpoints.tokenizer import BOS_ID, EOS_ID, HARMONY_IDS, IM_END_ID, PAD_ID, train_tokenizer
 
 logger = logging.getLogger("moeserve.checkpoints")
 
@@ -75,13 +75,13 @@ def make_model(spec: MakeModelSpec, out_dir: Path) -> Path:
         model = AutoModelForCausalLM.from_config(config, dtype=_TORCH_DTYPES[spec.dtype])
         _randomise_correction_bias(model)
         _randomise_expert_biases(model)
-    model.generation_config = _generation_config()
+    model.generation_config = _generation_config(spec)
     model.save_pretrained(out_dir, max_shard_size=spec.max_shard_bytes)
     if spec.quantize == "fp8":
         quantize_fp8.quantize_checkpoint(out_dir)
     elif spec.quantize == "mxfp4":
         quantize_mxfp4.quantize_checkpoint(out_dir)
-    train_tokenizer(spec.vocab, out_dir, model_max_length=spec.max_position_embeddings)
+    train_tokenizer(spec.vocab, out_dir, model_max_length=spec.max_position_embeddings, chat_format=spec.chat_format)
     logger.info("made %s model (%s) in %s", spec.arch, _describe(spec), out_dir)
     return out_dir
 
@@ -118,9 +118,14 @@ def _randomise_correction_bias(model: PreTrainedModel) -> None:
             module.e_score_correction_bias = torch.randn(bias.shape) * _CORRECTION_BIAS_STD
 
 
-def _generation_config() -> GenerationConfig:
-    """Greedy by default; stop at ``</s>`` or at ChatML's ``<|im_end|>`` (ending a chat turn)."""
-    return GenerationConfig(bos_token_id=BOS_ID, eos_token_id=[EOS_ID, IM_END_ID], pad_token_id=PAD_ID, do_sample=False)
+def _generation_config(spec: MakeModelSpec) -> GenerationConfig:
+    """Greedy by default; stop at ``</s>`` or where a chat turn ends: ChatML's ``<|im_end|>``, or
+    harmony's ``<|return|>`` and ``<|call|>`` (gpt-oss's own stop tokens)."""
+    if spec.chat_format == "harmony":
+        eos = [HARMONY_IDS["<|return|>"], EOS_ID, HARMONY_IDS["<|call|>"]]
+    else:
+        eos = [EOS_ID, IM_END_ID]
+    return GenerationConfig(bos_token_id=BOS_ID, eos_token_id=eos, pad_token_id=PAD_ID, do_sample=False)
 
 
 def _common_config(spec: MakeModelSpec, architecture: str) -> dict[str, object]:

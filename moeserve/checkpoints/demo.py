@@ -1,19 +1,26 @@
-"""The built-in demo model: made once on first use, then reused from a user cache folder.
+"""The built-in demo models: a trained one that ships with the package, and a random one for tests.
 
-Why Qwen3-MoE: it is the plainest of the supported MoE families (GQA attention, every layer MoE,
-softmax top-k, no shared expert), so it is the first path every other part of moeserve can run.
-Its sizes are chosen so that no weight is square (hidden 128, attention 4x16 = 64 wide, KV 2x16 =
-32, experts 64), so a transposed weight fails loudly instead of running; head size 16 and the
-other powers of two suit Triton block shapes. It is saved in bfloat16, as real checkpoints are
-(`--dtype auto` serves it in float32 on a CPU without bf16 instructions, see `EngineConfig.dtype`),
-in shards of at most 512 KiB (about 1.2 MB in all), so the sharded-index path is always exercised.
+`moeserve launch` with no model serves the trained demo (`demo_model_path`): a Qwen3-MoE of
+about 1M parameters trained on the Python standard library by `train_demo.py`, whose weights,
+tokenizer and config lie in the package (``demo_model/``, about 2 MB), so the first launch serves
+at once and answers with recognisable text.
 
-The folder name carries a hash of everything that decides the files (the spec, a format version,
-and the Python, torch and transformers versions, since the tokenizer is trained on the stdlib
-and the init follows torch's RNG and HF's init order), so a change builds a fresh model beside the
-old one rather than serving a stale one. The model is built in a temporary folder next to its
-final place and renamed into it, an atomic step: a crash never leaves half a model under the final
-name, and of two processes racing, the first rename wins and the second uses its result.
+The random demo (`random_demo_model_path`) is what tests build: it is made on first use, then
+reused from a user cache folder. Why Qwen3-MoE: it is the plainest of the supported MoE families
+(GQA attention, every layer MoE, softmax top-k, no shared expert), so it is the first path every
+other part of moeserve can run. Its sizes are chosen so that no weight is square (hidden 128,
+attention 4x16 = 64 wide, KV 2x16 = 32, experts 64), so a transposed weight fails loudly instead of
+running; head size 16 and the other powers of two suit Triton block shapes. It is saved in
+bfloat16, as real checkpoints are (`--dtype auto` serves it in float32 on a CPU without bf16
+instructions, see `EngineConfig.dtype`), in shards of at most 512 KiB (about 1.2 MB in all), so the
+sharded-index path is always exercised.
+
+The random demo's folder name carries a hash of everything that decides the files (the spec, a
+format version, and the Python, torch and transformers versions, since the tokenizer is trained on
+the stdlib and the init follows torch's RNG and HF's init order), so a change builds a fresh model
+beside the old one rather than serving a stale one. The model is built in a temporary folder next
+to its final place and renamed into it, an atomic step: a crash never leaves half a model under the
+final name, and of two processes racing, the first rename wins and the second uses its result.
 """
 
 import dataclasses
@@ -51,9 +58,21 @@ DEMO_SPEC = MakeModelSpec(
 
 _FORMAT_VERSION = 1  # bump when make_model changes what it writes for the same spec
 
+TRAINED_DEMO_DIR = Path(__file__).parent / "demo_model"
 
-def demo_model_path(cache_dir: Path | None = None) -> Path:
-    """The folder of the demo model, built on first use (about a second on a CPU).
+
+def demo_model_path() -> Path:
+    """The folder of the trained demo model that ships with the package."""
+    if not (TRAINED_DEMO_DIR / "config.json").is_file():
+        raise FileNotFoundError(
+            f"the trained demo model is missing from {TRAINED_DEMO_DIR}; "
+            "make it with: python -m moeserve.checkpoints.train_demo --out " + str(TRAINED_DEMO_DIR)
+        )
+    return TRAINED_DEMO_DIR
+
+
+def random_demo_model_path(cache_dir: Path | None = None) -> Path:
+    """The folder of the random-weight demo model, built on first use (about a second on a CPU).
 
     ``cache_dir`` defaults to ``default_cache_dir()``.
     """

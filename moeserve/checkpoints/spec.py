@@ -9,11 +9,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, get_args
 
-from moeserve.checkpoints.tokenizer import MIN_VOCAB_SIZE
+from moeserve.checkpoints.tokenizer import HARMONY_TOKENS, MIN_VOCAB_SIZE
 
 Arch = Literal["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "olmoe", "glm4_moe", "minimax_m2", "gpt_oss"]
 DType = Literal["float32", "bfloat16", "float16"]
 Quantize = Literal["none", "fp8", "mxfp4"]
+ChatFormat = Literal["chatml", "harmony"]
 SUPPORTED_ARCHS: tuple[str, ...] = get_args(Arch)
 SUPPORTED_DTYPES: tuple[str, ...] = get_args(DType)
 GROUPED_ROUTER_ARCHS = ("deepseek_v3", "glm4_moe")  # group-limited routing, dense first layers, shared experts
@@ -89,6 +90,10 @@ class MakeModelSpec:
     and Qwen3-FP8 are published (embeddings, LM head, norms and routers stay in dtype). mxfp4
     (gpt_oss only): the experts saved as FP4 codes with a power-of-two scale per 32 values, as
     gpt-oss-20b/120b are published (expert biases in bf16, the rest in dtype)."""
+    chat_format: ChatFormat = "chatml"
+    """harmony (gpt_oss only): the tokenizer carries harmony's markers as special tokens and
+    generation stops at ``<|return|>`` and ``<|call|>``, as gpt-oss's do, so the server speaks
+    harmony to it; chatml: a ChatML template, as every other family's."""
 
     def __post_init__(self) -> None:
         _check_common(self)
@@ -151,6 +156,15 @@ def _check_common(spec: MakeModelSpec) -> None:
         f"moe_intermediate={spec.expert_intermediate} must be multiples of 32",
     )
     _require(spec.init_std > 0, f"init_std={spec.init_std} must be positive")
+    _require(
+        spec.chat_format in get_args(ChatFormat),
+        f"chat_format={spec.chat_format!r}: expected one of {get_args(ChatFormat)}",
+    )
+    _require(spec.chat_format != "harmony" or spec.arch == "gpt_oss", "chat_format=harmony is gpt_oss's format only")
+    _require(
+        spec.chat_format != "harmony" or spec.vocab >= MIN_VOCAB_SIZE + len(HARMONY_TOKENS),
+        f"vocab={spec.vocab}: harmony's markers need at least {MIN_VOCAB_SIZE + len(HARMONY_TOKENS)}",
+    )
     _require(
         spec.arch not in NO_DENSE_MLP_ARCHS or spec.intermediate is None,
         f"{spec.arch} has no dense MLP: set moe_intermediate, not intermediate",

@@ -24,6 +24,11 @@ IM_END_TOKEN = "<|im_end|>"
 SPECIAL_TOKENS = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, IM_START_TOKEN, IM_END_TOKEN)
 PAD_ID, BOS_ID, EOS_ID, IM_START_ID, IM_END_ID = range(len(SPECIAL_TOKENS))
 
+HARMONY_TOKENS = ("<|start|>", "<|channel|>", "<|message|>", "<|constrain|>", "<|end|>", "<|call|>", "<|return|>")
+"""The markers of OpenAI's harmony format (gpt-oss), special tokens of a ``chat_format="harmony"``
+tokenizer, with the ids after `SPECIAL_TOKENS`'."""
+HARMONY_IDS = dict(zip(HARMONY_TOKENS, range(len(SPECIAL_TOKENS), len(SPECIAL_TOKENS) + len(HARMONY_TOKENS))))
+
 NUM_BYTE_SYMBOLS = 256
 MIN_VOCAB_SIZE = NUM_BYTE_SYMBOLS + len(SPECIAL_TOKENS)
 """The smallest vocabulary that holds every byte and every special token (no merges)."""
@@ -92,31 +97,36 @@ CHAT_TEMPLATE = r"""
 """.strip()
 
 
-def train_tokenizer(vocab_size: int, out_dir: Path, *, model_max_length: int = 2048) -> None:
+def train_tokenizer(
+    vocab_size: int, out_dir: Path, *, model_max_length: int = 2048, chat_format: str = "chatml"
+) -> None:
     """Train a byte-level BPE of exactly ``vocab_size`` tokens; write it to ``out_dir``.
 
     Writes ``tokenizer.json`` and ``tokenizer_config.json`` (loadable by
     ``transformers.AutoTokenizer``). No BOS is added on encode, so ``decode(encode(s)) == s``;
-    the chat template is ChatML. If the corpus runs out of merges before ``vocab_size``, the rest
-    is filled with reserved special tokens, as real checkpoints pad theirs, so that the
-    tokenizer's length always equals the model's embedding rows.
+    the chat template is ChatML. ``chat_format="harmony"`` adds harmony's markers as special
+    tokens, as gpt-oss's tokenizer has them (the server then renders and reads harmony). If the
+    corpus runs out of merges before ``vocab_size``, the rest is filled with reserved special
+    tokens, as real checkpoints pad theirs, so that the tokenizer's length always equals the
+    model's embedding rows.
     """
-    if vocab_size < MIN_VOCAB_SIZE:
+    specials = SPECIAL_TOKENS + (HARMONY_TOKENS if chat_format == "harmony" else ())
+    if vocab_size < NUM_BYTE_SYMBOLS + len(specials):
         raise ValueError(
             f"vocab_size={vocab_size} is too small: a byte-level BPE needs {NUM_BYTE_SYMBOLS} "
-            f"byte symbols + {len(SPECIAL_TOKENS)} special tokens = {MIN_VOCAB_SIZE} at least"
+            f"byte symbols + {len(specials)} special tokens = {NUM_BYTE_SYMBOLS + len(specials)} at least"
         )
-    tokenizer = _train_bpe(vocab_size)
+    tokenizer = _train_bpe(vocab_size, specials)
     _pad_vocab(tokenizer, vocab_size)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(out_dir / "tokenizer.json"))
     (out_dir / "tokenizer_config.json").write_text(
-        json.dumps(_tokenizer_config(model_max_length), indent=2) + "\n", encoding="utf-8"
+        json.dumps(_tokenizer_config(model_max_length, specials), indent=2) + "\n", encoding="utf-8"
     )
 
 
-def _train_bpe(vocab_size: int) -> Tokenizer:
+def _train_bpe(vocab_size: int, specials: tuple[str, ...]) -> Tokenizer:
     """GPT-2-style byte-level BPE: no normaliser (it would break round-trips), no unknown token."""
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -125,7 +135,7 @@ def _train_bpe(vocab_size: int) -> Tokenizer:
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
         min_frequency=2,  # a pair seen once is noise, not a merge worth having
-        special_tokens=list(SPECIAL_TOKENS),
+        special_tokens=list(specials),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -159,14 +169,14 @@ def _pad_vocab(tokenizer: Tokenizer, vocab_size: int) -> None:
         raise RuntimeError(f"the tokenizer has {size} tokens, not the {vocab_size} asked for")
 
 
-def _tokenizer_config(model_max_length: int) -> dict[str, object]:
+def _tokenizer_config(model_max_length: int, specials: tuple[str, ...]) -> dict[str, object]:
     """The ``tokenizer_config.json`` that tells transformers how to wrap ``tokenizer.json``."""
     return {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": BOS_TOKEN,
         "eos_token": EOS_TOKEN,
         "pad_token": PAD_TOKEN,
-        "additional_special_tokens": [IM_START_TOKEN, IM_END_TOKEN],
+        "additional_special_tokens": list(specials[3:]),  # all but pad, bos and eos
         "add_bos_token": False,
         "add_eos_token": False,
         "clean_up_tokenization_spaces": False,

@@ -89,7 +89,7 @@ def test_generate_on_the_demo_model(tmp_path):
     assert result.returncode == 0, result.stderr
     payload = json.loads(result.stdout)
     assert len(payload["token_ids"]) == 4 and payload["finish_reason"] == "length"
-    assert any(p.name.startswith("demo-") for p in tmp_path.iterdir())
+    assert not any(tmp_path.iterdir())  # the trained demo ships with the package: nothing is built
 
 
 def test_bad_input_is_one_clear_line(made):

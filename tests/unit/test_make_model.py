@@ -16,8 +16,8 @@ from moeserve.checkpoints import (
     SUPPORTED_ARCHS,
     MakeModelSpec,
     demo,
-    demo_model_path,
     make_model,
+    random_demo_model_path,
     train_tokenizer,
 )
 from moeserve.checkpoints.tokenizer import BOS_ID, EOS_ID, IM_END_ID, IM_START_ID, PAD_ID
@@ -271,10 +271,10 @@ def test_demo_model_is_built_once_and_reused(
 ) -> None:
     monkeypatch.setenv("MOESERVE_CACHE_DIR", str(tmp_path))
     caplog.set_level(logging.INFO, logger="moeserve.checkpoints")
-    path = demo_model_path()
+    path = random_demo_model_path()
     assert "building the demo model" in caplog.text
     caplog.clear()
-    assert demo_model_path() == path
+    assert random_demo_model_path() == path
     assert "building" not in caplog.text
     assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no staging folder left behind
     config = AutoConfig.from_pretrained(path)
@@ -292,7 +292,7 @@ def test_demo_model_race_lost_uses_the_winners_model(tmp_path: Path, monkeypatch
         return out_dir
 
     monkeypatch.setattr(demo, "make_model", build_while_another_process_wins)
-    assert demo_model_path(tmp_path) == final
+    assert random_demo_model_path(tmp_path) == final
     assert [p.name for p in tmp_path.iterdir()] == [final.name]  # our staging folder is gone
     assert (final / "config.json").read_text() == "{}"
 
