@@ -2,4 +2,4 @@
 # A completion with curl; MOESERVE_URL defaults to the server `moeserve launch` starts.
 URL=${MOESERVE_URL:-http://127.0.0.1:8000}
 curl -sf "$URL/v1/completions" -H 'Content-Type: application/json' \
-     -d '{"prompt": "Hello", "max_tokens": 16, "temperature": 0}'
+     -d '{"prompt": "def read_file(path):\n", "max_tokens": 32, "temperature": 0}'
