@@ -554,6 +554,8 @@ class Scheduler:
             room = min(room, max_tokens - request.num_output_tokens - 1)
         if room < 1:
             return []
+        if spec.method == "mtp":  # slots only: the runner's MTP layers fill them in (`worker.mtp_drafter`)
+            return [request.all_token_ids[-1]] * room
         return propose_ngram(request.all_token_ids, room, spec.prompt_lookup_min, spec.prompt_lookup_max)
 
     def _admit_waiting(self, plan: _StepPlan) -> None:
