@@ -29,8 +29,9 @@ Mechanics shared by both policies: iteration-level batching, preemption by recom
   computed in this very step waits for the next one, which finds it cached.
 
 - Speculative decoding (`SchedulerConfig.speculative`): a decode whose drafts can be verified
-  exactly feeds n-gram drafts after its last token, out of the budget left once every later
-  running request has its token, and only with blocks free (drafts never preempt). `update` takes
+  exactly feeds n-gram drafts (or slots the runner's MTP layers fill) after its last token, out
+  of the budget left once every later running request has its token, and only with blocks free
+  (drafts never preempt). `update` takes
   the kept drafts and the sampled token, appends them through the stop rules, counts only them as
   computed and releases the blocks past them (`BlockManager.trim`).
 
