@@ -31,10 +31,11 @@ def test_ngram_drafts_at_ep4_give_one_process_greedy_tokens(make_checkpoint, arc
     assert counts.spec_decode.num_accepted_tokens > 0
 
 
-@pytest.mark.parametrize("arch", ["deepseek_v3", "glm4_moe"])
-def test_mtp_drafts_at_ep4_give_one_process_greedy_tokens(tmp_path_factory, arch) -> None:
+@pytest.mark.parametrize("arch, tp", [("deepseek_v3", 1), ("glm4_moe", 2)])
+def test_mtp_drafts_at_ep4_give_one_process_greedy_tokens(tmp_path_factory, arch, tp) -> None:
     """Every rank runs the MTP passes (their MoE joins the all-to-all even when a rank has no
-    drafting sequence) and fills the same drafts its sampling rank verifies."""
+    drafting sequence) and fills the same drafts its sampling rank verifies; under tp=2 each
+    rank of a group computes the drafts from the same gathered rows."""
     folder = str(mtp_checkpoint(tmp_path_factory.mktemp("mtp"), arch))
     g = torch.Generator().manual_seed(2)
     prompts = [{"prompt_token_ids": torch.randint(3, 300, (n,), generator=g).tolist()} for n in (7, 23, 12)]
@@ -42,7 +43,7 @@ def test_mtp_drafts_at_ep4_give_one_process_greedy_tokens(tmp_path_factory, arch
     for k in (1, 3):
         counts = CountingStatLogger()
         mtp = {"method": "mtp", "num_speculative_tokens": k}
-        with LLM(folder, ep=4, speculative_config=mtp, stat_loggers=[counts], **ENGINE) as llm:
+        with LLM(folder, ep=4, tp=tp, speculative_config=mtp, stat_loggers=[counts], **ENGINE) as llm:
             got = llm.generate(prompts, GREEDY, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
         assert counts.spec_decode.num_accepted_tokens > 0
