@@ -296,7 +296,13 @@ class Scheduler:
         ahead = self._waiting.ahead_of(request)
         tbt_s = min(self._targets(r)[1] for r in (request, *self._running, *ahead))
         own = Work(request.num_tokens, 0, 1, blocks_for_tokens(request.num_tokens, self.config.block_size))
-        capacity = Capacity(self.config.max_num_seqs, self.config.num_kv_blocks, self.config.max_num_batched_tokens)
+        spec = self.config.speculative
+        capacity = Capacity(
+            self.config.max_num_seqs,
+            self.config.num_kv_blocks,
+            self.config.max_num_batched_tokens,
+            1 if spec is None else 1 + spec.num_speculative_tokens,
+        )
         running = [self._work(r) for r in self._running]
         return project_first_token(model, sizer, capacity, running, [self._work(r) for r in ahead], own, tbt_s)
 
