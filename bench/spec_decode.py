@@ -233,6 +233,23 @@ def main() -> None:
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "spec_decode.json").write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
+    print(table(results))
+
+
+def table(results: dict[str, dict]) -> str:
+    """The summary per case: acceptance, tokens a drafting sequence gained per target step, the
+    batch's target steps with and without drafts, and the median TPOT ratio."""
+    lines = [
+        "| case | drafts kept | mean accepted length | target steps (spec / none) | TPOT speedup (median) |",
+        "|---|---|---|---|---|",
+    ]
+    for case, r in results.items():
+        steps = r["target_steps"]
+        lines.append(
+            f"| {case} | {r['acceptance_rate']:.0%} | {r['mean_accepted_length']:.2f} | "
+            f"{steps['ngram']} / {steps['none']} | {r['tpot_speedup_median']:.2f}x |"
+        )
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
