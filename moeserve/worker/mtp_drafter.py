@@ -104,7 +104,7 @@ class MTPDrafter:
             kept = [state[0].index(i) for i in alive]
             prev = state[1][int64_tensor(kept).to(device)] if state[1] is not None and kept else None
             inputs = [prev] if prev is not None else []
-            layer = min(j, len(self.caches) - 1)
+            layer = min(j, len(self.model.mtp) - 1)
             stream, normed = self._run(layer, scheduled, rows, inputs, [[drafts[i][-1]] for i in alive], device)
             state = self._propose(layer, alive, list(range(len(alive))), stream, normed, drafts)
         return [
