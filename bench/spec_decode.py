@@ -1,4 +1,5 @@
-"""What n-gram speculative decoding buys on a repetitive workload, against no speculation.
+"""What speculative decoding buys, n-gram drafts on a repetitive workload and MTP drafts on a
+plain one, against no speculation.
 
 Workload: each request's prompt is a random 24-token passage quoted four times (a document under
 discussion, code being edited), 8 requests at once, 64 greedy tokens each. Two models of the same
@@ -15,9 +16,18 @@ the batch (steps that gave some stream a token after its first) and the median T
 gained per target step, kept drafts + 1) from the engine's counters. The CPU is shared with other
 work, so TPOT is noisy; the step counts are not.
 
-    python bench/spec_decode.py [--repeats 3] [--requests 8] [--k 3]
+MTP (`{"method": "mtp", "num_speculative_tokens": K}`) runs on random prompts (nothing repeats)
+with a DeepSeek-V3 checkpoint whose MTP layer is built to agree with the target (make-model
+`--mtp-layers 1 --mtp-init aligned`: a copy of the target's last decoder layer reading the next
+token's embedding, with the target's embedding, norm and head; see `checkpoints/mtp.py`). Its
+first three layers are dense with their o_proj and down_proj zeroed after it is made: they cost
+a target step what three layers cost but add nothing, so the target's last (MoE) layer computes
+what a one-layer model would, which the MTP copy of it predicts at the next position exactly but
+for attention to the first token. The draft then costs one layer of the target's four, as an
+MTP layer costs DeepSeek-V3 one of its 62. Same rounds and measures as above.
 
-MTP is not measured: the engine does not load MTP weights yet (`"method": "mtp"` is refused).
+    python bench/spec_decode.py [--repeats 3] [--requests 8] [--k 3] [--cases repetitive random mtp]
+
 Writes bench/results/spec_decode.json.
 """
 
@@ -57,6 +67,21 @@ SPEC = MakeModelSpec(
     dtype="float32",
     max_position_embeddings=4096,
 )
+MTP_SPEC = MakeModelSpec(
+    arch="deepseek_v3",
+    layers=4,
+    first_k_dense_replace=3,
+    hidden=256,
+    experts=8,
+    top_k=2,
+    vocab=512,
+    heads=4,
+    dtype="float32",
+    max_position_embeddings=4096,
+    mtp_layers=1,
+    mtp_init="aligned",
+)
+MTP_SILENT_LAYERS = ("model.layers.0.", "model.layers.1.", "model.layers.2.")
 GREEDY = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
 
 
@@ -74,29 +99,35 @@ class Counters:
             self.spec.merge(stats.spec_decode)
 
 
-def make_repetitive(model: Path) -> Path:
-    """A copy of `model` whose layers add nothing to the residual stream (attention o_proj and
-    expert down_proj zeroed): the next greedy token depends on the last token alone."""
-    out = model.parent / "repetitive"
+def silence(model: Path, name: str, layers: tuple[str, ...] = ("model.layers.",)) -> Path:
+    """A copy of `model` whose `layers` add nothing to the residual stream (attention o_proj and
+    expert down_proj zeroed) but cost what they did; the MTP layers' own file is left alone.
+    All layers silent: the next greedy token depends on the last token alone."""
+    out = model.parent / name
     shutil.copytree(model, out)
-    for shard in out.glob("*.safetensors"):
+    for shard in out.glob("model*.safetensors"):
+        if shard.name == "model-mtp.safetensors":
+            continue
         tensors = load_file(shard)
-        for name, tensor in tensors.items():
-            if name.endswith(("o_proj.weight", "down_proj.weight")):
+        for tensor_name, tensor in tensors.items():
+            if tensor_name.startswith(layers) and tensor_name.endswith(("o_proj.weight", "down_proj.weight")):
                 tensor.zero_()
         save_file(tensors, shard, metadata={"format": "pt"})
     return out
 
 
-def make_engine(model: Path, k: int | None, counters: Counters) -> LLMEngine:
-    spec = None if k is None else {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4}
+def make_engine(model: Path, spec: dict | None, counters: Counters) -> LLMEngine:
     config = EngineConfig.from_options(model=str(model), max_model_len=1024, speculative_config=spec)
     return LLMEngine(config, stat_loggers=[counters])
 
 
-def prompts(rng: random.Random, requests: int) -> list[list[int]]:
+def quoted_prompts(rng: random.Random, requests: int) -> list[list[int]]:
     passages = [[rng.randrange(5, SPEC.vocab) for _ in range(24)] for _ in range(requests)]
     return [passage * 4 for passage in passages]
+
+
+def random_prompts(rng: random.Random, requests: int) -> list[list[int]]:
+    return [[rng.randrange(5, MTP_SPEC.vocab) for _ in range(32)] for _ in range(requests)]
 
 
 def run(engine: LLMEngine, batch: list[list[int]]) -> tuple[list[list[int]], list[float]]:
@@ -114,11 +145,13 @@ def run(engine: LLMEngine, batch: list[list[int]]) -> tuple[list[list[int]], lis
     return [done[i].outputs[0].token_ids for i in ids], tpots
 
 
-def compare(model: Path, k: int, repeats: int, requests: int, rng: random.Random) -> dict:
-    """Alternating rounds of the two engines on `model`; the summary of them."""
-    modes = {"ngram": k, "none": None}
+def compare(model: Path, method: dict, prompts, repeats: int, requests: int, rng: random.Random) -> dict:
+    """Alternating rounds of the two engines on `model`, one speculating with `method` (its rows
+    keep the name "ngram" for either method, as earlier results have them), on batches of
+    `prompts(rng, requests)`; the summary of them."""
+    modes = {"ngram": method, "none": None}
     counters = {mode: Counters() for mode in modes}
-    engines = {mode: make_engine(model, k, counters[mode]) for mode, k in modes.items()}
+    engines = {mode: make_engine(model, spec, counters[mode]) for mode, spec in modes.items()}
     for engine in engines.values():  # warm-up, unmeasured
         run(engine, prompts(rng, 2))
     counters["ngram"].spec = SpecDecodeStats()
@@ -164,23 +197,35 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--cases", nargs="+", default=["repetitive", "random", "mtp"])
     args = parser.parse_args()
 
-    model = make_model(SPEC, Path(tempfile.mkdtemp()) / "random")
+    root = Path(tempfile.mkdtemp())
     rng = random.Random(args.seed)
-    results = {
-        name: compare(folder, args.k, args.repeats, args.requests, rng)
-        for name, folder in (("repetitive", make_repetitive(model)), ("random", model))
-    }
+    ngram = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 4}
+    mtp = {"method": "mtp", "num_speculative_tokens": args.k}
+    results = {}
+    for case in args.cases:
+        if case == "mtp":
+            model = silence(make_model(MTP_SPEC, root / "mtp-made"), "mtp", MTP_SILENT_LAYERS)
+            results[case] = compare(model, mtp, random_prompts, args.repeats, args.requests, rng)
+            continue
+        if not (root / "random").exists():
+            make_model(SPEC, root / "random")
+        model = silence(root / "random", "repetitive") if case == "repetitive" else root / "random"
+        results[case] = compare(model, ngram, quoted_prompts, args.repeats, args.requests, rng)
     result = {
         "device": f"CPU: {platform.processor() or platform.machine()}, {os.cpu_count()} cores (shared)",
         "model": (
-            f"qwen3_moe, {SPEC.layers} layers, hidden {SPEC.hidden}, {SPEC.experts} experts top-{SPEC.top_k}, "
-            "float32: random weights, and the same with o_proj and down_proj zeroed (repetitive)"
+            f"ngram: qwen3_moe, {SPEC.layers} layers, hidden {SPEC.hidden}, {SPEC.experts} experts "
+            f"top-{SPEC.top_k}, float32: random weights, and the same with o_proj and down_proj zeroed "
+            f"(repetitive); mtp: deepseek_v3, {MTP_SPEC.layers} layers (the first 3 dense and silent), hidden "
+            f"{MTP_SPEC.hidden}, {MTP_SPEC.experts} experts top-{MTP_SPEC.top_k}, float32, one aligned MTP layer"
         ),
         "load": (
-            f"{args.requests} requests at once, each a 24-token passage quoted 4 times, "
-            f"{GREEDY.max_tokens} greedy tokens out; ngram k={args.k}, prompt_lookup 1..4"
+            f"{args.requests} requests at once, {GREEDY.max_tokens} greedy tokens out; ngram: each prompt a "
+            f"24-token passage quoted 4 times, k={args.k}, prompt_lookup 1..4; mtp: random 32-token prompts, "
+            f"k={args.k}"
         ),
         "repeats": args.repeats,
         **results,
@@ -188,6 +233,23 @@ def main() -> None:
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "spec_decode.json").write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
+    print(table(results))
+
+
+def table(results: dict[str, dict]) -> str:
+    """The summary per case: acceptance, tokens a drafting sequence gained per target step, the
+    batch's target steps with and without drafts, and the median TPOT ratio."""
+    lines = [
+        "| case | drafts kept | mean accepted length | target steps (spec / none) | TPOT speedup (median) |",
+        "|---|---|---|---|---|",
+    ]
+    for case, r in results.items():
+        steps = r["target_steps"]
+        lines.append(
+            f"| {case} | {r['acceptance_rate']:.0%} | {r['mean_accepted_length']:.2f} | "
+            f"{steps['ngram']} / {steps['none']} | {r['tpot_speedup_median']:.2f}x |"
+        )
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

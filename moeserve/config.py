@@ -171,6 +171,9 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     checkpoint_dtype: torch.dtype = torch.float32
     weight_quant: BlockFP8Config | MXFP4Config | None = None  # None: weights stored in checkpoint_dtype
+    num_mtp_layers: int = 0
+    """Multi-token prediction layers the checkpoint stores after its decoder layers (DeepSeek-V3's
+    and GLM-4.5's `num_nextn_predict_layers`); loaded only to draft (`spec_decode` method mtp)."""
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:

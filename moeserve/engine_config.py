@@ -486,7 +486,8 @@ class EngineConfig:
     QueueFullError). None: no bound, as offline `LLM.generate` queues all its prompts at once."""
     speculative_config: SpeculativeConfig | None = option(None, parse=parse_speculative_config)
     """Speculative decoding, as a JSON object with vLLM's keys, e.g. {"method": "ngram",
-    "num_speculative_tokens": 3, "prompt_lookup_max": 4}: each decode step also feeds up to that
+    "num_speculative_tokens": 3, "prompt_lookup_max": 4} or {"method": "mtp", "num_speculative_tokens":
+    1} (the checkpoint's multi-token prediction layers draft): each decode step also feeds up to that
     many draft tokens, which one forward verifies. Greedy outputs are the same as without it; only
     greedy sequences without penalties, logprobs or grammars draft. None: no drafts."""
     min_step_time_s: float = option(

@@ -47,6 +47,7 @@ from transformers import (
 )
 
 from moeserve.checkpoints import quantize_fp8, quantize_mxfp4
+from moeserve.checkpoints.mtp import write_mtp_layers
 from moeserve.checkpoints.spec import SUPPORTED_ARCHS, MakeModelSpec
 from moeserve.checkpoints.tokenizer import BOS_ID, EOS_ID, HARMONY_IDS, IM_END_ID, PAD_ID, train_tokenizer
 
@@ -77,6 +78,8 @@ def make_model(spec: MakeModelSpec, out_dir: Path) -> Path:
         _randomise_expert_biases(model)
     model.generation_config = _generation_config(spec)
     model.save_pretrained(out_dir, max_shard_size=spec.max_shard_bytes)
+    if spec.mtp_layers:
+        write_mtp_layers(spec, _ARCH_CONFIGS[spec.arch], out_dir)
     if spec.quantize == "fp8":
         quantize_fp8.quantize_checkpoint(out_dir)
     elif spec.quantize == "mxfp4":

@@ -15,6 +15,7 @@ Arch = Literal["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "olmoe", "glm
 DType = Literal["float32", "bfloat16", "float16"]
 Quantize = Literal["none", "fp8", "mxfp4"]
 ChatFormat = Literal["chatml", "harmony"]
+MTPInit = Literal["random", "aligned"]
 SUPPORTED_ARCHS: tuple[str, ...] = get_args(Arch)
 SUPPORTED_DTYPES: tuple[str, ...] = get_args(DType)
 GROUPED_ROUTER_ARCHS = ("deepseek_v3", "glm4_moe")  # group-limited routing, dense first layers, shared experts
@@ -85,6 +86,12 @@ class MakeModelSpec:
     """Longest sequence; also the tokenizer's model_max_length."""
     max_shard_bytes: int = 1 << 30
     """Largest safetensors file; above it HF writes shards and model.safetensors.index.json."""
+    mtp_layers: int = 0
+    """deepseek_v3, glm4_moe: multi-token prediction layers written after the decoder layers, as
+    the releases store them (`num_nextn_predict_layers`); speculative decoding's mtp drafts."""
+    mtp_init: MTPInit = "random"
+    """How the MTP layers are made: random, or aligned (built to agree with the target often:
+    see `checkpoints/mtp.py`)."""
     quantize: Quantize = "none"
     """fp8: linear weights saved as FP8 with a float32 scale per 128x128 block, as DeepSeek-V3
     and Qwen3-FP8 are published (embeddings, LM head, norms and routers stay in dtype). mxfp4
@@ -156,6 +163,12 @@ def _check_common(spec: MakeModelSpec) -> None:
         f"moe_intermediate={spec.expert_intermediate} must be multiples of 32",
     )
     _require(spec.init_std > 0, f"init_std={spec.init_std} must be positive")
+    _require(spec.mtp_layers >= 0, f"mtp_layers={spec.mtp_layers} must be >= 0")
+    _require(
+        spec.mtp_layers == 0 or spec.arch in ("deepseek_v3", "glm4_moe"),
+        f"mtp_layers: {spec.arch} has no multi-token prediction layers (deepseek_v3 and glm4_moe do)",
+    )
+    _require(spec.mtp_layers == 0 or spec.quantize == "none", "mtp_layers are written unquantized only")
     _require(
         spec.chat_format in get_args(ChatFormat),
         f"chat_format={spec.chat_format!r}: expected one of {get_args(ChatFormat)}",

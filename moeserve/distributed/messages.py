@@ -39,6 +39,9 @@ class WorkerSpec:
     """Per data-parallel group, as its scheduler has it: the largest decode batch."""
     max_model_len: int = 1
     """The longest context a sequence reaches (the captured decode steps are shaped for it)."""
+    mtp_drafts: int = 0
+    """Speculative decoding with method mtp: drafts per decode, made by the MTP layers each rank
+    loads (0: none loaded)."""
 
 
 @dataclass(frozen=True)

@@ -216,11 +216,18 @@ class Worker:
             self.tp,
             create_ops(spec.kernels, self.device),
             self.expert_map,
+            with_mtp=spec.mtp_drafts > 0,
         )
         # One block more when decode graphs may be captured: their pad rows' scratch block.
         scratch = 1 if spec.cuda_graphs.wanted(str(self.device)) else 0
         kv_caches = allocate_kv_caches(
-            model.cfg, spec.num_kv_blocks + scratch, spec.block_size, spec.dtype, self.device, self.tp.size
+            model.cfg,
+            spec.num_kv_blocks + scratch,
+            spec.block_size,
+            spec.dtype,
+            self.device,
+            self.tp.size,
+            len(model.mtp),
         )
         settings = GraphSettings(
             str(self.device),
@@ -242,6 +249,7 @@ class Worker:
             samples=self.tp.rank == 0,
             two_batch_overlap=spec.parallel.two_batch_overlap,
             graphs=graphs,
+            mtp_drafts=spec.mtp_drafts,
         )
         self.rebalancer = None
         if eplb.enabled:
@@ -264,7 +272,8 @@ class Worker:
             num_local_experts=placement.num_local_experts,
             expert_bytes=sizes.experts,
             other_bytes=sizes.other,
-            kv_bytes=spec.num_kv_blocks * bytes_per_block(model.cfg, spec.block_size, spec.dtype, self.tp.size),
+            kv_bytes=spec.num_kv_blocks
+            * bytes_per_block(model.cfg, spec.block_size, spec.dtype, self.tp.size, len(model.mtp)),
             dispatcher=dispatcher.name,
             decode_graph_sizes=graphs.sizes if graphs is not None else (),
         )

@@ -36,6 +36,7 @@ class InProcessExecutor(Executor):
         eos_token_ids: Sequence[int],
     ) -> None:
         self.num_kv_blocks = num_kv_blocks
+        mtp_drafts = 0 if config.speculative_config is None else config.speculative_config.mtp_drafts
         eplb = config.parallel.eplb
         self._moe_layers = model_config.moe_layer_indices
         self._load_record = None
@@ -54,11 +55,14 @@ class InProcessExecutor(Executor):
             dispatcher,
             ops=create_ops(config.kernels, config.device),
             expert_map=self.expert_map,
+            with_mtp=mtp_drafts > 0,
         )
         # One block more when decode graphs may be captured: their pad rows' scratch block.
         scratch = 1 if config.cuda_graphs.wanted(config.device) else 0
         block_size = config.cache.block_size
-        kv_caches = allocate_kv_caches(model_config, num_kv_blocks + scratch, block_size, dtype, config.device)
+        kv_caches = allocate_kv_caches(
+            model_config, num_kv_blocks + scratch, block_size, dtype, config.device, mtp_layers=len(self.model.mtp)
+        )
         settings = GraphSettings(
             config.device,
             config.max_num_seqs,
@@ -75,6 +79,7 @@ class InProcessExecutor(Executor):
             seed=config.seed,
             two_batch_overlap=config.parallel.two_batch_overlap,
             graphs=graphs,
+            mtp_drafts=mtp_drafts,
         )
 
     def execute(self, plan: StepPlan, token_bitmask: PendingBitmask | None = None) -> dict[str, SampledToken]:

@@ -142,6 +142,7 @@ class MultiprocessExecutor(Executor):
                 cuda_graphs=config.cuda_graphs,
                 max_num_seqs=config.max_num_seqs,
                 max_model_len=config.max_model_len or model_config.max_position_embeddings,
+                mtp_drafts=0 if config.speculative_config is None else config.speculative_config.mtp_drafts,
             ),
         )
         put(self._store, CONTROL_KEY, self._channel.addresses)

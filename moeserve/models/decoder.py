@@ -23,6 +23,7 @@ from moeserve.models.layers.mlp import GatedMLP
 from moeserve.models.layers.moe import MoEBlock
 from moeserve.models.layers.norm import RMSNorm
 from moeserve.models.layers.rotary import RotaryEmbedding
+from moeserve.models.mtp import MTPLayer
 from moeserve.models.tensor_parallel import SINGLE, TensorParallel
 from moeserve.ops import TORCH_OPS, LayerOps
 from moeserve.ops.attention import AttentionPlan
@@ -131,6 +132,8 @@ class MoECausalLM(nn.Module):
     """Token ids of one step (all sequences packed, no padding) -> hidden states -> logits.
 
     Parameters are allocated uninitialised; the loader fills every one of them or fails.
+    `with_mtp`: also hold the checkpoint's multi-token prediction layers (`mtp`), which draft
+    tokens for speculative decoding; their KV caches follow the decoder layers' in `kv_caches`.
     """
 
     def __init__(
@@ -141,6 +144,7 @@ class MoECausalLM(nn.Module):
         device: torch.device | str = "cpu",
         tp: TensorParallel = SINGLE,
         ops: LayerOps = TORCH_OPS,
+        with_mtp: bool = False,
     ) -> None:
         super().__init__()
         self.cfg = cfg
@@ -160,6 +164,11 @@ class MoECausalLM(nn.Module):
                 torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device), requires_grad=False
             )
         self.rotary = RotaryEmbedding(cfg.rope, device)
+        template = cfg.moe_layer_indices[-1] if cfg.moe_layer_indices else 0
+        self.mtp = nn.ModuleList(
+            MTPLayer(cfg, DecoderLayer(cfg, template, dispatcher, dtype, device, tp, ops), dtype, device, tp, ops)
+            for _ in range(cfg.num_mtp_layers if with_mtp else 0)
+        )
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         """Shape of one layer's KV cache on this rank (all layers are alike)."""
@@ -179,6 +188,17 @@ class MoECausalLM(nn.Module):
         max_tokens_per_rank: the most tokens any rank of the EP group dispatches in an MoE layer
         this step, the same on every rank (None: unknown); lets a dispatcher skip host syncs.
         """
+        return finish(self._layers(input_ids, positions, plan, kv_caches, max_tokens_per_rank, in_steps=False))[0]
+
+    def forward_with_stream(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        plan: AttentionPlan,
+        kv_caches: list[torch.Tensor],
+        max_tokens_per_rank: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward(), and the residual stream before the final norm `[T, H]`: what the MTP layers read."""
         return finish(self._layers(input_ids, positions, plan, kv_caches, max_tokens_per_rank, in_steps=False))
 
     def forward_steps(
@@ -194,7 +214,8 @@ class MoECausalLM(nn.Module):
         returns. A micro-batch may be empty (T = 0): it still joins every collective.
 
         max_tokens_per_rank: a bound on the tokens any rank dispatches for this micro-batch."""
-        return self._layers(input_ids, positions, plan, kv_caches, max_tokens_per_rank, in_steps=True)
+        hidden, _ = yield from self._layers(input_ids, positions, plan, kv_caches, max_tokens_per_rank, in_steps=True)
+        return hidden
 
     def _layers(
         self,
@@ -204,9 +225,10 @@ class MoECausalLM(nn.Module):
         kv_caches: list[torch.Tensor],
         max_tokens_per_rank: int | None,
         in_steps: bool,
-    ) -> Steps[torch.Tensor]:
-        """The one body of forward() and forward_steps(). Without `in_steps` each layer is called as
-        a module (one step, forward hooks fire); with it, through its own steps."""
+    ) -> Steps[tuple[torch.Tensor, torch.Tensor]]:
+        """The one body of forward() and forward_steps(): (final hidden states, the stream before
+        the final norm), both `[T, H]`. Without `in_steps` each layer is called as a module (one
+        step, forward hooks fire); with it, through its own steps."""
         x = F.embedding(input_ids, self.embed_tokens)  # [T, H]
         cos, sin = self.rotary.cos_sin(positions, self.dtype)  # [T, rotary_dim], once for all layers
         residual = None
@@ -216,8 +238,11 @@ class MoECausalLM(nn.Module):
                 x, residual = yield from layer.forward_steps(*args)
             else:
                 x, residual = layer(*args)
-        hidden, _ = self.norm.add(x, residual)
-        return self.tp.all_gather_tokens(hidden, input_ids.shape[0])
+        hidden, stream = self.norm.add(x, residual)
+        num_tokens = input_ids.shape[0]
+        if not self.mtp:  # nobody reads the stream: no gather for it
+            return self.tp.all_gather_tokens(hidden, num_tokens), stream
+        return self.tp.all_gather_tokens(hidden, num_tokens), self.tp.all_gather_tokens(stream, num_tokens)
 
     def moe_blocks(self) -> list[MoEBlock]:
         """The MoE layers' blocks in model order (the order `ExpertMap` layers are in)."""

@@ -40,8 +40,13 @@ def load_model(
     tp: TensorParallel = SINGLE,
     ops: LayerOps = TORCH_OPS,
     expert_map: ExpertMap | None = None,
+    with_mtp: bool = False,
 ) -> MoECausalLM:
     """Build the model for `folder`'s architecture and load this rank's share of its weights.
+
+    `with_mtp`: also load the checkpoint's multi-token prediction layers (speculative decoding's
+    mtp drafts). Their experts sit in the slots of the default placement: a map with redundant or
+    moved experts (EPLB) covers the decoder's MoE layers only, so it is refused with them.
 
     The rank's physical expert slots are `dispatcher.placement`'s, and `expert_map` says which
     logical expert each holds (None: slot e holds expert e, no redundant experts); without a
@@ -64,10 +69,16 @@ def load_model(
     reason = ops.supports_model(cfg)
     if reason is not None:
         raise ValueError(f"{cfg.architecture} cannot run on kernels={ops.name}: {reason}")
-    model = MoECausalLM(cfg, dispatcher, dtype, device, tp, ops)
+    if with_mtp:
+        _check_mtp(cfg, expert_map, reader)
+    model = MoECausalLM(cfg, dispatcher, dtype, device, tp, ops, with_mtp)
     experts_by_layer = {layer: expert_map.local_logical(i, placement.rank) for i, layer in enumerate(moe_layers)}
+    for i in range(len(model.mtp)):
+        experts_by_layer[cfg.num_layers + i] = expert_map.local_logical(0, placement.rank)
     targets = {name: p for name, p in model.named_parameters()}
-    sources = {name: weight_source(name, arch.names, experts_by_layer, cfg.num_experts) for name in targets}
+    sources = {
+        name: weight_source(name, arch.names, experts_by_layer, cfg.num_experts, cfg.num_layers) for name in targets
+    }
     mxfp4 = mxfp4_sources(sources, targets, reader, cfg.weight_quant)
     plain = {name: source for name, source in sources.items() if name not in mxfp4}
     check_sources(plain, targets, reader)
@@ -106,6 +117,28 @@ def load_model(
         f", {len(fp8)} parameters in FP8" if fp8 else f", {len(mxfp4)} parameters in MXFP4" if mxfp4 else "",
     )
     return model
+
+
+def _check_mtp(cfg: ModelConfig, expert_map: ExpertMap, reader: CheckpointReader) -> None:
+    """MTP drafts need the checkpoint's MTP layers and an expert map their MoE can share."""
+    if not cfg.num_mtp_layers:
+        raise ValueError(
+            f"speculative_config method 'mtp' needs multi-token prediction weights, and this {cfg.architecture} "
+            "checkpoint has none (config.json's num_nextn_predict_layers is 0 or absent)"
+        )
+    first = f"model.layers.{cfg.num_layers}.eh_proj.weight"
+    if first not in reader:
+        raise ValueError(
+            f"speculative_config method 'mtp': config.json's num_nextn_predict_layers is {cfg.num_mtp_layers}, "
+            f"but the checkpoint holds no MTP layer ({first} is missing; transformers saves none)"
+        )
+    if not cfg.moe_layer_indices:
+        raise ValueError("speculative_config method 'mtp' needs MoE layers (MTP layers are MoE layers)")
+    if not expert_map.is_identity:
+        raise ValueError(
+            "speculative_config method 'mtp' runs with each expert in its default slot only "
+            "(no redundant experts, no expert placement or rebalancing)"
+        )
 
 
 class ExpertReader:

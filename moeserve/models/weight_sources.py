@@ -141,10 +141,34 @@ def layer_source(
     raise KeyError(f"no checkpoint mapping for layer parameter {suffix!r}")
 
 
+# An MTP layer's own tensors (ours -> checkpoint suffix after `model.layers.{num_layers + i}.`).
+_MTP = {
+    "embed_tokens": "embed_tokens.weight",
+    "enorm.weight": "enorm.weight",
+    "hnorm.weight": "hnorm.weight",
+    "eh_proj": "eh_proj.weight",
+    "head_norm.weight": "shared_head.norm.weight",
+    "head": "shared_head.head.weight",
+}
+
+
 def weight_source(
-    name: str, names: CheckpointNames, experts_by_layer: dict[int, tuple[int, ...]], num_experts: int
+    name: str,
+    names: CheckpointNames,
+    experts_by_layer: dict[int, tuple[int, ...]],
+    num_experts: int,
+    num_layers: int = 0,
 ) -> WeightSource | FusedExpertsSource:
-    """experts_by_layer: decoder layer -> the checkpoint expert in each of this rank's slots."""
+    """experts_by_layer: decoder layer -> the checkpoint expert in each of this rank's slots (MTP
+    layer i is decoder layer `num_layers + i`, as checkpoints number it)."""
+    mtp = re.fullmatch(r"mtp\.(\d+)\.(.+)", name)
+    if mtp is not None:
+        layer, suffix = num_layers + int(mtp.group(1)), mtp.group(2)
+        if suffix in _MTP:
+            return WeightSource.one(f"model.layers.{layer}.{_MTP[suffix]}")
+        if not suffix.startswith("layer."):
+            raise KeyError(f"no checkpoint mapping for parameter {name!r}")
+        return layer_source(layer, suffix[len("layer.") :], names, experts_by_layer.get(layer, ()), num_experts)
     if name == "embed_tokens":
         return WeightSource.one("model.embed_tokens.weight")
     if name == "lm_head":

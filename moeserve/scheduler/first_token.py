@@ -65,6 +65,10 @@ class Capacity:
     max_num_seqs: int
     num_kv_blocks: int
     max_num_batched_tokens: int
+    decode_tokens: int = 1
+    """Tokens a decode feeds a step: 1, or with speculative decoding 1 + the drafts it may carry.
+    The projection has each decode feed them all and gain one token a step (every draft
+    rejected): a speculative step's cost, on the side of a later first token."""
 
 
 WAIT_REASONS = ("a seat", "KV blocks", "prefill")
@@ -188,15 +192,17 @@ class _Projection:
     def _chunk(self, decode_shape: StepShape, num_decodes: int, head_position: int) -> int:
         """Prefill tokens a step carries: the budget left by the decodes, at most what is
         pending, cut to the TBT target while there are decodes (slo)."""
-        most = min(self.capacity.max_num_batched_tokens - num_decodes, self.pending)
+        most = min(self.capacity.max_num_batched_tokens - num_decodes * self.capacity.decode_tokens, self.pending)
         if self.sizer is not None and num_decodes:
             most = self.sizer.chunk_tokens(decode_shape, head_position, most, 0, self.tbt_s)
         return max(1, most)
 
     def _decode_shape(self, num_decodes: int) -> StepShape:
-        """The running decodes, one token each, at this step."""
-        kv = self._kv_offset + num_decodes * self.step + num_decodes
-        return StepShape(num_decodes, num_decodes, kv, kv)
+        """The running decodes, `decode_tokens` each (their last token and its drafts), at this step."""
+        fed = self.capacity.decode_tokens
+        contexts = self._kv_offset + num_decodes * self.step  # before this step's tokens
+        pairs = fed * contexts + num_decodes * fed * (fed + 1) // 2
+        return StepShape(num_decodes * fed, num_decodes, contexts + num_decodes * fed, pairs)
 
     def _next_run(self) -> tuple[int, int, int]:
         """(steps until the next event, prefill tokens per step, position of the head prefill)."""
@@ -220,7 +226,7 @@ class _Projection:
             first.num_tokens,
             first.num_seqs,
             first.num_kv_reads + (num_decodes + chunk) * more,
-            first.num_attention_pairs + (num_decodes + chunk * chunk) * more,
+            first.num_attention_pairs + (num_decodes * self.capacity.decode_tokens + chunk * chunk) * more,
         )
         return (self.model.predict(first) + self.model.predict(last)) / 2 / SLO_STEP_HEADROOM
 

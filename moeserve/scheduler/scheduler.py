@@ -29,8 +29,9 @@ Mechanics shared by both policies: iteration-level batching, preemption by recom
   computed in this very step waits for the next one, which finds it cached.
 
 - Speculative decoding (`SchedulerConfig.speculative`): a decode whose drafts can be verified
-  exactly feeds n-gram drafts after its last token, out of the budget left once every later
-  running request has its token, and only with blocks free (drafts never preempt). `update` takes
+  exactly feeds n-gram drafts (or slots the runner's MTP layers fill) after its last token, out
+  of the budget left once every later running request has its token, and only with blocks free
+  (drafts never preempt). `update` takes
   the kept drafts and the sampled token, appends them through the stop rules, counts only them as
   computed and releases the blocks past them (`BlockManager.trim`).
 
@@ -295,7 +296,13 @@ class Scheduler:
         ahead = self._waiting.ahead_of(request)
         tbt_s = min(self._targets(r)[1] for r in (request, *self._running, *ahead))
         own = Work(request.num_tokens, 0, 1, blocks_for_tokens(request.num_tokens, self.config.block_size))
-        capacity = Capacity(self.config.max_num_seqs, self.config.num_kv_blocks, self.config.max_num_batched_tokens)
+        spec = self.config.speculative
+        capacity = Capacity(
+            self.config.max_num_seqs,
+            self.config.num_kv_blocks,
+            self.config.max_num_batched_tokens,
+            1 if spec is None else 1 + spec.num_speculative_tokens,
+        )
         running = [self._work(r) for r in self._running]
         return project_first_token(model, sizer, capacity, running, [self._work(r) for r in ahead], own, tbt_s)
 
@@ -554,6 +561,8 @@ class Scheduler:
             room = min(room, max_tokens - request.num_output_tokens - 1)
         if room < 1:
             return []
+        if spec.method == "mtp":  # slots only: the runner's MTP layers fill them in (`worker.mtp_drafter`)
+            return [request.all_token_ids[-1]] * room
         return propose_ngram(request.all_token_ids, room, spec.prompt_lookup_min, spec.prompt_lookup_max)
 
     def _admit_waiting(self, plan: _StepPlan) -> None:

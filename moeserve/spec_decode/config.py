@@ -6,9 +6,9 @@ import json
 from dataclasses import dataclass, fields
 from typing import Any
 
-SPECULATIVE_METHODS: tuple[str, ...] = ("ngram",)
-"""Draft methods this engine runs. vLLM's `mtp` (DeepSeek's multi-token prediction layers) is
-refused: the engine does not load MTP weights yet."""
+SPECULATIVE_METHODS: tuple[str, ...] = ("ngram", "mtp")
+"""Draft methods this engine runs: prompt lookup, and the checkpoint's multi-token prediction
+layers (DeepSeek-V3, GLM-4.5; a checkpoint without them is refused when the model loads)."""
 
 
 @dataclass(frozen=True)
@@ -17,7 +17,8 @@ class SpeculativeConfig:
 
     method: str
     """Where drafts come from: "ngram" (prompt lookup: the tokens that followed the latest earlier
-    occurrence of the sequence's last n tokens)."""
+    occurrence of the sequence's last n tokens) or "mtp" (the checkpoint's multi-token prediction
+    layers, run by the model runner on the target's hidden states)."""
     num_speculative_tokens: int
     """Draft tokens proposed per sequence and step (at most; a step may draft fewer)."""
     prompt_lookup_min: int = 1
@@ -27,12 +28,10 @@ class SpeculativeConfig:
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
-            hint = (
-                "'mtp' needs multi-token prediction weights, which this engine does not load"
-                if self.method == "mtp"
-                else f"the methods are: {', '.join(SPECULATIVE_METHODS)}"
+            raise ValueError(
+                f"speculative_config: method {self.method!r} is not supported "
+                f"(the methods are: {', '.join(SPECULATIVE_METHODS)})"
             )
-            raise ValueError(f"speculative_config: method {self.method!r} is not supported ({hint})")
         if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
             raise ValueError(
                 "speculative_config: num_speculative_tokens must be an integer >= 1, "
@@ -43,6 +42,11 @@ class SpeculativeConfig:
                 "speculative_config: need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                 f"{self.prompt_lookup_min} and {self.prompt_lookup_max}"
             )
+
+    @property
+    def mtp_drafts(self) -> int:
+        """Drafts the model runner's MTP layers make per decode (0 unless the method is mtp)."""
+        return self.num_speculative_tokens if self.method == "mtp" else 0
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> SpeculativeConfig:

@@ -25,6 +25,7 @@ from moeserve.scheduler import ScheduledRequest, SchedulerOutput
 from moeserve.worker.decode_graphs import DecodeGraphs, is_decode
 from moeserve.worker.host_memory import retain_freed_host_memory
 from moeserve.worker.input_batch import InputBatch
+from moeserve.worker.mtp_drafter import MTPDrafter
 from moeserve.worker.prompt_logprobs import PromptLogprobs, PromptLogprobsTracker
 from moeserve.worker.sampler import Sampler, SamplerOutput, SamplingRow, make_generator, random_probs
 from moeserve.worker.sampling_metadata import PendingBitmask
@@ -60,6 +61,10 @@ class ModelRunner:
 
     `graphs`: captured decode steps (`decode_graphs`); a decode step that fits one is replayed
     instead of run, with the same tokens.
+
+    `mtp_drafts`: speculative decoding's num_speculative_tokens with method mtp (0: none); the
+    model's MTP layers fill the drafts the scheduler granted (`mtp_drafter`). Such steps run
+    eagerly in one batch (no graphs, no two-batch overlap): the drafts need the target's stream.
     """
 
     def __init__(
@@ -75,8 +80,10 @@ class ModelRunner:
         samples: bool = True,
         two_batch_overlap: bool = False,
         graphs: DecodeGraphs | None = None,
+        mtp_drafts: int = 0,
     ) -> None:
         self.model = model
+        self.drafter = MTPDrafter(model, kv_caches, block_size, mtp_drafts) if mtp_drafts else None
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.eos_token_ids = tuple(eos_token_ids)
@@ -109,6 +116,8 @@ class ModelRunner:
             self.batch.remove(request_id)
             self.prompt_logprobs.remove(request_id)
         self._prompt_logprobs_out.clear()
+        if self.drafter is not None:
+            self.drafter.forget(self.drafter.request_ids)
 
     def _track(self, plan: SchedulerOutput) -> None:
         """Forget the finished requests first: a new request may reuse a finished one's id."""
@@ -153,7 +162,16 @@ class ModelRunner:
         if not scheduled and not self.lockstep:
             return {}
         graph_size = self._graph_size(scheduled, max_tokens_per_rank, decode_only)
-        if graph_size is not None:
+        if self.drafter is not None:
+            self.drafter.forget([*plan.finished_request_ids, *plan.preempted_request_ids])
+            scheduled = self.drafter.draft(scheduled, self.lockstep)
+            parts = [scheduled]
+            hidden, stream = self.model.forward_with_stream(
+                *self._inputs(scheduled), self.kv_caches, max_tokens_per_rank
+            )  # [T, H] each
+            hiddens = [hidden]
+            self.drafter.keep(scheduled, stream)
+        elif graph_size is not None:
             parts = [scheduled]
             hiddens = [self.graphs.run(scheduled, graph_size)]  # [n, H]
         elif self._overlaps(scheduled):
@@ -231,7 +249,9 @@ class ModelRunner:
         self, scheduled: Sequence[ScheduledRequest], max_tokens_per_rank: int | None, decode_only: bool | None
     ) -> int | None:
         """The captured size this step replays, or None: it runs eagerly."""
-        if self.graphs is None or not (is_decode(scheduled) if decode_only is None else decode_only):
+        if self.graphs is None or self.drafter is not None:
+            return None
+        if not (is_decode(scheduled) if decode_only is None else decode_only):
             return None
         return self.graphs.size_for(len(scheduled), max_tokens_per_rank)
 

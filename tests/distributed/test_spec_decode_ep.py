@@ -1,12 +1,13 @@
 """Speculative decoding across rank processes: at ep=4 every rank runs the verify forward over
 the drafts (their tokens count in each rank's MoE dispatch bound), the sampling ranks keep the
 drafts, and the greedy tokens equal those of one process without drafts, for DeepSeek-V3 (MLA)
-and GLM-4.5."""
+and GLM-4.5, with n-gram drafts and with MTP drafts."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from helpers.mtp_checkpoints import mtp_checkpoint
 from helpers.stats import CountingStatLogger
 
 from moeserve import LLM, SamplingParams
@@ -28,3 +29,21 @@ def test_ngram_drafts_at_ep4_give_one_process_greedy_tokens(make_checkpoint, arc
         got = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
     assert counts.spec_decode.num_accepted_tokens > 0
+
+
+@pytest.mark.parametrize("arch, tp", [("deepseek_v3", 1), ("glm4_moe", 2)])
+def test_mtp_drafts_at_ep4_give_one_process_greedy_tokens(tmp_path_factory, arch, tp) -> None:
+    """Every rank runs the MTP passes (their MoE joins the all-to-all even when a rank has no
+    drafting sequence) and fills the same drafts its sampling rank verifies; under tp=2 each
+    rank of a group computes the drafts from the same gathered rows."""
+    folder = str(mtp_checkpoint(tmp_path_factory.mktemp("mtp"), arch))
+    g = torch.Generator().manual_seed(2)
+    prompts = [{"prompt_token_ids": torch.randint(3, 300, (n,), generator=g).tolist()} for n in (7, 23, 12)]
+    expected = LLM(folder, **ENGINE).generate(prompts, GREEDY, use_tqdm=False)
+    for k in (1, 3):
+        counts = CountingStatLogger()
+        mtp = {"method": "mtp", "num_speculative_tokens": k}
+        with LLM(folder, ep=4, tp=tp, speculative_config=mtp, stat_loggers=[counts], **ENGINE) as llm:
+            got = llm.generate(prompts, GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
+        assert counts.spec_decode.num_accepted_tokens > 0

@@ -1,12 +1,13 @@
 """Speculative decoding through `moeserve launch --speculative-config`: streamed greedy
 completions of a DeepSeek-V3 checkpoint are the in-process engine's tokens without drafts, several
-tokens may share a chunk, and /metrics counts the drafts."""
+tokens may share a chunk, and /metrics counts the drafts; with n-gram drafts and with MTP drafts."""
 
 from __future__ import annotations
 
 import json
 
 import openai
+from helpers.mtp_checkpoints import mtp_checkpoint
 from server_utils import MAX_MODEL_LEN
 
 from moeserve import LLM, SamplingParams
@@ -31,4 +32,26 @@ def test_streamed_greedy_completions_with_drafts_are_the_tokens_without(start_se
     drafted = metrics["moeserve:spec_decode_num_draft_tokens_total"]
     accepted = metrics["moeserve:spec_decode_num_accepted_tokens_total"]
     assert drafted > 0 and 0 < accepted <= drafted
+    server.stop()
+
+
+def test_streamed_greedy_completions_with_mtp_drafts_are_the_tokens_without(start_server, tmp_path_factory) -> None:
+    folder = mtp_checkpoint(tmp_path_factory.mktemp("mtp"), "deepseek_v3")
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    expected = LLM(str(folder), max_model_len=MAX_MODEL_LEN).generate(
+        [{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False
+    )
+    mtp = {"method": "mtp", "num_speculative_tokens": 3}
+    server = start_server("--speculative-config", json.dumps(mtp), checkpoint=folder)
+    api = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    for prompt, want in zip(PROMPTS, expected):
+        body = dict(max_tokens=24, temperature=0.0, stream=True, extra_body={"ignore_eos": True})
+        chunks = list(api.completions.create(model="tiny", prompt=prompt, **body))
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == want.outputs[0].text
+    metrics = server.metrics()
+    assert (
+        0
+        < metrics["moeserve:spec_decode_num_accepted_tokens_total"]
+        <= metrics["moeserve:spec_decode_num_draft_tokens_total"]
+    )
     server.stop()

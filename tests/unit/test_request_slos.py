@@ -198,6 +198,17 @@ def test_a_full_batch_makes_a_newcomer_wait_for_the_first_seat_to_free() -> None
     assert behind.wait_s == pytest.approx(26 * four_decodes, rel=0.05)  # the seat freed at 20 went ahead: 25
 
 
+def test_speculative_decodes_cost_their_drafts_in_the_projection() -> None:
+    """Decodes that may carry 3 drafts feed 4 tokens a step and (assumed rejected) gain one."""
+    model = trained(make_scheduler(ManualClock())).step_time_model
+    seats = Capacity(max_num_seqs=4, num_kv_blocks=1024, max_num_batched_tokens=256, decode_tokens=4)
+    running = [Work(0, 40, outputs, 20) for outputs in (30, 20, 25, 40)]
+    prediction = project_first_token(model, None, seats, running, [], Work(16, 0, 1, 4), 0.025)
+    four_speculating = token_cost(StepShape.of([(4, 60)] * 4)) / SLO_STEP_HEADROOM
+    assert prediction.wait_s == pytest.approx(21 * four_speculating, rel=0.05)
+    assert prediction.bottleneck == "a seat"
+
+
 def test_a_full_cache_makes_a_newcomer_wait_for_blocks() -> None:
     model = trained(make_scheduler(ManualClock())).step_time_model
     blocks = Capacity(max_num_seqs=64, num_kv_blocks=100, max_num_batched_tokens=256)

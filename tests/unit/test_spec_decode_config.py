@@ -22,8 +22,7 @@ def test_the_option_takes_a_dict_or_the_flags_json():
 @pytest.mark.parametrize(
     "value, message",
     [
-        ({"method": "mtp", "num_speculative_tokens": 1}, "'mtp' needs multi-token prediction weights"),
-        ({"method": "eagle", "num_speculative_tokens": 1}, "methods are: ngram"),
+        ({"method": "eagle", "num_speculative_tokens": 1}, "methods are: ngram, mtp"),
         ({"method": "ngram"}, "'num_speculative_tokens' is required"),
         ({"method": "ngram", "num_speculative_tokens": 0}, "must be an integer >= 1"),
         ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "<="),

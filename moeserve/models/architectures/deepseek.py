@@ -78,6 +78,7 @@ def parse_config(raw: dict[str, Any]) -> ModelConfig:
         router=_router(c),
         rope=rope,
         moe_layers=tuple(i >= first_dense for i in range(num_layers)),
+        num_mtp_layers=c.get("num_nextn_predict_layers", 0),
         sliding_windows=(None,) * num_layers,
         shared_expert_intermediate_size=moe_intermediate * c.get("n_shared_experts", 0),
         qkv_bias=bool(c.get("attention_bias", False)),

@@ -40,6 +40,7 @@ def parse_config(raw: dict[str, Any]) -> ModelConfig:
         ),
         rope=c.rope(c.rotary_dim(head_dim, DEFAULT_PARTIAL_ROTARY_FACTOR)),
         moe_layers=tuple(i >= first_dense for i in range(num_layers)),
+        num_mtp_layers=c.get("num_nextn_predict_layers", 0),
         sliding_windows=(None,) * num_layers,
         shared_expert_intermediate_size=moe_intermediate * c.get("n_shared_experts", 1),
         qkv_bias=bool(c.get("attention_bias", False)),

@@ -1,0 +1,135 @@
+"""Multi-token prediction layers added to a saved DeepSeek-V3 or GLM-4.5 checkpoint, as their
+releases store them: config.json's `num_nextn_predict_layers`, and for MTP layer i, decoder layer
+`num_hidden_layers + i` with `embed_tokens`, `enorm`, `hnorm`, `eh_proj` `[H, 2H]`, a full
+decoder layer (attention + MoE) and `shared_head.norm` / `shared_head.head`, in a safetensors
+file of their own listed by `model.safetensors.index.json`.
+
+transformers' model classes neither build nor load these layers (they ignore the extra layer
+indices), so the target's parity is untouched. The decoder layers come from a helper model of the
+same architecture, built and saved by transformers (the experts in the hub's per-expert layout).
+
+`mtp_init="aligned"` builds layers that agree with the target often, so speculative decoding's
+benchmark and tests see drafts accepted. Each MTP layer is a copy of the target's last decoder
+layer, with the target's embedding, final norm and head; `eh_proj` passes the next token's
+embedding through and drops the hidden state (`[I, 0]`), and `enorm`'s weight is the embedding
+rows' mean RMS, which undoes its normalisation up to each row's own spread. At position p the
+layer then computes what the target's last layer computes at p + 1 over the next token, and its
+keys at q are the target's at q + 1: rotary attention sees the same relative positions, so for a
+one-layer target the MTP logits are the target's at the next position, but for attention to the
+first token (which no MTP key holds): its drafts are then mostly right. The more layers a target
+has, the less a copy of its last one predicts it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM, PreTrainedConfig
+
+from moeserve.checkpoints.spec import MakeModelSpec
+
+MTP_FILE = "model-mtp.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def write_mtp_layers(
+    spec: MakeModelSpec,
+    make_config: Callable[[MakeModelSpec], PreTrainedConfig],
+    out: Path,
+) -> None:
+    """Add `spec.mtp_layers` MTP layers to the checkpoint saved in `out` (`make_config`: the
+    architecture's config for a spec)."""
+    target = _read_all(out)
+    helper = _helper_layers(spec, make_config) if spec.mtp_init == "random" else {}
+    tensors: dict[str, torch.Tensor] = {}
+    for i in range(spec.mtp_layers):
+        if spec.mtp_init == "aligned":
+            own = _aligned(_layer(target, spec.layers - 1), target)
+        else:
+            own = _random(_layer(helper, spec.first_k_dense_replace + i), target, spec.init_std)
+        tensors.update({f"model.layers.{spec.layers + i}.{name}": t.contiguous() for name, t in own.items()})
+    save_file(tensors, str(out / MTP_FILE), metadata={"format": "pt"})
+    _add_to_index(out, list(tensors))
+    config_path = out / "config.json"
+    config = json.loads(config_path.read_text())
+    config["num_nextn_predict_layers"] = spec.mtp_layers
+    config_path.write_text(json.dumps(config, indent=2) + "\n")
+
+
+def _helper_layers(spec: MakeModelSpec, make_config: Callable[[MakeModelSpec], PreTrainedConfig]) -> dict:
+    """The tensors of a helper model whose layers from `first_k_dense_replace` on are MoE, one per
+    MTP layer, drawn from their own seed and saved by transformers in the hub's layout."""
+    helper_spec = dataclasses.replace(spec, layers=spec.first_k_dense_replace + spec.mtp_layers, mtp_layers=0)
+    with torch.random.fork_rng(devices=[]), tempfile.TemporaryDirectory() as tmp:
+        torch.manual_seed(spec.seed + 1)
+        helper = AutoModelForCausalLM.from_config(make_config(helper_spec), dtype=getattr(torch, spec.dtype))
+        helper.save_pretrained(tmp)
+        return _read_all(Path(tmp))
+
+
+def _random(
+    layer: dict[str, torch.Tensor], target: dict[str, torch.Tensor], init_std: float
+) -> dict[str, torch.Tensor]:
+    """A random MTP layer (the decoder layer as the helper drew it), over the target's embedding."""
+    hidden = target["model.norm.weight"].shape[0]
+    dtype = target["model.norm.weight"].dtype
+    return {
+        **layer,
+        "embed_tokens.weight": target["model.embed_tokens.weight"].clone(),
+        "enorm.weight": torch.ones(hidden, dtype=dtype),
+        "hnorm.weight": torch.ones(hidden, dtype=dtype),
+        "eh_proj.weight": (torch.randn(hidden, 2 * hidden) * init_std).to(dtype),
+        "shared_head.norm.weight": torch.ones(hidden, dtype=dtype),
+        "shared_head.head.weight": _head(target).clone(),
+    }
+
+
+def _aligned(layer: dict[str, torch.Tensor], target: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """An MTP layer built to agree with the target often (see the module's docstring)."""
+    embedding = target["model.embed_tokens.weight"]
+    hidden, dtype = embedding.shape[1], embedding.dtype
+    row_rms = embedding.float().pow(2).mean(-1).sqrt().mean()
+    return {
+        **_random(layer, target, 1.0),
+        "enorm.weight": torch.full((hidden,), float(row_rms), dtype=dtype),
+        "eh_proj.weight": torch.cat((torch.eye(hidden), torch.zeros(hidden, hidden)), 1).to(dtype),
+        "shared_head.norm.weight": target["model.norm.weight"].clone(),
+    }
+
+
+def _layer(tensors: dict[str, torch.Tensor], index: int) -> dict[str, torch.Tensor]:
+    """Decoder layer `index`'s tensors, by their names within the layer."""
+    prefix = f"model.layers.{index}."
+    return {name[len(prefix) :]: t.clone() for name, t in tensors.items() if name.startswith(prefix)}
+
+
+def _head(target: dict[str, torch.Tensor]) -> torch.Tensor:
+    return target.get("lm_head.weight", target["model.embed_tokens.weight"])
+
+
+def _read_all(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a saved checkpoint's safetensors files."""
+    tensors = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            tensors.update({name: f.get_tensor(name) for name in f.keys()})
+    return tensors
+
+
+def _add_to_index(folder: Path, names: list[str]) -> None:
+    """List `names` in `MTP_FILE` in the index, writing one for a single-file checkpoint."""
+    index_path = folder / INDEX_FILE
+    if index_path.exists():
+        index = json.loads(index_path.read_text())
+    else:
+        with safe_open(str(folder / "model.safetensors"), "pt") as f:
+            index = {"metadata": {}, "weight_map": dict.fromkeys(f.keys(), "model.safetensors")}
+    index["weight_map"].update(dict.fromkeys(names, MTP_FILE))
+    index_path.write_text(json.dumps(index, indent=2) + "\n")
