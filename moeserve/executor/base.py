@@ -15,6 +15,7 @@ from collections.abc import Callable
 from moeserve.dispatch.expert_load import RoutedTokens
 from moeserve.eplb.rebalancer import RebalanceReport
 from moeserve.executor.healing import HealReport, RanksLostError, RejoinReport
+from moeserve.kv_transfer.agent import KvRegistration
 from moeserve.scheduler import StepPlan
 from moeserve.worker.prompt_logprobs import PromptLogprobs
 from moeserve.worker.runner import SampledToken
@@ -64,6 +65,10 @@ class Executor(ABC):
         are none (only an executor that heals restarts ranks). The engine then plans with
         `num_groups` groups again."""
         return None
+
+    def kv_registrations(self) -> list[KvRegistration]:
+        """Each data-parallel group's KV cache as registered for transfers (`--kv-transfer`)."""
+        raise ValueError(f"{type(self).__name__} cannot transfer KV blocks")
 
     def shutdown(self) -> None:  # noqa: B027 - an executor that started nothing has nothing to stop
         """Stop what the executor started; idempotent."""
