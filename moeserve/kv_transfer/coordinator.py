@@ -32,6 +32,10 @@ from moeserve.scheduler import DataParallelScheduler, Request
 
 logger = logging.getLogger(__name__)
 
+PUSH_DEADLINE_SHARE = 0.8
+"""A push must have written its blocks within this share of the decode side's wait, so that it
+never writes into blocks the decode side has freed after giving up."""
+
 
 @dataclass
 class _Hold:
@@ -110,9 +114,9 @@ class KvCoordinator:
         group = self.scheduler.choose_group(request)
         blocks = self.scheduler.groups[group].block_manager
         num_full = (request.num_prompt_tokens - 1) // blocks.block_size
-        cached = blocks.lookup(request)
-        if len(cached) >= num_full:
-            return False  # nothing to fetch: the prefix cache has it all
+        cached = blocks.lookup(request)[:num_full]
+        # With the whole prompt cached here the push moves nothing, but still tells the prefill
+        # side that its blocks can go.
         fresh = blocks.reserve(num_full - len(cached))
         if fresh is None:
             self.stats.failed("no_blocks")
@@ -127,6 +131,7 @@ class KvCoordinator:
             "dest": self.registrations[group].to_json(),
             "dst_blocks": fresh,
             "first_block": len(cached),
+            "timeout_s": self.config.timeout_s,
         }
         threading.Thread(target=self._run_load, args=(load, body), name="kv-load", daemon=True).start()
         return True
@@ -218,6 +223,9 @@ class KvCoordinator:
     # ---- prefill: a decode instance's push (side channel thread) -------------------------------
 
     def _push(self, body: dict) -> dict:
+        # The decode side frees its blocks when it stops waiting: a write must never start after
+        # that, and must end well before it (a late write would land in blocks reused since).
+        deadline = time.monotonic() + float(body["timeout_s"]) * PUSH_DEADLINE_SHARE
         if self.config.debug_push_delay_s > 0:
             time.sleep(self.config.debug_push_delay_s)
         transfer_id = body["transfer_id"]
@@ -240,9 +248,14 @@ class KvCoordinator:
                     f"asked for {len(dst_blocks)} blocks from block {first}; {len(hold.block_ids)} are held", "refused"
                 )
             assert self.agent is not None
-            num_bytes = self.agent.write(
-                KvRegistration.from_json(body["dest"]), src_blocks, dst_blocks, self.config.timeout_s
-            )
+            left_s = deadline - time.monotonic()
+            if not dst_blocks:
+                return {"bytes": 0, "seconds": 0.0}
+            if left_s <= 0:
+                raise KvTransferError(
+                    f"transfer {transfer_id!r} came too late: the decode side has given up", "timeout"
+                )
+            num_bytes = self.agent.write(KvRegistration.from_json(body["dest"]), src_blocks, dst_blocks, left_s)
         except KvTransferError as exc:
             self.stats.failed(exc.cause)
             raise

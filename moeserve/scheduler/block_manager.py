@@ -139,12 +139,13 @@ class BlockManager:
             self._release_block(request.block_ids.pop())
 
     def pin(self, block_ids: Sequence[int]) -> None:
-        """Take one more reference on blocks in use, so they outlive their request: a prefill
+        """Take one more reference on blocks, so they outlive their request: a prefill
         instance's blocks held for a transfer, a decode instance's loaded blocks until their
-        request is admitted. Pinned blocks are never evicted, hence never written."""
+        request is admitted. Pinned blocks are never evicted, hence never written. A cached block
+        nobody holds comes off the free list, as on admission."""
         for block_id in block_ids:
             if self._ref_counts[block_id] == 0:
-                raise RuntimeError(f"block {block_id} pinned but not in use")
+                del self._free[block_id]
             self._ref_counts[block_id] += 1
 
     def unpin(self, block_ids: Sequence[int]) -> None:
