@@ -39,6 +39,8 @@ class RouterConfig:
     decode: tuple[str, ...]
     health_interval_s: float = 2.0
     request_timeout_s: float = 600.0
+    startup_timeout_s: float = 600.0
+    """How long start-up waits for every instance to answer (they may still be loading)."""
 
 
 def _error(message: str, status: int) -> JSONResponse:
@@ -67,7 +69,7 @@ class Router:
     async def start(self) -> None:
         """Identify every instance and refuse mismatched pairs (ValueError with every reason)."""
         for instance in self.instances:
-            await identify(self.client, instance)
+            await identify(self.client, instance, self.config.startup_timeout_s)
             instance.healthy = True
         problems = pairing_problems(self.prefills, self.decodes)
         if problems:

@@ -4,7 +4,9 @@ a mismatch is refused at start-up, with the reason, before any request could get
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -38,9 +40,20 @@ def prompt_prefix(text: str) -> str:
     return hashlib.sha1(text[:PREFIX_CHARS].encode()).hexdigest()
 
 
-async def identify(client: httpx.AsyncClient, instance: Instance) -> None:
-    """Read the instance's identity; ValueError when it is not the role it was given as."""
-    response = await client.get(f"{instance.url}/kv/info")
+async def identify(client: httpx.AsyncClient, instance: Instance, timeout_s: float) -> None:
+    """Read the instance's identity, waiting up to `timeout_s` for it to answer and load its model;
+    ValueError when it is not a disaggregated instance of the role it was given as."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            response = await client.get(f"{instance.url}/kv/info")
+            if response.status_code != 503:  # 503: still loading
+                break
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            raise ValueError(f"{instance.url} did not answer GET /kv/info within {timeout_s:.0f} s")
+        await asyncio.sleep(1.0)
     if response.status_code != 200:
         status = response.status_code
         raise ValueError(f"{instance.url} is not a disaggregated instance: GET /kv/info answered {status}")
