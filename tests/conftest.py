@@ -65,6 +65,10 @@ LONGEST_FIRST = (
     "test_nvshmem_dispatcher.py",  # ~95
     "test_fp8_checkpoints.py",  # ~90 (three ep=4 runs)
     "test_ep_parity.py",  # ~75
+    # Disaggregation: three servers and a router each (estimated: timed only under a load of ~18)
+    "test_disaggregation_server.py",  # ~75?
+    "test_disaggregation_failures_server.py",  # ~60?
+    "test_disaggregation_mla_server.py",  # ~60?
     "test_bench_serve.py",  # ~70
     "test_ep_serving.py",  # ~65
     "test_transformers_parity.py",  # ~55
