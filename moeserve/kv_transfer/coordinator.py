@@ -276,7 +276,8 @@ class KvCoordinator:
             self.stats.set_in_flight(self._in_flight)
 
     def _report_held(self) -> None:
-        held = sum(len(h.block_ids) for h in self._holds.values())
+        with self._lock:  # a push takes holds from another thread
+            held = sum(len(h.block_ids) for h in self._holds.values())
         held += sum(len(load.block_ids) for load in self._loads.values())
         held += sum(len(ids) for _, ids in self._pinned.values())
         self.stats.set_held_blocks(held)
