@@ -176,8 +176,8 @@ class EngineCore:
         self.kv: KvCoordinator | None = None
         """Prefill/decode disaggregation (`--role prefill|decode`): KV held for or loaded from peers."""
         if config.kv_transfer.enabled:
-            registrations, agent = self.executor.kv_registrations(), getattr(self.executor, "kv_agent", None)
-            self.kv = KvCoordinator(config.kv_transfer, self.scheduler, registrations, agent)
+            registrations = self.executor.kv_registrations()
+            self.kv = KvCoordinator(config.kv_transfer, self.scheduler, registrations, self.executor.kv_agent)
 
     def shutdown(self) -> None:
         """Stop the executor's processes, if any; the core cannot step afterwards."""

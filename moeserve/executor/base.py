@@ -15,7 +15,7 @@ from collections.abc import Callable
 from moeserve.dispatch.expert_load import RoutedTokens
 from moeserve.eplb.rebalancer import RebalanceReport
 from moeserve.executor.healing import HealReport, RanksLostError, RejoinReport
-from moeserve.kv_transfer.agent import KvRegistration
+from moeserve.kv_transfer.agent import KvAgent, KvRegistration
 from moeserve.scheduler import StepPlan
 from moeserve.worker.prompt_logprobs import PromptLogprobs
 from moeserve.worker.runner import SampledToken
@@ -27,6 +27,9 @@ class Executor(ABC):
 
     num_groups: int
     num_kv_blocks: int
+    kv_agent: KvAgent | None = None
+    """The NIXL agent over a KV cache in this process (ep 1, `--kv-transfer`): the one a prefill
+    instance pushes with; None where the caches are in rank processes."""
 
     @abstractmethod
     def execute(self, plan: StepPlan, token_bitmask: PendingBitmask | None = None) -> dict[str, SampledToken]:
