@@ -69,6 +69,7 @@ LONGEST_FIRST = (
     "test_disaggregation_server.py",  # ~75?
     "test_disaggregation_failures_server.py",  # ~60?
     "test_disaggregation_mla_server.py",  # ~60?
+    "test_disaggregation_decode_death_server.py",  # ~40?
     "test_bench_serve.py",  # ~70
     "test_ep_serving.py",  # ~65
     "test_transformers_parity.py",  # ~55

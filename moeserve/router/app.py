@@ -101,6 +101,8 @@ class Router:
             return _error("the router serves n = 1 only (one KV transfer per request)", 400)
         if "kv_transfer_params" in body:
             return _error("kv_transfer_params is the router's to set", 400)
+        if choose(self.decodes) is None:  # checked first: a prefill would hold KV nobody comes for
+            return _error("no decode instance could take the request", 503)
         started = time.monotonic()
         text = _prompt_text(body)
         tokens = max(1, len(text) // CHARS_PER_TOKEN)
