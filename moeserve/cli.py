@@ -18,6 +18,7 @@ from moeserve.engine_config import EngineConfig, ParallelConfig, check_rank_devi
 from moeserve.loadtest.cli import add_bench_parser
 from moeserve.options import Option, build, field_docs, options
 from moeserve.plan.cli import add_plan_parser
+from moeserve.router.cli import add_router_parser
 from moeserve.server_config import ServerSettings
 
 logger = logging.getLogger("moeserve.cli")
@@ -298,6 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_make_model(sub)
     _add_eplb(sub)
     add_plan_parser(sub)
+    add_router_parser(sub)
     return parser
 
 

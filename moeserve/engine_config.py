@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from moeserve import cpu_features
+from moeserve.kv_transfer.config import KvTransferConfig, disaggregation_problem
 from moeserve.options import build, option
 from moeserve.scheduler.config import POLICIES, SchedulerConfig
 from moeserve.slo import DEFAULT_CLASS, RequestSLO, SLOCatalog, SLOClass, parse_slo_class
@@ -477,6 +478,8 @@ class EngineConfig:
     target, TTFT-deadline order."""
     slo: SLOConfig = field(default_factory=SLOConfig)
     structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
+    kv_transfer: KvTransferConfig = field(default_factory=KvTransferConfig)
+    """Prefill/decode disaggregation: this instance's role and how KV moves (`moeserve.kv_transfer`)."""
     dp_routing: Literal["tokens", "requests"] = _scheduler_default("dp_routing")  # type: ignore[assignment]
     """With several data-parallel groups (--ep N): tokens sends a new request to the group whose
     backlog clears soonest at that group's measured step times (a long prompt counts for its
@@ -527,6 +530,10 @@ class EngineConfig:
             )
         if self.kernels not in KERNEL_BACKENDS:
             raise ValueError(f"kernels {self.kernels!r} is not one of {', '.join(KERNEL_BACKENDS)}")
+        parallel, caching = self.parallel, self.cache.enable_prefix_caching
+        problem = disaggregation_problem(self.kv_transfer, parallel.tp, parallel.ep, caching)
+        if problem is not None:
+            raise ValueError(problem)
 
     @classmethod
     def from_options(cls, **values: object) -> EngineConfig:

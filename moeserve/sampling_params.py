@@ -12,6 +12,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Literal
 
+from moeserve.kv_transfer.params import KvTransferParams
 from moeserve.slo import RequestSLO
 
 # Temperatures below this count as 0 (greedy): dividing logits by a tiny number only amplifies
@@ -134,6 +135,9 @@ class SamplingParams:
     slo: RequestSLO | None = None
     """This request's own latency targets; None: the server's. A (ttft_s, tbt_s, label) triple is
     accepted too, which is how the engine's wire carries it."""
+    kv_transfer: KvTransferParams | None = None
+    """Prefill/decode disaggregation: hold this prompt's KV for a decode instance (prefill role), or
+    load it from a prefill instance (decode role). A (transfer_id, remote) pair on the wire."""
 
     def __post_init__(self) -> None:
         if self.top_k == -1:
@@ -151,6 +155,8 @@ class SamplingParams:
             self.structured_outputs = StructuredOutputs(*self.structured_outputs)
         if isinstance(self.slo, (list, tuple)):
             self.slo = RequestSLO(*self.slo)
+        if isinstance(self.kv_transfer, (list, tuple)):
+            self.kv_transfer = KvTransferParams(*self.kv_transfer)
         self._validate()
 
     def _validate(self) -> None:

@@ -65,6 +65,11 @@ LONGEST_FIRST = (
     "test_nvshmem_dispatcher.py",  # ~95
     "test_fp8_checkpoints.py",  # ~90 (three ep=4 runs)
     "test_ep_parity.py",  # ~75
+    # Disaggregation: three servers and a router each (estimated: timed only under a load of ~18)
+    "test_disaggregation_server.py",  # ~75?
+    "test_disaggregation_failures_server.py",  # ~60?
+    "test_disaggregation_mla_server.py",  # ~60?
+    "test_disaggregation_decode_death_server.py",  # ~40?
     "test_bench_serve.py",  # ~70
     "test_ep_serving.py",  # ~65
     "test_docs_examples.py",  # ~60 (two servers; 140 s under a load average of 20)

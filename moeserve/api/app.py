@@ -7,6 +7,7 @@ the operator without a traceback. Only a bug gets a traceback (and a 500).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -45,6 +46,7 @@ from moeserve.api.tokenize import (
     tokenize,
 )
 from moeserve.api.transport import ClientDisconnected, check_api_key
+from moeserve.kv_transfer.side_channel import fetch_metrics
 
 logger = logging.getLogger("moeserve.api")
 
@@ -126,7 +128,21 @@ def build_app(state: ServingState) -> FastAPI:
         },
     )
     async def metrics() -> Response:
-        return Response(state.metrics.exposition(), media_type=CONTENT_TYPE)
+        text = state.metrics.exposition()
+        kv = state.model.kv if state.model is not None else None
+        if kv is not None:  # the transfer metrics live with the transfers, in the engine core's process
+            text += await asyncio.to_thread(fetch_metrics, kv.kv_address)
+        return Response(text, media_type=CONTENT_TYPE)
+
+    @app.get("/kv/info", responses={404: {"description": "Not a disaggregated instance (--role both)"}})
+    async def kv_info() -> Response:
+        """This instance's role and what a KV transfer peer must match (model, block size, tp)."""
+        kv = state.model.kv if state.model is not None else None
+        if kv is None:
+            status = 503 if state.model is None else 404
+            reason = "the model is still loading" if state.model is None else "this instance runs --role both"
+            return JSONResponse(error_body(reason, error_type_for(status)), status_code=status)
+        return JSONResponse(kv.to_json())
 
     install(
         app,

@@ -15,6 +15,7 @@ from fastapi.responses import StreamingResponse
 from starlette.types import Send
 
 from moeserve.api.errors import APIError
+from moeserve.api.kv_transfer import kv_transfer_params
 from moeserve.api.protocol import SSE_DONE, RequestT, parse_request
 from moeserve.api.state import ModelInfo, ServingState
 from moeserve.api.streaming import SSE_HEADERS, sse_error
@@ -47,6 +48,7 @@ async def admit(
     params = request.to_sampling_params(default_max_tokens=None)
     if request.slo is not None:
         params.slo = request.slo.resolve(state.metrics.slo.catalog)
+    params.kv_transfer = kv_transfer_params(request.kv_transfer_params, model.kv, params.n)
     return request, engine, model, params
 
 

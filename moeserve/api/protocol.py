@@ -130,6 +130,8 @@ class _SamplingRequest(OpenAIModel):
     token, computed in the engine core)."""
     # Per-request latency targets (moeserve's own), resolved by the handler against the server's classes.
     slo: SLOField | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    """vLLM's: on a disaggregated instance, the KV transfer this request takes part in (`api.kv_transfer`)."""
 
     @field_validator("stop")
     @classmethod

@@ -11,6 +11,7 @@ Lifecycle:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -30,6 +31,8 @@ from moeserve.engine.core_client import EngineCoreClient
 from moeserve.engine.cpu_binding import CpuBinding, bind_current_process, plan_cpu_binding
 from moeserve.engine.stats import LoggingStatLogger
 from moeserve.engine.tokenizer import load_tokenizer
+from moeserve.kv_transfer.identity import KvIdentity, model_fingerprint
+from moeserve.kv_transfer.side_channel import free_port
 from moeserve.structured.compile_pool import GrammarCompilePool
 
 logger = logging.getLogger("moeserve.server")
@@ -94,6 +97,7 @@ def load_engine(
             harmony=speaks_harmony(engine.facts.model_config.architecture, tokenizer),
             structured=config.structured_outputs,
             grammars=grammars,
+            kv=kv_identity(config),
         )
         state.set_ready(engine, model)
         cfg = engine.facts.model_config
@@ -120,8 +124,22 @@ def load_engine(
         on_failure()
 
 
+def kv_identity(config: EngineConfig) -> KvIdentity | None:
+    """This instance as its disaggregation peers and the router see it (`--role`), else None."""
+    kv = config.kv_transfer
+    if not kv.enabled:
+        return None
+    assert config.model is not None
+    model, block_size, parallel = model_fingerprint(config.model), config.cache.block_size, config.parallel
+    return KvIdentity(kv.role, model, block_size, parallel.tp, parallel.ep, kv.address)
+
+
 def serve(settings: ServerSettings, engine_config: EngineConfig) -> int:
     """Serve until a shutdown signal; returns the process exit code (0 after a clean drain)."""
+    kv = engine_config.kv_transfer
+    if kv.enabled and kv.port == 0:  # peers learn the port from /kv/info, so it is fixed before the core starts
+        kv = dataclasses.replace(kv, port=free_port(kv.host))
+        engine_config = dataclasses.replace(engine_config, kv_transfer=kv)
     metrics = ServerMetrics(settings.served_model_name, engine_config.slo, per_expert=settings.per_expert_metrics)
     state = ServingState(settings, metrics)
     config = uvicorn.Config(

@@ -20,6 +20,7 @@ from moeserve.api.metrics import ServerMetrics
 from moeserve.api.response_store import ResponseStore
 from moeserve.engine.streams import EngineClient
 from moeserve.engine_config import StructuredOutputsConfig
+from moeserve.kv_transfer.identity import KvIdentity
 from moeserve.server_config import ServerSettings
 from moeserve.structured.compile_pool import GrammarCompilePool
 
@@ -51,6 +52,8 @@ class ModelInfo:
     grammars: GrammarCompilePool | None = None
     """Where constraints compile, out of the engine core; None: the engine compiles them (an
     in-process engine, whose step loop has no other clients to protect)."""
+    kv: KvIdentity | None = None
+    """This instance's part in prefill/decode disaggregation; None: colocated (`--role both`)."""
 
     @functools.cached_property
     def token_chars(self) -> int:

@@ -14,6 +14,7 @@ import torch
 from moeserve.config import ParallelConfig
 from moeserve.engine_config import CudaGraphConfig
 from moeserve.eplb import RebalanceReport
+from moeserve.kv_transfer.agent import KvRegistration
 from moeserve.scheduler import SchedulerOutput
 from moeserve.worker.prompt_logprobs import PromptLogprobs
 from moeserve.worker.runner import SampledToken
@@ -42,6 +43,8 @@ class WorkerSpec:
     mtp_drafts: int = 0
     """Speculative decoding with method mtp: drafts per decode, made by the MTP layers each rank
     loads (0: none loaded)."""
+    kv_transfer: bool = False
+    """Register the KV cache with a NIXL agent, for a prefill instance to write into (`--role decode`)."""
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,8 @@ class LoadReport:
     """The MoE all-to-all backend the rank built (`--a2a-backend` resolved)."""
     decode_graph_sizes: tuple[int, ...] = ()
     """Decode batch sizes the rank captured (none: every step runs eagerly)."""
+    kv_registration: KvRegistration | None = None
+    """With `WorkerSpec.kv_transfer`: the rank's KV cache as a peer writes into it."""
     error: str | None = None
 
 

@@ -52,6 +52,7 @@ from moeserve.distributed.rendezvous import (
 )
 from moeserve.distributed.returning import AwaitingGroup, is_returning
 from moeserve.eplb import Rebalancer, Recovered, recover_layer, recovery_plan, survivor_map
+from moeserve.kv_transfer.agent import KvAgent
 from moeserve.models import TensorParallel, load_model, model_config
 from moeserve.models.loader import ExpertReader, weight_bytes
 from moeserve.ops import create_ops
@@ -238,6 +239,7 @@ class Worker:
             eplb=eplb.enabled,
         )
         graphs = create_decode_graphs(model, kv_caches, spec.block_size, spec.num_kv_blocks, spec.cuda_graphs, settings)
+        self.kv_agent = KvAgent(kv_caches, f"rank{self.rank}") if spec.kv_transfer else None
         self.runner = ModelRunner(
             model,
             kv_caches,
@@ -276,6 +278,7 @@ class Worker:
             * bytes_per_block(model.cfg, spec.block_size, spec.dtype, self.tp.size, len(model.mtp)),
             dispatcher=dispatcher.name,
             decode_graph_sizes=graphs.sizes if graphs is not None else (),
+            kv_registration=self.kv_agent.registration if self.kv_agent is not None else None,
         )
 
     def step(self, message: StepInput, receive_bitmask: Callable[[int], TokenBitmask]) -> StepOutput:

@@ -26,6 +26,7 @@ from moeserve.config import EngineConfig, ModelConfig
 from moeserve.dispatch.expert_load import RoutedTokens
 from moeserve.eplb.rebalancer import RebalanceReport
 from moeserve.executor import HealReport, RanksLostError, RejoinReport, create_executor
+from moeserve.kv_transfer.coordinator import KvCoordinator
 from moeserve.sampling_params import SamplingParams
 from moeserve.scheduler import DataParallelScheduler, QueueFullError, Request, SchedulerConfig, StepPlan
 from moeserve.spec_decode.stats import SpecDecodeStats
@@ -38,6 +39,7 @@ logger = logging.getLogger(__name__)
 
 ROUTING_INTERVAL_S = 1.0  # expert load is taken from the executor about this often
 GRAMMAR_WAIT_S = 0.05  # with only grammars compiling, a step waits this long for one to finish
+KV_WAIT_S = 0.02  # with only KV transfers under way, a step waits this long for one to end
 
 
 @dataclass(frozen=True)
@@ -179,10 +181,17 @@ class EngineCore:
         """Every heal after lost ranks so far (`--on-rank-failure heal`)."""
         self.rejoins: list[RejoinReport] = []
         """Every return of a restarted rank so far."""
+        self.kv: KvCoordinator | None = None
+        """Prefill/decode disaggregation (`--role prefill|decode`): KV held for or loaded from peers."""
+        if config.kv_transfer.enabled:
+            registrations = self.executor.kv_registrations()
+            self.kv = KvCoordinator(config.kv_transfer, self.scheduler, registrations, self.executor.kv_agent)
 
     def shutdown(self) -> None:
         """Stop the executor's processes, if any; the core cannot step afterwards."""
         self.structured.shutdown()
+        if self.kv is not None:
+            self.kv.close()
         self.executor.shutdown()
 
     def add_failure_listener(self, listener: Callable[[str], None]) -> None:
@@ -199,7 +208,8 @@ class EngineCore:
         try:
             for r in requests:
                 request = Request(r.request_id, list(r.prompt_token_ids), r.params, self.eos_token_ids, r.arrival_time)
-                self._add(request)
+                if self.kv is None or not self.kv.take(request):  # a decode's KV load queues it later
+                    self._add(request)
                 self._requests[r.request_id] = request
                 added.append(r.request_id)
         except Exception:
@@ -256,6 +266,8 @@ class EngineCore:
             self._requests.pop(request_id, None)
             self._compiling.pop(request_id, None)
             self.scheduler.abort_request(request_id)
+            if self.kv is not None:
+                self.kv.abort(request_id)
         self.structured.remove(request_ids)
 
     def finish_requests(self, stops: Mapping[str, str]) -> None:
@@ -266,7 +278,8 @@ class EngineCore:
         self.structured.remove(stops)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self._compiling)
+        busy = self.scheduler.has_unfinished_requests() or bool(self._compiling)
+        return busy or (self.kv is not None and self.kv.busy)
 
     def scheduler_stats(self) -> SchedulerStats:
         s = self.scheduler
@@ -284,6 +297,11 @@ class EngineCore:
     def step(self) -> CoreStep:
         rejoined = self._rejoin()
         failed = self._admit_compiled()
+        if self.kv is not None:
+            failed += self._settle_kv()
+            if not self.scheduler.has_unfinished_requests() and not self._compiling:
+                self.kv.wait(KV_WAIT_S)  # only transfers under way: nothing to run
+                return self._idle_step(failed, rejoined)
         plan = self.scheduler.schedule()
         first_scheduled = {}
         for group in plan.groups:
@@ -322,6 +340,9 @@ class EngineCore:
         if bitmask is not None:
             finished += self._advance_grammars(token_ids, bitmask.request_ids, {r.request_id for r in ended})
         self.structured.remove(f.request_id for f in finished)
+        if self.kv is not None:  # a hold is known before its request's answer leaves: a push may follow at once
+            self.kv.scheduled([new.request_id for group in plan.groups for new in group.new_requests])
+            self.kv.collect_holds()
         now = time.monotonic()
         rebalances = self.executor.take_rebalances()
         prompt_logprobs = self.executor.take_prompt_logprobs()
@@ -350,6 +371,28 @@ class EngineCore:
             prompt_logprobs=prompt_logprobs,
             rejoins=rejoined,
             spec_decode=spec_decode,
+        )
+
+    def _settle_kv(self) -> list[FinishedSequence]:
+        """Release and queue what KV transfers have finished with; loads that failed end as "abort"
+        (`--kv-load-failure-policy fail`)."""
+        assert self.kv is not None
+        failed = self.kv.settle()
+        for request_id in failed:
+            self._requests.pop(request_id, None)
+        return [FinishedSequence(request_id, "abort", None) for request_id in failed]
+
+    def _idle_step(self, finished: list[FinishedSequence], rejoined: list[RejoinReport]) -> CoreStep:
+        """A turn that ran nothing (transfers under way), reporting what ended meanwhile."""
+        return CoreStep(
+            sampled={},
+            finished=finished,
+            first_scheduled={},
+            time=time.monotonic(),
+            step_duration_s=0.0,
+            num_preemptions=0,
+            scheduler=self.scheduler_stats(),
+            rejoins=rejoined,
         )
 
     def _straggle(self, plan: StepPlan, started: float, duration_s: float) -> tuple[float, tuple[float, ...]]:

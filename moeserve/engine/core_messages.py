@@ -31,6 +31,7 @@ from moeserve.worker.runner import SampledToken
 _PARAM_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
 _STRUCTURED = _PARAM_FIELDS.index("structured_outputs")
 _SLO = _PARAM_FIELDS.index("slo")
+_KV_TRANSFER = _PARAM_FIELDS.index("kv_transfer")
 
 # Command tags in a `CoreInputs` frame.
 _ADD, _ABORT, _FINISH, _SHUTDOWN = "add", "abort", "finish", "shutdown"
@@ -110,6 +111,8 @@ def _params(p: SamplingParams) -> list[Any]:
         values[_STRUCTURED] = dataclasses.astuple(p.structured_outputs)
     if p.slo is not None:  # a (ttft_s, tbt_s, label) triple on the wire
         values[_SLO] = dataclasses.astuple(p.slo)
+    if p.kv_transfer is not None:  # a (transfer_id, remote) pair on the wire
+        values[_KV_TRANSFER] = dataclasses.astuple(p.kv_transfer)
     return values
 
 

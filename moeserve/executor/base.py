@@ -15,6 +15,7 @@ from collections.abc import Callable
 from moeserve.dispatch.expert_load import RoutedTokens
 from moeserve.eplb.rebalancer import RebalanceReport
 from moeserve.executor.healing import HealReport, RanksLostError, RejoinReport
+from moeserve.kv_transfer.agent import KvAgent, KvRegistration
 from moeserve.scheduler import StepPlan
 from moeserve.worker.prompt_logprobs import PromptLogprobs
 from moeserve.worker.runner import SampledToken
@@ -26,6 +27,9 @@ class Executor(ABC):
 
     num_groups: int
     num_kv_blocks: int
+    kv_agent: KvAgent | None = None
+    """The NIXL agent over a KV cache in this process (ep 1, `--kv-transfer`): the one a prefill
+    instance pushes with; None where the caches are in rank processes."""
 
     @abstractmethod
     def execute(self, plan: StepPlan, token_bitmask: PendingBitmask | None = None) -> dict[str, SampledToken]:
@@ -64,6 +68,10 @@ class Executor(ABC):
         are none (only an executor that heals restarts ranks). The engine then plans with
         `num_groups` groups again."""
         return None
+
+    def kv_registrations(self) -> list[KvRegistration]:
+        """Each data-parallel group's KV cache as registered for transfers (`--kv-transfer`)."""
+        raise ValueError(f"{type(self).__name__} cannot transfer KV blocks")
 
     def shutdown(self) -> None:  # noqa: B027 - an executor that started nothing has nothing to stop
         """Stop what the executor started; idempotent."""

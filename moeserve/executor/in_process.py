@@ -12,6 +12,7 @@ from moeserve.dispatch import ExpertMap, create_dispatcher
 from moeserve.dispatch.expert_load import RoutedTokens, logical_rows
 from moeserve.eplb.record import LoadRecord
 from moeserve.executor.base import Executor
+from moeserve.kv_transfer.agent import KvAgent, KvRegistration
 from moeserve.models import load_model
 from moeserve.ops import create_ops
 from moeserve.scheduler import StepPlan
@@ -70,6 +71,7 @@ class InProcessExecutor(Executor):
             two_batch_overlap=config.parallel.two_batch_overlap,
         )
         graphs = create_decode_graphs(self.model, kv_caches, block_size, num_kv_blocks, config.cuda_graphs, settings)
+        self.kv_agent = KvAgent(kv_caches, config.kv_transfer.role) if config.kv_transfer.enabled else None
         self.runner = ModelRunner(
             self.model,
             kv_caches,
@@ -94,6 +96,11 @@ class InProcessExecutor(Executor):
         if self._load_record is not None:
             self._load_record.add(routed)
         return RoutedTokens.from_ranks([routed], self._moe_layers)
+
+    def kv_registrations(self) -> list[KvRegistration]:
+        if self.kv_agent is None:
+            raise ValueError("the KV cache was not registered for transfers (no --kv-transfer)")
+        return [self.kv_agent.registration]
 
     def shutdown(self) -> None:
         """Write the recorded expert load (`--record-expert-load`), the last rows included."""

@@ -61,6 +61,7 @@ from moeserve.eplb.record import LoadRecord
 from moeserve.executor.base import Executor
 from moeserve.executor.healing import HealReport, RanksLostError, RejoinReport
 from moeserve.executor.returning import ReturningRanks
+from moeserve.kv_transfer.agent import KvRegistration
 from moeserve.scheduler import StepPlan
 from moeserve.worker.prompt_logprobs import PromptLogprobs
 from moeserve.worker.runner import SampledToken
@@ -117,6 +118,7 @@ class MultiprocessExecutor(Executor):
         self._generation = 0  # of the ranks' process group: one more with each heal and each rejoin
         self._loss: RanksLostError | None = None  # a loss to heal, raised by the next step
         self._step_failed: tuple[float, StepFailed] | None = None  # the first rank that said its step failed
+        self._kv_registrations: dict[int, KvRegistration] = {}  # rank -> its KV cache, with --kv-transfer
 
         network = use_node_network(p)  # first: a node that cannot work refuses before it starts anything
         self._store = host_store(p.master_port, p.ep, p.startup_timeout_s)
@@ -143,6 +145,7 @@ class MultiprocessExecutor(Executor):
                 max_num_seqs=config.max_num_seqs,
                 max_model_len=config.max_model_len or model_config.max_position_embeddings,
                 mtp_drafts=0 if config.speculative_config is None else config.speculative_config.mtp_drafts,
+                kv_transfer=config.kv_transfer.enabled,
             ),
         )
         put(self._store, CONTROL_KEY, self._channel.addresses)
@@ -247,6 +250,8 @@ class MultiprocessExecutor(Executor):
                         f"rank {message.rank} (node {message.node_rank}) could not load the model: {message.error}"
                     )
                 reports[message.rank] = message
+                if message.kv_registration is not None:
+                    self._kv_registrations[message.rank] = message.kv_registration
             now = time.monotonic()
             if now - last_note > 10.0:
                 logger.info(
@@ -557,6 +562,12 @@ class MultiprocessExecutor(Executor):
         return [answers[m] for m in members]
 
     # ---- shutdown --------------------------------------------------------------------------
+
+    def kv_registrations(self) -> list[KvRegistration]:
+        """Group g's cache is its first rank's (tp > 1 is refused with --kv-transfer)."""
+        if len(self._kv_registrations) < self.parallel.ep:
+            raise ValueError("the ranks' KV caches were not registered for transfers (no --kv-transfer)")
+        return [self._kv_registrations[g * self.parallel.tp] for g in range(self.num_groups)]
 
     def shutdown(self) -> None:
         if self._closed:

@@ -78,6 +78,9 @@ class Request:
     """The TTFT admission predicted for it (`slo_admission` on and the step-time model ready)."""
     best_effort: bool = False
     """Admitted although its TTFT target was predicted to be missed (`slo_admission="degrade"`)."""
+    kv_hold_id: str | None = None
+    """On a prefill instance: the transfer its prompt's KV blocks are held for once it finishes,
+    until a decode instance has pulled them (`kv_transfer`)."""
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

@@ -227,6 +227,9 @@ class Scheduler:
         """How admission's TTFT predictions turned out (see `admission.py`)."""
         self._finished_ids: list[str] = []  # finished since the previous schedule()
         self._awaiting_update = False
+        self.kv_holds: list[tuple[str, list[int]]] = []
+        """(transfer id, pinned block ids) of finished prefill-only requests, for the KV transfer
+        to take over (`Request.kv_hold_id`)."""
 
     # ----- requests in and out -----
 
@@ -727,6 +730,10 @@ class Scheduler:
             self._running.remove(request)
         else:
             self._waiting.remove(request)
+        if request.kv_hold_id is not None and reason != "abort":
+            full = request.block_ids[: (request.num_prompt_tokens - 1) // self.config.block_size]
+            self.block_manager.pin(full)
+            self.kv_holds.append((request.kv_hold_id, full))
         self.block_manager.free(request)
         request.status = STATUS_BY_FINISH_REASON[reason]
         request.finish_reason = reason

@@ -100,3 +100,15 @@ def test_install_script_refuses_bad_arguments_before_installing(argv: list[str],
     result = subprocess.run(["bash", str(ROOT / INSTALL), *argv], capture_output=True, text=True, timeout=30)
     assert result.returncode == 2 and error in result.stderr, result.stderr
     assert not Path("/nonexistent").exists()
+
+
+def test_disaggregated_recipe_uses_real_flags_and_roles() -> None:
+    text = (DEPLOY / "kubernetes/disaggregated.yaml").read_text()
+    prefill, decode = (build_parser().parse_args(["launch", *argv]) for argv in launch_commands(text))
+    assert (prefill.role, prefill.kv_transfer, prefill.ep, prefill.kv_transfer_port) == ("prefill", "nixl", 1, 8100)
+    assert (decode.role, decode.kv_transfer, decode.nnodes, decode.node_rank) == ("decode", "nixl", 2, 1)
+    assert decode.ep % decode.nnodes == 0 and decode.tp == 1
+    router_args = re.search(r"- router\n((?:\s+- .+\n)+)", text).group(1)
+    argv = [line.strip()[2:].strip('"') for line in router_args.splitlines()]
+    router = build_parser().parse_args(["router", *argv])
+    assert len(router.prefill) == 2 and len(router.decode) == 1 and router.port == 8000

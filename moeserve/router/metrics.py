@@ -1,0 +1,41 @@
+"""The router's /metrics: requests and failures per instance, and each request's time to first
+token split into the prefill round trip (queue + prefill on the prefill instance) and the decode
+side's first token (KV transfer + first decode step)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        labels = ["instance", "role"]
+        self.requests = Counter("moeserve_router:requests", "Requests sent to an instance.", labels, registry=r)
+        self.failures = Counter(
+            "moeserve_router:instance_failures", "Requests an instance failed (unreachable or 5xx).", labels, registry=r
+        )
+        self.in_flight = Gauge("moeserve_router:in_flight", "Requests in flight at an instance.", labels, registry=r)
+        self.healthy = Gauge(
+            "moeserve_router:instance_healthy", "1 while an instance passes health checks.", labels, registry=r
+        )
+        self.ttft = Histogram(
+            "moeserve_router:ttft_seconds", "Time to first token, as the router saw it.", buckets=BUCKETS, registry=r
+        )
+        self.prefill = Histogram(
+            "moeserve_router:ttft_prefill_seconds",
+            "Part of TTFT: the prefill instance's round trip (its queue and the prefill).",
+            buckets=BUCKETS,
+            registry=r,
+        )
+        self.decode_first = Histogram(
+            "moeserve_router:ttft_decode_seconds",
+            "Part of TTFT: from asking the decode instance to its first token (KV transfer, first decode step).",
+            buckets=BUCKETS,
+            registry=r,
+        )
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,110 @@
+"""Prefill/decode disaggregation end to end on CPU, with real NIXL transfers over loopback: a
+prefill instance at --ep 1 and a decode instance at --ep 2 (its KV cache in the rank processes)
+behind `moeserve router`, against a colocated server on the same checkpoint."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+from disagg_utils import RouterProcess, decode, kv_info, streamed_text
+
+KV = ("--block-size", "4", "--kv-cache-memory", "32MiB")
+DISAGG = ("--kv-transfer", "nixl", *KV)
+SYSTEM = "You are a careful assistant who answers in short sentences about foxes and dogs. "
+PROMPTS = [SYSTEM + "Tell me what the quick brown fox did next.", SYSTEM + "And the lazy dog?", "Short one, eh"]
+
+
+@pytest.fixture(scope="module")
+def deployment(start_server, tmp_path_factory):
+    both = start_server(*KV, wait=False)
+    prefill = start_server("--role", "prefill", *DISAGG, wait=False)
+    decoder = start_server("--role", "decode", "--ep", "2", *DISAGG, wait=False)
+    for server in (both, prefill, decoder):
+        server.wait_healthy()
+    router = RouterProcess([prefill.url], [decoder.url], tmp_path_factory.mktemp("router") / "router.log")
+    router.wait_listening()
+    yield both, prefill, decoder, router
+    router.stop()
+    for server in (both, prefill, decoder):
+        server.stop()
+
+
+def _completion(url: str, prompt: str, **extra) -> dict:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 10, "temperature": 0, **extra}
+    response = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_router_outputs_equal_the_colocated_servers(deployment):
+    both, prefill, decoder, router = deployment
+    for prompt in PROMPTS:
+        expected = _completion(both.url, prompt)["choices"][0]["text"]
+        assert _completion(router.url, prompt)["choices"][0]["text"] == expected
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 10, "temperature": 0}
+        assert streamed_text(router.url, "/v1/completions", body) == expected
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": PROMPTS[0]}], "max_tokens": 8, "temperature": 0}
+    expected = httpx.post(f"{both.url}/v1/chat/completions", json=chat, timeout=120).json()
+    routed = httpx.post(f"{router.url}/v1/chat/completions", json=chat, timeout=120).json()
+    assert routed["choices"][0]["message"]["content"] == expected["choices"][0]["message"]["content"]
+    assert streamed_text(router.url, "/v1/chat/completions", chat) == expected["choices"][0]["message"]["content"]
+    assert httpx.get(f"{router.url}/v1/models", timeout=10).json()["data"][0]["id"] == "tiny"
+
+    decoded = decoder.metrics()
+    assert decoded["moeserve:kv_transfer_bytes_total{role=decode}"] > 0
+    assert decoded["moeserve:kv_transfer_seconds_count{role=decode}"] >= 4
+    # The decode side computed only the last partial block of each transferred prompt.
+    assert decoded["moeserve:prefix_cache_hits_total"] > decoded["moeserve:prefix_cache_queries_total"] / 2
+    assert prefill.metrics()["moeserve:kv_transfer_bytes_total{role=prefill}"] > 0
+
+    routed_metrics = httpx.get(f"{router.url}/metrics", timeout=10).text
+    assert f'moeserve_router:requests_total{{instance="{prefill.url}",role="prefill"}}' in routed_metrics
+    assert "moeserve_router:ttft_decode_seconds_count" in routed_metrics
+
+
+def test_blocks_go_back_on_both_sides(deployment):
+    _, prefill, decoder, router = deployment
+    _completion(router.url, PROMPTS[1])
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        samples = [s.metrics() for s in (prefill, decoder)]
+        held = [m[f"moeserve:kv_transfer_held_blocks{{role={r}}}"] for m, r in zip(samples, ("prefill", "decode"))]
+        if held == [0, 0] and all(m["moeserve:kv_cache_blocks_used"] == 0 for m in samples):
+            return
+        time.sleep(0.2)
+    pytest.fail(f"blocks still in use: {held}, {[m['moeserve:kv_cache_blocks_used'] for m in samples]}")
+
+
+@pytest.mark.parametrize(
+    ("claim", "message"),
+    [
+        ({"model": "0" * 16}, "different model"),
+        ({"block_size": 8}, "different block size (8, here 4)"),
+        ({"tp": 2}, "mixed tensor parallelism is refused"),
+    ],
+)
+def test_bad_handshakes_are_refused_clearly(deployment, claim, message):
+    _, prefill, decoder, _ = deployment
+    body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 4}
+    response = decode(decoder.url, "/v1/completions", body, "never-prefilled", {**kv_info(prefill.url), **claim})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == "kv_transfer_params"
+    assert "KV handshake refused" in error["message"] and message in error["message"]
+
+
+def test_transfer_params_need_a_disaggregated_instance(deployment, tmp_path):
+    both, prefill, decoder, _ = deployment
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 2, "kv_transfer_params": {"transfer_id": "x"}}
+    response = httpx.post(f"{both.url}/v1/completions", json=body, timeout=30)
+    assert response.status_code == 400 and "--role prefill or decode" in response.json()["error"]["message"]
+    assert httpx.get(f"{both.url}/kv/info", timeout=10).status_code == 404
+    # A router given the instances the wrong way round refuses to start, saying so.
+    router = RouterProcess([decoder.url], [prefill.url], tmp_path / "router.log")
+    try:
+        assert router.proc.wait(180) == 2
+    finally:
+        router.stop()
+    assert "was given as --prefill but runs --role decode" in (tmp_path / "router.log").read_text()

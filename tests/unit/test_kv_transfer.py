@@ -1,0 +1,109 @@
+"""KV transfer pieces without servers: block layouts, the block manager's pins and loaded
+blocks, the scheduler's holds, a real NIXL write between two agents, and the handshake."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moeserve.kv_transfer.agent import KvAgent, KvTransferError
+from moeserve.kv_transfer.identity import KvIdentity
+from moeserve.kv_transfer.layout import KvLayout, paired_runs
+from moeserve.router.instances import Instance, choose, pairing_problems
+from moeserve.sampling_params import SamplingParams
+from moeserve.scheduler import Request, Scheduler, SchedulerConfig
+from moeserve.scheduler.block_manager import BlockManager
+
+
+def _request(request_id: str, num_tokens: int, max_tokens: int = 1) -> Request:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    return Request(request_id, list(range(1, num_tokens + 1)), params, (0,), 0.0)
+
+
+def test_paired_runs_merge_blocks_consecutive_on_both_sides():
+    assert paired_runs([3, 4, 5, 9], [0, 1, 7, 8]) == ([(3, 2), (5, 1), (9, 1)], [(0, 2), (7, 1), (8, 1)])
+    with pytest.raises(ValueError):
+        paired_runs([1], [1, 2])
+
+
+def test_layout_of_gqa_and_mla_caches():
+    gqa = [torch.zeros(2, 10, 4, 2, 8) for _ in range(3)]  # K and V planes
+    layout = KvLayout.of(gqa)
+    assert (layout.planes, layout.block_bytes, layout.plane_bytes) == (2, 4 * 2 * 8 * 4, 10 * 4 * 2 * 8 * 4)
+    value_block_7 = gqa[1][1, 7].data_ptr()
+    assert (value_block_7, 2 * layout.block_bytes, 0) in layout.regions([(7, 2)])
+    mla = KvLayout.of([torch.zeros(10, 4, 24)])
+    assert (mla.planes, mla.block_bytes, mla.shape_key) == (1, 4 * 24 * 4, (1, 1, 4 * 24 * 4))
+    assert KvLayout.from_json(layout.to_json()) == layout
+
+
+@pytest.mark.parametrize("shape", [(2, 12, 4, 2, 8), (12, 4, 24)], ids=["gqa", "mla"])
+def test_agent_writes_blocks_into_another_agents_cache(shape):
+    source = [torch.randn(shape) for _ in range(2)]
+    dest = [torch.zeros(shape) for _ in range(2)]
+    writer, reader = KvAgent(source, "test-src"), KvAgent(dest, "test-dst")
+    num_bytes = writer.write(reader.registration, [2, 3, 7], [5, 6, 0], timeout_s=10)
+    block_dim = 1 if len(shape) == 5 else 0
+    for src_cache, dst_cache in zip(source, dest):
+        for s, d in ((2, 5), (3, 6), (7, 0)):
+            assert torch.equal(dst_cache.select(block_dim, d), src_cache.select(block_dim, s))
+        untouched = [b for b in range(12) if b not in (5, 6, 0)]
+        assert not dst_cache.index_select(block_dim, torch.tensor(untouched)).any()
+    assert num_bytes == 3 * writer.layout.block_bytes * writer.layout.planes * 2
+    other = KvAgent([torch.zeros(12, 8, 24)], "test-other")
+    with pytest.raises(KvTransferError, match="KV layouts differ") as refused:
+        writer.write(other.registration, [0], [0], timeout_s=10)
+    assert refused.value.cause == "layout"
+
+
+def test_pins_reserved_and_loaded_blocks_become_a_cached_prefix():
+    blocks = BlockManager(num_blocks=8, block_size=4, enable_caching=True)
+    request = _request("r", 13)  # three full blocks before the last token
+    loaded = blocks.reserve(3)
+    assert loaded is not None and blocks.num_used_blocks == 3
+    blocks.cache_loaded_blocks(request, loaded)
+    assert blocks.lookup(request) == loaded
+    assert blocks.allocate(request, 1, loaded)
+    blocks.unpin(loaded)  # the load's references go once admitted; the request's stay
+    assert blocks.num_used_blocks == 4
+    blocks.free(request)
+    assert blocks.num_used_blocks == 0 and blocks.lookup(_request("again", 13)) == loaded
+    blocks.pin(loaded)  # cached blocks nobody holds come off the free list
+    assert blocks.num_used_blocks == 3
+    assert blocks.reserve(6) is None and blocks.num_used_blocks == 3
+
+
+def test_a_prefill_request_leaves_its_full_blocks_held():
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=2, max_model_len=64, block_size=4, num_kv_blocks=16))
+    request = _request("p", 10)
+    request.kv_hold_id = "xfer-1"
+    scheduler.add_request(request)
+    plan = scheduler.schedule()
+    assert scheduler.update(plan, {"p": 5})[0].finish_reason == "length"
+    ((transfer_id, held),) = scheduler.kv_holds
+    assert transfer_id == "xfer-1" and len(held) == (10 - 1) // 4
+    assert scheduler.block_manager.num_used_blocks == len(held)
+    scheduler.block_manager.unpin(held)
+    assert scheduler.block_manager.num_used_blocks == 0
+
+
+def test_handshake_mismatches_and_router_pairing():
+    decode = KvIdentity("decode", "abc", 16, 1, 2, "127.0.0.1:1")
+    assert decode.mismatches("abc", 16, 1) == []
+    problems = decode.mismatches("xyz", 8, 2)
+    assert [p.split(" (")[0] for p in problems] == ["a different model", "a different block size", "a different --tp"]
+    prefill = Instance("http://p", "prefill", KvIdentity("prefill", "abc", 8, 1, 1, "127.0.0.1:2"))
+    (problem,) = pairing_problems([prefill], [Instance("http://d", "decode", decode)])
+    assert problem.startswith("prefill http://p and decode http://d: a different block size")
+
+
+def test_router_choice_by_load_and_cached_prefix():
+    a, b = Instance("http://a", "prefill", healthy=True), Instance("http://b", "prefill", healthy=True)
+    a.load_tokens, b.load_tokens = 100, 10
+    assert choose([a, b]) is b
+    a.remember("head")
+    assert choose([a, b], "head") is a  # its cache likely holds the prompt's head, and it is not swamped
+    a.load_tokens = 10_000
+    assert choose([a, b], "head") is b
+    b.healthy = False
+    assert choose([a, b], None, excluded=(a,)) is None
