@@ -12,7 +12,6 @@ import json
 from dataclasses import dataclass, field
 from typing import Literal
 
-from moeserve.kv_transfer.params import KvTransferParams
 from moeserve.slo import RequestSLO
 
 # Temperatures below this count as 0 (greedy): dividing logits by a tiny number only amplifies
@@ -23,6 +22,24 @@ MAX_LOGPROBS = 20
 # The integers the engine carries in int64 tensors and msgpack frames: a larger seed, top_k or
 # stop token id would fail the engine core's step (and with it every request), not just its own.
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+# What a request carries when its KV crosses instances (the body's `kv_transfer_params`). It lives
+# here, not in `moeserve.kv_transfer`, because it travels inside SamplingParams through the
+# scheduler, which that package's coordinator itself builds on.
+@dataclass(frozen=True)
+class KvTransferParams:
+    """On a prefill instance (`remote` None): hold the prompt's KV for `transfer_id`. On a decode
+    instance: load it from the prefill instance whose side channel is at `remote` (host:port)."""
+
+    transfer_id: str
+    remote: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.transfer_id, str) or not self.transfer_id:
+            raise ValueError("kv_transfer_params transfer_id must be a non-empty string")
+        if self.remote is not None and (not isinstance(self.remote, str) or ":" not in self.remote):
+            raise ValueError(f"kv_transfer_params remote must be host:port, got {self.remote!r}")
 
 
 StructuredKind = Literal["json", "json_object", "regex", "choice", "grammar"]

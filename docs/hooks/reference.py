@@ -31,6 +31,7 @@ _ENGINE_SECTIONS = {
     "cuda_graphs": "CUDA graphs",
     "slo": "SLOs",
     "structured_outputs": "Structured outputs",
+    "kv_transfer": "Prefill/decode disaggregation (KV transfer)",
 }
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from moeserve.api.errors import APIError
 from moeserve.kv_transfer.identity import KvIdentity
-from moeserve.kv_transfer.params import KvTransferParams
+from moeserve.sampling_params import KvTransferParams
 
 PARAM = "kv_transfer_params"
 DECODE_KEYS = ("transfer_id", "remote", "model", "block_size", "tp")

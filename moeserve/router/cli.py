@@ -1,4 +1,8 @@
-"""`moeserve router --prefill URL... --decode URL... [--host] [--port]`."""
+"""`moeserve router --prefill URL... --decode URL... [--host] [--port]`.
+
+The parser is built on every `moeserve` call, so this module imports no more than argparse at
+load: the router's app (FastAPI, uvicorn and the API's error format, which pull in torch) is
+imported when a router runs, keeping `moeserve --help` light."""
 
 from __future__ import annotations
 
@@ -6,10 +10,10 @@ import argparse
 import asyncio
 import logging
 import socket
+from typing import TYPE_CHECKING
 
-import uvicorn
-
-from moeserve.router.app import Router, RouterConfig, build_router_app
+if TYPE_CHECKING:
+    from moeserve.router.app import RouterConfig
 
 logger = logging.getLogger("moeserve.router")
 
@@ -25,11 +29,17 @@ def add_router_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run_router(args: argparse.Namespace) -> int:
+    from moeserve.router.app import RouterConfig
+
     config = RouterConfig(tuple(args.prefill), tuple(args.decode), health_interval_s=args.health_interval)
     return asyncio.run(_serve(config, args.host, args.port))
 
 
 async def _serve(config: RouterConfig, host: str, port: int) -> int:
+    import uvicorn
+
+    from moeserve.router.app import Router, build_router_app
+
     router = Router(config)
     try:
         await router.start()
