@@ -67,6 +67,11 @@ Each send runs as one launch per kind of peer, the same kernel source with its `
 so a put variant's code holds no store to a peer. On CPU the put is emulated (`PUT_EMULATED`),
 so a group of emulated nodes runs the whole protocol; on GPUs it is NVSHMEM's (IBGDA between
 nodes), which needs the kernels linked with NVSHMEM's device library.
+
+`nvlink_domain_size=0` (`ALL_PUTS`): no peer is reached by load/store, this rank included, so
+every send is one put launch. It exists to test the network path where there is no network:
+one GPU puts to itself through NVSHMEM, and the GPUs of one node put to each other (with
+`NVSHMEM_DISABLE_P2P=1`, through the NIC where there is one); the results are the same rows.
 """
 
 from __future__ import annotations
@@ -109,6 +114,7 @@ PHASES = {
     5: ("notify (waiting for the peer's counts)", lambda word, ep, lmax: word % ep),
 }
 COMM_STREAMS = 2  # one per micro-batch of two-batch overlap (module docstring)
+ALL_PUTS = 0  # the nvlink_domain_size of no load/store peer: every peer, this rank too, by puts (module docstring)
 
 
 @dataclass(frozen=True)
@@ -167,14 +173,15 @@ class NvshmemDispatcher(SteppedDispatcher):
             False: on the caller's stream, after its work, as emulated PEs that one host thread
             times on one stream need.
         nvlink_domain_size: consecutive ranks that reach each other by load/store (None: all of
-            them); the others are reached by puts (module docstring)."""
+            them); the others are reached by puts (module docstring). 0 (`ALL_PUTS`): none,
+            every peer and this rank too by puts, to test the network path on one node or GPU."""
         super().__init__(placement, dispatch_fp8)
         self.device = torch.device(device)
         if chunk_tokens < 1:
             raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
         self.rows, self.chunk_tokens = rows, chunk_tokens
         self.domain = check_domain(nvlink_domain_size, placement.ep_size)
-        staged = self.domain < placement.ep_size  # some peers are reached by puts
+        staged = self.domain < placement.ep_size  # some peers are reached by puts (every one at ALL_PUTS)
         self._layout = SymmetricLayout.for_rows(placement, rows, chunk_tokens, dispatch_fp8, staged)
         self.heap = heap if heap is not None else _default_heap(group, self.device, self._layout.nbytes, self.domain)
         if (self.heap.world_size, self.heap.rank) != (placement.ep_size, placement.rank):
@@ -480,9 +487,9 @@ class NvshmemDispatcher(SteppedDispatcher):
 
     @property
     def _send_kinds(self) -> list[tuple[int, dict]]:
-        """(KIND, launch keywords) of each send's launches: the stores to our domain, then the puts
-        to the other domains where there are any."""
-        kinds = [(0, {})]
+        """(KIND, launch keywords) of each send's launches: the stores to our domain (none at
+        `ALL_PUTS`), then the puts to the other domains where there are any."""
+        kinds = [(0, {})] if self.domain != ALL_PUTS else []
         if self._put_kind:
             kinds.append((self._put_kind, self._put_libs))
         return kinds
@@ -530,11 +537,16 @@ class NvshmemDispatcher(SteppedDispatcher):
 
 
 def check_domain(nvlink_domain_size: int | None, ep: int) -> int:
-    """The NVLink domain's size in ranks (None: the whole group), once shown to tile the group."""
+    """The NVLink domain's size in ranks (None: the whole group), once shown to tile the group;
+    `ALL_PUTS` (0) stands for itself."""
     if nvlink_domain_size is None:
         return ep
+    if nvlink_domain_size == ALL_PUTS:
+        return ALL_PUTS
     if nvlink_domain_size < 1 or ep % min(nvlink_domain_size, ep):
-        raise ValueError(f"nvlink_domain_size={nvlink_domain_size} must be positive and divide ep_size={ep}")
+        raise ValueError(
+            f"nvlink_domain_size={nvlink_domain_size} must divide ep_size={ep}, or be {ALL_PUTS} (every peer by puts)"
+        )
     return min(nvlink_domain_size, ep)
 
 

@@ -66,7 +66,8 @@ class NvshmemHeap(SymmetricHeap):
     ) -> None:
         """planned_bytes: the buffers this heap will hold at once. NVSHMEM's heap is sized for them
         here, before this heap allocates anything (see `size_nvshmem_heap`). nvlink_domain_size:
-        consecutive ranks that must have each other's addresses (None: the whole group)."""
+        consecutive ranks that must have each other's addresses (None: the whole group; 0: none,
+        every peer is reached by puts)."""
         import torch.distributed._symmetric_memory as symm_mem
 
         group = group or dist.group.WORLD
@@ -75,7 +76,7 @@ class NvshmemHeap(SymmetricHeap):
         if symm_mem.is_nvshmem_available():
             symm_mem.set_backend("NVSHMEM")
         self._symm_mem, self._group = symm_mem, group
-        self._domain = nvlink_domain_size or self.world_size
+        self._domain = self.world_size if nvlink_domain_size is None else nvlink_domain_size
         self._handles: list[object] = []  # keep every rendezvous alive as long as the heap
 
     def allocate(self, nbytes: int) -> SymmetricBuffer:
@@ -85,7 +86,7 @@ class NvshmemHeap(SymmetricHeap):
         local.zero_()  # queued on the current stream: done only once `_zeroed_everywhere` returns
         handle = self._symm_mem.rendezvous(local, group=self._group)
         addresses = list(handle.buffer_ptrs)
-        first = self.rank // self._domain * self._domain
+        first = self.rank // self._domain * self._domain if self._domain else self.rank
         unreachable = [peer for peer in range(first, first + self._domain) if addresses[peer] == 0]
         if unreachable:
             raise ValueError(
