@@ -93,6 +93,7 @@ from moeserve.dispatch.placement import ExpertPlacement
 from moeserve.dispatch.rows import DispatchRows
 from moeserve.dispatch.streams import Streams, streams_for
 from moeserve.dispatch.symmetric import SymmetricHeap
+from moeserve.dispatch.symmetric.nvshmem4py_heap import NvshmemHostChoice, choose_nvshmem_host
 
 CHUNK_TOKENS = 128  # tokens per rank per chunk: the low-latency bound, as the torch backend's
 GPU_COMM_SMS = 20  # programs of every communication kernel on a GPU; the rest compute
@@ -159,6 +160,7 @@ class NvshmemDispatcher(SteppedDispatcher):
         streams: Streams | None = None,
         comm_stream: bool = True,
         nvlink_domain_size: int | None = None,
+        nvshmem_host: NvshmemHostChoice = "auto",
     ) -> None:
         """rows: what every dispatch moves; the buffer is laid out and allocated for them here.
         Collective: every rank of the group builds its dispatcher with the same rows, in the same
@@ -174,7 +176,9 @@ class NvshmemDispatcher(SteppedDispatcher):
             times on one stream need.
         nvlink_domain_size: consecutive ranks that reach each other by load/store (None: all of
             them); the others are reached by puts (module docstring). 0 (`ALL_PUTS`): none,
-            every peer and this rank too by puts, to test the network path on one node or GPU."""
+            every peer and this rank too by puts, to test the network path on one node or GPU.
+        nvshmem_host: who starts NVSHMEM for the default heap on a GPU (`choose_nvshmem_host`):
+            nvshmem4py where importable (auto), or PyTorch's symmetric memory (torch)."""
         super().__init__(placement, dispatch_fp8)
         self.device = torch.device(device)
         if chunk_tokens < 1:
@@ -183,7 +187,9 @@ class NvshmemDispatcher(SteppedDispatcher):
         self.domain = check_domain(nvlink_domain_size, placement.ep_size)
         staged = self.domain < placement.ep_size  # some peers are reached by puts (every one at ALL_PUTS)
         self._layout = SymmetricLayout.for_rows(placement, rows, chunk_tokens, dispatch_fp8, staged)
-        self.heap = heap if heap is not None else _default_heap(group, self.device, self._layout.nbytes, self.domain)
+        if heap is None:
+            heap = _default_heap(group, self.device, self._layout.nbytes, self.domain, nvshmem_host)
+        self.heap = heap
         if (self.heap.world_size, self.heap.rank) != (placement.ep_size, placement.rank):
             raise ValueError(
                 f"the placement is rank {placement.rank} of ep_size={placement.ep_size} but the heap is PE "
@@ -226,7 +232,7 @@ class NvshmemDispatcher(SteppedDispatcher):
             from moeserve.kernels.nvshmem_device import extern_libs, init_linked_modules
 
             self._put_libs = {"extern_libs": extern_libs(torch.cuda.get_device_capability(self.device)[0] * 10)}
-            init_linked_modules()
+            init_linked_modules(self.heap.init_module)
         self._buffer = self.heap.allocate(self._layout.nbytes)
         self._seq = {"dispatch": 0, "combine": 0, "notify": 0}
 
@@ -550,9 +556,15 @@ def check_domain(nvlink_domain_size: int | None, ep: int) -> int:
     return min(nvlink_domain_size, ep)
 
 
-def _default_heap(group: dist.ProcessGroup | None, device: torch.device, nbytes: int, domain: int) -> SymmetricHeap:
+def _default_heap(
+    group: dist.ProcessGroup | None, device: torch.device, nbytes: int, domain: int, nvshmem_host: NvshmemHostChoice
+) -> SymmetricHeap:
     """nbytes: the dispatcher's one buffer, which NVSHMEM's heap is sized for. A process builds one
     dispatcher for all its MoE layers (they take turns in one buffer), so that is all it allocates."""
+    if choose_nvshmem_host(nvshmem_host, device) == "nvshmem4py":
+        from moeserve.dispatch.symmetric.nvshmem4py_heap import Nvshmem4pyHeap
+
+        return Nvshmem4pyHeap(group, device, planned_bytes=(nbytes,), nvlink_domain_size=domain)
     if device.type == "cuda":
         from moeserve.dispatch.symmetric.nvshmem_heap import NvshmemHeap
 
