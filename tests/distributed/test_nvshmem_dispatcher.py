@@ -85,7 +85,7 @@ def test_puts_between_emulated_nodes_equal_local(
 
 @pytest.mark.parametrize(
     "world_size,chunk,step,first",
-    [(1, "low_latency", 6, 1), (1, "chunked", 6, 4), (4, "low_latency", 13, 3), (4, "chunked", 13, 4)],
+    [(1, "low_latency", 6, 1), (1, "chunked", 6, 4), (4, "low_latency", 26, 3), (4, "chunked", 26, 4)],
     ids=["ep1-low_latency", "ep1-chunked", "ep4-low_latency", "ep4-chunked"],
 )
 def test_every_peer_by_puts_equals_local(world_size: int, chunk: str, step: int, first: int, one_thread: None) -> None:
