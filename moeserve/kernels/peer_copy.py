@@ -34,7 +34,8 @@ what follows them; nothing else is relied on. Each send kernel is launched once 
 peer, its constexpr `KIND` choosing the path, so the put variant's code holds no store into a
 peer (the compile check's PTX rules hold it to that). The receive side is the same for both.
 `DOMAIN` 0 means no peer is reached by load/store, the rank itself included: every send is a
-put, so one GPU exercises NVSHMEM's puts to itself (`nvlink_domain_size=0`).
+put, so one GPU exercises NVSHMEM's puts to itself (`nvlink_domain_size=0`); the credit kernels'
+store branch is then a constant False, compiled out of their put variants.
 The puts are non-blocking: a send returns once they are posted, and the receive step's wait on
 the signal is where they are known to have landed. Without NVSHMEM (the interpreter, emulated
 PEs on one GPU) `PUT_EMULATED` keeps the put's shape and promise: the same staging, then a copy
@@ -352,7 +353,7 @@ def dispatch_recv_kernel(
             # are linked (a constexpr branch, as every extern call here).
             by_store = True
             if PUT == PUT_NVSHMEM:
-                by_store = (source // DOMAIN == rank // DOMAIN) if DOMAIN else source < 0
+                by_store = (source // DOMAIN == rank // DOMAIN) if DOMAIN else False
                 if not by_store:
                     nvshmem.signal_op(own + credit_offset + word * 8, seq64, source.to(tl.int32))
             if by_store:
@@ -526,7 +527,7 @@ def give_credit_kernel(
     for dest in range(tl.program_id(0), EP, tl.num_programs(0)):
         by_store = True  # or the emulated put of the one word
         if PUT == PUT_NVSHMEM:
-            by_store = (dest // DOMAIN == rank // DOMAIN) if DOMAIN else dest < 0
+            by_store = (dest // DOMAIN == rank // DOMAIN) if DOMAIN else False
             if not by_store:
                 nvshmem.signal_op(tl.load(addresses + rank) + credit_offset + word * 8, seq64, dest.to(tl.int32))
         if by_store:
