@@ -98,10 +98,11 @@ def symmetric_memory_cases() -> list[Case]:
     ]
 
 
-def case_layout(case: Case, world: int, chunk_tokens: int) -> SymmetricLayout:
-    """The symmetric buffer each PE's dispatcher allocates for `case`: what a heap is sized for."""
+def case_layout(case: Case, world: int, chunk_tokens: int, staged: bool = False) -> SymmetricLayout:
+    """The symmetric buffer each PE's dispatcher allocates for `case`: what a heap is sized for.
+    staged: with the put path's staging regions (some peer is reached by puts)."""
     rows = DispatchRows(case.hidden, case.top_k, case.dtype)
-    return SymmetricLayout.for_rows(placement_for(case, world, 0), rows, chunk_tokens, case.fp8)
+    return SymmetricLayout.for_rows(placement_for(case, world, 0), rows, chunk_tokens, case.fp8, staged)
 
 
 def placement_for(case: Case, world: int, rank: int) -> ExpertPlacement:
@@ -142,6 +143,19 @@ def toy_weights(case: Case, device: torch.device) -> tuple[torch.Tensor, torch.T
 
 def toy(rows: torch.Tensor, expert: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
     return rows * rows * scale[expert, None] + shift[expert, None]
+
+
+def toy_experts(
+    case: Case, placement: ExpertPlacement, scale: torch.Tensor, shift: torch.Tensor, device: torch.device
+) -> Callable[[DispatchOutput], torch.Tensor]:
+    """A PE's toy experts: each received row through its local expert's `toy` (padding rows: the zero expert)."""
+    ids = torch.tensor((*placement.local_experts, case.num_experts), device=device)
+
+    def run(received: DispatchOutput) -> torch.Tensor:
+        expert = ids[row_experts(received.num_tokens_per_expert, received.hidden.shape[0])]
+        return toy(received.hidden, expert, scale, shift)
+
+    return run
 
 
 def pe_steps(
@@ -252,23 +266,51 @@ def check_case(
         for p, h in zip(placements, heaps())
     ]
 
-    def experts_of(placement: ExpertPlacement) -> Callable[[DispatchOutput], torch.Tensor]:
-        ids = torch.tensor((*placement.local_experts, case.num_experts), device=device)  # padding: the zero expert
-
-        def run(received: DispatchOutput) -> torch.Tensor:
-            expert = ids[row_experts(received.num_tokens_per_expert, received.hidden.shape[0])]
-            return toy(received.hidden, expert, scale, shift)
-
-        return run
-
     ref = reference(case, inputs, scale, shift)
     starts = [sum(case.tokens(world)[:r]) for r in range(world)]
+    experts = [toy_experts(case, p, scale, shift, device) for p in placements]
     problems = []
     for repeat in range(rounds):
-        results = drive([pe_steps(d, i, bound, experts_of(p)) for d, i, p in zip(dispatchers, inputs, placements)])
+        results = drive([pe_steps(d, i, bound, e) for d, i, e in zip(dispatchers, inputs, experts)])
         problems += [
             f"round {repeat} PE {r}: {problem}" if rounds > 1 else f"PE {r}: {problem}"
             for r, ((received, out), placement) in enumerate(zip(results, placements))
             for problem in compare_pe(received, out, ref, placement, starts[r], bound, case.top_k)
         ]
     return dict(record, rounds=rounds, passed=not problems, problems=problems)
+
+
+def check_pe(
+    case: Case,
+    world: int,
+    rank: int,
+    mode: str,
+    bound: int | None,
+    heap: SymmetricHeap,
+    device: torch.device,
+    chunk_tokens: int,
+    nvlink_domain_size: int | None = None,
+) -> dict:
+    """PE `rank` of `world`, the only one in this process (each peer runs the same call in its own,
+    over a heap they share): its results against the reference, a record for the JSON.
+    nvlink_domain_size: the dispatcher's (0: every peer, this PE too, by puts)."""
+    dtype = str(case.dtype).removeprefix("torch.")
+    record = {"world": world, "rank": rank, "case": case.name, "mode": mode, "dtype": dtype, "fp8": case.fp8}
+    inputs = [rank_inputs(case, world, r, device) for r in range(world)]
+    placement = placement_for(case, world, rank)
+    scale, shift = toy_weights(case, device)
+    dispatcher = NvshmemDispatcher(
+        placement,
+        DispatchRows(case.hidden, case.top_k, case.dtype),
+        device=device,
+        heap=heap,
+        chunk_tokens=chunk_tokens,
+        dispatch_fp8=case.fp8,
+        nvlink_domain_size=nvlink_domain_size,
+    )
+    experts = toy_experts(case, placement, scale, shift, device)
+    received, out = finish(pe_steps(dispatcher, inputs[rank], bound, experts))
+    ref = reference(case, inputs, scale, shift)
+    first_token = sum(case.tokens(world)[:rank])
+    problems = compare_pe(received, out, ref, placement, first_token, bound, case.top_k)
+    return dict(record, passed=not problems, problems=problems)

@@ -132,7 +132,13 @@ class ParallelConfig:
     """Ranks that reach each other's memory by load/store (an NVLink domain), consecutive from rank
     0: the nvshmem all-to-all stores into their buffers and reaches every other rank by NVSHMEM
     puts (IBGDA over the NIC between nodes; emulated on CPU, where it makes one machine's ranks
-    behave as several nodes). None: the ranks of one node, `ep / nnodes`. Must divide ep."""
+    behave as several nodes). None: the ranks of one node, `ep / nnodes`. Must divide ep, or be
+    0: no load/store peers, every peer and the rank itself by puts, to test the network path on
+    one node or one GPU (with NVSHMEM_DISABLE_P2P=1 the puts between a node's GPUs take the NIC)."""
+    nvshmem_host: Literal["auto", "nvshmem4py", "torch"] = "auto"
+    """Who starts NVSHMEM for the nvshmem all-to-all on GPUs: nvshmem4py (a unique id from rank 0
+    over torch.distributed, NVSHMEM's own bindings for its heap, teams and kernel modules), torch
+    (PyTorch's symmetric memory), or auto (nvshmem4py where it is installed, else torch)."""
     collective_timeout_s: float = option(120.0, name="collective_timeout", aliases=("collective_timeout_s",))
     """Seconds any collective may wait before the rank gives up (a stalled peer)."""
     heartbeat_timeout_s: float = option(5.0, name="heartbeat_timeout", aliases=("heartbeat_timeout_s",))
@@ -177,8 +183,10 @@ class ParallelConfig:
         if self.a2a_backend not in A2A_BACKENDS:
             raise ValueError(f"a2a_backend {self.a2a_backend!r} is not one of {', '.join(A2A_BACKENDS)}")
         domain = self.nvlink_domain_size
-        if domain is not None and (domain < 1 or self.ep % domain):
-            raise ValueError(f"nvlink_domain_size must be a positive divisor of ep={self.ep} (got {domain})")
+        if domain is not None and (domain < 0 or (domain and self.ep % domain)):
+            raise ValueError(f"nvlink_domain_size must be a positive divisor of ep={self.ep}, or 0 (got {domain})")
+        if self.nvshmem_host not in ("auto", "nvshmem4py", "torch"):
+            raise ValueError(f"nvshmem_host {self.nvshmem_host!r} is not one of auto, nvshmem4py, torch")
         if self.num_comm_sms is not None and self.num_comm_sms < 1:
             raise ValueError(f"num_comm_sms must be at least 1 (got {self.num_comm_sms})")
         if min(self.collective_timeout_s, self.heartbeat_timeout_s, self.startup_timeout_s) <= 0:

@@ -9,7 +9,7 @@ on whatever their outputs hold (uninitialised memory: no case reads a value back
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -91,7 +91,7 @@ def _dispatch_rounds(
     steps (sequence numbers 1, 2, ... through both ring slots and their credits) and one
     high-throughput step (the notify round, then two chunks), in lockstep. `nvlink_domain_size`
     below `shape.ep`: the other domains' peers are reached by the put variants, compiled as a
-    GPU's (NVSHMEM's puts).
+    GPU's (NVSHMEM's puts); 0: every peer, the rank itself too.
 
     No kernel runs, so the one value the host reads back, the counts the notify round delivers,
     is put in each rank's notify slot here, as the peers' notify kernels would have put it."""
@@ -318,6 +318,11 @@ CASES: list[Case] = [
         "peer_copy",
         "nvshmem puts between nodes: DeepSeek-V3 at EP 8 over two nodes, FP8 rows",
         lambda: _compile_only(lambda: _dispatch_rounds(DEEPSEEK_V3, True, (1, 2, 1), nvlink_domain_size=4))(),
+    ),
+    Case(
+        "peer_copy",
+        "nvshmem puts only (nvlink_domain_size 0): DeepSeek-V3 at EP 1, one GPU putting to itself, bf16 rows",
+        lambda: _compile_only(lambda: _dispatch_rounds(replace(DEEPSEEK_V3, ep=1), False, (1, 2, 1), 0))(),
     ),
 ]
 

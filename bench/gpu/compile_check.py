@@ -255,7 +255,8 @@ class CompileCheck:
                 # NVSHMEM's transfer code, inlined into the put variants, holds registers across its
                 # calls: their spills are reported, not failed, until a GPU shows what they cost.
                 (entry.notes if put else entry.problems).append(spills)
-            copies, problems = check_comm_ptx(entry.kernel, ptx, put)
+            load_store_peers = constexprs.get("DOMAIN") != 0  # 0: every peer by puts (`ALL_PUTS`)
+            copies, problems = check_comm_ptx(entry.kernel, ptx, put, load_store_peers)
             if put:
                 entry.kernel += "[put]"
             entry.copies_128bit = copies

@@ -16,7 +16,9 @@ NVSHMEM: the rows with their signal in one put-with-signal (or, for combine's sc
 puts, then a fenced signal), the credits as signal operations. Their payload stores go only to
 the local staging region, so they must hold none of the store path's code: no system-scope
 release exchange, the store that publishes rows stored into a peer (a peer on another node has
-no address; such a store would write local memory at a meaningless address).
+no address; such a store would write local memory at a meaningless address). Where the rank has
+no load/store peer at all (`DOMAIN` 0: every peer, itself included, by puts) the credit kernels'
+put variants must hold no store-path credit either: every credit is a signal operation.
 NVSHMEM's `nvshmemx_*` entry points are inlined into the kernel; what remains of each is a call
 to its transfer routine for peers without a load/store path (IBGDA, or its proxy where IBGDA is
 off): `nvshmemi_transfer_put_signal*` for a put-with-signal, `nvshmemi_transfer_rma_nbi*` for a
@@ -80,7 +82,7 @@ def _kernel_body(ptx: str, kernel: str) -> str:
     return ptx[start : end + 2] if end >= 0 else ptx[start:]
 
 
-def check_put_ptx(kernel: str, ptx: str) -> list[str]:
+def check_put_ptx(kernel: str, ptx: str, load_store_peers: bool = True) -> list[str]:
     """The problems of a put variant's PTX (see the module docstring)."""
     calls, no_store_signal = PUT_CALLS.get(kernel, ((), False))
     body = _kernel_body(ptx, kernel)
@@ -88,13 +90,19 @@ def check_put_ptx(kernel: str, ptx: str) -> list[str]:
     problems = [f"the put variant never calls NVSHMEM's {name}" for name in calls if not any(name in m for m in made)]
     if no_store_signal and _has(body, *RELEASE_SIGNAL[:2]):
         problems.append("the put variant holds the store path's release exchange (a store into a peer)")
+    if not load_store_peers and _has(body, *RELEASE_CREDIT[:2]):
+        problems.append("the put variant for no load/store peer holds the store path's credit (a store into a peer)")
     return problems
 
 
-def check_comm_ptx(kernel: str, ptx: str, put: bool = False) -> tuple[bool | None, list[str]]:
+def check_comm_ptx(
+    kernel: str, ptx: str, put: bool = False, load_store_peers: bool = True
+) -> tuple[bool | None, list[str]]:
     """(whether its payload copies are 128-bit, or None where it copies no payload; the problems).
-    put: the kernel was compiled as a put variant (NVSHMEM linked)."""
-    required = [rule for rule in REQUIRED.get(kernel, []) if not (put and rule is RELEASE_SIGNAL)]
+    put: the kernel was compiled as a put variant (NVSHMEM linked). load_store_peers: False where
+    it was compiled for no load/store peer (`DOMAIN` 0), so that every credit is a put."""
+    dropped = ([RELEASE_SIGNAL] if put else []) + ([RELEASE_CREDIT] if put and not load_store_peers else [])
+    required = [rule for rule in REQUIRED.get(kernel, []) if not any(rule is d for d in dropped)]
     body = _kernel_body(ptx, kernel)
     problems = [
         f"PTX lacks what shows {proves} ({'/'.join(ops) or 'register'} with {'.'.join(sorted(quals))})"
@@ -102,7 +110,7 @@ def check_comm_ptx(kernel: str, ptx: str, put: bool = False) -> tuple[bool | Non
         if not _has(body, ops, quals)
     ]
     if put:
-        problems += check_put_ptx(kernel, ptx)
+        problems += check_put_ptx(kernel, ptx, load_store_peers)
     if kernel not in COPY_KERNELS:
         return None, problems
     vector = bool(_VECTOR_LOAD.search(body)) and bool(_VECTOR_STORE.search(body))

@@ -105,11 +105,15 @@ STAGES = (
     ),
     Stage(
         "dispatch",
-        "the nvshmem backend's kernels bit-equal to local on emulated PEs and over symmetric memory, then "
+        "first the put path: every row, signal and credit an NVSHMEM put (nvlink_domain_size 0), one GPU "
+        "putting to itself and, on a multi-GPU machine, its GPUs to each other with NVSHMEM_DISABLE_P2P=1 "
+        "(the NIC's path, where it has one), bit-equal to local; then the nvshmem backend's kernels "
+        "bit-equal to local on emulated PEs and over symmetric memory, then "
         "their latency, bandwidth and overlap (against the longer alone and the serial sum) at DeepSeek-V3's "
         "shape; then bit-equal again with every emulated PE on its own thread and stream, nothing but the "
         "kernels' signals and credits ordering them",
         (
+            Script("bench/dispatch_puts.py", ("--world-timeout", "90"), "dispatch_puts.json"),
             Script("bench/dispatch.py", ("--time-limit", "240", "--stall-limit", "90"), "dispatch.json"),
             Script(
                 "bench/dispatch.py",
@@ -117,7 +121,7 @@ STAGES = (
                 "dispatch_concurrent.json",
             ),
         ),
-        420,
-        370,
+        540,
+        430,
     ),
 )

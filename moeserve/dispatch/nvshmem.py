@@ -67,6 +67,11 @@ Each send runs as one launch per kind of peer, the same kernel source with its `
 so a put variant's code holds no store to a peer. On CPU the put is emulated (`PUT_EMULATED`),
 so a group of emulated nodes runs the whole protocol; on GPUs it is NVSHMEM's (IBGDA between
 nodes), which needs the kernels linked with NVSHMEM's device library.
+
+`nvlink_domain_size=0` (`ALL_PUTS`): no peer is reached by load/store, this rank included, so
+every send is one put launch. It exists to test the network path where there is no network:
+one GPU puts to itself through NVSHMEM, and the GPUs of one node put to each other (with
+`NVSHMEM_DISABLE_P2P=1`, through the NIC where there is one); the results are the same rows.
 """
 
 from __future__ import annotations
@@ -88,6 +93,7 @@ from moeserve.dispatch.placement import ExpertPlacement
 from moeserve.dispatch.rows import DispatchRows
 from moeserve.dispatch.streams import Streams, streams_for
 from moeserve.dispatch.symmetric import SymmetricHeap
+from moeserve.dispatch.symmetric.nvshmem4py_heap import NvshmemHostChoice, choose_nvshmem_host
 
 CHUNK_TOKENS = 128  # tokens per rank per chunk: the low-latency bound, as the torch backend's
 GPU_COMM_SMS = 20  # programs of every communication kernel on a GPU; the rest compute
@@ -109,6 +115,7 @@ PHASES = {
     5: ("notify (waiting for the peer's counts)", lambda word, ep, lmax: word % ep),
 }
 COMM_STREAMS = 2  # one per micro-batch of two-batch overlap (module docstring)
+ALL_PUTS = 0  # the nvlink_domain_size of no load/store peer: every peer, this rank too, by puts (module docstring)
 
 
 @dataclass(frozen=True)
@@ -153,6 +160,7 @@ class NvshmemDispatcher(SteppedDispatcher):
         streams: Streams | None = None,
         comm_stream: bool = True,
         nvlink_domain_size: int | None = None,
+        nvshmem_host: NvshmemHostChoice = "auto",
     ) -> None:
         """rows: what every dispatch moves; the buffer is laid out and allocated for them here.
         Collective: every rank of the group builds its dispatcher with the same rows, in the same
@@ -167,16 +175,21 @@ class NvshmemDispatcher(SteppedDispatcher):
             False: on the caller's stream, after its work, as emulated PEs that one host thread
             times on one stream need.
         nvlink_domain_size: consecutive ranks that reach each other by load/store (None: all of
-            them); the others are reached by puts (module docstring)."""
+            them); the others are reached by puts (module docstring). 0 (`ALL_PUTS`): none,
+            every peer and this rank too by puts, to test the network path on one node or GPU.
+        nvshmem_host: who starts NVSHMEM for the default heap on a GPU (`choose_nvshmem_host`):
+            nvshmem4py where importable (auto), or PyTorch's symmetric memory (torch)."""
         super().__init__(placement, dispatch_fp8)
         self.device = torch.device(device)
         if chunk_tokens < 1:
             raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
         self.rows, self.chunk_tokens = rows, chunk_tokens
         self.domain = check_domain(nvlink_domain_size, placement.ep_size)
-        staged = self.domain < placement.ep_size  # some peers are reached by puts
+        staged = self.domain < placement.ep_size  # some peers are reached by puts (every one at ALL_PUTS)
         self._layout = SymmetricLayout.for_rows(placement, rows, chunk_tokens, dispatch_fp8, staged)
-        self.heap = heap if heap is not None else _default_heap(group, self.device, self._layout.nbytes, self.domain)
+        if heap is None:
+            heap = _default_heap(group, self.device, self._layout.nbytes, self.domain, nvshmem_host)
+        self.heap = heap
         if (self.heap.world_size, self.heap.rank) != (placement.ep_size, placement.rank):
             raise ValueError(
                 f"the placement is rank {placement.rank} of ep_size={placement.ep_size} but the heap is PE "
@@ -219,7 +232,7 @@ class NvshmemDispatcher(SteppedDispatcher):
             from moeserve.kernels.nvshmem_device import extern_libs, init_linked_modules
 
             self._put_libs = {"extern_libs": extern_libs(torch.cuda.get_device_capability(self.device)[0] * 10)}
-            init_linked_modules()
+            init_linked_modules(self.heap.init_module)
         self._buffer = self.heap.allocate(self._layout.nbytes)
         self._seq = {"dispatch": 0, "combine": 0, "notify": 0}
 
@@ -480,9 +493,9 @@ class NvshmemDispatcher(SteppedDispatcher):
 
     @property
     def _send_kinds(self) -> list[tuple[int, dict]]:
-        """(KIND, launch keywords) of each send's launches: the stores to our domain, then the puts
-        to the other domains where there are any."""
-        kinds = [(0, {})]
+        """(KIND, launch keywords) of each send's launches: the stores to our domain (none at
+        `ALL_PUTS`), then the puts to the other domains where there are any."""
+        kinds = [(0, {})] if self.domain != ALL_PUTS else []
         if self._put_kind:
             kinds.append((self._put_kind, self._put_libs))
         return kinds
@@ -530,17 +543,28 @@ class NvshmemDispatcher(SteppedDispatcher):
 
 
 def check_domain(nvlink_domain_size: int | None, ep: int) -> int:
-    """The NVLink domain's size in ranks (None: the whole group), once shown to tile the group."""
+    """The NVLink domain's size in ranks (None: the whole group), once shown to tile the group;
+    `ALL_PUTS` (0) stands for itself."""
     if nvlink_domain_size is None:
         return ep
+    if nvlink_domain_size == ALL_PUTS:
+        return ALL_PUTS
     if nvlink_domain_size < 1 or ep % min(nvlink_domain_size, ep):
-        raise ValueError(f"nvlink_domain_size={nvlink_domain_size} must be positive and divide ep_size={ep}")
+        raise ValueError(
+            f"nvlink_domain_size={nvlink_domain_size} must divide ep_size={ep}, or be {ALL_PUTS} (every peer by puts)"
+        )
     return min(nvlink_domain_size, ep)
 
 
-def _default_heap(group: dist.ProcessGroup | None, device: torch.device, nbytes: int, domain: int) -> SymmetricHeap:
+def _default_heap(
+    group: dist.ProcessGroup | None, device: torch.device, nbytes: int, domain: int, nvshmem_host: NvshmemHostChoice
+) -> SymmetricHeap:
     """nbytes: the dispatcher's one buffer, which NVSHMEM's heap is sized for. A process builds one
     dispatcher for all its MoE layers (they take turns in one buffer), so that is all it allocates."""
+    if choose_nvshmem_host(nvshmem_host, device) == "nvshmem4py":
+        from moeserve.dispatch.symmetric.nvshmem4py_heap import Nvshmem4pyHeap
+
+        return Nvshmem4pyHeap(group, device, planned_bytes=(nbytes,), nvlink_domain_size=domain)
     if device.type == "cuda":
         from moeserve.dispatch.symmetric.nvshmem_heap import NvshmemHeap
 

@@ -73,7 +73,9 @@ def ep_dispatcher(
     """The dispatcher an expert-parallel rank serves with, as the engine's options say."""
     name = a2a_backend_for(parallel.a2a_backend)
     # Which peers the nvshmem kernels reach by stores, which by puts.
-    options = {"nvlink_domain_size": parallel.load_store_ranks} if name == "nvshmem" else {}
+    options = {}
+    if name == "nvshmem":
+        options = {"nvlink_domain_size": parallel.load_store_ranks, "nvshmem_host": parallel.nvshmem_host}
     return create_dispatcher(
         name,
         placement,

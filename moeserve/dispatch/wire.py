@@ -49,16 +49,17 @@ def dispatch_row_bytes(hidden_size: int, dtype: torch.dtype, fp8: bool) -> int:
 class WireVolume:
     """rows[src][dst]: rows dispatched from src to dst (all MoE layers; combine sends as many back).
     dispatch_row_bytes / combine_row_bytes: bytes of one row each way. domain: ranks per NVLink
-    domain (0: every rank in one)."""
+    domain (None: every rank in one; 0: none, every row between ranks takes the NIC, as the
+    `nvshmem` backend's puts do at `nvlink_domain_size=0`)."""
 
     rows: list[list[int]]
     dispatch_row_bytes: int
     combine_row_bytes: int
-    domain: int = 0
+    domain: int | None = None
 
     def link(self, src: int, dst: int) -> str:
         """Which of `LINKS` rows between src and dst take."""
-        same = self.domain == 0 or src // self.domain == dst // self.domain
+        same = self.domain is None or (self.domain > 0 and src // self.domain == dst // self.domain)
         return LINKS[0] if same else LINKS[1]
 
     def sent(self, src: int) -> int:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from triton.language import core
@@ -99,13 +100,13 @@ def fence(_semantic=None):
     return core.extern_elementwise("", "", [], {(): ("nvshmem_fence", _I32)}, is_pure=False, _semantic=_semantic)
 
 
-def init_linked_modules() -> None:
+def init_linked_modules(init_module: Callable[[int], None]) -> None:
     """Have every kernel compiled from now on that links NVSHMEM's device code initialise it in its
     CUDA module (NVSHMEM's device state is per module), as PyTorch's `requires_nvshmem` does for
     its own kernels: through Triton's one post-compile hook, chained to any hook already set.
-    GPU only; it runs no device code itself."""
+    init_module: the heap's (`init_module(handle)`), so the device state comes from the NVSHMEM
+    that started the heap, PyTorch's or nvshmem4py's. GPU only; it runs no device code itself."""
     import triton
-    from torch._C._distributed_c10d import _nvshmemx_cumodule_init
 
     previous = triton.knobs.runtime.jit_post_compile_hook
     if getattr(previous, "links_nvshmem", False):
@@ -119,7 +120,7 @@ def init_linked_modules() -> None:
         kernel = cache.get(kwargs["key"])
         if kernel is not None and "nvshmem" in kernel.asm.get("ptx", ""):
             kernel.run  # noqa: B018  (loads the module: PyTorch's hook does the same)
-            _nvshmemx_cumodule_init(kernel.module)
+            init_module(kernel.module)
 
     hook.links_nvshmem = True
     triton.knobs.runtime.jit_post_compile_hook = hook

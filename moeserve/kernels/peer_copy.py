@@ -33,6 +33,9 @@ operations). NVSHMEM delivers a put-with-signal's data before its signal and fen
 what follows them; nothing else is relied on. Each send kernel is launched once per kind of
 peer, its constexpr `KIND` choosing the path, so the put variant's code holds no store into a
 peer (the compile check's PTX rules hold it to that). The receive side is the same for both.
+`DOMAIN` 0 means no peer is reached by load/store, the rank itself included: every send is a
+put, so one GPU exercises NVSHMEM's puts to itself (`nvlink_domain_size=0`); the credit kernels'
+store branch is then a constant False, compiled out of their put variants.
 The puts are non-blocking: a send returns once they are posted, and the receive step's wait on
 the signal is where they are known to have landed. Without NVSHMEM (the interpreter, emulated
 PEs on one GPU) `PUT_EMULATED` keeps the put's shape and promise: the same staging, then a copy
@@ -172,7 +175,8 @@ def dispatch_send_kernel(
         count = tl.load(group_counts + g)
         start = tl.load(group_starts + g)
         # Groups of the other kind of peer are the other launch's (see "Two kinds of peer").
-        ready = ((dest // DOMAIN) != (rank // DOMAIN)) == (KIND != STORE)
+        remote = (dest // DOMAIN != rank // DOMAIN) if DOMAIN else dest >= 0
+        ready = remote == (KIND != STORE)
         if ready & (seq64 > SLOTS):  # the slot was used SLOTS sequences ago: wait until dest has copied it out
             credit = tl.atomic_add(credits + dest, 0, sem="acquire", scope="sys")
             failed = tl.load(error) != 0
@@ -349,7 +353,7 @@ def dispatch_recv_kernel(
             # are linked (a constexpr branch, as every extern call here).
             by_store = True
             if PUT == PUT_NVSHMEM:
-                by_store = (source // DOMAIN) == (rank // DOMAIN)
+                by_store = (source // DOMAIN == rank // DOMAIN) if DOMAIN else False
                 if not by_store:
                     nvshmem.signal_op(own + credit_offset + word * 8, seq64, source.to(tl.int32))
             if by_store:
@@ -396,7 +400,8 @@ def combine_send_kernel(
         source = g % EP
         count = tl.load(counts + g)
         offset = tl.load(offsets + g)
-        ready = ((source // DOMAIN) != (rank // DOMAIN)) == (KIND != STORE)  # else the other launch's
+        remote = (source // DOMAIN != rank // DOMAIN) if DOMAIN else source >= 0
+        ready = remote == (KIND != STORE)  # else the other launch's
         if ready & (seq64 > SLOTS):  # the slot was used SLOTS sequences ago: wait until source has reduced it
             credit = tl.atomic_add(credits + source, 0, sem="acquire", scope="sys")
             failed = tl.load(error) != 0
@@ -492,7 +497,8 @@ def notify_send_kernel(
     at = ((slot * EP + rank) * WIDTH).to(tl.int64)  # our row of dest's slot
     signal_word = (slot * EP + rank).to(tl.int64)
     for dest in range(tl.program_id(0), EP, tl.num_programs(0)):
-        if ((dest // DOMAIN) != (rank // DOMAIN)) == (KIND != STORE):  # else the other launch's
+        remote = (dest // DOMAIN != rank // DOMAIN) if DOMAIN else dest >= 0
+        if remote == (KIND != STORE):  # else the other launch's
             row = tl.load(counts + dest * WIDTH + i, mask=mask)
             if KIND == PUT_NVSHMEM:  # staged (row dest of our own slot), then put with the signal
                 staged = ((slot * EP + dest) * WIDTH).to(tl.int64)
@@ -521,7 +527,7 @@ def give_credit_kernel(
     for dest in range(tl.program_id(0), EP, tl.num_programs(0)):
         by_store = True  # or the emulated put of the one word
         if PUT == PUT_NVSHMEM:
-            by_store = (dest // DOMAIN) == (rank // DOMAIN)
+            by_store = (dest // DOMAIN == rank // DOMAIN) if DOMAIN else False
             if not by_store:
                 nvshmem.signal_op(tl.load(addresses + rank) + credit_offset + word * 8, seq64, dest.to(tl.int32))
         if by_store:

@@ -208,17 +208,28 @@ NODES_CASES = [(arch, {}) for arch in ARCH_OVERRIDES] + [
 ]
 
 
-@pytest.mark.parametrize("arch,options", NODES_CASES, ids=[f"{a}-{'-'.join(o) or 'plain'}" for a, o in NODES_CASES])
-def test_nvshmem_between_two_emulated_nodes_matches_torch(reference, arch, options):
+# `nvlink_domain_size=0`: no load/store peer, every rank puts to every rank and to itself (the GPU
+# runbook's network-path test): once on MLA, once on GQA with two-batch overlap.
+ALL_PUTS_CASES = [("deepseek_v3", {}), ("qwen3_moe", {"two_batch_overlap": True})]
+DOMAIN_CASES = [(arch, options, 2) for arch, options in NODES_CASES] + [(a, o, 0) for a, o in ALL_PUTS_CASES]
+
+
+@pytest.mark.parametrize(
+    "arch,options,domain",
+    DOMAIN_CASES,
+    ids=[f"{a}-{'-'.join(o) or 'plain'}{'-all_puts' * (d == 0)}" for a, o, d in DOMAIN_CASES],
+)
+def test_nvshmem_between_two_emulated_nodes_matches_torch(reference, arch, options, domain):
     """`nvlink_domain_size=2` at ep=4: ranks {0, 1} and {2, 3} reach each other by the put variants
-    (emulated on CPU: staged rows, data before signal) and their own pair by stores, in one step.
-    The greedy tokens are the `torch` backend's (the single process's, where no option changes
-    the tokens; with FP8 rows, ep=4's through the torch all-to-all)."""
+    (emulated on CPU: staged rows, data before signal) and their own pair by stores, in one step;
+    0: every rank, itself included, by the put variants. The greedy tokens are the `torch`
+    backend's (the single process's, where no option changes the tokens; with FP8 rows, ep=4's
+    through the torch all-to-all)."""
     folder, expected = reference(arch)
     if options.get("dispatch_fp8"):
         with LLM(str(folder), ep=4, a2a_backend="torch", **ENGINE, **options) as llm:
             expected = [o.outputs[0].token_ids for o in llm.generate(prompts(), GREEDY, use_tqdm=False)]
-    with LLM(str(folder), ep=4, a2a_backend="nvshmem", nvlink_domain_size=2, **ENGINE, **options) as llm:
+    with LLM(str(folder), ep=4, a2a_backend="nvshmem", nvlink_domain_size=domain, **ENGINE, **options) as llm:
         got = [o.outputs[0].token_ids for o in llm.generate(prompts(), GREEDY, use_tqdm=False)]
     assert got == expected
 

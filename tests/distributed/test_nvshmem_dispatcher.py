@@ -13,14 +13,16 @@ the two ring slots (the credits between slot reuses included).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from dispatch_cases import Case, assert_matches_local, case_steps, placement_for, run_cases
 from ranks import run_ranks
 from test_torch_dispatcher import cases_for
 
-from moeserve.dispatch import DispatchRows
-from moeserve.dispatch.nvshmem import NvshmemDispatcher
+from moeserve.dispatch import DispatchRows, ExpertPlacement
+from moeserve.dispatch.nvshmem import ALL_PUTS, NvshmemDispatcher, check_domain
 from moeserve.dispatch.symmetric import EmulatedWorld, run_lockstep
 
 CHUNKS = {"low_latency": 64, "chunked": 16}
@@ -81,13 +83,39 @@ def test_puts_between_emulated_nodes_equal_local(
     assert_matches_local(world_size, cases, results, CHUNKS[chunk])
 
 
-def test_a_domain_must_tile_the_group() -> None:
-    from moeserve.dispatch.nvshmem import check_domain
+@pytest.mark.parametrize(
+    "world_size,chunk,step,first",
+    [(1, "low_latency", 6, 1), (1, "chunked", 6, 4), (4, "low_latency", 26, 3), (4, "chunked", 26, 4)],
+    ids=["ep1-low_latency", "ep1-chunked", "ep4-low_latency", "ep4-chunked"],
+)
+def test_every_peer_by_puts_equals_local(world_size: int, chunk: str, step: int, first: int, one_thread: None) -> None:
+    """`nvlink_domain_size=0`: no peer is stored into, not even the rank itself; every send is the
+    (emulated) put launch, so one PE puts to itself, as one GPU does through NVSHMEM in the GPU
+    runbook. The same rows and results as `local`."""
+    cases = every(cases_for(max(world_size, 2)), step, first)
+    if world_size == 1:  # the two-rank cases' shapes and routings, all of their tokens on one PE
+        cases = [replace(c, tokens_per_rank=c.tokens_per_rank[:1]) for c in cases]
+    results = emulated_results(world_size, cases, CHUNKS[chunk], domain=ALL_PUTS)
+    assert_matches_local(world_size, cases, results, CHUNKS[chunk])
 
-    assert (check_domain(None, 4), check_domain(2, 4), check_domain(8, 4)) == (4, 2, 4)
-    for bad in (0, 3):
+
+def test_a_domain_must_tile_the_group() -> None:
+    assert (check_domain(None, 4), check_domain(2, 4), check_domain(8, 4), check_domain(ALL_PUTS, 4)) == (4, 2, 4, 0)
+    for bad in (-1, 3):
         with pytest.raises(ValueError, match="nvlink_domain_size"):
             check_domain(bad, 4)
+
+
+def test_every_peer_by_puts_launches_only_the_put_variant() -> None:
+    """At `ALL_PUTS` each send is one launch of the put kind, the store launch (which would find no
+    group of its own) left out; a domain of its own rank stores to itself and puts to the rest."""
+    rows = DispatchRows(8, 2, torch.float32)
+    heaps = EmulatedWorld(2).heaps
+    kinds = [
+        NvshmemDispatcher(ExpertPlacement.contiguous(4, 2, 0), rows, heap=heaps[0], nvlink_domain_size=d)._send_kinds
+        for d in (ALL_PUTS, 1)
+    ]
+    assert [[kind for kind, _ in k] for k in kinds] == [[1], [0, 1]]
 
 
 @pytest.mark.parametrize("world_size,step", [(2, 8), (4, 26)], ids=["ranks2", "ranks4"])

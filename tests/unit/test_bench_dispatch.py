@@ -235,3 +235,24 @@ def test_verdicts_hold_each_figure_to_its_goal() -> None:
     record["latency"]["combine_total_us"] = 100.0
     assert bench.verdicts(record)["low_latency"]["met"] is True
     assert bench.verdicts({"smoke": False, "latency": {"error": "boom"}}) == {}
+
+
+def test_a_pe_on_its_own_through_every_put_matches_local() -> None:
+    """`check_pe`, what each process of `bench/dispatch_puts.py` runs, on CPU: one PE of world 1
+    on an emulated heap at `nvlink_domain_size=0`, every row put to itself, in both modes."""
+    from moeserve.dispatch.nvshmem import ALL_PUTS
+    from moeserve.dispatch.symmetric import EmulatedWorld
+
+    check = _check()
+    runs = [(case, *mode) for case in check.cases_for(2, smoke=True) for mode in case.modes(1, 8)]
+    assert {mode for _, mode, _ in runs} == {check.LOW_LATENCY, check.HIGH_THROUGHPUT}
+    for case, mode, bound in runs:
+        heap = EmulatedWorld(1).heaps[0]
+        record = check.check_pe(case, 1, 0, mode, bound, heap, torch.device("cpu"), 8, ALL_PUTS)
+        assert record["passed"], (case.name, mode, record["problems"])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
+def test_the_put_runbook_case_needs_cuda() -> None:
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "dispatch_puts.py")], capture_output=True, text=True)
+    assert proc.returncode == 2 and "needs a CUDA device" in proc.stderr

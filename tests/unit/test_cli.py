@@ -253,7 +253,7 @@ def test_num_comm_sms_reaches_the_nvshmem_dispatcher() -> None:
 
 def test_nvlink_domain_size_reaches_the_nvshmem_dispatcher() -> None:
     """Default: one node's ranks (every peer by stores on one node, puts between nodes); the flag
-    narrows it, and must divide the group."""
+    narrows it, and must divide the group, or be 0 (every peer, the rank too, by puts)."""
     from moeserve.dispatch import DispatchRows, ExpertPlacement, ep_dispatcher
 
     def parallel(*argv: str):
@@ -268,6 +268,10 @@ def test_nvlink_domain_size_reaches_the_nvshmem_dispatcher() -> None:
     assert dispatcher.domain == 1
     with pytest.raises(ValueError, match="nvlink_domain_size must be a positive divisor of ep=4"):
         parallel("launch", "--ep", "4", "--nvlink-domain-size", "3")
+    with pytest.raises(ValueError, match="nvlink_domain_size must be a positive divisor of ep=1, or 0"):
+        parallel("launch", "--nvlink-domain-size", "-1")
+    every_peer_by_puts = parallel("launch", "--a2a-backend", "nvshmem", "--nvlink-domain-size", "0")
+    assert ep_dispatcher(every_peer_by_puts, ExpertPlacement.contiguous(4), "cpu", None, rows).domain == 0
 
 
 def test_prefix_caching_is_on_unless_switched_off() -> None:

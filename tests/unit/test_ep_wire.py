@@ -54,3 +54,5 @@ def test_bytes_split_between_and_inside_nvlink_domains():
         assert sum(wire.combine_bytes(rank, link) for link in LINKS) == wire.combine_bytes(rank)
     one_domain = WireVolume(rows, 10, 100)
     assert one_domain.dispatch_bytes(0, LINKS[1]) == 0 and one_domain.dispatch_bytes(0, LINKS[0]) == 60
+    all_puts = WireVolume(rows, 10, 100, domain=0)  # nvlink_domain_size=0: no load/store peer at all
+    assert all_puts.dispatch_bytes(0, LINKS[0]) == 0 and all_puts.dispatch_bytes(0, LINKS[1]) == 60

@@ -57,6 +57,8 @@ if sys.argv[2] == "put":
         kernel, args, kw = kernels[name]
         kind = "KIND" if "KIND" in kw else "PUT"
         kernels[name + "[put]"] = (kernel, args, dict(kw, DOMAIN=4, extern_libs=extern_libs(90), **{kind: 2}))
+    kernel, args, kw = kernels["give_credit_kernel[put]"]  # no load/store peer (nvlink_domain_size 0)
+    kernels["give_credit_kernel[all_puts]"] = (kernel, args, dict(kw, DOMAIN=0))
 ptx = {n: JITFunction.run(k, *args, grid=(1,), warmup=True, **kw).asm["ptx"] for n, (k, args, kw) in kernels.items()}
 ptx = {n: text[text.find(".entry"):] for n, text in ptx.items()}  # the kernels, not NVSHMEM's linked code
 print(json.dumps(ptx))
@@ -86,8 +88,8 @@ def ptx() -> dict[str, str]:
 
 def test_the_kernels_as_built_keep_every_rule(ptx: dict[str, str]) -> None:
     for name, text in ptx.items():
-        kernel = name.removesuffix("[put]")
-        copies, problems = check_comm_ptx(kernel, text, put=name != kernel)
+        kernel = name.split("[")[0]
+        copies, problems = check_comm_ptx(kernel, text, put=name != kernel, load_store_peers="all_puts" not in name)
         assert problems == [], f"{name}: {problems}"
         assert copies is (True if kernel == "dispatch_send_kernel" else None)
 
@@ -114,6 +116,18 @@ def test_the_put_rule_catches_a_put_launch_that_stores_into_peers(ptx: dict[str,
     both = f"{put[:end]}\n{signal}{put[end:]}"
     _, problems = check_comm_ptx("dispatch_send_kernel", both, put=True)
     assert problems == ["the put variant holds the store path's release exchange (a store into a peer)"]
+
+
+@needs_nvshmem
+def test_with_no_load_store_peer_every_credit_is_a_put(ptx: dict[str, str]) -> None:
+    """At `DOMAIN` 0 the credit kernels' put variants keep no store path: a release max into a
+    peer there (the in-domain branch compiled in) is caught, as is one with no NVSHMEM call."""
+    all_puts, split = ptx["give_credit_kernel[all_puts]"], ptx["give_credit_kernel[put]"]
+    assert ".release.max" not in all_puts and ".release.max" in split
+    _, problems = check_comm_ptx("give_credit_kernel", split, put=True, load_store_peers=False)
+    assert problems == ["the put variant for no load/store peer holds the store path's credit (a store into a peer)"]
+    _, problems = check_comm_ptx("give_credit_kernel", ptx["give_credit_kernel"], put=True, load_store_peers=False)
+    assert any("never calls NVSHMEM's nvshmemi_transfer_amo" in p for p in problems), problems
 
 
 @pytest.mark.parametrize(
