@@ -50,8 +50,8 @@ class RouterConfig:
     """How long start-up waits for every instance to answer (they may still be loading)."""
 
 
-def _error(message: str, status: int) -> JSONResponse:
-    return JSONResponse(error_body(message, error_type_for(status)), status_code=status)
+def _error(message: str, status: int, param: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, error_type_for(status), param), status_code=status)
 
 
 def _prompt_text(body: dict) -> str:
@@ -105,9 +105,9 @@ class Router:
 
     async def generate(self, path: str, body: dict) -> Response:
         if body.get("n", 1) != 1:
-            return _error("the router serves n = 1 only (one KV transfer per request)", 400)
-        if "kv_transfer_params" in body:
-            return _error("kv_transfer_params is the router's to set", 400)
+            return _error("the router serves n = 1 only (one KV transfer per request)", 400, "n")
+        if PARAM in body:
+            return _error("kv_transfer_params is the router's to set", 400, PARAM)
         if choose(self.decodes) is None:  # checked first: a prefill would hold KV nobody comes for
             return _error("no decode instance could take the request", 503)
         started = time.monotonic()

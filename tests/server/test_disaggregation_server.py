@@ -11,6 +11,7 @@ from typing import NamedTuple
 import httpx
 import pytest
 from disagg_utils import RouterProcess, decode, kv_info, streamed_text
+from server_utils import metric_samples
 
 KV = ("--block-size", "4", "--kv-cache-memory", "32MiB")
 DISAGG = ("--kv-transfer", "nixl", *KV)
@@ -84,6 +85,25 @@ def test_router_outputs_equal_the_colocated_servers(deployment):
     assert "moeserve_router:ttft_decode_seconds_count" in routed_metrics
 
 
+def test_the_router_splits_ttft_by_phase(deployment):
+    both, router = deployment.both, deployment.router
+    phases = ("prefill_queue", "prefill", "transfer", "first_decode_step")
+    before = metric_samples(router.url)
+    prompt = PROMPTS[0] + " Twice."
+    answer = _completion(router.url, prompt, max_tokens=4)
+    assert "kv_transfer_params" not in answer  # the instances' timings stay with the router
+    assert answer["choices"] == _completion(both.url, prompt, max_tokens=4)["choices"]
+    streamed_text(router.url, "/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 4})
+    after = metric_samples(router.url)
+    added = {p: after[f"moeserve_router:ttft_phase_seconds_count{{phase={p}}}"] for p in phases}
+    added = {p: n - before[f"moeserve_router:ttft_phase_seconds_count{{phase={p}}}"] for p, n in added.items()}
+    assert added == dict.fromkeys(phases, 2)
+    spent = {p: after[f"moeserve_router:ttft_phase_seconds_sum{{phase={p}}}"] for p in phases}
+    assert spent["prefill"] > 0 and spent["first_decode_step"] > 0
+    # Every routed request reported its phases: they fit within the TTFTs the router timed.
+    assert sum(spent.values()) <= after["moeserve_router:ttft_seconds_sum"]
+
+
 def test_a_prefill_instance_at_ep_2_pushes_from_its_ranks(deployment):
     both, wide_prefill, decoder, wide_router = (
         deployment.both,
@@ -136,6 +156,14 @@ def test_bad_handshakes_are_refused_clearly(deployment, claim, message):
     error = response.json()["error"]
     assert error["param"] == "kv_transfer_params"
     assert "KV handshake refused" in error["message"] and message in error["message"]
+
+
+def test_the_router_refuses_more_than_one_choice_clearly(deployment):
+    body = {"model": "tiny", "prompt": PROMPTS[2], "max_tokens": 2, "n": 2}
+    response = httpx.post(f"{deployment.router.url}/v1/completions", json=body, timeout=30)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert (error["type"], error["param"]) == ("invalid_request_error", "n") and "n = 1 only" in error["message"]
 
 
 def test_transfer_params_need_a_disaggregated_instance(deployment, tmp_path):
