@@ -539,7 +539,7 @@ class EngineConfig:
         if self.kernels not in KERNEL_BACKENDS:
             raise ValueError(f"kernels {self.kernels!r} is not one of {', '.join(KERNEL_BACKENDS)}")
         parallel, caching = self.parallel, self.cache.enable_prefix_caching
-        problem = disaggregation_problem(self.kv_transfer, parallel.tp, parallel.ep, caching)
+        problem = disaggregation_problem(self.kv_transfer, parallel.tp, caching)
         if problem is not None:
             raise ValueError(problem)
 

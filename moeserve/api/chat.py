@@ -25,6 +25,7 @@ from moeserve.api.generation import (
 )
 from moeserve.api.harmony import HarmonyReasoningParser, HarmonyToolParser, render_conversation
 from moeserve.api.input_bounds import check_prompt_chars
+from moeserve.api.kv_transfer import phase_timings_event, with_phase_timings
 from moeserve.api.protocol import (
     ChatCompletionRequest,
     ToolCall,
@@ -206,6 +207,8 @@ async def create_chat_completion(raw: Request, state: ServingState) -> Response:
         plan.read if plan.reader is not None or plan.reasoning is not None else None,
         request.prompt_logprobs,
     )
+    if request.kv_transfer_params is not None:
+        return JSONResponse(with_phase_timings(body.model_dump(), outputs, model.kv))
     return JSONResponse(body.model_dump())
 
 
@@ -271,4 +274,6 @@ async def _stream_events(
     if request.include_usage and final is not None:
         yield sse(chat_usage_chunk(request_id, model_name, chunks.created, usage_info([final])))
     if final is not None:
+        if request.kv_transfer_params is not None and (event := phase_timings_event([final], model.kv)):
+            yield event
         log_finished(request_id, [final], streamed=True)

@@ -21,6 +21,7 @@ from moeserve.api.generation import (
     submit_all,
 )
 from moeserve.api.input_bounds import check_prompt_chars
+from moeserve.api.kv_transfer import phase_timings_event, with_phase_timings
 from moeserve.api.protocol import (
     CompletionRequest,
     completion_logprobs,
@@ -74,6 +75,8 @@ async def create_completion(raw: Request, state: ServingState) -> Response:
         num_logprobs=request.logprobs or 0,
         num_prompt_logprobs=request.prompt_logprobs,
     )
+    if request.kv_transfer_params is not None:
+        return JSONResponse(with_phase_timings(body.model_dump(), outputs, model.kv))
     return JSONResponse(body.model_dump())
 
 
@@ -145,4 +148,6 @@ async def _stream_events(
                 yield chunks.event(prompt_index * n + index, "", "abort")
     if request.include_usage:
         yield sse(completion_usage_chunk(request_id, model_name, chunks.created, usage_info(list(finals.values()))))
+    if request.kv_transfer_params is not None and (event := phase_timings_event(list(finals.values()), model.kv)):
+        yield event
     log_finished(request_id, list(finals.values()), streamed=True)

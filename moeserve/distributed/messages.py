@@ -45,6 +45,9 @@ class WorkerSpec:
     loads (0: none loaded)."""
     kv_transfer: bool = False
     """Register the KV cache with a NIXL agent, for a prefill instance to write into (`--role decode`)."""
+    kv_write_host: str = ""
+    """`--role prefill`: where the rank serves writes of its KV blocks to decode instances
+    (`kv_transfer.rank_writer`); empty: it serves none."""
 
 
 @dataclass(frozen=True)
@@ -65,6 +68,8 @@ class LoadReport:
     """Decode batch sizes the rank captured (none: every step runs eagerly)."""
     kv_registration: KvRegistration | None = None
     """With `WorkerSpec.kv_transfer`: the rank's KV cache as a peer writes into it."""
+    kv_writer: str | None = None
+    """With `WorkerSpec.kv_write_host`: host:port of the rank's side channel that writes its blocks."""
     error: str | None = None
 
 

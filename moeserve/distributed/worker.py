@@ -53,6 +53,7 @@ from moeserve.distributed.rendezvous import (
 from moeserve.distributed.returning import AwaitingGroup, is_returning
 from moeserve.eplb import Rebalancer, Recovered, recover_layer, recovery_plan, survivor_map
 from moeserve.kv_transfer.agent import KvAgent
+from moeserve.kv_transfer.rank_writer import serve_writes
 from moeserve.models import TensorParallel, load_model, model_config
 from moeserve.models.loader import ExpertReader, weight_bytes
 from moeserve.ops import create_ops
@@ -240,6 +241,9 @@ class Worker:
         )
         graphs = create_decode_graphs(model, kv_caches, spec.block_size, spec.num_kv_blocks, spec.cuda_graphs, settings)
         self.kv_agent = KvAgent(kv_caches, f"rank{self.rank}") if spec.kv_transfer else None
+        self.kv_writes = None
+        if self.kv_agent is not None and spec.kv_write_host and self.tp.rank == 0:
+            self.kv_writes = serve_writes(self.kv_agent, spec.kv_write_host)
         self.runner = ModelRunner(
             model,
             kv_caches,
@@ -279,6 +283,7 @@ class Worker:
             dispatcher=dispatcher.name,
             decode_graph_sizes=graphs.sizes if graphs is not None else (),
             kv_registration=self.kv_agent.registration if self.kv_agent is not None else None,
+            kv_writer=self.kv_writes.address if self.kv_writes is not None else None,
         )
 
     def step(self, message: StepInput, receive_bitmask: Callable[[int], TokenBitmask]) -> StepOutput:

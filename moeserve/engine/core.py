@@ -185,7 +185,8 @@ class EngineCore:
         """Prefill/decode disaggregation (`--role prefill|decode`): KV held for or loaded from peers."""
         if config.kv_transfer.enabled:
             registrations = self.executor.kv_registrations()
-            self.kv = KvCoordinator(config.kv_transfer, self.scheduler, registrations, self.executor.kv_agent)
+            writers = self.executor.kv_writers() if config.kv_transfer.role == "prefill" else []
+            self.kv = KvCoordinator(config.kv_transfer, self.scheduler, registrations, writers)
 
     def shutdown(self) -> None:
         """Stop the executor's processes, if any; the core cannot step afterwards."""

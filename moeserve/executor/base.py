@@ -15,7 +15,8 @@ from collections.abc import Callable
 from moeserve.dispatch.expert_load import RoutedTokens
 from moeserve.eplb.rebalancer import RebalanceReport
 from moeserve.executor.healing import HealReport, RanksLostError, RejoinReport
-from moeserve.kv_transfer.agent import KvAgent, KvRegistration
+from moeserve.kv_transfer.agent import KvRegistration
+from moeserve.kv_transfer.rank_writer import KvWriter
 from moeserve.scheduler import StepPlan
 from moeserve.worker.prompt_logprobs import PromptLogprobs
 from moeserve.worker.runner import SampledToken
@@ -27,9 +28,6 @@ class Executor(ABC):
 
     num_groups: int
     num_kv_blocks: int
-    kv_agent: KvAgent | None = None
-    """The NIXL agent over a KV cache in this process (ep 1, `--kv-transfer`): the one a prefill
-    instance pushes with; None where the caches are in rank processes."""
 
     @abstractmethod
     def execute(self, plan: StepPlan, token_bitmask: PendingBitmask | None = None) -> dict[str, SampledToken]:
@@ -71,6 +69,10 @@ class Executor(ABC):
 
     def kv_registrations(self) -> list[KvRegistration]:
         """Each data-parallel group's KV cache as registered for transfers (`--kv-transfer`)."""
+        raise ValueError(f"{type(self).__name__} cannot transfer KV blocks")
+
+    def kv_writers(self) -> list[KvWriter]:
+        """What writes each data-parallel group's blocks into a decode instance's cache (`--role prefill`)."""
         raise ValueError(f"{type(self).__name__} cannot transfer KV blocks")
 
     def shutdown(self) -> None:  # noqa: B027 - an executor that started nothing has nothing to stop

@@ -13,6 +13,7 @@ from moeserve.dispatch.expert_load import RoutedTokens, logical_rows
 from moeserve.eplb.record import LoadRecord
 from moeserve.executor.base import Executor
 from moeserve.kv_transfer.agent import KvAgent, KvRegistration
+from moeserve.kv_transfer.rank_writer import KvWriter
 from moeserve.models import load_model
 from moeserve.ops import create_ops
 from moeserve.scheduler import StepPlan
@@ -101,6 +102,12 @@ class InProcessExecutor(Executor):
         if self.kv_agent is None:
             raise ValueError("the KV cache was not registered for transfers (no --kv-transfer)")
         return [self.kv_agent.registration]
+
+    def kv_writers(self) -> list[KvWriter]:
+        """The cache is in this process: its agent writes the blocks itself."""
+        if self.kv_agent is None:
+            raise ValueError("the KV cache was not registered for transfers (no --kv-transfer)")
+        return [self.kv_agent]
 
     def shutdown(self) -> None:
         """Write the recorded expert load (`--record-expert-load`), the last rows included."""

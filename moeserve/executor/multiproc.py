@@ -62,6 +62,7 @@ from moeserve.executor.base import Executor
 from moeserve.executor.healing import HealReport, RanksLostError, RejoinReport
 from moeserve.executor.returning import ReturningRanks
 from moeserve.kv_transfer.agent import KvRegistration
+from moeserve.kv_transfer.rank_writer import KvWriter, RankWriter
 from moeserve.scheduler import StepPlan
 from moeserve.worker.prompt_logprobs import PromptLogprobs
 from moeserve.worker.runner import SampledToken
@@ -119,6 +120,7 @@ class MultiprocessExecutor(Executor):
         self._loss: RanksLostError | None = None  # a loss to heal, raised by the next step
         self._step_failed: tuple[float, StepFailed] | None = None  # the first rank that said its step failed
         self._kv_registrations: dict[int, KvRegistration] = {}  # rank -> its KV cache, with --kv-transfer
+        self._kv_writers: dict[int, str] = {}  # rank -> its write side channel, with --role prefill
 
         network = use_node_network(p)  # first: a node that cannot work refuses before it starts anything
         self._store = host_store(p.master_port, p.ep, p.startup_timeout_s)
@@ -146,6 +148,7 @@ class MultiprocessExecutor(Executor):
                 max_model_len=config.max_model_len or model_config.max_position_embeddings,
                 mtp_drafts=0 if config.speculative_config is None else config.speculative_config.mtp_drafts,
                 kv_transfer=config.kv_transfer.enabled,
+                kv_write_host=config.kv_transfer.host if config.kv_transfer.role == "prefill" else "",
             ),
         )
         put(self._store, CONTROL_KEY, self._channel.addresses)
@@ -252,6 +255,8 @@ class MultiprocessExecutor(Executor):
                 reports[message.rank] = message
                 if message.kv_registration is not None:
                     self._kv_registrations[message.rank] = message.kv_registration
+                if message.kv_writer is not None:
+                    self._kv_writers[message.rank] = message.kv_writer
             now = time.monotonic()
             if now - last_note > 10.0:
                 logger.info(
@@ -568,6 +573,12 @@ class MultiprocessExecutor(Executor):
         if len(self._kv_registrations) < self.parallel.ep:
             raise ValueError("the ranks' KV caches were not registered for transfers (no --kv-transfer)")
         return [self._kv_registrations[g * self.parallel.tp] for g in range(self.num_groups)]
+
+    def kv_writers(self) -> list[KvWriter]:
+        """Group g's pushes are written by its first rank, which holds its cache (`--role prefill`)."""
+        if len(self._kv_writers) < self.num_groups:
+            raise ValueError("the ranks serve no KV writes (not --role prefill)")
+        return [RankWriter(self._kv_writers[g * self.parallel.tp]) for g in range(self.num_groups)]
 
     def shutdown(self) -> None:
         if self._closed:

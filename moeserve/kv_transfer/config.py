@@ -58,17 +58,14 @@ class KvTransferConfig:
         return f"{self.host}:{self.port}"
 
 
-def disaggregation_problem(config: KvTransferConfig, tp: int, ep: int, prefix_caching: bool) -> str | None:
+def disaggregation_problem(config: KvTransferConfig, tp: int, prefix_caching: bool) -> str | None:
     """Why this instance cannot take `config.role` with its parallelism, or None. A decode instance
     admits loaded blocks through its prefix cache; tensor parallelism would split each block over
-    ranks, which transfers do not handle yet; a prefill instance pushes from the engine core's
-    process, where the cache is only at ep 1."""
+    ranks, which transfers do not handle yet."""
     if not config.enabled:
         return None
     if tp != 1:
         return f"--role {config.role} supports --tp 1 only (KV blocks split over tensor-parallel ranks do not move yet)"
-    if config.role == "prefill" and ep != 1:
-        return "--role prefill supports --ep 1 only (its KV cache must be in the engine core's process)"
     if config.role == "decode" and not prefix_caching:
         return "--role decode needs prefix caching (loaded KV blocks are admitted as a cached prefix)"
     return None

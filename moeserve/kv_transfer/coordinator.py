@@ -24,8 +24,9 @@ import threading
 import time
 from dataclasses import dataclass
 
-from moeserve.kv_transfer.agent import KvAgent, KvRegistration, KvTransferError
+from moeserve.kv_transfer.agent import KvRegistration, KvTransferError
 from moeserve.kv_transfer.config import KvTransferConfig
+from moeserve.kv_transfer.rank_writer import KvWriter
 from moeserve.kv_transfer.side_channel import SideChannel, request_push
 from moeserve.kv_transfer.stats import KvTransferStats
 from moeserve.scheduler import DataParallelScheduler, Request
@@ -65,14 +66,15 @@ class KvCoordinator:
         config: KvTransferConfig,
         scheduler: DataParallelScheduler,
         registrations: list[KvRegistration],
-        agent: KvAgent | None,
+        writers: list[KvWriter],
     ) -> None:
-        if config.role == "prefill" and agent is None:
-            raise ValueError("--role prefill needs the KV cache in the engine core's process (--ep 1)")
+        if config.role == "prefill" and len(writers) != len(scheduler.groups):
+            raise ValueError(f"--role prefill needs a KV writer per data-parallel group, got {len(writers)}")
         self.config = config
         self.scheduler = scheduler
         self.registrations = registrations
-        self.agent = agent
+        self.writers = writers
+        """Prefill: group g's blocks are written out by `writers[g]` (its process's agent, or its rank's)."""
         self.stats = KvTransferStats(config.role)
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -247,7 +249,6 @@ class KvCoordinator:
                 raise KvTransferError(
                     f"asked for {len(dst_blocks)} blocks from block {first}; {len(hold.block_ids)} are held", "refused"
                 )
-            assert self.agent is not None
             left_s = deadline - time.monotonic()
             if not dst_blocks:
                 return {"bytes": 0, "seconds": 0.0}
@@ -255,7 +256,8 @@ class KvCoordinator:
                 raise KvTransferError(
                     f"transfer {transfer_id!r} came too late: the decode side has given up", "timeout"
                 )
-            num_bytes = self.agent.write(KvRegistration.from_json(body["dest"]), src_blocks, dst_blocks, left_s)
+            dest = KvRegistration.from_json(body["dest"])
+            num_bytes = self.writers[hold.group].write(dest, src_blocks, dst_blocks, left_s)
         except KvTransferError as exc:
             self.stats.failed(exc.cause)
             raise

@@ -5,6 +5,8 @@ server reads the transfer metrics for its /metrics. JSON bodies; errors carry a 
     POST /kv/push     {transfer_id, dest: registration, dst_blocks, first_block}
                       -> {bytes, seconds} once the blocks are in the decode side's cache
     GET  /kv/metrics  -> Prometheus text of `KvTransferStats`
+
+A prefill rank process serves pushes of its own blocks the same way (`rank_writer`).
 """
 
 from __future__ import annotations
@@ -25,14 +27,14 @@ PushHandler = Callable[[dict], dict]
 
 
 class SideChannel:
-    """Serves `push` (prefill role) and `metrics` on `host:port` from a daemon thread."""
+    """Serves `push` (prefill role) and `metrics` (where given) on `host:port` from a daemon thread."""
 
-    def __init__(self, host: str, port: int, metrics: Callable[[], bytes], push: PushHandler | None) -> None:
+    def __init__(self, host: str, port: int, metrics: Callable[[], bytes] | None, push: PushHandler | None) -> None:
         channel = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:  # noqa: N802 - http.server's name
-                if self.path == "/kv/metrics":
+                if self.path == "/kv/metrics" and metrics is not None:
                     self._reply(200, metrics(), "text/plain; version=0.0.4")
                 else:
                     self._json(404, {"error": f"no route {self.path}", "cause": "refused"})
@@ -68,6 +70,12 @@ class SideChannel:
         self._thread = threading.Thread(target=self._server.serve_forever, name="kv-side-channel", daemon=True)
         self._thread.start()
         logger.info("KV side channel on %s:%d", host, self._server.server_address[1])
+
+    @property
+    def address(self) -> str:
+        """host:port as bound (the port chosen when asked for 0)."""
+        host, port = self._server.server_address[:2]
+        return f"{host}:{port}"
 
     def close(self) -> None:
         self._server.shutdown()

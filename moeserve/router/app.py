@@ -6,6 +6,10 @@ A prefill instance that fails (unreachable, 5xx) is retried on another one; a de
 that fails before answering likewise (the prefill side still holds the KV). One that dies
 mid-stream ends the client's stream with an error event. Health checks take a dead instance out
 of the choice and bring it back once it answers again.
+
+Both instances answer their part of the TTFT in `kv_transfer_params` (`kv_transfer.phases`): the
+router records it per phase and takes it out of the answer the client gets; a stream's SSE comment
+carrying it passes through (clients skip comments).
 """
 
 from __future__ import annotations
@@ -24,12 +28,15 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from moeserve.api.errors import error_body, error_type_for
+from moeserve.kv_transfer.phases import STREAM_PREFIX
 from moeserve.router.instances import Instance, choose, identify, pairing_problems, prompt_prefix
 from moeserve.router.metrics import RouterMetrics
 
 logger = logging.getLogger("moeserve.router")
 logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per health check would drown the log
 
+PARAM = "kv_transfer_params"
+STREAM_PREFIX_BYTES = STREAM_PREFIX.encode()
 CHARS_PER_TOKEN = 4  # the router does not tokenize: load is estimated from the text's length
 
 
@@ -43,8 +50,8 @@ class RouterConfig:
     """How long start-up waits for every instance to answer (they may still be loading)."""
 
 
-def _error(message: str, status: int) -> JSONResponse:
-    return JSONResponse(error_body(message, error_type_for(status)), status_code=status)
+def _error(message: str, status: int, param: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, error_type_for(status), param), status_code=status)
 
 
 def _prompt_text(body: dict) -> str:
@@ -98,9 +105,9 @@ class Router:
 
     async def generate(self, path: str, body: dict) -> Response:
         if body.get("n", 1) != 1:
-            return _error("the router serves n = 1 only (one KV transfer per request)", 400)
-        if "kv_transfer_params" in body:
-            return _error("kv_transfer_params is the router's to set", 400)
+            return _error("the router serves n = 1 only (one KV transfer per request)", 400, "n")
+        if PARAM in body:
+            return _error("kv_transfer_params is the router's to set", 400, PARAM)
         if choose(self.decodes) is None:  # checked first: a prefill would hold KV nobody comes for
             return _error("no decode instance could take the request", 503)
         started = time.monotonic()
@@ -137,6 +144,7 @@ class Router:
             if response.status_code != 200:
                 return Response(response.content, response.status_code, media_type="application/json")
             instance.remember(prefix)
+            self._observe_phases(response.content)
             return instance
         return _error("no prefill instance could take the request", 503)
 
@@ -156,8 +164,20 @@ class Router:
             now = time.monotonic()
             self.metrics.decode_first.observe(now - asked)
             self.metrics.ttft.observe(now - started)
-            return Response(response.content, response.status_code, media_type="application/json")
+            content = self._observe_phases(response.content) if response.status_code == 200 else response.content
+            return Response(content, response.status_code, media_type="application/json")
         return _error("no decode instance could take the request", 503)
+
+    def _observe_phases(self, content: bytes) -> bytes:
+        """Record the TTFT phases an instance's answer carries; the answer without them."""
+        try:
+            answer = json.loads(content)
+        except json.JSONDecodeError:
+            return content
+        if not isinstance(answer, dict) or PARAM not in answer:
+            return content
+        self.metrics.observe_phases(answer.pop(PARAM))
+        return json.dumps(answer).encode()
 
     async def _post(self, instance: Instance, path: str, body: dict, tokens: int) -> httpx.Response | None:
         """The instance's answer, or None when it failed (unreachable or 5xx): try another."""
@@ -196,6 +216,7 @@ class Router:
 
         async def relay() -> AsyncIterator[bytes]:
             first = True
+            lines = PhaseLines()
             try:
                 async for chunk in response.aiter_raw():
                     if first:
@@ -203,6 +224,8 @@ class Router:
                         self.metrics.decode_first.observe(now - asked)
                         self.metrics.ttft.observe(now - started)
                         first = False
+                    for timings in lines.feed(chunk):
+                        self.metrics.observe_phases(timings)
                     yield chunk
             except httpx.HTTPError as exc:
                 self._failed(instance, exc)
@@ -231,6 +254,24 @@ class Router:
         logger.warning("%s %s failed a request: %s", instance.role, instance.url, why)
         self.metrics.failures.labels(instance.url, instance.role).inc()
         instance.healthy = False  # until the next health check finds it answering
+
+
+class PhaseLines:
+    """Finds the TTFT phases' comment in a stream's bytes, which arrive cut anywhere."""
+
+    def __init__(self) -> None:
+        self._pending = b""
+
+    def feed(self, chunk: bytes) -> list[object]:
+        """The phases of every comment line `chunk` completes."""
+        self._pending += chunk
+        *complete, self._pending = self._pending.split(b"\n")
+        found = []
+        for line in complete:
+            if line.startswith(STREAM_PREFIX_BYTES):
+                with contextlib.suppress(json.JSONDecodeError):
+                    found.append(json.loads(line[len(STREAM_PREFIX_BYTES) :]))
+        return found
 
 
 def build_router_app(router: Router) -> FastAPI:

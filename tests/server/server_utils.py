@@ -64,15 +64,7 @@ class ServerProcess:
         raise TimeoutError(f"server not healthy within {timeout} s:\n{self.log()}")
 
     def metrics(self) -> dict[str, float]:
-        """Every sample of /metrics by name and labels, e.g. `moeserve:kv_cache_blocks_used`
-        or `moeserve:request_success_total{finished_reason=abort}` (model_name dropped)."""
-        text = httpx.get(f"{self.url}/metrics", timeout=10).text
-        samples = {}
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()) if k != "model_name")
-                samples[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
-        return samples
+        return metric_samples(self.url)
 
     def stop(self, timeout: float = 60.0) -> int:
         if self.proc.poll() is None:
@@ -91,3 +83,15 @@ def core_pid(log: str) -> int:
     match = re.search(r"engine core process started \(pid (\d+)\)", log)
     assert match, log
     return int(match.group(1))
+
+
+def metric_samples(url: str) -> dict[str, float]:
+    """Every sample of `url`/metrics by name and labels, e.g. `moeserve:kv_cache_blocks_used`
+    or `moeserve:request_success_total{finished_reason=abort}` (model_name dropped)."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()) if k != "model_name")
+            samples[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return samples

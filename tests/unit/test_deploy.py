@@ -105,7 +105,7 @@ def test_install_script_refuses_bad_arguments_before_installing(argv: list[str],
 def test_disaggregated_recipe_uses_real_flags_and_roles() -> None:
     text = (DEPLOY / "kubernetes/disaggregated.yaml").read_text()
     prefill, decode = (build_parser().parse_args(["launch", *argv]) for argv in launch_commands(text))
-    assert (prefill.role, prefill.kv_transfer, prefill.ep, prefill.kv_transfer_port) == ("prefill", "nixl", 1, 8100)
+    assert (prefill.role, prefill.kv_transfer, prefill.ep, prefill.kv_transfer_port) == ("prefill", "nixl", 2, 8100)
     assert (decode.role, decode.kv_transfer, decode.nnodes, decode.node_rank) == ("decode", "nixl", 2, 1)
     assert decode.ep % decode.nnodes == 0 and decode.tp == 1
     router_args = re.search(r"- router\n((?:\s+- .+\n)+)", text).group(1)

@@ -9,7 +9,10 @@ import torch
 from moeserve.kv_transfer.agent import KvAgent, KvTransferError
 from moeserve.kv_transfer.identity import KvIdentity
 from moeserve.kv_transfer.layout import KvLayout, paired_runs
+from moeserve.kv_transfer.rank_writer import RankWriter, serve_writes
+from moeserve.router.app import PhaseLines
 from moeserve.router.instances import Instance, choose, pairing_problems
+from moeserve.router.metrics import RouterMetrics
 from moeserve.sampling_params import SamplingParams
 from moeserve.scheduler import Request, Scheduler, SchedulerConfig
 from moeserve.scheduler.block_manager import BlockManager
@@ -54,6 +57,47 @@ def test_agent_writes_blocks_into_another_agents_cache(shape):
     with pytest.raises(KvTransferError, match="KV layouts differ") as refused:
         writer.write(other.registration, [0], [0], timeout_s=10)
     assert refused.value.cause == "layout"
+
+
+def test_a_rank_writes_its_blocks_when_the_core_asks_over_its_side_channel():
+    source = [torch.randn(2, 12, 4, 2, 8) for _ in range(2)]
+    dest = [torch.zeros(2, 12, 4, 2, 8) for _ in range(2)]
+    rank_agent, reader = KvAgent(source, "test-rank"), KvAgent(dest, "test-decode")
+    channel = serve_writes(rank_agent, "127.0.0.1")
+    try:
+        writer = RankWriter(channel.address)
+        assert writer.write(reader.registration, [4, 5], [1, 9], timeout_s=10) == 2 * rank_agent.layout.block_bytes * 4
+        for src_cache, dst_cache in zip(source, dest):
+            assert torch.equal(dst_cache[:, 1], src_cache[:, 4]) and torch.equal(dst_cache[:, 9], src_cache[:, 5])
+        other = KvAgent([torch.zeros(12, 8, 24)], "test-other")
+        with pytest.raises(KvTransferError, match="KV layouts differ") as refused:
+            writer.write(other.registration, [0], [0], timeout_s=10)
+        assert refused.value.cause == "layout"  # the rank's cause reaches the core
+    finally:
+        channel.close()
+    with pytest.raises(KvTransferError) as gone:
+        writer.write(reader.registration, [0], [0], timeout_s=1)
+    assert gone.value.cause == "unreachable"
+
+
+def test_the_router_reads_ttft_phases_from_answers_and_stream_comments():
+    lines = PhaseLines()
+    stream = b'data: {"x": 1}\n\n: kv_transfer_params {"transfer_s": 0.25, "first_step_s": 0.5}\n\ndata: [DONE]\n\n'
+    found = [timings for i in range(0, len(stream), 7) for timings in lines.feed(stream[i : i + 7])]
+    assert found == [{"transfer_s": 0.25, "first_step_s": 0.5}]
+    metrics = RouterMetrics()
+    metrics.observe_phases(found[0])
+    metrics.observe_phases({"queue_s": 0.125, "prefill_s": 1.0, "transfer_s": "bad", "unknown_s": 3})
+    metrics.observe_phases(["not", "a", "dict"])
+    text = metrics.exposition().decode()
+    for phase, count, total in [
+        ("prefill_queue", 1, 0.125),
+        ("prefill", 1, 1.0),
+        ("transfer", 1, 0.25),
+        ("first_decode_step", 1, 0.5),
+    ]:
+        assert f'moeserve_router:ttft_phase_seconds_count{{phase="{phase}"}} {float(count)}' in text
+        assert f'moeserve_router:ttft_phase_seconds_sum{{phase="{phase}"}} {total}' in text
 
 
 def test_pins_reserved_and_loaded_blocks_become_a_cached_prefix():

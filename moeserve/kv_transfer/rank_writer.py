@@ -1,0 +1,60 @@
+"""Pushes from a prefill instance whose KV cache lives in rank processes (`--ep > 1`).
+
+The engine core knows which blocks hold a request's KV but not their memory: each data-parallel
+group's cache is in its first rank's process, with that process's NIXL agent registered on it. So
+such a rank serves writes on a side channel of its own, and the core hands each push to the rank
+of the group that prefilled the request: the bytes go from the rank's cache straight into the
+decode side's, never through the core, and the rank's steps go on meanwhile (the blocks it
+writes out are pinned, nothing computes into them).
+
+    POST /kv/push  {dest: registration, src_blocks, dst_blocks, timeout_s} -> {bytes}
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from moeserve.kv_transfer.agent import KvAgent, KvRegistration
+from moeserve.kv_transfer.side_channel import SideChannel, request_push
+
+REPLY_GRACE_S = 5.0
+"""The core waits this much longer than the write itself may take, for the rank's answer."""
+
+
+class KvWriter(Protocol):
+    """Whatever writes a group's blocks into a peer's cache: the agent itself when the cache is in
+    the core's process (ep 1), a `RankWriter` when it is in a rank process."""
+
+    def write(
+        self, dest: KvRegistration, src_blocks: Sequence[int], dst_blocks: Sequence[int], timeout_s: float
+    ) -> int: ...
+
+
+class RankWriter:
+    """A rank process's writes, asked for over its side channel at `address` (host:port)."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+
+    def write(
+        self, dest: KvRegistration, src_blocks: Sequence[int], dst_blocks: Sequence[int], timeout_s: float
+    ) -> int:
+        body = {
+            "dest": dest.to_json(),
+            "src_blocks": list(src_blocks),
+            "dst_blocks": list(dst_blocks),
+            "timeout_s": timeout_s,
+        }
+        return int(request_push(self.address, body, timeout_s + REPLY_GRACE_S)["bytes"])
+
+
+def serve_writes(agent: KvAgent, host: str) -> SideChannel:
+    """The rank's side channel, on a free port of `host`: it writes blocks of `agent`'s cache."""
+
+    def write(body: dict) -> dict:
+        src = [int(b) for b in body["src_blocks"]]
+        dst = [int(b) for b in body["dst_blocks"]]
+        return {"bytes": agent.write(KvRegistration.from_json(body["dest"]), src, dst, float(body["timeout_s"]))}
+
+    return SideChannel(host, 0, None, write)
