@@ -27,7 +27,14 @@ from moeserve.worker.host_memory import retain_freed_host_memory
 from moeserve.worker.input_batch import InputBatch
 from moeserve.worker.mtp_drafter import MTPDrafter
 from moeserve.worker.prompt_logprobs import PromptLogprobs, PromptLogprobsTracker
-from moeserve.worker.sampler import Sampler, SamplerOutput, SamplingRow, make_generator, random_probs
+from moeserve.worker.sampler import (
+    Sampler,
+    SamplerOutput,
+    SamplingRow,
+    apply_allowed_tokens,
+    make_generator,
+    random_probs,
+)
 from moeserve.worker.sampling_metadata import PendingBitmask
 from moeserve.worker.two_batch import interleave, split_point
 from moeserve.worker.verify_drafts import accept_greedy, rejection_sample
@@ -200,6 +207,10 @@ class ModelRunner:
         drafts = [s.token_ids[len(s.token_ids) - s.num_draft_tokens :] for s in scheduled if s.sample]
         accepted, resampled = None, {}
         if any(drafts):
+            if token_bitmask is not None:  # every row under its own grammar mask, before anything reads it
+                num_rows = [len(d) + 1 for d in drafts]
+                apply_allowed_tokens(logits, token_bitmask.get().for_rows(request_ids, self.device, num_rows))
+                token_bitmask = None
             resampled = self._verify_sampled(logits, request_ids, drafts)
             rows, accepted = accept_greedy(logits, drafts)
             logits = logits[int64_tensor(rows).to(self.device)]  # [S, V]: the row after each one's kept drafts
@@ -223,8 +234,8 @@ class ModelRunner:
         """Rejection sampling for the drafting sequences that sample at random (logits `[R, V]`,
         each sequence's rows in turn): per such sequence, (drafts kept, next token). Each row is
         judged against the distribution the sampler would draw from there, with the request's
-        parameters: one metadata row per logits row (drafting sequences have no penalties,
-        grammar or min_tokens, so those rows need nothing else)."""
+        parameters: one metadata row per logits row (drafting sequences have no penalties or
+        min_tokens, and their grammar masks are already on the logits)."""
         firsts = list(itertools.accumulate((len(d) + 1 for d in drafts), initial=0))
         chosen = [j for j, (rid, d) in enumerate(zip(request_ids, drafts)) if d and not self.batch.is_greedy(rid)]
         if not chosen:
