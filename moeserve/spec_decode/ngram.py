@@ -12,8 +12,8 @@ def can_draft(params: SamplingParams, num_output_tokens: int, method: str = "ngr
     """Whether a sequence's drafts can be verified exactly, by the argmax (greedy) or by rejection
     sampling, against the distribution the sampler would use at each draft position: nothing may
     reshape the logits per position that verification does not reshape the same way (penalties,
-    which count the tokens drafted before; a min_tokens mask still in force), and logprobs are
-    reported for the sampled token of a step only. A grammar is followed draft by draft (the
+    which count the tokens drafted before; a min_tokens mask still in force). Logprobs come from
+    the verify forward's row of each kept draft. A grammar is followed draft by draft (the
     engine core walks it over the drafts for each position's mask), so only over drafts known
     before the forward (n-gram, not MTP's), and not under ignore_eos, where a draft that completes
     the grammar would have tokens follow it. Other sequences decode one token per step beside the
@@ -24,7 +24,6 @@ def can_draft(params: SamplingParams, num_output_tokens: int, method: str = "ngr
         params.repetition_penalty == 1.0
         and not params.frequency_penalty
         and not params.presence_penalty
-        and params.logprobs is None
         and (grammar is None or (method == "ngram" and not params.ignore_eos))
         and num_output_tokens >= params.min_tokens
     )

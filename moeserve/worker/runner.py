@@ -11,6 +11,7 @@ its id with the first plan after it finished.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -37,7 +38,7 @@ from moeserve.worker.sampler import (
 )
 from moeserve.worker.sampling_metadata import PendingBitmask
 from moeserve.worker.two_batch import interleave, split_point
-from moeserve.worker.verify_drafts import accept_greedy, rejection_sample
+from moeserve.worker.verify_drafts import TokenLogprobs, accept_greedy, rejection_sample, verified_logprobs
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,8 @@ class SampledToken:
     top_logprobs: tuple[tuple[int, float], ...] = ()  # (token id, logprob), most likely first
     accepted_draft_ids: tuple[int, ...] = ()
     """Draft tokens the step verified, which come before `token_id` (speculative decoding)."""
+    accepted_draft_logprobs: tuple[TokenLogprobs, ...] = ()
+    """Each accepted draft's (logprob, top logprobs), for a request asking for logprobs."""
 
     @property
     def token_ids(self) -> tuple[int, ...]:
@@ -213,20 +216,55 @@ class ModelRunner:
                 token_bitmask = None
             resampled = self._verify_sampled(logits, request_ids, drafts)
             rows, accepted = accept_greedy(logits, drafts)
-            logits = logits[int64_tensor(rows).to(self.device)]  # [S, V]: the row after each one's kept drafts
+            verified, logits = logits, logits[int64_tensor(rows).to(self.device)]  # [S, V]: after the kept drafts
         metadata = self.batch.sampling_metadata(self.batch.slots(request_ids))
         allowed = None if token_bitmask is None else token_bitmask.get().for_rows(request_ids, self.device)
         out = self.sampler.sample(logits, metadata, allowed)
         self.batch.record(metadata, out.token_ids)
         sampled = self._unpack(out, request_ids, metadata.num_logprobs)
         if accepted is not None:
+            kept_drafts = {}
             for request_id, draft, kept in zip(request_ids, drafts, accepted):
                 kept, token_id = resampled.get(request_id, (kept, sampled[request_id].token_id))
-                if kept:
-                    sampled[request_id] = SampledToken(token_id, accepted_draft_ids=tuple(draft[:kept]))
-                elif request_id in resampled:
+                kept_drafts[request_id] = tuple(draft[:kept])
+                if request_id in resampled:  # the sampler's pick at the greedy row is not this one's
                     sampled[request_id] = SampledToken(token_id)
+            self._add_kept_drafts(sampled, kept_drafts, set(resampled), verified, drafts, metadata.num_logprobs)
         return sampled
+
+    @staticmethod
+    def _add_kept_drafts(
+        sampled: dict[str, SampledToken],
+        kept_drafts: dict[str, tuple[int, ...]],
+        resampled: set[str],
+        verified: torch.Tensor,
+        drafts: Sequence[Sequence[int]],
+        num_logprobs: Sequence[int | None],
+    ) -> None:
+        """Put each sequence's kept drafts before its sampled token, with their logprobs where the
+        request asked (and the next token's, for one whose next token rejection sampling drew):
+        from the verify forward's rows (`verified [R, V]`, sequence j's `len(drafts[j]) + 1` rows
+        in turn), the numbers decoding one token at a time gives."""
+        firsts = itertools.accumulate((len(d) + 1 for d in drafts), initial=0)
+        rows, token_ids, num_top, counts = [], [], [], {}
+        for (request_id, kept), first, wanted in zip(kept_drafts.items(), firsts, num_logprobs):
+            if wanted is None:
+                continue
+            tokens = [*kept, sampled[request_id].token_id] if request_id in resampled else list(kept)
+            rows += range(first, first + len(tokens))
+            token_ids += tokens
+            num_top += [wanted] * len(tokens)
+            counts[request_id] = len(tokens)
+        logprobs = iter(verified_logprobs(verified, rows, token_ids, num_top))
+        for request_id, kept in kept_drafts.items():
+            found = tuple(itertools.islice(logprobs, counts.get(request_id, 0)))
+            token = sampled[request_id]
+            if request_id in resampled and found:
+                (logprob, top), found = found[-1], found[:-1]
+                token = dataclasses.replace(token, logprob=logprob, top_logprobs=top)
+            if kept:
+                token = dataclasses.replace(token, accepted_draft_ids=kept, accepted_draft_logprobs=found)
+            sampled[request_id] = token
 
     def _verify_sampled(
         self, logits: torch.Tensor, request_ids: Sequence[str], drafts: Sequence[Sequence[int]]
