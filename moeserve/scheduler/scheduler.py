@@ -558,7 +558,7 @@ class Scheduler:
         spec = self.config.speculative
         if spec is None or not _is_decode(request):
             return []
-        if not can_draft(request.sampling_params, request.num_output_tokens, spec.method):
+        if not can_draft(request.sampling_params, spec.method):
             return []
         room = min(spec.num_speculative_tokens, budget - 1, self.config.max_model_len - request.num_tokens - 1)
         max_tokens = request.sampling_params.max_tokens

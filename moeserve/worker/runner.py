@@ -34,6 +34,8 @@ from moeserve.worker.sampler import (
     SamplingRow,
     apply_allowed_tokens,
     make_generator,
+    mask_tokens,
+    penalize,
     random_probs,
 )
 from moeserve.worker.sampling_metadata import PendingBitmask
@@ -214,23 +216,53 @@ class ModelRunner:
                 num_rows = [len(d) + 1 for d in drafts]
                 apply_allowed_tokens(logits, token_bitmask.get().for_rows(request_ids, self.device, num_rows))
                 token_bitmask = None
-            resampled = self._verify_sampled(logits, request_ids, drafts)
-            rows, accepted = accept_greedy(logits, drafts)
-            verified, logits = logits, logits[int64_tensor(rows).to(self.device)]  # [S, V]: after the kept drafts
+            judged = self._at_draft_positions(logits, request_ids, drafts)  # [R, V]
+            resampled = self._verify_sampled(judged, request_ids, drafts)
+            rows, accepted = accept_greedy(judged, drafts)
+            verified = judged if self.sampler.logprobs_mode == "penalized" else logits
+            logits = logits[int64_tensor(rows).to(self.device)]  # [S, V]: the row after each one's kept drafts
+            kept_drafts = {
+                request_id: tuple(draft[: resampled.get(request_id, (kept,))[0]])
+                for request_id, draft, kept in zip(request_ids, drafts, accepted)
+            }
+            for request_id, kept in kept_drafts.items():  # the next token's penalties and min_tokens count them
+                self.batch.record_drafts(self.batch.slot(request_id), kept)
         metadata = self.batch.sampling_metadata(self.batch.slots(request_ids))
         allowed = None if token_bitmask is None else token_bitmask.get().for_rows(request_ids, self.device)
         out = self.sampler.sample(logits, metadata, allowed)
+        if resampled:  # the sampler's pick at the greedy row is not theirs: rejection sampling drew it
+            for i, request_id in enumerate(request_ids):
+                if request_id in resampled:
+                    out.token_ids[i] = resampled[request_id][1]
         self.batch.record(metadata, out.token_ids)
         sampled = self._unpack(out, request_ids, metadata.num_logprobs)
         if accepted is not None:
-            kept_drafts = {}
-            for request_id, draft, kept in zip(request_ids, drafts, accepted):
-                kept, token_id = resampled.get(request_id, (kept, sampled[request_id].token_id))
-                kept_drafts[request_id] = tuple(draft[:kept])
-                if request_id in resampled:  # the sampler's pick at the greedy row is not this one's
-                    sampled[request_id] = SampledToken(token_id)
+            for request_id in resampled:
+                sampled[request_id] = SampledToken(sampled[request_id].token_id)  # its logprobs come next
             self._add_kept_drafts(sampled, kept_drafts, set(resampled), verified, drafts, metadata.num_logprobs)
         return sampled
+
+    def _at_draft_positions(
+        self, logits: torch.Tensor, request_ids: Sequence[str], drafts: Sequence[Sequence[int]]
+    ) -> torch.Tensor:
+        """`logits [R, V]` (each sequence's rows in turn) as the sampler would see them at each
+        row's position: min_tokens masks and penalties counting the drafts before the row as
+        output tokens (float32). The logits themselves where no sequence has either. Drafts are
+        judged on these; the row a sequence samples from is taken from `logits`, which the
+        sampler processes itself once the kept drafts are recorded."""
+        slots, drafts_before = [], []
+        for request_id, draft in zip(request_ids, drafts):
+            slot = self.batch.slot(request_id)
+            for i in range(len(draft) + 1):
+                slots.append(slot)
+                drafts_before.append(draft[:i])
+        metadata = self.batch.verify_metadata(slots, drafts_before)
+        if metadata.penalties is None and metadata.min_tokens is None:
+            return logits
+        judged = logits.to(torch.float32, copy=True)
+        mask_tokens(judged, metadata.min_tokens)
+        penalize(judged, metadata.penalties)
+        return judged
 
     @staticmethod
     def _add_kept_drafts(
@@ -272,8 +304,8 @@ class ModelRunner:
         """Rejection sampling for the drafting sequences that sample at random (logits `[R, V]`,
         each sequence's rows in turn): per such sequence, (drafts kept, next token). Each row is
         judged against the distribution the sampler would draw from there, with the request's
-        parameters: one metadata row per logits row (drafting sequences have no penalties or
-        min_tokens, and their grammar masks are already on the logits)."""
+        parameters: one metadata row per logits row (grammar masks, min_tokens and penalties
+        are already on the logits: `_at_draft_positions`)."""
         firsts = list(itertools.accumulate((len(d) + 1 for d in drafts), initial=0))
         chosen = [j for j, (rid, d) in enumerate(zip(request_ids, drafts)) if d and not self.batch.is_greedy(rid)]
         if not chosen:
