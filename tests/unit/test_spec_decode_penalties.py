@@ -6,15 +6,12 @@ of decoding without drafts, token for token."""
 from __future__ import annotations
 
 import pytest
-import torch
+from helpers.spec_decode import ENGINE, NGRAM, looping_prompts
 from helpers.stats import CountingStatLogger
 
 from moeserve import LLM, SamplingParams
 
-ENGINE = dict(block_size=4, max_model_len=96)
-NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
-_G = torch.Generator().manual_seed(11)
-PROMPTS = [torch.randint(3, 300, (n,), generator=_G).tolist() for n in (6, 19, 31)] + [[40, 41, 42, 43] * 5]
+PROMPTS = looping_prompts()
 
 
 @pytest.fixture(scope="module")
