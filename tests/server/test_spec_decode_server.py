@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import openai
+import pytest
 from helpers.mtp_checkpoints import mtp_checkpoint
 from server_utils import MAX_MODEL_LEN
 
@@ -28,6 +29,17 @@ def test_streamed_greedy_completions_with_drafts_are_the_tokens_without(start_se
         body = dict(max_tokens=24, temperature=0.0, stream=True, extra_body={"ignore_eos": True})
         chunks = list(api.completions.create(model="tiny", prompt=prompt, **body))
         assert "".join(c.choices[0].text for c in chunks if c.choices) == want.outputs[0].text
+    # Logprobs of every token, kept drafts included, cross the engine core's wire with the tokens.
+    with_logprobs = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2)
+    want = (
+        LLM(str(folder), max_model_len=MAX_MODEL_LEN)
+        .generate([{"prompt_token_ids": PROMPTS[0]}], with_logprobs, use_tqdm=False)[0]
+        .outputs[0]
+    )
+    body = dict(max_tokens=24, temperature=0.0, stream=True, logprobs=2, extra_body={"ignore_eos": True})
+    chunks = [c for c in api.completions.create(model="tiny", prompt=PROMPTS[0], **body) if c.choices]
+    got = [lp for c in chunks if c.choices[0].logprobs for lp in c.choices[0].logprobs.token_logprobs]
+    assert got == pytest.approx([pos[t].logprob for pos, t in zip(want.logprobs, want.token_ids)], abs=1e-4)
     metrics = server.metrics()
     drafted = metrics["moeserve:spec_decode_num_draft_tokens_total"]
     accepted = metrics["moeserve:spec_decode_num_accepted_tokens_total"]
@@ -48,6 +60,17 @@ def test_streamed_greedy_completions_with_mtp_drafts_are_the_tokens_without(star
         body = dict(max_tokens=24, temperature=0.0, stream=True, extra_body={"ignore_eos": True})
         chunks = list(api.completions.create(model="tiny", prompt=prompt, **body))
         assert "".join(c.choices[0].text for c in chunks if c.choices) == want.outputs[0].text
+    # Logprobs of every token, kept drafts included, cross the engine core's wire with the tokens.
+    with_logprobs = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2)
+    want = (
+        LLM(str(folder), max_model_len=MAX_MODEL_LEN)
+        .generate([{"prompt_token_ids": PROMPTS[0]}], with_logprobs, use_tqdm=False)[0]
+        .outputs[0]
+    )
+    body = dict(max_tokens=24, temperature=0.0, stream=True, logprobs=2, extra_body={"ignore_eos": True})
+    chunks = [c for c in api.completions.create(model="tiny", prompt=PROMPTS[0], **body) if c.choices]
+    got = [lp for c in chunks if c.choices[0].logprobs for lp in c.choices[0].logprobs.token_logprobs]
+    assert got == pytest.approx([pos[t].logprob for pos, t in zip(want.logprobs, want.token_ids)], abs=1e-4)
     metrics = server.metrics()
     assert (
         0

@@ -38,6 +38,16 @@ def prompts() -> list[str]:
     return ["ab ab ab ab ab ab", '{"name": "abab", "tags": ["a", "a", "a"]}', "abba baba abba"]
 
 
+def check(text: str, kind: str) -> None:
+    """`text` follows its grammar."""
+    if kind == "json":
+        jsonschema.validate(json.loads(text), SCHEMA)
+    elif kind == "regex":
+        assert re.fullmatch(REGEX, text), text
+    else:
+        assert text in CHOICES, text
+
+
 @pytest.fixture(scope="module")
 def folder(make_checkpoint):
     return str(make_checkpoint("deepseek_v3", 3))
@@ -53,13 +63,27 @@ def test_greedy_structured_outputs_with_ngram_drafts_are_those_without(folder):
     got = llm.generate(batch, batch_params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
     for out, sp in zip(got, batch_params):
-        text, kind = out.outputs[0].text, sp.structured_outputs.kind
-        if kind == "json":
-            jsonschema.validate(json.loads(text), SCHEMA)
-        elif kind == "regex":
-            assert re.fullmatch(REGEX, text), text
-        else:
-            assert text in CHOICES
+        check(out.outputs[0].text, sp.structured_outputs.kind)
     spec = counts.spec_decode
     assert spec.num_draft_tokens > 0 and spec.num_accepted_tokens > 0
     assert llm.engine.scheduler.num_used_blocks == 0
+
+
+def test_sampled_structured_outputs_with_drafts_follow_their_grammar_and_reproduce(folder):
+    """Rejection sampling judges each draft on the grammar-masked distribution at its position."""
+    batch = prompts() * 2
+    batch_params = [
+        SamplingParams(max_tokens=100, temperature=0.7, seed=i, structured_outputs=p.structured_outputs)
+        for i, p in enumerate(params() * 2)
+    ]
+    runs = []
+    for _ in range(2):
+        counts = CountingStatLogger()
+        llm = LLM(folder, stat_loggers=[counts], speculative_config=NGRAM, **ENGINE)
+        outputs = llm.generate(batch, batch_params, use_tqdm=False)
+        assert counts.spec_decode.num_draft_tokens > 0
+        for out, sp in zip(outputs, batch_params):
+            assert out.outputs[0].finish_reason == "stop"
+            check(out.outputs[0].text, sp.structured_outputs.kind)
+        runs.append([o.outputs[0].token_ids for o in outputs])
+    assert runs[0] == runs[1]
