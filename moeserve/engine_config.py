@@ -499,8 +499,8 @@ class EngineConfig:
     """Speculative decoding, as a JSON object with vLLM's keys, e.g. {"method": "ngram",
     "num_speculative_tokens": 3, "prompt_lookup_max": 4} or {"method": "mtp", "num_speculative_tokens":
     1} (the checkpoint's multi-token prediction layers draft): each decode step also feeds up to that
-    many draft tokens, which one forward verifies. Greedy outputs are the same as without it; only
-    greedy sequences without penalties, logprobs or grammars draft. None: no drafts."""
+    many draft tokens, which one forward verifies. Greedy outputs are the same as without it; every
+    request drafts but one under a grammar with mtp or ignore_eos. None: no drafts."""
     min_step_time_s: float = option(
         0.0, name="min_step_time_ms", scale=0.001, aliases=("debug_min_step_time_ms",), hidden=True
     )

@@ -87,6 +87,8 @@ LONGEST_FIRST = (
     "test_spec_decode_engine.py",  # ~30
     "test_spec_decode_ep.py",  # ~60 (four ep=4 runs; estimated, measured only on a loaded machine)
     "test_spec_decode_mtp.py",  # ~45 (estimated, measured only on a loaded machine)
+    "test_spec_decode_logprobs.py",  # ~30
+    "test_spec_decode_penalties.py",  # ~25
     "test_gpu_runbook.py",  # ~20
     "test_fp8_model_kernels.py",  # ~20
     "test_fp8_dispatchers.py",  # ~20

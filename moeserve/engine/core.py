@@ -317,7 +317,7 @@ class EngineCore:
         if report_load:  # asked before the step, so the report includes it
             self.executor.ask_routed_tokens()
         # One batched fill for every constrained sequence that samples now, beside the forward.
-        pending = self.structured.start_bitmask([s.request_id for s in plan.scheduled if s.sample])
+        pending = self.structured.start_bitmask([s.request_id for s in plan.scheduled if s.sample], _ngram_drafts(plan))
         try:
             sampled = self.executor.execute(plan) if pending is None else self.executor.execute(plan, pending)
         except BaseException as exc:
@@ -334,12 +334,11 @@ class EngineCore:
         group_durations_s = None
         if not plan.is_empty and self.config.debug_slow_rank is not None:  # the test-only straggler
             duration_s, group_durations_s = self._straggle(plan, started, duration_s)
-        token_ids = {rid: t.token_id for rid, t in sampled.items()}
         added = {rid: t.token_ids for rid, t in sampled.items()}  # accepted drafts, then the sampled token
         ended = self.scheduler.update(plan, added, duration_s, group_durations_s)
         finished = [FinishedSequence(r.request_id, r.finish_reason, r.stop_reason) for r in ended]
         if bitmask is not None:
-            finished += self._advance_grammars(token_ids, bitmask.request_ids, {r.request_id for r in ended})
+            finished += self._advance_grammars(added, bitmask.request_ids, {r.request_id for r in ended})
         self.structured.remove(f.request_id for f in finished)
         if self.kv is not None:  # a hold is known before its request's answer leaves: a push may follow at once
             self.kv.scheduled([new.request_id for group in plan.groups for new in group.new_requests])
@@ -443,18 +442,30 @@ class EngineCore:
         )
 
     def _advance_grammars(
-        self, token_ids: Mapping[str, int], request_ids: Sequence[str], ended: set[str]
+        self, added: Mapping[str, Sequence[int]], request_ids: Sequence[str], ended: set[str]
     ) -> list[FinishedSequence]:
-        """Feed the sampled tokens to their matchers. A complete grammar ends its sequence as
-        "stop" (usually the scheduler already did, on the EOS that completed it; not under
-        ignore_eos); a refused token (the bitmask forbade it, e.g. min_tokens masked the only
-        allowed EOS) ends it as "abort" rather than let it run on outside its grammar."""
-        terminated, refused = self.structured.accept(token_ids, request_ids)
+        """Feed the step's tokens (accepted drafts, then the sampled one) to their matchers. A
+        complete grammar ends its sequence as "stop" (usually the scheduler already did, on the
+        EOS that completed it; not under ignore_eos); a refused token (the bitmask forbade it,
+        e.g. min_tokens masked the only allowed EOS) ends it as "abort" rather than let it run on
+        outside its grammar."""
+        terminated, refused = self.structured.accept(added, request_ids)
         finished = []
         for request_id, reason in [(r, "stop") for r in terminated] + [(r, "abort") for r in refused]:
             if request_id not in ended and self.scheduler.finish_request(request_id, reason):
                 finished.append(FinishedSequence(request_id, reason, None))
         return finished
+
+
+def _ngram_drafts(plan: StepPlan) -> dict[str, tuple[int, ...]]:
+    """The drafts each sequence verifies this step (n-gram ones: the scheduler proposed them).
+    MTP's are only slots here, filled on the ranks after the mask, so the scheduler keeps
+    sequences under a grammar from drafting with MTP (`can_draft`)."""
+    return {
+        s.request_id: tuple(s.token_ids[len(s.token_ids) - s.num_draft_tokens :])
+        for s in plan.scheduled
+        if s.num_draft_tokens and s.sample
+    }
 
 
 def _load_tokenizer(model: str):

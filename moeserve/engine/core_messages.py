@@ -153,16 +153,30 @@ def decode_inputs(data: bytes) -> CoreInputs:
 
 
 def _token(t: SampledToken) -> list[Any]:
-    """[id], or [id, logprob, top, accepted drafts] (the plain token, by far the commonest, short)."""
+    """[id], or [id, logprob, top, accepted drafts, their logprobs] (the plain token, by far the
+    commonest, short)."""
     if t.logprob is None and not t.accepted_draft_ids:
         return [t.token_id]
-    return [t.token_id, t.logprob, [list(pair) for pair in t.top_logprobs], list(t.accepted_draft_ids)]
+    drafts_logprobs = [[lp, [list(pair) for pair in top]] for lp, top in t.accepted_draft_logprobs]
+    top = [list(pair) for pair in t.top_logprobs]
+    return [t.token_id, t.logprob, top, list(t.accepted_draft_ids), drafts_logprobs]
 
 
 def _untoken(entry: list[Any]) -> SampledToken:
     if len(entry) == 1:
         return SampledToken(entry[0])
-    return SampledToken(entry[0], entry[1], tuple((a, b) for a, b in entry[2]), tuple(entry[3]))
+    token_id, logprob, top, drafts, drafts_logprobs = entry
+    return SampledToken(
+        token_id,
+        logprob,
+        _pairs(top),
+        tuple(drafts),
+        tuple((lp, _pairs(draft_top)) for lp, draft_top in drafts_logprobs),
+    )
+
+
+def _pairs(entry: list[list[Any]]) -> tuple[tuple[int, float], ...]:
+    return tuple((a, b) for a, b in entry)
 
 
 def _rebalance(r: RebalanceReport) -> list[Any]:

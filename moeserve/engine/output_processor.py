@@ -293,10 +293,10 @@ class OutputProcessor:
 
 
 def _burst(token: SampledToken) -> list[SampledToken]:
-    """The tokens a step added to one sequence, one `SampledToken` each: accepted drafts (which
-    carry no logprobs: sequences asking for them never draft), then the sampled one."""
+    """The tokens a step added to one sequence, one `SampledToken` each: accepted drafts (with
+    their logprobs, where the request asked), then the sampled one."""
     if not token.accepted_draft_ids:
         return [token]
-    return [SampledToken(draft) for draft in token.accepted_draft_ids] + [
-        dataclasses.replace(token, accepted_draft_ids=())
-    ]
+    logprobs = token.accepted_draft_logprobs or [(None, ())] * len(token.accepted_draft_ids)
+    drafts = [SampledToken(draft, lp, top) for draft, (lp, top) in zip(token.accepted_draft_ids, logprobs)]
+    return drafts + [dataclasses.replace(token, accepted_draft_ids=(), accepted_draft_logprobs=())]

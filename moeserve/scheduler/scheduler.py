@@ -556,7 +556,9 @@ class Scheduler:
         past its max_tokens or max_model_len (a draft there could never be kept). A draft that
         would need a block nobody has free is not proposed: drafts never preempt anyone."""
         spec = self.config.speculative
-        if spec is None or not _is_decode(request) or not can_draft(request.sampling_params, request.num_output_tokens):
+        if spec is None or not _is_decode(request):
+            return []
+        if not can_draft(request.sampling_params, spec.method):
             return []
         room = min(spec.num_speculative_tokens, budget - 1, self.config.max_model_len - request.num_tokens - 1)
         max_tokens = request.sampling_params.max_tokens

@@ -8,21 +8,17 @@ from collections.abc import Sequence
 from moeserve.sampling_params import SamplingParams
 
 
-def can_draft(params: SamplingParams, num_output_tokens: int) -> bool:
+def can_draft(params: SamplingParams, method: str = "ngram") -> bool:
     """Whether a sequence's drafts can be verified exactly, by the argmax (greedy) or by rejection
-    sampling, against the same distribution at every draft position: nothing may reshape the
-    logits per position (no penalties, which count the tokens drafted before; no grammar; no
-    min_tokens mask still in force), and logprobs are reported for the sampled token of a step
-    only. Other sequences decode one token per step beside the speculating ones.
+    sampling, against the distribution the sampler would use at each draft position: penalties
+    and min_tokens are applied per position (the drafts before it counted as output), logprobs
+    come from the verify forward's row of each kept draft, and a grammar is followed draft by
+    draft (the engine core walks it over the drafts for each position's mask), so only over
+    drafts known before the forward (n-gram, not MTP's), and not under ignore_eos, where a draft
+    that completes the grammar would have tokens follow it. Other sequences decode one token per
+    step beside the speculating ones.
     """
-    return (
-        params.repetition_penalty == 1.0
-        and not params.frequency_penalty
-        and not params.presence_penalty
-        and params.logprobs is None
-        and params.structured_outputs is None
-        and num_output_tokens >= params.min_tokens
-    )
+    return params.structured_outputs is None or (method == "ngram" and not params.ignore_eos)
 
 
 def propose_ngram(token_ids: Sequence[int], num_tokens: int, min_n: int, max_n: int) -> list[int]:

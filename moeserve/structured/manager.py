@@ -17,6 +17,7 @@ work.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -123,37 +124,72 @@ class StructuredOutputManager:
         for request_id in request_ids:
             self._matchers.pop(request_id, None)
 
-    def start_bitmask(self, request_ids: Sequence[str]) -> PendingBitmask | None:
+    def start_bitmask(
+        self, request_ids: Sequence[str], drafts: Mapping[str, Sequence[int]] | None = None
+    ) -> PendingBitmask | None:
         """Start filling the allowed next tokens of those of `request_ids` under a grammar (one
         batched fill, on the filler thread); None when none is. The matchers must not change
-        until the mask is taken: the core advances them only after the step has sampled."""
+        until the mask is taken: the core advances them only after the step has sampled.
+
+        `drafts`: the n-gram drafts a sequence verifies this step. Such a sequence gets a row
+        after each of its drafts too, the grammar walked over them and rolled back after, so
+        each draft is judged by the mask the grammar would give at its position had the drafts
+        before it been sampled."""
         ids = tuple(r for r in request_ids if r in self._matchers)
         if not ids:
             return None
-        matchers = [self._matchers[r] for r in ids]
-        return PendingBitmask(self._filler.submit(self._fill, ids, matchers).result)
+        walks = {r: list(drafts[r]) for r in ids if drafts and drafts.get(r)}
+        return PendingBitmask(self._filler.submit(self._fill, ids, walks).result)
 
-    def _fill(self, request_ids: tuple[str, ...], matchers: list[xgr.GrammarMatcher]) -> TokenBitmask:
-        bitmask = xgr.allocate_token_bitmask(len(matchers), self.compiler.vocab_size)  # [K, W] int32
-        self._batch.batch_fill_next_token_bitmask(matchers, bitmask)
-        return TokenBitmask(request_ids, bitmask)
+    def _fill(self, request_ids: tuple[str, ...], walks: dict[str, list[int]]) -> TokenBitmask:
+        num_rows = [len(walks.get(r, ())) + 1 for r in request_ids]
+        firsts = list(itertools.accumulate(num_rows, initial=0))[:-1]
+        matchers = [self._matchers[r] for r in request_ids]
+        bitmask = xgr.allocate_token_bitmask(sum(num_rows), self.compiler.vocab_size)  # [rows, W] int32
+        self._batch.batch_fill_next_token_bitmask(matchers, bitmask, firsts)
+        for request_id, matcher, first in zip(request_ids, matchers, firsts):
+            if request_id in walks:
+                _fill_after_drafts(matcher, walks[request_id], bitmask, first)
+        return TokenBitmask(request_ids, bitmask, tuple(num_rows) if walks else ())
 
-    def accept(self, sampled: Mapping[str, int], request_ids: Iterable[str]) -> tuple[list[str], list[str]]:
-        """Advance the matchers of `request_ids` by their sampled tokens: (sequences whose grammar
-        is now complete and ended, sequences whose token the grammar refused)."""
+    def accept(self, added: Mapping[str, Sequence[int]], request_ids: Iterable[str]) -> tuple[list[str], list[str]]:
+        """Advance the matchers of `request_ids` by the tokens their step added (accepted drafts,
+        then the sampled one): (sequences whose grammar is now complete and ended, sequences
+        whose token the grammar refused)."""
         terminated, refused = [], []
         for request_id in request_ids:
             matcher = self._matchers.get(request_id)
-            token = sampled.get(request_id)
-            if matcher is None or token is None:
+            if matcher is None:
                 continue
-            if not matcher.accept_token(token):
-                logger.error("the grammar of %s refused its sampled token %d", request_id, token)
-                refused.append(request_id)
-            elif matcher.is_terminated():
-                terminated.append(request_id)
+            for token in added.get(request_id, ()):
+                if not matcher.accept_token(token):
+                    logger.error("the grammar of %s refused its sampled token %d", request_id, token)
+                    refused.append(request_id)
+                    break
+                if matcher.is_terminated():
+                    terminated.append(request_id)
+                    break
         return terminated, refused
 
     def shutdown(self) -> None:
         self._filler.shutdown(wait=True)
         self.compiler.shutdown()
+
+
+def _fill_after_drafts(matcher: xgr.GrammarMatcher, drafts: Sequence[int], bitmask, first: int) -> None:
+    """Rows first + 1 .. first + len(drafts) of `bitmask`: the allowed tokens after each draft,
+    the matcher's row 0 already filled. From the first draft the grammar refuses on, the rows
+    repeat the last mask: that draft fails verification (the mask forbids it), so the rows after
+    it judge nothing, but each must still allow some token. After a draft that completes the
+    grammar (its stop token) the same: the sequence ends there (the scheduler stops at EOS;
+    `can_draft` keeps ignore_eos sequences under a grammar from drafting)."""
+    walked = 0
+    for i, token in enumerate(drafts, start=1):
+        if walked == i - 1 and not matcher.is_terminated() and matcher.accept_token(token):
+            walked = i
+            if not matcher.is_terminated():
+                matcher.fill_next_token_bitmask(bitmask, first + i)
+                continue
+        bitmask[first + i] = bitmask[first + i - 1]
+    if walked:
+        matcher.rollback(walked)

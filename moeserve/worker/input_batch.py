@@ -16,6 +16,7 @@ N = slots (capacity), B = rows of a step, V = vocabulary, P = penalised requests
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -225,6 +226,36 @@ class InputBatch:
             key = (penalised.pool_rows, token_ids[penalised.index])
             self._pool.output_counts.index_put_(key, ones, accumulate=True)
 
+    def verify_metadata(self, slots: Sequence[int], drafts_before: Sequence[Sequence[int]]) -> SamplingMetadata:
+        """The sampler's tensors for the rows of a verify forward (speculative decoding): row r
+        holds slot `slots[r]` after its drafts `drafts_before[r]`, which its penalties count as
+        output tokens and its min_tokens as tokens generated, as if they had been sampled."""
+        metadata = self.sampling_metadata(slots)
+        fixed = self._slot_set
+        ahead = torch.tensor([len(d) for d in drafts_before], dtype=torch.int64)  # [R] host
+        penalties = metadata.penalties
+        if penalties is not None:
+            pairs = [(p, t) for p, r in enumerate(penalties.index.tolist()) for t in drafts_before[r]]
+            if pairs:
+                counts = penalties.output_counts.clone()  # [P, V]
+                key = torch.tensor(pairs, dtype=torch.int64, device=self.device).T
+                counts.index_put_((key[0], key[1]), torch.ones(len(pairs), device=self.device), accumulate=True)
+                penalties = dataclasses.replace(penalties, output_counts=counts)
+        min_tokens = self._masked_tokens(fixed.min_tokens, ahead)
+        return dataclasses.replace(metadata, penalties=penalties, min_tokens=min_tokens)
+
+    def record_drafts(self, slot: int, token_ids: Sequence[int]) -> None:
+        """Count drafts a sequence kept (speculative decoding) as sampled tokens: they precede the
+        token sampled after them, whose penalties and min_tokens must see them."""
+        if not token_ids:
+            return
+        if self._min_tokens[slot] > 0:  # only min_tokens reads the output lengths
+            self._num_output[slot] += len(token_ids)
+        pool_row = int(self._penalty_row[slot])
+        if pool_row >= 0:
+            ids = torch.as_tensor(list(token_ids), dtype=torch.int64).to(self.device)
+            self._pool.output_counts[pool_row].index_add_(0, ids, torch.ones(len(ids), device=self.device))
+
     # ----- building -----
 
     def _build_slot_set(self, key: tuple[int, ...]) -> _SlotSet:
@@ -296,11 +327,13 @@ class InputBatch:
             presence=penalised.presence,
         )
 
-    def _masked_tokens(self, rows: _MinTokens | None) -> MaskedTokens | None:
-        """EOS and stop ids of the rows still below their min_tokens, from host counts alone."""
+    def _masked_tokens(self, rows: _MinTokens | None, ahead: torch.Tensor | None = None) -> MaskedTokens | None:
+        """EOS and stop ids of the rows still below their min_tokens, from host counts alone;
+        `ahead [R]`: tokens each batch row has generated beyond them (drafts before it)."""
         if rows is None:
             return None
-        below = self._num_output[rows.slots] < rows.min_tokens  # [M] host
+        generated = self._num_output[rows.slots] + (0 if ahead is None else ahead[rows.rows])
+        below = generated < rows.min_tokens  # [M] host
         if not bool(below.any()):
             return None
         stop_ids = rows.stop_ids[below]  # [M', S]

@@ -11,6 +11,7 @@ its id with the first plan after it finished.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -27,10 +28,19 @@ from moeserve.worker.host_memory import retain_freed_host_memory
 from moeserve.worker.input_batch import InputBatch
 from moeserve.worker.mtp_drafter import MTPDrafter
 from moeserve.worker.prompt_logprobs import PromptLogprobs, PromptLogprobsTracker
-from moeserve.worker.sampler import Sampler, SamplerOutput, SamplingRow, make_generator, random_probs
+from moeserve.worker.sampler import (
+    Sampler,
+    SamplerOutput,
+    SamplingRow,
+    apply_allowed_tokens,
+    make_generator,
+    mask_tokens,
+    penalize,
+    random_probs,
+)
 from moeserve.worker.sampling_metadata import PendingBitmask
 from moeserve.worker.two_batch import interleave, split_point
-from moeserve.worker.verify_drafts import accept_greedy, rejection_sample
+from moeserve.worker.verify_drafts import TokenLogprobs, accept_greedy, rejection_sample, verified_logprobs
 
 
 @dataclass(frozen=True)
@@ -40,6 +50,8 @@ class SampledToken:
     top_logprobs: tuple[tuple[int, float], ...] = ()  # (token id, logprob), most likely first
     accepted_draft_ids: tuple[int, ...] = ()
     """Draft tokens the step verified, which come before `token_id` (speculative decoding)."""
+    accepted_draft_logprobs: tuple[TokenLogprobs, ...] = ()
+    """Each accepted draft's (logprob, top logprobs), for a request asking for logprobs."""
 
     @property
     def token_ids(self) -> tuple[int, ...]:
@@ -200,22 +212,91 @@ class ModelRunner:
         drafts = [s.token_ids[len(s.token_ids) - s.num_draft_tokens :] for s in scheduled if s.sample]
         accepted, resampled = None, {}
         if any(drafts):
-            resampled = self._verify_sampled(logits, request_ids, drafts)
-            rows, accepted = accept_greedy(logits, drafts)
+            if token_bitmask is not None:  # every row under its own grammar mask, before anything reads it
+                num_rows = [len(d) + 1 for d in drafts]
+                apply_allowed_tokens(logits, token_bitmask.get().for_rows(request_ids, self.device, num_rows))
+                token_bitmask = None
+            judged = self._at_draft_positions(logits, request_ids, drafts)  # [R, V]
+            resampled = self._verify_sampled(judged, request_ids, drafts)
+            rows, accepted = accept_greedy(judged, drafts)
+            verified = judged if self.sampler.logprobs_mode == "penalized" else logits
             logits = logits[int64_tensor(rows).to(self.device)]  # [S, V]: the row after each one's kept drafts
+            kept_drafts = {
+                request_id: tuple(draft[: resampled.get(request_id, (kept,))[0]])
+                for request_id, draft, kept in zip(request_ids, drafts, accepted)
+            }
+            for request_id, kept in kept_drafts.items():  # the next token's penalties and min_tokens count them
+                self.batch.record_drafts(self.batch.slot(request_id), kept)
         metadata = self.batch.sampling_metadata(self.batch.slots(request_ids))
         allowed = None if token_bitmask is None else token_bitmask.get().for_rows(request_ids, self.device)
         out = self.sampler.sample(logits, metadata, allowed)
+        if resampled:  # the sampler's pick at the greedy row is not theirs: rejection sampling drew it
+            for i, request_id in enumerate(request_ids):
+                if request_id in resampled:
+                    out.token_ids[i] = resampled[request_id][1]
         self.batch.record(metadata, out.token_ids)
         sampled = self._unpack(out, request_ids, metadata.num_logprobs)
         if accepted is not None:
-            for request_id, draft, kept in zip(request_ids, drafts, accepted):
-                kept, token_id = resampled.get(request_id, (kept, sampled[request_id].token_id))
-                if kept:
-                    sampled[request_id] = SampledToken(token_id, accepted_draft_ids=tuple(draft[:kept]))
-                elif request_id in resampled:
-                    sampled[request_id] = SampledToken(token_id)
+            for request_id in resampled:
+                sampled[request_id] = SampledToken(sampled[request_id].token_id)  # its logprobs come next
+            self._add_kept_drafts(sampled, kept_drafts, set(resampled), verified, drafts, metadata.num_logprobs)
         return sampled
+
+    def _at_draft_positions(
+        self, logits: torch.Tensor, request_ids: Sequence[str], drafts: Sequence[Sequence[int]]
+    ) -> torch.Tensor:
+        """`logits [R, V]` (each sequence's rows in turn) as the sampler would see them at each
+        row's position: min_tokens masks and penalties counting the drafts before the row as
+        output tokens (float32). The logits themselves where no sequence has either. Drafts are
+        judged on these; the row a sequence samples from is taken from `logits`, which the
+        sampler processes itself once the kept drafts are recorded."""
+        slots, drafts_before = [], []
+        for request_id, draft in zip(request_ids, drafts):
+            slot = self.batch.slot(request_id)
+            for i in range(len(draft) + 1):
+                slots.append(slot)
+                drafts_before.append(draft[:i])
+        metadata = self.batch.verify_metadata(slots, drafts_before)
+        if metadata.penalties is None and metadata.min_tokens is None:
+            return logits
+        judged = logits.to(torch.float32, copy=True)
+        mask_tokens(judged, metadata.min_tokens)
+        penalize(judged, metadata.penalties)
+        return judged
+
+    @staticmethod
+    def _add_kept_drafts(
+        sampled: dict[str, SampledToken],
+        kept_drafts: dict[str, tuple[int, ...]],
+        resampled: set[str],
+        verified: torch.Tensor,
+        drafts: Sequence[Sequence[int]],
+        num_logprobs: Sequence[int | None],
+    ) -> None:
+        """Put each sequence's kept drafts before its sampled token, with their logprobs where the
+        request asked (and the next token's, for one whose next token rejection sampling drew):
+        from the verify forward's rows (`verified [R, V]`, sequence j's `len(drafts[j]) + 1` rows
+        in turn), the numbers decoding one token at a time gives."""
+        firsts = itertools.accumulate((len(d) + 1 for d in drafts), initial=0)
+        rows, token_ids, num_top, counts = [], [], [], {}
+        for (request_id, kept), first, wanted in zip(kept_drafts.items(), firsts, num_logprobs):
+            if wanted is None:
+                continue
+            tokens = [*kept, sampled[request_id].token_id] if request_id in resampled else list(kept)
+            rows += range(first, first + len(tokens))
+            token_ids += tokens
+            num_top += [wanted] * len(tokens)
+            counts[request_id] = len(tokens)
+        logprobs = iter(verified_logprobs(verified, rows, token_ids, num_top))
+        for request_id, kept in kept_drafts.items():
+            found = tuple(itertools.islice(logprobs, counts.get(request_id, 0)))
+            token = sampled[request_id]
+            if request_id in resampled and found:
+                (logprob, top), found = found[-1], found[:-1]
+                token = dataclasses.replace(token, logprob=logprob, top_logprobs=top)
+            if kept:
+                token = dataclasses.replace(token, accepted_draft_ids=kept, accepted_draft_logprobs=found)
+            sampled[request_id] = token
 
     def _verify_sampled(
         self, logits: torch.Tensor, request_ids: Sequence[str], drafts: Sequence[Sequence[int]]
@@ -223,8 +304,8 @@ class ModelRunner:
         """Rejection sampling for the drafting sequences that sample at random (logits `[R, V]`,
         each sequence's rows in turn): per such sequence, (drafts kept, next token). Each row is
         judged against the distribution the sampler would draw from there, with the request's
-        parameters: one metadata row per logits row (drafting sequences have no penalties,
-        grammar or min_tokens, so those rows need nothing else)."""
+        parameters: one metadata row per logits row (grammar masks, min_tokens and penalties
+        are already on the logits: `_at_draft_positions`)."""
         firsts = list(itertools.accumulate((len(d) + 1 for d in drafts), initial=0))
         chosen = [j for j, (rid, d) in enumerate(zip(request_ids, drafts)) if d and not self.batch.is_greedy(rid)]
         if not chosen:

@@ -10,6 +10,7 @@ M = (row, token) pairs masked by min_tokens.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -114,16 +115,32 @@ class TokenBitmask:
 
     request_ids: tuple[str, ...]
     bitmask: torch.Tensor
-    """`[K, ceil(V / 32)]` int32 on the host; row i is request_ids[i]'s."""
+    """`[K, ceil(V / 32)]` int32 on the host: each request's rows in turn, `num_rows` of them."""
+    num_rows: tuple[int, ...] = ()
+    """Rows per request (empty: one each). A sequence verifying k n-gram drafts has k + 1: row i
+    allows what may follow its drafts 1..i (speculative decoding)."""
 
-    def for_rows(self, request_ids: Sequence[str], device: torch.device | str) -> AllowedTokens | None:
-        """The rows of a batch sampling `request_ids` (in that order) that this mask covers."""
-        index = {request_id: i for i, request_id in enumerate(self.request_ids)}
-        pairs = [(row, index[r]) for row, r in enumerate(request_ids) if r in index]
+    def for_rows(
+        self, request_ids: Sequence[str], device: torch.device | str, num_rows: Sequence[int] | None = None
+    ) -> AllowedTokens | None:
+        """The rows of a batch sampling `request_ids` (in that order; `num_rows[j]` consecutive
+        rows for request j, None: one each) that this mask covers."""
+        counts = self.num_rows or (1,) * len(self.request_ids)
+        starts = itertools.accumulate(counts, initial=0)
+        index = {request_id: (start, n) for request_id, start, n in zip(self.request_ids, starts, counts)}
+        pairs, row = [], 0
+        for j, request_id in enumerate(request_ids):
+            n = 1 if num_rows is None else num_rows[j]
+            if request_id in index:
+                start, masks = index[request_id]
+                if masks != n:
+                    raise ValueError(f"{request_id} samples from {n} rows, its grammar mask has {masks}")
+                pairs += [(row + i, start + i) for i in range(n)]
+            row += n
         if not pairs:
             return None
         rows, masks = zip(*pairs)
-        bitmask = self.bitmask if list(masks) == list(range(len(self.request_ids))) else self.bitmask[list(masks)]
+        bitmask = self.bitmask if list(masks) == list(range(self.bitmask.shape[0])) else self.bitmask[list(masks)]
         return AllowedTokens(torch.tensor(rows, dtype=torch.int64, device=device), bitmask.to(device))
 
 

@@ -15,7 +15,11 @@ from collections.abc import Sequence
 
 import torch
 
+from moeserve.ops.host_ints import int64_tensor
 from moeserve.worker.sampler import sample_from
+
+TokenLogprobs = tuple[float, tuple[tuple[int, float], ...]]
+"""A token's logprob and the top ones at its position, (token id, logprob) most likely first."""
 
 
 def accept_greedy(logits: torch.Tensor, drafts: Sequence[Sequence[int]]) -> tuple[list[int], list[int]]:
@@ -53,3 +57,24 @@ def rejection_sample(probs: torch.Tensor, draft: Sequence[int], generator: torch
     if kept < k:
         row[0, draft[kept]] = 0.0
     return kept, int(sample_from(row, [generator])[0])
+
+
+def verified_logprobs(
+    logits: torch.Tensor, rows: Sequence[int], token_ids: Sequence[int], num_top: Sequence[int]
+) -> list[TokenLogprobs]:
+    """The logprobs of tokens verified at rows of `logits [R, V]` (a kept draft, or the token
+    rejection sampling drew), as the sampler reports a sampled token's (log_softmax of the
+    float32 logits, grammar masks already on them): `token_ids[i]` at row `rows[i]`, the row it
+    would have been sampled from one step at a time. `num_top[i]`: how many top logprobs its
+    request asked for."""
+    if not rows:
+        return []
+    source = logits[int64_tensor(rows).to(logits.device)].float().log_softmax(dim=-1)  # [D, V]
+    chosen = source.gather(1, int64_tensor(token_ids).to(logits.device).unsqueeze(1)).squeeze(1).tolist()
+    k = max(num_top)
+    top_values, top_ids = source.topk(k, dim=-1) if k else (None, None)  # [D, k] each
+    top = list(zip(top_ids.tolist(), top_values.tolist())) if top_ids is not None else []
+    return [
+        (logprob, tuple(zip(top[i][0][:n], top[i][1][:n])) if n else ())
+        for i, (logprob, n) in enumerate(zip(chosen, num_top))
+    ]

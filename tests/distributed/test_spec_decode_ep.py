@@ -11,6 +11,7 @@ from helpers.mtp_checkpoints import mtp_checkpoint
 from helpers.stats import CountingStatLogger
 
 from moeserve import LLM, SamplingParams
+from moeserve.sampling_params import StructuredOutputs
 
 ENGINE = dict(block_size=4, max_model_len=96)
 GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
@@ -47,3 +48,27 @@ def test_mtp_drafts_at_ep4_give_one_process_greedy_tokens(tmp_path_factory, arch
             got = llm.generate(prompts, GREEDY, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
         assert counts.spec_decode.num_accepted_tokens > 0
+
+
+def test_ngram_drafts_at_ep4_under_grammar_logprobs_and_penalties_give_one_process_tokens(make_checkpoint) -> None:
+    """The grammar's per-draft mask rows reach the sampling ranks with the plan (every rank reads
+    the same mask), and penalties, min_tokens and logprobs are judged there per draft position."""
+    folder = str(make_checkpoint("deepseek_v3", 3))
+    prompts = [{"prompt_token_ids": [40, 41, 42, 43] * 4}, {"prompt_token_ids": [9, 8] * 8}] * 2
+    params = [
+        SamplingParams(max_tokens=20, temperature=0.0, structured_outputs=StructuredOutputs("regex", "(ab|ba)+")),
+        SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, logprobs=2),
+        SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, frequency_penalty=0.2),
+        SamplingParams(max_tokens=20, temperature=0.0, min_tokens=12, stop_token_ids=[41, 8]),
+    ]
+    expected = LLM(folder, **ENGINE).generate(prompts, params, use_tqdm=False)
+    counts = CountingStatLogger()
+    with LLM(folder, ep=4, speculative_config=NGRAM, stat_loggers=[counts], **ENGINE) as llm:
+        got = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
+    for out, ref in zip(got[1::4], expected[1::4]):
+        pairs = [(t, e.logprob) for pos in out.outputs[0].logprobs for t, e in sorted(pos.items())]
+        ref_pairs = [(t, e.logprob) for pos in ref.outputs[0].logprobs for t, e in sorted(pos.items())]
+        assert [t for t, _ in pairs] == [t for t, _ in ref_pairs]
+        assert [lp for _, lp in pairs] == pytest.approx([lp for _, lp in ref_pairs], abs=1e-4)
+    assert counts.spec_decode.num_accepted_tokens > 0

@@ -56,6 +56,7 @@ def test_outputs_round_trip() -> None:
             "a": SampledToken(4),
             "b": SampledToken(5, -0.25, ((5, -0.25), (6, -1.5))),
             "d": SampledToken(9, accepted_draft_ids=(7, 8)),
+            "e": SampledToken(3, -0.5, ((3, -0.5),), (1, 2), ((-0.125, ((1, -0.125),)), (-2.0, ((4, -1.0),)))),
         },
         finished=[FinishedSequence("a", "length", None), FinishedSequence("c", "stop", 2)],
         first_scheduled={"b": 100.25},

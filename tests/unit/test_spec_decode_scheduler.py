@@ -7,10 +7,10 @@ import pytest
 from helpers.clock import TickingClock
 from helpers.scheduler import EOS, RecordingScheduler, check_output
 
-from moeserve.sampling_params import SamplingParams
+from moeserve.sampling_params import SamplingParams, StructuredOutputs
 from moeserve.scheduler import Request, SchedulerConfig
 from moeserve.scheduler.config import blocks_for_tokens
-from moeserve.spec_decode import SpeculativeConfig
+from moeserve.spec_decode import SpeculativeConfig, can_draft
 
 NGRAM = SpeculativeConfig("ngram", num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3)
 
@@ -105,16 +105,28 @@ def test_drafts_stop_short_of_max_tokens():
 
 
 def test_only_requests_whose_drafts_verify_exactly_draft():
-    scheduler = make_scheduler(NGRAM, max_num_seqs=8, enable_prefix_caching=False)  # all admitted at once
-    drafting = [SamplingParams(max_tokens=8, temperature=0.0), SamplingParams(max_tokens=8, temperature=0.8)]
-    others = [
+    scheduler = make_scheduler(NGRAM, max_num_seqs=8, max_num_batched_tokens=40, enable_prefix_caching=False)
+    grammar = StructuredOutputs("regex", "[ab]+")
+    drafting = [
+        SamplingParams(max_tokens=8, temperature=0.0),
+        SamplingParams(max_tokens=8, temperature=0.8),
         SamplingParams(max_tokens=8, temperature=0.0, logprobs=1),
+        SamplingParams(max_tokens=8, temperature=0.0, structured_outputs=grammar),
         SamplingParams(max_tokens=8, temperature=0.0, repetition_penalty=1.2),
         SamplingParams(max_tokens=8, temperature=0.7, presence_penalty=0.5),
         SamplingParams(max_tokens=8, temperature=0.0, min_tokens=3),
     ]
+    others = [SamplingParams(max_tokens=8, temperature=0.0, structured_outputs=grammar, ignore_eos=True)]
     for i, params in enumerate([*drafting, *others]):
         scheduler.add_request(Request(str(i), [10, 11, 10, 11, 10], params, (EOS,), arrival_time=0.0))
     prefill = scheduler.schedule()
     scheduler.update(prefill, {s.request_id: 11 for s in prefill.scheduled if s.sample})
-    assert [s.num_draft_tokens for s in scheduler.schedule().scheduled] == [3, 3, 0, 0, 0, 0]
+    assert [s.num_draft_tokens for s in scheduler.schedule().scheduled] == [3, 3, 3, 3, 3, 3, 3, 0]
+
+
+def test_a_grammar_drafts_with_ngram_drafts_only():
+    """The engine core walks the grammar over drafts it knows before the forward: MTP's are
+    filled on the ranks, after the mask."""
+    params = SamplingParams(max_tokens=8, temperature=0.0, structured_outputs=StructuredOutputs("regex", "[ab]+"))
+    assert can_draft(params, "ngram") and not can_draft(params, "mtp")
+    assert can_draft(SamplingParams(max_tokens=8, logprobs=2, presence_penalty=0.5, min_tokens=4), "mtp")

@@ -100,11 +100,38 @@ def test_bitmask_follows_the_choice_and_the_grammar_ends_on_eos(tokenizer_dir: P
     whole = [tokenizer.decode([t]) for t in allowed if "\ufffd" not in tokenizer.decode([t])]  # not half a UTF-8 char
     assert whole and all(any(c.startswith(text) for c in choices) for text in whole)
     for token in tokenizer.encode(choices[0]):
-        assert manager.accept({"r": token}, ["r"]) == ([], [])
+        assert manager.accept({"r": [token]}, ["r"]) == ([], [])
     mask = manager.start_bitmask(["r"]).get()
     assert _allowed(mask.bitmask, 0) == {EOS}
-    assert manager.accept({"r": EOS}, ["r"]) == (["r"], [])
-    assert manager.accept({"free": tokenizer.encode("]")[0]}, ["free"]) == ([], ["free"])  # not a JSON object
+    assert manager.accept({"r": [EOS]}, ["r"]) == (["r"], [])
+    assert manager.accept({"free": tokenizer.encode("]")[:1]}, ["free"]) == ([], ["free"])  # not a JSON object
+    manager.shutdown()
+
+
+def test_drafts_get_a_mask_per_position_and_the_grammar_advances_over_accepted_tokens_only(
+    tokenizer_dir: Path,
+) -> None:
+    """A sequence verifying drafts gets a row after each: the grammar walked over the drafts
+    before it. A draft the grammar refuses repeats the row before (it fails there); the matcher
+    is rolled back after the fill, and moves only when the step's tokens are accepted."""
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    manager = _manager(tokenizer_dir, [])
+    compiled = manager.compiler.compile(StructuredOutputs.choice(["abcabc", "xyz"])).result(timeout=30)
+    manager.start("r", compiled)
+    manager.start("plain", compiled)
+    a, b, c = (tokenizer.encode(ch)[0] for ch in "abc")
+    assert tokenizer.decode([a, b, c]) == "abc"
+    mask = manager.start_bitmask(["plain", "r"], {"r": [a, b, a, c]}).get()
+    assert mask.request_ids == ("plain", "r") and mask.num_rows == (1, 5)
+    first = _allowed(mask.bitmask, 0)
+    assert a in first and b not in first and _allowed(mask.bitmask, 1) == first  # "r"'s row 0 as "plain"'s
+    assert _allowed(mask.bitmask, 2) == {b} and _allowed(mask.bitmask, 3) == {c}  # after "a", after "ab"
+    assert a not in _allowed(mask.bitmask, 3)  # the third draft is refused there...
+    assert _allowed(mask.bitmask, 4) == _allowed(mask.bitmask, 5) == {c}  # ...and the rows after repeat it
+    again = manager.start_bitmask(["r"]).get()  # rolled back: the grammar is where it was
+    assert again.num_rows == () and _allowed(again.bitmask, 0) == first
+    assert manager.accept({"r": [a, b]}, ["r"]) == ([], [])  # one kept draft and the sampled token
+    assert _allowed(manager.start_bitmask(["r"]).get().bitmask, 0) == {c}
     manager.shutdown()
 
 
@@ -116,10 +143,10 @@ def test_the_bitmask_fills_beside_the_step(tokenizer_dir: Path, monkeypatch) -> 
     release, filled_on = threading.Event(), []
     fill = manager._fill
 
-    def held_fill(request_ids, matchers):
+    def held_fill(request_ids, walks):
         filled_on.append(threading.current_thread().name)
         assert release.wait(30)
-        return fill(request_ids, matchers)
+        return fill(request_ids, walks)
 
     monkeypatch.setattr(manager, "_fill", held_fill)
     assert manager.start_bitmask(["free"]) is None
