@@ -181,8 +181,9 @@ def _stage_files(runbook) -> list[Path]:
 
 # Imported only where `nvshmem4py_heap.choose_nvshmem_host` found nvshmem4py importable (its
 # `cuda.core` with it): without it the nvshmem all-to-all starts NVSHMEM through torch, so a stage
-# never imports them on an image that lacks them.
-OPTIONAL_IMPORTS = {"nvshmem", "cuda"}
+# never imports them on an image that lacks them. NIXL (`nixl_cu12`) is imported only when a
+# disaggregated instance makes its KV agent (`--kv-transfer nixl`), which no stage does.
+OPTIONAL_IMPORTS = {"nvshmem", "cuda", "nixl_cu12"}
 
 
 def test_wheels_cover_every_stage_import(runbook):

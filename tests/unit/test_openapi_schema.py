@@ -25,6 +25,7 @@ ROUTES = {
     ("get", "/health"): (None, None),
     ("get", "/version"): (None, None),
     ("get", "/metrics"): (None, None),
+    ("get", "/kv/info"): (None, None),  # a disaggregated instance's identity, for the router's handshake
 }
 ERROR_REF = {"$ref": "#/components/schemas/ErrorResponse"}
 
