@@ -28,10 +28,14 @@ and a 150 ms target measured the neighbours); one that waits for a seat needs tw
 def warm_up(url: str) -> None:
     """Teach the step-time model, which predicts (and admission acts) only after 16 observed
     steps, on batches of one to four sequences, prefill and decode: fitted to one lone stream
-    it would extrapolate a batch's cost from context length alone."""
+    it would extrapolate a batch's cost from context length alone. At `--ep 2` each data-parallel
+    group has its own model, and the four requests are spread over the groups by load in whatever
+    order they arrive: each one alone runs at least 18 steps (it asks for 18 to 24 tokens), so a group
+    that got even one of them is ready (with 12 to 24 tokens, a group given only the shortest was not,
+    and admitted its four seats with no promise under a loaded CI machine)."""
 
     def complete(index: int) -> None:
-        body = {"model": "tiny", "prompt": [5 + index] * (8 + 24 * index), "max_tokens": 24 - 4 * index}
+        body = {"model": "tiny", "prompt": [5 + index] * (8 + 24 * index), "max_tokens": 24 - 2 * index}
         response = httpx.post(f"{url}/v1/completions", json={**body, "ignore_eos": True}, timeout=60)
         assert response.status_code == 200, response.text
 
