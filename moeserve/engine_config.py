@@ -543,6 +543,11 @@ class EngineConfig:
         if problem is not None:
             raise ValueError(problem)
 
+    @property
+    def mtp_drafts(self) -> int:
+        """Drafts per decode the model runners' MTP layers make (0: they load none)."""
+        return 0 if self.speculative_config is None else self.speculative_config.mtp_drafts
+
     @classmethod
     def from_options(cls, **values: object) -> EngineConfig:
         """From option names as `LLM(...)` and the command's flags take them (`slo_ttft_ms`,

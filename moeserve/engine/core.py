@@ -109,15 +109,10 @@ class CoreStep:
     """Drafts fed and kept in this step; None when no sequence drafted."""
 
 
-def mtp_drafts(config: EngineConfig) -> int:
-    """Drafts per decode the model runners' MTP layers make (0: they load none)."""
-    return 0 if config.speculative_config is None else config.speculative_config.mtp_drafts
-
-
 def build_scheduler(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype, max_model_len: int):
     """The data-parallel scheduler for `config`, with as many KV blocks as the cache budget buys."""
     cache, parallel = config.cache, config.parallel
-    mtp_layers = model_config.num_mtp_layers if mtp_drafts(config) else 0
+    mtp_layers = model_config.num_mtp_layers if config.mtp_drafts else 0
     num_blocks = num_blocks_for(
         model_config, cache, dtype, config.max_num_seqs * max_model_len, parallel.tp, mtp_layers
     )

@@ -38,7 +38,7 @@ class InProcessExecutor(Executor):
         eos_token_ids: Sequence[int],
     ) -> None:
         self.num_kv_blocks = num_kv_blocks
-        mtp_drafts = 0 if config.speculative_config is None else config.speculative_config.mtp_drafts
+        mtp_drafts = config.mtp_drafts
         eplb = config.parallel.eplb
         self._moe_layers = model_config.moe_layer_indices
         self._load_record = None

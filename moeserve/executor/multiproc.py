@@ -146,7 +146,7 @@ class MultiprocessExecutor(Executor):
                 cuda_graphs=config.cuda_graphs,
                 max_num_seqs=config.max_num_seqs,
                 max_model_len=config.max_model_len or model_config.max_position_embeddings,
-                mtp_drafts=0 if config.speculative_config is None else config.speculative_config.mtp_drafts,
+                mtp_drafts=config.mtp_drafts,
                 kv_transfer=config.kv_transfer.enabled,
                 kv_write_host=config.kv_transfer.host if config.kv_transfer.role == "prefill" else "",
             ),

@@ -188,7 +188,7 @@ class MoECausalLM(nn.Module):
         max_tokens_per_rank: the most tokens any rank of the EP group dispatches in an MoE layer
         this step, the same on every rank (None: unknown); lets a dispatcher skip host syncs.
         """
-        return finish(self._layers(input_ids, positions, plan, kv_caches, max_tokens_per_rank, in_steps=False))[0]
+        return self.forward_with_stream(input_ids, positions, plan, kv_caches, max_tokens_per_rank)[0]
 
     def forward_with_stream(
         self,
