@@ -204,8 +204,7 @@ class EngineCore:
         try:
             for r in requests:
                 request = Request(r.request_id, list(r.prompt_token_ids), r.params, self.eos_token_ids, r.arrival_time)
-                if self.kv is None or not self.kv.take(request):  # a decode's KV load queues it later
-                    self._add(request)
+                self._add(request)
                 self._requests[r.request_id] = request
                 added.append(r.request_id)
         except Exception:
@@ -262,8 +261,6 @@ class EngineCore:
             self._requests.pop(request_id, None)
             self._compiling.pop(request_id, None)
             self.scheduler.abort_request(request_id)
-            if self.kv is not None:
-                self.kv.abort(request_id)
         self.structured.remove(request_ids)
 
     def finish_requests(self, stops: Mapping[str, str]) -> None:
@@ -299,6 +296,8 @@ class EngineCore:
                 self.kv.wait(KV_WAIT_S)  # only transfers under way: nothing to run
                 return self._idle_step(failed, rejoined)
         plan = self.scheduler.schedule()
+        if self.kv is not None:
+            self._start_kv_loads(plan)
         first_scheduled = {}
         for group in plan.groups:
             for new in group.new_requests:
@@ -336,8 +335,9 @@ class EngineCore:
             finished += self._advance_grammars(added, bitmask.request_ids, {r.request_id for r in ended})
         self.structured.remove(f.request_id for f in finished)
         if self.kv is not None:  # a hold is known before its request's answer leaves: a push may follow at once
-            self.kv.scheduled([new.request_id for group in plan.groups for new in group.new_requests])
             self.kv.collect_holds()
+            if plan.is_empty and self.kv.loading:
+                self.kv.wait(KV_WAIT_S)  # only loads under way: nothing to run until one ends
         now = time.monotonic()
         rebalances = self.executor.take_rebalances()
         prompt_logprobs = self.executor.take_prompt_logprobs()
@@ -367,6 +367,13 @@ class EngineCore:
             rejoins=rejoined,
             spec_decode=spec_decode,
         )
+
+    def _start_kv_loads(self, plan: StepPlan) -> None:
+        """Start the KV loads of the requests the scheduler admitted to wait for them."""
+        assert self.kv is not None
+        for group, output in enumerate(plan.groups):
+            for order in output.kv_loads:
+                self.kv.start_load(order, group, self._requests[order.request_id])
 
     def _settle_kv(self) -> list[FinishedSequence]:
         """Release and queue what KV transfers have finished with; loads that failed end as "abort"

@@ -9,6 +9,7 @@ which travel to the prefill instance with each push.
 from __future__ import annotations
 
 import base64
+import logging
 import os
 import threading
 import time
@@ -21,6 +22,8 @@ import torch
 from moeserve.kv_transfer.layout import KvLayout, paired_runs
 
 POLL_S = 0.0005  # how often a transfer in progress is looked at
+
+logger = logging.getLogger(__name__)
 
 
 class KvTransferError(RuntimeError):
@@ -52,56 +55,76 @@ class KvRegistration:
 
 
 class KvAgent:
-    """One process's NIXL agent with its KV cache registered. Thread-safe: pushes come from the
-    side channel's threads."""
+    """One process's NIXL agent with its KV cache registered. Thread-safe, and transfers to
+    different peers (or to the same one) run concurrently: pushes come from the side channel's
+    threads, and one slow decode peer must not hold up the others."""
 
     def __init__(self, caches: Sequence[torch.Tensor], label: str) -> None:
-        from nixl_cu12._api import nixl_agent, nixl_agent_config
+        from nixl_cu12._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
         self.name = f"moeserve-{label}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self._agent = nixl_agent(self.name, nixl_agent_config(backends=["UCX"]))
+        # Strict sync: NIXL serialises calls into the agent itself, so threads may share it.
+        config = nixl_agent_config(backends=["UCX"], sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
+        self._agent = nixl_agent(self.name, config)
         self.layout = KvLayout.of(caches)
         self._agent.register_memory(list(caches))
         self._peers: dict[str, str] = {}  # agent name -> the name NIXL knows it by, once added
-        self._lock = threading.Lock()
+        self._peers_lock = threading.Lock()
 
     @property
     def registration(self) -> KvRegistration:
         return KvRegistration(self.name, self._agent.get_agent_metadata(), self.layout)
 
-    def write(
-        self, dest: KvRegistration, src_blocks: Sequence[int], dst_blocks: Sequence[int], timeout_s: float
-    ) -> int:
+    def write(self, dest: KvRegistration, src_blocks: Sequence[int], dst_blocks: Sequence[int], write_by: float) -> int:
         """Copy blocks `src_blocks` of this cache to `dst_blocks` of `dest`'s; the bytes moved.
-        Raises KvTransferError when the layouts differ, NIXL fails, or `timeout_s` passes."""
+        `write_by` (wall clock, `time.time()`) is when the decode side stops counting on the
+        bytes: a transfer not done by then is cancelled, and this returns only once NIXL says
+        nothing moves any more. Raises KvTransferError when the layouts differ, NIXL fails, or
+        the deadline passes."""
         if dest.layout.shape_key != self.layout.shape_key:
             raise KvTransferError(
                 f"KV layouts differ: (layers, planes, block bytes) {self.layout.shape_key} here, "
                 f"{dest.layout.shape_key} on the decode side",
                 "layout",
             )
+        deadline = time.monotonic() + (write_by - time.time())
+        if deadline <= time.monotonic():
+            raise KvTransferError(f"KV write to {dest.agent_name} came after its deadline", "timeout")
         src_runs, dst_runs = paired_runs(src_blocks, dst_blocks)
-        with self._lock:
+        local = self._agent.get_xfer_descs(self.layout.regions(src_runs), self.layout.mem_type)
+        remote = self._agent.get_xfer_descs(dest.layout.regions(dst_runs), dest.layout.mem_type)
+        handle = self._agent.initialize_xfer("WRITE", local, remote, self._peer(dest))
+        state = self._agent.transfer(handle)
+        while state == "PROC" and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+            state = self._agent.check_xfer_state(handle)
+        if state == "PROC":
+            self._cancel(handle, dest.agent_name)
+            raise KvTransferError(f"KV write to {dest.agent_name} did not finish by its deadline; cancelled", "timeout")
+        self._agent.release_xfer_handle(handle)
+        if state != "DONE":
+            raise KvTransferError(f"NIXL reported {state} writing to {dest.agent_name}", "transport")
+        return len(src_blocks) * self.layout.block_bytes * self.layout.planes * len(self.layout.layer_bases)
+
+    def _peer(self, dest: KvRegistration) -> str:
+        """The name NIXL knows `dest`'s agent by, added on first use."""
+        with self._peers_lock:
             peer = self._peers.get(dest.agent_name)
             if peer is None:
                 peer = self._agent.add_remote_agent(dest.metadata)
                 peer = peer.decode() if isinstance(peer, bytes) else peer
                 self._peers[dest.agent_name] = peer
-            local = self._agent.get_xfer_descs(self.layout.regions(src_runs), self.layout.mem_type)
-            remote = self._agent.get_xfer_descs(dest.layout.regions(dst_runs), dest.layout.mem_type)
-            handle = self._agent.initialize_xfer("WRITE", local, remote, peer)
-            try:
-                state = self._agent.transfer(handle)
-                deadline = time.monotonic() + timeout_s
-                while state == "PROC":
-                    if time.monotonic() > deadline:
-                        raise KvTransferError(
-                            f"KV write to {dest.agent_name} did not finish in {timeout_s} s", "timeout"
-                        )
-                    time.sleep(POLL_S)
-                    state = self._agent.check_xfer_state(handle)
-                if state != "DONE":
-                    raise KvTransferError(f"NIXL reported {state} writing to {dest.agent_name}", "transport")
-            finally:
-                self._agent.release_xfer_handle(handle)
-        return len(src_blocks) * self.layout.block_bytes * self.layout.planes * len(self.layout.layer_bases)
+            return peer
+
+    def _cancel(self, handle: object, peer: str) -> None:
+        """Stop a transfer in progress. Releasing its handle cancels it; where NIXL cannot cancel,
+        wait for it to end before releasing, so that the caller never reports a transfer over
+        while bytes may still land (the decode side keeps the blocks until it hears back)."""
+        try:
+            self._agent.release_xfer_handle(handle)
+            return
+        except Exception:  # noqa: BLE001 - NIXL raises its own error types for "cannot cancel now"
+            logger.warning("KV write to %s could not be cancelled; waiting for it to end", peer)
+        while self._agent.check_xfer_state(handle) == "PROC":
+            time.sleep(POLL_S)
+        self._agent.release_xfer_handle(handle)

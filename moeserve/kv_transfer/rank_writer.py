@@ -7,19 +7,20 @@ of the group that prefilled the request: the bytes go from the rank's cache stra
 decode side's, never through the core, and the rank's steps go on meanwhile (the blocks it
 writes out are pinned, nothing computes into them).
 
-    POST /kv/push  {dest: registration, src_blocks, dst_blocks, timeout_s} -> {bytes}
+    POST /kv/push  {dest: registration, src_blocks, dst_blocks, write_by} -> {bytes}
+
+`write_by` is the decode side's deadline for the bytes (wall clock), passed on unchanged: the rank
+honours the same instant the core was given, whatever the hop to it cost.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Protocol
 
 from moeserve.kv_transfer.agent import KvAgent, KvRegistration
-from moeserve.kv_transfer.side_channel import SideChannel, request_push
-
-REPLY_GRACE_S = 5.0
-"""The core waits this much longer than the write itself may take, for the rank's answer."""
+from moeserve.kv_transfer.side_channel import REPLY_GRACE_S, SideChannel, reply_bytes, request_push
 
 
 class KvWriter(Protocol):
@@ -27,7 +28,7 @@ class KvWriter(Protocol):
     the core's process (ep 1), a `RankWriter` when it is in a rank process."""
 
     def write(
-        self, dest: KvRegistration, src_blocks: Sequence[int], dst_blocks: Sequence[int], timeout_s: float
+        self, dest: KvRegistration, src_blocks: Sequence[int], dst_blocks: Sequence[int], write_by: float
     ) -> int: ...
 
 
@@ -37,16 +38,14 @@ class RankWriter:
     def __init__(self, address: str) -> None:
         self.address = address
 
-    def write(
-        self, dest: KvRegistration, src_blocks: Sequence[int], dst_blocks: Sequence[int], timeout_s: float
-    ) -> int:
+    def write(self, dest: KvRegistration, src_blocks: Sequence[int], dst_blocks: Sequence[int], write_by: float) -> int:
         body = {
             "dest": dest.to_json(),
             "src_blocks": list(src_blocks),
             "dst_blocks": list(dst_blocks),
-            "timeout_s": timeout_s,
+            "write_by": write_by,
         }
-        return int(request_push(self.address, body, timeout_s + REPLY_GRACE_S)["bytes"])
+        return reply_bytes(request_push(self.address, body, write_by - time.time() + REPLY_GRACE_S), self.address)
 
 
 def serve_writes(agent: KvAgent, host: str) -> SideChannel:
@@ -55,6 +54,6 @@ def serve_writes(agent: KvAgent, host: str) -> SideChannel:
     def write(body: dict) -> dict:
         src = [int(b) for b in body["src_blocks"]]
         dst = [int(b) for b in body["dst_blocks"]]
-        return {"bytes": agent.write(KvRegistration.from_json(body["dest"]), src, dst, float(body["timeout_s"]))}
+        return {"bytes": agent.write(KvRegistration.from_json(body["dest"]), src, dst, float(body["write_by"]))}
 
     return SideChannel(host, 0, None, write)

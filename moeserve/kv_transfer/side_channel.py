@@ -2,8 +2,10 @@
 client. Over it a decode instance asks a prefill instance to push a request's blocks, and the
 server reads the transfer metrics for its /metrics. JSON bodies; errors carry a `cause`.
 
-    POST /kv/push     {transfer_id, dest: registration, dst_blocks, first_block}
-                      -> {bytes, seconds} once the blocks are in the decode side's cache
+    POST /kv/push     {transfer_id, dest: registration, dst_blocks, first_block, write_by}
+                      -> {bytes, seconds} once the blocks are in the decode side's cache,
+                         or an error once the transfer is known to be over (cancelled or never
+                         started): a reply always means that nothing is being written any more
     GET  /kv/metrics  -> Prometheus text of `KvTransferStats`
 
 A prefill rank process serves pushes of its own blocks the same way (`rank_writer`).
@@ -24,6 +26,10 @@ from moeserve.kv_transfer.agent import KvTransferError
 logger = logging.getLogger(__name__)
 
 PushHandler = Callable[[dict], dict]
+
+REPLY_GRACE_S = 5.0
+"""How much longer than a write's deadline its asker waits for the reply: the writer cancels at the
+deadline and answers only once the transfer has stopped, which takes a moment more."""
 
 
 class SideChannel:
@@ -49,7 +55,10 @@ class SideChannel:
                 except KvTransferError as exc:
                     self._json(409, {"error": str(exc), "cause": exc.cause})
                 except (ValueError, KeyError, TypeError) as exc:
-                    self._json(400, {"error": f"bad push: {exc}", "cause": "refused"})
+                    self._json(400, {"error": f"bad push: {exc!r}", "cause": "refused"})
+                except Exception as exc:  # noqa: BLE001 - the asker must hear back, whatever broke
+                    logger.exception("KV push failed")
+                    self._json(500, {"error": f"the push failed here: {exc!r}", "cause": "internal"})
 
             def _json(self, status: int, body: dict) -> None:
                 self._reply(status, json.dumps(body).encode(), "application/json")
@@ -87,22 +96,40 @@ def request_push(remote: str, body: dict, timeout_s: float) -> dict:
     with the cause: unreachable (connection refused or dropped: the instance died), timeout, or
     what the prefill side refused."""
     host, port = remote.rsplit(":", 1)
-    connection = http.client.HTTPConnection(host, int(port), timeout=timeout_s)
+    connection = http.client.HTTPConnection(host, int(port), timeout=max(timeout_s, 0.001))
     try:
         connection.request("POST", "/kv/push", json.dumps(body), {"Content-Type": "application/json"})
         response = connection.getresponse()
-        answer = json.loads(response.read() or b"{}")
+        data = response.read()
     except TimeoutError as exc:
-        raise KvTransferError(f"prefill instance {remote} did not push within {timeout_s} s", "timeout") from exc
-    except (OSError, http.client.HTTPException, json.JSONDecodeError) as exc:
-        raise KvTransferError(f"prefill instance {remote} unreachable: {exc}", "unreachable") from exc
+        raise KvTransferError(f"{remote} did not answer the push within {timeout_s:.1f} s", "timeout") from exc
+    except (OSError, http.client.HTTPException) as exc:
+        raise KvTransferError(f"{remote} unreachable: {exc}", "unreachable") from exc
     finally:
         connection.close()
-    if response.status != 200:
+    try:
+        answer = json.loads(data or b"{}")
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise KvTransferError(
-            f"prefill instance {remote} refused the push: {answer.get('error')}", answer.get("cause", "refused")
+            f"{remote} answered the push with {response.status} and no JSON: {data[:80]!r}", "malformed"
+        ) from exc
+    if not isinstance(answer, dict):
+        raise KvTransferError(f"{remote} answered the push with {response.status} and {answer!r}", "malformed")
+    if response.status != 200:
+        cause = answer.get("cause")
+        raise KvTransferError(
+            f"{remote} refused the push ({response.status}): {answer.get('error')}",
+            cause if isinstance(cause, str) else "refused",
         )
     return answer
+
+
+def reply_bytes(answer: dict, remote: str) -> int:
+    """The bytes a successful push's `answer` reports moving; KvTransferError when it does not say."""
+    num_bytes = answer.get("bytes")
+    if not isinstance(num_bytes, int) or isinstance(num_bytes, bool) or num_bytes < 0:
+        raise KvTransferError(f"{remote} answered the push without a byte count: {answer!r}", "malformed")
+    return num_bytes
 
 
 def fetch_metrics(address: str, timeout_s: float = 2.0) -> bytes:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
-FAILURE_CAUSES = ("refused", "unreachable", "timeout", "transport", "layout", "no_blocks")
+FAILURE_CAUSES = ("refused", "unreachable", "timeout", "transport", "layout", "malformed", "internal")
 
 
 class KvTransferStats:

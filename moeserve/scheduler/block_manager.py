@@ -140,33 +140,18 @@ class BlockManager:
 
     def pin(self, block_ids: Sequence[int]) -> None:
         """Take one more reference on blocks, so they outlive their request: a prefill
-        instance's blocks held for a transfer, a decode instance's loaded blocks until their
-        request is admitted. Pinned blocks are never evicted, hence never written. A cached block
-        nobody holds comes off the free list, as on admission."""
+        instance's blocks held for a transfer, a decode instance's blocks a transfer writes into
+        until it is known to be over. Pinned blocks are never evicted, hence never handed to
+        anyone else. A cached block nobody holds comes off the free list, as on admission."""
         for block_id in block_ids:
             if self._ref_counts[block_id] == 0:
                 del self._free[block_id]
             self._ref_counts[block_id] += 1
 
     def unpin(self, block_ids: Sequence[int]) -> None:
-        """Give back the references `pin` or `reserve` took."""
+        """Give back the references `pin` took."""
         for block_id in reversed(block_ids):
             self._release_block(block_id)
-
-    def reserve(self, num_blocks: int) -> list[int] | None:
-        """`num_blocks` free blocks for a KV load, or None when too few are free (nothing taken)."""
-        if num_blocks > len(self._free):
-            return None
-        return [self._take_free_block() for _ in range(num_blocks)]
-
-    def cache_loaded_blocks(self, request: Request, block_ids: Sequence[int]) -> None:
-        """Register blocks loaded from another instance as `request`'s first full blocks, so its
-        admission finds them like any cached prefix (`lookup`)."""
-        hashes = block_hashes(request, self.block_size, len(block_ids))
-        for block_hash, block_id in zip(hashes, block_ids, strict=True):
-            if block_hash not in self._block_by_hash and block_id not in self._hash_by_block:
-                self._block_by_hash[block_hash] = block_id
-                self._hash_by_block[block_id] = block_hash
 
     def _take_free_block(self) -> int:
         """The first block of the eviction order, its cached content forgotten."""

@@ -105,19 +105,14 @@ class DataParallelScheduler:
         """4 per queued request, 1 per running one (the score `prefix_routing` compares)."""
         return 4 * self.groups[group].num_waiting + self.groups[group].num_running
 
-    def add_request(self, request: Request, slo_admission: bool = True, group: int | None = None) -> None:
-        """As `Scheduler.add_request`; the request joins `group` when given (where its KV was
-        loaded), else the group holding the longest prefix of its prompt unless that group is much
-        busier (see `prefix_routing`), else the least-loaded group."""
+    def add_request(self, request: Request, slo_admission: bool = True) -> None:
+        """As `Scheduler.add_request`; the request joins the group holding the longest prefix of
+        its prompt unless that group is much busier (see `prefix_routing`), else the least-loaded
+        group."""
         max_waiting = self.config.max_waiting
         if max_waiting is not None and self.num_waiting >= max_waiting:
             raise QueueFullError(f"waiting queue is full ({max_waiting} requests)")
-        if group is None:
-            group, prompt_hashes = self._route(request)
-        else:
-            prompt_hashes = block_hashes(
-                request, self.config.block_size, (request.num_tokens - 1) // self.config.block_size
-            )
+        group, prompt_hashes = self._route(request)
         self.groups[group].add_request(request, slo_admission)
         if self._router is not None:
             self._router.add(request.request_id, group, prompt_hashes)
@@ -139,10 +134,6 @@ class DataParallelScheduler:
         loads = [self._load_score(g) for g in range(len(self.groups))]
         return self._router.choose(hashes, cached_blocks, loads, least), hashes
 
-    def choose_group(self, request: Request) -> int:
-        """The group `add_request` would put `request` in now (a KV load goes there first)."""
-        return self._route(request)[0]
-
     def group_of(self, request_id: str) -> int | None:
         return self._group_of.get(request_id)
 
@@ -163,6 +154,11 @@ class DataParallelScheduler:
             return False
         self._forget(request_id)
         return True
+
+    def finish_kv_load(self, request_id: str, loaded: bool) -> bool:
+        """See `Scheduler.finish_kv_load`."""
+        owner = self._owner(request_id)
+        return owner is not None and owner.finish_kv_load(request_id, loaded)
 
     def _forget(self, request_id: str) -> None:
         del self._group_of[request_id]

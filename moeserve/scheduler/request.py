@@ -14,9 +14,12 @@ from moeserve.sampling_params import SamplingParams
 
 class RequestStatus(enum.Enum):
     """Where a request is in its life. WAITING and PREEMPTED requests sit in the waiting queue
-    holding no KV blocks; RUNNING requests hold blocks; the FINISHED_* states are terminal."""
+    holding no KV blocks (but a WAITING one whose KV was loaded from another instance, which holds
+    that KV's blocks); WAITING_FOR_REMOTE_KV requests hold the blocks their KV is being loaded
+    into, in neither queue; RUNNING requests hold blocks; the FINISHED_* states are terminal."""
 
     WAITING = enum.auto()
+    WAITING_FOR_REMOTE_KV = enum.auto()
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     FINISHED_STOPPED = enum.auto()
@@ -81,10 +84,17 @@ class Request:
     kv_hold_id: str | None = None
     """On a prefill instance: the transfer its prompt's KV blocks are held for once it finishes,
     until a decode instance has pulled them (`kv_transfer`)."""
+    needs_remote_kv: bool = False
+    """On a decode instance: its prompt's KV is to be loaded from a prefill instance when it is
+    admitted (cleared once the load is asked for: a request loads at most once)."""
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
             raise ValueError(f"request {self.request_id!r} has an empty prompt")
+        kv = self.sampling_params.kv_transfer
+        if kv is not None:
+            self.kv_hold_id = kv.transfer_id if kv.remote is None else None
+            self.needs_remote_kv = kv.remote is not None
 
     @property
     def all_token_ids(self) -> list[int]:

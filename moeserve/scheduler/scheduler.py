@@ -28,6 +28,15 @@ Mechanics shared by both policies: iteration-level batching, preemption by recom
   registers every block a step filled, prompt or output. A queued request whose prefix is being
   computed in this very step waits for the next one, which finds it cached.
 
+- KV loaded from another instance (a decode instance of prefill/decode disaggregation): a request
+  whose prompt's KV a prefill instance computed is admitted like any other, from the queue's head,
+  with its cached prefix and fresh blocks for the rest of its prompt's full blocks taken by the
+  same `allocate`, but instead of running it waits for that KV in `_loading`
+  (WAITING_FOR_REMOTE_KV) while others run, and the plan asks the engine to load it
+  (`SchedulerOutput.kv_loads`). Once loaded (`finish_kv_load`) its blocks are registered in the
+  prefix cache and it goes back to the queue's head holding them, to compute only its last
+  partial block; a failed load frees them and it recomputes its prompt from the queue.
+
 - Speculative decoding (`SchedulerConfig.speculative`): a decode whose drafts can be verified
   exactly feeds n-gram drafts (or slots the runner's MTP layers fill) after its last token, out
   of the budget left once every later running request has its token, and only with blocks free
@@ -65,7 +74,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from moeserve.sampling_params import SamplingParams
 from moeserve.scheduler.admission import AdmissionTally, SLORejectedError, retry_after_s
@@ -122,6 +131,17 @@ class NewRequest:
 
 
 @dataclass(frozen=True)
+class KvLoad:
+    """A request's prompt KV to load from another instance into its own blocks."""
+
+    request_id: str
+    block_ids: list[int]
+    """The blocks to write, in prompt order: the request's full prompt blocks after its cached prefix."""
+    first_block: int
+    """Which of the prompt's blocks `block_ids[0]` holds (the cached prefix's length)."""
+
+
+@dataclass(frozen=True)
 class SchedulerOutput:
     """The plan of one engine step."""
 
@@ -142,6 +162,9 @@ class SchedulerOutput:
     prefix cache queries; 0 without prefix caching."""
     prefix_cache_hits: int = 0
     """Of those, the tokens found in the prefix cache, which the requests do not compute."""
+    kv_loads: list[KvLoad] = field(default_factory=list)
+    """Requests admitted to wait for their KV from another instance: the engine starts each load
+    and reports its end with `finish_kv_load`."""
 
     @property
     def is_empty(self) -> bool:
@@ -189,6 +212,7 @@ class _StepPlan:
         self.prefix_cache_hits = 0
         self.split_prefill = False  # a prefill chunk stops short of its sequence's end
         self.drafts: dict[str, list[int]] = {}  # request_id -> draft tokens fed after its last token
+        self.kv_loads: list[KvLoad] = []
         self.load = load
 
     def grant(self, request: Request, num_tokens: int) -> None:
@@ -220,6 +244,7 @@ class Scheduler:
         self._requests: dict[str, Request] = {}  # every unfinished request, by id
         self._waiting: WaitingQueue = SloQueue(config.slo_ttft_s, clock) if config.policy == "slo" else FcfsQueue()
         self._running: list[Request] = []  # RUNNING, in admission order
+        self._loading: dict[str, Request] = {}  # WAITING_FOR_REMOTE_KV: blocks held, KV on its way
         sizes_chunks = config.policy == "slo" and config.enable_chunked_prefill
         self._model = StepTimeModel() if sizes_chunks or config.slo_admission != "off" else None
         self._chunk_sizer = ChunkSizer(self._model, config.block_size) if sizes_chunks and self._model else None
@@ -342,7 +367,8 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self._waiting)
+        """Queued requests, and those waiting for their KV from another instance."""
+        return len(self._waiting) + len(self._loading)
 
     @property
     def num_running(self) -> int:
@@ -380,6 +406,8 @@ class Scheduler:
         admission order, then the queued ones head first; none holds a block here any more."""
         self.lose_step()
         released = []
+        for request in list(self._loading.values()):
+            self._give_up_kv_load(request)
         while self._waiting:
             released.append(self._waiting.pop())
         self._requests.clear()
@@ -413,7 +441,9 @@ class Scheduler:
 
         Invariant, on entry and on return:
         - every unfinished request is in exactly one of `_waiting` (WAITING or PREEMPTED, no
-          blocks, `num_computed_tokens == 0`) and `_running` (RUNNING);
+          blocks, `num_computed_tokens == 0`; but a WAITING one whose KV was loaded holds the
+          blocks of exactly its computed tokens), `_loading` (WAITING_FOR_REMOTE_KV, holding its
+          prompt's full blocks) and `_running` (RUNNING);
         - a running request's blocks cover positions `[0, num_computed_tokens)`; only cached full
           blocks, which nobody writes again, have several owners; `len(_running) <= max_num_seqs`;
         - `_running` is in admission order and preemption for blocks takes its tail, so that
@@ -581,17 +611,20 @@ class Scheduler:
         """
         self._waiting.refresh()
         computing = self._blocks_being_computed(plan) if self._waiting else set()
-        while (
-            self._waiting
-            and plan.budget > 0
-            and not plan.split_prefill
-            and len(self._running) < self.config.max_num_seqs
-        ):
+        while self._waiting:
             request = self._waiting.head()
-            cached_blocks = self.block_manager.lookup(request)
-            if computing and self._next_block_in(request, len(cached_blocks), computing):
+            if request.needs_remote_kv:  # takes blocks, but neither a seat nor the step's budget
+                if not self._start_kv_load(request, plan):
+                    break
+                continue
+            if plan.budget <= 0 or plan.split_prefill or len(self._running) >= self.config.max_num_seqs:
                 break
-            num_cached = len(cached_blocks) * self.config.block_size
+            # A request whose KV was loaded holds its blocks already: it starts after them.
+            loaded = request.num_computed_tokens
+            cached_blocks = [] if loaded else self.block_manager.lookup(request)
+            if computing and not loaded and self._next_block_in(request, len(cached_blocks), computing):
+                break
+            num_cached = loaded or len(cached_blocks) * self.config.block_size
             num_new_tokens = self._num_tokens_to_grant(request, plan, num_cached)
             if num_new_tokens == 0:
                 break  # the TBT target leaves no room
@@ -614,6 +647,53 @@ class Scheduler:
             self._running.append(request)
             plan.grant(request, num_new_tokens)
             computing.update(self._filled_block_hashes(request, num_cached, num_new_tokens))
+
+    def _start_kv_load(self, request: Request, plan: _StepPlan) -> bool:
+        """Admit the queue's head to wait for its prompt's KV from another instance: it takes its
+        cached prefix and fresh blocks for the rest of its prompt's full blocks (never its last
+        token's, which it computes for its logits), through `allocate` like any admission. False
+        when too few blocks are free: it waits at the head, as any request would."""
+        block_size = self.config.block_size
+        num_full = (request.num_prompt_tokens - 1) // block_size
+        cached_blocks = self.block_manager.lookup(request)[:num_full]
+        num_cached = len(cached_blocks) * block_size
+        if not self.block_manager.allocate(request, num_full * block_size - num_cached, cached_blocks):
+            return False
+        self._waiting.pop()
+        request.needs_remote_kv = False
+        request.num_computed_tokens = num_cached
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        self._loading[request.request_id] = request
+        plan.kv_loads.append(KvLoad(request.request_id, request.block_ids[len(cached_blocks) :], len(cached_blocks)))
+        return True
+
+    def finish_kv_load(self, request_id: str, loaded: bool) -> bool:
+        """A load that a plan's `kv_loads` asked for has ended. Loaded: its blocks join the
+        prefix cache and the request goes back to the queue's head holding them, to compute the
+        rest of its prompt. Not loaded: it gives its blocks back and recomputes its prompt from
+        the queue. False when the request no longer waits for it (it finished meanwhile)."""
+        request = self._loading.get(request_id)
+        if request is None:
+            return False
+        if not loaded:
+            self._give_up_kv_load(request)
+            return True
+        del self._loading[request_id]
+        num_cached = request.num_computed_tokens
+        request.num_computed_tokens = len(request.block_ids) * self.config.block_size
+        self.block_manager.cache_full_blocks(request, num_cached)
+        request.status = RequestStatus.WAITING
+        self._waiting.requeue(request)
+        return True
+
+    def _give_up_kv_load(self, request: Request) -> None:
+        """Back to the queue to recompute its prompt, its blocks freed (the load's own pins keep
+        the ones a transfer may still write until it ends)."""
+        del self._loading[request.request_id]
+        self.block_manager.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        self._waiting.requeue(request)
 
     def _filled_block_hashes(self, request: Request, start: int, num_tokens: int) -> list[BlockHash]:
         """With prefix caching, the hashes of the blocks that computing `num_tokens` tokens from
@@ -703,6 +783,7 @@ class Scheduler:
             finished_request_ids=finished_ids,
             prefix_cache_queries=plan.prefix_cache_queries,
             prefix_cache_hits=plan.prefix_cache_hits,
+            kv_loads=plan.kv_loads,
         )
 
     # ----- results -----
@@ -730,6 +811,8 @@ class Scheduler:
         """Move a live request to its terminal status, free its blocks and forget it."""
         if request.status is RequestStatus.RUNNING:
             self._running.remove(request)
+        elif request.status is RequestStatus.WAITING_FOR_REMOTE_KV:
+            del self._loading[request.request_id]  # the load's own pins keep its blocks until it ends
         else:
             self._waiting.remove(request)
         if request.kv_hold_id is not None and reason != "abort":

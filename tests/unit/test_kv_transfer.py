@@ -3,6 +3,8 @@ blocks, the scheduler's holds, a real NIXL write between two agents, and the han
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -15,7 +17,6 @@ from moeserve.router.instances import Instance, choose, pairing_problems
 from moeserve.router.metrics import RouterMetrics
 from moeserve.sampling_params import SamplingParams
 from moeserve.scheduler import Request, Scheduler, SchedulerConfig
-from moeserve.scheduler.block_manager import BlockManager
 
 
 def _request(request_id: str, num_tokens: int, max_tokens: int = 1) -> Request:
@@ -45,7 +46,7 @@ def test_agent_writes_blocks_into_another_agents_cache(shape):
     source = [torch.randn(shape) for _ in range(2)]
     dest = [torch.zeros(shape) for _ in range(2)]
     writer, reader = KvAgent(source, "test-src"), KvAgent(dest, "test-dst")
-    num_bytes = writer.write(reader.registration, [2, 3, 7], [5, 6, 0], timeout_s=10)
+    num_bytes = writer.write(reader.registration, [2, 3, 7], [5, 6, 0], write_by=time.time() + 10)
     block_dim = 1 if len(shape) == 5 else 0
     for src_cache, dst_cache in zip(source, dest):
         for s, d in ((2, 5), (3, 6), (7, 0)):
@@ -55,7 +56,7 @@ def test_agent_writes_blocks_into_another_agents_cache(shape):
     assert num_bytes == 3 * writer.layout.block_bytes * writer.layout.planes * 2
     other = KvAgent([torch.zeros(12, 8, 24)], "test-other")
     with pytest.raises(KvTransferError, match="KV layouts differ") as refused:
-        writer.write(other.registration, [0], [0], timeout_s=10)
+        writer.write(other.registration, [0], [0], write_by=time.time() + 10)
     assert refused.value.cause == "layout"
 
 
@@ -66,17 +67,20 @@ def test_a_rank_writes_its_blocks_when_the_core_asks_over_its_side_channel():
     channel = serve_writes(rank_agent, "127.0.0.1")
     try:
         writer = RankWriter(channel.address)
-        assert writer.write(reader.registration, [4, 5], [1, 9], timeout_s=10) == 2 * rank_agent.layout.block_bytes * 4
+        assert (
+            writer.write(reader.registration, [4, 5], [1, 9], write_by=time.time() + 10)
+            == 2 * rank_agent.layout.block_bytes * 4
+        )
         for src_cache, dst_cache in zip(source, dest):
             assert torch.equal(dst_cache[:, 1], src_cache[:, 4]) and torch.equal(dst_cache[:, 9], src_cache[:, 5])
         other = KvAgent([torch.zeros(12, 8, 24)], "test-other")
         with pytest.raises(KvTransferError, match="KV layouts differ") as refused:
-            writer.write(other.registration, [0], [0], timeout_s=10)
+            writer.write(other.registration, [0], [0], write_by=time.time() + 10)
         assert refused.value.cause == "layout"  # the rank's cause reaches the core
     finally:
         channel.close()
     with pytest.raises(KvTransferError) as gone:
-        writer.write(reader.registration, [0], [0], timeout_s=1)
+        writer.write(reader.registration, [0], [0], write_by=time.time() + 1)
     assert gone.value.cause == "unreachable"
 
 
@@ -100,21 +104,12 @@ def test_the_router_reads_ttft_phases_from_answers_and_stream_comments():
         assert f'moeserve_router:ttft_phase_seconds_sum{{phase="{phase}"}} {total}' in text
 
 
-def test_pins_reserved_and_loaded_blocks_become_a_cached_prefix():
-    blocks = BlockManager(num_blocks=8, block_size=4, enable_caching=True)
-    request = _request("r", 13)  # three full blocks before the last token
-    loaded = blocks.reserve(3)
-    assert loaded is not None and blocks.num_used_blocks == 3
-    blocks.cache_loaded_blocks(request, loaded)
-    assert blocks.lookup(request) == loaded
-    assert blocks.allocate(request, 1, loaded)
-    blocks.unpin(loaded)  # the load's references go once admitted; the request's stay
-    assert blocks.num_used_blocks == 4
-    blocks.free(request)
-    assert blocks.num_used_blocks == 0 and blocks.lookup(_request("again", 13)) == loaded
-    blocks.pin(loaded)  # cached blocks nobody holds come off the free list
-    assert blocks.num_used_blocks == 3
-    assert blocks.reserve(6) is None and blocks.num_used_blocks == 3
+def test_a_write_past_its_deadline_moves_nothing():
+    source, dest = [torch.randn(2, 12, 4, 2, 8)], [torch.zeros(2, 12, 4, 2, 8)]
+    writer, reader = KvAgent(source, "test-late-src"), KvAgent(dest, "test-late-dst")
+    with pytest.raises(KvTransferError, match="after its deadline") as late:
+        writer.write(reader.registration, [1], [2], write_by=time.time() - 0.01)
+    assert late.value.cause == "timeout" and not dest[0].any()
 
 
 def test_a_prefill_request_leaves_its_full_blocks_held():

@@ -1,0 +1,236 @@
+"""A decode instance's KV loads without servers: the scheduler admits a request to wait for its KV
+through its one allocation path, and the coordinator ends every load (pushed, refused, malformed,
+late, or broken on this side) with the request resumed or recomputed and no block left behind."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from moeserve.kv_transfer.agent import KvRegistration
+from moeserve.kv_transfer.config import KvTransferConfig
+from moeserve.kv_transfer.coordinator import KvCoordinator
+from moeserve.kv_transfer.layout import KvLayout
+from moeserve.sampling_params import KvTransferParams, SamplingParams
+from moeserve.scheduler import DataParallelScheduler, Request, RequestStatus, Scheduler, SchedulerConfig
+
+BLOCK = 4
+
+
+def _request(request_id: str, tokens: list[int], remote: str | None = None, max_tokens: int = 4) -> Request:
+    kv = None if remote is None else KvTransferParams(f"xfer-{request_id}", remote)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, kv_transfer=kv)
+    return Request(request_id, list(tokens), params, (0,), time.monotonic())
+
+
+def _config(num_blocks: int) -> SchedulerConfig:
+    return SchedulerConfig(
+        max_num_seqs=4, max_model_len=num_blocks * BLOCK, block_size=BLOCK, num_kv_blocks=num_blocks,
+        enable_prefix_caching=True,
+    )  # fmt: skip
+
+
+def _run(scheduler: Scheduler, request_id: str) -> None:
+    """Run `request_id` through prefill and one decode, sampling token 7 each time."""
+    for _ in range(2):
+        plan = scheduler.schedule()
+        scheduler.update(plan, {s.request_id: 7 for s in plan.scheduled if s.sample})
+
+
+def test_a_load_never_writes_into_the_cached_prefix_it_shares():
+    """The review's case: 4 blocks, a 2-block prefix cached but free, the other 2 held by a
+    running request. A 13-token request needs one more block than the 2 free ones it would share:
+    it waits, holding nothing, instead of being handed a cached block to write into."""
+    scheduler = Scheduler(_config(4))
+    prefix = list(range(100, 108))
+    first = _request("first", [*prefix, 1], max_tokens=1)
+    scheduler.add_request(first)
+    _run(scheduler, "first")
+    assert first.status is RequestStatus.FINISHED_LENGTH and scheduler.block_manager.num_cached_blocks == 2
+    cached = scheduler.block_manager.lookup(_request("probe", [*prefix, 9, 9, 9, 9, 9]))
+    holder = _request("holder", list(range(200, 205)), max_tokens=3)
+    scheduler.add_request(holder)
+    scheduler.update(scheduler.schedule(), {"holder": 7})  # holds 2 blocks, decoding
+
+    loaded = _request("loaded", [*prefix, 1, 2, 3, 4, 5], remote="127.0.0.1:9", max_tokens=1)
+    scheduler.add_request(loaded)
+    plan = scheduler.schedule()
+    assert plan.kv_loads == [] and loaded.block_ids == []  # too few free blocks: it waits
+    scheduler.update(plan, {"holder": 7})
+    plan = scheduler.schedule()  # the holder's last token frees its blocks this step
+    scheduler.update(plan, {"holder": 7})
+    assert holder.status.is_finished
+    plan = scheduler.schedule()
+    (order,) = plan.kv_loads
+    assert order.first_block == 2 and loaded.block_ids[:2] == cached
+    assert not set(order.block_ids) & set(cached), "a fresh block must never be a cached one"
+    assert loaded.status is RequestStatus.WAITING_FOR_REMOTE_KV and scheduler.num_waiting == 1
+
+
+def test_a_loaded_request_computes_only_its_last_block_and_its_blocks_become_a_cached_prefix():
+    scheduler = Scheduler(_config(16))
+    tokens = list(range(1, 14))  # three full blocks before the last token
+    request = _request("r", tokens, remote="127.0.0.1:9")
+    scheduler.add_request(request)
+    plan = scheduler.schedule()
+    assert plan.is_empty and [o.request_id for o in plan.kv_loads] == ["r"]
+    assert scheduler.schedule().kv_loads == []  # a request loads once
+    assert scheduler.finish_kv_load("r", loaded=True)
+    plan = scheduler.schedule()
+    (scheduled,) = plan.scheduled
+    assert (scheduled.start_position, scheduled.token_ids, scheduled.sample) == (12, [13], True)
+    assert plan.prefix_cache_hits == 12
+    scheduler.update(plan, {"r": 7})
+    assert scheduler.block_manager.lookup(_request("again", tokens)) == request.block_ids[:3]
+
+
+def test_a_failed_load_recomputes_the_prompt_with_its_blocks_given_back():
+    scheduler = Scheduler(_config(16))
+    request = _request("r", list(range(1, 14)), remote="127.0.0.1:9")
+    scheduler.add_request(request)
+    scheduler.schedule()
+    assert scheduler.block_manager.num_used_blocks == 3
+    assert scheduler.finish_kv_load("r", loaded=False)
+    assert scheduler.block_manager.num_used_blocks == 0 and scheduler.block_manager.lookup(request) == []
+    (scheduled,) = scheduler.schedule().scheduled
+    assert (scheduled.start_position, len(scheduled.token_ids)) == (0, 13)
+    assert not scheduler.finish_kv_load("r", loaded=True)  # no longer waiting for one
+
+
+class _FakePrefill:
+    """A side channel answering every push with `reply` (status, body bytes) after `delay_s`."""
+
+    def __init__(self, status: int, body: bytes, delay_s: float = 0.0) -> None:
+        fake = self
+        self.pushes: list[dict] = []
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 - http.server's name
+                fake.pushes.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+                time.sleep(delay_s)
+                self.send_response(status)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.address = f"127.0.0.1:{self.server.server_address[1]}"
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def decode_side() -> Iterator[tuple[KvCoordinator, DataParallelScheduler]]:
+    scheduler = DataParallelScheduler(_config(16))
+    registration = KvRegistration("fake-decode", b"", KvLayout((0,), 1, 16 * BLOCK * 8, BLOCK * 8))
+    config = KvTransferConfig(role="decode", backend="nixl", timeout_s=0.5)
+    coordinator = KvCoordinator(config, scheduler, [registration], [])
+    yield coordinator, scheduler
+    coordinator.close()
+
+
+def _start(coordinator: KvCoordinator, scheduler: DataParallelScheduler, remote: str) -> Request:
+    request = _request("r", list(range(1, 14)), remote=remote)
+    scheduler.add_request(request)
+    plan = scheduler.schedule()
+    (order,) = plan.groups[0].kv_loads
+    coordinator.start_load(order, 0, request)
+    return request
+
+
+def _settle_until(coordinator: KvCoordinator, done, timeout_s: float = 10.0) -> list[str]:
+    failed: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        assert time.monotonic() < deadline, "the load never ended"
+        coordinator.wait(0.02)
+        failed += coordinator.settle()
+    return failed
+
+
+def _sample(coordinator: KvCoordinator, name: str, **labels: str) -> float:
+    value = coordinator.stats.registry.get_sample_value(name, {"role": "decode", **labels})
+    assert value is not None, name
+    return value
+
+
+def _gauges(coordinator: KvCoordinator) -> tuple[float, float]:
+    """(transfers in flight, blocks held for transfers)"""
+    in_flight = _sample(coordinator, "moeserve:kv_transfers_in_flight")
+    return in_flight, _sample(coordinator, "moeserve:kv_transfer_held_blocks")
+
+
+def _failures(coordinator: KvCoordinator, cause: str) -> float:
+    return _sample(coordinator, "moeserve:kv_transfer_failures_total", cause=cause)
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "cause"),
+    [
+        (200, b"{}", "malformed"),  # a 200 that says nothing of bytes
+        (200, b"<html>oops</html>", "malformed"),
+        (200, b"[1, 2]", "malformed"),
+        (500, b'{"error": "it broke", "cause": "internal"}', "internal"),
+        (409, b'{"error": "nothing held", "cause": "refused"}', "refused"),
+    ],
+)
+def test_a_bad_reply_ends_the_load_and_the_request_recomputes(decode_side, status, body, cause):
+    coordinator, scheduler = decode_side
+    fake = _FakePrefill(status, body)
+    try:
+        request = _start(coordinator, scheduler, fake.address)
+        _settle_until(coordinator, lambda: not coordinator.busy)
+    finally:
+        fake.close()
+    assert request.status is RequestStatus.WAITING and request.num_computed_tokens == 0
+    assert scheduler.num_used_blocks == 0 and _gauges(coordinator) == (0, 0)
+    assert _failures(coordinator, cause) == 1
+    (push,) = fake.pushes
+    assert push["write_by"] < time.time() + 0.5 and push["first_block"] == 0 and len(push["dst_blocks"]) == 3
+
+
+def test_an_exception_in_the_load_thread_fails_the_load_instead_of_killing_it(decode_side, monkeypatch):
+    coordinator, scheduler = decode_side
+
+    def explode(*args: object) -> dict:
+        raise RuntimeError("not a transfer error")
+
+    monkeypatch.setattr("moeserve.kv_transfer.coordinator.request_push", explode)
+    request = _start(coordinator, scheduler, "127.0.0.1:9")
+    _settle_until(coordinator, lambda: not coordinator.busy)
+    assert request.status is RequestStatus.WAITING and scheduler.num_used_blocks == 0
+    assert _failures(coordinator, "internal") == 1
+    assert _gauges(coordinator) == (0, 0)
+
+
+def test_a_late_push_keeps_its_blocks_pinned_until_the_prefill_side_answers(decode_side):
+    """The request stops waiting at its deadline and recomputes in other blocks; the blocks the
+    push writes into stay out of everyone's reach until the prefill side says it is over."""
+    coordinator, scheduler = decode_side
+    fake = _FakePrefill(409, b'{"error": "cancelled at its deadline", "cause": "timeout"}', delay_s=1.5)
+    try:
+        request = _start(coordinator, scheduler, fake.address)
+        target = list(request.block_ids)
+        _settle_until(coordinator, lambda: request.status is RequestStatus.WAITING)
+        assert time.monotonic() - request.arrival_time < 1.2  # gave up at its 0.5 s deadline, not at the answer
+        blocks = scheduler.groups[0].block_manager
+        assert blocks.num_used_blocks == 3 and _gauges(coordinator)[1] == 3  # pinned by the load alone
+        plan = scheduler.schedule()  # the recompute takes other blocks
+        assert not set(plan.scheduled[0].block_ids) & set(target)
+        _settle_until(coordinator, lambda: not coordinator.busy)
+    finally:
+        fake.close()
+    assert _gauges(coordinator) == (0, 0)
+    assert _failures(coordinator, "timeout") == 1  # counted once
