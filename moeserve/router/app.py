@@ -89,17 +89,46 @@ class Router:
         await self.client.aclose()
 
     async def _check_health(self) -> None:
+        """Every `health_interval_s`, each instance's health; nothing stops this loop but `close`
+        (an instance that answers nonsense is only unhealthy)."""
         while True:
             await asyncio.sleep(self.config.health_interval_s)
             for instance in self.instances:
                 try:
-                    healthy = (await self.client.get(f"{instance.url}/health", timeout=2.0)).status_code == 200
-                except httpx.HTTPError:
+                    healthy = await self._probe(instance)
+                except Exception:  # noqa: BLE001 - one bad answer must not end health checking
+                    logger.exception("health check of %s %s failed", instance.role, instance.url)
                     healthy = False
                 if healthy != instance.healthy:
                     logger.warning("%s %s is %s", instance.role, instance.url, "back" if healthy else "down")
                 instance.healthy = healthy
                 self.metrics.healthy.labels(instance.url, instance.role).set(int(healthy))
+
+    async def _probe(self, instance: Instance) -> bool:
+        """Whether `instance` answers /health; one coming back is identified again (a restarted
+        instance has a new side channel address) and must still pair with every peer."""
+        try:
+            if (await self.client.get(f"{instance.url}/health", timeout=2.0)).status_code != 200:
+                return False
+        except httpx.HTTPError:
+            return False
+        if instance.healthy:
+            return True
+        try:
+            await identify(self.client, instance, timeout_s=0.0)
+        except (ValueError, TypeError, httpx.HTTPError) as exc:
+            logger.warning("%s %s answers but cannot be identified: %s", instance.role, instance.url, exc)
+            return False
+        pairs = (self.prefills, [instance]) if instance.role == "decode" else ([instance], self.decodes)
+        problems = pairing_problems(*(self._identified(side) for side in pairs))
+        if problems:
+            logger.error("%s %s is back but refused: %s", instance.role, instance.url, "; ".join(problems))
+            return False
+        return True
+
+    @staticmethod
+    def _identified(instances: list[Instance]) -> list[Instance]:
+        return [i for i in instances if i.identity is not None]
 
     # ---- a request ---------------------------------------------------------------------------
 
@@ -156,7 +185,7 @@ class Router:
                 try:
                     return await self._stream(instance, path, body, tokens, started, asked)
                 except httpx.HTTPError as exc:
-                    self._failed(instance, exc)
+                    self.failed(instance, exc)
                     continue
             response = await self._post(instance, path, body, tokens)
             if response is None:
@@ -185,10 +214,10 @@ class Router:
             async with self._at(instance, tokens):
                 response = await self.client.post(f"{instance.url}{path}", json=body)
         except httpx.HTTPError as exc:
-            self._failed(instance, exc)
+            self.failed(instance, exc)
             return None
         if response.status_code >= 500:
-            self._failed(instance, response.text)
+            self.failed(instance, response.text)
             return None
         return response
 
@@ -228,7 +257,7 @@ class Router:
                         self.metrics.observe_phases(timings)
                     yield chunk
             except httpx.HTTPError as exc:
-                self._failed(instance, exc)
+                self.failed(instance, exc)
                 message = f"the decode instance failed mid-stream: {exc}"
                 yield f"data: {json.dumps(error_body(message, 'internal_error'))}\n\ndata: [DONE]\n\n".encode()
             finally:
@@ -250,7 +279,7 @@ class Router:
             instance.load_tokens -= tokens
             self.metrics.in_flight.labels(*labels).dec()
 
-    def _failed(self, instance: Instance, why: object) -> None:
+    def failed(self, instance: Instance, why: object) -> None:
         logger.warning("%s %s failed a request: %s", instance.role, instance.url, why)
         self.metrics.failures.labels(instance.url, instance.role).inc()
         instance.healthy = False  # until the next health check finds it answering
@@ -296,11 +325,18 @@ def build_router_app(router: Router) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> Response:
-        instance = choose(router.decodes)
-        if instance is None:
-            return _error("no decode instance is up", 503)
-        response = await router.client.get(f"{instance.url}/v1/models")
-        return Response(response.content, response.status_code, media_type="application/json")
+        tried: list[Instance] = []
+        while (instance := choose(router.decodes, None, tuple(tried))) is not None:
+            tried.append(instance)
+            try:
+                response = await router.client.get(f"{instance.url}/v1/models", timeout=10.0)
+            except httpx.HTTPError as exc:
+                router.failed(instance, exc)
+                continue
+            if response.status_code < 500:
+                return Response(response.content, response.status_code, media_type="application/json")
+            router.failed(instance, response.text)
+        return _error("no decode instance is up", 503)
 
     @app.get("/health")
     async def health() -> Response:
