@@ -10,6 +10,7 @@ import enum
 from dataclasses import dataclass, field
 
 from moeserve.sampling_params import SamplingParams
+from moeserve.spec_decode.ngram import NgramProposer
 
 
 class RequestStatus(enum.Enum):
@@ -81,6 +82,9 @@ class Request:
     kv_hold_id: str | None = None
     """On a prefill instance: the transfer its prompt's KV blocks are held for once it finishes,
     until a decode instance has pulled them (`kv_transfer`)."""
+    ngram_proposer: NgramProposer | None = field(default=None, repr=False, compare=False)
+    """Its prompt-lookup state while it drafts with ngram (`Scheduler._ngram_proposer`), kept with
+    the request so that it lives exactly as long, across preemptions too (tokens only grow)."""
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
