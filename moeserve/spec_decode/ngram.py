@@ -49,13 +49,13 @@ class NgramProposer:
     """One sequence's prompt-lookup drafts, proposed at a cost that does not grow with its length.
 
     It keeps, for each n in [min_n, max_n], where every n-gram of the sequence last ended, filed
-    as the tokens arrive (each token once). A proposal is then one look-up per n of the sequence's
-    last n tokens, where a scan (`propose_ngram`) reads the whole sequence for each n whenever
-    nothing matches, the usual case on ordinary text. It proposes exactly what `propose_ngram`
-    does over the same tokens. An n-gram is filed as one int (its tokens' bits side by side), not a
-    tuple: a third less memory (a few hundred bytes per token of context at the default five sizes of n,
-    the price of the constant cost), and dicts of ints only, which the garbage collector never
-    has to walk.
+    as the tokens arrive (each token once). A proposal is then at most one look-up per n of the
+    sequence's last n tokens, where a scan (`propose_ngram`) reads the whole sequence for each n
+    whenever nothing matches, the usual case on ordinary text. It proposes exactly what
+    `propose_ngram` does over the same tokens. An n-gram is filed as one int (its tokens' bits
+    side by side), not a tuple: a third less memory (a few hundred bytes per token of context at
+    the default five sizes of n, the price of the constant cost), and dicts of ints only, which
+    the garbage collector never has to walk.
     """
 
     def __init__(self, min_n: int, max_n: int) -> None:
@@ -105,14 +105,19 @@ class NgramProposer:
                 self._latest_end[n - self.min_n].update(zip(keys, ends[start - first_end :]))
 
     def propose(self, num_tokens: int) -> list[int]:
-        """Up to `num_tokens` drafts to follow the tokens read so far (as `propose_ngram`)."""
+        """Up to `num_tokens` drafts to follow the tokens read so far (as `propose_ngram`).
+
+        The longest match is sought upwards from min_n: a suffix seen before ended, that time
+        too, in each of its own shorter suffixes, so the first n that was never seen ends the
+        search (on ordinary text after a look-up or two), and the last n found is the longest."""
         length = len(self._tokens)
-        suffix_keys = self._suffix_keys(length)
-        for n in range(min(len(suffix_keys), length - 1), self.min_n - 1, -1):
-            end = self._latest_end[n - self.min_n].get(suffix_keys[n - 1])
-            if end is not None:
-                return _continue(self._tokens, end, num_tokens)
-        return []
+        follow = None
+        for key, latest in zip(self._suffix_keys(length)[self.min_n - 1 : length - 1], self._latest_end):
+            end = latest.get(key)
+            if end is None:
+                break
+            follow = end
+        return [] if follow is None else _continue(self._tokens, follow, num_tokens)
 
     def _suffix_keys(self, end: int) -> list[int]:
         """The keys of the n-grams ending at `end` (exclusive), for n = 1, 2, ... up to max_n: the
