@@ -13,7 +13,7 @@ chunk by chunk as a prompt's KV is computed) and the memory it keeps per token. 
 shared with other work: medians of per-step times (and the proposer's slowest step), and the
 1-minute load average at the start and end.
 
-    python bench/ngram_drafting.py [--contexts 1024 32768] [--requests 64] [--steps 16] [--k 3]
+    python bench/ngram_drafting.py [--contexts 1024 32768] [--requests 64] [--steps 32] [--k 3]
 
 Writes bench/results/ngram_drafting.json.
 """
@@ -125,7 +125,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 32768])
     parser.add_argument("--requests", type=int, default=64)
-    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
