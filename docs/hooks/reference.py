@@ -1,25 +1,35 @@
 """MkDocs hook: the configuration, metrics and command-line reference pages, written from the code
-at every build.
+at every build, and the measured results pages quote, written from the committed results files.
 
 Hand-kept tables of flags and metric names drift from the code within weeks; these are rendered from
 the same sources the program uses: the documented fields of the config dataclasses (which also make
 `moeserve launch`'s flags and `LLM(...)`'s keywords, see `moeserve.options`) and the families the
-server's metrics registry holds. tests/unit/test_docs_reference.py checks that each has its text.
+server's metrics registry holds. Hand-copied benchmark figures drift from the results files as soon
+as a benchmark is re-run; a page marks where a file's results go (`RESULTS`) and the benchmark's
+own `report` renders them there. tests/unit/test_docs_reference.py checks that each has its text.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import inspect
+import json
+import sys
 from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import ModuleType
 
 from mkdocs.config.defaults import MkDocsConfig
 from mkdocs.structure.files import File, Files
+from mkdocs.structure.pages import Page
 
 from moeserve.engine_config import EngineConfig
 from moeserve.options import Option, options
 from moeserve.server_config import ServerSettings
+
+ROOT = Path(__file__).resolve().parents[2]
 
 # The option's first path element -> the section it is listed under; top-level fields have a
 # one-element path and fall under "engine".
@@ -235,3 +245,35 @@ def on_files(files: Files, config: MkDocsConfig) -> Files:
     for path, render in PAGES.items():
         files.append(File.generated(config, path, content=render()))
     return files
+
+
+def bench_module(name: str) -> ModuleType:
+    """The script bench/`name`.py as a module (bench/ is scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while being defined
+    spec.loader.exec_module(module)
+    return module
+
+
+SPEC_DECODE_RESULTS = ROOT / "bench" / "results" / "spec_decode.json"
+
+
+def spec_decode_results() -> str:
+    """bench/results/spec_decode.json, as bench/spec_decode.py itself reports it."""
+    results = json.loads(SPEC_DECODE_RESULTS.read_text())
+    return bench_module("spec_decode").report(results)
+
+
+RESULTS: dict[str, Callable[[], str]] = {
+    "<!-- results: bench/results/spec_decode.json -->": spec_decode_results,
+}
+"""A marker a page holds -> the results that replace it when the site is built."""
+
+
+def on_page_markdown(markdown: str, page: Page, config: MkDocsConfig, files: Files) -> str:
+    """MkDocs calls this with each page's Markdown: a results marker becomes its results."""
+    for marker, render in RESULTS.items():
+        if marker in markdown:
+            markdown = markdown.replace(marker, render())
+    return markdown

@@ -10,6 +10,7 @@ import enum
 from dataclasses import dataclass, field
 
 from moeserve.sampling_params import SamplingParams
+from moeserve.spec_decode.ngram import NgramProposer
 
 
 class RequestStatus(enum.Enum):
@@ -87,6 +88,9 @@ class Request:
     needs_remote_kv: bool = False
     """On a decode instance: its prompt's KV is to be loaded from a prefill instance when it is
     admitted (cleared once the load is asked for: a request loads at most once)."""
+    ngram_proposer: NgramProposer | None = field(default=None, repr=False, compare=False)
+    """Its prompt-lookup state while it drafts with ngram (`Scheduler._ngram_proposer`), kept with
+    the request so that it lives exactly as long, across preemptions too (tokens only grow)."""
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

@@ -85,7 +85,7 @@ from moeserve.scheduler.first_token import Capacity, FirstToken, Work, project_f
 from moeserve.scheduler.policy import ChunkSizer, FcfsQueue, SloQueue, WaitingQueue
 from moeserve.scheduler.request import STATUS_BY_FINISH_REASON, Request, RequestStatus
 from moeserve.scheduler.step_time import StepShape, StepTimeModel
-from moeserve.spec_decode.ngram import can_draft, propose_ngram
+from moeserve.spec_decode.ngram import NgramProposer, can_draft
 
 
 class QueueFullError(RuntimeError):
@@ -477,7 +477,8 @@ class Scheduler:
         duration_s: float | None = None,
     ) -> list[Request]:
         """Apply a step's results: advance each scheduled request's computed tokens, append the
-        sampled tokens, and finish requests whose stop rule fires (blocks freed now).
+        sampled tokens, and finish requests whose stop rule fires (blocks freed now). A request
+        drafting with ngram has its proposer read the step's tokens here (`_ngram_proposer`).
 
         `sampled_token_ids` must hold a token for every scheduled request with `sample=True`: an
         int, or, for one that drafted, its accepted drafts followed by the sampled token. Only
@@ -500,12 +501,16 @@ class Scheduler:
             if not scheduled.sample:
                 request.num_computed_tokens += len(scheduled.token_ids)
                 self.block_manager.cache_full_blocks(request, scheduled.start_position)
+                if self._drafts_ngram(request):
+                    self._ngram_proposer(request, request.num_computed_tokens)
                 continue
             stop = self._append_tokens(request, sampled_token_ids[scheduled.request_id])
             # Every token but the newest has its KV now: the fed ones and the accepted drafts (the
             # newest is the one sampled, or a kept draft a stop ended on, computed but not needed).
             request.num_computed_tokens = request.num_tokens - 1
             self.block_manager.cache_full_blocks(request, scheduled.start_position)
+            if stop is None and self._drafts_ngram(request):
+                self._ngram_proposer(request, request.num_tokens)
             if stop is not None:
                 self._finish(request, *stop)
                 finished.append(request)
@@ -597,8 +602,25 @@ class Scheduler:
         if room < 1:
             return []
         if spec.method == "mtp":  # slots only: the runner's MTP layers fill them in (`worker.mtp_drafter`)
-            return [request.all_token_ids[-1]] * room
-        return propose_ngram(request.all_token_ids, room, spec.prompt_lookup_min, spec.prompt_lookup_max)
+            return [request.output_token_ids[-1]] * room
+        return self._ngram_proposer(request, request.num_tokens).propose(room)
+
+    def _ngram_proposer(self, request: Request, upto: int) -> NgramProposer:
+        """`request`'s prompt-lookup state, having read its first `upto` tokens (made on first use).
+        `update` feeds it each step's tokens as their KV is computed, a prompt chunk by chunk, so
+        a step's share of the work follows the tokens it runs, never the context's length."""
+        proposer = request.ngram_proposer
+        if proposer is None:
+            spec = self.config.speculative
+            proposer = request.ngram_proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+        if upto > proposer.num_tokens:
+            proposer.extend(request.token_ids_between(proposer.num_tokens, upto))
+        return proposer
+
+    def _drafts_ngram(self, request: Request) -> bool:
+        """Whether `request` drafts by prompt lookup, so `update` keeps its proposer reading."""
+        spec = self.config.speculative
+        return spec is not None and spec.method == "ngram" and can_draft(request.sampling_params, spec.method)
 
     def _admit_waiting(self, plan: _StepPlan) -> None:
         """Admit queued requests from the head until the budget, seats or blocks run out, or a

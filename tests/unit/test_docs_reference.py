@@ -5,6 +5,7 @@ and scrape."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -78,3 +79,37 @@ def test_command_line_page_has_every_command_help(reference) -> None:
     assert {"moeserve launch", "moeserve generate", "moeserve bench serve", "moeserve plan"} <= set(progs)
     for prog in progs:
         assert f"## `{prog}`" in page and f"usage: {prog} " in page
+
+
+def test_the_spec_decode_page_quotes_the_committed_results_file(reference) -> None:
+    """The page's figures are the file's, rendered at build time: each case's target steps under
+    its own drafter's name, its drafts, and its speedup with the verdict its spread allows."""
+    page = (HOOK.parents[1] / "speculative-decoding.md").read_text()
+    rendered = reference.on_page_markdown(page, None, None, None)
+    results = json.loads(reference.SPEC_DECODE_RESULTS.read_text())
+    assert set(results["cases"]) == {"repetitive", "random", "mtp"}
+    for case, r in results["cases"].items():
+        assert r["drafter"] == ("mtp" if case == "mtp" else "ngram")
+        assert set(r["target_steps"]) == {r["drafter"], "none"}
+        steps, tpot = r["target_steps"], r["tpot_speedup"]
+        row = next(line for line in rendered.splitlines() if line.startswith(f"| {case} (`{r['drafter']}`)"))
+        assert f"| {steps[r['drafter']]} / {steps['none']} |" in row
+        assert f"of {r['num_draft_tokens']} |" in row
+        assert row.endswith(f"{tpot['median']:.2f}x ({tpot['min']:.2f}x to {tpot['max']:.2f}x): {tpot['verdict']} |")
+    assert "<!-- results:" not in rendered
+
+
+@pytest.mark.parametrize(
+    "per_round, verdict",
+    [
+        ([1.27, 1.36, 0.28], "within noise"),  # the 1.27x once reported as a speedup
+        ([1.5, 1.6, 1.55], "faster"),
+        ([0.5, 0.55, 0.6], "slower"),
+        ([1.5, 1.6], "within noise"),  # two rounds: no spread to weigh it against
+        ([1.1, 1.5, 1.2], "within noise"),  # 1.2x, but the rounds spread over 0.4
+    ],
+)
+def test_a_speedup_is_claimed_only_where_it_exceeds_its_spread(reference, per_round, verdict) -> None:
+    speedup = reference.bench_module("spec_decode").speedup(per_round)
+    assert speedup["verdict"] == verdict
+    assert (speedup["min"], speedup["max"]) == (min(per_round), max(per_round))
