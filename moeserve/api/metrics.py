@@ -57,6 +57,9 @@ between two steps) and `moeserve:eplb_last_rebalance_imbalance{when,over}`: max 
 balancer computed it on its window's loads (before the first rebalance the time reads 0 and the
 imbalance series are absent).
 
+The Responses API's store: `moeserve:responses_store_bytes`, what the stored responses and their
+conversations take (as JSON), within `--responses-store-bytes`.
+
 Structured outputs: `moeserve:structured_outputs_compile_timeouts_total`, grammar compiles ended
 at `--structured-outputs-compile-timeout`. A timeout refuses its request only (it depends on the
 load of the moment, so it is not cached as invalid specs are): a rising count means the compile
@@ -447,6 +450,10 @@ class ServerMetrics:
         self.rejoin_time = gauge(
             "moeserve:last_rejoin_seconds",
             "The steps' pause for the last rejoin: the returned rank subscribed, regrouped, expert slots refilled.",
+        )
+        self.responses_store_bytes = gauge(
+            "moeserve:responses_store_bytes",
+            "Bytes (as JSON) of the stored /v1/responses responses and their conversations (--responses-store-bytes).",
         )
         self.compile_timeouts = counter(
             "moeserve:structured_outputs_compile_timeouts",
