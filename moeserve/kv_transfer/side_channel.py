@@ -25,6 +25,10 @@ logger = logging.getLogger(__name__)
 
 PushHandler = Callable[[dict], dict]
 
+POLL_S = 0.05
+"""How often the serving thread looks for `close()`: it waits that long at most (http.server's
+default, 0.5 s, was most of an idle disaggregated engine core's stop)."""
+
 
 class SideChannel:
     """Serves `push` (prefill role) and `metrics` (where given) on `host:port` from a daemon thread."""
@@ -67,7 +71,9 @@ class SideChannel:
         self._push = push
         self._server = ThreadingHTTPServer((host, port), Handler)
         self._server.daemon_threads = True
-        self._thread = threading.Thread(target=self._server.serve_forever, name="kv-side-channel", daemon=True)
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, kwargs={"poll_interval": POLL_S}, name="kv-side-channel", daemon=True
+        )
         self._thread.start()
         logger.info("KV side channel on %s:%d", host, self._server.server_address[1])
 
