@@ -74,11 +74,11 @@ _Outcome = tuple[bool, str]  # (compiled, serialized grammar or the refusal's me
 
 @dataclass(frozen=True)
 class _Result:
-    """How a compile ended: its outcome for the waiters, and whether it says something about the
-    spec (kept in the cache) or only about this attempt (a timeout: the load of the moment)."""
+    """How a compile ended: its outcome for the waiters, and whether it ran out of time, which
+    says something about the load of the moment rather than the spec (so it is not cached)."""
 
     outcome: _Outcome
-    cacheable: bool = True
+    timed_out: bool = False
 
 
 class GrammarCompilePool:
@@ -205,7 +205,7 @@ class GrammarCompilePool:
             return self._closed or not job.waiters
 
     def _finish(self, job: _Job, result: _Result | None) -> None:
-        """A job is over: `result` for its waiters (and the cache, if it is cacheable); None: it
+        """A job is over: `result` for its waiters (and the cache, unless it timed out); None: it
         was abandoned, or its worker died, and it goes back to the queue if someone waits for it
         (again)."""
         outcome = None if result is None else result.outcome
@@ -224,12 +224,13 @@ class GrammarCompilePool:
             for client in job.waiters.values():
                 self._uncount(client)
             job.waiters.clear()
-            if result is not None and result.cacheable:
-                self._results.put(job.spec, result.outcome, len(result.outcome[1]))
-            elif result is not None:
+            timed_out = result is not None and result.timed_out
+            if timed_out:
                 self._timeouts += 1
+            elif result is not None:
+                self._results.put(job.spec, result.outcome, len(result.outcome[1]))
             self._cond.notify_all()
-        if result is not None and not result.cacheable:
+        if timed_out:
             self._on_timeout()
         for waiter in waiters:
             if outcome is None:
@@ -353,7 +354,7 @@ class _Slot:
                     f"the grammar did not compile within {config.compile_timeout_s:g} s; the limit is "
                     "--structured-outputs-compile-timeout"
                 )
-                return _Result((False, message), cacheable=False), False
+                return _Result((False, message), timed_out=True), False
         _, compiled, text = conn.recv()
         if compiled and len(text) > config.max_compiled_bytes:
             message = (
