@@ -48,10 +48,10 @@ class ServerSettings:
     None: the thinking stays in the content. Structured outputs then constrain the answer: the
     output may think first, freely, up to </think>."""
 
-    responses_store_size: int = 1000
-    """Responses /v1/responses keeps (with `store`, the default) for GET, DELETE and
-    `previous_response_id`: in memory, the oldest dropped first, lost on restart; each holds its
-    conversation's text. 0 stores none."""
+    responses_store_bytes: int = option(256 * 1024**2, parse=parse_bytes)
+    """Memory for the responses /v1/responses keeps (with `store`, the default) for GET, DELETE
+    and `previous_response_id`, e.g. 256MiB, counted as their JSON: the oldest dropped first, lost
+    on restart; a chain's conversation is kept once. 0 stores none."""
 
     per_expert_metrics: bool = False
     """Label /metrics' routed-token counter by expert and its load-imbalance gauge by MoE layer: one

@@ -73,13 +73,15 @@ LONGEST_FIRST = (
     "test_bench_serve.py",  # ~70
     "test_ep_serving.py",  # ~65
     "test_docs_examples.py",  # ~60 (two servers; 140 s under a load average of 20)
+    "test_responses_server.py",  # ~60? (three servers)
     "test_transformers_parity.py",  # ~55
     "test_heal_serving.py",  # ~55
     "test_server_safety.py",  # ~50
-    "test_responses_server.py",  # ~45 (two servers)
+    "test_shutdown_server.py",  # ~50? (three servers; 105 s under load)
     "test_cli.py",  # ~45
     "test_dashboards.py",  # ~45
     "test_eplb_server.py",  # ~35
+    "test_openapi_fuzz.py",  # ~35? (every route; 68 s under load)
     "test_torch_dispatcher.py",  # ~30
     "test_structured_server.py",  # ~30
     "test_harmony_server.py",  # ~30
@@ -92,7 +94,6 @@ LONGEST_FIRST = (
     "test_gpu_runbook.py",  # ~20
     "test_fp8_model_kernels.py",  # ~20
     "test_fp8_dispatchers.py",  # ~20
-    "test_openapi_fuzz.py",  # ~20
     "test_host_syncs_ep.py",  # ~20
     "test_heal_quantized.py",  # ~20
 )

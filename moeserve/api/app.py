@@ -23,7 +23,7 @@ from moeserve.api.chat import create_chat_completion
 from moeserve.api.completions import create_completion
 from moeserve.api.errors import APIError, error_body, error_type_for, from_error_list
 from moeserve.api.metrics import CONTENT_TYPE
-from moeserve.api.openapi import error_responses, install, json_body, streamed_response
+from moeserve.api.openapi import error_responses, install, operation_extra, streamed_response
 from moeserve.api.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -104,7 +104,7 @@ def build_app(state: ServingState) -> FastAPI:
             response_model=route.response,
             response_model_exclude_none=route.exclude_none,
             responses=responses,
-            openapi_extra=None if route.body is None else json_body(route.body),
+            openapi_extra=operation_extra(route.path, route.body),
         )
 
     @app.get(

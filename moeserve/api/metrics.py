@@ -57,6 +57,14 @@ between two steps) and `moeserve:eplb_last_rebalance_imbalance{when,over}`: max 
 balancer computed it on its window's loads (before the first rebalance the time reads 0 and the
 imbalance series are absent).
 
+The Responses API's store: `moeserve:responses_store_bytes`, what the stored responses and their
+conversations take (as JSON), within `--responses-store-bytes`.
+
+Structured outputs: `moeserve:structured_outputs_compile_timeouts_total`, grammar compiles ended
+at `--structured-outputs-compile-timeout`. A timeout refuses its request only (it depends on the
+load of the moment, so it is not cached as invalid specs are): a rising count means the compile
+workers are short of CPU or the limit is tight for the specs clients send.
+
 Healing (`--on-rank-failure heal`): `moeserve:rank_failures_total` (ranks lost and healed over),
 `moeserve:heals_total` and `moeserve:last_heal_seconds` (from naming the lost rank to serving
 again); `moeserve:rank_rejoins_total` (restarted ranks taken back into the group) and
@@ -442,6 +450,14 @@ class ServerMetrics:
         self.rejoin_time = gauge(
             "moeserve:last_rejoin_seconds",
             "The steps' pause for the last rejoin: the returned rank subscribed, regrouped, expert slots refilled.",
+        )
+        self.responses_store_bytes = gauge(
+            "moeserve:responses_store_bytes",
+            "Bytes (as JSON) of the stored /v1/responses responses and their conversations (--responses-store-bytes).",
+        )
+        self.compile_timeouts = counter(
+            "moeserve:structured_outputs_compile_timeouts",
+            "Structured-output grammar compiles ended at --structured-outputs-compile-timeout (not cached).",
         )
         self._http = Counter(
             "moeserve:http_requests",

@@ -18,6 +18,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 from pydantic.json_schema import JsonSchemaMode, models_json_schema
+from starlette.routing import compile_path
 
 from moeserve.api.errors import ErrorResponse
 from moeserve.sampling_params import INT64_MAX, INT64_MIN, MAX_LOGPROBS
@@ -69,9 +70,33 @@ def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
     return {status: {"model": ErrorResponse, "description": _ERROR_WHEN[status]} for status in statuses}
 
 
-def json_body(model: type[BaseModel]) -> dict[str, Any]:
-    """`openapi_extra` declaring `model` as a route's required JSON body."""
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": _ref(model)}}}}
+PATH_PARAMETERS: dict[str, str] = {
+    "response_id": "The `id` of a response that /v1/responses created with `store` (`resp_...`)",
+}
+"""What each path parameter names. The handlers read `request.path_params` themselves (they take
+the raw request, see above), so FastAPI cannot see the parameters either; a path naming one not
+listed here is refused when the app is built, since a document that uses a parameter without
+declaring it is not valid OpenAPI and generated clients cannot call the route."""
+
+
+def operation_extra(path: str, body: type[BaseModel] | None) -> dict[str, Any] | None:
+    """A route's `openapi_extra`: its path parameters and, if it has one, its required JSON body."""
+    extra: dict[str, Any] = {}
+    names = compile_path(path)[2]
+    if names:
+        extra["parameters"] = [
+            {
+                "name": name,
+                "in": "path",
+                "required": True,
+                "description": PATH_PARAMETERS[name],
+                "schema": {"type": "string"},
+            }
+            for name in names
+        ]
+    if body is not None:
+        extra["requestBody"] = {"required": True, "content": {"application/json": {"schema": _ref(body)}}}
+    return extra or None
 
 
 def streamed_response(chunk: type[BaseModel]) -> dict[int | str, dict[str, Any]]:

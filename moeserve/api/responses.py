@@ -59,25 +59,24 @@ def _renamed(error: APIError) -> APIError:
     return error
 
 
-def _history(request: ResponsesRequest, state: ServingState) -> list[dict[str, Any]]:
-    """The chained conversation `previous_response_id` names; a 404 if it is not stored."""
+def _previous(request: ResponsesRequest, state: ServingState) -> StoredResponse | None:
+    """The stored response `previous_response_id` names; a 404 if it is not stored, saying
+    whether it was evicted."""
     if request.previous_response_id is None:
-        return []
+        return None
     stored = state.responses.get(request.previous_response_id)
     if stored is None:
-        raise APIError(
-            f"Previous response with id '{request.previous_response_id}' not found.",
-            status_code=404,
-            param="previous_response_id",
-        )
-    return stored.messages
+        message = state.responses.missing(request.previous_response_id, "Previous response")
+        raise APIError(message, status_code=404, param="previous_response_id")
+    return stored
 
 
 async def create_response(raw: Request, state: ServingState) -> Response:
     request = parse_request(ResponsesRequest, await read_body(raw, state.settings.max_body_bytes))
     check_model(request.model, state)
     engine, model = state.admit()
-    history = _history(request, state)
+    previous = _previous(request, state)
+    history = [] if previous is None else previous.messages
     try:
         chat = parse_request(ChatCompletionRequest, request.chat_body(history))
         plan = await plan_chat(raw, chat, state, model, chat.to_sampling_params(default_max_tokens=None))
@@ -87,11 +86,11 @@ async def create_response(raw: Request, state: ServingState) -> Response:
     prompt = {"prompt_token_ids": plan.prompt_ids}
     streams = await submit_all(state, engine, [prompt], plan.params, response_id, "input")
     shell = response_shell(response_id, state.settings.served_model_name, request, int(time.time()))
-    messages = chat.model_dump(exclude_none=True)["messages"]
-    if request.instructions is not None:
-        messages = messages[1:]  # not carried over to a chained response
+    # What this response adds to its chain: its input after the history (stored once, by the
+    # predecessor); its instructions are not carried over to a chained response.
+    messages = chat.model_dump(exclude_none=True)["messages"][(request.instructions is not None) + len(history) :]
     if request.stream:
-        events = _stream_events(streams[0], request, plan, shell, messages, state, model)
+        events = _stream_events(streams[0], request, plan, shell, messages, previous, state, model)
         return EventStreamResponse(events, streams, response_id)
     output = (await collect(raw, streams, response_id))[0]
     sample = output.outputs[0]
@@ -106,7 +105,7 @@ async def create_response(raw: Request, state: ServingState) -> Response:
         function_call_item(item_id("fc"), c.id, c.function.name, c.function.arguments, "completed") for c in calls
     ]
     finish(shell, items, sample.finish_reason, _usage(output, plan, model))
-    _store(state, request, shell, messages)
+    _store(state, request, shell, messages, previous)
     return JSONResponse(shell.model_dump())
 
 
@@ -130,27 +129,35 @@ def _usage(output: RequestOutput, plan: ChatPlan, model: ModelInfo) -> dict[str,
     return response_usage(len(output.prompt_token_ids), len(sample.token_ids), reasoning_tokens)
 
 
-def _store(state: ServingState, request: ResponsesRequest, shell: ResponseObject, messages: list) -> None:
+def _store(
+    state: ServingState,
+    request: ResponsesRequest,
+    shell: ResponseObject,
+    messages: list[dict[str, Any]],
+    previous: StoredResponse | None,
+) -> None:
+    """Keep the response (with `store`): `messages`, this response's input, and its output
+    continue `previous`'s conversation."""
     if request.store:
-        state.responses.put(shell.id, StoredResponse(shell.model_dump(), messages + output_messages(shell.output)))
+        state.responses.put(shell.id, shell.model_dump(), messages + output_messages(shell.output), previous)
 
 
 async def get_response(raw: Request, state: ServingState) -> Response:
     stored = state.responses.get(raw.path_params["response_id"])
     if stored is None:
-        raise _not_found(raw.path_params["response_id"])
+        raise _not_found(raw.path_params["response_id"], state)
     return JSONResponse(stored.body)
 
 
 async def delete_response(raw: Request, state: ServingState) -> Response:
     response_id = raw.path_params["response_id"]
     if not state.responses.delete(response_id):
-        raise _not_found(response_id)
+        raise _not_found(response_id, state)
     return JSONResponse(ResponseDeleted(id=response_id).model_dump())
 
 
-def _not_found(response_id: str) -> APIError:
-    return APIError(f"Response with id '{response_id}' not found.", status_code=404, param="response_id")
+def _not_found(response_id: str, state: ServingState) -> APIError:
+    return APIError(state.responses.missing(response_id), status_code=404, param="response_id")
 
 
 class _Events:
@@ -245,6 +252,7 @@ async def _stream_events(
     plan: ChatPlan,
     shell: ResponseObject,
     messages: list[dict[str, Any]],
+    previous: StoredResponse | None,
     state: ServingState,
     model: ModelInfo,
 ) -> AsyncIterator[str]:
@@ -286,7 +294,7 @@ async def _stream_events(
         return
     sample = final.outputs[0]
     finish(shell, items.done, sample.finish_reason, _usage(final, plan, model))
-    _store(state, request, shell, messages)
+    _store(state, request, shell, messages, previous)
     kind = "response.incomplete" if shell.status == "incomplete" else "response.completed"
     yield events(kind, response=shell.model_dump())
     log_finished(shell.id, [final], streamed=True)

@@ -87,6 +87,7 @@ def load_engine(
             engine.facts.model_config.vocab_size,
             engine.facts.eos_token_ids,
             cpus=() if binding is None else binding.frontend,
+            on_timeout=state.metrics.compile_timeouts.inc,
         )
         tokenizer = load_tokenizer(Path(config.model))
         model = ModelInfo(

@@ -76,7 +76,8 @@ class ServingState:
         self.engine: EngineClient | None = None
         self.model: ModelInfo | None = None
         self.draining = False
-        self.responses = ResponseStore(settings.responses_store_size)
+        self.responses = ResponseStore(settings.responses_store_bytes)
+        metrics.responses_store_bytes.set_function(lambda: self.responses.size)
 
     def set_ready(self, engine: EngineClient, model: ModelInfo) -> None:
         self.model = model

@@ -31,6 +31,10 @@ REPLY_GRACE_S = 5.0
 """How much longer than a write's deadline its asker waits for the reply: the writer cancels at the
 deadline and answers only once the transfer has stopped, which takes a moment more."""
 
+POLL_S = 0.05
+"""How often the serving thread looks for `close()`: it waits that long at most (http.server's
+default, 0.5 s, was most of an idle disaggregated engine core's stop)."""
+
 
 class SideChannel:
     """Serves `push` (prefill role) and `metrics` (where given) on `host:port` from a daemon thread."""
@@ -76,7 +80,9 @@ class SideChannel:
         self._push = push
         self._server = ThreadingHTTPServer((host, port), Handler)
         self._server.daemon_threads = True
-        self._thread = threading.Thread(target=self._server.serve_forever, name="kv-side-channel", daemon=True)
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, kwargs={"poll_interval": POLL_S}, name="kv-side-channel", daemon=True
+        )
         self._thread.start()
         logger.info("KV side channel on %s:%d", host, self._server.server_address[1])
 

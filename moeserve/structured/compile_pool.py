@@ -7,15 +7,20 @@ from the API process, whose CPUs (the frontend's, under the CPU binding) they in
 engine core only loads the result (`StructuredOutputs.compiled`).
 
 - Time: a compile still running at `compile_timeout_s` is ended by killing its worker (another
-  starts), and the spec is refused naming the limit.
+  starts), and the spec is refused naming the limit, for this request only: how long a compile
+  takes depends on the machine's load at the time, so a timeout is not remembered and the next
+  request for the spec compiles it again. Timeouts are counted (`on_timeout`, /metrics'
+  `moeserve:structured_outputs_compile_timeouts_total`).
 - Clients: each (its API key, else its connection) may wait on `compile_queue_per_client`
   compiles at once (`CompileQueueFullError` beyond) and run on all workers but one, so one
   client's slow specs leave a worker for everyone else; queued jobs are taken round-robin by client.
 - Cancellation: each waiter holds its own future; when every waiter of a job has cancelled
   (a client left, a request was aborted), a queued job is dropped and a running one killed.
   Shutdown kills the workers and waits for none of them.
-- Memory: results (serialized grammars, and refusals, so a bad spec sent again costs nothing)
-  are kept by spec in an LRU bounded in bytes; identical specs in flight share one compile.
+- Memory: results (serialized grammars, and refusals of specs that are invalid, whose compile
+  crashed the worker or whose grammar is over `max_compiled_bytes`, so a bad spec sent again
+  costs nothing) are kept by spec in an LRU bounded in bytes; identical specs in flight share one
+  compile.
 """
 
 from __future__ import annotations
@@ -42,7 +47,8 @@ RESTART_DELAY_S = 1.0  # after a worker died by itself, so one that cannot start
 
 
 class CompileRefusedError(ValueError):
-    """The spec does not compile: invalid, over the compiled size, or past the compile timeout."""
+    """The spec does not compile: invalid, over the compiled size, or past the compile timeout
+    (this time: a timeout is not remembered)."""
 
 
 class CompileQueueFullError(RuntimeError):
@@ -66,6 +72,15 @@ class _Job:
 _Outcome = tuple[bool, str]  # (compiled, serialized grammar or the refusal's message)
 
 
+@dataclass(frozen=True)
+class _Result:
+    """How a compile ended: its outcome for the waiters, and whether it ran out of time, which
+    says something about the load of the moment rather than the spec (so it is not cached)."""
+
+    outcome: _Outcome
+    timed_out: bool = False
+
+
 class GrammarCompilePool:
     """See the module docstring. Thread-safe; `compile` is its asyncio face."""
 
@@ -77,11 +92,15 @@ class GrammarCompilePool:
         vocab_size: int,
         eos_token_ids: Sequence[int],
         cpus: Sequence[int] = (),
+        on_timeout: Callable[[], None] = lambda: None,
     ) -> None:
         """load_tokenizer: how a worker loads the served tokenizer from `tokenizer_folder` (a
         module-level function: spawn pickles it by name). cpus: where the workers run; empty:
-        wherever this process may."""
+        wherever this process may. on_timeout: called (on a slot's thread) for each compile
+        ended at the timeout."""
         self.config = config
+        self._on_timeout = on_timeout
+        self._timeouts = 0
         self._worker_args = (load_tokenizer, tokenizer_folder, vocab_size, tuple(eos_token_ids), tuple(cpus))
         self._context = multiprocessing.get_context("spawn")
         self._cond = threading.Condition()
@@ -131,7 +150,8 @@ class GrammarCompilePool:
         return await asyncio.wrap_future(self.submit(spec, client))
 
     def stats(self) -> dict[str, int]:
-        """Queued and running jobs, live workers, cached results: what the abuse tests watch."""
+        """Queued and running jobs, live workers, cached results, compiles ended at the timeout:
+        what the abuse tests watch."""
         with self._cond:
             return {
                 "queued": sum(len(q) for q in self._queues.values()),
@@ -140,6 +160,7 @@ class GrammarCompilePool:
                 "workers": sum(slot.alive() for slot in self._slots),
                 "cached": len(self._results),
                 "cached_bytes": self._results.size,
+                "timeouts": self._timeouts,
             }
 
     def shutdown(self) -> None:
@@ -183,9 +204,11 @@ class GrammarCompilePool:
         with self._cond:
             return self._closed or not job.waiters
 
-    def _finish(self, job: _Job, outcome: _Outcome | None) -> None:
-        """A job is over: `outcome` for its waiters (and the cache); None: it was abandoned, or
-        its worker died, and it goes back to the queue if someone waits for it (again)."""
+    def _finish(self, job: _Job, result: _Result | None) -> None:
+        """A job is over: `result` for its waiters (and the cache, unless it timed out); None: it
+        was abandoned, or its worker died, and it goes back to the queue if someone waits for it
+        (again)."""
+        outcome = None if result is None else result.outcome
         with self._cond:
             job.running = False
             self._running[job.client] -= 1
@@ -201,9 +224,14 @@ class GrammarCompilePool:
             for client in job.waiters.values():
                 self._uncount(client)
             job.waiters.clear()
-            if outcome is not None:
-                self._results.put(job.spec, outcome, len(outcome[1]))
+            timed_out = result is not None and result.timed_out
+            if timed_out:
+                self._timeouts += 1
+            elif result is not None:
+                self._results.put(job.spec, result.outcome, len(result.outcome[1]))
             self._cond.notify_all()
+        if timed_out:
+            self._on_timeout()
         for waiter in waiters:
             if outcome is None:
                 _fail(waiter, CompilePoolClosedError("the server is shutting down"))
@@ -283,11 +311,12 @@ class _Slot:
                     if job is None:
                         return
                     try:
-                        outcome, healthy = self._compile(job, conn)
+                        result, healthy = self._compile(job, conn)
                     except BaseException:  # the worker died: a spec that crashes it is refused
-                        pool._finish(job, None if pool._closed else (False, "the grammar compiler failed on this spec"))
+                        crashed = _Result((False, "the grammar compiler failed on this spec"))
+                        pool._finish(job, None if pool._closed else crashed)
                         raise
-                    pool._finish(job, outcome)
+                    pool._finish(job, result)
                     if not healthy:
                         break
             except Exception as exc:  # noqa: BLE001 - the worker died (killed at shutdown, crashed) or could not start
@@ -311,8 +340,8 @@ class _Slot:
         conn.recv()
         return True
 
-    def _compile(self, job: _Job, conn) -> tuple[_Outcome | None, bool]:
-        """Run `job`: (its outcome, None if abandoned; whether the worker may be reused)."""
+    def _compile(self, job: _Job, conn) -> tuple[_Result | None, bool]:
+        """Run `job`: (its result, None if abandoned; whether the worker may be reused)."""
         config = self.pool.config
         conn.send((job.id, job.spec))
         deadline = time.monotonic() + config.compile_timeout_s
@@ -321,19 +350,19 @@ class _Slot:
                 return None, False
             if time.monotonic() >= deadline:
                 logger.warning("a %s grammar compiled for over %s s; killed", job.spec.kind, config.compile_timeout_s)
-                return (
-                    False,
+                message = (
                     f"the grammar did not compile within {config.compile_timeout_s:g} s; the limit is "
-                    "--structured-outputs-compile-timeout",
-                ), False
+                    "--structured-outputs-compile-timeout"
+                )
+                return _Result((False, message), timed_out=True), False
         _, compiled, text = conn.recv()
         if compiled and len(text) > config.max_compiled_bytes:
-            return (
-                False,
+            message = (
                 f"the compiled grammar has {len(text)} bytes; the limit is {config.max_compiled_bytes} "
-                "(--structured-outputs-max-compiled)",
-            ), True
-        return (compiled, text), True
+                "(--structured-outputs-max-compiled)"
+            )
+            return _Result((False, message)), True
+        return _Result((compiled, text)), True
 
 
 def _settle(future: Future, outcome: _Outcome) -> None:

@@ -192,6 +192,35 @@ def test_stored_responses_are_found_and_forgotten(server: ServerProcess) -> None
     assert missing.value.body["param"] == "previous_response_id"
 
 
+def test_a_small_store_evicts_the_oldest_and_says_so(start_server, make_checkpoint) -> None:
+    """Within --responses-store-bytes: the gauge stays under the budget, the newest of a chain
+    continues it whole, and a request naming an evicted response hears it was evicted and why."""
+    checkpoint = make_checkpoint("qwen3_moe", 0, max_position_embeddings=TOOL_CONTEXT)
+    server = start_server(
+        "--responses-store-bytes", "8KiB", "--max-model-len", str(TOOL_CONTEXT), checkpoint=checkpoint
+    )
+    c = client(server)
+    chain = []
+    for turn in range(8):
+        previous = chain[-1].id if chain else None
+        chain.append(
+            c.responses.create(
+                model="tiny", input=f"turn {turn} " * 5, max_output_tokens=8, previous_response_id=previous
+            )
+        )
+        assert 0 < server.metrics()["moeserve:responses_store_bytes"] <= 8 * 1024
+    assert chain[-1].usage.input_tokens > 4 * chain[0].usage.input_tokens  # the whole conversation, kept once
+    assert c.responses.retrieve(chain[-1].id).id == chain[-1].id
+    continued = c.responses.create(model="tiny", input="and", max_output_tokens=4, previous_response_id=chain[-1].id)
+    assert continued.usage.input_tokens > chain[-1].usage.input_tokens
+    with pytest.raises(openai.NotFoundError) as evicted:
+        c.responses.create(model="tiny", input="hi", previous_response_id=chain[0].id)
+    error = evicted.value.body
+    assert error["param"] == "previous_response_id"
+    assert "was evicted" in error["message"] and "--responses-store-bytes" in error["message"], error
+    server.stop()
+
+
 @pytest.mark.parametrize(
     ("body", "param"),
     [
