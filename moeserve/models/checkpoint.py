@@ -15,6 +15,8 @@ from safetensors import safe_open
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+MODELOPT_FILE = "hf_quant_config.json"
+"""Where ModelOpt's releases (NVFP4) state their quantization when config.json does not."""
 
 
 class CheckpointError(ValueError):
@@ -39,6 +41,9 @@ class CheckpointReader:
         if not self.folder.is_dir():
             raise CheckpointError(f"checkpoint folder {self.folder} does not exist")
         self.config = read_json(self.folder / "config.json")
+        if not self.config.get("quantization_config") and (self.folder / MODELOPT_FILE).is_file():
+            # As vLLM reads it: the file's `quantization` section under quant_method modelopt.
+            self.config["quantization_config"] = {"quant_method": "modelopt", **read_json(self.folder / MODELOPT_FILE)}
         self.weight_map = self._weight_map()
         self._handles: dict[str, Any] = {}
 
