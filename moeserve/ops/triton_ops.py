@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from moeserve.config import MLAConfig, ModelConfig, MXFP4Config, RouterConfig
+from moeserve.config import MLAConfig, ModelConfig, MXFP4Config, NVFP4Config, PackedInt4Config, RouterConfig
 from moeserve.dispatch.base import DispatchLayout
 from moeserve.dispatch.fp8 import GROUP as FP8_ROW_GROUP
 from moeserve.fp8_format import BlockFP8Weight
@@ -55,12 +55,15 @@ class TritonOps(LayerOps[TritonAttentionPlan]):
 
     @classmethod
     def supports_model(cls, cfg: ModelConfig) -> str | None:
-        """Block-quantized FP8 weights run as w8a8 when their K tile suits the kernels; MXFP4
-        weights (no FP4 x bf16 GEMM yet) and gpt-oss's layer options have no kernel yet: sinks in
+        """Block-quantized FP8 weights run as w8a8 when their K tile suits the kernels; MXFP4,
+        INT4 and NVFP4 experts (their grouped GEMMs are not wired into `fused_moe` yet) and
+        gpt-oss's layer options have no kernel yet: sinks in
         the attention kernels, biases and the clamped SwiGLU in `fused_moe`, its
         top-k-then-softmax router in `route`."""
         if isinstance(cfg.weight_quant, MXFP4Config):
             return "the Triton kernels have no MXFP4 (FP4 x bf16) expert GEMM yet; use kernels=torch for MXFP4 weights"
+        if isinstance(cfg.weight_quant, PackedInt4Config | NVFP4Config):
+            return "the Triton fused MoE path does not run INT4 or NVFP4 experts yet; use kernels=torch for them"
         if cfg.weight_quant is not None and group_problem(cfg.weight_quant.block[1]) is not None:
             return f"{group_problem(cfg.weight_quant.block[1])}; use kernels=torch"
         if cfg.attention_sinks:

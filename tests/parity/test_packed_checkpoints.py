@@ -11,6 +11,7 @@ dequantizes them at use, so it must match transformers on the twin as it matches
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 from helpers.hf_configs import VOCAB
+from helpers.load_only import LoadOnly
 from helpers.reference import hf_greedy_tokens, hf_model, max_prefill_dlogit
 from safetensors import safe_open
 from safetensors.torch import save_file
@@ -25,6 +27,7 @@ from safetensors.torch import save_file
 from moeserve import LLM, SamplingParams
 from moeserve.checkpoints import quantize_int4, quantize_nvfp4
 from moeserve.models import load_model
+from moeserve.models.loader import weight_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -129,3 +132,138 @@ def test_greedy_tokens_match_dequantized_transformers(pair, reference, case):
         [{"prompt_token_ids": p} for p in prompts()], GREEDY, use_tqdm=False
     )
     assert [o.outputs[0].token_ids for o in outs] == expected
+
+
+@pytest.mark.parametrize("ep,tp", [(4, 1), (4, 2)], ids=["ep4", "ep4-tp2"])
+@pytest.mark.parametrize("case", CASES)
+def test_greedy_tokens_at_ep4_and_tp2_match_dequantized_transformers(pair, reference, case, ep, tp):
+    """Rank processes each holding only their experts' packed bytes and scales; under tp=2 the
+    (unquantized) attention is split too."""
+    packed, _ = pair(case)
+    with LLM(str(packed), ep=ep, tp=tp, block_size=8, max_model_len=96, kv_cache_blocks=96) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts()], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == reference(case)[1]
+
+
+def checkpoint_bytes(folder) -> int:
+    """The bytes of every tensor the checkpoint stores."""
+    total = 0
+    for file in folder.glob("*.safetensors"):
+        with safe_open(file, framework="pt") as f:
+            total += sum(f.get_tensor(n).numel() * f.get_tensor(n).element_size() for n in f.keys())
+    return total
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_resident_weight_bytes_within_110_percent_of_the_checkpoint(pair, case):
+    """Loaded in bfloat16, the model holds about what the checkpoint stores: the packed experts
+    are not widened (the dequantized twin, in bf16, would be 3.5x the experts' bytes)."""
+    packed, twin = pair(case)
+    model = load_model(packed, dtype=torch.bfloat16)
+    experts = model.layers[-1].mlp.experts
+    stored = experts.parametrizations.w13.original
+    assert stored.dtype == (torch.int32 if CASES[case].fmt == "int4" else torch.uint8)
+    assert experts.w13.dtype == torch.bfloat16
+    sizes = weight_bytes(model)
+    resident, on_disk = sizes.experts + sizes.other, checkpoint_bytes(packed)
+    widened = weight_bytes(load_model(twin, dtype=torch.bfloat16)).experts
+    logger.warning(
+        "%s: resident weight bytes in bf16 %d = %.3fx the checkpoint's %d; experts %.3fx of bf16",
+        case,
+        resident,
+        resident / on_disk,
+        on_disk,
+        sizes.experts / widened,
+    )
+    assert resident <= 1.10 * on_disk
+    assert sizes.experts <= 0.3 * widened
+
+
+def test_checkpoints_have_the_published_layouts(pair):
+    int4, _ = pair("int4-deepseek_v3")
+    config = json.loads((int4 / "config.json").read_text())["quantization_config"]
+    assert config["format"] == "pack-quantized" and config["quant_method"] == "compressed-tensors"
+    assert config["config_groups"]["group_0"]["weights"]["group_size"] == 32
+    assert "model.layers.0.mlp.down_proj" in config["ignore"] and "lm_head" in config["ignore"]
+    expert = "model.layers.1.mlp.experts.5.down_proj"
+    with safe_open(int4 / "model.safetensors", framework="pt") as f:
+        layout = {n: (f.get_slice(n).get_dtype(), f.get_slice(n).get_shape()) for n in f.keys()}
+        assert layout[expert + ".weight_packed"] == ("I32", [64, 4])  # [H, I / 8]
+        assert layout[expert + ".weight_scale"] == ("BF16", [64, 1])  # [H, I / 32]
+        assert f.get_tensor(expert + ".weight_shape").tolist() == [64, 32]
+        assert expert + ".weight" not in layout
+        assert layout["model.layers.1.mlp.shared_experts.up_proj.weight"][0] == "BF16"
+        assert layout["model.layers.1.mlp.gate.e_score_correction_bias"][0] == "F32"
+    nvfp4, _ = pair("nvfp4-qwen3_moe")
+    assert "quantization_config" not in json.loads((nvfp4 / "config.json").read_text())
+    modelopt = json.loads((nvfp4 / "hf_quant_config.json").read_text())["quantization"]
+    assert modelopt["quant_algo"] == "NVFP4" and modelopt["group_size"] == 16
+    expert = "model.layers.0.mlp.experts.3.gate_proj"
+    with safe_open(nvfp4 / "model.safetensors", framework="pt") as f:
+        layout = {n: (f.get_slice(n).get_dtype(), f.get_slice(n).get_shape()) for n in f.keys()}
+        assert layout[expert + ".weight"] == ("U8", [32, 32])  # [I, H / 2]
+        assert layout[expert + ".weight_scale"] == ("F8_E4M3", [32, 4])  # [I, H / 16]
+        assert layout[expert + ".weight_scale_2"] == ("F32", []) and layout[expert + ".input_scale"] == ("F32", [])
+        assert layout["model.layers.0.self_attn.q_proj.weight"][0] == "BF16"
+
+
+def test_int4_bytes_are_compressed_tensors_own():
+    """Our packing is the library's `pack_to_int32`, word for word, and our dequantization its
+    decompression (with float32 scales); signed codes, -8 and 7 included, round trip."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    from moeserve.int4_format import dequantize, pack, quantize, unpack
+
+    g = torch.Generator().manual_seed(0)
+    codes = torch.randint(-8, 8, (6, 64), generator=g, dtype=torch.int8)
+    codes[0, :2] = torch.tensor([-8, 7])
+    assert torch.equal(pack(codes), pack_to_int32(codes, 4)) and torch.equal(unpack(pack(codes)), codes)
+    weight = torch.randn(6, 64, generator=g)
+    packed, scale = quantize(weight, 32)
+    tensors = {"m.weight_packed": packed, "m.weight_scale": scale, "m.weight_shape": torch.tensor([6, 64])}
+    ours = dequantize(packed, scale, torch.float32)
+    assert torch.equal(ours, int4_values(tensors, "m"))
+    # Within half a step, but for the group's largest value: 7.5 steps, clamped to 7, of a scale
+    # rounded to bf16 (which may take it past 7.5 by bf16's relative step, 2 ** -8 of it).
+    assert ((ours - weight).abs() <= 0.53 * scale.float().repeat_interleave(32, dim=-1)).all()
+
+
+def test_nvfp4_codes_are_the_published_rule():
+    """Every code under known FP8 block scales and a global scale decodes as the rule says, and
+    a quantized weight comes back within half of e2m1's widest gap (2) of its block's step."""
+    from moeserve.nvfp4_format import dequantize, quantize
+
+    codes = torch.arange(16, dtype=torch.uint8)
+    packed = (codes[0::2] | (codes[1::2] << 4)).repeat(2, 2)  # [2, 16]: two blocks of every code twice
+    scale = torch.tensor([[0.5, 448.0], [2.0**-9, 3.0]]).to(torch.float8_e4m3fn)
+    tensors = {"m.weight": packed, "m.weight_scale": scale, "m.weight_scale_2": torch.tensor(0.25)}
+    got = dequantize(packed, scale, torch.tensor([0.25]), torch.float32)
+    assert torch.equal(got, nvfp4_values(tensors, "m"))
+    assert got[0, :16].tolist() == [v * 0.5 * 0.25 for v in E2M1 + tuple(-v for v in E2M1)]
+    weight = torch.randn(8, 64, generator=torch.Generator().manual_seed(1))
+    codes, scale, global_scale = quantize(weight)
+    step = scale.float().repeat_interleave(16, dim=-1) * global_scale
+    assert ((dequantize(codes, scale, global_scale[None], torch.float32) - weight).abs() <= step * 1.01).all()
+
+
+def test_ep_rank_reads_only_its_experts_packed_bytes(pair, monkeypatch):
+    """Rank 1 of 4 reads experts 2 and 3 only, and holds exactly the full model's rows and scales."""
+    from moeserve.dispatch import ExpertPlacement
+    from moeserve.models.checkpoint import CheckpointReader
+
+    for case in CASES:
+        packed, _ = pair(case)
+        full = dict(load_model(packed).layers[1].mlp.experts.named_parameters())
+        read: list[str] = []
+        monkeypatch.setattr(
+            CheckpointReader,
+            "get",
+            lambda self, name, read=read, get=CheckpointReader.get: read.append(name) or get(self, name),
+        )
+        mine = load_model(packed, dispatcher=LoadOnly(ExpertPlacement.contiguous(8, ep_size=4, rank=1)))
+        monkeypatch.undo()
+        assert {int(n.split(".experts.")[1].split(".")[0]) for n in read if ".mlp.experts." in n} == {2, 3}, case
+        held = dict(mine.layers[1].mlp.experts.named_parameters())
+        assert held.keys() == full.keys() and len(held) == {"int4": 4, "nvfp4": 6}[CASES[case].fmt], case
+        for name, tensor in held.items():
+            assert torch.equal(tensor, full[name][2:4]), (case, name)
