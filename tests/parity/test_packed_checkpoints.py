@@ -267,3 +267,75 @@ def test_ep_rank_reads_only_its_experts_packed_bytes(pair, monkeypatch):
         assert held.keys() == full.keys() and len(held) == {"int4": 4, "nvfp4": 6}[CASES[case].fmt], case
         for name, tensor in held.items():
             assert torch.equal(tensor, full[name][2:4]), (case, name)
+
+
+def broken_copy(folder, tmp_path, config=None, **tensors: torch.Tensor):
+    """A copy of `folder` with config.json's quantization_config (and any `tensors`) replaced."""
+    broken = shutil.copytree(folder, tmp_path / f"broken-{len(list(tmp_path.iterdir()))}")
+    if config is not None:
+        raw = json.loads((broken / "config.json").read_text())
+        (broken / "config.json").write_text(json.dumps(dict(raw, quantization_config=config)))
+    if tensors:
+        with safe_open(broken / "model.safetensors", framework="pt") as f:
+            stored = {n: f.get_tensor(n) for n in f.keys()}
+        save_file({**stored, **tensors}, broken / "model.safetensors", metadata={"format": "pt"})
+    return broken
+
+
+def test_int4_refusals_name_the_tensor_and_field(pair, tmp_path):
+    """Unknown formats and schemes, group sizes that do not divide the width, malformed scales
+    and shapes, and quantized layers other than routed experts: refused at load, by name."""
+    from moeserve.models.checkpoint import CheckpointError
+    from moeserve.models.loader import model_config
+
+    int4, _ = pair("int4-deepseek_v3")
+    published = json.loads((int4 / "config.json").read_text())["quantization_config"]
+    group = published["config_groups"]["group_0"]
+    with pytest.raises(CheckpointError, match=r"quantization_config.format 'marlin-24': only 'pack-quantized'"):
+        model_config(broken_copy(int4, tmp_path, dict(published, format="marlin-24")))
+    asymmetric = {"group_0": dict(group, weights=dict(group["weights"], symmetric=False))}
+    with pytest.raises(CheckpointError, match=r"config_groups.group_0.weights.symmetric is False: only True"):
+        model_config(broken_copy(int4, tmp_path, dict(published, config_groups=asymmetric)))
+    wide = {"group_0": dict(group, weights=dict(group["weights"], group_size=48))}
+    expert = "model.layers.1.mlp.experts.0.gate_proj"
+    with pytest.raises(
+        CheckpointError, match=rf"tensor {expert}.weight_packed: quantization_config group_size 48 does not divide"
+    ):
+        load_model(broken_copy(int4, tmp_path, dict(published, config_groups=wide)))
+    quantized_attention = [m for m in published["ignore"] if "self_attn" not in m]
+    with pytest.raises(CheckpointError, match=r"module model.layers.0.self_attn.q_a_proj is quantized .* routed"):
+        load_model(broken_copy(int4, tmp_path, dict(published, ignore=quantized_attention)))
+    with safe_open(int4 / "model.safetensors", framework="pt") as f:
+        scale = f.get_tensor(f"{expert}.weight_scale")
+    nan = scale.clone()
+    nan[3, 1] = float("nan")
+    with pytest.raises(CheckpointError, match=rf"tensor {expert}.weight_scale holds nan at \[3, 1\]: scales must be"):
+        load_model(broken_copy(int4, tmp_path, **{f"{expert}.weight_scale": nan}))
+    up = expert.replace("gate_proj", "up_proj")  # gate's scales are bf16: a parameter holds one dtype
+    with pytest.raises(CheckpointError, match=rf"tensor {up}.weight_scale is F32 \[32, 2\], expected BF16 \[32, "):
+        load_model(broken_copy(int4, tmp_path, **{f"{up}.weight_scale": scale.float()}))
+    with pytest.raises(CheckpointError, match=rf"tensor {expert}.weight_shape says \[32, 32\], config.json implies"):
+        load_model(broken_copy(int4, tmp_path, **{f"{expert}.weight_shape": torch.tensor([32, 32])}))
+
+
+def test_nvfp4_refusals_and_both_config_forms(pair, tmp_path):
+    """hf_quant_config.json and config.json's flat form read alike; an unknown quant_algo, a
+    malformed global scale and a block scale of the wrong dtype are refused by name."""
+    from moeserve.config import NVFP4Config
+    from moeserve.models.checkpoint import CheckpointError
+    from moeserve.models.loader import model_config
+
+    nvfp4, _ = pair("nvfp4-qwen3_moe")
+    exclude = json.loads((nvfp4 / "hf_quant_config.json").read_text())["quantization"]["exclude_modules"]
+    assert model_config(nvfp4).weight_quant == NVFP4Config(tuple(exclude))
+    flat = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16, "ignore": exclude}
+    assert model_config(broken_copy(nvfp4, tmp_path, flat)).weight_quant == NVFP4Config(tuple(exclude))
+    with pytest.raises(CheckpointError, match=r"quant_method 'modelopt' with quant_algo 'FP8': only 'NVFP4'"):
+        model_config(broken_copy(nvfp4, tmp_path, dict(flat, quant_algo="FP8")))
+    expert = "model.layers.1.mlp.experts.4.down_proj"
+    with pytest.raises(CheckpointError, match=rf"tensor {expert}.weight_scale_2 holds 0.0 at \[\]: .* and positive"):
+        load_model(broken_copy(nvfp4, tmp_path, **{f"{expert}.weight_scale_2": torch.tensor(0.0)}))
+    with safe_open(nvfp4 / "model.safetensors", framework="pt") as f:
+        scale = f.get_tensor(f"{expert}.weight_scale")
+    with pytest.raises(CheckpointError, match=rf"tensor {expert}.weight_scale is F32 \[64, 2\], expected F8_E4M3"):
+        load_model(broken_copy(nvfp4, tmp_path, **{f"{expert}.weight_scale": scale.float()}))
