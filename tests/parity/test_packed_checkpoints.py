@@ -339,3 +339,46 @@ def test_nvfp4_refusals_and_both_config_forms(pair, tmp_path):
         scale = f.get_tensor(f"{expert}.weight_scale")
     with pytest.raises(CheckpointError, match=rf"tensor {expert}.weight_scale is F32 \[64, 2\], expected F8_E4M3"):
         load_model(broken_copy(nvfp4, tmp_path, **{f"{expert}.weight_scale": scale.float()}))
+
+
+def kimi_k25_checkpoint(int4, folder):
+    """The INT4 DeepSeek-V3 checkpoint laid out as Kimi-K2.5's multimodal release: config under
+    text_config (its quantization_config with it, module names under the prefix), every tensor
+    under `language_model.`, and a vision tower beside it."""
+    folder = shutil.copytree(int4, folder)
+    text = json.loads((folder / "config.json").read_text())
+    quant = text["quantization_config"]
+    quant["ignore"] = [f"language_model.{m}" for m in quant["ignore"]] + ["re:vision_tower.*", "re:mm_projector.*"]
+    config = {
+        "architectures": ["KimiK25ForConditionalGeneration"],
+        "model_type": "kimi_k25",
+        "text_config": dict(text, architectures=["DeepseekV3ForCausalLM"], model_type="kimi_k2"),
+        "vision_config": {"hidden_size": 16, "num_hidden_layers": 1, "patch_size": 2},
+    }
+    (folder / "config.json").write_text(json.dumps(config))
+    with safe_open(folder / "model.safetensors", framework="pt") as f:
+        tensors = {f"language_model.{n}": f.get_tensor(n) for n in f.keys()}
+    tower = {
+        "vision_tower.patch_embed.proj.weight": torch.ones(16, 12),
+        "mm_projector.proj.0.weight": torch.ones(64, 16),
+    }
+    save_file({**tensors, **tower}, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
+
+
+def test_kimi_k25_text_model_matches_its_int4_deepseek_twin(pair, reference, tmp_path):
+    """Kimi-K2.5's layout (text model under `language_model.`, config under text_config) reads the
+    same weights as the DeepSeek-V3 INT4 checkpoint it was made from: transformers' tokens on
+    that checkpoint's dequantized twin, the vision tower never read."""
+    from moeserve.config import PackedInt4Config
+    from moeserve.models.loader import model_config
+
+    int4, _ = pair("int4-deepseek_v3")
+    kimi = kimi_k25_checkpoint(int4, tmp_path / "kimi")
+    cfg = model_config(kimi)
+    assert cfg.architecture == "KimiK25ForConditionalGeneration" and isinstance(cfg.weight_quant, PackedInt4Config)
+    assert cfg.weight_quant.group_size == 32 and cfg.is_mla
+    outs = LLM(str(kimi), block_size=8, max_model_len=96).generate(
+        [{"prompt_token_ids": p} for p in prompts()], GREEDY, use_tqdm=False
+    )
+    assert [o.outputs[0].token_ids for o in outs] == reference("int4-deepseek_v3")[1]
