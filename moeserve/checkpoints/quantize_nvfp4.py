@@ -19,9 +19,10 @@ from moeserve.checkpoints.packed_experts import is_routed_expert, unquantized
 from moeserve.checkpoints.rewrite import rewrite_tensors
 from moeserve.nvfp4_format import GROUP, SCALE_MAX, quantize
 
-EXCLUDED = ["lm_head", "model.layers.*.self_attn*", "model.layers.*.mlp.gate", "model.layers.*.mlp.shared_experts*"]
+EXCLUDED = ["lm_head", "model.layers.*.self_attn*", "model.layers.*.mlp.gate", "model.layers.*.mlp.shared_expert*"]
 """What stays unquantized: the LM head, attention and the routers, as the releases exclude them,
-and DeepSeek's shared experts (quantized layers other than routed experts are not read)."""
+and the shared experts (DeepSeek's `shared_experts`, Qwen2-MoE's `shared_expert` and its gate):
+quantized layers other than routed experts are not read."""
 DENSE_LAYERS = "model.layers.{}.mlp*"  # DeepSeek's first dense layers, excluded by index
 
 
