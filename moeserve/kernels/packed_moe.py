@@ -18,7 +18,6 @@ pair's combine weight and scattered to the pair's row), as `fused_moe_reference`
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -26,63 +25,16 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from moeserve import int4_format, nvfp4_format
 from moeserve.kernels.fused_moe import pairs_by_expert
 from moeserve.kernels.gemm_tiles import aligned_tile
 from moeserve.kernels.launch_config import default_max_programs
 from moeserve.kernels.targets import require_launchable
+from moeserve.packed_weight import PackedExperts
 
 if TYPE_CHECKING:
     from moeserve.kernels.moe_align import AlignedPairs
 
 BLOCK_N, BLOCK_K, GROUP_M, NUM_WARPS = 64, 64, 8, 4
-
-
-@dataclass(frozen=True)
-class PackedExperts:
-    """Stacked experts `[E, N, K]` as the model holds them (`models/int4.py`, `models/nvfp4.py`).
-
-    codes: INT4 int32 `[E, N, K / 8]`; NVFP4 uint8 `[E, N, K / 2]`.
-    scales: INT4 `[E, N, K / group]` (bf16, fp16 or fp32); NVFP4 float8_e4m3fn `[E, N, K / 16]`.
-    global_scales: NVFP4 float32 `[E, parts]` (output feature n is in part `n // (N / parts)`);
-      None for INT4.
-    """
-
-    codes: torch.Tensor
-    scales: torch.Tensor
-    global_scales: torch.Tensor | None = None
-
-    @property
-    def nvfp4(self) -> bool:
-        return self.global_scales is not None
-
-    @property
-    def shape(self) -> tuple[int, int, int]:
-        experts, n, packed_k = self.codes.shape
-        return experts, n, packed_k * (2 if self.nvfp4 else int4_format.CODES_PER_WORD)
-
-    @property
-    def group(self) -> int:
-        return self.shape[2] // self.scales.shape[2]
-
-    def __post_init__(self) -> None:
-        experts, n, k = self.shape
-        want_codes = torch.uint8 if self.nvfp4 else torch.int32
-        if self.codes.dtype != want_codes or self.scales.dim() != 3 or self.scales.shape[:2] != (experts, n):
-            raise ValueError(
-                f"need {want_codes} codes [E, N, packed K] with scales [E, N, groups]; got {self.codes.dtype} "
-                f"{tuple(self.codes.shape)} with {tuple(self.scales.shape)}"
-            )
-        if k % self.scales.shape[2] or (self.nvfp4 and self.group != nvfp4_format.GROUP):
-            raise ValueError(f"scales {tuple(self.scales.shape)} do not cut {k} inputs into whole groups")
-        if self.nvfp4 and (self.global_scales.shape[0] != experts or n % self.global_scales.shape[1]):
-            raise ValueError(f"global scales {tuple(self.global_scales.shape)} for {experts} experts of {n} rows")
-
-    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        """The values `[E, N, K]` in `dtype`: what the kernels multiply, up to their rounding."""
-        if self.nvfp4:
-            return nvfp4_format.dequantize(self.codes, self.scales, self.global_scales, dtype)
-        return int4_format.dequantize(self.codes, self.scales, dtype)
 
 
 @triton.jit

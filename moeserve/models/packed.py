@@ -98,7 +98,11 @@ class PackedWeight(nn.Module):
             self.register_parameter(name, nn.Parameter(tensor, requires_grad=False))
 
     def forward(self, codes: torch.Tensor) -> torch.Tensor:
-        return self.fmt.dequantize(codes, tuple(getattr(self, n) for n in self.fmt.held), self.dtype)
+        return self.fmt.dequantize(codes, self.held(), self.dtype)
+
+    def held(self) -> tuple[torch.Tensor, ...]:
+        """The scales beside the codes, in `fmt.held` order (the `PackedExperts` fields after codes)."""
+        return tuple(getattr(self, n) for n in self.fmt.held)
 
 
 def pack_parameter(module: nn.Module, name: str, fmt: PackedFormat, parts: int) -> tuple[nn.Parameter, ...]:

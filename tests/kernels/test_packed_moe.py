@@ -8,6 +8,8 @@ by summation order only, fp16 adds its own rounding of the stored intermediates.
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
@@ -76,3 +78,28 @@ def test_global_scales_apply_per_part_and_shapes_are_checked():
         PackedExperts(w.codes, w.scales[..., :5], w.global_scales)
     with pytest.raises(ValueError, match="need torch.int32 codes"):
         PackedExperts(w.codes, w.scales.float())
+
+
+@pytest.mark.parametrize("arch,fmt", [("deepseek_v3", "int4"), ("qwen3_moe", "nvfp4")])
+def test_packed_model_on_triton_equals_the_torch_path(make_checkpoint, tmp_path, device, monkeypatch, arch, fmt):
+    """A whole INT4 / NVFP4 model on the Triton kernels: the experts run the packed GEMMs on the
+    stored codes (never a dequantized copy) and give the torch path's logits. Both are weight-only
+    in float32, so they differ by summation order only."""
+    from helpers.reference import prefill_logits
+
+    from moeserve.checkpoints import quantize_int4, quantize_nvfp4
+    from moeserve.models import load_model
+    from moeserve.ops import create_ops
+    from moeserve.packed_weight import PackedExperts
+
+    overrides = {"num_experts": 4} if arch == "qwen3_moe" else {}
+    folder = shutil.copytree(make_checkpoint(arch, 2, **overrides), tmp_path / fmt)
+    (quantize_int4 if fmt == "int4" else quantize_nvfp4).quantize_checkpoint(folder)
+    prompts = [[5, 9, 11, 13, 17], [7], [21, 4, 8, 30, 2, 99, 140]]
+    want = prefill_logits(load_model(folder, device=device), prompts)
+    triton_path = load_model(folder, device=device, ops=create_ops("triton", device))
+    with monkeypatch.context() as patch:
+        patch.setattr(PackedExperts, "dequantize", lambda *_: pytest.fail("Triton path dequantized packed experts"))
+        got = prefill_logits(triton_path, prompts)
+    assert ((got - want).norm() / want.norm()).item() < 1e-5
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
