@@ -34,7 +34,9 @@ from moeserve.packed_weight import PackedExperts
 if TYPE_CHECKING:
     from moeserve.kernels.moe_align import AlignedPairs
 
-BLOCK_N, BLOCK_K, GROUP_M, NUM_WARPS = 64, 64, 8, 4
+# K tiles of 32: the tile's codes, scales and decoded values live in registers beside the
+# accumulator, and at 64 the NVFP4 decode spilled (~670 B per thread at sm_90, compile check).
+BLOCK_N, BLOCK_K, GROUP_M, NUM_WARPS = 64, 32, 8, 4
 
 
 @triton.jit

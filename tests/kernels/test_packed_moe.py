@@ -17,8 +17,12 @@ from moeserve import int4_format, nvfp4_format
 from moeserve.kernels.moe_align import moe_align_block_size
 from moeserve.kernels.packed_moe import PackedExperts, packed_moe, packed_moe_reference
 
-# Two K tiles in both GEMMs (one partial), gate and up meeting inside an N tile (BLOCK_N 64).
-H, I, E, K = 96, 96, 4, 2
+E, K = 4, 2
+# (hidden, expert width) per format: several K tiles (BLOCK_K 32) in both GEMMs, the last one
+# partial where the format's group allows it (NVFP4: 16), gate and up meeting inside an N tile
+# (BLOCK_N 64).
+SHAPES = {"int4": (96, 96), "nvfp4": (80, 48)}
+H, I = SHAPES["nvfp4"]
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
 
 
@@ -55,15 +59,19 @@ def on(w: PackedExperts, device) -> PackedExperts:
 @pytest.mark.parametrize("fmt", MAKERS)
 @pytest.mark.parametrize("num_tokens", [1, 7])
 def test_packed_moe_matches_reference(fmt, dtype, num_tokens, device):
-    w13, w2 = on(MAKERS[fmt](2, I, H, seed=1), device), on(MAKERS[fmt](1, H, I, seed=2), device)
+    hidden_size, inter = SHAPES[fmt]
+    w13, w2 = (
+        on(MAKERS[fmt](2, inter, hidden_size, seed=1), device),
+        on(MAKERS[fmt](1, hidden_size, inter, seed=2), device),
+    )
     g = torch.Generator().manual_seed(num_tokens)
-    hidden = torch.randn(num_tokens, H, generator=g).to(dtype).to(device)
+    hidden = torch.randn(num_tokens, hidden_size, generator=g).to(dtype).to(device)
     topk_ids = torch.rand(num_tokens, E, generator=g).topk(K, dim=-1).indices.to(torch.int32).to(device)
     pair_weights = torch.rand(num_tokens * K, generator=g).to(device)
     aligned = moe_align_block_size(topk_ids, E, 16)
     got = packed_moe(hidden, w13, w2, aligned, K, pair_weights, max_programs=3)
     want = packed_moe_reference(hidden, w13, w2, aligned, K, pair_weights)
-    assert got.dtype == dtype and got.shape == (num_tokens * K, H)
+    assert got.dtype == dtype and got.shape == (num_tokens * K, hidden_size)
     assert (got.float() - want.float()).abs().max().item() <= TOL[dtype] * want.float().abs().max().item()
     assert want.abs().max() > 0
 
@@ -74,8 +82,8 @@ def test_global_scales_apply_per_part_and_shapes_are_checked():
     doubled = PackedExperts(w.codes, w.scales, w.global_scales * torch.tensor([1.0, 2.0]))
     assert torch.equal(doubled.dequantize(torch.float32)[:, :I], w.dequantize(torch.float32)[:, :I])
     assert torch.equal(doubled.dequantize(torch.float32)[:, I:], 2 * w.dequantize(torch.float32)[:, I:])
-    with pytest.raises(ValueError, match="do not cut 96 inputs into whole groups"):
-        PackedExperts(w.codes, w.scales[..., :5], w.global_scales)
+    with pytest.raises(ValueError, match="do not cut 80 inputs into whole groups"):
+        PackedExperts(w.codes, w.scales[..., :3], w.global_scales)
     with pytest.raises(ValueError, match="need torch.int32 codes"):
         PackedExperts(w.codes, w.scales.float())
 
