@@ -142,10 +142,11 @@ def shape_of(config: ModelConfig, name: str) -> ModelShape:
 def load_shape(model: str) -> ModelShape:
     """A known model by name, or a checkpoint folder (only its config.json is read)."""
     from moeserve.models.architectures import resolve_architecture
+    from moeserve.models.checkpoint import read_config
 
     path = Path(model)
     if (path / "config.json").is_file():
-        raw, name = json.loads((path / "config.json").read_text()), path.name
+        raw, name = read_config(path), path.name
     elif (CONFIGS / f"{model}.json").is_file():
         raw, name = json.loads((CONFIGS / f"{model}.json").read_text()), model
     else:

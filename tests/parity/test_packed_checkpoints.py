@@ -324,10 +324,12 @@ def test_nvfp4_refusals_and_both_config_forms(pair, tmp_path):
     from moeserve.config import NVFP4Config
     from moeserve.models.checkpoint import CheckpointError
     from moeserve.models.loader import model_config
+    from moeserve.plan.shapes import load_shape
 
     nvfp4, _ = pair("nvfp4-qwen3_moe")
     exclude = json.loads((nvfp4 / "hf_quant_config.json").read_text())["quantization"]["exclude_modules"]
     assert model_config(nvfp4).weight_quant == NVFP4Config(tuple(exclude))
+    assert load_shape(str(nvfp4)).expert_weight_bytes == pytest.approx(4.5 / 8)  # the planner reads it too
     flat = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16, "ignore": exclude}
     assert model_config(broken_copy(nvfp4, tmp_path, flat)).weight_quant == NVFP4Config(tuple(exclude))
     with pytest.raises(CheckpointError, match=r"quant_method 'modelopt' with quant_algo 'FP8': only 'NVFP4'"):
