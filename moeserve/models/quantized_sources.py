@@ -123,7 +123,13 @@ def packed_sources(
         quantized = [m for m in modules if quant.quantizes(m)]
         if not quantized:
             continue
-        if not (isinstance(source, WeightSource) and source.stacked) or len(quantized) != len(modules):
+        if len(quantized) != len(modules) and isinstance(source, WeightSource) and source.stacked:
+            plain = next(m for m in modules if m not in quantized)
+            raise CheckpointError(
+                f"quantization_config ({_method(quant)}) quantizes {quantized[0]} but not {plain}: a layer's "
+                "routed experts are read quantized all alike"
+            )
+        if not (isinstance(source, WeightSource) and source.stacked):
             raise CheckpointError(
                 f"module {quantized[0]} is quantized by quantization_config ({_method(quant)}), and only routed "
                 f"experts are read in that format: a checkpoint must keep it unquantized (listed in its "

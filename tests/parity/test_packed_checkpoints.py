@@ -305,6 +305,9 @@ def test_int4_refusals_name_the_tensor_and_field(pair, tmp_path):
     quantized_attention = [m for m in published["ignore"] if "self_attn" not in m]
     with pytest.raises(CheckpointError, match=r"module model.layers.0.self_attn.q_a_proj is quantized .* routed"):
         load_model(broken_copy(int4, tmp_path, dict(published, ignore=quantized_attention)))
+    one_plain = [*published["ignore"], "model.layers.1.mlp.experts.6.up_proj"]
+    with pytest.raises(CheckpointError, match=r"quantizes .*experts.0.gate_proj but not .*experts.6.up_proj"):
+        load_model(broken_copy(int4, tmp_path, dict(published, ignore=one_plain)))
     with safe_open(int4 / "model.safetensors", framework="pt") as f:
         scale = f.get_tensor(f"{expert}.weight_scale")
     nan = scale.clone()
