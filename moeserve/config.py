@@ -8,6 +8,8 @@ malformed key is reported in one place, before any weight is read.
 
 from __future__ import annotations
 
+import fnmatch
+import re
 from dataclasses import dataclass
 from typing import Literal
 
@@ -23,10 +25,13 @@ __all__ = [
     "GatedActivation",
     "MLAConfig",
     "ModelConfig",
+    "NVFP4Config",
+    "PackedInt4Config",
     "ParallelConfig",
     "RopeConfig",
     "RouterConfig",
     "SLOConfig",
+    "WeightQuant",
     "parse_dtype",
 ]
 
@@ -135,6 +140,47 @@ class MXFP4Config:
 
 
 @dataclass(frozen=True)
+class PackedInt4Config:
+    """compressed-tensors `pack-quantized` W4A16 weights (Kimi-K2-Thinking, Kimi-K2.5): signed
+    4-bit integers, eight per int32, with one scale per `group_size` inputs (`int4_format.py`).
+    Which modules are quantized is the config's `config_groups` targets less its `ignore` list,
+    matched as the library matches them: a plain entry is a module name (or, for targets, the
+    class `Linear`), a `re:` entry a regular expression matched at the name's start."""
+
+    group_size: int
+    targets: tuple[str, ...] = ("Linear",)
+    ignore: tuple[str, ...] = ()
+
+    def quantizes(self, module: str) -> bool:
+        """Whether the linear layer `module` (its checkpoint name) is stored quantized."""
+        return not any(_matches(module, i) for i in self.ignore) and any(
+            t == "Linear" or _matches(module, t) for t in self.targets
+        )
+
+
+@dataclass(frozen=True)
+class NVFP4Config:
+    """ModelOpt NVFP4 weights (`quant_algo: NVFP4`): e2m1 codes, an FP8 scale per 16 inputs and a
+    float32 scale per tensor (`nvfp4_format.py`). Every linear layer is quantized but those its
+    `exclude_modules` (`ignore` in config.json) name, as shell-style wildcards (`fnmatch`), the
+    way ModelOpt writes them (`model.layers.*.self_attn*`)."""
+
+    exclude: tuple[str, ...] = ()
+
+    def quantizes(self, module: str) -> bool:
+        """Whether the linear layer `module` (its checkpoint name) is stored quantized."""
+        return not any(fnmatch.fnmatchcase(module, pattern) for pattern in self.exclude)
+
+
+def _matches(module: str, entry: str) -> bool:
+    """compressed-tensors' name match: `re:<pattern>` is re.match, anything else the exact name."""
+    return re.match(entry[3:], module) is not None if entry.startswith("re:") else module == entry
+
+
+WeightQuant = BlockFP8Config | MXFP4Config | PackedInt4Config | NVFP4Config
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """A checkpoint's architecture, in moeserve's own terms."""
 
@@ -170,7 +216,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     eos_token_ids: tuple[int, ...] = ()
     checkpoint_dtype: torch.dtype = torch.float32
-    weight_quant: BlockFP8Config | MXFP4Config | None = None  # None: weights stored in checkpoint_dtype
+    weight_quant: WeightQuant | None = None  # None: weights stored in checkpoint_dtype
     num_mtp_layers: int = 0
     """Multi-token prediction layers the checkpoint stores after its decoder layers (DeepSeek-V3's
     and GLM-4.5's `num_nextn_predict_layers`); loaded only to draft (`spec_decode` method mtp)."""

@@ -265,6 +265,20 @@ class ChatMessageParam(OpenAIModel):
     tool_call_id: str | None = None
     """A tool turn: the call it answers."""
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, content: Any) -> Any:
+        """Image, audio and file parts are refused by name: the models served are text models
+        (Kimi-K2.5's text model is served without its vision tower)."""
+        for part in content if isinstance(content, list) else ():
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text":
+                raise ValueError(
+                    f"content part type {kind!r} is not supported: this server runs text models only, "
+                    "and message content must be a string or a list of 'text' parts"
+                )
+        return content
+
     def template_message(self) -> dict[str, Any]:
         """The message as chat templates take it (HF's convention: a call's arguments as a dict)."""
         message: dict[str, Any] = {"role": self.role, "content": self.text()}

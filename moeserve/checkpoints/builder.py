@@ -19,7 +19,8 @@ Two departures from HF's own random init, both so that the tiny models test some
 
 With ``quantize="fp8"`` the saved weights are then rewritten as the FP8 releases lay them out
 (``quantize_fp8.py``), with ``quantize="mxfp4"`` gpt-oss's experts as its MXFP4 release lays
-them out (``quantize_mxfp4.py``).
+them out (``quantize_mxfp4.py``), with ``quantize="int4"`` / ``"nvfp4"`` the routed experts as
+Kimi-K2.5's INT4 and ModelOpt's NVFP4 releases store them (``quantize_int4.py``, ``quantize_nvfp4.py``).
 
 gpt-oss is saved as transformers lays out its bf16 form: a layer's experts in four stacked
 tensors (``mlp.experts.gate_up_proj`` and ``down_proj`` with their biases), not one per expert.
@@ -46,7 +47,7 @@ from transformers import (
     Qwen3MoeConfig,
 )
 
-from moeserve.checkpoints import quantize_fp8, quantize_mxfp4
+from moeserve.checkpoints import quantize_fp8, quantize_int4, quantize_mxfp4, quantize_nvfp4
 from moeserve.checkpoints.mtp import write_mtp_layers
 from moeserve.checkpoints.spec import SUPPORTED_ARCHS, MakeModelSpec
 from moeserve.checkpoints.tokenizer import BOS_ID, EOS_ID, HARMONY_IDS, IM_END_ID, PAD_ID, train_tokenizer
@@ -84,6 +85,10 @@ def make_model(spec: MakeModelSpec, out_dir: Path) -> Path:
         quantize_fp8.quantize_checkpoint(out_dir)
     elif spec.quantize == "mxfp4":
         quantize_mxfp4.quantize_checkpoint(out_dir)
+    elif spec.quantize == "int4":
+        quantize_int4.quantize_checkpoint(out_dir)
+    elif spec.quantize == "nvfp4":
+        quantize_nvfp4.quantize_checkpoint(out_dir)
     train_tokenizer(spec.vocab, out_dir, model_max_length=spec.max_position_embeddings, chat_format=spec.chat_format)
     logger.info("made %s model (%s) in %s", spec.arch, _describe(spec), out_dir)
     return out_dir

@@ -13,7 +13,10 @@ from moeserve.checkpoints.tokenizer import HARMONY_TOKENS, MIN_VOCAB_SIZE
 
 Arch = Literal["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "olmoe", "glm4_moe", "minimax_m2", "gpt_oss"]
 DType = Literal["float32", "bfloat16", "float16"]
-Quantize = Literal["none", "fp8", "mxfp4"]
+Quantize = Literal["none", "fp8", "mxfp4", "int4", "nvfp4"]
+# Architectures whose routed experts are per-expert gate_proj/up_proj/down_proj tensors, as the
+# INT4 (compressed-tensors) and NVFP4 (ModelOpt) releases store them.
+PACKED_EXPERT_ARCHS = ("deepseek_v3", "qwen3_moe", "qwen2_moe", "glm4_moe", "olmoe")
 ChatFormat = Literal["chatml", "harmony"]
 MTPInit = Literal["random", "aligned"]
 SUPPORTED_ARCHS: tuple[str, ...] = get_args(Arch)
@@ -96,7 +99,10 @@ class MakeModelSpec:
     """fp8: linear weights saved as FP8 with a float32 scale per 128x128 block, as DeepSeek-V3
     and Qwen3-FP8 are published (embeddings, LM head, norms and routers stay in dtype). mxfp4
     (gpt_oss only): the experts saved as FP4 codes with a power-of-two scale per 32 values, as
-    gpt-oss-20b/120b are published (expert biases in bf16, the rest in dtype)."""
+    gpt-oss-20b/120b are published (expert biases in bf16, the rest in dtype). int4: the routed
+    experts as compressed-tensors pack-quantized INT4 in groups of 32, as Kimi-K2-Thinking/K2.5
+    are published; nvfp4: as ModelOpt's NVFP4 releases (hf_quant_config.json); both keep the rest
+    in bf16."""
     chat_format: ChatFormat = "chatml"
     """harmony (gpt_oss only): the tokenizer carries harmony's markers as special tokens and
     generation stops at ``<|return|>`` and ``<|call|>``, as gpt-oss's do, so the server speaks
@@ -161,6 +167,17 @@ def _check_common(spec: MakeModelSpec) -> None:
         spec.quantize != "mxfp4" or (spec.hidden % 32 == 0 and spec.expert_intermediate % 32 == 0),
         f"quantize=mxfp4 cuts expert rows into blocks of 32: hidden={spec.hidden} and "
         f"moe_intermediate={spec.expert_intermediate} must be multiples of 32",
+    )
+    packed = {"int4": 32, "nvfp4": 16}.get(spec.quantize)
+    _require(
+        packed is None or spec.arch in PACKED_EXPERT_ARCHS,
+        f"quantize={spec.quantize!r} writes per-expert gate/up/down projections: {', '.join(PACKED_EXPERT_ARCHS)}, "
+        f"not {spec.arch}",
+    )
+    _require(
+        packed is None or (spec.hidden % packed == 0 and spec.expert_intermediate % packed == 0),
+        f"quantize={spec.quantize} cuts expert rows into groups of {packed}: hidden={spec.hidden} and "
+        f"moe_intermediate={spec.expert_intermediate} must be multiples of {packed}",
     )
     _require(spec.init_std > 0, f"init_std={spec.init_std} must be positive")
     _require(spec.mtp_layers >= 0, f"mtp_layers={spec.mtp_layers} must be >= 0")

@@ -1,5 +1,6 @@
-"""Where a GEMM tile's data lives: the order tiles are visited in and, for block-scaled FP8
-weights, the scale each output column reads. Shared by the fused MoE and the w8a8 linear.
+"""Where a GEMM tile's data lives: the order tiles are visited in, the rows of a tile over
+expert-aligned pairs, and, for block-scaled FP8 weights, the scale each output column reads.
+Shared by the fused MoE, the packed-expert MoE and the w8a8 linear.
 """
 
 from __future__ import annotations
@@ -18,6 +19,18 @@ def tile_coords(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     pid_m = first_m + (tile % group_width) % group_rows
     pid_n = (tile % group_width) // group_rows
     return pid_m, pid_n
+
+
+@triton.jit
+def aligned_tile(tile, num_pid_m, num_pid_n, sorted_ids_ptr, block_experts_ptr, num_pairs, BLOCK_M, GROUP_M):
+    """A persistent grid's tile over pairs aligned by expert (`AlignedPairs`): (its column
+    block, its sorted slots, their pairs, which are live (padding holds the sentinel
+    `num_pairs`), and the one expert its rows belong to)."""
+    pid_m, pid_n = tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
+    slots = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ids_ptr + slots)
+    expert = tl.load(block_experts_ptr + pid_m).to(tl.int64)
+    return pid_n, slots, pair, pair < num_pairs, expert
 
 
 @triton.jit

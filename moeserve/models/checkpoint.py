@@ -15,6 +15,8 @@ from safetensors import safe_open
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+MODELOPT_FILE = "hf_quant_config.json"
+"""Where ModelOpt's releases (NVFP4) state their quantization when config.json does not."""
 
 
 class CheckpointError(ValueError):
@@ -31,6 +33,15 @@ def read_json(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"{path} is not valid JSON: {e}") from None
 
 
+def read_config(folder: Path) -> dict[str, Any]:
+    """config.json, with ModelOpt's `hf_quant_config.json` as its quantization_config where it
+    has none (as vLLM reads it: the file's `quantization` section under quant_method modelopt)."""
+    config = read_json(folder / "config.json")
+    if not config.get("quantization_config") and (folder / MODELOPT_FILE).is_file():
+        config["quantization_config"] = {"quant_method": "modelopt", **read_json(folder / MODELOPT_FILE)}
+    return config
+
+
 class CheckpointReader:
     """Tensor name -> file map of a checkpoint folder; reads single tensors on demand."""
 
@@ -38,7 +49,7 @@ class CheckpointReader:
         self.folder = Path(folder)
         if not self.folder.is_dir():
             raise CheckpointError(f"checkpoint folder {self.folder} does not exist")
-        self.config = read_json(self.folder / "config.json")
+        self.config = read_config(self.folder)
         self.weight_map = self._weight_map()
         self._handles: dict[str, Any] = {}
 

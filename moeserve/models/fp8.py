@@ -23,6 +23,8 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from moeserve.fp8_format import FP8_DTYPE, SCALE_DTYPE, BlockFP8Weight, dequantize
+from moeserve.models.packed import PackedWeight
+from moeserve.packed_weight import PackedExperts
 
 
 class BlockFP8(nn.Module):
@@ -58,15 +60,17 @@ def quantize_parameter(
     return param_list.original, param_list[0].scale_inv
 
 
-def stored_weight(module: nn.Module, name: str) -> torch.Tensor | BlockFP8Weight:
+def stored_weight(module: nn.Module, name: str) -> torch.Tensor | BlockFP8Weight | PackedExperts:
     """`module.<name>` as stored: a `BlockFP8Weight` of its FP8 bytes and scales if it is
-    block-quantized FP8 (without dequantizing), else what reading it gives (the parameter, or
-    another format's dequantized values)."""
+    block-quantized FP8, `PackedExperts` of its codes and scales if it is INT4 or NVFP4 (neither
+    dequantized), else what reading it gives (the parameter, or MXFP4's dequantized values)."""
     # Read from `_modules` rather than through `parametrize.is_parametrized`: this runs for every
     # GEMM of every step, and on an unquantized module that asks for a missing attribute, an
     # AttributeError raised and caught each time (3x the cost of reading the weight).
     parametrizations = module._modules.get("parametrizations")
     param_list = None if parametrizations is None else parametrizations._modules.get(name)
+    if param_list is not None and isinstance(param_list[0], PackedWeight):
+        return PackedExperts(param_list.original, *param_list[0].held())
     if param_list is None or not isinstance(param_list[0], BlockFP8):
         return getattr(module, name)
     return BlockFP8Weight(param_list.original, param_list[0].scale_inv, param_list[0].block)

@@ -17,14 +17,23 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from moeserve.config import BlockFP8Config, ModelConfig
+from moeserve.config import BlockFP8Config, ModelConfig, NVFP4Config, PackedInt4Config
 from moeserve.dispatch import Dispatcher, ExpertMap, ExpertPlacement, create_dispatcher
 from moeserve.models.architectures import resolve_architecture
 from moeserve.models.checkpoint import CheckpointError, CheckpointReader
 from moeserve.models.decoder import MoECausalLM
 from moeserve.models.fp8 import BlockFP8, quantize_parameter
 from moeserve.models.mxfp4 import MXFP4, MXFP4ExpertsSource, pack_parameter
-from moeserve.models.quantized_sources import FP8_TENSOR, fp8_sources, mxfp4_sources, read_held, scale_grid
+from moeserve.models.packed import PackedExpertsSource, PackedWeight
+from moeserve.models.packed import pack_parameter as pack_packed_parameter
+from moeserve.models.quantized_sources import (
+    FP8_TENSOR,
+    fp8_sources,
+    mxfp4_sources,
+    packed_sources,
+    read_held,
+    scale_grid,
+)
 from moeserve.models.tensor_parallel import SINGLE, TensorParallel, shard_of
 from moeserve.models.weight_sources import check_sources, layer_source, weight_source
 from moeserve.ops import TORCH_OPS, LayerOps
@@ -80,7 +89,12 @@ def load_model(
         name: weight_source(name, arch.names, experts_by_layer, cfg.num_experts, cfg.num_layers) for name in targets
     }
     mxfp4 = mxfp4_sources(sources, targets, reader, cfg.weight_quant)
-    plain = {name: source for name, source in sources.items() if name not in mxfp4}
+    packed = {}
+    if isinstance(cfg.weight_quant, PackedInt4Config | NVFP4Config):
+        packed = packed_sources(cfg.weight_quant, sources, reader)
+        for name, source in packed.items():
+            source.check(reader, targets[name].shape)
+    plain = {name: source for name, source in sources.items() if name not in mxfp4 and name not in packed}
     check_sources(plain, targets, reader)
     fp8_quant = cfg.weight_quant if isinstance(cfg.weight_quant, BlockFP8Config) else None
     fp8 = fp8_sources(plain, reader, fp8_quant)
@@ -89,13 +103,16 @@ def load_model(
     for name in mxfp4:
         module, attr = name.rsplit(".", 1)
         storage[name] = pack_parameter(model.get_submodule(module), attr)
+    for name, source in packed.items():
+        module, attr = name.rsplit(".", 1)
+        storage[name] = pack_packed_parameter(model.get_submodule(module), attr, source.fmt, len(source.modules[0]))
     for name, source in fp8.items():
         module, attr = name.rsplit(".", 1)
         grid = scale_grid(source, reader, block, shard_of(targets[name]))
         storage[name] = quantize_parameter(model.get_submodule(module), attr, len(source.parts[0]), block, grid)
     with torch.no_grad():
         for name, param in targets.items():
-            source = mxfp4.get(name) or fp8.get(name) or sources[name]
+            source = mxfp4.get(name) or packed.get(name) or fp8.get(name) or sources[name]
             fp8_block = block if name in fp8 else None
             # Router correction bias and fp32 gates keep their own dtype (see Router).
             held = read_held(source, reader, param.dtype, fp8_block, shard_of(param))
@@ -114,9 +131,20 @@ def load_model(
         sizes.experts / 2**20,
         sizes.other / 2**20,
         dtype,
-        f", {len(fp8)} parameters in FP8" if fp8 else f", {len(mxfp4)} parameters in MXFP4" if mxfp4 else "",
+        _quantized_note(fp8, mxfp4, packed),
     )
     return model
+
+
+def _quantized_note(fp8: dict, mxfp4: dict, packed: dict[str, PackedExpertsSource]) -> str:
+    """What the load log says of the quantized parameters."""
+    if fp8:
+        return f", {len(fp8)} parameters in FP8"
+    if mxfp4:
+        return f", {len(mxfp4)} parameters in MXFP4"
+    if packed:
+        return f", {len(packed)} parameters in {next(iter(packed.values())).fmt.name}"
+    return ""
 
 
 def _check_mtp(cfg: ModelConfig, expert_map: ExpertMap, reader: CheckpointReader) -> None:
@@ -167,6 +195,9 @@ class ExpertReader:
                 quant = param_list[0]
                 if isinstance(quant, MXFP4):
                     source = MXFP4ExpertsSource(source.name, source.experts, source.num_experts, source.layout)
+                elif isinstance(quant, PackedWeight):
+                    modules = tuple(tuple(n.removesuffix(".weight") for n in part) for part in source.parts)
+                    source = PackedExpertsSource(modules, quant.fmt)
                 elif isinstance(quant, BlockFP8):
                     fp8_block = quant.block
                 else:

@@ -1,22 +1,27 @@
-"""Quantized checkpoint tensors: which of our parameters are stored FP8 or MXFP4, checked, and
-how their bytes and scales are read as the model holds them.
+"""Quantized checkpoint tensors: which of our parameters are stored FP8, MXFP4, INT4 or NVFP4,
+checked, and how their bytes and scales are read as the model holds them.
 
 FP8 (`models/fp8.py`): block-scaled float8_e4m3fn weights with one scale per block, stored in
 float32, bfloat16 or float16 as each release chose and widened (exactly) to float32 as read; a
 tensor-parallel rank reads its slice of both, which must cut the weight at scale-block
 boundaries. MXFP4 (gpt-oss, `models/mxfp4.py`): the expert projections as packed FP4 codes and
 their scales, of a rank's experts only; those scales are uint8 power-of-two exponents, kept as
-stored.
+stored. INT4 and NVFP4 (`models/packed.py`): which linear layers are quantized is what the
+config's rules say of each one's checkpoint name; the routed experts are read packed, of a rank's
+experts only, and any other layer the rules quantize is refused by name.
 """
 
 from __future__ import annotations
 
 import torch
 
-from moeserve.config import BlockFP8Config, MXFP4Config
+from moeserve.config import BlockFP8Config, MXFP4Config, NVFP4Config, PackedInt4Config, WeightQuant
 from moeserve.fp8_format import FP8_DTYPE, SCALE_DTYPE, scale_name, scale_shape
 from moeserve.models.checkpoint import CheckpointError, CheckpointReader
+from moeserve.models.int4 import Int4Format
 from moeserve.models.mxfp4 import MXFP4ExpertsSource
+from moeserve.models.nvfp4 import NVFP4Format
+from moeserve.models.packed import PackedExpertsSource, PackedFormat
 from moeserve.models.tensor_parallel import Shard
 from moeserve.models.weight_sources import FusedExpertsSource, WeightSource, read_source
 
@@ -66,7 +71,7 @@ def mxfp4_sources(
     sources: dict[str, WeightSource | FusedExpertsSource],
     targets: dict[str, torch.Tensor],
     reader: CheckpointReader,
-    quant: BlockFP8Config | MXFP4Config | None,
+    quant: WeightQuant | None,
 ) -> dict[str, MXFP4ExpertsSource]:
     """Our expert projections held as MXFP4 in the checkpoint (none unless config.json says
     mxfp4), each checked; any other `*_blocks`/`*_scales` tensor is refused by name, since only
@@ -94,6 +99,62 @@ def mxfp4_sources(
             "(mlp.experts.gate_up_proj, mlp.experts.down_proj) are read in that format"
         )
     return found
+
+
+_NOT_LINEAR = ("embed_tokens", "norm", "router", "shared_gate", "sinks", "bias")
+"""Our parameters that are no linear layer's weight (a quantization config's `Linear` never
+covers them): embeddings, norms, routers (which vLLM and the releases keep unquantized), the
+shared-expert gate, attention sinks and biases."""
+
+
+def packed_sources(
+    quant: PackedInt4Config | NVFP4Config,
+    sources: dict[str, WeightSource | FusedExpertsSource],
+    reader: CheckpointReader,
+) -> dict[str, PackedExpertsSource]:
+    """Our routed expert projections the INT4 / NVFP4 config quantizes (checked by the caller
+    once the model's shapes are known); a quantized layer that is not a routed expert is
+    refused by name."""
+    found: dict[str, PackedExpertsSource] = {}
+    for name, source in sources.items():
+        if any(word in name for word in _NOT_LINEAR):
+            continue
+        modules = [tensor.removesuffix(".weight") for tensor in source.names]
+        quantized = [m for m in modules if quant.quantizes(m)]
+        if not quantized:
+            continue
+        if len(quantized) != len(modules) and isinstance(source, WeightSource) and source.stacked:
+            plain = next(m for m in modules if m not in quantized)
+            raise CheckpointError(
+                f"quantization_config ({_method(quant)}) quantizes {quantized[0]} but not {plain}: a layer's "
+                "routed experts are read quantized all alike"
+            )
+        if not (isinstance(source, WeightSource) and source.stacked):
+            raise CheckpointError(
+                f"module {quantized[0]} is quantized by quantization_config ({_method(quant)}), and only routed "
+                f"experts are read in that format: a checkpoint must keep it unquantized (listed in its "
+                f"{'ignore' if isinstance(quant, PackedInt4Config) else 'exclude_modules'})"
+            )
+        parts = tuple(tuple(n.removesuffix(".weight") for n in part) for part in source.parts)
+        found[name] = PackedExpertsSource(parts, _format(quant, reader, parts))
+    if not found:
+        raise CheckpointError(
+            f"config.json says {_method(quant)} but its rules quantize no routed expert projection of {reader.folder}"
+        )
+    return found
+
+
+def _method(quant: PackedInt4Config | NVFP4Config) -> str:
+    return "compressed-tensors pack-quantized" if isinstance(quant, PackedInt4Config) else "modelopt NVFP4"
+
+
+def _format(
+    quant: PackedInt4Config | NVFP4Config, reader: CheckpointReader, parts: tuple[tuple[str, ...], ...]
+) -> PackedFormat:
+    """The backend of a parameter whose experts are `parts` (INT4: its scales' stored dtype)."""
+    if isinstance(quant, NVFP4Config):
+        return NVFP4Format()
+    return Int4Format.of(reader, parts[0][0], quant.group_size)
 
 
 def scale_shard(shard: Shard, block: tuple[int, int], name: str) -> Shard:
@@ -125,16 +186,16 @@ def read_scales(
 
 
 def read_held(
-    source: WeightSource | FusedExpertsSource | MXFP4ExpertsSource,
+    source: WeightSource | FusedExpertsSource | MXFP4ExpertsSource | PackedExpertsSource,
     reader: CheckpointReader,
     dtype: torch.dtype,
     fp8_block: tuple[int, int] | None,
     shard: Shard | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """A parameter's tensors exactly as the model holds them: its value in `dtype`, or, quantized,
-    its stored bytes and scales (an MXFP4 source; an FP8 one when `fp8_block` is given). The one
+    its stored bytes and scales (an MXFP4 or packed source; an FP8 one when `fp8_block` is given). The one
     place a checkpoint tensor takes its in-memory layout, for a load and for a heal alike."""
-    if isinstance(source, MXFP4ExpertsSource):
+    if isinstance(source, MXFP4ExpertsSource | PackedExpertsSource):
         return source.read(reader)
     if fp8_block is not None:
         return read_source(source, reader, FP8_DTYPE, shard), read_scales(source, reader, fp8_block, shard)

@@ -103,7 +103,7 @@ def layer_source(
     """Checkpoint tensors behind `layers.{layer}.{suffix}` of our model; local_experts: the
     checkpoint expert in each of this rank's slots of that layer (unused if it has no experts),
     of the model's `num_experts`."""
-    p = f"model.layers.{layer}."
+    p = f"{names.prefix}model.layers.{layer}."
     moe = f"{p}{names.moe}."
     if names.fused_experts and suffix in _FUSED:
         tensor, layout = _FUSED[suffix]
@@ -152,6 +152,13 @@ _MTP = {
 }
 
 
+_TOP_LEVEL = {
+    "embed_tokens": "model.embed_tokens.weight",
+    "lm_head": "lm_head.weight",
+    "norm.weight": "model.norm.weight",
+}  # ours -> the checkpoint's, after the architecture's prefix
+
+
 def weight_source(
     name: str,
     names: CheckpointNames,
@@ -165,16 +172,12 @@ def weight_source(
     if mtp is not None:
         layer, suffix = num_layers + int(mtp.group(1)), mtp.group(2)
         if suffix in _MTP:
-            return WeightSource.one(f"model.layers.{layer}.{_MTP[suffix]}")
+            return WeightSource.one(f"{names.prefix}model.layers.{layer}.{_MTP[suffix]}")
         if not suffix.startswith("layer."):
             raise KeyError(f"no checkpoint mapping for parameter {name!r}")
         return layer_source(layer, suffix[len("layer.") :], names, experts_by_layer.get(layer, ()), num_experts)
-    if name == "embed_tokens":
-        return WeightSource.one("model.embed_tokens.weight")
-    if name == "lm_head":
-        return WeightSource.one("lm_head.weight")
-    if name == "norm.weight":
-        return WeightSource.one("model.norm.weight")
+    if name in _TOP_LEVEL:
+        return WeightSource.one(names.prefix + _TOP_LEVEL[name])
     match = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
     if match is None:
         raise KeyError(f"no checkpoint mapping for parameter {name!r}")

@@ -20,17 +20,20 @@ from moeserve.dispatch.base import DispatchLayout
 from moeserve.dispatch.fp8 import FP8Rows
 from moeserve.fp8_format import BlockFP8Weight
 from moeserve.ops.attention import AttentionBatch, AttentionPlan, DecodeGraphInputs
+from moeserve.packed_weight import PackedExperts
 
 PlanT = TypeVar("PlanT", bound=AttentionPlan)
 
-Weight = torch.Tensor | BlockFP8Weight
-"""A GEMM weight as a layer stores it: a tensor in the model's dtype, or block-quantized FP8
-bytes with their scales (`models.fp8.stored_weight`), which each backend multiplies its own way."""
+Weight = torch.Tensor | BlockFP8Weight | PackedExperts
+"""A GEMM weight as a layer stores it: a tensor in the model's dtype, block-quantized FP8 bytes
+with their scales, or packed 4-bit experts with theirs (`models.fp8.stored_weight`), which each
+backend multiplies its own way."""
 
 
 def dense_weight(weight: Weight, dtype: torch.dtype) -> torch.Tensor:
-    """`weight`'s values as a tensor: FP8 dequantized into `dtype`, anything else as it is."""
-    return weight.dequantize(dtype) if isinstance(weight, BlockFP8Weight) else weight
+    """`weight`'s values as a tensor: FP8 or packed experts dequantized into `dtype`, anything
+    else as it is."""
+    return weight.dequantize(dtype) if isinstance(weight, BlockFP8Weight | PackedExperts) else weight
 
 
 class LayerOps(ABC, Generic[PlanT]):

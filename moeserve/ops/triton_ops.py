@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from moeserve.config import MLAConfig, ModelConfig, MXFP4Config, RouterConfig
+from moeserve.config import BlockFP8Config, MLAConfig, ModelConfig, MXFP4Config, RouterConfig
 from moeserve.dispatch.base import DispatchLayout
 from moeserve.dispatch.fp8 import GROUP as FP8_ROW_GROUP
 from moeserve.fp8_format import BlockFP8Weight
@@ -25,12 +25,14 @@ from moeserve.kernels.launch_config import block_m_for
 from moeserve.kernels.mla_attention import mla_decode
 from moeserve.kernels.moe_align import moe_align_block_size
 from moeserve.kernels.norm import fused_add_rms_norm, rms_norm
+from moeserve.kernels.packed_moe import packed_moe
 from moeserve.kernels.paged_attention import PagedInputs, paged_attention, paged_inputs
 from moeserve.kernels.rotary import apply_rotary_qk_
 from moeserve.kernels.routing import route
 from moeserve.ops.attention import AttentionBatch, AttentionPlan, DecodeGraphInputs
 from moeserve.ops.base import LayerOps, Weight
 from moeserve.ops.grouped_mlp import row_experts
+from moeserve.packed_weight import PackedExperts
 
 
 @dataclass(frozen=True)
@@ -55,13 +57,14 @@ class TritonOps(LayerOps[TritonAttentionPlan]):
 
     @classmethod
     def supports_model(cls, cfg: ModelConfig) -> str | None:
-        """Block-quantized FP8 weights run as w8a8 when their K tile suits the kernels; MXFP4
-        weights (no FP4 x bf16 GEMM yet) and gpt-oss's layer options have no kernel yet: sinks in
+        """Block-quantized FP8 weights run as w8a8 when their K tile suits the kernels, INT4 and
+        NVFP4 experts as packed grouped GEMMs; MXFP4 weights (no FP4 x bf16 GEMM yet) and
+        gpt-oss's layer options have no kernel yet: sinks in
         the attention kernels, biases and the clamped SwiGLU in `fused_moe`, its
         top-k-then-softmax router in `route`."""
         if isinstance(cfg.weight_quant, MXFP4Config):
             return "the Triton kernels have no MXFP4 (FP4 x bf16) expert GEMM yet; use kernels=torch for MXFP4 weights"
-        if cfg.weight_quant is not None and group_problem(cfg.weight_quant.block[1]) is not None:
+        if isinstance(cfg.weight_quant, BlockFP8Config) and group_problem(cfg.weight_quant.block[1]) is not None:
             return f"{group_problem(cfg.weight_quant.block[1])}; use kernels=torch"
         if cfg.attention_sinks:
             return "the Triton attention kernels have no attention sinks (gpt-oss); use kernels=torch"
@@ -156,18 +159,20 @@ class TritonOps(LayerOps[TritonAttentionPlan]):
         device counts; padding rows get no expert and come out as zeros. The weights stay with combine().
         FP8 experts run the w8a8 fused MoE on their stored bytes and scales, and on the FP8 rows
         the dispatch delivered when their groups are the weights' K blocks (128 channels, as
-        DeepSeek-V3's): no quantization of the rows' dequantised values again."""
+        DeepSeek-V3's): no quantization of the rows' dequantised values again. INT4 and NVFP4
+        experts run the packed grouped GEMMs on their stored codes and scales (W4A16)."""
         if b13 is not None or b2 is not None or (activation is not None and activation.kind != "silu"):
             raise ValueError("kernels=triton: fused_moe has no expert biases nor clamped SwiGLU (see supports_model)")
-        fp8 = isinstance(w13, BlockFP8Weight)
-        if fp8 != isinstance(w2, BlockFP8Weight):
-            raise ValueError("kernels=triton: w13 and w2 must both be FP8 or both unquantized")
+        if type(w13) is not type(w2):
+            raise ValueError("kernels=triton: w13 and w2 must be stored alike (FP8, packed or unquantized)")
         num_experts = w13.shape[0]
         if layout is DispatchLayout.EXPERT_MAJOR:
             topk_ids = row_experts(counts, x.shape[0])[:, None]
         num_rows, top_k = topk_ids.shape
         aligned = moe_align_block_size(topk_ids, num_experts, block_m_for(num_rows, top_k, num_experts))
-        if not fp8:
+        if isinstance(w13, PackedExperts):
+            return packed_moe(x.contiguous(), w13, w2, aligned, top_k=top_k)
+        if not isinstance(w13, BlockFP8Weight):
             return fused_moe(x.contiguous(), w13, w2, aligned, top_k=top_k)
         quantized = None
         if x_fp8 is not None and w13.block[1] == FP8_ROW_GROUP:

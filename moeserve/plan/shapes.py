@@ -12,10 +12,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from moeserve.config import BlockFP8Config, ModelConfig, MXFP4Config
+from moeserve.config import BlockFP8Config, ModelConfig, MXFP4Config, NVFP4Config, PackedInt4Config
 
 CONFIGS = Path(__file__).parent / "configs"
 MXFP4_BYTES = 4.25 / 8  # e2m1 code (4 bits) + one e8m0 scale per 32 values
+NVFP4_BYTES = 4.5 / 8  # e2m1 code (4 bits) + one e4m3 scale per 16 values
+
+
+def int4_bytes(group: int) -> float:
+    """Bytes per value of compressed-tensors INT4: a 4-bit code + a bf16 scale per `group` values."""
+    return (4 + 16 / group) / 8
 
 
 def known_models() -> list[str]:
@@ -99,7 +105,13 @@ def shape_of(config: ModelConfig, name: str) -> ModelShape:
     windows = [w for w in config.sliding_windows if w is not None]
     quant = config.weight_quant
     dense_bytes = 1.0 if isinstance(quant, BlockFP8Config) else 2.0
-    expert_bytes = MXFP4_BYTES if isinstance(quant, MXFP4Config) else dense_bytes
+    expert_bytes = dense_bytes
+    if isinstance(quant, MXFP4Config):
+        expert_bytes = MXFP4_BYTES
+    elif isinstance(quant, NVFP4Config):
+        expert_bytes = NVFP4_BYTES
+    elif isinstance(quant, PackedInt4Config):
+        expert_bytes = int4_bytes(quant.group_size)
     return ModelShape(
         name=name,
         hidden=h,
@@ -130,10 +142,11 @@ def shape_of(config: ModelConfig, name: str) -> ModelShape:
 def load_shape(model: str) -> ModelShape:
     """A known model by name, or a checkpoint folder (only its config.json is read)."""
     from moeserve.models.architectures import resolve_architecture
+    from moeserve.models.checkpoint import read_config
 
     path = Path(model)
     if (path / "config.json").is_file():
-        raw, name = json.loads((path / "config.json").read_text()), path.name
+        raw, name = read_config(path), path.name
     elif (CONFIGS / f"{model}.json").is_file():
         raw, name = json.loads((CONFIGS / f"{model}.json").read_text()), model
     else:

@@ -1,8 +1,9 @@
 """A heal recovers quantized experts: one of four ranks is killed mid-decode in an engine serving
 an FP8 block-quantized checkpoint (with redundant experts, so a survivor takes some lost experts
-from a surviving replica and reads the others) and an MXFP4 one (every lost expert read from the
-checkpoint). The stored bytes and their scales must arrive together and in the loader's layout:
-every greedy output equals one process's, and every KV block comes back."""
+from a surviving replica and reads the others), an MXFP4 one and an INT4 one (every lost expert
+read from the checkpoint), and an NVFP4 one (with redundant experts). The stored bytes and their
+scales must arrive together and in the loader's layout: every greedy output equals one
+process's, and every KV block comes back."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import pytest
 import torch
 
 from moeserve import LLM, SamplingParams
-from moeserve.checkpoints import quantize_fp8, quantize_mxfp4
+from moeserve.checkpoints import quantize_fp8, quantize_int4, quantize_mxfp4, quantize_nvfp4
 from moeserve.engine.stats import IterationStats
 
 ENGINE = dict(max_model_len=64, block_size=8, kv_cache_blocks=96)
@@ -37,11 +38,14 @@ class DecodeSteps:
         self.count += stats.num_generation_tokens > 0
 
 
-@pytest.mark.parametrize(("kind", "redundant"), [("fp8", 4), ("mxfp4", 0)])
+@pytest.mark.parametrize(("kind", "redundant"), [("fp8", 4), ("mxfp4", 0), ("int4", 0), ("nvfp4", 4)])
 def test_a_heal_recovers_quantized_experts(make_checkpoint, tmp_path, kind, redundant) -> None:
     if kind == "fp8":
         folder = shutil.copytree(make_checkpoint("qwen3_moe", 5, num_experts=8), tmp_path / kind)
         quantize_fp8.quantize_checkpoint(folder, (16, 16))  # several scale blocks per expert
+    elif kind in ("int4", "nvfp4"):
+        folder = shutil.copytree(make_checkpoint("qwen3_moe", 5, num_experts=8), tmp_path / kind)
+        (quantize_int4 if kind == "int4" else quantize_nvfp4).quantize_checkpoint(folder)
     else:
         folder = shutil.copytree(make_checkpoint("gpt_oss", 5, num_local_experts=8), tmp_path / kind)
         quantize_mxfp4.quantize_checkpoint(folder)

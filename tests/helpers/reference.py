@@ -37,20 +37,33 @@ def hf_greedy_tokens(model, prompt: list[int], num_tokens: int) -> list[int]:
     return ids[0, len(prompt) :].tolist()
 
 
-def max_prefill_dlogit(ours, ref_model, batch: list[list[int]]) -> float:
-    """Largest |logit difference| over every prompt's prefill, ours (one batch, its KV cache in
-    its own dtype) vs transformers."""
+def prefill_logits(model, batch: list[list[int]]) -> torch.Tensor:
+    """A loaded moeserve model's logits at every position of one paged prefill of `batch` (its KV
+    cache in its own dtype, on its device)."""
     from moeserve.ops import attention_batch
 
+    device = model.embed_tokens.device
     block_size, tables, next_block = 4, [], 0
     for p in batch:
         n = -(-len(p) // block_size)
         tables.append(list(range(next_block, next_block + n)))
         next_block += n
-    caches = [torch.zeros(ours.kv_cache_shape(next_block, block_size), dtype=ours.dtype) for _ in ours.layers]
-    plan = ours.ops.plan_attention(attention_batch(tables, [0] * len(batch), [len(p) for p in batch], block_size))
+    caches = [
+        torch.zeros(model.kv_cache_shape(next_block, block_size), dtype=model.dtype, device=device)
+        for _ in model.layers
+    ]
+    plan = model.ops.plan_attention(
+        attention_batch(tables, [0] * len(batch), [len(p) for p in batch], block_size, device)
+    )
     with torch.inference_mode():
-        positions = torch.cat([torch.arange(len(p)) for p in batch])
-        logits = ours.compute_logits(ours(torch.tensor(sum(batch, [])), positions, plan, caches))
+        positions = torch.cat([torch.arange(len(p)) for p in batch]).to(device)
+        return model.compute_logits(model(torch.tensor(sum(batch, []), device=device), positions, plan, caches))
+
+
+def max_prefill_dlogit(ours, ref_model, batch: list[list[int]]) -> float:
+    """Largest |logit difference| over every prompt's prefill, ours (one batch, its KV cache in
+    its own dtype) vs transformers."""
+    logits = prefill_logits(ours, batch)
+    with torch.inference_mode():
         refs = torch.cat([ref_model(torch.tensor([p])).logits[0] for p in batch])
     return (logits.float() - refs.float()).abs().max().item()

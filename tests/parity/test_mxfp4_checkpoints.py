@@ -196,5 +196,6 @@ def test_mxfp4_refusals(checkpoints, tmp_path):
     with pytest.raises(CheckpointError, match="'mxfp4' is read for gpt-oss's experts only .* not Qwen3MoeForCausalLM"):
         model_config(broken)
     (broken / "config.json").write_text(json.dumps(dict(config, quantization_config={"quant_method": "awq"})))
-    with pytest.raises(CheckpointError, match=r"'awq' is not supported \(supported quant methods: fp8, mxfp4\)"):
+    supported = r"\(supported quant methods: fp8, mxfp4, compressed-tensors, modelopt\)"
+    with pytest.raises(CheckpointError, match=r"'awq' is not supported " + supported):
         model_config(broken)

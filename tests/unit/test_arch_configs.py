@@ -75,7 +75,7 @@ def test_rotary_wider_than_a_head_is_refused():
         )
 
 
-@pytest.mark.parametrize("method", ["awq", "gptq", "bitsandbytes", "modelopt", "torchao", "compressed-tensors"])
+@pytest.mark.parametrize("method", ["awq", "gptq", "bitsandbytes", "torchao", "quark"])
 def test_unsupported_quantization_names_itself_and_the_supported_ones(method):
     assert method not in SUPPORTED_QUANT_METHODS
     raw = raw_config("qwen3_moe", quantization_config={"quant_method": method, "bits": 4})

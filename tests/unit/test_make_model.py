@@ -259,6 +259,9 @@ def test_tokenizer_needs_room_for_bytes_and_specials(tmp_path: Path) -> None:
         ({"arch": "qwen3_moe", "quantize": "mxfp4"}, "gpt_oss's expert format"),
         ({"arch": "gpt_oss", "quantize": "mxfp4", "hidden": 48}, "multiples of 32"),
         ({"arch": "gpt_oss", "quantize": "int4"}, "quantize='int4'"),
+        ({"arch": "mixtral", "quantize": "nvfp4"}, "per-expert gate/up/down projections"),
+        ({"arch": "qwen3_moe", "quantize": "int4", "hidden": 48}, "groups of 32"),
+        ({"arch": "qwen3_moe", "quantize": "nvfp4", "moe_intermediate": 40}, "multiples of 16"),
     ],
 )
 def test_bad_spec_is_a_value_error(fields: dict[str, object], message: str) -> None:

@@ -72,6 +72,21 @@ def test_gqa_and_mxfp4_shapes_by_hand():
     assert oss.kv_ctx(1000) == pytest.approx(0.5 * 1000 + 0.5 * 128)
 
 
+def test_int4_and_nvfp4_experts_by_hand():
+    """Kimi-K2.5's INT4 experts: a 4-bit code and a bf16 scale per 32 values; NVFP4: a 4-bit code
+    and an e4m3 scale per 16; the dense layers stay bf16 in both."""
+    from moeserve.config import NVFP4Config, PackedInt4Config
+    from moeserve.models.architectures import resolve_architecture
+    from moeserve.plan.shapes import CONFIGS, shape_of
+
+    v3 = load_shape("deepseek-v3")
+    config = resolve_architecture(json.loads((CONFIGS / "deepseek-v3.json").read_text()))[1]
+    for quant in (PackedInt4Config(32), NVFP4Config()):
+        shape = shape_of(dataclasses.replace(config, weight_quant=quant), "v3")
+        assert shape.expert_weight_bytes == pytest.approx(4.5 / 8) and shape.dense_weight_bytes == 2.0
+        assert not shape.fp8_experts and shape.expert_params == v3.expert_params
+
+
 def test_hardware_is_peak_times_efficiency_until_measured(h100):
     assert h100.hbm_bw == pytest.approx(H100_HBM)
     assert h100.fp8_flops == pytest.approx(H100_FP8)

@@ -188,6 +188,17 @@ def test_chat_bad_values_are_400_naming_the_field(body, param):
     assert (err.status_code, err.param) == (400, param)
 
 
+def test_image_parts_are_refused_by_name():
+    """A vision model's image part (Kimi-K2.5 is served as its text model) is a 400 that says why."""
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    err = api_error(
+        ChatCompletionRequest,
+        chat_body(messages=[{"role": "user", "content": [{"type": "text", "text": "what is it?"}, image]}]),
+    )
+    assert (err.status_code, err.param) == (400, "messages")
+    assert "content part type 'image_url' is not supported: this server runs text models only" in err.message
+
+
 def test_invalid_json_and_error_body_shape():
     with pytest.raises(APIError) as info:
         parse_request(ChatCompletionRequest, b"{not json")

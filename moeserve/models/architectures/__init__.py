@@ -6,14 +6,14 @@ import dataclasses
 from typing import Any
 
 from moeserve.config import ModelConfig
-from moeserve.models.architectures import deepseek, glm4_moe, gpt_oss, minimax_m2, mixtral, olmoe, qwen_moe
+from moeserve.models.architectures import deepseek, glm4_moe, gpt_oss, kimi_k25, minimax_m2, mixtral, olmoe, qwen_moe
 from moeserve.models.architectures.base import Architecture, CheckpointNames
 from moeserve.models.architectures.quantization import SUPPORTED_QUANT_METHODS, check_quantization
 from moeserve.models.checkpoint import CheckpointError
 
 ARCHITECTURES: dict[str, Architecture] = {
     name: module.ARCHITECTURE
-    for module in (mixtral, qwen_moe, deepseek, olmoe, glm4_moe, minimax_m2, gpt_oss)
+    for module in (mixtral, qwen_moe, deepseek, olmoe, glm4_moe, minimax_m2, gpt_oss, kimi_k25)
     for name in module.ARCHITECTURE.hf_names
 }
 
@@ -34,6 +34,8 @@ def resolve_architecture(raw_config: dict[str, Any]) -> tuple[Architecture, Mode
         raise CheckpointError(
             f"architecture {names[0]!r} is not supported; supported: {', '.join(supported_architectures())}"
         )
+    if arch.text_config:
+        raw_config = text_model_config(raw_config)
     weight_quant = check_quantization(raw_config)
     try:
         return arch, dataclasses.replace(arch.parse_config(raw_config), weight_quant=weight_quant)
@@ -41,6 +43,18 @@ def resolve_architecture(raw_config: dict[str, Any]) -> tuple[Architecture, Mode
         raise
     except ValueError as e:  # ModelConfig's own consistency checks
         raise CheckpointError(f"inconsistent config.json for {names[0]}: {e}") from None
+
+
+def text_model_config(raw_config: dict[str, Any]) -> dict[str, Any]:
+    """A multimodal config.json as its text model's: `text_config`'s keys, under the checkpoint's
+    own architecture name, with the quantization_config wherever the release put it."""
+    text = raw_config.get("text_config")
+    if not isinstance(text, dict):
+        raise CheckpointError(
+            f"{raw_config['architectures'][0]} keeps its text model's config under 'text_config', which is missing"
+        )
+    quant = text.get("quantization_config") or raw_config.get("quantization_config")
+    return {**text, "architectures": raw_config["architectures"], "quantization_config": quant}
 
 
 __all__ = [

@@ -32,6 +32,9 @@ class CheckpointNames:
     """gpt-oss: a layer's experts in four stacked tensors (`experts.gate_up_proj [E, H, 2I]` with
     gate and up columns interleaved, `experts.down_proj [E, I, H]`, and their biases), not one
     tensor per expert and projection."""
+    prefix: str = ""
+    """Before every tensor name: Kimi-K2.5's text model sits under `language_model.` in its
+    multimodal checkpoint (beside the vision tower's tensors, never read)."""
 
 
 @dataclass(frozen=True)
@@ -39,6 +42,9 @@ class Architecture:
     hf_names: tuple[str, ...]  # config.json `architectures` values this module serves
     parse_config: Callable[[dict[str, Any]], ModelConfig]
     names: CheckpointNames
+    text_config: bool = False
+    """The text model's config.json keys sit under `text_config` (a multimodal checkpoint served
+    as its text model: Kimi-K2.5); its quantization_config there or at the top level."""
 
 
 class HFConfig:
