@@ -25,7 +25,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from moeserve.sampling_params import SamplingParams
-from moeserve.scheduler import DataParallelScheduler, Request, StepPlan, StepShape, StepTimeModel
+from moeserve.scheduler import DataParallelScheduler, Request, SchedulerConfig, StepPlan, StepShape, StepTimeModel
+from moeserve.scheduler.config import blocks_for_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -67,11 +68,27 @@ class StepProfile:
     """Every model can predict (else they learn on from served steps, as before)."""
 
 
-def profiled_requests(max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int) -> list[ProfiledRequest]:
+def profiled_requests(config: SchedulerConfig) -> list[ProfiledRequest]:
     """One request per step, prompts doubling up to the longest profiled chunk (the last one),
-    outputs shrinking by two, so that the decode batch also shrinks one by one at the end."""
-    count = min(PROFILE_SEQS, max_num_seqs)
-    longest = max(1, min(PROFILE_MAX_PROMPT_TOKENS, max_num_batched_tokens, max_model_len - PROFILE_OUTPUT_TOKENS))
+    outputs shrinking by two, so that the decode batch also shrinks one by one at the end. All of
+    them fit the KV cache together at full length (halving the prompts, then dropping requests,
+    where it is small): preempted, they would run one after another, twice as many steps."""
+    longest = min(
+        PROFILE_MAX_PROMPT_TOKENS, config.max_num_batched_tokens, config.max_model_len - PROFILE_OUTPUT_TOKENS
+    )
+    count = min(PROFILE_SEQS, config.max_num_seqs)
+    while True:
+        requests = _requests(count, max(1, longest), config.max_model_len)
+        blocks = sum(blocks_for_tokens(r.prompt_tokens + r.output_tokens, config.block_size) for r in requests)
+        if blocks <= config.num_kv_blocks or count == 1:
+            return requests
+        if longest > 1:
+            longest //= 2
+        else:
+            count -= 1
+
+
+def _requests(count: int, longest: int, max_model_len: int) -> list[ProfiledRequest]:
     requests = []
     for i in range(count):
         outputs = max(1, min(PROFILE_OUTPUT_TOKENS - 2 * i, max_model_len - 1))
@@ -85,7 +102,7 @@ def profile_step_times(scheduler: DataParallelScheduler, run_step: RunStep, voca
     config = scheduler.config
     own = dict(policy="fcfs", slo_admission="off", enable_prefix_caching=False, max_waiting=None, dp_routing="requests")
     planner = DataParallelScheduler(replace(config, **own), num_groups=len(scheduler.groups))
-    requests = profiled_requests(config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len)
+    requests = profiled_requests(config)
     started = time.monotonic()
     num_steps = 0
     for round_ in range(PROFILE_ROUNDS):

@@ -85,7 +85,7 @@ def test_the_engines_scheduler_never_sees_the_profiles_requests() -> None:
     assert not scheduler.has_unfinished_requests() and scheduler.num_used_blocks == 0
     assert group.block_manager.num_cached_blocks == 0
     assert (group.admission.predicted_on_time, group.admission.rejected) == (0, 0)
-    prompt = [(31 * j + 7) % 100 for j in range(160)]  # the profile's longest prompt, had it been cached
+    prompt = list(range(1, 161))  # ten blocks of prefill: ~15 ms on the fake device
     tight, loose = (SamplingParams(max_tokens=4, slo=RequestSLO(ttft_s, 1.0)) for ttft_s in (0.001, 1.0))
     with pytest.raises(SLORejectedError):
         scheduler.add_request(Request("tight", prompt, tight, (), now()))
@@ -93,19 +93,21 @@ def test_the_engines_scheduler_never_sees_the_profiles_requests() -> None:
     assert (group.admission.rejected, group.num_waiting) == (1, 1)
 
 
+def profiled(**overrides) -> list[tuple[int, int]]:
+    config = dict(max_num_seqs=8, max_num_batched_tokens=8192, max_model_len=4096, block_size=16, num_kv_blocks=512)
+    return [(r.prompt_tokens, r.output_tokens) for r in profiled_requests(SchedulerConfig(**config | overrides))]
+
+
 def test_the_profiled_requests_fit_the_server() -> None:
-    """Prompts double up to the longest chunk a step takes, within max_model_len, one per seat."""
-    assert [(r.prompt_tokens, r.output_tokens) for r in profiled_requests(8, 8192, 4096)] == [
-        (32, 20),
-        (64, 18),
-        (128, 16),
-        (256, 14),
-    ]
-    assert [(r.prompt_tokens, r.arrives_at_step) for r in profiled_requests(8, 64, 4096)] == [
-        (8, 0),
-        (16, 1),
-        (32, 2),
-        (64, 3),
-    ]
-    assert [(r.prompt_tokens, r.output_tokens) for r in profiled_requests(2, 8192, 24)] == [(2, 20), (4, 18)]
-    assert [(r.prompt_tokens, r.output_tokens) for r in profiled_requests(1, 8192, 8)] == [(1, 7)]
+    """Prompts double up to the longest chunk a step takes, within max_model_len, one per seat,
+    and all fit the KV cache at once."""
+    assert profiled() == [(32, 20), (64, 18), (128, 16), (256, 14)]
+    assert profiled(max_num_batched_tokens=64) == [(8, 20), (16, 18), (32, 16), (64, 14)]
+    arrivals = [r.arrives_at_step for r in profiled_requests(SchedulerConfig(max_model_len=64, num_kv_blocks=64))]
+    assert arrivals == [0, 1, 2, 3]
+    assert profiled(max_num_seqs=2, max_model_len=24, num_kv_blocks=8) == [(2, 20), (4, 18)]
+    assert profiled(max_num_seqs=1, max_model_len=8, num_kv_blocks=8) == [(1, 7)]
+    # 12 blocks of 16 tokens: 172-token prompts would take 25, so they halve twice (11 blocks).
+    assert profiled(max_model_len=192, num_kv_blocks=12) == [(5, 20), (10, 18), (21, 16), (43, 14)]
+    # 5 blocks: 1-token prompts still take 7 for four requests, 6 for three; two remain (4 blocks).
+    assert profiled(max_model_len=48, num_kv_blocks=5) == [(1, 20), (1, 18)]
