@@ -93,6 +93,18 @@ def test_the_engines_scheduler_never_sees_the_profiles_requests() -> None:
     assert (group.admission.rejected, group.num_waiting) == (1, 1)
 
 
+def test_requests_too_short_for_a_model_run_again_until_every_model_is_ready() -> None:
+    """An 8-token context leaves one request of 7 steps: three rounds make 21, over the 16 a model needs."""
+    scheduler = dp_scheduler(1, slo_admission="reject", max_num_seqs=1, max_model_len=8)
+    device = FakeDevice()
+
+    profile = profile_step_times(scheduler, device, vocab_size=100)
+
+    assert (profile.num_steps, profile.ready) == (21, True)
+    assert len({new.request_id for plan in device.plans for new in plan.groups[0].new_requests}) == 3
+    assert not device.live
+
+
 def profiled(**overrides) -> list[tuple[int, int]]:
     config = dict(max_num_seqs=8, max_num_batched_tokens=8192, max_model_len=4096, block_size=16, num_kv_blocks=512)
     return [(r.prompt_tokens, r.output_tokens) for r in profiled_requests(SchedulerConfig(**config | overrides))]
