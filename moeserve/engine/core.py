@@ -24,6 +24,7 @@ import torch
 
 from moeserve.config import EngineConfig, ModelConfig
 from moeserve.dispatch.expert_load import RoutedTokens
+from moeserve.engine.step_profile import profile_step_times
 from moeserve.eplb.rebalancer import RebalanceReport
 from moeserve.executor import HealReport, RanksLostError, RejoinReport, create_executor
 from moeserve.kv_transfer.coordinator import KvCoordinator
@@ -178,6 +179,8 @@ class EngineCore:
         """Every return of a restarted rank so far."""
         self.kv: KvCoordinator | None = None
         """Prefill/decode disaggregation (`--role prefill|decode`): KV held for or loaded from peers."""
+        if any(group.step_time_model is not None for group in self.scheduler.groups):  # slo policy or admission
+            profile_step_times(self.scheduler, self._profile_step, model_config.vocab_size)
         if config.kv_transfer.enabled:
             registrations = self.executor.kv_registrations()
             writers = self.executor.kv_writers() if config.kv_transfer.role == "prefill" else []
@@ -322,12 +325,8 @@ class EngineCore:
             self._first_scheduled_late = first_scheduled
             return self._heal(exc, failed, started, rejoined)
         bitmask = None if pending is None else pending.get()
-        if not plan.is_empty and self.config.min_step_time_s > 0:  # the test-only capacity knob
-            time.sleep(max(0.0, started + self.config.min_step_time_s - time.monotonic()))
-        duration_s = time.monotonic() - started
-        group_durations_s = None
-        if not plan.is_empty and self.config.debug_slow_rank is not None:  # the test-only straggler
-            duration_s, group_durations_s = self._straggle(plan, started, duration_s)
+        duration_s, group_durations_s = self._padded(plan, time.monotonic() - started)
+        time.sleep(max(0.0, started + duration_s - time.monotonic()))  # what the test-only knobs add
         added = {rid: t.token_ids for rid, t in sampled.items()}  # accepted drafts, then the sampled token
         ended = self.scheduler.update(plan, added, duration_s, group_durations_s)
         finished = [FinishedSequence(r.request_id, r.finish_reason, r.stop_reason) for r in ended]
@@ -397,15 +396,29 @@ class EngineCore:
             rejoins=rejoined,
         )
 
-    def _straggle(self, plan: StepPlan, started: float, duration_s: float) -> tuple[float, tuple[float, ...]]:
-        """Wait out the slow rank's extra time for its group's share of `plan` (see
-        `moeserve.straggler`): the step's new duration, and each group's own time, the slow
-        group's longer by what it waited."""
+    def _padded(self, plan: StepPlan, elapsed_s: float) -> tuple[float, tuple[float, ...] | None]:
+        """How long a step of `plan` that computed for `elapsed_s` lasts, with the test-only knobs
+        that emulate slower hardware: at least `min_step_time_s`, and the slow rank's extra time
+        for its group's share (see `moeserve.straggler`). Also each group's own time when a rank
+        is slow (the slow group's the whole step), else None. A served step sleeps the difference;
+        the start-up profile only counts it."""
+        if plan.is_empty:
+            return elapsed_s, None
+        duration_s = max(elapsed_s, self.config.min_step_time_s)
         slow = self.config.debug_slow_rank
+        if slow is None:
+            return duration_s, None
         group = slow.rank // self.config.parallel.tp
-        time.sleep(slow.delay_s(plan.groups[group].num_batched_tokens))
-        slowed_s = time.monotonic() - started
+        slowed_s = duration_s + slow.delay_s(plan.groups[group].num_batched_tokens)
         return slowed_s, tuple(slowed_s if g == group else duration_s for g in range(len(plan.groups)))
+
+    def _profile_step(self, plan: StepPlan) -> tuple[dict[str, tuple[int, ...]], float, tuple[float, ...] | None]:
+        """Run one plan of the start-up profile (`step_profile`), timed as `step` times a served
+        one, knobs included, but without sleeping: nobody waits for these tokens."""
+        started = time.monotonic()
+        sampled = self.executor.execute(plan)
+        duration_s, group_durations_s = self._padded(plan, time.monotonic() - started)
+        return {rid: t.token_ids for rid, t in sampled.items()}, duration_s, group_durations_s
 
     def _rejoin(self) -> list[RejoinReport]:
         """Restarted ranks back in the group (if any are ready) serve as new groups from this step."""

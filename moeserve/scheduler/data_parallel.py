@@ -231,6 +231,26 @@ class DataParallelScheduler:
         """Blocks of every group's cache together."""
         return self.config.num_kv_blocks * len(self.groups)
 
+    @property
+    def step_time_models(self) -> list[StepTimeModel]:
+        """Every model that prices steps here: each group's (slo chunk sizing, admission) and
+        each group's in the token router. Until all are `ready` some choice is made blind."""
+        models = [model for s in self.groups if (model := s.step_time_model) is not None]
+        return models + (self.time_router.models if self.time_router is not None else [])
+
+    def observe(self, plan: StepPlan, duration_s: float, group_durations_s: Sequence[float] | None = None) -> None:
+        """A step of `plan` took `duration_s`: each group with work saw the whole lockstep step's
+        time (the slowest group's), which its TBT targets are about. `group_durations_s`, when
+        the executor can tell, is the time each group's ranks spent on their own share; the
+        token router learns each group's speed from it (else from `duration_s`)."""
+        if group_durations_s is not None and len(group_durations_s) != len(self.groups):
+            raise ValueError(f"{len(group_durations_s)} group durations for {len(self.groups)} groups")
+        for g, (scheduler, output) in enumerate(zip(self.groups, plan.groups)):
+            scheduler.observe(output, duration_s)
+            if self.time_router is not None and not output.is_empty:
+                shape = StepShape.of((len(s.token_ids), s.start_position) for s in output.scheduled)
+                self.time_router.observe(g, shape, duration_s if group_durations_s is None else group_durations_s[g])
+
     def schedule(self) -> StepPlan:
         return StepPlan(tuple(s.schedule() for s in self.groups))
 
@@ -241,22 +261,13 @@ class DataParallelScheduler:
         duration_s: float | None = None,
         group_durations_s: Sequence[float] | None = None,
     ) -> list[Request]:
-        """As `Scheduler.update` for every group; each group with work saw the whole lockstep
-        step's time (the slowest group's), which its TBT targets are about. `group_durations_s`,
-        when the executor can tell, is the time each group's ranks spent on their own share; the
-        token router learns each group's speed from it (else from `duration_s`)."""
-        if group_durations_s is not None and len(group_durations_s) != len(self.groups):
-            raise ValueError(f"{len(group_durations_s)} group durations for {len(self.groups)} groups")
-        if self.time_router is not None and duration_s is not None:
-            for g, output in enumerate(plan.groups):
-                if not output.is_empty:
-                    shape = StepShape.of((len(s.token_ids), s.start_position) for s in output.scheduled)
-                    own = duration_s if group_durations_s is None else group_durations_s[g]
-                    self.time_router.observe(g, shape, own)
+        """As `Scheduler.update` for every group, each taught the step's time (`observe`)."""
+        if duration_s is not None:
+            self.observe(plan, duration_s, group_durations_s)
         finished = [
             request
             for scheduler, output in zip(self.groups, plan.groups)
-            for request in scheduler.update(output, sampled_token_ids, duration_s)
+            for request in scheduler.update(output, sampled_token_ids)
         ]
         for request in finished:
             if request.request_id in self._group_of:

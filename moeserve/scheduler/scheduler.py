@@ -490,9 +490,8 @@ class Scheduler:
         requests that finished, so the caller can emit their final outputs.
         """
         self._awaiting_update = False
-        model = self.step_time_model
-        if model is not None and duration_s is not None and not output.is_empty:
-            model.observe(StepShape.of((len(s.token_ids), s.start_position) for s in output.scheduled), duration_s)
+        if duration_s is not None:
+            self.observe(output, duration_s)
         finished: list[Request] = []
         for scheduled in output.scheduled:
             request = self._requests.get(scheduled.request_id)
@@ -517,6 +516,14 @@ class Scheduler:
             elif scheduled.num_draft_tokens:
                 self.block_manager.trim(request, request.num_tokens)
         return finished
+
+    def observe(self, output: SchedulerOutput, duration_s: float) -> None:
+        """Teach the step-time model (if any) that a step of `output`'s shape took `duration_s`:
+        `update` does for every timed step; the engine's start-up profile (`step_profile`) does
+        for steps it planned elsewhere, so that this scheduler predicts before its first request."""
+        model = self.step_time_model
+        if model is not None and not output.is_empty:
+            model.observe(StepShape.of((len(s.token_ids), s.start_position) for s in output.scheduled), duration_s)
 
     def _append_tokens(self, request: Request, sampled: int | Sequence[int]) -> tuple[str, int | None] | None:
         """Append a step's tokens one by one until one ends the request; its stop rule, if any."""
