@@ -105,14 +105,19 @@ class DataParallelScheduler:
         """4 per queued request, 1 per running one (the score `prefix_routing` compares)."""
         return 4 * self.groups[group].num_waiting + self.groups[group].num_running
 
-    def add_request(self, request: Request, slo_admission: bool = True) -> None:
-        """As `Scheduler.add_request`; the request joins the group holding the longest prefix of
-        its prompt unless that group is much busier (see `prefix_routing`), else the least-loaded
-        group."""
+    def add_request(self, request: Request, slo_admission: bool = True, group: int | None = None) -> None:
+        """As `Scheduler.add_request`; the request joins `group` when given (the start-up profile
+        runs the same requests in every group), else the group holding the longest prefix of its
+        prompt unless that group is much busier (see `prefix_routing`), else the least-loaded group."""
         max_waiting = self.config.max_waiting
         if max_waiting is not None and self.num_waiting >= max_waiting:
             raise QueueFullError(f"waiting queue is full ({max_waiting} requests)")
-        group, prompt_hashes = self._route(request)
+        if group is None:
+            group, prompt_hashes = self._route(request)
+        else:
+            prompt_hashes = block_hashes(
+                request, self.config.block_size, (request.num_tokens - 1) // self.config.block_size
+            )
         self.groups[group].add_request(request, slo_admission)
         if self._router is not None:
             self._router.add(request.request_id, group, prompt_hashes)
