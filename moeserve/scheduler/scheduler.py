@@ -34,8 +34,9 @@ Mechanics shared by both policies: iteration-level batching, preemption by recom
   same `allocate`, but instead of running it waits for that KV in `_loading`
   (WAITING_FOR_REMOTE_KV) while others run, and the plan asks the engine to load it
   (`SchedulerOutput.kv_loads`). Once loaded (`finish_kv_load`) its blocks are registered in the
-  prefix cache and it goes back to the queue's head holding them, to compute only its last
-  partial block; a failed load frees them and it recomputes its prompt from the queue.
+  prefix cache and released, and it goes back to the queue's head, whose admission finds them
+  cached and computes only its last partial block; a failed load releases them unregistered and
+  it recomputes its prompt. No queued request holds blocks, so none waits on another that does.
 
 - Speculative decoding (`SchedulerConfig.speculative`): a decode whose drafts can be verified
   exactly feeds n-gram drafts (or slots the runner's MTP layers fill) after its last token, out
@@ -441,8 +442,7 @@ class Scheduler:
 
         Invariant, on entry and on return:
         - every unfinished request is in exactly one of `_waiting` (WAITING or PREEMPTED, no
-          blocks, `num_computed_tokens == 0`; but a WAITING one whose KV was loaded holds the
-          blocks of exactly its computed tokens), `_loading` (WAITING_FOR_REMOTE_KV, holding its
+          blocks, `num_computed_tokens == 0`), `_loading` (WAITING_FOR_REMOTE_KV, holding its
           prompt's full blocks) and `_running` (RUNNING);
         - a running request's blocks cover positions `[0, num_computed_tokens)`; only cached full
           blocks, which nobody writes again, have several owners; `len(_running) <= max_num_seqs`;
@@ -648,12 +648,10 @@ class Scheduler:
                 continue
             if plan.budget <= 0 or plan.split_prefill or len(self._running) >= self.config.max_num_seqs:
                 break
-            # A request whose KV was loaded holds its blocks already: it starts after them.
-            loaded = request.num_computed_tokens
-            cached_blocks = [] if loaded else self.block_manager.lookup(request)
-            if computing and not loaded and self._next_block_in(request, len(cached_blocks), computing):
+            cached_blocks = self.block_manager.lookup(request)
+            if computing and self._next_block_in(request, len(cached_blocks), computing):
                 break
-            num_cached = loaded or len(cached_blocks) * self.config.block_size
+            num_cached = len(cached_blocks) * self.config.block_size
             num_new_tokens = self._num_tokens_to_grant(request, plan, num_cached)
             if num_new_tokens == 0:
                 break  # the TBT target leaves no room
@@ -697,27 +695,27 @@ class Scheduler:
         return True
 
     def finish_kv_load(self, request_id: str, loaded: bool) -> bool:
-        """A load that a plan's `kv_loads` asked for has ended. Loaded: its blocks join the
-        prefix cache and the request goes back to the queue's head holding them, to compute the
-        rest of its prompt. Not loaded: it gives its blocks back and recomputes its prompt from
-        the queue. False when the request no longer waits for it (it finished meanwhile)."""
+        """A load that a plan's `kv_loads` asked for has ended: the request goes back to the
+        queue's head. Loaded: its blocks join the prefix cache first, so its admission takes them
+        as a cached prefix and computes only the rest of its prompt. Not loaded: it recomputes its
+        prompt. False when the request no longer waits for it (it finished meanwhile)."""
         request = self._loading.get(request_id)
         if request is None:
             return False
         if not loaded:
             self._give_up_kv_load(request)
             return True
-        del self._loading[request_id]
         num_cached = request.num_computed_tokens
         request.num_computed_tokens = len(request.block_ids) * self.config.block_size
         self.block_manager.cache_full_blocks(request, num_cached)
-        request.status = RequestStatus.WAITING
-        self._waiting.requeue(request)
+        self._give_up_kv_load(request)  # its blocks stay findable: admission takes them back
         return True
 
     def _give_up_kv_load(self, request: Request) -> None:
-        """Back to the queue to recompute its prompt, its blocks freed (the load's own pins keep
-        the ones a transfer may still write until it ends)."""
+        """Back to the queue's head holding no block, as every queued request: the blocks a
+        transfer may still write stay pinned by the load until it ends, and loaded ones, cached,
+        are found again on admission. (A queued request holding blocks while it waits for more
+        would deadlock with another doing the same, nothing running to free any.)"""
         del self._loading[request.request_id]
         self.block_manager.free(request)
         request.num_computed_tokens = 0

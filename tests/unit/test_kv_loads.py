@@ -89,6 +89,28 @@ def test_a_loaded_request_computes_only_its_last_block_and_its_blocks_become_a_c
     assert scheduler.block_manager.lookup(_request("again", tokens)) == request.block_ids[:3]
 
 
+def test_loaded_requests_never_wait_on_each_other_for_blocks():
+    """Two loads fill the cache; once both are in, neither may sit in the queue holding its
+    blocks while it needs one more (nothing running would ever free one): both finish."""
+    scheduler = Scheduler(_config(6))
+    requests = [
+        _request(f"r{i}", list(range(10 * i + 1, 10 * i + 14)), remote="127.0.0.1:9", max_tokens=2) for i in (0, 1)
+    ]
+    for request in requests:
+        scheduler.add_request(request)
+    assert len(scheduler.schedule().kv_loads) == 2 and scheduler.block_manager.num_free_blocks == 0
+    for request in requests:
+        assert scheduler.finish_kv_load(request.request_id, loaded=True)
+    for _ in range(20):
+        if not scheduler.has_unfinished_requests():
+            break
+        plan = scheduler.schedule()
+        assert not plan.is_empty, "queued requests wait for blocks only running ones could free"
+        scheduler.update(plan, {s.request_id: 7 for s in plan.scheduled if s.sample})
+    assert all(r.status is RequestStatus.FINISHED_LENGTH for r in requests)
+    assert scheduler.block_manager.num_used_blocks == 0
+
+
 def test_a_failed_load_recomputes_the_prompt_with_its_blocks_given_back():
     scheduler = Scheduler(_config(16))
     request = _request("r", list(range(1, 14)), remote="127.0.0.1:9")
