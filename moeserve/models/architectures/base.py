@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -32,6 +32,13 @@ class CheckpointNames:
     """gpt-oss: a layer's experts in four stacked tensors (`experts.gate_up_proj [E, H, 2I]` with
     gate and up columns interleaved, `experts.down_proj [E, I, H]`, and their biases), not one
     tensor per expert and projection."""
+    fused_layout: Literal["gpt_oss", "rows"] = "gpt_oss"
+    """How fused experts are laid out: gpt-oss's (above), or `rows`, as transformers 5 holds
+    experts and Qwen3.5 releases them: `experts.gate_up_proj [E, 2I, H]` (gate rows, then up rows)
+    and `experts.down_proj [E, H, I]`, each expert already our `[out, in]`."""
+    model_prefix: str = "model."
+    """Where the decoder's tensors live; a multimodal checkpoint's language model sits deeper
+    (Qwen3.5's `model.language_model.`)."""
 
 
 @dataclass(frozen=True)
@@ -76,7 +83,9 @@ class HFConfig:
             "num_heads": num_heads,
             "num_kv_heads": self.get("num_key_value_heads", num_heads),
             "head_dim": self.head_dim(),
-            "intermediate_size": self.require("intermediate_size"),
+            "intermediate_size": fields["intermediate_size"]
+            if "intermediate_size" in fields  # Qwen3.5: no dense layers, no such key
+            else self.require("intermediate_size"),
             "rms_norm_eps": self.require("rms_norm_eps", kind=float),
             "max_position_embeddings": self.require("max_position_embeddings"),
             "tie_word_embeddings": bool(self.get("tie_word_embeddings", False)),
