@@ -230,6 +230,7 @@ class Worker:
             self.device,
             self.tp.size,
             len(model.mtp),
+            num_state_slots=spec.max_num_seqs,
         )
         settings = GraphSettings(
             str(self.device),
