@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from moeserve.ops.state_batch import StateStep
+
 CHUNK = 64
 
 
@@ -103,3 +105,52 @@ def recurrent_gated_delta_step(
     delta = (v - (s * k.unsqueeze(-1)).sum(-2)) * beta.float().unsqueeze(-1)  # [B, Hv, Dv]
     s = s + k.unsqueeze(-1) * delta.unsqueeze(-2)
     return (s * q.unsqueeze(-1)).sum(-2).to(dtype), s
+
+
+def split_heads(
+    mixed: torch.Tensor, head_dims: tuple[int, int], num_v_heads: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Conv output `[n, C]` -> q, k `[n, Hk, Dk]`, v `[n, Hv, Dv]`."""
+    dk, dv = head_dims
+    key_dim = (mixed.shape[1] - num_v_heads * dv) // 2
+    q, k, v = mixed.split([key_dim, key_dim, num_v_heads * dv], dim=-1)
+    n = mixed.shape[0]
+    return q.reshape(n, -1, dk), k.reshape(n, -1, dk), v.reshape(n, num_v_heads, dv)
+
+
+def gated_delta_net(
+    mixed: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    conv_weight: torch.Tensor,
+    step: StateStep,
+    head_dims: tuple[int, int],
+) -> torch.Tensor:
+    """`LayerOps.gated_delta_net` in torch, with transformers' choice of form: the decodes (one
+    token from a state) batched through one recurrent step, every other sequence (a prompt or a
+    chunk of one) through the conv and the chunked rule on its own."""
+    state, batch = step.state, step.batch
+    num_v_heads = g.shape[1]
+    core = mixed.new_empty(mixed.shape[0], num_v_heads, head_dims[1])
+    first = 0
+    decodes: list[tuple[int, int]] = []  # (row, slot) of sequences stepping one token from a state
+    for slot, qlen, resumes in zip(batch.slots, batch.query_lens, batch.resumes):
+        if qlen == 1 and resumes:
+            decodes.append((first, slot))
+        elif qlen:
+            rows = slice(first, first + qlen)
+            conv = state.conv[slot : slot + 1] if resumes else None
+            out, new_conv = causal_conv1d(mixed[rows].t().unsqueeze(0), conv_weight, conv)  # [1, C, n]
+            state.conv[slot] = new_conv[0]
+            q, k, v = split_heads(out[0].t(), head_dims, num_v_heads)
+            initial = state.recurrent[slot] if resumes else None
+            core[rows], state.recurrent[slot] = chunk_gated_delta_rule(q, k, v, g[rows], beta[rows], initial)
+        first += qlen
+    if decodes:
+        rows, slots = (torch.tensor(column, device=mixed.device) for column in zip(*decodes))
+        out, state.conv[slots] = causal_conv1d(mixed[rows].unsqueeze(-1), conv_weight, state.conv[slots])
+        q, k, v = split_heads(out.squeeze(-1), head_dims, num_v_heads)
+        core[rows], state.recurrent[slots] = recurrent_gated_delta_step(
+            q, k, v, g[rows], beta[rows], state.recurrent[slots]
+        )
+    return core

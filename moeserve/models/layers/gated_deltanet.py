@@ -27,7 +27,6 @@ from moeserve.engine_config import dtype_name
 from moeserve.models.layers.linear import Linear
 from moeserve.models.tensor_parallel import SINGLE, Rows, TensorParallel, mark_rows, row_parallel
 from moeserve.ops import TORCH_OPS, LayerOps
-from moeserve.ops.gated_delta import causal_conv1d, chunk_gated_delta_rule, recurrent_gated_delta_step
 from moeserve.ops.state_batch import StateStep
 
 
@@ -94,10 +93,10 @@ class GatedDeltaNet(nn.Module):
         assert lin is not None
         k_heads, v_heads = _heads(lin, tp)
         self.num_v_heads, self.head_v_dim = len(v_heads), lin.value_head_dim
-        self.key_dim = len(k_heads) * lin.key_head_dim
         self.head_k_dim = lin.key_head_dim
+        self.ops = ops
         h, value_dim = cfg.hidden_size, self.num_v_heads * lin.value_head_dim
-        channels = 2 * self.key_dim + value_dim
+        channels = 2 * len(k_heads) * lin.key_head_dim + value_dim
         rows = checkpoint_rows(lin, tp)
         self.in_proj_qkv = Linear(h, channels, False, dtype, device, ops)
         self.in_proj_z = Linear(h, value_dim, False, dtype, device, ops)
@@ -141,42 +140,10 @@ class GatedDeltaNet(nn.Module):
         z = self.in_proj_z(x)  # [T, Hv * Dv]
         beta = self.in_proj_b(x).sigmoid()  # [T, Hv]
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)  # [T, Hv]
-        core = x.new_empty(num_tokens, self.num_v_heads, self.head_v_dim)
-        conv_weight = self.conv1d.squeeze(1)  # [C, K]
-        state, batch = step.state, step.batch
-        first = 0
-        decodes: list[tuple[int, int]] = []  # (row, slot) of sequences stepping one token from a state
-        for slot, qlen, resumes in zip(batch.slots, batch.query_lens, batch.resumes):
-            if qlen == 1 and resumes:
-                decodes.append((first, slot))
-            elif qlen:
-                rows = slice(first, first + qlen)
-                conv = state.conv[slot : slot + 1] if resumes else None
-                out, new_conv = causal_conv1d(mixed[rows].t().unsqueeze(0), conv_weight, conv)  # [1, C, n]
-                state.conv[slot] = new_conv[0]
-                q, k, v = self._split(out[0].t())
-                initial = state.recurrent[slot] if resumes else None
-                core[rows], state.recurrent[slot] = chunk_gated_delta_rule(q, k, v, g[rows], beta[rows], initial)
-            first += qlen
-        if decodes:
-            rows, slots = (torch.tensor(column, device=x.device) for column in zip(*decodes))
-            out, state.conv[slots] = causal_conv1d(mixed[rows].unsqueeze(-1), conv_weight, state.conv[slots])
-            q, k, v = self._split(out.squeeze(-1))
-            core[rows], state.recurrent[slots] = recurrent_gated_delta_step(
-                q, k, v, g[rows], beta[rows], state.recurrent[slots]
-            )
+        head_dims = (self.head_k_dim, self.head_v_dim)
+        core = self.ops.gated_delta_net(mixed, g, beta, self.conv1d.squeeze(1), step, head_dims)  # [T, Hv, Dv]
         gated = self.norm(core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
         return self.out_proj(gated.reshape(num_tokens, self.num_v_heads * self.head_v_dim))
-
-    def _split(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Conv output `[n, C]` -> q, k `[n, Hk, Dk]`, v `[n, Hv, Dv]`."""
-        n = mixed.shape[0]
-        q, k, v = mixed.split([self.key_dim, self.key_dim, mixed.shape[1] - 2 * self.key_dim], dim=-1)
-        return (
-            q.reshape(n, -1, self.head_k_dim),
-            k.reshape(n, -1, self.head_k_dim),
-            v.reshape(n, self.num_v_heads, self.head_v_dim),
-        )
 
 
 class GatedRMSNorm(nn.Module):
