@@ -265,6 +265,21 @@ class ChatMessageParam(OpenAIModel):
     tool_call_id: str | None = None
     """A tool turn: the call it answers."""
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, content: Any) -> Any:
+        """An image, audio or file part is refused by its type, before pydantic's union errors
+        (which would list every form the content could have taken) say it less plainly."""
+        if isinstance(content, list):
+            for part in content:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind is not None and kind != "text":
+                    raise ValueError(
+                        f"content parts of type {kind!r} are not supported: this server takes text only "
+                        "(a multimodal checkpoint's vision and audio towers are not loaded)"
+                    )
+        return content
+
     def template_message(self) -> dict[str, Any]:
         """The message as chat templates take it (HF's convention: a call's arguments as a dict)."""
         message: dict[str, Any] = {"role": self.role, "content": self.text()}

@@ -188,6 +188,14 @@ def test_chat_bad_values_are_400_naming_the_field(body, param):
     assert (err.status_code, err.param) == (400, param)
 
 
+def test_image_parts_are_refused_by_their_type():
+    """A multimodal checkpoint is served as its text model: an image part is a 400 saying so."""
+    body = chat_body(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
+    err = api_error(ChatCompletionRequest, body)
+    assert (err.status_code, err.param) == (400, "messages")
+    assert "content parts of type 'image_url' are not supported: this server takes text only" in err.message
+
+
 def test_invalid_json_and_error_body_shape():
     with pytest.raises(APIError) as info:
         parse_request(ChatCompletionRequest, b"{not json")
