@@ -115,7 +115,7 @@ def split_heads(
     key_dim = (mixed.shape[1] - num_v_heads * dv) // 2
     q, k, v = mixed.split([key_dim, key_dim, num_v_heads * dv], dim=-1)
     n = mixed.shape[0]
-    return q.reshape(n, -1, dk), k.reshape(n, -1, dk), v.reshape(n, num_v_heads, dv)
+    return q.reshape(n, key_dim // dk, dk), k.reshape(n, key_dim // dk, dk), v.reshape(n, num_v_heads, dv)
 
 
 def gated_delta_net(

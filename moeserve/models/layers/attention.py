@@ -113,7 +113,8 @@ class Attention(nn.Module):
         gate = None
         if self.output_gate:  # each head's D query columns, then its D gate columns
             q, gate = q.view(num_tokens, self.num_heads, 2, self.head_dim).unbind(2)
-            q, gate = q.reshape(num_tokens, -1), gate.reshape(num_tokens, -1)
+            cols = self.num_heads * self.head_dim  # explicit: T may be 0
+            q, gate = q.reshape(num_tokens, cols), gate.reshape(num_tokens, cols)
         if isinstance(self.q_norm, ProjectionNorm):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.clip_qkv is not None:
