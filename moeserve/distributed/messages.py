@@ -62,6 +62,7 @@ class LoadReport:
     expert_bytes: int = 0
     other_bytes: int = 0
     kv_bytes: int = 0
+    """The rank's cache: its blocks and, for a model with Gated DeltaNets, its sequences' states."""
     dispatcher: str = ""
     """The MoE all-to-all backend the rank built (`--a2a-backend` resolved)."""
     decode_graph_sizes: tuple[int, ...] = ()

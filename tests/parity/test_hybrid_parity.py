@@ -17,6 +17,8 @@ from helpers.reference import hf_greedy_tokens, hf_model
 from safetensors.torch import load_file, save_file
 
 from moeserve import LLM, SamplingParams
+from moeserve.config import EngineConfig
+from moeserve.engine.core import state_refusal
 from moeserve.models import load_model
 from moeserve.models.decoder import cache_specs
 from moeserve.ops import attention_batch
@@ -147,3 +149,6 @@ def test_features_that_need_a_state_rollback_or_transfer_are_refused(make_checkp
     folder = str(make_checkpoint("qwen3_next"))
     with pytest.raises(ValueError, match="does not roll back Gated DeltaNet states"):
         LLM(folder, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    decode = EngineConfig.from_options(model=folder, role="decode", kv_transfer="nixl")
+    assert "does not move Gated DeltaNet states" in state_refusal(decode)
+    assert state_refusal(EngineConfig.from_options(model=folder)) is None
