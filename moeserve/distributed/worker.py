@@ -231,6 +231,7 @@ class Worker:
             self.tp.size,
             len(model.mtp),
             num_state_slots=spec.max_num_seqs,
+            draft_states=spec.draft_states,
         )
         settings = GraphSettings(
             str(self.device),
@@ -281,7 +282,7 @@ class Worker:
             other_bytes=sizes.other,
             kv_bytes=spec.num_kv_blocks
             * bytes_per_block(model.cfg, spec.block_size, spec.dtype, self.tp.size, len(model.mtp))
-            + state_bytes(model.cfg, spec.dtype, spec.max_num_seqs, self.tp.size),
+            + state_bytes(model.cfg, spec.dtype, spec.max_num_seqs, self.tp.size, spec.draft_states),
             dispatcher=dispatcher.name,
             decode_graph_sizes=graphs.sizes if graphs is not None else (),
             kv_registration=self.kv_agent.registration if self.kv_agent is not None else None,

@@ -112,11 +112,12 @@ class CoreStep:
 
 def state_refusal(config: EngineConfig) -> str | None:
     """Why `config` cannot serve a model whose layers keep a state per sequence (Gated DeltaNet),
-    or None. Such a sequence's state is only ever the one after its last computed token: it cannot
-    step back past rejected drafts, nor be handed over by a prefill instance (states are not
-    transferred yet)."""
-    if config.speculative_config is not None:
-        return "speculative decoding (speculative_config) does not roll back Gated DeltaNet states yet"
+    or None. n-gram drafts are verified with the state after each token kept (torch kernels);
+    MTP drafts and handing a state over from a prefill instance are not built yet."""
+    if config.mtp_drafts:
+        return "speculative_config method 'mtp' is not built for Gated DeltaNet models yet (ngram is)"
+    if config.speculative_config is not None and config.kernels == "triton":
+        return "the Triton Gated DeltaNet kernels keep no per-draft states yet: verify drafts with --kernels torch"
     if config.kv_transfer.enabled:
         return "prefill/decode disaggregation (kv_transfer) does not move Gated DeltaNet states yet"
     return None
@@ -136,7 +137,9 @@ def build_scheduler(config: EngineConfig, model_config: ModelConfig, dtype: torc
         if prefix_caching:
             logger.info("prefix caching off: %s keeps no saved states to resume from", model_config.architecture)
         prefix_caching = False
-    num_blocks = num_blocks_for(model_config, cache, dtype, config.max_num_seqs, max_model_len, parallel.tp, mtp_layers)
+    num_blocks = num_blocks_for(
+        model_config, cache, dtype, config.max_num_seqs, max_model_len, parallel.tp, mtp_layers, config.draft_states
+    )
     return DataParallelScheduler(
         SchedulerConfig(
             max_num_seqs=config.max_num_seqs,

@@ -70,6 +70,7 @@ class InProcessExecutor(Executor):
             config.device,
             mtp_layers=len(self.model.mtp),
             num_state_slots=config.max_num_seqs,
+            draft_states=config.draft_states,
         )
         settings = GraphSettings(
             config.device,

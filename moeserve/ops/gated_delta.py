@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from moeserve.ops.state_batch import StateStep
+from moeserve.ops.state_batch import LinearState, StateStep
 
 CHUNK = 64
 
@@ -131,11 +131,18 @@ def gated_delta_net(
     chunk of one) through the conv and the chunked rule on its own."""
     state, batch = step.state, step.batch
     num_v_heads = g.shape[1]
+    for slot, index in zip(batch.slots, batch.restores):
+        if index >= 0:  # back to the state after the last accepted draft
+            state.conv[slot] = state.draft_conv[slot, index]
+            state.recurrent[slot] = state.draft_recurrent[slot, index]
     core = mixed.new_empty(mixed.shape[0], num_v_heads, head_dims[1])
     first = 0
     decodes: list[tuple[int, int]] = []  # (row, slot) of sequences stepping one token from a state
-    for slot, qlen, resumes in zip(batch.slots, batch.query_lens, batch.resumes):
-        if qlen == 1 and resumes:
+    drafts = batch.drafts or (0,) * len(batch.slots)
+    for slot, qlen, resumes, num_drafts in zip(batch.slots, batch.query_lens, batch.resumes, drafts):
+        if num_drafts:
+            _verify(mixed[first : first + qlen], g, beta, conv_weight, state, slot, first, head_dims, core)
+        elif qlen == 1 and resumes:
             decodes.append((first, slot))
         elif qlen:
             rows = slice(first, first + qlen)
@@ -154,3 +161,30 @@ def gated_delta_net(
             q, k, v, g[rows], beta[rows], state.recurrent[slots]
         )
     return core
+
+
+def _verify(
+    mixed: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    conv_weight: torch.Tensor,
+    state: LinearState,
+    slot: int,
+    first: int,
+    head_dims: tuple[int, int],
+    core: torch.Tensor,
+) -> None:
+    """A drafting sequence's 1 + k tokens (`mixed` rows from packed row `first`), one recurrent step
+    each, as decoding them one at a time would, keeping the state after each."""
+    num_v_heads = g.shape[1]
+    for j in range(mixed.shape[0]):
+        row = first + j
+        out, state.conv[slot : slot + 1] = causal_conv1d(
+            mixed[j : j + 1].unsqueeze(-1), conv_weight, state.conv[slot : slot + 1]
+        )
+        q, k, v = split_heads(out.squeeze(-1), head_dims, num_v_heads)
+        core[row : row + 1], state.recurrent[slot : slot + 1] = recurrent_gated_delta_step(
+            q, k, v, g[row : row + 1], beta[row : row + 1], state.recurrent[slot : slot + 1]
+        )
+        state.draft_conv[slot, j] = state.conv[slot]
+        state.draft_recurrent[slot, j] = state.recurrent[slot]

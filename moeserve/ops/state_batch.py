@@ -21,20 +21,30 @@ class StateBatch:
     query_lens: per sequence, its tokens in this step (they add up to T).
     resumes:    per sequence, True when it continues from its slot's state (a later prompt
                 chunk, a decode), False when it starts at position 0 from zeros.
+    drafts:     per sequence, the draft tokens it verifies this step (the last of its tokens):
+                the state after each of its tokens is kept (`LinearState.draft_conv` and
+                `draft_recurrent`), for the next step to step back to the last one accepted.
+    restores:   per sequence, -1, or the index of the kept state to continue from: the
+                previous step verified drafts and accepted this many (fewer than it fed).
     """
 
     slots: tuple[int, ...]
     query_lens: tuple[int, ...]
     resumes: tuple[bool, ...]
+    drafts: tuple[int, ...] = ()
+    restores: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
 class LinearState:
     """One Gated DeltaNet layer's states: conv `[N, C, K - 1]` (model dtype), recurrent
-    `[N, Hv, Dk, Dv]` (float32), N slots."""
+    `[N, Hv, Dk, Dv]` (float32), N slots; with speculative decoding also the states after each of
+    a verify step's 1 + k tokens, `[N, 1 + k, ...]` each (None without)."""
 
     conv: torch.Tensor
     recurrent: torch.Tensor
+    draft_conv: torch.Tensor | None = None
+    draft_recurrent: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)

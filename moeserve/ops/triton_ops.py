@@ -108,6 +108,10 @@ class TritonOps(LayerOps[TritonAttentionPlan]):
     ) -> torch.Tensor:
         """Every sequence, prompt chunk or decode, through the same two varlen launches."""
         state, batch = step.state, step.batch
+        if any(batch.drafts):
+            raise ValueError(
+                "the Triton Gated DeltaNet kernels keep no per-draft states yet (drafts need --kernels torch)"
+            )
         spans = (batch.query_lens, batch.slots, batch.resumes)
         conv = causal_conv1d_varlen(mixed, conv_weight, state.conv, *spans)
         q, k, v = split_heads(conv, head_dims, g.shape[1])

@@ -31,9 +31,10 @@ def bytes_per_block(
     return cache_specs(cfg, dtype, tp_size, mtp_layers).bytes_per_block(block_size)
 
 
-def state_bytes(cfg: ModelConfig, dtype: torch.dtype, num_slots: int, tp_size: int = 1) -> int:
-    """Bytes of `num_slots` sequences' states on one rank (0 for a model without state layers)."""
-    return num_slots * cache_specs(cfg, dtype, tp_size).state_bytes_per_sequence
+def state_bytes(cfg: ModelConfig, dtype: torch.dtype, num_slots: int, tp_size: int = 1, draft_states: int = 0) -> int:
+    """Bytes of `num_slots` sequences' states on one rank, with the `draft_states` each keeps to step
+    back past rejected drafts (0 for a model without state layers)."""
+    return num_slots * (1 + draft_states) * cache_specs(cfg, dtype, tp_size).state_bytes_per_sequence
 
 
 def num_blocks_for(
@@ -44,17 +45,18 @@ def num_blocks_for(
     max_model_len: int,
     tp_size: int = 1,
     mtp_layers: int = 0,
+    draft_states: int = 0,
 ) -> int:
-    """Blocks that fit the per-rank memory budget once `max_num_seqs` states are set aside, but no
-    more than every sequence slot at full length can ever use."""
+    """Blocks that fit the per-rank memory budget once `max_num_seqs` states (and their
+    `draft_states`) are set aside, but no more than every sequence slot at full length can ever use."""
     if cache.num_blocks is not None:
         return cache.num_blocks
-    budget = cache.memory_bytes - state_bytes(cfg, dtype, max_num_seqs, tp_size)
+    states = state_bytes(cfg, dtype, max_num_seqs, tp_size, draft_states)
+    budget = cache.memory_bytes - states
     if budget <= 0:
         raise ValueError(
             f"the KV cache budget ({cache.memory_bytes / 2**20:.1f} MiB) does not hold the states of "
-            f"{max_num_seqs} sequences ({state_bytes(cfg, dtype, max_num_seqs, tp_size) / 2**20:.1f} MiB): "
-            "raise the budget or lower max_num_seqs"
+            f"{max_num_seqs} sequences ({states / 2**20:.1f} MiB): raise the budget or lower max_num_seqs"
         )
     fitting = budget // bytes_per_block(cfg, cache.block_size, dtype, tp_size, mtp_layers)
     return max(1, min(fitting, -(-max_num_seqs * max_model_len // cache.block_size)))
@@ -69,28 +71,36 @@ def allocate_kv_caches(
     tp_size: int = 1,
     mtp_layers: int = 0,
     num_state_slots: int = 0,
+    draft_states: int = 0,
 ) -> list[torch.Tensor | LinearState]:
     """Zeroed, so a bug that reads an unwritten slot shows up as a wrong token, not as NaN noise.
     The decoder layers' caches, then `mtp_layers` more for the MTP layers loaded to draft; a state
-    layer's holds `num_state_slots` sequences."""
+    layer's holds `num_state_slots` sequences, each with `draft_states` more to verify drafts."""
     specs = cache_specs(cfg, dtype, tp_size, mtp_layers)
     caches: list[torch.Tensor | LinearState] = []
     for spec in specs.layers:
         if isinstance(spec, PagedSpec):
             caches.append(torch.zeros(spec.shape(num_blocks, block_size), dtype=dtype, device=device))
         else:
+            parts = list(zip(spec.shapes, spec.dtypes, strict=True))
             conv, recurrent = (
-                torch.zeros((num_state_slots, *shape), dtype=DTYPES[name], device=device)
-                for shape, name in zip(spec.shapes, spec.dtypes, strict=True)
+                torch.zeros((num_state_slots, *shape), dtype=DTYPES[n], device=device) for shape, n in parts
             )
-            caches.append(LinearState(conv, recurrent))
+            drafts = [None, None]
+            if draft_states:
+                drafts = [
+                    torch.zeros((num_state_slots, draft_states, *shape), dtype=DTYPES[n], device=device)
+                    for shape, n in parts
+                ]
+            caches.append(LinearState(conv, recurrent, *drafts))
     logger.info(
         "KV cache: %d blocks of %d tokens (%d tokens), %.1f MiB%s",
         num_blocks,
         block_size,
         num_blocks * block_size,
         num_blocks * specs.bytes_per_block(block_size) / 2**20,
-        f"; states: {num_state_slots} slots, {num_state_slots * specs.state_bytes_per_sequence / 2**20:.1f} MiB"
+        f"; states: {num_state_slots} slots, "
+        f"{num_state_slots * (1 + draft_states) * specs.state_bytes_per_sequence / 2**20:.1f} MiB"
         if specs.has_state
         else "",
     )

@@ -24,6 +24,7 @@ from moeserve.models.decoder import cache_specs
 from moeserve.ops import attention_batch
 from moeserve.ops.state_batch import StateBatch, StateStep
 from moeserve.worker.kv_cache import allocate_kv_caches
+from moeserve.worker.state_slots import StateSlots
 
 GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
 PROMPT_LENGTHS = (40, 97, 200)
@@ -145,10 +146,36 @@ def test_no_state_slot_or_block_leaks_after_preemption_and_aborts(make_checkpoin
     assert len(runner.states.request_ids) <= 1 and runner.states.num_free >= runner.states.num_slots - 1
 
 
-def test_features_that_need_a_state_rollback_or_transfer_are_refused(make_checkpoint):
+@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5_moe"])
+def test_ngram_drafts_give_the_greedy_tokens(make_checkpoint, monkeypatch, arch):
+    """n-gram drafts verified through the DeltaNets: each verify step keeps the state after every
+    token, and the next step continues from the last accepted one. Prompts that repeat themselves,
+    so drafts are made, some accepted, most rejected: the tokens equal plain greedy decoding's,
+    and steps did step back (without the restore they do not: the tokens change)."""
+    folder = str(make_checkpoint(arch))
+    g = torch.Generator().manual_seed(7)
+    base = torch.randint(3, 320, (20,), generator=g).tolist()
+    prompts = [{"prompt_token_ids": p} for p in (base * 3, torch.randint(3, 320, (45,), generator=g).tolist())]
+    plain = [o.outputs[0].token_ids for o in LLM(folder, max_num_seqs=4).generate(prompts, GREEDY, use_tqdm=False)]
+    restores, restore = [], StateSlots._restore
+
+    def spy(self, scheduled):
+        restores.append(restore(self, scheduled))
+        return restores[-1]
+
+    monkeypatch.setattr(StateSlots, "_restore", spy)
+    drafting = LLM(folder, max_num_seqs=4, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    assert [o.outputs[0].token_ids for o in drafting.generate(prompts, GREEDY, use_tqdm=False)] == plain
+    assert any(r >= 0 for r in restores)
+
+
+def test_features_not_built_for_states_are_refused(make_checkpoint):
     folder = str(make_checkpoint("qwen3_next"))
-    with pytest.raises(ValueError, match="does not roll back Gated DeltaNet states"):
-        LLM(folder, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    mtp = EngineConfig.from_options(model=folder, speculative_config={"method": "mtp", "num_speculative_tokens": 1})
+    assert "method 'mtp' is not built for Gated DeltaNet models" in state_refusal(mtp)
+    ngram = {"method": "ngram", "num_speculative_tokens": 2}
+    triton = EngineConfig.from_options(model=folder, kernels="triton", speculative_config=ngram)
+    assert "keep no per-draft states yet" in state_refusal(triton)
     decode = EngineConfig.from_options(model=folder, role="decode", kv_transfer="nixl")
     assert "does not move Gated DeltaNet states" in state_refusal(decode)
     assert state_refusal(EngineConfig.from_options(model=folder)) is None
