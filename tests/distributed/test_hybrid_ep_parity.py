@@ -28,3 +28,16 @@ def test_layout_matches_transformers(make_checkpoint, arch, ep, tp):
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     for prompt, output in zip(prompts, outputs):
         assert list(output.outputs[0].token_ids) == hf_greedy_tokens(ref, prompt, 32)
+
+
+def test_ngram_drafts_over_tensor_parallel_ranks(make_checkpoint):
+    """`--ep 2 --tp 2`: only the group's first rank samples and judges drafts; the other rank steps
+    its DeltaNet states back from the next step's start positions alone, to the same tokens."""
+    folder = str(make_checkpoint("qwen3_next", num_experts=8))
+    g = torch.Generator().manual_seed(7)
+    base = torch.randint(3, 320, (20,), generator=g).tolist()
+    prompts = [{"prompt_token_ids": p} for p in (base * 3, torch.randint(3, 320, (45,), generator=g).tolist())]
+    plain = [o.outputs[0].token_ids for o in LLM(folder, max_num_seqs=4).generate(prompts, GREEDY, use_tqdm=False)]
+    ngram = {"method": "ngram", "num_speculative_tokens": 3}
+    with LLM(folder, ep=2, tp=2, max_num_seqs=4, speculative_config=ngram) as llm:
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == plain
