@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -35,6 +35,13 @@ class CheckpointNames:
     prefix: str = ""
     """Before every tensor name: Kimi-K2.5's text model sits under `language_model.` in its
     multimodal checkpoint (beside the vision tower's tensors, never read)."""
+    fused_layout: Literal["gpt_oss", "rows"] = "gpt_oss"
+    """How fused experts are laid out: gpt-oss's (above), or `rows`, as transformers 5 holds
+    experts and Qwen3.5 releases them: `experts.gate_up_proj [E, 2I, H]` (gate rows, then up rows)
+    and `experts.down_proj [E, H, I]`, each expert already our `[out, in]`."""
+    model_prefix: str = "model."
+    """Where the decoder's tensors live; a multimodal checkpoint's language model sits deeper
+    (Qwen3.5's `model.language_model.`)."""
 
 
 @dataclass(frozen=True)
@@ -44,7 +51,7 @@ class Architecture:
     names: CheckpointNames
     text_config: bool = False
     """The text model's config.json keys sit under `text_config` (a multimodal checkpoint served
-    as its text model: Kimi-K2.5); its quantization_config there or at the top level."""
+    as its text model: Kimi-K2.5, Qwen3.5-MoE); its quantization_config there or at the top level."""
 
 
 class HFConfig:
@@ -82,7 +89,9 @@ class HFConfig:
             "num_heads": num_heads,
             "num_kv_heads": self.get("num_key_value_heads", num_heads),
             "head_dim": self.head_dim(),
-            "intermediate_size": self.require("intermediate_size"),
+            "intermediate_size": fields["intermediate_size"]
+            if "intermediate_size" in fields  # Qwen3.5: no dense layers, no such key
+            else self.require("intermediate_size"),
             "rms_norm_eps": self.require("rms_norm_eps", kind=float),
             "max_position_embeddings": self.require("max_position_embeddings"),
             "tie_word_embeddings": bool(self.get("tie_word_embeddings", False)),
