@@ -81,7 +81,7 @@ def load_model(
     if reason is not None:
         raise ValueError(f"{cfg.architecture} cannot run on kernels={ops.name}: {reason}")
     if with_mtp:
-        _check_mtp(cfg, expert_map, reader)
+        _check_mtp(cfg, expert_map, reader, arch.names.model_prefix)
     model = MoECausalLM(cfg, dispatcher, dtype, device, tp, ops, with_mtp)
     experts_by_layer = {layer: expert_map.local_logical(i, placement.rank) for i, layer in enumerate(moe_layers)}
     for i in range(len(model.mtp)):
@@ -162,18 +162,18 @@ def checkpoint_names(names: CheckpointNames, cfg: ModelConfig, reader: Checkpoin
     them per expert."""
     if not (names.fused_experts and names.fused_layout == "rows" and cfg.moe_layer_indices):
         return names
-    first = f"{names.prefix}{names.model_prefix}layers.{cfg.moe_layer_indices[0]}.{names.moe}.experts.gate_up_proj"
+    first = f"{names.model_prefix}layers.{cfg.moe_layer_indices[0]}.{names.moe}.experts.gate_up_proj"
     return names if first in reader else dataclasses.replace(names, fused_experts=False)
 
 
-def _check_mtp(cfg: ModelConfig, expert_map: ExpertMap, reader: CheckpointReader) -> None:
+def _check_mtp(cfg: ModelConfig, expert_map: ExpertMap, reader: CheckpointReader, model_prefix: str) -> None:
     """MTP drafts need the checkpoint's MTP layers and an expert map their MoE can share."""
     if not cfg.num_mtp_layers:
         raise ValueError(
             f"speculative_config method 'mtp' needs multi-token prediction weights, and this {cfg.architecture} "
             "checkpoint has none (config.json's num_nextn_predict_layers is 0 or absent)"
         )
-    first = f"model.layers.{cfg.num_layers}.eh_proj.weight"
+    first = f"{model_prefix}layers.{cfg.num_layers}.eh_proj.weight"
     if first not in reader:
         raise ValueError(
             f"speculative_config method 'mtp': config.json's num_nextn_predict_layers is {cfg.num_mtp_layers}, "

@@ -107,7 +107,7 @@ def rows_source(name: str, param: torch.Tensor, names: CheckpointNames) -> RowsS
     layer = re.fullmatch(r"layers\.(\d+)\..+", name)
     if layer is None:
         raise KeyError(f"parameter {name!r} is tagged with checkpoint rows but is not a decoder layer's")
-    return RowsSource(f"{names.prefix}{names.model_prefix}layers.{layer.group(1)}.{rows.tensor}", rows.rows, rows.full)
+    return RowsSource(f"{names.model_prefix}layers.{layer.group(1)}.{rows.tensor}", rows.rows, rows.full)
 
 
 _FUSED = {
@@ -136,7 +136,7 @@ def layer_source(
     """Checkpoint tensors behind `layers.{layer}.{suffix}` of our model; local_experts: the
     checkpoint expert in each of this rank's slots of that layer (unused if it has no experts),
     of the model's `num_experts`."""
-    p = f"{names.prefix}{names.model_prefix}layers.{layer}."
+    p = f"{names.model_prefix}layers.{layer}."
     moe = f"{p}{names.moe}."
     if names.fused_experts and suffix in _FUSED:
         tensor, layout = _FUSED[suffix]
@@ -192,7 +192,7 @@ _MTP = {
 _DECODER_TOP_LEVEL = {
     "embed_tokens": "embed_tokens.weight",
     "norm.weight": "norm.weight",
-}  # ours -> the checkpoint's, after the decoder's prefixes
+}  # ours -> the checkpoint's, after `model_prefix`
 
 
 def weight_source(
@@ -208,14 +208,14 @@ def weight_source(
     if mtp is not None:
         layer, suffix = num_layers + int(mtp.group(1)), mtp.group(2)
         if suffix in _MTP:
-            return WeightSource.one(f"{names.prefix}{names.model_prefix}layers.{layer}.{_MTP[suffix]}")
+            return WeightSource.one(f"{names.model_prefix}layers.{layer}.{_MTP[suffix]}")
         if not suffix.startswith("layer."):
             raise KeyError(f"no checkpoint mapping for parameter {name!r}")
         return layer_source(layer, suffix[len("layer.") :], names, experts_by_layer.get(layer, ()), num_experts)
     if name == "lm_head":
-        return WeightSource.one(f"{names.prefix}lm_head.weight")
+        return WeightSource.one(names.lm_head)
     if name in _DECODER_TOP_LEVEL:
-        return WeightSource.one(f"{names.prefix}{names.model_prefix}{_DECODER_TOP_LEVEL[name]}")
+        return WeightSource.one(f"{names.model_prefix}{_DECODER_TOP_LEVEL[name]}")
     match = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
     if match is None:
         raise KeyError(f"no checkpoint mapping for parameter {name!r}")

@@ -32,16 +32,17 @@ class CheckpointNames:
     """gpt-oss: a layer's experts in four stacked tensors (`experts.gate_up_proj [E, H, 2I]` with
     gate and up columns interleaved, `experts.down_proj [E, I, H]`, and their biases), not one
     tensor per expert and projection."""
-    prefix: str = ""
-    """Before every tensor name: Kimi-K2.5's text model sits under `language_model.` in its
-    multimodal checkpoint (beside the vision tower's tensors, never read)."""
     fused_layout: Literal["gpt_oss", "rows"] = "gpt_oss"
     """How fused experts are laid out: gpt-oss's (above), or `rows`, as transformers 5 holds
     experts and Qwen3.5 releases them: `experts.gate_up_proj [E, 2I, H]` (gate rows, then up rows)
     and `experts.down_proj [E, H, I]`, each expert already our `[out, in]`."""
     model_prefix: str = "model."
-    """Where the decoder's tensors live; a multimodal checkpoint's language model sits deeper
-    (Qwen3.5's `model.language_model.`)."""
+    """Before the decoder's tensor names (`layers.N.`, `embed_tokens`, `norm`). A multimodal
+    checkpoint keeps its text model beside a vision tower that is never read, so deeper:
+    Kimi-K2.5's under `language_model.model.`, Qwen3.5's under `model.language_model.`."""
+    lm_head: str = "lm_head.weight"
+    """The output projection, outside the decoder: Kimi-K2.5's `language_model.lm_head.weight`,
+    Qwen3.5's at the top level as in a text checkpoint."""
 
 
 @dataclass(frozen=True)
