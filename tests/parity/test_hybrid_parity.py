@@ -179,3 +179,17 @@ def test_features_not_built_for_states_are_refused(make_checkpoint):
     decode = EngineConfig.from_options(model=folder, role="decode", kv_transfer="nixl")
     assert "does not move Gated DeltaNet states" in state_refusal(decode)
     assert state_refusal(EngineConfig.from_options(model=folder)) is None
+
+
+def test_the_start_up_step_profile_frees_the_state_slots_it_took(make_checkpoint):
+    """The slo policy profiles steps at start-up with requests of its own, each in a state slot:
+    the profile's last plan frees them all, so served requests find every slot and decode as
+    without the profile."""
+    folder = str(make_checkpoint("qwen3_5_moe"))
+    prompts = [{"prompt_token_ids": p} for p in prompts_for(3)]
+    plain = [o.outputs[0].token_ids for o in LLM(folder, max_num_seqs=4).generate(prompts, GREEDY, use_tqdm=False)]
+    profiled = LLM(folder, max_num_seqs=4, scheduling_policy="slo")
+    assert all(model.ready for model in profiled.engine.scheduler.step_time_models)
+    assert profiled.engine.executor.runner.states.request_ids == []
+    outputs = profiled.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == plain
