@@ -23,6 +23,7 @@ __all__ = [
     "CacheConfig",
     "EngineConfig",
     "GatedActivation",
+    "LinearAttentionConfig",
     "MLAConfig",
     "ModelConfig",
     "NVFP4Config",
@@ -80,6 +81,27 @@ class MLAConfig:
     @property
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True)
+class LinearAttentionConfig:
+    """Gated DeltaNet layers (Qwen3-Next, Qwen3.5): Hk key heads of Dk, Hv value heads of Dv (each
+    key head serves Hv / Hk consecutive value heads), a depthwise causal conv of `conv_kernel` taps.
+
+    `grouped_projections`: Qwen3-Next stores q, k, v, z in one `in_proj_qkvz` and b, a in one
+    `in_proj_ba`, rows grouped by key head; Qwen3.5 stores `in_proj_qkv` (all q, then k, then v),
+    `in_proj_z`, `in_proj_b` and `in_proj_a`."""
+
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int
+    grouped_projections: bool
+
+    @property
+    def conv_channels(self) -> int:
+        return 2 * self.num_key_heads * self.key_head_dim + self.num_value_heads * self.value_head_dim
 
 
 @dataclass(frozen=True)
@@ -217,6 +239,15 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     checkpoint_dtype: torch.dtype = torch.float32
     weight_quant: WeightQuant | None = None  # None: weights stored in checkpoint_dtype
+    linear_attention: LinearAttentionConfig | None = None
+    linear_layers: tuple[bool, ...] = ()
+    """Per layer: a Gated DeltaNet (True) or attention (False); empty: attention everywhere."""
+    attention_output_gate: bool = False
+    """Qwen3-Next, Qwen3.5: q_proj gives each head's query and a gate; the attention output is
+    scaled by sigmoid(gate) before o_proj."""
+    zero_centered_norms: bool = False
+    """Qwen3-Next, Qwen3.5: every RMSNorm (not the DeltaNet's gated one) scales by `1 + weight`; the
+    loader stores `1 + weight`, so the layers are the usual ones."""
     num_mtp_layers: int = 0
     """Multi-token prediction layers the checkpoint stores after its decoder layers (DeepSeek-V3's
     and GLM-4.5's `num_nextn_predict_layers`); loaded only to draft (`spec_decode` method mtp)."""
@@ -228,6 +259,8 @@ class ModelConfig:
             )
         if not 1 <= self.router.top_k <= max(self.num_experts, 1):
             raise ValueError(f"num_experts_per_tok {self.router.top_k} must be in [1, {self.num_experts}]")
+        if self.linear_layers and (self.linear_attention is None or len(self.linear_layers) != self.num_layers):
+            raise ValueError("linear_layers needs linear_attention and num_hidden_layers entries")
         if len(self.moe_layers) != self.num_layers or len(self.sliding_windows) != self.num_layers:
             raise ValueError("per-layer settings must have num_hidden_layers entries")
         if not 0 < self.rope.rotary_dim <= self.head_dim or self.rope.rotary_dim % 2:
@@ -240,6 +273,10 @@ class ModelConfig:
     @property
     def is_mla(self) -> bool:
         return self.mla is not None
+
+    def is_linear(self, layer: int) -> bool:
+        """Whether decoder layer `layer` is a Gated DeltaNet (MTP layers, past the decoder's, never are)."""
+        return layer < len(self.linear_layers) and self.linear_layers[layer]
 
     @property
     def moe_layer_indices(self) -> tuple[int, ...]:

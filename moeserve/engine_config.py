@@ -548,6 +548,12 @@ class EngineConfig:
         """Drafts per decode the model runners' MTP layers make (0: they load none)."""
         return 0 if self.speculative_config is None else self.speculative_config.mtp_drafts
 
+    @property
+    def draft_states(self) -> int:
+        """States a state layer keeps per sequence beside its own to step back past rejected drafts:
+        one after each token of a verify step (0 without speculative decoding)."""
+        return 0 if self.speculative_config is None else self.speculative_config.num_speculative_tokens + 1
+
     @classmethod
     def from_options(cls, **values: object) -> EngineConfig:
         """From option names as `LLM(...)` and the command's flags take them (`slo_ttft_ms`,

@@ -196,6 +196,36 @@ def _routing() -> None:
         )
 
 
+def _gated_delta() -> None:
+    """Qwen3.5-35B-A3B's Gated DeltaNet at TP 1 (16 key heads, 32 value heads, 128 dims, a conv of 4
+    taps): decode steps of 1, 16 and 17 sequences, and prompt chunks (one sequence, and a chunk
+    beside two decodes)."""
+    from moeserve.kernels.gated_delta import causal_conv1d_varlen, gated_delta_rule_varlen
+
+    hk, hv, dim = 16, 32, 128
+    channels = (2 * hk + hv) * dim
+    steps = [(1,) * n for n in EDGE_TOKENS] + [(17,), (16, 1, 1)]
+    for query_lens in steps:
+        tokens, seqs = sum(query_lens), len(query_lens)
+        spans = (query_lens, tuple(range(seqs)), (True,) * seqs)
+        conv = causal_conv1d_varlen(
+            torch.empty(tokens, channels, dtype=BF16),
+            torch.empty(channels, 4, dtype=BF16),
+            torch.empty(seqs, channels, 3, dtype=BF16),
+            *spans,
+        )
+        q, k, v = conv.split([hk * dim, hk * dim, hv * dim], dim=-1)
+        gated_delta_rule_varlen(
+            q.reshape(tokens, hk, dim),
+            k.reshape(tokens, hk, dim),
+            v.reshape(tokens, hv, dim),
+            torch.empty(tokens, hv),
+            torch.empty(tokens, hv, dtype=BF16),
+            torch.empty(seqs, hv, dim, dim),
+            *spans,
+        )
+
+
 def _local_ids(tokens: int, top_k: int, experts: int) -> torch.Tensor:
     return torch.stack([torch.randperm(experts)[:top_k] for _ in range(tokens)])
 
@@ -333,6 +363,11 @@ CASES: list[Case] = [
         lambda: _compile_only(_paged_attention)(),
     ),
     Case("mla_attention", "MLA latent attention, DeepSeek-V3 at TP 8", lambda: _compile_only(_mla)()),
+    Case(
+        "gated_delta",
+        "Gated DeltaNet conv and delta rule, Qwen3.5-35B-A3B: decodes and prompt chunks",
+        lambda: _compile_only(_gated_delta)(),
+    ),
     Case(
         "peer_copy",
         "nvshmem dispatch/combine, Mixtral at EP 2",

@@ -269,7 +269,9 @@ class ChatMessageParam(OpenAIModel):
     @classmethod
     def _text_parts_only(cls, content: Any) -> Any:
         """Image, audio and file parts are refused by name: the models served are text models
-        (Kimi-K2.5's text model is served without its vision tower)."""
+        (the multimodal checkpoints, Kimi-K2.5's and Qwen3.5-MoE's, are served without their
+        vision towers); checked before pydantic's union errors, which would list every form the
+        content could have taken."""
         for part in content if isinstance(content, list) else ():
             kind = part.get("type") if isinstance(part, dict) else None
             if kind != "text":

@@ -43,6 +43,8 @@ class WorkerSpec:
     mtp_drafts: int = 0
     """Speculative decoding with method mtp: drafts per decode, made by the MTP layers each rank
     loads (0: none loaded)."""
+    draft_states: int = 0
+    """States kept per sequence to step back past rejected drafts (`EngineConfig.draft_states`)."""
     kv_transfer: bool = False
     """Register the KV cache with a NIXL agent, for a prefill instance to write into (`--role decode`)."""
     kv_write_host: str = ""
@@ -62,6 +64,7 @@ class LoadReport:
     expert_bytes: int = 0
     other_bytes: int = 0
     kv_bytes: int = 0
+    """The rank's cache: its blocks and, for a model with Gated DeltaNets, its sequences' states."""
     dispatcher: str = ""
     """The MoE all-to-all backend the rank built (`--a2a-backend` resolved)."""
     decode_graph_sizes: tuple[int, ...] = ()

@@ -58,7 +58,7 @@ from moeserve.models import TensorParallel, load_model, model_config
 from moeserve.models.loader import ExpertReader, weight_bytes
 from moeserve.ops import create_ops
 from moeserve.worker.decode_graphs import GraphSettings, create_decode_graphs, is_decode
-from moeserve.worker.kv_cache import allocate_kv_caches, bytes_per_block
+from moeserve.worker.kv_cache import allocate_kv_caches, bytes_per_block, state_bytes
 from moeserve.worker.runner import ModelRunner
 from moeserve.worker.sampling_metadata import PendingBitmask, TokenBitmask
 from moeserve.worker.two_batch import micro_batch_bounds
@@ -230,6 +230,8 @@ class Worker:
             self.device,
             self.tp.size,
             len(model.mtp),
+            num_state_slots=spec.max_num_seqs,
+            draft_states=spec.draft_states,
         )
         settings = GraphSettings(
             str(self.device),
@@ -279,7 +281,8 @@ class Worker:
             expert_bytes=sizes.experts,
             other_bytes=sizes.other,
             kv_bytes=spec.num_kv_blocks
-            * bytes_per_block(model.cfg, spec.block_size, spec.dtype, self.tp.size, len(model.mtp)),
+            * bytes_per_block(model.cfg, spec.block_size, spec.dtype, self.tp.size, len(model.mtp))
+            + state_bytes(model.cfg, spec.dtype, spec.max_num_seqs, self.tp.size, spec.draft_states),
             dispatcher=dispatcher.name,
             decode_graph_sizes=graphs.sizes if graphs is not None else (),
             kv_registration=self.kv_agent.registration if self.kv_agent is not None else None,

@@ -28,6 +28,7 @@ from moeserve.engine.step_profile import profile_step_times
 from moeserve.eplb.rebalancer import RebalanceReport
 from moeserve.executor import HealReport, RanksLostError, RejoinReport, create_executor
 from moeserve.kv_transfer.coordinator import KvCoordinator
+from moeserve.models.decoder import cache_specs
 from moeserve.sampling_params import SamplingParams
 from moeserve.scheduler import DataParallelScheduler, QueueFullError, Request, SchedulerConfig, StepPlan
 from moeserve.spec_decode.stats import SpecDecodeStats
@@ -110,12 +111,35 @@ class CoreStep:
     """Drafts fed and kept in this step; None when no sequence drafted."""
 
 
+def state_refusal(config: EngineConfig) -> str | None:
+    """Why `config` cannot serve a model whose layers keep a state per sequence (Gated DeltaNet),
+    or None. n-gram drafts are verified with the state after each token kept (torch kernels);
+    MTP drafts and handing a state over from a prefill instance are not built yet."""
+    if config.mtp_drafts:
+        return "speculative_config method 'mtp' is not built for Gated DeltaNet models yet (ngram is)"
+    if config.speculative_config is not None and config.kernels == "triton":
+        return "the Triton Gated DeltaNet kernels keep no per-draft states yet: verify drafts with --kernels torch"
+    if config.kv_transfer.enabled:
+        return "prefill/decode disaggregation (kv_transfer) does not move Gated DeltaNet states yet"
+    return None
+
+
 def build_scheduler(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype, max_model_len: int):
-    """The data-parallel scheduler for `config`, with as many KV blocks as the cache budget buys."""
+    """The data-parallel scheduler for `config`, with as many KV blocks as the cache budget buys
+    once every running sequence's state is set aside (see `worker.kv_cache`)."""
     cache, parallel = config.cache, config.parallel
     mtp_layers = model_config.num_mtp_layers if config.mtp_drafts else 0
+    specs = cache_specs(model_config, dtype, parallel.tp, mtp_layers)
+    prefix_caching = cache.enable_prefix_caching
+    if specs.has_state:
+        refusal = state_refusal(config)
+        if refusal is not None:
+            raise ValueError(f"{model_config.architecture}: {refusal}")
+        if prefix_caching:
+            logger.info("prefix caching off: %s keeps no saved states to resume from", model_config.architecture)
+        prefix_caching = False
     num_blocks = num_blocks_for(
-        model_config, cache, dtype, config.max_num_seqs * max_model_len, parallel.tp, mtp_layers
+        model_config, cache, dtype, config.max_num_seqs, max_model_len, parallel.tp, mtp_layers, config.draft_states
     )
     return DataParallelScheduler(
         SchedulerConfig(
@@ -124,7 +148,7 @@ def build_scheduler(config: EngineConfig, model_config: ModelConfig, dtype: torc
             max_model_len=max_model_len,
             block_size=cache.block_size,
             num_kv_blocks=num_blocks,
-            enable_prefix_caching=cache.enable_prefix_caching,
+            enable_prefix_caching=prefix_caching,
             max_waiting=config.max_waiting,
             policy=config.scheduling_policy,
             slo_ttft_s=config.slo.ttft_s,

@@ -63,7 +63,14 @@ class InProcessExecutor(Executor):
         scratch = 1 if config.cuda_graphs.wanted(config.device) else 0
         block_size = config.cache.block_size
         kv_caches = allocate_kv_caches(
-            model_config, num_kv_blocks + scratch, block_size, dtype, config.device, mtp_layers=len(self.model.mtp)
+            model_config,
+            num_kv_blocks + scratch,
+            block_size,
+            dtype,
+            config.device,
+            mtp_layers=len(self.model.mtp),
+            num_state_slots=config.max_num_seqs,
+            draft_states=config.draft_states,
         )
         settings = GraphSettings(
             config.device,

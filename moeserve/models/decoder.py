@@ -14,10 +14,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moeserve.cache_spec import CacheSpecs
 from moeserve.config import ModelConfig
 from moeserve.dispatch import Dispatcher, ExpertMap, ReplicaTable
 from moeserve.dispatch.base import Steps, finish
 from moeserve.models.layers.attention import Attention
+from moeserve.models.layers.gated_deltanet import GatedDeltaNet
 from moeserve.models.layers.mla import MLAttention
 from moeserve.models.layers.mlp import GatedMLP
 from moeserve.models.layers.moe import MoEBlock
@@ -27,13 +29,32 @@ from moeserve.models.mtp import MTPLayer
 from moeserve.models.tensor_parallel import SINGLE, TensorParallel
 from moeserve.ops import TORCH_OPS, LayerOps
 from moeserve.ops.attention import AttentionPlan
+from moeserve.ops.state_batch import StateStep
+
+LayerCache = torch.Tensor | StateStep
+"""What a layer's forward gets of the cache: an attention layer its paged tensor, a Gated
+DeltaNet its state bound to the step."""
 
 
 def kv_cache_shape(cfg: ModelConfig, num_blocks: int, block_size: int, tp_size: int = 1) -> tuple[int, ...]:
-    """Shape of one layer's KV cache on a rank of a `tp_size`-way group, known without a
+    """Shape of one attention layer's KV cache on a rank of a `tp_size`-way group, known without a
     model, so a process that holds no weights can size the cache."""
     attention_cls = MLAttention if cfg.is_mla else Attention
     return attention_cls.cache_shape(cfg, num_blocks, block_size, tp_size)
+
+
+def cache_specs(cfg: ModelConfig, dtype: torch.dtype, tp_size: int = 1, mtp_layers: int = 0) -> CacheSpecs:
+    """What each layer keeps on a rank of a `tp_size`-way group: the decoder layers', then the
+    `mtp_layers` MTP layers' (attention, as the last layer's kind), known without a model."""
+    attention_cls = MLAttention if cfg.is_mla else Attention
+    return CacheSpecs(
+        tuple(
+            GatedDeltaNet.cache_spec(cfg, dtype, tp_size)
+            if cfg.is_linear(i)
+            else attention_cls.cache_spec(cfg, dtype, tp_size)
+            for i in range(cfg.num_layers + mtp_layers)
+        )
+    )
 
 
 class DecoderLayer(nn.Module):
@@ -59,7 +80,11 @@ class DecoderLayer(nn.Module):
         attention_cls = MLAttention if cfg.is_mla else Attention
         self.tp = tp
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, ops)
-        self.attn = attention_cls(cfg, layer, dtype, device, tp, ops)
+        if cfg.is_linear(layer):
+            self.linear_attn: GatedDeltaNet | None = GatedDeltaNet(cfg, dtype, device, tp, ops)
+        else:
+            self.linear_attn = None
+            self.attn = attention_cls(cfg, layer, dtype, device, tp, ops)
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, ops)
         if cfg.moe_layers[layer]:
             self.mlp: nn.Module = MoEBlock(cfg, dispatcher, dtype, device, ops)
@@ -72,7 +97,7 @@ class DecoderLayer(nn.Module):
         residual: torch.Tensor | None,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        kv_cache: torch.Tensor,
+        kv_cache: LayerCache,
         plan: AttentionPlan,
         max_tokens_per_rank: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,7 +119,7 @@ class DecoderLayer(nn.Module):
         residual: torch.Tensor | None,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        kv_cache: torch.Tensor,
+        kv_cache: LayerCache,
         plan: AttentionPlan,
         max_tokens_per_rank: int | None = None,
     ) -> Steps[tuple[torch.Tensor, torch.Tensor]]:
@@ -113,7 +138,7 @@ class DecoderLayer(nn.Module):
         residual: torch.Tensor | None,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        kv_cache: torch.Tensor,
+        kv_cache: LayerCache,
         plan: AttentionPlan,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Residual add, norm, attention, residual add, norm: (the FFN's input, the residual), on
@@ -124,8 +149,11 @@ class DecoderLayer(nn.Module):
         else:
             normed_slice, residual = self.input_norm.add(x, residual)
             normed = self.tp.all_gather_tokens(normed_slice, num_tokens)
-        attn = self.tp.reduce_scatter_tokens(self.attn(normed, cos, sin, kv_cache, plan))
-        return self.post_attn_norm.add(attn, residual)
+        if self.linear_attn is not None:
+            mixed = self.linear_attn(normed, kv_cache)
+        else:
+            mixed = self.attn(normed, cos, sin, kv_cache, plan)
+        return self.post_attn_norm.add(self.tp.reduce_scatter_tokens(mixed), residual)
 
 
 class MoECausalLM(nn.Module):
@@ -179,7 +207,7 @@ class MoECausalLM(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         plan: AttentionPlan,
-        kv_caches: list[torch.Tensor],
+        kv_caches: list[LayerCache],
         max_tokens_per_rank: int | None = None,
     ) -> torch.Tensor:
         """input_ids, positions `[T]` -> final hidden states `[T, H]` (after the last norm).
@@ -195,7 +223,7 @@ class MoECausalLM(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         plan: AttentionPlan,
-        kv_caches: list[torch.Tensor],
+        kv_caches: list[LayerCache],
         max_tokens_per_rank: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """forward(), and the residual stream before the final norm `[T, H]`: what the MTP layers read."""
@@ -206,7 +234,7 @@ class MoECausalLM(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         plan: AttentionPlan,
-        kv_caches: list[torch.Tensor],
+        kv_caches: list[LayerCache],
         max_tokens_per_rank: int | None = None,
     ) -> Steps[torch.Tensor]:
         """forward() in steps, for one micro-batch of two-batch overlap: yields at every MoE
@@ -222,7 +250,7 @@ class MoECausalLM(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         plan: AttentionPlan,
-        kv_caches: list[torch.Tensor],
+        kv_caches: list[LayerCache],
         max_tokens_per_rank: int | None,
         in_steps: bool,
     ) -> Steps[tuple[torch.Tensor, torch.Tensor]]:

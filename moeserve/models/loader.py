@@ -9,6 +9,7 @@ stored FP8 or MXFP4 (`quantized_sources`) are replaced by their stored bytes and
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,10 +20,11 @@ from torch.nn.utils import parametrize
 
 from moeserve.config import BlockFP8Config, ModelConfig, NVFP4Config, PackedInt4Config
 from moeserve.dispatch import Dispatcher, ExpertMap, ExpertPlacement, create_dispatcher
-from moeserve.models.architectures import resolve_architecture
+from moeserve.models.architectures import CheckpointNames, resolve_architecture
 from moeserve.models.checkpoint import CheckpointError, CheckpointReader
 from moeserve.models.decoder import MoECausalLM
 from moeserve.models.fp8 import BlockFP8, quantize_parameter
+from moeserve.models.layers.norm import RMSNorm
 from moeserve.models.mxfp4 import MXFP4, MXFP4ExpertsSource, pack_parameter
 from moeserve.models.packed import PackedExpertsSource, PackedWeight
 from moeserve.models.packed import pack_parameter as pack_packed_parameter
@@ -35,7 +37,7 @@ from moeserve.models.quantized_sources import (
     scale_grid,
 )
 from moeserve.models.tensor_parallel import SINGLE, TensorParallel, shard_of
-from moeserve.models.weight_sources import check_sources, layer_source, weight_source
+from moeserve.models.weight_sources import check_sources, layer_source, rows_source, weight_source
 from moeserve.ops import TORCH_OPS, LayerOps
 
 logger = logging.getLogger(__name__)
@@ -79,14 +81,17 @@ def load_model(
     if reason is not None:
         raise ValueError(f"{cfg.architecture} cannot run on kernels={ops.name}: {reason}")
     if with_mtp:
-        _check_mtp(cfg, expert_map, reader)
+        _check_mtp(cfg, expert_map, reader, arch.names.model_prefix)
     model = MoECausalLM(cfg, dispatcher, dtype, device, tp, ops, with_mtp)
     experts_by_layer = {layer: expert_map.local_logical(i, placement.rank) for i, layer in enumerate(moe_layers)}
     for i in range(len(model.mtp)):
         experts_by_layer[cfg.num_layers + i] = expert_map.local_logical(0, placement.rank)
     targets = {name: p for name, p in model.named_parameters()}
+    names = checkpoint_names(arch.names, cfg, reader)
     sources = {
-        name: weight_source(name, arch.names, experts_by_layer, cfg.num_experts, cfg.num_layers) for name in targets
+        name: rows_source(name, param, names)
+        or weight_source(name, names, experts_by_layer, cfg.num_experts, cfg.num_layers)
+        for name, param in targets.items()
     }
     mxfp4 = mxfp4_sources(sources, targets, reader, cfg.weight_quant)
     packed = {}
@@ -118,6 +123,10 @@ def load_model(
             held = read_held(source, reader, param.dtype, fp8_block, shard_of(param))
             for stored, value in zip(storage.get(name, (param,)), held, strict=True):
                 stored.copy_(value)
+        if cfg.zero_centered_norms:
+            for module in model.modules():
+                if isinstance(module, RMSNorm):
+                    module.weight.add_(1.0)  # the checkpoint stores w for a scale of 1 + w
     reader.close()
     model.set_expert_map(expert_map, placement.rank)
     sizes = weight_bytes(model)
@@ -147,14 +156,24 @@ def _quantized_note(fp8: dict, mxfp4: dict, packed: dict[str, PackedExpertsSourc
     return ""
 
 
-def _check_mtp(cfg: ModelConfig, expert_map: ExpertMap, reader: CheckpointReader) -> None:
+def checkpoint_names(names: CheckpointNames, cfg: ModelConfig, reader: CheckpointReader) -> CheckpointNames:
+    """`names`, but experts one tensor per expert and projection where an architecture released
+    with stacked experts (`fused_layout` rows: Qwen3.5) was saved by transformers, which writes
+    them per expert."""
+    if not (names.fused_experts and names.fused_layout == "rows" and cfg.moe_layer_indices):
+        return names
+    first = f"{names.model_prefix}layers.{cfg.moe_layer_indices[0]}.{names.moe}.experts.gate_up_proj"
+    return names if first in reader else dataclasses.replace(names, fused_experts=False)
+
+
+def _check_mtp(cfg: ModelConfig, expert_map: ExpertMap, reader: CheckpointReader, model_prefix: str) -> None:
     """MTP drafts need the checkpoint's MTP layers and an expert map their MoE can share."""
     if not cfg.num_mtp_layers:
         raise ValueError(
             f"speculative_config method 'mtp' needs multi-token prediction weights, and this {cfg.architecture} "
             "checkpoint has none (config.json's num_nextn_predict_layers is 0 or absent)"
         )
-    first = f"model.layers.{cfg.num_layers}.eh_proj.weight"
+    first = f"{model_prefix}layers.{cfg.num_layers}.eh_proj.weight"
     if first not in reader:
         raise ValueError(
             f"speculative_config method 'mtp': config.json's num_nextn_predict_layers is {cfg.num_mtp_layers}, "
@@ -178,7 +197,7 @@ class ExpertReader:
     def __init__(self, folder: str | Path, dtype: torch.dtype) -> None:
         self._reader = CheckpointReader(folder)
         arch, self._cfg = resolve_architecture(self._reader.config)
-        self._names, self._dtype = arch.names, dtype
+        self._names, self._dtype = checkpoint_names(arch.names, self._cfg, self._reader), dtype
 
     def read(self, moe_layer: int, module: nn.Module, experts: list[int]) -> dict[str, torch.Tensor]:
         """Every parameter of MoE layer `moe_layer`'s experts `module` (in model order), by its

@@ -23,7 +23,7 @@ from moeserve.models.mxfp4 import MXFP4ExpertsSource
 from moeserve.models.nvfp4 import NVFP4Format
 from moeserve.models.packed import PackedExpertsSource, PackedFormat
 from moeserve.models.tensor_parallel import Shard
-from moeserve.models.weight_sources import FusedExpertsSource, WeightSource, read_source
+from moeserve.models.weight_sources import FusedExpertsSource, RowsSource, WeightSource, read_source
 
 FP8_TENSOR = "F8_E4M3"
 """safetensors' name of float8_e4m3fn."""
@@ -46,6 +46,8 @@ def fp8_sources(
             raise CheckpointError(f"tensor {source.names[0]} is FP8 but config.json has no quantization_config")
         if isinstance(source, FusedExpertsSource):
             raise CheckpointError(f"tensor {source.name} is FP8: FP8 stacked expert tensors are not supported")
+        if isinstance(source, RowsSource):
+            raise CheckpointError(f"tensor {source.name} is FP8: FP8 Gated DeltaNet projections are not supported")
         if not all(fp8):
             raise CheckpointError(f"tensors {', '.join(source.names)} mix FP8 and unquantized weights in one parameter")
         found[name] = source

@@ -112,6 +112,27 @@ class Shard:
         return tensor.narrow(self.dim, self.start, self.length)
 
 
+@dataclass(frozen=True)
+class Rows:
+    """Which dim-0 rows of which checkpoint tensor (named from its decoder layer's prefix, e.g.
+    `linear_attn.in_proj_qkv.weight`, of `full` rows) a parameter holds, in order: for parts of
+    tensors that interleave what a rank holds with what it does not (Gated DeltaNet's fused
+    projections and conv, grouped by key head in Qwen3-Next), which one `Shard` cannot name."""
+
+    tensor: str
+    rows: tuple[int, ...]
+    full: int
+
+
+def mark_rows(param: torch.Tensor, rows: Rows) -> None:
+    """Tag a parameter with the checkpoint rows it holds (see `Rows`; the loader reads the tag)."""
+    param.checkpoint_rows = rows  # type: ignore[attr-defined]
+
+
+def rows_of(param: torch.Tensor) -> Rows | None:
+    return getattr(param, "checkpoint_rows", None)
+
+
 def mark_shard(param: torch.Tensor, shard: Shard) -> None:
     """Tag a parameter with the part of its checkpoint tensor it holds (the loader reads the tag).
     The module that splits the work declares the split, so the loader needs no per-layer rules."""

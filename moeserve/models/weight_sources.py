@@ -17,7 +17,7 @@ import torch
 
 from moeserve.models.architectures import CheckpointNames
 from moeserve.models.checkpoint import CheckpointError, CheckpointReader
-from moeserve.models.tensor_parallel import Shard, shard_of
+from moeserve.models.tensor_parallel import Shard, rows_of, shard_of
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,7 @@ class WeightSource:
         return [n for part in self.parts for n in part]
 
 
-FusedLayout = Literal["gate_up", "gate_up_bias", "down", "down_bias"]
+FusedLayout = Literal["gate_up", "gate_up_bias", "down", "down_bias", "rows"]
 
 
 @dataclass(frozen=True)
@@ -48,6 +48,7 @@ class FusedExpertsSource:
     gate_up_bias `[E, 2I]`, interleaved alike                   -> b13 `[2I]`
     down         `[E, I, H]`                                     -> w2 `[H, I]`
     down_bias    `[E, H]`                                        -> b2 `[H]`
+    rows         `[E, out, in]`, ours already (transformers 5, Qwen3.5) -> as it is
     """
 
     name: str
@@ -70,11 +71,43 @@ class FusedExpertsSource:
         return torch.stack([self._ours(reader.get_part(self.name, 0, e, 1)[0].to(dtype)) for e in self.experts])
 
     def _ours(self, t: torch.Tensor) -> torch.Tensor:
+        if self.layout == "rows":
+            return t
         if self.layout in ("gate_up", "down"):
             t = t.t()
         if self.layout in ("gate_up", "gate_up_bias"):
             t = torch.cat((t[0::2], t[1::2]))
         return t.contiguous()
+
+
+@dataclass(frozen=True)
+class RowsSource:
+    """Rows `rows` of one checkpoint tensor of `full` rows (see `tensor_parallel.Rows`)."""
+
+    name: str
+    rows: tuple[int, ...]
+    full: int
+
+    @property
+    def names(self) -> list[str]:
+        return [self.name]
+
+    def expected_shape(self, target: torch.Size) -> tuple[int, ...]:
+        return (self.full, *target[1:])
+
+    def read(self, reader: CheckpointReader, dtype: torch.dtype) -> torch.Tensor:
+        return reader.get(self.name).to(dtype)[torch.tensor(self.rows, dtype=torch.int64)]
+
+
+def rows_source(name: str, param: torch.Tensor, names: CheckpointNames) -> RowsSource | None:
+    """The source of a decoder layer's parameter tagged with its checkpoint rows, else None."""
+    rows = rows_of(param)
+    if rows is None:
+        return None
+    layer = re.fullmatch(r"layers\.(\d+)\..+", name)
+    if layer is None:
+        raise KeyError(f"parameter {name!r} is tagged with checkpoint rows but is not a decoder layer's")
+    return RowsSource(f"{names.model_prefix}layers.{layer.group(1)}.{rows.tensor}", rows.rows, rows.full)
 
 
 _FUSED = {
@@ -103,15 +136,19 @@ def layer_source(
     """Checkpoint tensors behind `layers.{layer}.{suffix}` of our model; local_experts: the
     checkpoint expert in each of this rank's slots of that layer (unused if it has no experts),
     of the model's `num_experts`."""
-    p = f"{names.prefix}model.layers.{layer}."
+    p = f"{names.model_prefix}layers.{layer}."
     moe = f"{p}{names.moe}."
     if names.fused_experts and suffix in _FUSED:
         tensor, layout = _FUSED[suffix]
+        if names.fused_layout == "rows":
+            layout = "rows"
         return FusedExpertsSource(f"{moe}experts.{tensor}", local_experts, num_experts, layout)
     if suffix in _COMMON:
         return WeightSource.one(p + _COMMON[suffix])
     if suffix.startswith("attn."):
         return WeightSource.one(p + "self_attn." + suffix[len("attn.") :])
+    if suffix.startswith("linear_attn."):  # named as in the checkpoint (projections: `rows_source`)
+        return WeightSource.one(p + suffix)
     if suffix == "mlp.gate_up":
         return WeightSource(((f"{p}mlp.gate_proj.weight", f"{p}mlp.up_proj.weight"),))
     if suffix == "mlp.down":
@@ -152,11 +189,10 @@ _MTP = {
 }
 
 
-_TOP_LEVEL = {
-    "embed_tokens": "model.embed_tokens.weight",
-    "lm_head": "lm_head.weight",
-    "norm.weight": "model.norm.weight",
-}  # ours -> the checkpoint's, after the architecture's prefix
+_DECODER_TOP_LEVEL = {
+    "embed_tokens": "embed_tokens.weight",
+    "norm.weight": "norm.weight",
+}  # ours -> the checkpoint's, after `model_prefix`
 
 
 def weight_source(
@@ -172,12 +208,14 @@ def weight_source(
     if mtp is not None:
         layer, suffix = num_layers + int(mtp.group(1)), mtp.group(2)
         if suffix in _MTP:
-            return WeightSource.one(f"{names.prefix}model.layers.{layer}.{_MTP[suffix]}")
+            return WeightSource.one(f"{names.model_prefix}layers.{layer}.{_MTP[suffix]}")
         if not suffix.startswith("layer."):
             raise KeyError(f"no checkpoint mapping for parameter {name!r}")
         return layer_source(layer, suffix[len("layer.") :], names, experts_by_layer.get(layer, ()), num_experts)
-    if name in _TOP_LEVEL:
-        return WeightSource.one(names.prefix + _TOP_LEVEL[name])
+    if name == "lm_head":
+        return WeightSource.one(names.lm_head)
+    if name in _DECODER_TOP_LEVEL:
+        return WeightSource.one(f"{names.model_prefix}{_DECODER_TOP_LEVEL[name]}")
     match = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
     if match is None:
         raise KeyError(f"no checkpoint mapping for parameter {name!r}")
@@ -197,16 +235,17 @@ def _checkpoint_shape(param: torch.Tensor) -> torch.Size:
     return param.shape if shard is None else torch.Size(shard.full_shape(param.shape))
 
 
-def check_sources(
-    sources: dict[str, WeightSource | FusedExpertsSource], targets: dict[str, torch.Tensor], reader: CheckpointReader
-) -> None:
+Source = WeightSource | FusedExpertsSource | RowsSource
+
+
+def check_sources(sources: dict[str, Source], targets: dict[str, torch.Tensor], reader: CheckpointReader) -> None:
     """Every tensor present with the shape our parameter expects; otherwise one clear error."""
     missing = [n for s in sources.values() for n in s.names if n not in reader]
     if missing:
         more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
         raise CheckpointError(f"checkpoint {reader.folder} is missing tensors: {', '.join(missing[:5])}{more}")
     for name, source in sources.items():
-        if isinstance(source, FusedExpertsSource):
+        if isinstance(source, FusedExpertsSource | RowsSource):
             want = source.expected_shape(targets[name].shape)
         else:
             want = _expected_part_shape(source, _checkpoint_shape(targets[name]))
@@ -219,10 +258,10 @@ def check_sources(
 
 
 def read_source(
-    source: WeightSource | FusedExpertsSource, reader: CheckpointReader, dtype: torch.dtype, shard: Shard | None = None
+    source: Source, reader: CheckpointReader, dtype: torch.dtype, shard: Shard | None = None
 ) -> torch.Tensor:
     """The parameter's value; a sharded one (always a single checkpoint tensor) reads only its part."""
-    if isinstance(source, FusedExpertsSource):
+    if isinstance(source, FusedExpertsSource | RowsSource):
         return source.read(reader, dtype)
     if shard is not None:
         (name,) = source.names

@@ -20,6 +20,7 @@ from moeserve.dispatch.base import DispatchLayout
 from moeserve.dispatch.fp8 import FP8Rows
 from moeserve.fp8_format import BlockFP8Weight
 from moeserve.ops.attention import AttentionBatch, AttentionPlan, DecodeGraphInputs
+from moeserve.ops.state_batch import StateStep
 from moeserve.packed_weight import PackedExperts
 
 PlanT = TypeVar("PlanT", bound=AttentionPlan)
@@ -90,6 +91,21 @@ class LayerOps(ABC, Generic[PlanT]):
         """q `[T, Hq, R]`, k `[T, Hk, R]` rotated by cos/sin `[T, R]` (see `ops.rotary.apply_rotary`
         for the layouts) -> (q, k). A backend may rotate in place and return q and k themselves, so
         callers pass tensors they own (strided views into them are fine) and use what is returned."""
+
+    @abstractmethod
+    def gated_delta_net(
+        self,
+        mixed: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        conv_weight: torch.Tensor,
+        step: StateStep,
+        head_dims: tuple[int, int],
+    ) -> torch.Tensor:
+        """Gated DeltaNet's core for the step's packed sequences: `mixed [T, 2 * Hk * Dk + Hv * Dv]`
+        (q, k, v before the conv), log decays `g` (float32) and `beta`, `[T, Hv]`, the conv's
+        `[C, K]` weight, `head_dims` (Dk, Dv) -> `[T, Hv, Dv]` in mixed's dtype. Reads and rewrites
+        each sequence's conv and recurrent state in its slot (`step`)."""
 
     @abstractmethod
     def paged_attention(

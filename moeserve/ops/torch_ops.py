@@ -11,6 +11,7 @@ from moeserve.config import MLAConfig, RouterConfig
 from moeserve.dispatch.base import DispatchLayout
 from moeserve.ops.attention import AttentionBatch, DecodeGraphInputs
 from moeserve.ops.base import LayerOps, Weight, dense_weight
+from moeserve.ops.gated_delta import gated_delta_net
 from moeserve.ops.grouped_mlp import grouped_mlp
 from moeserve.ops.rotary import apply_rotary
 from moeserve.ops.torch_attention import (
@@ -54,6 +55,8 @@ class TorchOps(LayerOps[TorchAttentionPlan]):
     def linear(self, x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
         """An FP8 weight is dequantized at use (weight-only: x is not quantized)."""
         return F.linear(x, dense_weight(weight, x.dtype), bias)
+
+    gated_delta_net = staticmethod(gated_delta_net)
 
     def rotary_qk(
         self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool

@@ -21,6 +21,7 @@ from moeserve.kernels.fp8_gemm import w8a8_linear
 from moeserve.kernels.fp8_quant import group_problem
 from moeserve.kernels.fused_moe import fused_moe
 from moeserve.kernels.fused_moe_fp8 import fused_moe_w8a8
+from moeserve.kernels.gated_delta import causal_conv1d_varlen, gated_delta_rule_varlen
 from moeserve.kernels.launch_config import block_m_for
 from moeserve.kernels.mla_attention import mla_decode
 from moeserve.kernels.moe_align import moe_align_block_size
@@ -31,7 +32,9 @@ from moeserve.kernels.rotary import apply_rotary_qk_
 from moeserve.kernels.routing import route
 from moeserve.ops.attention import AttentionBatch, AttentionPlan, DecodeGraphInputs
 from moeserve.ops.base import LayerOps, Weight
+from moeserve.ops.gated_delta import split_heads
 from moeserve.ops.grouped_mlp import row_experts
+from moeserve.ops.state_batch import StateStep
 from moeserve.packed_weight import PackedExperts
 
 
@@ -96,6 +99,26 @@ class TritonOps(LayerOps[TritonAttentionPlan]):
         )
         plan = TritonAttentionPlan(inputs.slot_mapping, paged)
         return lambda: plan
+
+    def gated_delta_net(
+        self,
+        mixed: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        conv_weight: torch.Tensor,
+        step: StateStep,
+        head_dims: tuple[int, int],
+    ) -> torch.Tensor:
+        """Every sequence, prompt chunk or decode, through the same two varlen launches."""
+        state, batch = step.state, step.batch
+        if any(batch.drafts):
+            raise ValueError(
+                "the Triton Gated DeltaNet kernels keep no per-draft states yet (drafts need --kernels torch)"
+            )
+        spans = (batch.query_lens, batch.slots, batch.resumes)
+        conv = causal_conv1d_varlen(mixed, conv_weight, state.conv, *spans)
+        q, k, v = split_heads(conv, head_dims, g.shape[1])
+        return gated_delta_rule_varlen(q, k, v, g, beta, state.recurrent, *spans)
 
     # The kernels take strided views and empty steps as they are: no copies on the way in.
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -78,6 +78,11 @@ class ModelShape:
 
 
 def shape_of(config: ModelConfig, name: str) -> ModelShape:
+    if any(config.linear_layers):  # its cost terms and its states' share of memory are not modelled
+        raise ValueError(
+            f"{name}: the planner does not model Gated DeltaNet layers yet ({config.architecture}); "
+            "docs/models.md gives the cache bytes per sequence of Qwen3.5"
+        )
     h = config.hidden_size
     if config.mla is not None:
         m = config.mla

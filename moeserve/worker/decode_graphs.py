@@ -33,6 +33,7 @@ import torch
 from moeserve.engine_config import CudaGraphConfig
 from moeserve.models import MoECausalLM
 from moeserve.ops.attention import DecodeGraphInputs
+from moeserve.ops.state_batch import LinearState
 from moeserve.scheduler import ScheduledRequest
 from moeserve.worker.graph_capture import CapturedStep, GraphBackend, graph_backend_for
 
@@ -203,7 +204,7 @@ class DecodeGraphs:
 
 def create_decode_graphs(
     model: MoECausalLM,
-    kv_caches: list[torch.Tensor],
+    kv_caches: list[torch.Tensor | LinearState],
     block_size: int,
     scratch_block: int,
     config: CudaGraphConfig,
@@ -214,6 +215,8 @@ def create_decode_graphs(
     are dropped."""
     device = torch.device(settings.device)
     reason = graph_refusal(config, device, settings)
+    if reason is None and not all(isinstance(c, torch.Tensor) for c in kv_caches):
+        reason = "the model's Gated DeltaNet states are not captured"
     sizes = config.capture_sizes(settings.max_num_seqs)
     if reason is None:
         dispatcher = model.moe_blocks()[0].dispatcher if model.moe_blocks() else None

@@ -1,19 +1,24 @@
-"""Allocation of the paged KV cache: one tensor per layer, sized in blocks.
+"""Allocation of the cache from the layers' specs (`cache_spec`): a paged tensor per attention
+layer, sized in blocks, and a state per Gated DeltaNet layer, one slot per running sequence.
 
 Sizing needs only the model's config and the rank's tensor-parallel place, so the process that
 schedules (and holds no weights when the model runs in worker processes) can size every data-
-parallel group's cache, and each worker allocates exactly what its scheduler planned.
+parallel group's cache, and each worker allocates exactly what its scheduler planned. The
+states come off the budget first (`max_num_seqs` slots, as SGLang sizes its Mamba pool by its
+running requests): they are what every running sequence needs whatever its length; the blocks
+take the rest.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 
 import torch
 
-from moeserve.config import CacheConfig, ModelConfig
-from moeserve.models import kv_cache_shape
+from moeserve.cache_spec import PagedSpec
+from moeserve.config import DTYPES, CacheConfig, ModelConfig
+from moeserve.models.decoder import cache_specs
+from moeserve.ops.state_batch import LinearState
 
 logger = logging.getLogger(__name__)
 
@@ -21,20 +26,40 @@ logger = logging.getLogger(__name__)
 def bytes_per_block(
     cfg: ModelConfig, block_size: int, dtype: torch.dtype, tp_size: int = 1, mtp_layers: int = 0
 ) -> int:
-    """KV bytes one block costs on one rank, all layers together (`mtp_layers`: the MTP layers
-    loaded to draft, whose KV shares the blocks)."""
-    return math.prod(kv_cache_shape(cfg, 1, block_size, tp_size)) * dtype.itemsize * (cfg.num_layers + mtp_layers)
+    """Paged bytes one block costs on one rank, all paged layers together (`mtp_layers`: the MTP
+    layers loaded to draft, whose KV shares the blocks)."""
+    return cache_specs(cfg, dtype, tp_size, mtp_layers).bytes_per_block(block_size)
+
+
+def state_bytes(cfg: ModelConfig, dtype: torch.dtype, num_slots: int, tp_size: int = 1, draft_states: int = 0) -> int:
+    """Bytes of `num_slots` sequences' states on one rank, with the `draft_states` each keeps to step
+    back past rejected drafts (0 for a model without state layers)."""
+    return num_slots * (1 + draft_states) * cache_specs(cfg, dtype, tp_size).state_bytes_per_sequence
 
 
 def num_blocks_for(
-    cfg: ModelConfig, cache: CacheConfig, dtype: torch.dtype, max_tokens: int, tp_size: int = 1, mtp_layers: int = 0
+    cfg: ModelConfig,
+    cache: CacheConfig,
+    dtype: torch.dtype,
+    max_num_seqs: int,
+    max_model_len: int,
+    tp_size: int = 1,
+    mtp_layers: int = 0,
+    draft_states: int = 0,
 ) -> int:
-    """Blocks that fit the per-rank memory budget, but no more than `max_tokens` (every
-    sequence slot at full length) can ever use."""
+    """Blocks that fit the per-rank memory budget once `max_num_seqs` states (and their
+    `draft_states`) are set aside, but no more than every sequence slot at full length can ever use."""
     if cache.num_blocks is not None:
         return cache.num_blocks
-    fitting = cache.memory_bytes // bytes_per_block(cfg, cache.block_size, dtype, tp_size, mtp_layers)
-    return max(1, min(fitting, -(-max_tokens // cache.block_size)))
+    states = state_bytes(cfg, dtype, max_num_seqs, tp_size, draft_states)
+    budget = cache.memory_bytes - states
+    if budget <= 0:
+        raise ValueError(
+            f"the KV cache budget ({cache.memory_bytes / 2**20:.1f} MiB) does not hold the states of "
+            f"{max_num_seqs} sequences ({states / 2**20:.1f} MiB): raise the budget or lower max_num_seqs"
+        )
+    fitting = budget // bytes_per_block(cfg, cache.block_size, dtype, tp_size, mtp_layers)
+    return max(1, min(fitting, -(-max_num_seqs * max_model_len // cache.block_size)))
 
 
 def allocate_kv_caches(
@@ -45,16 +70,38 @@ def allocate_kv_caches(
     device: torch.device | str,
     tp_size: int = 1,
     mtp_layers: int = 0,
-) -> list[torch.Tensor]:
+    num_state_slots: int = 0,
+    draft_states: int = 0,
+) -> list[torch.Tensor | LinearState]:
     """Zeroed, so a bug that reads an unwritten slot shows up as a wrong token, not as NaN noise.
-    The decoder layers' caches, then `mtp_layers` more for the MTP layers loaded to draft."""
-    shape = kv_cache_shape(cfg, num_blocks, block_size, tp_size)
-    caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers + mtp_layers)]
+    The decoder layers' caches, then `mtp_layers` more for the MTP layers loaded to draft; a state
+    layer's holds `num_state_slots` sequences, each with `draft_states` more to verify drafts."""
+    specs = cache_specs(cfg, dtype, tp_size, mtp_layers)
+    caches: list[torch.Tensor | LinearState] = []
+    for spec in specs.layers:
+        if isinstance(spec, PagedSpec):
+            caches.append(torch.zeros(spec.shape(num_blocks, block_size), dtype=dtype, device=device))
+        else:
+            parts = list(zip(spec.shapes, spec.dtypes, strict=True))
+            conv, recurrent = (
+                torch.zeros((num_state_slots, *shape), dtype=DTYPES[n], device=device) for shape, n in parts
+            )
+            drafts = [None, None]
+            if draft_states:
+                drafts = [
+                    torch.zeros((num_state_slots, draft_states, *shape), dtype=DTYPES[n], device=device)
+                    for shape, n in parts
+                ]
+            caches.append(LinearState(conv, recurrent, *drafts))
     logger.info(
-        "KV cache: %d blocks of %d tokens (%d tokens), %.1f MiB",
+        "KV cache: %d blocks of %d tokens (%d tokens), %.1f MiB%s",
         num_blocks,
         block_size,
         num_blocks * block_size,
-        num_blocks * bytes_per_block(cfg, block_size, dtype, tp_size, mtp_layers) / 2**20,
+        num_blocks * specs.bytes_per_block(block_size) / 2**20,
+        f"; states: {num_state_slots} slots, "
+        f"{num_state_slots * (1 + draft_states) * specs.state_bytes_per_sequence / 2**20:.1f} MiB"
+        if specs.has_state
+        else "",
     )
     return caches

@@ -19,9 +19,11 @@ from dataclasses import dataclass
 import torch
 
 from moeserve.models import MoECausalLM
+from moeserve.models.decoder import LayerCache
 from moeserve.ops import attention_batch
 from moeserve.ops.attention import AttentionPlan
 from moeserve.ops.host_ints import int64_tensor
+from moeserve.ops.state_batch import LinearState, StateStep
 from moeserve.scheduler import ScheduledRequest, SchedulerOutput
 from moeserve.worker.decode_graphs import DecodeGraphs, is_decode
 from moeserve.worker.host_memory import retain_freed_host_memory
@@ -39,6 +41,7 @@ from moeserve.worker.sampler import (
     random_probs,
 )
 from moeserve.worker.sampling_metadata import PendingBitmask
+from moeserve.worker.state_slots import StateSlots
 from moeserve.worker.two_batch import interleave, split_point
 from moeserve.worker.verify_drafts import TokenLogprobs, accept_greedy, rejection_sample, verified_logprobs
 
@@ -82,7 +85,7 @@ class ModelRunner:
     def __init__(
         self,
         model: MoECausalLM,
-        kv_caches: list[torch.Tensor],
+        kv_caches: list[torch.Tensor | LinearState],
         block_size: int,
         eos_token_ids: Sequence[int],
         device: torch.device | str = "cpu",
@@ -97,6 +100,9 @@ class ModelRunner:
         self.model = model
         self.drafter = MTPDrafter(model, kv_caches, block_size, mtp_drafts) if mtp_drafts else None
         self.kv_caches = kv_caches
+        states = [c for c in kv_caches if isinstance(c, LinearState)]
+        self.states = StateSlots(states[0].conv.shape[0]) if states else None
+        """Each running sequence's slot in the state layers' caches (models with Gated DeltaNets)."""
         self.block_size = block_size
         self.eos_token_ids = tuple(eos_token_ids)
         self.device = torch.device(device)
@@ -130,12 +136,16 @@ class ModelRunner:
         self._prompt_logprobs_out.clear()
         if self.drafter is not None:
             self.drafter.forget(self.drafter.request_ids)
+        if self.states is not None:  # every sequence recomputes from position 0
+            self.states.release(self.states.request_ids)
 
     def _track(self, plan: SchedulerOutput) -> None:
         """Forget the finished requests first: a new request may reuse a finished one's id."""
         for request_id in plan.finished_request_ids:
             self.batch.remove(request_id)
             self.prompt_logprobs.remove(request_id)
+        if self.states is not None:
+            self.states.release([*plan.finished_request_ids, *plan.preempted_request_ids])
         new = plan.new_requests
         if self.samples:
             for r in new:
@@ -179,7 +189,7 @@ class ModelRunner:
             scheduled = self.drafter.draft(scheduled, self.lockstep)
             parts = [scheduled]
             hidden, stream = self.model.forward_with_stream(
-                *self._inputs(scheduled), self.kv_caches, max_tokens_per_rank
+                *self._inputs(scheduled), max_tokens_per_rank
             )  # [T, H] each
             hiddens = [hidden]
             self.drafter.keep(scheduled, stream)
@@ -190,14 +200,11 @@ class ModelRunner:
             cut = split_point([len(s.token_ids) for s in scheduled])
             parts = [scheduled[:cut], scheduled[cut:]]
             bounds = micro_batch_bounds or (max_tokens_per_rank, max_tokens_per_rank)
-            passes = [
-                self.model.forward_steps(*self._inputs(part), self.kv_caches, bound)
-                for part, bound in zip(parts, bounds)
-            ]
+            passes = [self.model.forward_steps(*self._inputs(part), bound) for part, bound in zip(parts, bounds)]
             hiddens = interleave(passes)
         else:
             parts = [scheduled]
-            hiddens = [self.model(*self._inputs(scheduled), self.kv_caches, max_tokens_per_rank)]  # [T, H]
+            hiddens = [self.model(*self._inputs(scheduled), max_tokens_per_rank)]  # [T, H]
         if self.prompt_logprobs:
             computed = self.prompt_logprobs.compute(parts, hiddens, self.model.compute_logits)
             for request_id, chunk in computed.items():
@@ -342,19 +349,26 @@ class ModelRunner:
         empty). Alone in its process a runner needs two sequences to split."""
         return self.two_batch_overlap and (self.lockstep or len(scheduled) > 1)
 
-    def _inputs(self, scheduled: Sequence[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor, AttentionPlan]:
-        """The model's packed inputs for these sequences: token ids `[T]`, positions `[T]` and the
-        attention plan."""
+    def _inputs(
+        self, scheduled: Sequence[ScheduledRequest]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionPlan, list[LayerCache]]:
+        """The model's packed inputs for these sequences: token ids `[T]`, positions `[T]`, the
+        attention plan and the layers' caches (state layers' bound to these sequences' slots)."""
         query_lens = [len(s.token_ids) for s in scheduled]
         start_positions = [s.start_position for s in scheduled]
         input_ids = int64_tensor(itertools.chain.from_iterable(s.token_ids for s in scheduled))
         batch = attention_batch(
             [s.block_ids for s in scheduled], start_positions, query_lens, self.block_size, self.device
         )
+        caches: list[LayerCache] = self.kv_caches
+        if self.states is not None:
+            states = self.states.batch(scheduled)
+            caches = [StateStep(c, states) if isinstance(c, LinearState) else c for c in self.kv_caches]
         return (
             input_ids.to(self.device),
             packed_positions(start_positions, query_lens).to(self.device),
             self.model.ops.plan_attention(batch),
+            caches,
         )
 
     def _sampled_rows(self, hidden: torch.Tensor, scheduled: Sequence[ScheduledRequest]) -> torch.Tensor:

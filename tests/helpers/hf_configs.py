@@ -23,7 +23,10 @@ def hf_config(arch: str, **overrides: Any):
         MixtralConfig,
         OlmoeConfig,
         Qwen2MoeConfig,
+        Qwen3_5MoeConfig,
+        Qwen3_5MoeTextConfig,
         Qwen3MoeConfig,
+        Qwen3NextConfig,
     )
 
     common = dict(
@@ -140,26 +143,57 @@ def hf_config(arch: str, **overrides: Any):
             ),
         )
         cls = GptOssConfig
+    elif arch in ("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_vl"):  # hybrid: Gated DeltaNet + gated attention
+        cfg = dict(
+            common,
+            num_hidden_layers=4,
+            head_dim=16,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            num_experts=6,
+            num_experts_per_tok=2,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=8,
+            linear_value_head_dim=12,
+            linear_conv_kernel_dim=4,
+        )
+        if arch == "qwen3_next":  # alternating, as the issue's "Qwen3-Next" case
+            cfg["layer_types"] = ["linear_attention", "full_attention"] * 2
+            cls = Qwen3NextConfig
+        else:  # three DeltaNets then one full attention (transformers' default interval of 4)
+            del cfg["intermediate_size"]
+            cls = Qwen3_5MoeTextConfig
     else:
         raise ValueError(arch)
     cfg.update(overrides)
+    if arch == "qwen3_5_moe_vl":  # the released multimodal checkpoint: the text model under a vision tower
+        vision = dict(depth=1, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64, patch_size=4)
+        return Qwen3_5MoeConfig(text_config=cls(**cfg).to_dict(), vision_config=vision, tie_word_embeddings=False)
     return cls(**cfg)
 
 
 def write_checkpoint(folder: Path, tokenizer_dir: Path, arch: str, seed: int = 0, **overrides: Any) -> Path:
     """A tiny checkpoint of `arch` written by transformers itself (for the `make_checkpoint`
     fixture and bench/gpu/parity.py)."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, Qwen3_5MoeForConditionalGeneration
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(hf_config(arch, **overrides))
+    config = hf_config(arch, **overrides)
+    if arch == "qwen3_5_moe_vl":
+        model = Qwen3_5MoeForConditionalGeneration(config)
+    else:
+        model = AutoModelForCausalLM.from_config(config)
     for name, buf in model.named_buffers():
         if name.endswith("e_score_correction_bias"):
             buf.normal_(0.0, 0.05)
+    hybrid = arch.startswith(("qwen3_next", "qwen3_5"))
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith(("experts.gate_up_proj_bias", "experts.down_proj_bias")):
                 param.normal_(0.0, 0.1)
+            elif hybrid and name.endswith(("norm.weight", "dt_bias")):  # zero-centred norms start at 0
+                param.normal_(0.0, 0.2)
     model.save_pretrained(folder)
     for f in tokenizer_dir.iterdir():
         shutil.copy(f, folder / f.name)

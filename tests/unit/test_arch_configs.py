@@ -18,6 +18,9 @@ HF_NAMES = {
     "minimax_m2": "MiniMaxM2ForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "qwen3_next": "Qwen3NextForCausalLM",
+    "qwen3_5_moe": "Qwen3_5MoeForCausalLM",
+    "qwen3_5_moe_vl": "Qwen3_5MoeForConditionalGeneration",
 }
 
 
@@ -61,6 +64,31 @@ def test_gpt_oss_defaults_alternate_windows_and_yarn():
     assert (cfg.rope.kind, cfg.rope.factor, cfg.rope.theta, cfg.rope.truncate) == ("yarn", 32.0, 150000.0, False)
     assert cfg.attention_sinks and cfg.expert_bias and cfg.router.kind == "topk_softmax" and cfg.router.has_bias
     assert (cfg.expert_activation.kind, cfg.expert_activation.limit) == ("clamped_swiglu", 1.0)
+
+
+def test_hybrid_layer_types_defaults_and_the_multimodal_text_config():
+    """Qwen3.5 without layer_types: every fourth layer full attention (transformers' interval);
+    Qwen3-Next as written; the multimodal config's text model read from text_config; both with a
+    quarter of each head rotating, gated attention and zero-centred norms."""
+    _, q35 = resolve_architecture(raw_config("qwen3_5_moe", drop=("layer_types",), num_hidden_layers=8))
+    assert q35.linear_layers == (True, True, True, False) * 2
+    assert q35.moe_layers == (True,) * 8 and q35.router.renormalize and q35.shared_expert_gated
+    assert q35.rope.rotary_dim == 4 and q35.attention_output_gate and q35.zero_centered_norms
+    assert not q35.linear_attention.grouped_projections
+    _, nxt = resolve_architecture(raw_config("qwen3_next"))
+    assert nxt.linear_layers == (True, False, True, False) and nxt.linear_attention.grouped_projections
+    _, vl = resolve_architecture(raw_config("qwen3_5_moe_vl"))
+    assert (vl.hidden_size, vl.num_layers, vl.linear_attention.value_head_dim) == (64, 4, 12)
+    with pytest.raises(CheckpointError, match="layer_types must be 4 of linear_attention / full_attention"):
+        resolve_architecture(raw_config("qwen3_next", layer_types=["linear_attention", "sliding_attention"] * 2))
+
+
+def test_planner_refuses_hybrid_models_by_name():
+    from moeserve.plan.shapes import shape_of
+
+    _, cfg = resolve_architecture(raw_config("qwen3_5_moe"))
+    with pytest.raises(ValueError, match="does not model Gated DeltaNet layers"):
+        shape_of(cfg, "tiny")
 
 
 def test_olmoe_norm_over_the_whole_projection_and_clip():

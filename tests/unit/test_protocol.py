@@ -189,7 +189,8 @@ def test_chat_bad_values_are_400_naming_the_field(body, param):
 
 
 def test_image_parts_are_refused_by_name():
-    """A vision model's image part (Kimi-K2.5 is served as its text model) is a 400 that says why."""
+    """A vision model's image part (Kimi-K2.5 and Qwen3.5-MoE are served as their text models) is a
+    400 that says why."""
     image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
     err = api_error(
         ChatCompletionRequest,

@@ -6,15 +6,28 @@ import dataclasses
 from typing import Any
 
 from moeserve.config import ModelConfig
-from moeserve.models.architectures import deepseek, glm4_moe, gpt_oss, kimi_k25, minimax_m2, mixtral, olmoe, qwen_moe
+from moeserve.models.architectures import (
+    deepseek,
+    glm4_moe,
+    gpt_oss,
+    kimi_k25,
+    minimax_m2,
+    mixtral,
+    olmoe,
+    qwen3_next,
+    qwen_moe,
+)
 from moeserve.models.architectures.base import Architecture, CheckpointNames
 from moeserve.models.architectures.quantization import SUPPORTED_QUANT_METHODS, check_quantization
 from moeserve.models.checkpoint import CheckpointError
 
 ARCHITECTURES: dict[str, Architecture] = {
-    name: module.ARCHITECTURE
-    for module in (mixtral, qwen_moe, deepseek, olmoe, glm4_moe, minimax_m2, gpt_oss, kimi_k25)
-    for name in module.ARCHITECTURE.hf_names
+    name: arch
+    for arch in (
+        *(m.ARCHITECTURE for m in (mixtral, qwen_moe, deepseek, olmoe, glm4_moe, minimax_m2, gpt_oss, kimi_k25)),
+        *qwen3_next.ARCHITECTURES,
+    )
+    for name in arch.hf_names
 }
 
 

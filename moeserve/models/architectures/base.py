@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -32,9 +32,17 @@ class CheckpointNames:
     """gpt-oss: a layer's experts in four stacked tensors (`experts.gate_up_proj [E, H, 2I]` with
     gate and up columns interleaved, `experts.down_proj [E, I, H]`, and their biases), not one
     tensor per expert and projection."""
-    prefix: str = ""
-    """Before every tensor name: Kimi-K2.5's text model sits under `language_model.` in its
-    multimodal checkpoint (beside the vision tower's tensors, never read)."""
+    fused_layout: Literal["gpt_oss", "rows"] = "gpt_oss"
+    """How fused experts are laid out: gpt-oss's (above), or `rows`, as transformers 5 holds
+    experts and Qwen3.5 releases them: `experts.gate_up_proj [E, 2I, H]` (gate rows, then up rows)
+    and `experts.down_proj [E, H, I]`, each expert already our `[out, in]`."""
+    model_prefix: str = "model."
+    """Before the decoder's tensor names (`layers.N.`, `embed_tokens`, `norm`). A multimodal
+    checkpoint keeps its text model beside a vision tower that is never read, so deeper:
+    Kimi-K2.5's under `language_model.model.`, Qwen3.5's under `model.language_model.`."""
+    lm_head: str = "lm_head.weight"
+    """The output projection, outside the decoder: Kimi-K2.5's `language_model.lm_head.weight`,
+    Qwen3.5's at the top level as in a text checkpoint."""
 
 
 @dataclass(frozen=True)
@@ -44,7 +52,7 @@ class Architecture:
     names: CheckpointNames
     text_config: bool = False
     """The text model's config.json keys sit under `text_config` (a multimodal checkpoint served
-    as its text model: Kimi-K2.5); its quantization_config there or at the top level."""
+    as its text model: Kimi-K2.5, Qwen3.5-MoE); its quantization_config there or at the top level."""
 
 
 class HFConfig:
@@ -82,7 +90,9 @@ class HFConfig:
             "num_heads": num_heads,
             "num_kv_heads": self.get("num_key_value_heads", num_heads),
             "head_dim": self.head_dim(),
-            "intermediate_size": self.require("intermediate_size"),
+            "intermediate_size": fields["intermediate_size"]
+            if "intermediate_size" in fields  # Qwen3.5: no dense layers, no such key
+            else self.require("intermediate_size"),
             "rms_norm_eps": self.require("rms_norm_eps", kind=float),
             "max_position_embeddings": self.require("max_position_embeddings"),
             "tie_word_embeddings": bool(self.get("tie_word_embeddings", False)),

@@ -13,6 +13,10 @@ from moeserve.models.architectures.base import Architecture, CheckpointNames
 ARCHITECTURE = Architecture(
     hf_names=("KimiK25ForConditionalGeneration",),
     parse_config=deepseek.parse_config,
-    names=CheckpointNames(shared_expert="shared_experts", prefix="language_model."),
+    names=CheckpointNames(
+        shared_expert="shared_experts",
+        model_prefix="language_model.model.",
+        lm_head="language_model.lm_head.weight",
+    ),
     text_config=True,
 )

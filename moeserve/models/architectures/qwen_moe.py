@@ -14,7 +14,7 @@ from moeserve.config import ModelConfig, RouterConfig
 from moeserve.models.architectures.base import Architecture, CheckpointNames, HFConfig
 
 
-def _moe_layers(c: HFConfig, num_layers: int, num_experts: int) -> tuple[bool, ...]:
+def moe_layers(c: HFConfig, num_layers: int, num_experts: int) -> tuple[bool, ...]:
     dense = set(c.get("mlp_only_layers", []))
     step = c.get("decoder_sparse_step", 1)
     return tuple(i not in dense and num_experts > 0 and (i + 1) % step == 0 for i in range(num_layers))
@@ -34,7 +34,7 @@ def parse_config(raw: dict[str, Any]) -> ModelConfig:
             kind="softmax", top_k=c.require("num_experts_per_tok"), renormalize=bool(c.get("norm_topk_prob", False))
         ),
         rope=c.rope(head_dim),
-        moe_layers=_moe_layers(c, num_layers, num_experts),
+        moe_layers=moe_layers(c, num_layers, num_experts),
         sliding_windows=c.sliding_windows(num_layers, enabled=bool(c.get("use_sliding_window", False))),
         shared_expert_intermediate_size=0 if qwen3 else c.get("shared_expert_intermediate_size", 0),
         shared_expert_gated=not qwen3,

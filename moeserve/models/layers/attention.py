@@ -3,7 +3,8 @@
 Options, each a `ModelConfig` field: q/k/v and o biases; an RMSNorm of q and k per head
 (Qwen3, GLM-4.5) or over the whole projection (OLMoE, MiniMax-M2); OLMoE's clamp of q, k, v;
 rotary over only the first `rope.rotary_dim` dims of each head (GLM-4.5, MiniMax-M2); a sliding
-window per layer; gpt-oss's per-head attention sinks.
+window per layer; gpt-oss's per-head attention sinks; Qwen3-Next's and Qwen3.5's output gate
+(q_proj gives each head's query then its gate; the output is scaled by sigmoid(gate)).
 """
 
 from __future__ import annotations
@@ -11,7 +12,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from moeserve.cache_spec import PagedSpec
 from moeserve.config import ModelConfig
+from moeserve.engine_config import dtype_name
 from moeserve.models.layers.linear import Linear
 from moeserve.models.layers.norm import ProjectionNorm, RMSNorm
 from moeserve.models.tensor_parallel import (
@@ -54,8 +57,13 @@ class Attention(nn.Module):
         self.sliding_window = cfg.sliding_windows[layer]
         self.interleaved_rope = cfg.rope.interleaved
         q_cols, kv_cols = self.num_heads * d, self.num_kv_heads * d
+        self.output_gate = cfg.attention_output_gate
+        per_head = 2 if self.output_gate else 1
         self.q_proj = column_parallel(
-            Linear(h, q_cols, cfg.qkv_bias, dtype, device, ops), tp.rank * q_cols, cfg.num_heads * d, tp
+            Linear(h, per_head * q_cols, cfg.qkv_bias, dtype, device, ops),
+            tp.rank * per_head * q_cols,
+            per_head * cfg.num_heads * d,
+            tp,
         )
         self.k_proj = column_parallel(
             Linear(h, kv_cols, cfg.qkv_bias, dtype, device, ops), first_kv * d, cfg.num_kv_heads * d, tp
@@ -89,7 +97,12 @@ class Attention(nn.Module):
 
     @staticmethod
     def cache_shape(cfg: ModelConfig, num_blocks: int, block_size: int, tp_size: int = 1) -> tuple[int, ...]:
-        return (2, num_blocks, block_size, kv_heads_of(cfg.num_kv_heads, 0, tp_size)[1], cfg.head_dim)
+        return Attention.cache_spec(cfg, torch.float32, tp_size).shape(num_blocks, block_size)
+
+    @staticmethod
+    def cache_spec(cfg: ModelConfig, dtype: torch.dtype, tp_size: int = 1) -> PagedSpec:
+        """K then V of this rank's KV heads, per token."""
+        return PagedSpec((2,), (kv_heads_of(cfg.num_kv_heads, 0, tp_size)[1], cfg.head_dim), dtype_name(dtype))
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor, plan: AttentionPlan
@@ -97,6 +110,11 @@ class Attention(nn.Module):
         """x `[T, H]`; cos/sin `[T, D]` -> `[T, H]` (this rank's partial sum under TP)."""
         num_tokens = x.shape[0]
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # [T, Hq * D], [T, Hkv * D] x2
+        gate = None
+        if self.output_gate:  # each head's D query columns, then its D gate columns
+            q, gate = q.view(num_tokens, self.num_heads, 2, self.head_dim).unbind(2)
+            cols = self.num_heads * self.head_dim  # explicit: T may be 0
+            q, gate = q.reshape(num_tokens, cols), gate.reshape(num_tokens, cols)
         if isinstance(self.q_norm, ProjectionNorm):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.clip_qkv is not None:
@@ -110,7 +128,8 @@ class Attention(nn.Module):
         write_to_cache(kv_cache[0], k, plan.slot_mapping)
         write_to_cache(kv_cache[1], v, plan.slot_mapping)
         out = self.ops.paged_attention(q, kv_cache[0], kv_cache[1], plan, self.scale, self.sliding_window, self.sinks)
-        return self.o_proj(out.reshape(num_tokens, out.shape[1] * out.shape[2]))  # explicit: T may be 0
+        out = out.reshape(num_tokens, out.shape[1] * out.shape[2])  # explicit: T may be 0
+        return self.o_proj(out if gate is None else out * torch.sigmoid(gate))
 
     def _rotate(
         self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor

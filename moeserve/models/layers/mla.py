@@ -12,7 +12,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from moeserve.cache_spec import PagedSpec
 from moeserve.config import ModelConfig
+from moeserve.engine_config import dtype_name
 from moeserve.fp8_format import BlockFP8Weight
 from moeserve.models.fp8 import stored_weight
 from moeserve.models.layers.linear import Linear
@@ -96,8 +98,13 @@ class MLAttention(nn.Module):
 
     @staticmethod
     def cache_shape(cfg: ModelConfig, num_blocks: int, block_size: int, tp_size: int = 1) -> tuple[int, ...]:
+        return MLAttention.cache_spec(cfg, torch.float32, tp_size).shape(num_blocks, block_size)
+
+    @staticmethod
+    def cache_spec(cfg: ModelConfig, dtype: torch.dtype, tp_size: int = 1) -> PagedSpec:
+        """The latent and the rotary key, per token, shared by every head (the same on every TP rank)."""
         assert cfg.mla is not None
-        return (num_blocks, block_size, cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim)
+        return PagedSpec((), (cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim,), dtype_name(dtype))
 
     def _queries(self, x: torch.Tensor) -> torch.Tensor:
         q = self.q_proj(x) if self.mla.q_lora_rank is None else self.q_b_proj(self.q_a_norm(self.q_a_proj(x)))

@@ -1,0 +1,257 @@
+"""Gated DeltaNet on the GPU: the causal conv1d over a step's packed sequences with each one's
+carried state, and the gated delta rule, for prompt chunks and decodes alike (varlen: each
+sequence its own span of the packed tokens, its own state slot).
+
+Against the torch reference (`ops/gated_delta.py`), each within float32 rounding:
+
+- `_conv_out_kernel`: one program per (token, channel block). Token t of a sequence starting at
+  packed row `start` reads inputs t-K+1..t: rows of this step where they are in the sequence, the
+  slot's conv state (the K - 1 inputs before the step) for the positions before `start` (zeros
+  for a sequence that starts afresh). Then silu. Every output is independent: one launch.
+- `_conv_state_kernel`: one program per (sequence, channel block), after the outputs: the last
+  K - 1 inputs (old state and new rows mixed when the sequence brought fewer than K - 1) are
+  loaded whole, then stored, so the slot is rewritten in place.
+- `_delta_rule_kernel`: one program per (sequence, value head, Dv block) holds its `[Dk, BV]`
+  slice of the float32 recurrent state in registers and walks the sequence's tokens: decay by
+  exp(g), the delta update with beta, the output read with q (q and k l2-normalised, q scaled by
+  Dk ** -0.5), then stores the state. This is the recurrent form for every sequence; the chunked
+  form (WY, per-chunk matmuls) is what a long prompt wants on a GPU and is not built yet.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from moeserve.kernels.targets import require_launchable
+
+CONV_BLOCK = 128  # channels per conv program
+
+
+@triton.jit
+def _inputs_at(x_ptr, state_row, pos, valid, cols, col_mask, start, resumes, stride_x, K: tl.constexpr):
+    """The conv's inputs at packed rows `pos` `[P]` (where `valid`) for channels `cols`: `[BLOCK_C, P]`
+    from this step's rows for positions from the sequence's `start` on, from its state (the K - 1
+    inputs before the step, at `state_row`) for earlier ones, zeros for a fresh sequence's."""
+    in_step = valid & (pos >= start)
+    from_state = valid & (pos < start) & ((pos * 0 + resumes) != 0)  # vectors: the interpreter takes no scalar mask
+    xs = tl.load(
+        x_ptr + pos[None, :].to(tl.int64) * stride_x + cols[:, None],
+        mask=col_mask[:, None] & in_step[None, :],
+        other=0.0,
+    )
+    ss = tl.load(
+        state_row + cols[:, None] * (K - 1) + (K - 1 + pos - start)[None, :],
+        mask=col_mask[:, None] & from_state[None, :],
+        other=0.0,
+    )
+    return tl.where(in_step[None, :], xs.to(ss.dtype), ss)
+
+
+@triton.jit
+def _conv_out_kernel(
+    x_ptr,  # [T, C]
+    w_ptr,  # [C, K]
+    state_ptr,  # [N, C, K - 1]
+    out_ptr,  # [T, C]
+    token_seq_ptr,  # [T] int32: the sequence of each packed token
+    starts_ptr,  # [B] int32: the sequence's first packed row
+    slots_ptr,  # [B] int64
+    resumes_ptr,  # [B] int32
+    C,
+    stride_x,
+    stride_out,
+    stride_state_slot,
+    K: tl.constexpr,
+    K_POW2: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    t = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    col_mask = cols < C
+    seq = tl.load(token_seq_ptr + t)
+    start = tl.load(starts_ptr + seq)
+    state_row = state_ptr + tl.load(slots_ptr + seq) * stride_state_slot
+    taps = tl.arange(0, K_POW2)
+    tap_mask = taps < K
+    pos = t - (K - 1) + taps  # [K_POW2] packed rows read
+    inputs = _inputs_at(
+        x_ptr, state_row, pos, tap_mask, cols, col_mask, start, tl.load(resumes_ptr + seq), stride_x, K
+    ).to(tl.float32)
+    w = tl.load(w_ptr + cols[:, None] * K + taps[None, :], mask=col_mask[:, None] & tap_mask[None, :], other=0.0)
+    acc = tl.sum(inputs * w.to(tl.float32), axis=1)
+    out = acc * tl.sigmoid(acc)
+    tl.store(out_ptr + t.to(tl.int64) * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=col_mask)
+
+
+@triton.jit
+def _conv_state_kernel(
+    x_ptr,
+    state_ptr,
+    starts_ptr,
+    ends_ptr,
+    slots_ptr,
+    resumes_ptr,
+    C,
+    stride_x,
+    stride_state_slot,
+    K: tl.constexpr,
+    K_POW2: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    col_mask = cols < C
+    start = tl.load(starts_ptr + seq)
+    state_row = state_ptr + tl.load(slots_ptr + seq) * stride_state_slot
+    j = tl.arange(0, K_POW2)
+    keep = j < K - 1
+    pos = tl.load(ends_ptr + seq) - (K - 1) + j  # the last K - 1 positions
+    new = _inputs_at(x_ptr, state_row, pos, keep, cols, col_mask, start, tl.load(resumes_ptr + seq), stride_x, K)
+    tl.debug_barrier()  # every read of the old state before the first store
+    tl.store(state_row + cols[:, None] * (K - 1) + j[None, :], new, mask=col_mask[:, None] & keep[None, :])
+
+
+@triton.jit
+def _delta_rule_kernel(
+    q_ptr,  # [T, Hk, Dk]
+    k_ptr,  # [T, Hk, Dk]
+    v_ptr,  # [T, Hv, Dv]
+    g_ptr,  # [T, Hv] float32
+    beta_ptr,  # [T, Hv]
+    state_ptr,  # [N, Hv, Dk, Dv] float32
+    out_ptr,  # [T, Hv, Dv]
+    starts_ptr,
+    ends_ptr,
+    slots_ptr,
+    resumes_ptr,
+    stride_q,
+    stride_k,
+    stride_v,
+    stride_g,
+    stride_beta,
+    stride_out,
+    stride_state_slot,
+    scale,
+    HV: tl.constexpr,
+    RATIO: tl.constexpr,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    hv = tl.program_id(1)
+    vs = tl.program_id(2) * BV + tl.arange(0, BV)
+    ks = tl.arange(0, BK)
+    k_mask, v_mask = ks < DK, vs < DV
+    hk = hv // RATIO
+    start = tl.load(starts_ptr + seq)
+    end = tl.load(ends_ptr + seq)
+    slot = tl.load(slots_ptr + seq)
+    resumes = tl.load(resumes_ptr + seq)
+    s_ptrs = state_ptr + slot * stride_state_slot + hv * DK * DV + ks[:, None] * DV + vs[None, :]
+    s_mask = k_mask[:, None] & v_mask[None, :] & ((ks * 0 + resumes) != 0)[:, None]
+    s = tl.load(s_ptrs, mask=s_mask, other=0.0)  # [BK, BV] float32
+    for i in range(0, end - start):
+        row = (start + i).to(tl.int64)
+        q = tl.load(q_ptr + row * stride_q + hk * DK + ks, mask=k_mask, other=0.0).to(tl.float32)
+        k = tl.load(k_ptr + row * stride_k + hk * DK + ks, mask=k_mask, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + row * stride_v + hv * DV + vs, mask=v_mask, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + row * stride_g + hv).to(tl.float32)
+        beta = tl.load(beta_ptr + row * stride_beta + hv).to(tl.float32)
+        q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * scale
+        k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
+        s = s * tl.exp(g)
+        delta = (v - tl.sum(s * k[:, None], axis=0)) * beta  # [BV]
+        s = s + k[:, None] * delta[None, :]
+        o = tl.sum(s * q[:, None], axis=0)
+        tl.store(out_ptr + row * stride_out + hv * DV + vs, o.to(out_ptr.dtype.element_ty), mask=v_mask)
+    tl.store(s_ptrs, s, mask=k_mask[:, None] & v_mask[None, :])
+
+
+def _spans(
+    query_lens: tuple[int, ...], slots: tuple[int, ...], resumes: tuple[bool, ...], device: torch.device
+) -> tuple[torch.Tensor, ...]:
+    """Per sequence its first and past-last packed row, slot and resume flag; per token its sequence."""
+    lens = torch.tensor(query_lens, dtype=torch.int32)
+    ends = torch.cumsum(lens, 0, dtype=torch.int32)
+    starts = ends - lens
+    token_seq = torch.repeat_interleave(torch.arange(len(query_lens), dtype=torch.int32), lens)
+    return tuple(
+        t.to(device)
+        for t in (
+            starts,
+            ends,
+            torch.tensor(slots, dtype=torch.int64),
+            torch.tensor(resumes, dtype=torch.int32),
+            token_seq,
+        )
+    )
+
+
+def causal_conv1d_varlen(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    conv_state: torch.Tensor,
+    query_lens: tuple[int, ...],
+    slots: tuple[int, ...],
+    resumes: tuple[bool, ...],
+) -> torch.Tensor:
+    """x `[T, C]` (the step's sequences packed), weight `[C, K]`, conv_state `[N, C, K - 1]`
+    (updated in place for each sequence's slot) -> silu(conv) `[T, C]` in x's dtype."""
+    require_launchable(x, "causal_conv1d_varlen")
+    num_tokens, channels = x.shape
+    width = weight.shape[1]
+    out = torch.empty_like(x)
+    if num_tokens == 0:
+        return out
+    starts, ends, slot_t, resume_t, token_seq = _spans(query_lens, slots, resumes, x.device)
+    weight = weight.contiguous()
+    blocks = triton.cdiv(channels, CONV_BLOCK)
+    k_pow2 = triton.next_power_of_2(width)
+    _conv_out_kernel[(num_tokens, blocks)](
+        x, weight, conv_state, out, token_seq, starts, slot_t, resume_t,
+        channels, x.stride(0), out.stride(0), conv_state.stride(0),
+        K=width, K_POW2=k_pow2, BLOCK_C=CONV_BLOCK,
+    )  # fmt: skip
+    _conv_state_kernel[(len(query_lens), blocks)](
+        x, conv_state, starts, ends, slot_t, resume_t,
+        channels, x.stride(0), conv_state.stride(0),
+        K=width, K_POW2=k_pow2, BLOCK_C=CONV_BLOCK,
+    )  # fmt: skip
+    return out
+
+
+def gated_delta_rule_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    query_lens: tuple[int, ...],
+    slots: tuple[int, ...],
+    resumes: tuple[bool, ...],
+) -> torch.Tensor:
+    """q, k `[T, Hk, Dk]`, v `[T, Hv, Dv]`, g (float32) and beta `[T, Hv]`, state `[N, Hv, Dk, Dv]`
+    float32 (each sequence's slot read unless it starts afresh, and rewritten) -> `[T, Hv, Dv]`."""
+    require_launchable(q, "gated_delta_rule_varlen")
+    num_tokens, num_k_heads, dk = k.shape
+    num_v_heads, dv = v.shape[1:]
+    out = torch.empty(num_tokens, num_v_heads, dv, dtype=q.dtype, device=q.device)
+    if not query_lens:
+        return out
+    q, k, v = (t.contiguous() for t in (q, k, v))
+    starts, ends, slot_t, resume_t, _ = _spans(query_lens, slots, resumes, q.device)
+    bv = min(triton.next_power_of_2(dv), 64)
+    grid = (len(query_lens), num_v_heads, triton.cdiv(dv, bv))
+    _delta_rule_kernel[grid](
+        q, k, v, g, beta, state, out, starts, ends, slot_t, resume_t,
+        q.stride(0), k.stride(0), v.stride(0), g.stride(0), beta.stride(0), out.stride(0), state.stride(0),
+        dk**-0.5,
+        HV=num_v_heads, RATIO=num_v_heads // num_k_heads, DK=dk, DV=dv,
+        BK=triton.next_power_of_2(dk), BV=bv,
+    )  # fmt: skip
+    return out

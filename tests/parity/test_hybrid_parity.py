@@ -1,0 +1,195 @@
+"""Qwen3-Next and Qwen3.5-MoE (Gated DeltaNet + gated attention) against transformers.
+
+Checkpoints are written by transformers (random weights; zero-centred norms and dt_bias
+randomised so their paths count): Qwen3.5's three DeltaNets then one full attention, Qwen3-Next
+alternating, and Qwen3.5's multimodal checkpoint whose text model sits under the language model's
+prefix. Prompts of 40 to 200 tokens, 32 greedy tokens, whole and in chunks of 16 tokens (each
+chunk resumes from the state the previous one left).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from helpers.reference import hf_greedy_tokens, hf_model
+from safetensors.torch import load_file, save_file
+
+from moeserve import LLM, SamplingParams
+from moeserve.config import EngineConfig
+from moeserve.engine.core import state_refusal
+from moeserve.models import load_model
+from moeserve.models.decoder import cache_specs
+from moeserve.ops import attention_batch
+from moeserve.ops.state_batch import StateBatch, StateStep
+from moeserve.worker.kv_cache import allocate_kv_caches
+from moeserve.worker.state_slots import StateSlots
+
+GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+PROMPT_LENGTHS = (40, 97, 200)
+
+
+def prompts_for(seed: int, lengths=PROMPT_LENGTHS) -> list[list[int]]:
+    g = torch.Generator().manual_seed(2000 + seed)
+    return [torch.randint(3, 320, (n,), generator=g).tolist() for n in lengths]
+
+
+def prefill_logits(model, prompts: list[list[int]]) -> torch.Tensor:
+    """Every prompt's logits from one packed prefill, each sequence in its own state slot."""
+    block_size, tables, next_block = 4, [], 0
+    for p in prompts:
+        n = -(-len(p) // block_size)
+        tables.append(list(range(next_block, next_block + n)))
+        next_block += n
+    caches = allocate_kv_caches(model.cfg, next_block, block_size, torch.float32, "cpu", num_state_slots=len(prompts))
+    states = StateBatch(tuple(range(len(prompts))), tuple(map(len, prompts)), (False,) * len(prompts))
+    bound = [c if isinstance(c, torch.Tensor) else StateStep(c, states) for c in caches]
+    plan = model.ops.plan_attention(attention_batch(tables, [0] * len(prompts), list(map(len, prompts)), block_size))
+    with torch.inference_mode():
+        positions = torch.cat([torch.arange(len(p)) for p in prompts])
+        return model.compute_logits(model(torch.tensor(sum(prompts, [])), positions, plan, bound))
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5_moe", "qwen3_next", "qwen3_5_moe_vl"])
+def test_prefill_logits_match(make_checkpoint, arch):
+    folder = make_checkpoint(arch)
+    prompts = prompts_for(0, (1, 5, 40, 70))
+    ref = hf_model(folder)
+    with torch.inference_mode():
+        expected = torch.cat([ref(torch.tensor([p])).logits[0] for p in prompts])
+    got = prefill_logits(load_model(folder), prompts)
+    assert (got - expected).abs().max().item() < 1e-4
+
+
+def test_cache_specs_declare_states_for_deltanets_only(make_checkpoint):
+    """Qwen3.5's layers 0-2 keep a state (conv + float32 recurrent), layer 3 paged K/V; a block
+    costs the one attention layer's K and V, a sequence's states do not depend on its length."""
+    cfg = load_model(make_checkpoint("qwen3_5_moe")).cfg
+    specs = cache_specs(cfg, torch.bfloat16)
+    kinds = [type(s).__name__ for s in specs.layers]
+    assert kinds == ["StateSpec"] * 3 + ["PagedSpec"]
+    assert specs.bytes_per_block(16) == 16 * 2 * 2 * 16 * 2  # tokens x (K, V) x 2 heads x 16 dims x bf16
+    conv = (2 * 2 * 8 + 4 * 12) * 3 * 2  # channels x (kernel - 1) x bf16
+    recurrent = 4 * 8 * 12 * 4  # value heads x Dk x Dv x float32
+    assert specs.state_bytes_per_sequence == 3 * (conv + recurrent)
+    assert specs.bytes_per_sequence(1000, 16) - specs.bytes_per_sequence(16, 16) == 62 * specs.bytes_per_block(16)
+
+
+@pytest.mark.parametrize("chunk", [None, 16], ids=["whole", "chunked16"])
+@pytest.mark.parametrize("arch", ["qwen3_5_moe", "qwen3_next"])
+def test_greedy_generation_matches(make_checkpoint, arch, chunk):
+    folder = make_checkpoint(arch)
+    ref = hf_model(folder)
+    prompts = prompts_for(1)
+    options = {"max_num_seqs": 4, "max_num_batched_tokens": chunk} if chunk else {}
+    outputs = LLM(str(folder), dtype="float32", **options).generate(
+        [{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False
+    )
+    for prompt, output in zip(prompts, outputs):
+        assert list(output.outputs[0].token_ids) == hf_greedy_tokens(ref, prompt, 32)
+
+
+def stack_experts(folder: Path, out: Path) -> Path:
+    """`folder`'s checkpoint with each layer's experts stacked as Qwen3.5 releases them
+    (`experts.gate_up_proj [E, 2I, H]`, `experts.down_proj [E, H, I]`); transformers saves them
+    one tensor per expert."""
+    out.mkdir()
+    for f in folder.iterdir():
+        if f.suffix != ".safetensors":
+            (out / f.name).write_bytes(f.read_bytes())
+    tensors = load_file(folder / "model.safetensors")
+    stacked = {}
+    for layer in range(4):
+        prefix = f"model.layers.{layer}.mlp.experts"
+        experts = range(6)
+        gate_up = [torch.cat([tensors.pop(f"{prefix}.{e}.{p}_proj.weight") for p in ("gate", "up")]) for e in experts]
+        stacked[f"{prefix}.gate_up_proj"] = torch.stack(gate_up)
+        stacked[f"{prefix}.down_proj"] = torch.stack([tensors.pop(f"{prefix}.{e}.down_proj.weight") for e in experts])
+    save_file({**tensors, **stacked}, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+def test_stacked_experts_as_released(make_checkpoint, tmp_path):
+    folder = make_checkpoint("qwen3_5_moe")
+    prompts = prompts_for(2, (9, 40))
+    per_expert = prefill_logits(load_model(folder), prompts)
+    released = load_model(stack_experts(folder, tmp_path / "stacked"))
+    assert torch.equal(prefill_logits(released, prompts), per_expert)
+
+
+def test_no_state_slot_or_block_leaks_after_preemption_and_aborts(make_checkpoint):
+    """A cache so small that sequences are preempted (their slots freed, their prompts recomputed
+    from zeros into another slot), one request aborted mid-prompt: the tokens equal a roomy
+    engine's, and afterwards every block and every slot but the last request's is free."""
+    folder = str(make_checkpoint("qwen3_next"))
+    prompts = [{"prompt_token_ids": p} for p in prompts_for(3, (40, 52, 61, 45))]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    roomy = [o.outputs[0].token_ids for o in LLM(folder, max_num_seqs=4).generate(prompts, params, use_tqdm=False)]
+    tight = LLM(folder, block_size=4, max_model_len=96, max_num_seqs=4, max_num_batched_tokens=16, kv_cache_blocks=40)
+    engine, runner = tight.engine, tight.engine.executor.runner
+    preempted, track = [], runner._track
+
+    def spy(plan):
+        preempted.extend(plan.preempted_request_ids)
+        track(plan)
+
+    runner._track = spy
+    engine.add_request(prompts[0], params, request_id="doomed")
+    engine.step()
+    engine.abort_request("doomed")
+    outputs = tight.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == roomy
+    assert preempted
+    tight.generate([prompts[0]], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert engine.scheduler.num_used_blocks == 0
+    assert len(runner.states.request_ids) <= 1 and runner.states.num_free >= runner.states.num_slots - 1
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5_moe"])
+def test_ngram_drafts_give_the_greedy_tokens(make_checkpoint, monkeypatch, arch):
+    """n-gram drafts verified through the DeltaNets: each verify step keeps the state after every
+    token, and the next step continues from the last accepted one. Prompts that repeat themselves,
+    so drafts are made, some accepted, most rejected: the tokens equal plain greedy decoding's,
+    and steps did step back (without the restore they do not: the tokens change)."""
+    folder = str(make_checkpoint(arch))
+    g = torch.Generator().manual_seed(7)
+    base = torch.randint(3, 320, (20,), generator=g).tolist()
+    prompts = [{"prompt_token_ids": p} for p in (base * 3, torch.randint(3, 320, (45,), generator=g).tolist())]
+    plain = [o.outputs[0].token_ids for o in LLM(folder, max_num_seqs=4).generate(prompts, GREEDY, use_tqdm=False)]
+    restores, restore = [], StateSlots._restore
+
+    def spy(self, scheduled):
+        restores.append(restore(self, scheduled))
+        return restores[-1]
+
+    monkeypatch.setattr(StateSlots, "_restore", spy)
+    drafting = LLM(folder, max_num_seqs=4, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    assert [o.outputs[0].token_ids for o in drafting.generate(prompts, GREEDY, use_tqdm=False)] == plain
+    assert any(r >= 0 for r in restores)
+
+
+def test_features_not_built_for_states_are_refused(make_checkpoint):
+    folder = str(make_checkpoint("qwen3_next"))
+    mtp = EngineConfig.from_options(model=folder, speculative_config={"method": "mtp", "num_speculative_tokens": 1})
+    assert "method 'mtp' is not built for Gated DeltaNet models" in state_refusal(mtp)
+    ngram = {"method": "ngram", "num_speculative_tokens": 2}
+    triton = EngineConfig.from_options(model=folder, kernels="triton", speculative_config=ngram)
+    assert "keep no per-draft states yet" in state_refusal(triton)
+    decode = EngineConfig.from_options(model=folder, role="decode", kv_transfer="nixl")
+    assert "does not move Gated DeltaNet states" in state_refusal(decode)
+    assert state_refusal(EngineConfig.from_options(model=folder)) is None
+
+
+def test_the_start_up_step_profile_frees_the_state_slots_it_took(make_checkpoint):
+    """The slo policy profiles steps at start-up with requests of its own, each in a state slot:
+    the profile's last plan frees them all, so served requests find every slot and decode as
+    without the profile."""
+    folder = str(make_checkpoint("qwen3_5_moe"))
+    prompts = [{"prompt_token_ids": p} for p in prompts_for(3)]
+    plain = [o.outputs[0].token_ids for o in LLM(folder, max_num_seqs=4).generate(prompts, GREEDY, use_tqdm=False)]
+    profiled = LLM(folder, max_num_seqs=4, scheduling_policy="slo")
+    assert all(model.ready for model in profiled.engine.scheduler.step_time_models)
+    assert profiled.engine.executor.runner.states.request_ids == []
+    outputs = profiled.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == plain
