@@ -180,30 +180,30 @@ class KvCoordinator:
         for load in ended:
             del self._loads[load.request_id]
             self.scheduler.groups[load.group].block_manager.unpin(load.block_ids)
-            if not load.given_up and not self._resume(load):
+            if not load.given_up and self._resume(load):
                 failed.append(load.request_id)
         for load in self._loads.values():
             if not load.given_up and load.deadline < now:
                 load.error = KvTransferError(f"no KV arrived within {self.config.timeout_s} s", "timeout")
-                if not self._resume(load):
+                if self._resume(load):
                     failed.append(load.request_id)
                 load.given_up = True  # its pins wait for the prefill side's answer
         self._report_held()
         return failed
 
     def _resume(self, load: _Load) -> bool:
-        """Tell the scheduler how `load` went; False when its request ends failed."""
+        """Tell the scheduler how `load` went; True when its request ends failed here."""
         if load.error is None:
             self.stats.transferred(load.num_bytes, time.monotonic() - load.started)
             self.scheduler.finish_kv_load(load.request_id, loaded=True)
-            return True
+            return False
         self.stats.failed(load.error.cause)
         if self.config.load_failure_policy == "fail":
             logger.error("KV load of %s failed: %s", load.request_id, load.error)
-            return not self.scheduler.finish_request(load.request_id, "abort")
+            return self.scheduler.finish_request(load.request_id, "abort")
         logger.warning("KV load of %s failed (%s); recomputing it here", load.request_id, load.error)
         self.scheduler.finish_kv_load(load.request_id, loaded=False)
-        return True
+        return False
 
     # ---- prefill: a decode instance's push (side channel thread) -------------------------------
 

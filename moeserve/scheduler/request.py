@@ -15,9 +15,9 @@ from moeserve.spec_decode.ngram import NgramProposer
 
 class RequestStatus(enum.Enum):
     """Where a request is in its life. WAITING and PREEMPTED requests sit in the waiting queue
-    holding no KV blocks (but a WAITING one whose KV was loaded from another instance, which holds
-    that KV's blocks); WAITING_FOR_REMOTE_KV requests hold the blocks their KV is being loaded
-    into, in neither queue; RUNNING requests hold blocks; the FINISHED_* states are terminal."""
+    holding no KV blocks; WAITING_FOR_REMOTE_KV requests hold the blocks their KV from another
+    instance is being loaded into, in neither queue; RUNNING requests hold blocks; the FINISHED_*
+    states are terminal."""
 
     WAITING = enum.auto()
     WAITING_FOR_REMOTE_KV = enum.auto()

@@ -35,8 +35,8 @@ def _config(num_blocks: int) -> SchedulerConfig:
     )  # fmt: skip
 
 
-def _run(scheduler: Scheduler, request_id: str) -> None:
-    """Run `request_id` through prefill and one decode, sampling token 7 each time."""
+def _run(scheduler: Scheduler) -> None:
+    """Run what is scheduled through prefill and one decode, sampling token 7 each time."""
     for _ in range(2):
         plan = scheduler.schedule()
         scheduler.update(plan, {s.request_id: 7 for s in plan.scheduled if s.sample})
@@ -50,7 +50,7 @@ def test_a_load_never_writes_into_the_cached_prefix_it_shares():
     prefix = list(range(100, 108))
     first = _request("first", [*prefix, 1], max_tokens=1)
     scheduler.add_request(first)
-    _run(scheduler, "first")
+    _run(scheduler)
     assert first.status is RequestStatus.FINISHED_LENGTH and scheduler.block_manager.num_cached_blocks == 2
     cached = scheduler.block_manager.lookup(_request("probe", [*prefix, 9, 9, 9, 9, 9]))
     holder = _request("holder", list(range(200, 205)), max_tokens=3)
