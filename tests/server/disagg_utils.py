@@ -12,6 +12,7 @@ import uuid
 from pathlib import Path
 
 import httpx
+import pytest
 
 ROUTER_LISTENING = re.compile(r"router listening on (http://[\d.]+:\d+)")
 
@@ -42,6 +43,23 @@ class RouterProcess:
             self.proc.terminate()
             self.proc.wait(30)
         self._log.close()
+
+
+def wait_idle(*servers, timeout_s: float = 15.0) -> None:
+    """Wait until no KV block is in use or held for a transfer and no transfer is in flight on
+    any of `servers`; fail with each one's figures after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        busy = {}
+        for server in servers:
+            m = server.metrics()
+            gauges = [v for k, v in m.items() if "kv_transfer_held_blocks" in k or "kv_transfers_in_flight" in k]
+            busy[server.url] = (m["moeserve:kv_cache_blocks_used"], sum(gauges))
+        if all(b == (0, 0) for b in busy.values()):
+            return
+        if time.monotonic() > deadline:
+            pytest.fail(f"(blocks used, held + in flight) per server: {busy}")
+        time.sleep(0.2)
 
 
 def kv_info(url: str) -> dict:

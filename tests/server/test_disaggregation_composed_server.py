@@ -7,13 +7,12 @@ neither side holds a block."""
 from __future__ import annotations
 
 import json
-import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
 import httpx
 import pytest
-from disagg_utils import RouterProcess, streamed_text
+from disagg_utils import RouterProcess, streamed_text, wait_idle
 
 NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3})
 COMMON = ("--block-size", "4", "--max-model-len", "80", "--max-num-seqs", "4", "--speculative-config", NGRAM)
@@ -73,22 +72,6 @@ def _text(url: str, body: dict) -> str:
     return response.json()["choices"][0]["text"]
 
 
-def _assert_idle(*servers) -> None:
-    """No block in use or held for a transfer, no transfer in flight, on every server."""
-    deadline = time.monotonic() + 15
-    while True:
-        busy = {}
-        for server in servers:
-            m = server.metrics()
-            gauges = [v for k, v in m.items() if "kv_transfer_held_blocks" in k or "kv_transfers_in_flight" in k]
-            busy[server.url] = (m["moeserve:kv_cache_blocks_used"], sum(gauges))
-        if all(b == (0, 0) for b in busy.values()):
-            return
-        if time.monotonic() > deadline:
-            pytest.fail(f"(blocks used, held + in flight) per server after the run: {busy}")
-        time.sleep(0.2)
-
-
 def test_prefix_pressure_grammars_and_drafts_through_the_router_equal_the_colocated_server(deployment):
     bodies = _bodies()
     expected = [_text(deployment.colocated.url, body) for body in bodies]
@@ -106,7 +89,7 @@ def test_prefix_pressure_grammars_and_drafts_through_the_router_equal_the_coloca
     assert sum(v for k, v in decoded.items() if k.startswith("moeserve:spec_decode_num_draft_tokens")) > 0
     failures = {k: v for k, v in decoded.items() if k.startswith("moeserve:kv_transfer_failures_total") and v}
     assert not failures, failures  # every load waited for blocks in the queue instead of giving up
-    _assert_idle(deployment.prefill, deployment.decoder)
+    wait_idle(deployment.prefill, deployment.decoder)
 
 
 @pytest.mark.parametrize("stream", [False, True])

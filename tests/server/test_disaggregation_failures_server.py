@@ -12,7 +12,7 @@ import threading
 import time
 
 import pytest
-from disagg_utils import decode, disaggregated, kv_info, prefill
+from disagg_utils import decode, disaggregated, kv_info, prefill, wait_idle
 from server_utils import core_pid
 
 KV = ("--kv-transfer", "nixl", "--block-size", "4", "--kv-cache-memory", "32MiB")
@@ -33,22 +33,6 @@ def instances(start_server):
         server.stop()
 
 
-def _wait_idle(*servers, timeout_s: float = 10.0) -> None:
-    """Every server's KV blocks back: none used, none held for a transfer."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        samples = [s.metrics() for s in servers]
-        busy = [
-            (m["moeserve:kv_cache_blocks_used"], sum(v for k, v in m.items() if "kv_transfer_held_blocks" in k))
-            for m in samples
-        ]
-        if all(used == 0 and held == 0 for used, held in busy):
-            return
-        if time.monotonic() > deadline:
-            pytest.fail(f"KV blocks still in use (used, held) per server: {busy}")
-        time.sleep(0.2)
-
-
 def test_a_load_that_outlasts_the_timeout_fails_the_request(instances):
     slow_prefill, _, fail = instances
     assert prefill(slow_prefill.url, "/v1/completions", BODY, "too-slow").status_code == 200
@@ -62,7 +46,7 @@ def test_a_load_that_outlasts_the_timeout_fails_the_request(instances):
     assert fail.metrics()["moeserve:kv_transfer_failures_total{cause=timeout,role=decode}"] == 1
     # The prefill side's push comes after the decode side gave up: it writes nothing, frees its blocks.
     time.sleep(PUSH_DELAY_MS / 1000)
-    _wait_idle(slow_prefill, fail)
+    wait_idle(slow_prefill, fail)
     assert slow_prefill.metrics()["moeserve:kv_transfer_failures_total{cause=timeout,role=prefill}"] >= 1
 
 
@@ -94,4 +78,4 @@ def test_a_prefill_killed_mid_transfer_is_recomputed_on_the_decode_side(instance
     assert response.json()["choices"][0]["text"] == expected
     assert answer["elapsed"] < 20
     assert recompute.metrics()["moeserve:kv_transfer_failures_total{cause=unreachable,role=decode}"] == 1
-    _wait_idle(recompute)
+    wait_idle(recompute)

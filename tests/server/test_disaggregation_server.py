@@ -5,12 +5,11 @@ to the same decode instance, against a colocated server on the same checkpoint."
 
 from __future__ import annotations
 
-import time
 from typing import NamedTuple
 
 import httpx
 import pytest
-from disagg_utils import RouterProcess, decode, kv_info, streamed_text
+from disagg_utils import RouterProcess, decode, kv_info, streamed_text, wait_idle
 from server_utils import metric_samples
 
 KV = ("--block-size", "4", "--kv-cache-memory", "32MiB")
@@ -121,23 +120,12 @@ def test_a_prefill_instance_at_ep_2_pushes_from_its_ranks(deployment):
     pushed = wide_prefill.metrics()
     assert pushed["moeserve:kv_transfer_bytes_total{role=prefill}"] > 0
     assert sum(v for k, v in pushed.items() if k.startswith("moeserve:kv_transfer_failures_total")) == 0
-    _assert_no_block_held(wide_prefill, decoder)
+    wait_idle(wide_prefill, decoder)
 
 
 def test_blocks_go_back_on_both_sides(deployment):
     _completion(deployment.router.url, PROMPTS[1])
-    _assert_no_block_held(deployment.prefill, deployment.decoder)
-
-
-def _assert_no_block_held(prefill, decoder) -> None:
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        samples = [s.metrics() for s in (prefill, decoder)]
-        held = [m[f"moeserve:kv_transfer_held_blocks{{role={r}}}"] for m, r in zip(samples, ("prefill", "decode"))]
-        if held == [0, 0] and all(m["moeserve:kv_cache_blocks_used"] == 0 for m in samples):
-            return
-        time.sleep(0.2)
-    pytest.fail(f"blocks still in use: {held}, {[m['moeserve:kv_cache_blocks_used'] for m in samples]}")
+    wait_idle(deployment.prefill, deployment.decoder)
 
 
 @pytest.mark.parametrize(
