@@ -99,6 +99,9 @@ class StepInput:
     bitmask_follows: bool = False
     """A `StepBitmask` for this step comes next: the engine sends the plan first, so the ranks
     start the forward while it fills the grammar bitmask."""
+    profile: bool = False
+    """A start-up profile step (`Executor.execute`): the ranks drop the load it routed and do not
+    count it as an EPLB step."""
 
 
 @dataclass(frozen=True)

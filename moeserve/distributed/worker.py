@@ -304,7 +304,9 @@ class Worker:
         if bitmask is not None:
             bitmask.get()  # read it off the channel even where this rank did not sample
         report = None
-        if self.rebalancer is not None and self.rebalancer.record():
+        if message.profile:
+            self._forget_routing()
+        elif self.rebalancer is not None and self.rebalancer.record():
             report = self.rebalancer.rebalance(before_swap=self._set_aside_routed)
             self.expert_map = self.rebalancer.expert_map
             if self.rank == 0:
@@ -326,6 +328,14 @@ class Worker:
             report if self.rank == 0 else None,
             self.runner.take_prompt_logprobs(),
         )
+
+    def _forget_routing(self) -> None:
+        """A profile step's routing is not traffic: its counters are dropped, and the EPLB window
+        restarts empty at the step count it had (the profile runs before any served step)."""
+        self.runner.model.take_routed_tokens()
+        self.runner.model.take_dispatch_rows()
+        if self.rebalancer is not None:
+            self.rebalancer.window.restart_at(self.rebalancer.window.steps)
 
     def _set_aside_routed(self, expert_map: ExpertMap) -> None:
         """Read the per-slot counters and add them, per logical expert under `expert_map` (the

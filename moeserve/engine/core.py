@@ -440,7 +440,7 @@ class EngineCore:
         """Run one plan of the start-up profile (`step_profile`), timed as `step` times a served
         one, knobs included, but without sleeping: nobody waits for these tokens."""
         started = time.monotonic()
-        sampled = self.executor.execute(plan)
+        sampled = self.executor.execute(plan, profile=True)
         duration_s, group_durations_s = self._padded(plan, time.monotonic() - started)
         return {rid: t.token_ids for rid, t in sampled.items()}, duration_s, group_durations_s
 

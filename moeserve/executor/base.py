@@ -30,10 +30,17 @@ class Executor(ABC):
     num_kv_blocks: int
 
     @abstractmethod
-    def execute(self, plan: StepPlan, token_bitmask: PendingBitmask | None = None) -> dict[str, SampledToken]:
+    def execute(
+        self, plan: StepPlan, token_bitmask: PendingBitmask | None = None, *, profile: bool = False
+    ) -> dict[str, SampledToken]:
         """Run one lockstep step; a token for every scheduled request whose plan says `sample`,
         within `token_bitmask`'s allowed tokens for the requests it covers (structured outputs).
-        The mask may still be filling: it is waited for only when the logits are ready."""
+        The mask may still be filling: it is waited for only when the logits are ready.
+
+        `profile`: a step of the start-up profile (`engine.step_profile`). It runs as a served
+        step does, but its routing is not traffic: no expert-load report, `--record-expert-load`
+        file or EPLB window counts it, nor does it count as an EPLB step (the rebalances come
+        every `eplb_interval_steps` served steps, however long the profile ran)."""
 
     @abstractmethod
     def take_routed_tokens(self) -> RoutedTokens | None:

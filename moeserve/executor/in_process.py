@@ -92,9 +92,14 @@ class InProcessExecutor(Executor):
             mtp_drafts=mtp_drafts,
         )
 
-    def execute(self, plan: StepPlan, token_bitmask: PendingBitmask | None = None) -> dict[str, SampledToken]:
+    def execute(
+        self, plan: StepPlan, token_bitmask: PendingBitmask | None = None, *, profile: bool = False
+    ) -> dict[str, SampledToken]:
         (group,) = plan.groups
-        return self.runner.execute(group, token_bitmask=token_bitmask)
+        sampled = self.runner.execute(group, token_bitmask=token_bitmask)
+        if profile:
+            self.model.take_routed_tokens()
+        return sampled
 
     def take_prompt_logprobs(self) -> dict[str, PromptLogprobs]:
         return self.runner.take_prompt_logprobs()

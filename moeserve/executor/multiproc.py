@@ -303,7 +303,9 @@ class MultiprocessExecutor(Executor):
 
     # ---- steps -----------------------------------------------------------------------------
 
-    def execute(self, plan: StepPlan, token_bitmask: PendingBitmask | None = None) -> dict[str, SampledToken]:
+    def execute(
+        self, plan: StepPlan, token_bitmask: PendingBitmask | None = None, *, profile: bool = False
+    ) -> dict[str, SampledToken]:
         """Publish the plan, then the grammar bitmask once filled (the ranks run the forward
         meanwhile); an idle plan (nothing to run, no finished ids) is not worth a step."""
         self._check()
@@ -311,8 +313,10 @@ class MultiprocessExecutor(Executor):
             return {}
         self._step += 1
         follows = token_bitmask is not None
-        self._channel.publish(StepInput(self._step, plan.groups, self._routing_wanted, follows))
-        self._routing_wanted = False
+        wanted = self._routing_wanted and not profile  # a profile step reports no load: the next does
+        self._channel.publish(StepInput(self._step, plan.groups, wanted, follows, profile))
+        if wanted:
+            self._routing_wanted = False
         if token_bitmask is not None:
             self._channel.publish(StepBitmask(self._step, token_bitmask.get()))
         return self._collect(self._step)

@@ -84,7 +84,9 @@ def test_live_rebalance_keeps_greedy_tokens_and_evens_the_load(make_checkpoint, 
 
     monkeypatch.setattr(engine_core, "ROUTING_INTERVAL_S", 0.0)
     log = RoutingLog(moe_layers=(1, 2))
-    options = dict(ENGINE, ep=ep, num_redundant_experts=NUM_EXPERTS // 4, enable_eplb=True)
+    # Admission on (it refuses nothing here) runs the start-up step profile: its steps route
+    # tokens too, which must count neither in the load reports nor as EPLB steps.
+    options = dict(ENGINE, ep=ep, num_redundant_experts=NUM_EXPERTS // 4, enable_eplb=True, slo_admission="degrade")
     with LLM(folder, stat_loggers=[log], eplb_window_steps=12, eplb_interval_steps=12, **options) as llm:
         log.executor = llm.engine.executor
         outputs = llm.generate(prompts(), GREEDY, use_tqdm=False)
@@ -96,11 +98,14 @@ def test_live_rebalance_keeps_greedy_tokens_and_evens_the_load(make_checkpoint, 
     # Measured over many steps: a decode step routes only 16 x 3 pairs per layer, so one step's
     # split over four ranks is mostly noise.
     first = rebalances[0]
+    assert log.steps[0][0] == 0, "no rebalance before the first served step: the profile's steps do not count"
     assert first.step == 12 and first.bytes_moved > 0 and first.experts_moved > 0
     assert first.imbalance_after[0] < first.imbalance_before[0]
 
     after = [routed for seen, routed, _ in log.steps if seen >= 1][1:]  # skip the step of the swap
     loads = summed([routed for _, routed, _ in log.steps], "counts")
+    fed = sum(len(p["prompt_token_ids"]) for p in prompts()) + len(outputs) * (GREEDY.max_tokens - 1)
+    assert [sum(layer) for layer in loads] == [3 * fed] * len(loads), "every served token's pairs, none else"
     contiguous = imbalance(ExpertMap.default(NUM_EXPERTS, 0, ep, len(loads)), loads)[0]
     measured = rank_imbalance(summed(after, "rank_rows"))
     print(
