@@ -146,22 +146,32 @@ async def submit_all(
     request_id: str,
     prompt_param: str,
 ) -> list[RequestStream]:
-    """Submit every prompt, or none: if one is refused the ones already queued are aborted.
-    SLO admission's refusals are counted by class."""
-    streams: list[RequestStream] = []
+    """Submit every prompt, or none: if one is refused the others are aborted. SLO admission's
+    refusals are counted by class.
+
+    The prompts go to the engine together, each queued before any acceptance is awaited: awaited
+    one by one, each waited for the core's answer, which comes between steps, so a request of n
+    prompts reached the scheduler over n steps (and its last prompt's TTFT grew by n step times)."""
+    ids = [request_id if len(prompts) == 1 else f"{request_id}-{i}" for i in range(len(prompts))]
+    submissions = [asyncio.ensure_future(engine.submit(p, params, sub_id)) for p, sub_id in zip(prompts, ids)]
     try:
-        for index, prompt in enumerate(prompts):
-            sub_id = request_id if len(prompts) == 1 else f"{request_id}-{index}"
-            streams.append(await engine.submit(prompt, params, sub_id))
-    except BaseException as exc:
-        await close_all(streams)
-        if isinstance(exc, SLORejectedError):
-            state.metrics.record_slo_rejection(DEFAULT_CLASS if params.slo is None else params.slo.label)
-        error = engine_error(exc, prompt_param)
-        if error is None:
-            raise
-        raise error from None
-    return streams
+        await asyncio.wait(submissions)
+    except BaseException:  # cancelled (the client left): none of them is wanted
+        for submission in submissions:
+            submission.cancel()  # one still waiting for its answer aborts its own request
+        await close_all([s.result() for s in submissions if s.done() and not s.cancelled() and not s.exception()])
+        raise
+    streams = [s.result() for s in submissions if s.exception() is None]
+    refusal = next((s.exception() for s in submissions if s.exception() is not None), None)
+    if refusal is None:
+        return streams
+    await close_all(streams)
+    if isinstance(refusal, SLORejectedError):
+        state.metrics.record_slo_rejection(DEFAULT_CLASS if params.slo is None else params.slo.label)
+    error = engine_error(refusal, prompt_param)
+    if error is None:
+        raise refusal
+    raise error from None
 
 
 async def close_all(streams: Sequence[RequestStream]) -> None:

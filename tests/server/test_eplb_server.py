@@ -115,6 +115,10 @@ def test_metrics_show_the_imbalance_falling_after_a_live_rebalance(skewed_checkp
         str(INTERVAL),
         "--debug-min-step-time-ms",
         str(STEP_FLOOR_MS),
+        # Prompts prefill in one or two steps, as the budget above counts: the slo policy, under
+        # a step floor longer than its TBT target, would prefill one KV block per step.
+        "--scheduling-policy",
+        "fcfs",
     ]
     server = ServerProcess(args, tmp_path / "server.log")
     try:
