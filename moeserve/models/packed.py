@@ -1,5 +1,6 @@
 """Routed experts kept in a packed 4-bit format that stores one tensor set per expert and
-projection: compressed-tensors INT4 (`models/int4.py`) and ModelOpt NVFP4 (`models/nvfp4.py`).
+projection: compressed-tensors INT4 (`models/int4.py`) and ModelOpt NVFP4 (`models/nvfp4.py`);
+and any other linear layer such a release quantizes, dequantized at load (`DequantizedSource`).
 
 One interface, `PackedFormat`, with a backend per format: what a checkpoint module's tensors
 must be (checked before anything is read, each refusal naming the tensor and the field), how a
@@ -21,6 +22,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from moeserve.models.checkpoint import CheckpointError, CheckpointReader
+from moeserve.models.tensor_parallel import Shard
 
 Storage = tuple[tuple[tuple[int, ...], torch.dtype], ...]
 """(shape, dtype) of each tensor a packed parameter holds: the codes first, then the scales."""
@@ -139,3 +141,31 @@ class PackedExpertsSource:
     def read(self, reader: CheckpointReader) -> tuple[torch.Tensor, ...]:
         per_expert = [self.fmt.read(reader, part) for part in self.modules]
         return tuple(torch.stack(tensors) for tensors in zip(*per_expert, strict=True))
+
+
+@dataclass(frozen=True)
+class DequantizedSource:
+    """A linear layer other than the routed experts that the config quantizes (attention, shared
+    experts, dense MLPs, the LM head): its modules (gate then up where our parameter fuses
+    them) read packed and dequantized on the CPU at load into the compute dtype. Such layers are
+    a small share of a release's bytes, and every kernel and tensor-parallel cut takes them
+    dense: a rank dequantizes the whole tensor and keeps its slice, so no cut falls inside a
+    group."""
+
+    modules: tuple[str, ...]
+    fmt: PackedFormat
+
+    @property
+    def names(self) -> list[str]:
+        return [t for m in self.modules for t in self.fmt.tensors(m)]
+
+    def check(self, reader: CheckpointReader, shape: tuple[int, ...]) -> None:
+        """Every module's tensors as our parameter, whole (`shape`, before any tensor-parallel cut), implies."""
+        rows, cols = shape[0] // len(self.modules), shape[1]
+        for module in self.modules:
+            self.fmt.check(reader, module, rows, cols)
+
+    def read(self, reader: CheckpointReader, dtype: torch.dtype, shard: Shard | None) -> torch.Tensor:
+        codes, *held = self.fmt.read(reader, self.modules)
+        value = self.fmt.dequantize(codes, tuple(held), dtype)
+        return value if shard is None else shard.take(value).contiguous()
