@@ -25,9 +25,8 @@ from moeserve.models.checkpoint import CheckpointError, CheckpointReader
 from moeserve.models.decoder import MoECausalLM
 from moeserve.models.fp8 import BlockFP8, quantize_parameter
 from moeserve.models.layers.norm import RMSNorm
-from moeserve.models.mxfp4 import MXFP4, MXFP4ExpertsSource, pack_parameter
-from moeserve.models.packed import DequantizedSource, PackedExpertsSource, PackedWeight
-from moeserve.models.packed import pack_parameter as pack_packed_parameter
+from moeserve.models.mxfp4 import MXFP4ExpertsSource, MXFP4Format
+from moeserve.models.packed import DequantizedSource, PackedExpertsSource, PackedWeight, pack_parameter
 from moeserve.models.quantized_sources import (
     FP8_TENSOR,
     fp8_sources,
@@ -111,10 +110,10 @@ def load_model(
     storage = {}
     for name in mxfp4:
         module, attr = name.rsplit(".", 1)
-        storage[name] = pack_parameter(model.get_submodule(module), attr)
+        storage[name] = pack_parameter(model.get_submodule(module), attr, MXFP4Format(), 1)
     for name, source in packed.items():
         module, attr = name.rsplit(".", 1)
-        storage[name] = pack_packed_parameter(model.get_submodule(module), attr, source.fmt, len(source.modules[0]))
+        storage[name] = pack_parameter(model.get_submodule(module), attr, source.fmt, len(source.modules[0]))
     for name, source in fp8.items():
         module, attr = name.rsplit(".", 1)
         grid = scale_grid(source, reader, block, shard_of(targets[name]))
@@ -219,7 +218,7 @@ class ExpertReader:
                 param_list = module.parametrizations[param]
                 names = [f"parametrizations.{param}.{n}" for n, _ in param_list.named_parameters()]
                 quant = param_list[0]
-                if isinstance(quant, MXFP4):
+                if isinstance(quant, PackedWeight) and isinstance(quant.fmt, MXFP4Format):
                     source = MXFP4ExpertsSource(source.name, source.experts, source.num_experts, source.layout)
                 elif isinstance(quant, PackedWeight):
                     modules = tuple(tuple(n.removesuffix(".weight") for n in part) for part in source.parts)

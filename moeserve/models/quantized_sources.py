@@ -21,7 +21,7 @@ from moeserve.models.checkpoint import CheckpointError, CheckpointReader
 from moeserve.models.int4 import Int4Format
 from moeserve.models.mxfp4 import MXFP4ExpertsSource
 from moeserve.models.nvfp4 import NVFP4Format
-from moeserve.models.packed import DequantizedSource, PackedExpertsSource, PackedFormat
+from moeserve.models.packed import DequantizedSource, PackedExpertsSource, PerModuleFormat
 from moeserve.models.tensor_parallel import Shard
 from moeserve.models.weight_sources import FusedExpertsSource, RowsSource, WeightSource, read_source
 
@@ -157,7 +157,7 @@ def _method(quant: PackedInt4Config | NVFP4Config) -> str:
 
 def _format(
     quant: PackedInt4Config | NVFP4Config, reader: CheckpointReader, parts: tuple[tuple[str, ...], ...]
-) -> PackedFormat:
+) -> PerModuleFormat:
     """The backend of a parameter whose experts are `parts` (INT4: its scales' stored dtype)."""
     if isinstance(quant, NVFP4Config):
         return NVFP4Format()
