@@ -138,7 +138,8 @@ def special_tokens(config: dict, base: int, reserved: object) -> dict[str, int]:
 def tokenizer_class(folder: Path, reference: str | list) -> tuple[Path, str]:
     """(source file, class name) of the tokenizer class `auto_map` names (`module.Class`, or
     `[slow, fast]`, or either prefixed by the `repo--` it came from)."""
-    module, _, name = (reference[0] if isinstance(reference, list) else reference).split("--")[-1].rpartition(".")
+    named = next((r for r in reference if r), "") if isinstance(reference, list) else reference
+    module, _, name = named.split("--")[-1].rpartition(".")
     path = folder / f"{module.replace('.', '/')}.py"
     if not path.is_file():
         raise CheckpointError(f"tokenizer_config.json auto_map names {module}.{name}, but {path} is missing")
