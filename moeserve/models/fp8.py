@@ -70,7 +70,8 @@ def stored_weight(module: nn.Module, name: str) -> torch.Tensor | BlockFP8Weight
     parametrizations = module._modules.get("parametrizations")
     param_list = None if parametrizations is None else parametrizations._modules.get(name)
     if param_list is not None and isinstance(param_list[0], PackedWeight):
-        return PackedExperts(param_list.original, *param_list[0].held())
+        packed = param_list[0].fmt.packed_experts(param_list.original, param_list[0].held())
+        return getattr(module, name) if packed is None else packed
     if param_list is None or not isinstance(param_list[0], BlockFP8):
         return getattr(module, name)
     return BlockFP8Weight(param_list.original, param_list[0].scale_inv, param_list[0].block)

@@ -1,4 +1,4 @@
-"""compressed-tensors pack-quantized INT4 experts (`int4_format.py`) as a `PackedFormat` backend.
+"""compressed-tensors pack-quantized INT4 experts (`int4_format.py`) as a `PackedFormat` backend (per module).
 
 Held: the int32 words `[E, rows, cols / 8]` and the scales `[E, rows, cols / group]` in the dtype
 the checkpoint stored them in (bfloat16 in Kimi's releases: widening them would add a fifth to
@@ -13,14 +13,14 @@ import torch
 
 from moeserve.int4_format import CODES_PER_WORD, dequantize, packed_shape, scale_shape
 from moeserve.models.checkpoint import CheckpointError, CheckpointReader
-from moeserve.models.packed import PackedFormat, Storage, expect, read_scales
+from moeserve.models.packed import PerModuleFormat, Storage, expect, read_scales
 
 SCALE_TENSORS = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 SHAPE_TENSORS = ("I64", "I32")
 
 
 @dataclass(frozen=True)
-class Int4Format(PackedFormat):
+class Int4Format(PerModuleFormat):
     group: int
     scale_dtype: torch.dtype  # as this parameter's checkpoint tensors store their scales
 

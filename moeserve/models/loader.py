@@ -25,9 +25,8 @@ from moeserve.models.checkpoint import CheckpointError, CheckpointReader
 from moeserve.models.decoder import MoECausalLM
 from moeserve.models.fp8 import BlockFP8, quantize_parameter
 from moeserve.models.layers.norm import RMSNorm
-from moeserve.models.mxfp4 import MXFP4, MXFP4ExpertsSource, pack_parameter
-from moeserve.models.packed import PackedExpertsSource, PackedWeight
-from moeserve.models.packed import pack_parameter as pack_packed_parameter
+from moeserve.models.mxfp4 import MXFP4ExpertsSource, MXFP4Format
+from moeserve.models.packed import DequantizedSource, PackedExpertsSource, PackedWeight, pack_parameter
 from moeserve.models.quantized_sources import (
     FP8_TENSOR,
     fp8_sources,
@@ -37,7 +36,7 @@ from moeserve.models.quantized_sources import (
     scale_grid,
 )
 from moeserve.models.tensor_parallel import SINGLE, TensorParallel, shard_of
-from moeserve.models.weight_sources import check_sources, layer_source, rows_source, weight_source
+from moeserve.models.weight_sources import check_sources, checkpoint_shape, layer_source, rows_source, weight_source
 from moeserve.ops import TORCH_OPS, LayerOps
 
 logger = logging.getLogger(__name__)
@@ -94,12 +93,16 @@ def load_model(
         for name, param in targets.items()
     }
     mxfp4 = mxfp4_sources(sources, targets, reader, cfg.weight_quant)
-    packed = {}
+    packed, dequantized = {}, {}
     if isinstance(cfg.weight_quant, PackedInt4Config | NVFP4Config):
-        packed = packed_sources(cfg.weight_quant, sources, reader)
+        packed, dequantized = packed_sources(cfg.weight_quant, sources, reader)
         for name, source in packed.items():
             source.check(reader, targets[name].shape)
-    plain = {name: source for name, source in sources.items() if name not in mxfp4 and name not in packed}
+        for name, source in dequantized.items():
+            source.check(reader, checkpoint_shape(targets[name]))
+    plain = {
+        name: s for name, s in sources.items() if name not in mxfp4 and name not in packed and name not in dequantized
+    }
     check_sources(plain, targets, reader)
     fp8_quant = cfg.weight_quant if isinstance(cfg.weight_quant, BlockFP8Config) else None
     fp8 = fp8_sources(plain, reader, fp8_quant)
@@ -107,17 +110,17 @@ def load_model(
     storage = {}
     for name in mxfp4:
         module, attr = name.rsplit(".", 1)
-        storage[name] = pack_parameter(model.get_submodule(module), attr)
+        storage[name] = pack_parameter(model.get_submodule(module), attr, MXFP4Format(), 1)
     for name, source in packed.items():
         module, attr = name.rsplit(".", 1)
-        storage[name] = pack_packed_parameter(model.get_submodule(module), attr, source.fmt, len(source.modules[0]))
+        storage[name] = pack_parameter(model.get_submodule(module), attr, source.fmt, len(source.modules[0]))
     for name, source in fp8.items():
         module, attr = name.rsplit(".", 1)
         grid = scale_grid(source, reader, block, shard_of(targets[name]))
         storage[name] = quantize_parameter(model.get_submodule(module), attr, len(source.parts[0]), block, grid)
     with torch.no_grad():
         for name, param in targets.items():
-            source = mxfp4.get(name) or packed.get(name) or fp8.get(name) or sources[name]
+            source = mxfp4.get(name) or packed.get(name) or dequantized.get(name) or fp8.get(name) or sources[name]
             fp8_block = block if name in fp8 else None
             # Router correction bias and fp32 gates keep their own dtype (see Router).
             held = read_held(source, reader, param.dtype, fp8_block, shard_of(param))
@@ -140,19 +143,22 @@ def load_model(
         sizes.experts / 2**20,
         sizes.other / 2**20,
         dtype,
-        _quantized_note(fp8, mxfp4, packed),
+        _quantized_note(fp8, mxfp4, packed, dequantized),
     )
     return model
 
 
-def _quantized_note(fp8: dict, mxfp4: dict, packed: dict[str, PackedExpertsSource]) -> str:
+def _quantized_note(
+    fp8: dict, mxfp4: dict, packed: dict[str, PackedExpertsSource], dequantized: dict[str, DequantizedSource]
+) -> str:
     """What the load log says of the quantized parameters."""
     if fp8:
         return f", {len(fp8)} parameters in FP8"
     if mxfp4:
         return f", {len(mxfp4)} parameters in MXFP4"
     if packed:
-        return f", {len(packed)} parameters in {next(iter(packed.values())).fmt.name}"
+        also = f", {len(dequantized)} more dequantized at load" if dequantized else ""
+        return f", {len(packed)} parameters in {next(iter(packed.values())).fmt.name}{also}"
     return ""
 
 
@@ -212,7 +218,7 @@ class ExpertReader:
                 param_list = module.parametrizations[param]
                 names = [f"parametrizations.{param}.{n}" for n, _ in param_list.named_parameters()]
                 quant = param_list[0]
-                if isinstance(quant, MXFP4):
+                if isinstance(quant, PackedWeight) and isinstance(quant.fmt, MXFP4Format):
                     source = MXFP4ExpertsSource(source.name, source.experts, source.num_experts, source.layout)
                 elif isinstance(quant, PackedWeight):
                     modules = tuple(tuple(n.removesuffix(".weight") for n in part) for part in source.parts)

@@ -1,12 +1,12 @@
-"""gpt-oss's MXFP4 experts kept packed in memory, and read from the published checkpoint.
+"""gpt-oss's MXFP4 experts as a `PackedFormat` backend (`models/packed.py`), and read from the
+published checkpoint.
 
 A layer's `w13` `[E_local, 2I, H]` and `w2` `[E_local, H, I]` are stored as the checkpoint's
 bytes, outputs first as ours are: codes `[E_local, rows, cols/32, 16]` and e8m0 scales
-`[E_local, rows, cols/32]` (`mxfp4_format.py`), about 0.27x their bf16 bytes. As with FP8
-(`fp8.py`), a `torch.nn.utils.parametrize` parametrization turns them into the compute dtype
-each time the experts read `self.w13` / `self.w2`, and holds the scales as a parameter of the
-experts module, so an expert rebalance (which moves every parameter of it, slot-major) moves
-codes and scales together.
+`[E_local, rows, cols/32]` (`mxfp4_format.py`), about 0.27x their bf16 bytes, held and read
+through the same parametrization as INT4's and NVFP4's (`packed.PackedWeight`); the scales are
+uint8 power-of-two exponents, kept as stored. No packed GEMM takes the format yet, so the ops
+backend is handed the dequantized values (`packed_experts` is None).
 
 The published gate_up rows interleave gate and up (row 2j is gate j, 2j+1 is up j, as
 transformers' `gate_up_proj[..., ::2]` / `[..., 1::2]` split them); our w13 has gate rows then up
@@ -20,37 +20,25 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-from torch import nn
-from torch.nn.utils import parametrize
 
 from moeserve.models.checkpoint import CheckpointError, CheckpointReader
+from moeserve.models.packed import PackedFormat, Storage
 from moeserve.mxfp4_format import VALUES_PER_BLOCK, blocks_shape, dequantize, scales_shape
 
 
-class MXFP4(nn.Module):
-    """The parametrization of one packed expert parameter: holds its scales and turns the codes
-    into `dtype` on every read."""
+@dataclass(frozen=True)
+class MXFP4Format(PackedFormat):
+    name = "MXFP4"
+    held = ("scales",)
 
-    def __init__(self, scales: torch.Tensor, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.scales = nn.Parameter(scales, requires_grad=False)
-        self.dtype = dtype
+    def storage(self, shape: tuple[int, ...], parts: int) -> Storage:
+        return ((blocks_shape(shape), torch.uint8), (scales_shape(shape), torch.uint8))
 
-    def forward(self, blocks: torch.Tensor) -> torch.Tensor:
-        return dequantize(blocks, self.scales, self.dtype)
+    def dequantize(self, codes: torch.Tensor, held: tuple[torch.Tensor, ...], dtype: torch.dtype) -> torch.Tensor:
+        return dequantize(codes, held[0], dtype)
 
-
-def pack_parameter(module: nn.Module, name: str) -> tuple[nn.Parameter, nn.Parameter]:
-    """Replace `module.<name>` (`[E_local, rows, cols]`) by packed storage; reads keep the old
-    parameter's dtype and shape. Returns (codes, scales) for the loader to fill."""
-    old = getattr(module, name)
-    blocks = torch.empty(blocks_shape(tuple(old.shape)), dtype=torch.uint8, device=old.device)
-    scales = torch.empty(scales_shape(tuple(old.shape)), dtype=torch.uint8, device=old.device)
-    setattr(module, name, nn.Parameter(blocks, requires_grad=False))
-    # unsafe: the parametrization changes dtype and shape (packed storage, compute-dtype reads).
-    parametrize.register_parametrization(module, name, MXFP4(scales, old.dtype), unsafe=True)
-    param_list = module.parametrizations[name]
-    return param_list.original, param_list[0].scales
+    def packed_experts(self, codes: torch.Tensor, held: tuple[torch.Tensor, ...]) -> None:
+        return None
 
 
 Layout = Literal["gate_up", "down"]

@@ -1,4 +1,4 @@
-"""ModelOpt NVFP4 experts (`nvfp4_format.py`) as a `PackedFormat` backend.
+"""ModelOpt NVFP4 experts (`nvfp4_format.py`) as a `PackedFormat` backend (per module).
 
 Held: the e2m1 codes `[E, rows, cols / 2]`, the FP8 block scales `[E, rows, cols / 16]` as
 stored, and the float32 global scales `[E, parts]`: gate and up are separate checkpoint tensors,
@@ -14,14 +14,14 @@ from dataclasses import dataclass
 import torch
 
 from moeserve.models.checkpoint import CheckpointError, CheckpointReader
-from moeserve.models.packed import PackedFormat, Storage, expect, read_scales
+from moeserve.models.packed import PerModuleFormat, Storage, expect, read_scales
 from moeserve.nvfp4_format import GROUP, SCALE_DTYPE, codes_shape, dequantize, scale_shape
 
 SCALAR_SHAPES = ((), (1,))  # ModelOpt writes its per-tensor scales as 0-d tensors
 
 
 @dataclass(frozen=True)
-class NVFP4Format(PackedFormat):
+class NVFP4Format(PerModuleFormat):
     name = "NVFP4 (ModelOpt)"
     held = ("scales", "global_scales")
     suffixes = ("weight", "weight_scale", "weight_scale_2")

@@ -1,14 +1,17 @@
-"""Routed experts kept in a packed 4-bit format that stores one tensor set per expert and
-projection: compressed-tensors INT4 (`models/int4.py`) and ModelOpt NVFP4 (`models/nvfp4.py`).
+"""Routed experts kept in a packed 4-bit format: compressed-tensors INT4 (`models/int4.py`),
+ModelOpt NVFP4 (`models/nvfp4.py`) and gpt-oss's MXFP4 (`models/mxfp4.py`); and any other linear
+layer an INT4 / NVFP4 release quantizes, dequantized at load (`DequantizedSource`).
 
-One interface, `PackedFormat`, with a backend per format: what a checkpoint module's tensors
-must be (checked before anything is read, each refusal naming the tensor and the field), how a
-rank reads them as one expert's rows, and how the held bytes turn into values. As MXFP4's experts
-do (`models/mxfp4.py`), a layer's `w13` `[E_local, 2I, H]` / `w2` `[E_local, H, I]` are stored as
-the checkpoint's codes, outputs first (gate rows then up rows: every scale runs along a row, so
-the parts concatenate untouched), and a `torch.nn.utils.parametrize` parametrization turns them
-into the compute dtype at each read, holding the scales as parameters of the experts module, so
-an expert rebalance moves codes and scales together.
+One interface, `PackedFormat`, with a backend per format: what a parameter holds, how the held
+bytes turn into values, and what the kernels are handed. A layer's `w13` `[E_local, 2I, H]` /
+`w2` `[E_local, H, I]` are stored as the checkpoint's codes, outputs first (gate rows then up
+rows: every scale runs along a row, so the parts concatenate untouched), and a
+`torch.nn.utils.parametrize` parametrization turns them into the compute dtype at each read,
+holding the scales as parameters of the experts module, so an expert rebalance moves codes and
+scales together. The formats that store one tensor set per expert and projection (INT4, NVFP4)
+are `PerModuleFormat`s, which also say what a checkpoint module's tensors must be (checked
+before anything is read, each refusal naming the tensor and the field) and how a rank reads them
+as one expert's rows; MXFP4's stacked per-layer tensors are read by `MXFP4ExpertsSource`.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from moeserve.models.checkpoint import CheckpointError, CheckpointReader
+from moeserve.models.tensor_parallel import Shard
+from moeserve.packed_weight import PackedExperts
 
 Storage = tuple[tuple[tuple[int, ...], torch.dtype], ...]
 """(shape, dtype) of each tensor a packed parameter holds: the codes first, then the scales."""
@@ -31,11 +36,25 @@ class PackedFormat(ABC):
 
     name: str  # as logs and refusals say it
     held: tuple[str, ...]  # the parametrization's parameters beside the codes, in `Storage` order
-    suffixes: tuple[str, ...]  # a module's checkpoint tensors: `<module>.<suffix>`
 
     @abstractmethod
     def storage(self, shape: tuple[int, ...], parts: int) -> Storage:
         """What a parameter of `shape` `[E, rows, cols]` concatenating `parts` modules holds."""
+
+    @abstractmethod
+    def dequantize(self, codes: torch.Tensor, held: tuple[torch.Tensor, ...], dtype: torch.dtype) -> torch.Tensor:
+        """The values `[..., rows, cols]` in `dtype` of `codes` with the `held` scales."""
+
+    @abstractmethod
+    def packed_experts(self, codes: torch.Tensor, held: tuple[torch.Tensor, ...]) -> PackedExperts | None:
+        """What the ops backend is handed for the experts: `PackedExperts` where a packed
+        grouped GEMM takes the format, else None (the experts are read dequantized)."""
+
+
+class PerModuleFormat(PackedFormat):
+    """A format whose checkpoints store one tensor set per module (`<module>.<suffix>`)."""
+
+    suffixes: tuple[str, ...]  # a module's checkpoint tensors: `<module>.<suffix>`
 
     @abstractmethod
     def check(self, reader: CheckpointReader, module: str, rows: int, cols: int) -> None:
@@ -46,9 +65,8 @@ class PackedFormat(ABC):
         """One expert's tensors in `Storage` order (without the expert dim), `modules` joined
         along the rows; a malformed scale is refused by the tensor's name."""
 
-    @abstractmethod
-    def dequantize(self, codes: torch.Tensor, held: tuple[torch.Tensor, ...], dtype: torch.dtype) -> torch.Tensor:
-        """The values `[..., rows, cols]` in `dtype` of `codes` with the `held` scales."""
+    def packed_experts(self, codes: torch.Tensor, held: tuple[torch.Tensor, ...]) -> PackedExperts:
+        return PackedExperts(codes, *held)
 
     def tensors(self, module: str) -> list[str]:
         """The checkpoint tensors of `module` this format reads."""
@@ -123,7 +141,7 @@ class PackedExpertsSource:
     concatenate (gate then up, or down), each read only for this rank's experts."""
 
     modules: tuple[tuple[str, ...], ...]
-    fmt: PackedFormat
+    fmt: PerModuleFormat
 
     @property
     def names(self) -> list[str]:
@@ -139,3 +157,31 @@ class PackedExpertsSource:
     def read(self, reader: CheckpointReader) -> tuple[torch.Tensor, ...]:
         per_expert = [self.fmt.read(reader, part) for part in self.modules]
         return tuple(torch.stack(tensors) for tensors in zip(*per_expert, strict=True))
+
+
+@dataclass(frozen=True)
+class DequantizedSource:
+    """A linear layer other than the routed experts that the config quantizes (attention, shared
+    experts, dense MLPs, the LM head): its modules (gate then up where our parameter fuses
+    them) read packed and dequantized on the CPU at load into the compute dtype. Such layers are
+    a small share of a release's bytes, and every kernel and tensor-parallel cut takes them
+    dense: a rank dequantizes the whole tensor and keeps its slice, so no cut falls inside a
+    group."""
+
+    modules: tuple[str, ...]
+    fmt: PerModuleFormat
+
+    @property
+    def names(self) -> list[str]:
+        return [t for m in self.modules for t in self.fmt.tensors(m)]
+
+    def check(self, reader: CheckpointReader, shape: tuple[int, ...]) -> None:
+        """Every module's tensors as our parameter, whole (`shape`, before any tensor-parallel cut), implies."""
+        rows, cols = shape[0] // len(self.modules), shape[1]
+        for module in self.modules:
+            self.fmt.check(reader, module, rows, cols)
+
+    def read(self, reader: CheckpointReader, dtype: torch.dtype, shard: Shard | None) -> torch.Tensor:
+        codes, *held = self.fmt.read(reader, self.modules)
+        value = self.fmt.dequantize(codes, tuple(held), dtype)
+        return value if shard is None else shard.take(value).contiguous()

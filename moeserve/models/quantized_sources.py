@@ -8,7 +8,7 @@ boundaries. MXFP4 (gpt-oss, `models/mxfp4.py`): the expert projections as packed
 their scales, of a rank's experts only; those scales are uint8 power-of-two exponents, kept as
 stored. INT4 and NVFP4 (`models/packed.py`): which linear layers are quantized is what the
 config's rules say of each one's checkpoint name; the routed experts are read packed, of a rank's
-experts only, and any other layer the rules quantize is refused by name.
+experts only; any other linear layer the rules quantize is dequantized at load.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from moeserve.models.checkpoint import CheckpointError, CheckpointReader
 from moeserve.models.int4 import Int4Format
 from moeserve.models.mxfp4 import MXFP4ExpertsSource
 from moeserve.models.nvfp4 import NVFP4Format
-from moeserve.models.packed import PackedExpertsSource, PackedFormat
+from moeserve.models.packed import DequantizedSource, PackedExpertsSource, PerModuleFormat
 from moeserve.models.tensor_parallel import Shard
 from moeserve.models.weight_sources import FusedExpertsSource, RowsSource, WeightSource, read_source
 
@@ -113,11 +113,13 @@ def packed_sources(
     quant: PackedInt4Config | NVFP4Config,
     sources: dict[str, WeightSource | FusedExpertsSource],
     reader: CheckpointReader,
-) -> dict[str, PackedExpertsSource]:
-    """Our routed expert projections the INT4 / NVFP4 config quantizes (checked by the caller
-    once the model's shapes are known); a quantized layer that is not a routed expert is
-    refused by name."""
-    found: dict[str, PackedExpertsSource] = {}
+) -> tuple[dict[str, PackedExpertsSource], dict[str, DequantizedSource]]:
+    """Our parameters the INT4 / NVFP4 config quantizes (checked by the caller once the model's
+    shapes are known): the routed expert projections, kept packed, and any other linear layer
+    (attention, shared experts, dense MLPs, LM head), dequantized at load. A quantized tensor
+    read another way (stacked gpt-oss experts, Gated DeltaNet projections) is refused by name."""
+    packed: dict[str, PackedExpertsSource] = {}
+    dequantized: dict[str, DequantizedSource] = {}
     for name, source in sources.items():
         if any(word in name for word in _NOT_LINEAR):
             continue
@@ -125,25 +127,28 @@ def packed_sources(
         quantized = [m for m in modules if quant.quantizes(m)]
         if not quantized:
             continue
-        if len(quantized) != len(modules) and isinstance(source, WeightSource) and source.stacked:
+        if len(quantized) != len(modules):
             plain = next(m for m in modules if m not in quantized)
             raise CheckpointError(
-                f"quantization_config ({_method(quant)}) quantizes {quantized[0]} but not {plain}: a layer's "
-                "routed experts are read quantized all alike"
+                f"quantization_config ({_method(quant)}) quantizes {quantized[0]} but not {plain}: the modules "
+                f"of one parameter ({name}) are read quantized all alike"
             )
-        if not (isinstance(source, WeightSource) and source.stacked):
+        if not isinstance(source, WeightSource):
             raise CheckpointError(
-                f"module {quantized[0]} is quantized by quantization_config ({_method(quant)}), and only routed "
-                f"experts are read in that format: a checkpoint must keep it unquantized (listed in its "
-                f"{'ignore' if isinstance(quant, PackedInt4Config) else 'exclude_modules'})"
+                f"module {quantized[0]} is quantized by quantization_config ({_method(quant)}), and only "
+                f"per-expert and plain linear layers are read in that format: a checkpoint must keep it "
+                f"unquantized (listed in its {'ignore' if isinstance(quant, PackedInt4Config) else 'exclude_modules'})"
             )
         parts = tuple(tuple(n.removesuffix(".weight") for n in part) for part in source.parts)
-        found[name] = PackedExpertsSource(parts, _format(quant, reader, parts))
-    if not found:
+        if source.stacked:
+            packed[name] = PackedExpertsSource(parts, _format(quant, reader, parts))
+        else:
+            dequantized[name] = DequantizedSource(parts[0], _format(quant, reader, parts))
+    if not packed:
         raise CheckpointError(
             f"config.json says {_method(quant)} but its rules quantize no routed expert projection of {reader.folder}"
         )
-    return found
+    return packed, dequantized
 
 
 def _method(quant: PackedInt4Config | NVFP4Config) -> str:
@@ -152,7 +157,7 @@ def _method(quant: PackedInt4Config | NVFP4Config) -> str:
 
 def _format(
     quant: PackedInt4Config | NVFP4Config, reader: CheckpointReader, parts: tuple[tuple[str, ...], ...]
-) -> PackedFormat:
+) -> PerModuleFormat:
     """The backend of a parameter whose experts are `parts` (INT4: its scales' stored dtype)."""
     if isinstance(quant, NVFP4Config):
         return NVFP4Format()
@@ -188,7 +193,7 @@ def read_scales(
 
 
 def read_held(
-    source: WeightSource | FusedExpertsSource | MXFP4ExpertsSource | PackedExpertsSource,
+    source: WeightSource | FusedExpertsSource | MXFP4ExpertsSource | PackedExpertsSource | DequantizedSource,
     reader: CheckpointReader,
     dtype: torch.dtype,
     fp8_block: tuple[int, int] | None,
@@ -199,6 +204,8 @@ def read_held(
     place a checkpoint tensor takes its in-memory layout, for a load and for a heal alike."""
     if isinstance(source, MXFP4ExpertsSource | PackedExpertsSource):
         return source.read(reader)
+    if isinstance(source, DequantizedSource):
+        return (source.read(reader, dtype, shard),)
     if fp8_block is not None:
         return read_source(source, reader, FP8_DTYPE, shard), read_scales(source, reader, fp8_block, shard)
     return (read_source(source, reader, dtype, shard),)

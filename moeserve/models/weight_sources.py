@@ -229,7 +229,7 @@ def _expected_part_shape(source: WeightSource, target: torch.Size) -> tuple[int,
     return (per_part[0] // len(source.parts[0]), *per_part[1:])
 
 
-def _checkpoint_shape(param: torch.Tensor) -> torch.Size:
+def checkpoint_shape(param: torch.Tensor) -> torch.Size:
     """The shape of the whole tensor a (possibly tensor-parallel sharded) parameter comes from."""
     shard = shard_of(param)
     return param.shape if shard is None else torch.Size(shard.full_shape(param.shape))
@@ -248,7 +248,7 @@ def check_sources(sources: dict[str, Source], targets: dict[str, torch.Tensor], 
         if isinstance(source, FusedExpertsSource | RowsSource):
             want = source.expected_shape(targets[name].shape)
         else:
-            want = _expected_part_shape(source, _checkpoint_shape(targets[name]))
+            want = _expected_part_shape(source, checkpoint_shape(targets[name]))
         for tensor_name in source.names:
             got = reader.shape(tensor_name)
             if got != want:

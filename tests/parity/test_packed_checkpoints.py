@@ -41,6 +41,7 @@ class Case:
     arch: str
     fmt: str  # int4 or nvfp4
     overrides: dict = field(default_factory=dict)
+    all_linears: bool = False  # attention, shared experts and dense MLPs quantized too
 
 
 CASES = {
@@ -48,6 +49,11 @@ CASES = {
     "nvfp4-qwen3_moe": Case("qwen3_moe", "nvfp4", dict(num_experts=8)),
 }
 LAYOUTS = [(1, 1), (4, 1), (4, 2)]
+# Every linear layer quantized but the routers and the LM head; MLA's widths made multiples of 32.
+ALL_LINEARS = {
+    "int4-all-deepseek_v3": Case("deepseek_v3", "int4", dict(q_lora_rank=32, kv_lora_rank=32, v_head_dim=16), True),
+    "nvfp4-all-qwen3_moe": Case("qwen3_moe", "nvfp4", dict(num_experts=8), True),
+}
 
 
 def int4_values(tensors: dict[str, torch.Tensor], module: str) -> torch.Tensor:
@@ -80,11 +86,13 @@ def pair(make_checkpoint, tmp_path_factory):
 
     def get(case: str):
         if case not in built:
-            spec = CASES[case]
+            spec = {**CASES, **ALL_LINEARS}[case]
             base = make_checkpoint(spec.arch, 7, **spec.overrides)
             root = tmp_path_factory.mktemp(case)
             packed, twin = shutil.copytree(base, root / "packed"), shutil.copytree(base, root / "twin")
-            (quantize_int4 if spec.fmt == "int4" else quantize_nvfp4).quantize_checkpoint(packed)
+            (quantize_int4 if spec.fmt == "int4" else quantize_nvfp4).quantize_checkpoint(
+                packed, all_linears=spec.all_linears
+            )
             with safe_open(packed / "model.safetensors", framework="pt") as f:
                 tensors = {n: f.get_tensor(n) for n in f.keys()}
             values = {}
@@ -143,6 +151,30 @@ def test_greedy_tokens_at_ep4_and_tp2_match_dequantized_transformers(pair, refer
     with LLM(str(packed), ep=ep, tp=tp, block_size=8, max_model_len=96, kv_cache_blocks=96) as llm:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts()], GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == reference(case)[1]
+
+
+@pytest.mark.parametrize("case", ALL_LINEARS)
+def test_quantized_attention_and_shared_experts_match_dequantized_transformers(pair, reference, case):
+    """Releases that quantize attention, shared experts and dense MLPs too: those layers are
+    dequantized at load (the routed experts stay packed): prefill logits as transformers' on the
+    twin for both formats, and greedy tokens under tp=2 (each rank's cut of the dequantized MLA
+    weights) for INT4, the costlier multi-process check run once."""
+    packed, twin = pair(case)
+    model = load_model(packed)
+    assert model.layers[-1].mlp.experts.parametrizations.w13.original.dtype in (torch.int32, torch.uint8)
+    with safe_open(packed / "model.safetensors", framework="pt") as f:
+        dtypes = {n: f.get_slice(n).get_dtype() for n in f.keys()}
+    quantized = [n for n, d in dtypes.items() if d in ("I32", "U8") and ".mlp.experts." not in n]
+    int4 = ALL_LINEARS[case].fmt == "int4"
+    for kind in ("self_attn.o_proj", "shared_experts.down_proj", "layers.0.mlp.down_proj") if int4 else ("q_proj",):
+        assert any(kind in n for n in quantized), kind
+    dlogit = max_prefill_dlogit(model, reference(case)[0] if int4 else hf_model(twin), prompts())
+    logger.warning("%s: max |dlogit| vs transformers on the dequantized twin %.2e", case, dlogit)
+    assert dlogit < 1e-4
+    if int4:
+        with LLM(str(packed), ep=2, tp=2, block_size=8, max_model_len=96, kv_cache_blocks=96) as llm:
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts()], GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == reference(case)[1]
 
 
 def checkpoint_bytes(folder) -> int:
@@ -302,9 +334,9 @@ def test_int4_refusals_name_the_tensor_and_field(pair, tmp_path):
         CheckpointError, match=rf"tensor {expert}.weight_packed: quantization_config group_size 48 does not divide"
     ):
         load_model(broken_copy(int4, tmp_path, dict(published, config_groups=wide)))
-    quantized_attention = [m for m in published["ignore"] if "self_attn" not in m]
-    with pytest.raises(CheckpointError, match=r"module model.layers.0.self_attn.q_a_proj is quantized .* routed"):
-        load_model(broken_copy(int4, tmp_path, dict(published, ignore=quantized_attention)))
+    half_dense = [m for m in published["ignore"] if m != "model.layers.0.mlp.gate_proj"]
+    with pytest.raises(CheckpointError, match=r"quantizes model.layers.0.mlp.gate_proj but not .*0.mlp.up_proj"):
+        load_model(broken_copy(int4, tmp_path, dict(published, ignore=half_dense)))
     one_plain = [*published["ignore"], "model.layers.1.mlp.experts.6.up_proj"]
     with pytest.raises(CheckpointError, match=r"quantizes .*experts.0.gate_proj but not .*experts.6.up_proj"):
         load_model(broken_copy(int4, tmp_path, dict(published, ignore=one_plain)))

@@ -114,3 +114,27 @@ def test_family_serves_chat_and_streamed_completions(served, family: str) -> Non
     assert "".join(c.choices[0].text for c in chunks if c.choices) == want_text.text
     finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     assert finish == [want_text.finish_reason]
+
+
+def test_kimi_tiktoken_tokenizer_serves_chat_through_its_template(make_checkpoint, tmp_path) -> None:
+    """A checkpoint whose tokenizer is released as Kimi's (tiktoken ranks behind custom code, no
+    tokenizer.json) answers a chat completion on the prompt tiktoken makes of the release's chat
+    template rendered independently (jinja2), special tokens as their own ids."""
+    import jinja2
+    from helpers.tiktoken_release import CHAT_TEMPLATE, reference_encoding, special_tokens, train_ranks, write_release
+
+    ranks = train_ranks()
+    folder = shutil.copytree(make_checkpoint("deepseek_v3"), tmp_path / "kimi")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (folder / name).unlink()
+    write_release(folder, ranks)
+    rendered = jinja2.Template(CHAT_TEMPLATE).render(messages=MESSAGES, add_generation_prompt=True)
+    prompt = reference_encoding(ranks).encode(rendered, allowed_special="all")
+    assert special_tokens(len(ranks))["<|im_user|>"] in prompt
+    llm = LLM(str(folder), **ENGINE)
+    want = llm.generate([{"prompt_token_ids": prompt}], GREEDY, use_tqdm=False)[0].outputs[0]
+    for api in in_process(llm, folder):
+        chat = api.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=12, temperature=0.0)
+    assert chat.usage.prompt_tokens == len(prompt)
+    assert chat.choices[0].message.content == want.text
+    assert chat.usage.completion_tokens == len(want.token_ids) > 0
