@@ -130,16 +130,21 @@ def build_scheduler(config: EngineConfig, model_config: ModelConfig, dtype: torc
     cache, parallel = config.cache, config.parallel
     mtp_layers = model_config.num_mtp_layers if config.mtp_drafts else 0
     specs = cache_specs(model_config, dtype, parallel.tp, mtp_layers)
-    prefix_caching = cache.enable_prefix_caching
     if specs.has_state:
         refusal = state_refusal(config)
         if refusal is not None:
             raise ValueError(f"{model_config.architecture}: {refusal}")
-        if prefix_caching:
-            logger.info("prefix caching off: %s keeps no saved states to resume from", model_config.architecture)
-        prefix_caching = False
+    saved_states = config.num_saved_states if specs.has_state else 0
     num_blocks = num_blocks_for(
-        model_config, cache, dtype, config.max_num_seqs, max_model_len, parallel.tp, mtp_layers, config.draft_states
+        model_config,
+        cache,
+        dtype,
+        config.max_num_seqs,
+        max_model_len,
+        parallel.tp,
+        mtp_layers,
+        config.draft_states,
+        saved_states,
     )
     return DataParallelScheduler(
         SchedulerConfig(
@@ -148,7 +153,9 @@ def build_scheduler(config: EngineConfig, model_config: ModelConfig, dtype: torc
             max_model_len=max_model_len,
             block_size=cache.block_size,
             num_kv_blocks=num_blocks,
-            enable_prefix_caching=prefix_caching,
+            enable_prefix_caching=cache.enable_prefix_caching,
+            has_state=specs.has_state,
+            num_saved_states=saved_states,
             max_waiting=config.max_waiting,
             policy=config.scheduling_policy,
             slo_ttft_s=config.slo.ttft_s,
