@@ -76,6 +76,12 @@ class SchedulerStats:
     """Requests SLO admission admitted on a prediction of meeting their TTFT target, so far."""
     ttft_promises_kept: int = 0
     """Of those, the ones whose first token did come within the target."""
+    state_slots_used: int = 0
+    """A model with state layers: the running sequences' state slots (0 for another model)."""
+    state_slots_total: int = 0
+    saved_states_held: int = 0
+    """Prefix caching's saved states a hit can resume from (a model with state layers)."""
+    saved_states_total: int = 0
 
 
 @dataclass
@@ -317,6 +323,8 @@ class EngineCore:
             s.num_kv_blocks,
             s.admission.predicted_on_time,
             s.admission.on_time,
+            *s.num_state_slots,
+            *s.num_saved_states,
         )
 
     # ---- the step ---------------------------------------------------------------------------

@@ -210,7 +210,8 @@ def test_a_shared_prefix_resumes_from_a_saved_state(make_checkpoint):
     """A prompt, then the same prompt again, then a later turn (the prompt, its output, more): the
     first saves its states at its prompt's last block boundary before its last token, the later
     two resume from them (96 of their tokens are prefix-cache hits each), and every greedy token
-    equals transformers' (the first run's, for the repeat)."""
+    equals transformers' (the first run's, for the repeat). The gauges show two saved states
+    (the second prompt's mark, 96, was saved already) and every state slot free."""
     folder = make_checkpoint("qwen3_5_moe")
     ref = hf_model(folder)
     first, more = prompts_for(4, (97, 20))
@@ -225,3 +226,6 @@ def test_a_shared_prefix_resumes_from_a_saved_state(make_checkpoint):
     assert generate(first) == tokens and counts.prefix_cache_hits == 96
     turn = first + tokens + more
     assert generate(turn) == hf_greedy_tokens(ref, turn, 32) and counts.prefix_cache_hits == 2 * 96
+    gauges = llm.engine.core.scheduler_stats()
+    assert (gauges.state_slots_used, gauges.state_slots_total) == (0, 4)
+    assert (gauges.saved_states_held, gauges.saved_states_total) == (2, 4)
