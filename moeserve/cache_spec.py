@@ -59,8 +59,9 @@ class CacheSpecs:
 
     @property
     def has_state(self) -> bool:
-        """Whether a sequence's cache includes a state: such a sequence can only start from
-        position 0 (no prefix-cache hit, no transferred blocks) and never step back (no drafts)."""
+        """Whether a sequence's cache includes a state: such a sequence starts from position 0 or
+        from a saved state (a prefix-cache hit), and steps back past rejected drafts only to a
+        state kept for it."""
         return any(isinstance(spec, StateSpec) for spec in self.layers)
 
     def bytes_per_block(self, block_size: int) -> int:

@@ -268,12 +268,18 @@ class CacheConfig:
     shared system prompt, a previous chat turn), so only the rest of a prompt is computed; cached
     blocks are evicted least recently used first when space is needed. With ep/tp > 1 a request
     goes to the data-parallel group holding the longest prefix of its prompt, unless much busier."""
+    saved_states: int | None = None
+    """For a model whose layers keep a state per sequence (Gated DeltaNet), with prefix caching:
+    how many saved states a hit can resume from, taken from the cache budget before the blocks;
+    None: max_num_seqs."""
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
             raise ValueError("block_size must be >= 1")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError("num_blocks must be >= 1")
+        if self.saved_states is not None and self.saved_states < 0:
+            raise ValueError("saved_states must be >= 0")
 
 
 MAX_DEFAULT_GRAPH_SIZE = 512
@@ -553,6 +559,14 @@ class EngineConfig:
         """States a state layer keeps per sequence beside its own to step back past rejected drafts:
         one after each token of a verify step (0 without speculative decoding)."""
         return 0 if self.speculative_config is None else self.speculative_config.num_speculative_tokens + 1
+
+    @property
+    def num_saved_states(self) -> int:
+        """Saved states prefix caching holds for a model with state layers (allocated only for such
+        a model's state layers; 0 without prefix caching)."""
+        if not self.cache.enable_prefix_caching:
+            return 0
+        return self.max_num_seqs if self.cache.saved_states is None else self.cache.saved_states
 
     @classmethod
     def from_options(cls, **values: object) -> EngineConfig:

@@ -302,6 +302,14 @@ class ServerMetrics:
         )
         self.kv_used = gauge("moeserve:kv_cache_blocks_used", "Paged KV blocks held by sequences.")
         self.kv_total = gauge("moeserve:kv_cache_blocks_total", "Paged KV blocks in the cache.")
+        self.state_slots_used = gauge(
+            "moeserve:state_slots_used", "State slots held by running sequences (models with state layers)."
+        )
+        self.state_slots_total = gauge("moeserve:state_slots_total", "State slots in the cache.")
+        self.saved_states_held = gauge(
+            "moeserve:saved_states_held", "Saved states prefix caching holds for hits (models with state layers)."
+        )
+        self.saved_states_total = gauge("moeserve:saved_states_total", "Saved-state slots in the cache.")
 
         self.prompt_tokens = counter(
             "moeserve:prompt_tokens", "Prompt tokens prefilled (counted once, when the first token comes)."
@@ -516,6 +524,10 @@ class ServerMetrics:
         self.waiting.set(stats.num_waiting)
         self.kv_used.set(stats.kv_blocks_used)
         self.kv_total.set(stats.kv_blocks_total)
+        self.state_slots_used.set(stats.state_slots_used)
+        self.state_slots_total.set(stats.state_slots_total)
+        self.saved_states_held.set(stats.saved_states_held)
+        self.saved_states_total.set(stats.saved_states_total)
         self._record_promises(stats.ttft_promised, stats.ttft_promises_kept)
         if stats.routed_tokens is not None:
             self._record_routing(stats.routed_tokens)

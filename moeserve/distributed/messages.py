@@ -45,6 +45,8 @@ class WorkerSpec:
     loads (0: none loaded)."""
     draft_states: int = 0
     """States kept per sequence to step back past rejected drafts (`EngineConfig.draft_states`)."""
+    saved_states: int = 0
+    """Saved states prefix caching holds for a model with state layers (`EngineConfig.num_saved_states`)."""
     kv_transfer: bool = False
     """Register the KV cache with a NIXL agent, for a prefill instance to write into (`--role decode`)."""
     kv_write_host: str = ""

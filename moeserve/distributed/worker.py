@@ -232,6 +232,7 @@ class Worker:
             len(model.mtp),
             num_state_slots=spec.max_num_seqs,
             draft_states=spec.draft_states,
+            num_saved_states=spec.saved_states,
         )
         settings = GraphSettings(
             str(self.device),
@@ -282,7 +283,7 @@ class Worker:
             other_bytes=sizes.other,
             kv_bytes=spec.num_kv_blocks
             * bytes_per_block(model.cfg, spec.block_size, spec.dtype, self.tp.size, len(model.mtp))
-            + state_bytes(model.cfg, spec.dtype, spec.max_num_seqs, self.tp.size, spec.draft_states),
+            + state_bytes(model.cfg, spec.dtype, spec.max_num_seqs, self.tp.size, spec.draft_states, spec.saved_states),
             dispatcher=dispatcher.name,
             decode_graph_sizes=graphs.sizes if graphs is not None else (),
             kv_registration=self.kv_agent.registration if self.kv_agent is not None else None,

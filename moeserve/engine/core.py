@@ -76,6 +76,12 @@ class SchedulerStats:
     """Requests SLO admission admitted on a prediction of meeting their TTFT target, so far."""
     ttft_promises_kept: int = 0
     """Of those, the ones whose first token did come within the target."""
+    state_slots_used: int = 0
+    """A model with state layers: the running sequences' state slots (0 for another model)."""
+    state_slots_total: int = 0
+    saved_states_held: int = 0
+    """Prefix caching's saved states a hit can resume from (a model with state layers)."""
+    saved_states_total: int = 0
 
 
 @dataclass
@@ -130,16 +136,21 @@ def build_scheduler(config: EngineConfig, model_config: ModelConfig, dtype: torc
     cache, parallel = config.cache, config.parallel
     mtp_layers = model_config.num_mtp_layers if config.mtp_drafts else 0
     specs = cache_specs(model_config, dtype, parallel.tp, mtp_layers)
-    prefix_caching = cache.enable_prefix_caching
     if specs.has_state:
         refusal = state_refusal(config)
         if refusal is not None:
             raise ValueError(f"{model_config.architecture}: {refusal}")
-        if prefix_caching:
-            logger.info("prefix caching off: %s keeps no saved states to resume from", model_config.architecture)
-        prefix_caching = False
+    saved_states = config.num_saved_states if specs.has_state else 0
     num_blocks = num_blocks_for(
-        model_config, cache, dtype, config.max_num_seqs, max_model_len, parallel.tp, mtp_layers, config.draft_states
+        model_config,
+        cache,
+        dtype,
+        config.max_num_seqs,
+        max_model_len,
+        parallel.tp,
+        mtp_layers,
+        config.draft_states,
+        saved_states,
     )
     return DataParallelScheduler(
         SchedulerConfig(
@@ -148,7 +159,9 @@ def build_scheduler(config: EngineConfig, model_config: ModelConfig, dtype: torc
             max_model_len=max_model_len,
             block_size=cache.block_size,
             num_kv_blocks=num_blocks,
-            enable_prefix_caching=prefix_caching,
+            enable_prefix_caching=cache.enable_prefix_caching,
+            has_state=specs.has_state,
+            num_saved_states=saved_states,
             max_waiting=config.max_waiting,
             policy=config.scheduling_policy,
             slo_ttft_s=config.slo.ttft_s,
@@ -310,6 +323,8 @@ class EngineCore:
             s.num_kv_blocks,
             s.admission.predicted_on_time,
             s.admission.on_time,
+            *s.num_state_slots,
+            *s.num_saved_states,
         )
 
     # ---- the step ---------------------------------------------------------------------------

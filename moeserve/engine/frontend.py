@@ -143,6 +143,10 @@ class EngineFrontend:
         stats.num_waiting = gauges.num_waiting
         stats.kv_blocks_used = gauges.kv_blocks_used
         stats.kv_blocks_total = gauges.kv_blocks_total
+        stats.state_slots_used = gauges.state_slots_used
+        stats.state_slots_total = gauges.state_slots_total
+        stats.saved_states_held = gauges.saved_states_held
+        stats.saved_states_total = gauges.saved_states_total
         stats.ttft_promised = gauges.ttft_promised
         stats.ttft_promises_kept = gauges.ttft_promises_kept
         for stat_logger in self.stat_loggers:

@@ -71,6 +71,10 @@ class IterationStats:
     num_waiting: int = 0
     kv_blocks_used: int = 0
     kv_blocks_total: int = 0
+    state_slots_used: int = 0
+    state_slots_total: int = 0
+    saved_states_held: int = 0
+    saved_states_total: int = 0
     ttft_promised: int = 0
     """Requests admitted on a prediction of meeting their TTFT target, since the engine started
     (a running total, as the core keeps it: the metrics count its increase)."""

@@ -71,6 +71,7 @@ class InProcessExecutor(Executor):
             mtp_layers=len(self.model.mtp),
             num_state_slots=config.max_num_seqs,
             draft_states=config.draft_states,
+            num_saved_states=config.num_saved_states,
         )
         settings = GraphSettings(
             config.device,

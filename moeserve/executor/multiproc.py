@@ -148,6 +148,7 @@ class MultiprocessExecutor(Executor):
                 max_model_len=config.max_model_len or model_config.max_position_embeddings,
                 mtp_drafts=config.mtp_drafts,
                 draft_states=config.draft_states,
+                saved_states=config.num_saved_states,
                 kv_transfer=config.kv_transfer.enabled,
                 kv_write_host=config.kv_transfer.host if config.kv_transfer.role == "prefill" else "",
             ),

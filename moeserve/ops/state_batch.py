@@ -8,6 +8,7 @@ forward signature is the same for every architecture.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -39,12 +40,27 @@ class StateBatch:
 class LinearState:
     """One Gated DeltaNet layer's states: conv `[N, C, K - 1]` (model dtype), recurrent
     `[N, Hv, Dk, Dv]` (float32), N slots; with speculative decoding also the states after each of
-    a verify step's 1 + k tokens, `[N, 1 + k, ...]` each (None without)."""
+    a verify step's 1 + k tokens, `[N, 1 + k, ...]` each (None without); with prefix caching the
+    saved states a prefix-cache hit starts from, `[S, ...]` each (None without)."""
 
     conv: torch.Tensor
     recurrent: torch.Tensor
     draft_conv: torch.Tensor | None = None
     draft_recurrent: torch.Tensor | None = None
+    saved_conv: torch.Tensor | None = None
+    saved_recurrent: torch.Tensor | None = None
+
+    def load_saved(self, slots: Sequence[int], saved: Sequence[int]) -> None:
+        """Sequence slots `slots` start from the saved states `saved` (a prefix-cache hit)."""
+        dst, src = (torch.tensor(i, dtype=torch.int64, device=self.conv.device) for i in (slots, saved))
+        self.conv[dst] = self.saved_conv[src]
+        self.recurrent[dst] = self.saved_recurrent[src]
+
+    def save(self, slots: Sequence[int], saved: Sequence[int]) -> None:
+        """Copy the states of sequence slots `slots` into saved-state slots `saved`."""
+        src, dst = (torch.tensor(i, dtype=torch.int64, device=self.conv.device) for i in (slots, saved))
+        self.saved_conv[dst] = self.conv[src]
+        self.saved_recurrent[dst] = self.recurrent[src]
 
 
 @dataclass(frozen=True)

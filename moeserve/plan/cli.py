@@ -16,8 +16,15 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     p = subparsers.add_parser(
         "plan", help="size a deployment: search EP/TP/P:D/batch layouts against SLOs with a cost model"
     )
-    p.add_argument("--model", required=True, help="a checkpoint folder (its config.json) or a known model name")
-    p.add_argument("--gpus", required=True, type=int, help="GPUs to deploy on")
+    p.add_argument("--model", help="a checkpoint folder (its config.json) or a known model name (required)")
+    p.add_argument("--gpus", type=int, help="GPUs to deploy on (required)")
+    p.add_argument(
+        "--cache-per-sequence",
+        nargs="+",
+        metavar="MODEL",
+        help="only print these models' cache bytes per sequence at 1k, 32k and 128k tokens, side by side "
+        "(from their layers' cache specs), and each saved state's of prefix caching",
+    )
     p.add_argument("--gpu", default="h100", choices=sorted(GPUS), help="GPU kind (default: h100)")
     p.add_argument("--nodes", type=int, default=None, help="nodes the GPUs span (default: full NVLink domains)")
     p.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="time to first token target (default: 2000)")
@@ -46,8 +53,15 @@ def run_plan(args: argparse.Namespace) -> int:
     from moeserve.plan.hardware import Hardware
     from moeserve.plan.search import SearchSpace, screen, search
     from moeserve.plan.serving import Workload
-    from moeserve.plan.shapes import load_shape
+    from moeserve.plan.shapes import load_config, load_shape
 
+    if args.cache_per_sequence:
+        from moeserve.plan.cache import cache_table, sequence_cache
+
+        print(cache_table([sequence_cache(*load_config(model)) for model in args.cache_per_sequence]))
+        return 0
+    if args.model is None or args.gpus is None:
+        raise ValueError("--model and --gpus are required (unless --cache-per-sequence)")
     started = time.monotonic()
     if args.gpus < 1 or args.isl < 1 or args.osl < 1:
         raise ValueError("--gpus, --isl and --osl must be >= 1")

@@ -81,7 +81,7 @@ def shape_of(config: ModelConfig, name: str) -> ModelShape:
     if any(config.linear_layers):  # its cost terms and its states' share of memory are not modelled
         raise ValueError(
             f"{name}: the planner does not model Gated DeltaNet layers yet ({config.architecture}); "
-            "docs/models.md gives the cache bytes per sequence of Qwen3.5"
+            "`moeserve plan --cache-per-sequence` gives its cache bytes per sequence"
         )
     h = config.hidden_size
     if config.mla is not None:
@@ -146,6 +146,11 @@ def shape_of(config: ModelConfig, name: str) -> ModelShape:
 
 def load_shape(model: str) -> ModelShape:
     """A known model by name, or a checkpoint folder (only its config.json is read)."""
+    return shape_of(*load_config(model))
+
+
+def load_config(model: str) -> tuple[ModelConfig, str]:
+    """(its config, its name) of a known model by name or of a checkpoint folder."""
     from moeserve.models.architectures import resolve_architecture
     from moeserve.models.checkpoint import read_config
 
@@ -157,4 +162,4 @@ def load_shape(model: str) -> ModelShape:
     else:
         known = ", ".join(known_models())
         raise ValueError(f"--model {model!r} is neither a checkpoint folder nor a known model ({known})")
-    return shape_of(resolve_architecture(raw)[1], name)
+    return resolve_architecture(raw)[1], name

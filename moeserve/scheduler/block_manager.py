@@ -12,6 +12,11 @@ list is the eviction order: blocks holding nothing findable are taken first, the
 least recently released order (a request's blocks are released tail first, so a shared head goes
 last). A block in use is never on the free list, so it is never evicted; a request only ever
 writes positions past the cached ones it was given, so a shared block is never written.
+
+A model whose layers keep a state per sequence (`has_state`: Gated DeltaNet) resumes a hit only
+from a state saved at its last block's end (`saved_states.py`): the run of cached blocks is cut
+back to the longest one ending where a saved state exists. The saved states have their own slots
+and LRU order beside the blocks'; the blocks know nothing of them.
 """
 
 from __future__ import annotations
@@ -22,12 +27,22 @@ from collections.abc import Sequence
 from moeserve.scheduler.block_hash import BlockHash, block_hashes
 from moeserve.scheduler.config import blocks_for_tokens
 from moeserve.scheduler.request import Request
+from moeserve.scheduler.saved_states import SavedStates
 
 
 class BlockManager:
-    """`num_blocks` block ids of `block_size` tokens each; `enable_caching` turns prefix caching on."""
+    """`num_blocks` block ids of `block_size` tokens each; `enable_caching` turns prefix caching on.
+    `has_state`: the model's sequences also keep a state, of which prefix caching holds up to
+    `num_saved_states` saved ones."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = False,
+        has_state: bool = False,
+        num_saved_states: int = 0,
+    ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks}, {block_size}")
         self.num_blocks = num_blocks
@@ -37,6 +52,8 @@ class BlockManager:
         self._ref_counts = [0] * num_blocks
         self._block_by_hash: dict[BlockHash, int] = {}
         self._hash_by_block: dict[int, BlockHash] = {}
+        self.has_state = has_state
+        self.saved_states = SavedStates(num_saved_states if has_state and enable_caching else 0)
 
     @property
     def num_free_blocks(self) -> int:
@@ -67,16 +84,43 @@ class BlockManager:
         for a request about to be admitted. The run stops short of the last token, whose logits
         the request needs, so at least one token is always computed. Takes nothing: pass the
         result to `allocate` before any other block is taken. A request that asked for prompt
-        logprobs takes nothing either (as in vLLM): they need every prompt position computed."""
+        logprobs takes nothing either (as in vLLM): they need every prompt position computed.
+        With `has_state` the run ends where a saved state exists (`saved_state`), or is empty."""
         if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return []
         found = []
-        for block_hash in block_hashes(request, self.block_size, (request.num_tokens - 1) // self.block_size):
+        hashes = block_hashes(request, self.block_size, (request.num_tokens - 1) // self.block_size)
+        for block_hash in hashes:
             block_id = self._block_by_hash.get(block_hash)
             if block_id is None:
                 break
             found.append(block_id)
+        if self.has_state:
+            while found and hashes[len(found) - 1] not in self.saved_states:
+                found.pop()
         return found
+
+    def saved_state(self, request: Request, num_blocks: int) -> int:
+        """The saved-state slot holding `request`'s state after its first `num_blocks` blocks, a
+        hit `lookup` found (made the most recently used): the request resumes from a copy of it."""
+        return self.saved_states.use(block_hashes(request, self.block_size, num_blocks)[num_blocks - 1])
+
+    def save_state(self, request: Request, num_tokens: int) -> int | None:
+        """A saved-state slot for `request`'s state after its first `num_tokens` positions (a
+        whole number of blocks), which the planned step computes; None if that state is already
+        saved or no slot can take it. Findable once the step has run (`commit_saved_states`)."""
+        num_blocks = num_tokens // self.block_size
+        if not self.saved_states.num_slots or not num_blocks or num_tokens % self.block_size:
+            return None
+        return self.saved_states.reserve(block_hashes(request, self.block_size, num_blocks)[num_blocks - 1])
+
+    def commit_saved_states(self) -> None:
+        """The planned step ran: the states it saved are findable."""
+        self.saved_states.commit()
+
+    def drop_pending_states(self) -> None:
+        """The planned step was lost: the slots reserved for its saves go back."""
+        self.saved_states.drop_pending()
 
     def allocate(self, request: Request, num_new_tokens: int, cached_blocks: Sequence[int] = ()) -> bool:
         """Extend `request.block_ids` to cover its next `num_new_tokens` tokens.

@@ -76,6 +76,16 @@ class SchedulerConfig:
     to the group whose backlog, priced by that group's own measured step times, clears soonest,
     so a long prompt counts for its length and a slow group gets less; "requests" to the group
     with the fewest requests (queued ones counting 4, running ones 1)."""
+    has_state: bool = False
+    """The model's layers keep a state per sequence beside the paged blocks (`CacheSpecs.has_state`:
+    Gated DeltaNet): a prefix-cache hit then resumes only from a saved state."""
+    num_saved_states: int = 0
+    """With `has_state` and prefix caching: saved-state slots held for hits, in the memory budget
+    beside the running sequences' states. 0: such a model never hits."""
+    state_save_interval: int = 64
+    """With saved states: a sequence's state is saved every this many blocks, and at the last
+    block boundary before its prompt's last token (what a later turn of the conversation or a
+    repeat of the prompt resumes from). A prompt chunk crossing such a boundary is cut there."""
     speculative: SpeculativeConfig | None = None
     """Draft tokens for decodes (`moeserve.spec_decode`): a decode step may feed, after its last
     token, up to `num_speculative_tokens` drafts, each costing a token of the step's budget and a
@@ -85,6 +95,11 @@ class SchedulerConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "num_kv_blocks"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_saved_states < 0 or self.state_save_interval < 1:
+            raise ValueError(
+                f"num_saved_states must be >= 0 and state_save_interval >= 1, got "
+                f"{self.num_saved_states} and {self.state_save_interval}"
+            )
         if self.max_waiting is not None and self.max_waiting < 1:
             raise ValueError(f"max_waiting must be >= 1 or None, got {self.max_waiting}")
         if self.slo_admission not in ADMISSION_MODES:

@@ -237,6 +237,20 @@ class DataParallelScheduler:
         return self.config.num_kv_blocks * len(self.groups)
 
     @property
+    def num_state_slots(self) -> tuple[int, int]:
+        """(in use, in every group's cache) of the state slots of a model with state layers: one per
+        running sequence, `max_num_seqs` per group; (0, 0) for a model without."""
+        if not self.config.has_state:
+            return 0, 0
+        return self.num_running, self.config.max_num_seqs * len(self.groups)
+
+    @property
+    def num_saved_states(self) -> tuple[int, int]:
+        """(findable, slots in every group's cache) of prefix caching's saved states."""
+        saved = [s.block_manager.saved_states for s in self.groups]
+        return sum(x.num_held for x in saved), sum(x.num_slots for x in saved)
+
+    @property
     def step_time_models(self) -> list[StepTimeModel]:
         """Every model that prices steps here: each group's (slo chunk sizing, admission) and
         each group's in the token router. Until all are `ready` some choice is made blind."""

@@ -27,6 +27,11 @@ Mechanics shared by both policies: iteration-level batching, preemption by recom
   readmitted request finds its own blocks again if they were not evicted meanwhile. `update`
   registers every block a step filled, prompt or output. A queued request whose prefix is being
   computed in this very step waits for the next one, which finds it cached.
+  A model whose layers keep a state per sequence (`has_state`) resumes a hit from a saved state
+  (`saved_states.py`): the plan marks the steps that end where a state is saved (every
+  `state_save_interval` blocks, and the last block boundary before a prompt's last token; a
+  prompt chunk crossing one is cut there) with the slot to write (`ScheduledRequest.save_state`),
+  `update` makes it findable, and a hit names the slot its sequence starts from (`load_state`).
 
 - KV loaded from another instance (a decode instance of prefill/decode disaggregation): a request
   whose prompt's KV a prefill instance computed is admitted like any other, from the queue's head,
@@ -110,6 +115,13 @@ class ScheduledRequest:
     num_draft_tokens: int = 0
     """How many of `token_ids` (the last ones) are speculative drafts following a decode's last
     token: the runner verifies them and returns the accepted ones before the token it samples."""
+    load_state: int = -1
+    """A model with state layers: the saved-state slot this sequence's states start from (a
+    prefix-cache hit at `start_position`), else -1."""
+    save_state: int = -1
+    """A model with state layers: the saved-state slot the runner copies this sequence's states
+    into once the step has run (they are then the states after `start_position + len(token_ids)`
+    positions), else -1."""
 
 
 @dataclass(frozen=True)
@@ -214,6 +226,7 @@ class _StepPlan:
         self.split_prefill = False  # a prefill chunk stops short of its sequence's end
         self.drafts: dict[str, list[int]] = {}  # request_id -> draft tokens fed after its last token
         self.kv_loads: list[KvLoad] = []
+        self.state_loads: dict[str, int] = {}  # request_id -> saved-state slot its prefix-cache hit starts from
         self.load = load
 
     def grant(self, request: Request, num_tokens: int) -> None:
@@ -240,7 +253,13 @@ class Scheduler:
         admission: AdmissionTally | None = None,
     ) -> None:
         self.config = config
-        self.block_manager = BlockManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.block_manager = BlockManager(
+            config.num_kv_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            config.has_state,
+            config.num_saved_states,
+        )
         self._clock = clock
         self._requests: dict[str, Request] = {}  # every unfinished request, by id
         self._waiting: WaitingQueue = SloQueue(config.slo_ttft_s, clock) if config.policy == "slo" else FcfsQueue()
@@ -396,6 +415,7 @@ class Scheduler:
         is announced again, with the tokens it has sampled. Nothing a client was sent changes:
         outputs are only ever appended by `update`, which the lost step never reached."""
         self._awaiting_update = False
+        self.block_manager.drop_pending_states()
         while self._running:
             victim = self._running[-1]
             self._requeue_for_recompute(victim)
@@ -490,6 +510,7 @@ class Scheduler:
         requests that finished, so the caller can emit their final outputs.
         """
         self._awaiting_update = False
+        self.block_manager.commit_saved_states()
         if duration_s is not None:
             self.observe(output, duration_s)
         finished: list[Request] = []
@@ -661,6 +682,8 @@ class Scheduler:
                 break
             self._waiting.pop()
             request.num_computed_tokens = num_cached
+            if cached_blocks and self.block_manager.has_state:
+                plan.state_loads[request.request_id] = self.block_manager.saved_state(request, len(cached_blocks))
             if self.config.enable_prefix_caching:
                 plan.prefix_cache_queries += request.num_tokens
                 plan.prefix_cache_hits += num_cached
@@ -754,10 +777,33 @@ class Scheduler:
         if num_computed is None:
             num_computed = request.num_computed_tokens
         most = min(request.num_tokens - num_computed, plan.budget)
+        if self._saves_states and self.config.enable_chunked_prefill:  # a chunk ends where a state is saved
+            most = min(most, self._next_state_save(request, num_computed) - num_computed)
         sizer, load = self._chunk_sizer, plan.load
         if sizer is None or load is None or not load.num_decodes or not sizer.model.ready or _is_decode(request):
             return most
         return sizer.chunk_tokens(load.shape, num_computed, most, load.num_prefill_tokens, load.tightest_tbt_s)
+
+    @property
+    def _saves_states(self) -> bool:
+        """Whether steps save states for prefix caching (a model with state layers, slots for them)."""
+        return self.block_manager.saved_states.num_slots > 0
+
+    def _state_marks(self, request: Request) -> tuple[int, int]:
+        """(every how many positions `request`'s state is saved, the prompt's mark: its last block
+        boundary before its last token, where a repeat of the prompt or a later turn resumes)."""
+        block_size = self.config.block_size
+        return self.config.state_save_interval * block_size, (request.num_prompt_tokens - 1) // block_size * block_size
+
+    def _next_state_save(self, request: Request, num_computed: int) -> int:
+        """The first position past `num_computed` where `request`'s state is saved."""
+        interval, prompt_mark = self._state_marks(request)
+        next_interval = (num_computed // interval + 1) * interval
+        return prompt_mark if num_computed < prompt_mark < next_interval else next_interval
+
+    def _is_state_save(self, request: Request, position: int) -> bool:
+        interval, prompt_mark = self._state_marks(request)
+        return position > 0 and (position % interval == 0 or position == prompt_mark)
 
     def _allocate_or_preempt(self, request: Request, num_new_tokens: int, plan: _StepPlan) -> bool:
         """Get `request` the blocks for its next tokens, preempting the newest running requests
@@ -791,6 +837,9 @@ class Scheduler:
             drafts = plan.drafts.get(request.request_id, [])
             start = request.num_computed_tokens
             stop = start + num_new_tokens - len(drafts)
+            save = None
+            if self._saves_states and not drafts and self._is_state_save(request, stop):
+                save = self.block_manager.save_state(request, stop)
             scheduled.append(
                 ScheduledRequest(
                     request_id=request.request_id,
@@ -799,6 +848,8 @@ class Scheduler:
                     block_ids=list(request.block_ids),
                     sample=stop == request.num_tokens,
                     num_draft_tokens=len(drafts),
+                    load_state=plan.state_loads.get(request.request_id, -1),
+                    save_state=-1 if save is None else save,
                 )
             )
         finished_ids, self._finished_ids = self._finished_ids, []

@@ -6,7 +6,8 @@ schedules (and holds no weights when the model runs in worker processes) can siz
 parallel group's cache, and each worker allocates exactly what its scheduler planned. The
 states come off the budget first (`max_num_seqs` slots, as SGLang sizes its Mamba pool by its
 running requests): they are what every running sequence needs whatever its length; the blocks
-take the rest.
+take the rest. Prefix caching's saved states (`saved_states`, for a model with state layers) are
+set aside with them: a hit on such a model resumes only from one.
 """
 
 from __future__ import annotations
@@ -31,10 +32,18 @@ def bytes_per_block(
     return cache_specs(cfg, dtype, tp_size, mtp_layers).bytes_per_block(block_size)
 
 
-def state_bytes(cfg: ModelConfig, dtype: torch.dtype, num_slots: int, tp_size: int = 1, draft_states: int = 0) -> int:
+def state_bytes(
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    num_slots: int,
+    tp_size: int = 1,
+    draft_states: int = 0,
+    saved_states: int = 0,
+) -> int:
     """Bytes of `num_slots` sequences' states on one rank, with the `draft_states` each keeps to step
-    back past rejected drafts (0 for a model without state layers)."""
-    return num_slots * (1 + draft_states) * cache_specs(cfg, dtype, tp_size).state_bytes_per_sequence
+    back past rejected drafts, and prefix caching's `saved_states` (0 for a model without state layers)."""
+    num_states = num_slots * (1 + draft_states) + saved_states
+    return num_states * cache_specs(cfg, dtype, tp_size).state_bytes_per_sequence
 
 
 def num_blocks_for(
@@ -46,17 +55,20 @@ def num_blocks_for(
     tp_size: int = 1,
     mtp_layers: int = 0,
     draft_states: int = 0,
+    saved_states: int = 0,
 ) -> int:
     """Blocks that fit the per-rank memory budget once `max_num_seqs` states (and their
-    `draft_states`) are set aside, but no more than every sequence slot at full length can ever use."""
+    `draft_states`) and prefix caching's `saved_states` are set aside, but no more than every
+    sequence slot at full length can ever use."""
     if cache.num_blocks is not None:
         return cache.num_blocks
-    states = state_bytes(cfg, dtype, max_num_seqs, tp_size, draft_states)
+    states = state_bytes(cfg, dtype, max_num_seqs, tp_size, draft_states, saved_states)
     budget = cache.memory_bytes - states
     if budget <= 0:
         raise ValueError(
             f"the KV cache budget ({cache.memory_bytes / 2**20:.1f} MiB) does not hold the states of "
-            f"{max_num_seqs} sequences ({states / 2**20:.1f} MiB): raise the budget or lower max_num_seqs"
+            f"{max_num_seqs} sequences and {saved_states} saved ones ({states / 2**20:.1f} MiB): raise "
+            "the budget or lower max_num_seqs or saved_states"
         )
     fitting = budget // bytes_per_block(cfg, cache.block_size, dtype, tp_size, mtp_layers)
     return max(1, min(fitting, -(-max_num_seqs * max_model_len // cache.block_size)))
@@ -72,10 +84,12 @@ def allocate_kv_caches(
     mtp_layers: int = 0,
     num_state_slots: int = 0,
     draft_states: int = 0,
+    num_saved_states: int = 0,
 ) -> list[torch.Tensor | LinearState]:
     """Zeroed, so a bug that reads an unwritten slot shows up as a wrong token, not as NaN noise.
     The decoder layers' caches, then `mtp_layers` more for the MTP layers loaded to draft; a state
-    layer's holds `num_state_slots` sequences, each with `draft_states` more to verify drafts."""
+    layer's holds `num_state_slots` sequences, each with `draft_states` more to verify drafts, and
+    `num_saved_states` saved ones for prefix caching."""
     specs = cache_specs(cfg, dtype, tp_size, mtp_layers)
     caches: list[torch.Tensor | LinearState] = []
     for spec in specs.layers:
@@ -86,21 +100,23 @@ def allocate_kv_caches(
             conv, recurrent = (
                 torch.zeros((num_state_slots, *shape), dtype=DTYPES[n], device=device) for shape, n in parts
             )
-            drafts = [None, None]
+            drafts = saved = [None, None]
             if draft_states:
                 drafts = [
                     torch.zeros((num_state_slots, draft_states, *shape), dtype=DTYPES[n], device=device)
                     for shape, n in parts
                 ]
-            caches.append(LinearState(conv, recurrent, *drafts))
+            if num_saved_states:
+                saved = [torch.zeros((num_saved_states, *shape), dtype=DTYPES[n], device=device) for shape, n in parts]
+            caches.append(LinearState(conv, recurrent, *drafts, *saved))
     logger.info(
         "KV cache: %d blocks of %d tokens (%d tokens), %.1f MiB%s",
         num_blocks,
         block_size,
         num_blocks * block_size,
         num_blocks * specs.bytes_per_block(block_size) / 2**20,
-        f"; states: {num_state_slots} slots, "
-        f"{num_state_slots * (1 + draft_states) * specs.state_bytes_per_sequence / 2**20:.1f} MiB"
+        f"; states: {num_state_slots} slots and {num_saved_states} saved, "
+        f"{(num_state_slots * (1 + draft_states) + num_saved_states) * specs.state_bytes_per_sequence / 2**20:.1f} MiB"
         if specs.has_state
         else "",
     )

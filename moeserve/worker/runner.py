@@ -205,6 +205,8 @@ class ModelRunner:
         else:
             parts = [scheduled]
             hiddens = [self.model(*self._inputs(scheduled), max_tokens_per_rank)]  # [T, H]
+        if self.states is not None:
+            self._save_states(scheduled)
         if self.prompt_logprobs:
             computed = self.prompt_logprobs.compute(parts, hiddens, self.model.compute_logits)
             for request_id, chunk in computed.items():
@@ -363,6 +365,11 @@ class ModelRunner:
         caches: list[LayerCache] = self.kv_caches
         if self.states is not None:
             states = self.states.batch(scheduled)
+            loads = [(slot, s.load_state) for slot, s in zip(states.slots, scheduled) if s.load_state >= 0]
+            if loads:
+                for cache in self.kv_caches:
+                    if isinstance(cache, LinearState):
+                        cache.load_saved(*zip(*loads))
             caches = [StateStep(c, states) if isinstance(c, LinearState) else c for c in self.kv_caches]
         return (
             input_ids.to(self.device),
@@ -370,6 +377,15 @@ class ModelRunner:
             self.model.ops.plan_attention(batch),
             caches,
         )
+
+    def _save_states(self, scheduled: Sequence[ScheduledRequest]) -> None:
+        """Copy the states of the sequences the plan marked into their saved-state slots, once
+        the step's forward has run (prefix caching of a model with state layers)."""
+        saves = [(self.states.slot(s.request_id), s.save_state) for s in scheduled if s.save_state >= 0]
+        if saves:
+            for cache in self.kv_caches:
+                if isinstance(cache, LinearState):
+                    cache.save(*zip(*saves))
 
     def _sampled_rows(self, hidden: torch.Tensor, scheduled: Sequence[ScheduledRequest]) -> torch.Tensor:
         """The rows of `hidden [T, H]` that sample: the last token of each sampling sequence, and

@@ -10,6 +10,9 @@ the states after each of them beside it. How many were accepted is known on ever
 next step, with no message: the sequence starts after its last computed token, so
 `start - (previous start + 1)` drafts were kept; fewer than k, and the step begins by restoring
 the state after the last kept one.
+
+Prefix caching: a sequence whose hit starts it from a saved state (`load_state`) takes a slot at
+a later position; the runner copies the saved state into it before the step's forward.
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ class StateSlots:
 
     def batch(self, scheduled: Sequence[ScheduledRequest]) -> StateBatch:
         """The step's `StateBatch`, slots taken for sequences scheduled for the first time (which
-        must start at position 0: a state cannot be joined midway)."""
+        start at position 0 or from a saved state: a state cannot be joined midway)."""
         slots, restores = [], []
         for s in scheduled:
             restores.append(self._restore(s))
@@ -54,7 +57,7 @@ class StateSlots:
                 self._verified[s.request_id] = (s.start_position, s.num_draft_tokens)
             slot = self._slot_of.get(s.request_id)
             if slot is None:
-                if s.start_position:
+                if s.start_position and s.load_state < 0:
                     raise RuntimeError(
                         f"request {s.request_id!r} starts at position {s.start_position} without a state"
                     )
@@ -71,6 +74,10 @@ class StateSlots:
             tuple(s.num_draft_tokens for s in scheduled),
             tuple(restores),
         )
+
+    def slot(self, request_id: str) -> int:
+        """The slot `request_id` holds."""
+        return self._slot_of[request_id]
 
     def _restore(self, s: ScheduledRequest) -> int:
         """The kept state `s` continues from, or -1 (it verified nothing last, or kept every draft)."""

@@ -3,7 +3,8 @@
 `--ep 4`: four rank processes, each its own data-parallel attention group, so each holds the
 states of its own sequences; `--ep 4 --tp 2`: two groups of two ranks, each rank holding half of
 every DeltaNet's key and value heads (their projection rows, conv channels, A_log and dt_bias)
-and of the attention heads, out_proj and o_proj summed over the pair. 8 experts, 2 per rank.
+and of the attention heads, out_proj and o_proj summed over the pair, and a later turn of a
+prompt resuming from its saved states (each rank copies its share). 8 experts, 2 per rank.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers.reference import hf_greedy_tokens, hf_model
+from helpers.stats import CountingStatLogger
 
 from moeserve import LLM, SamplingParams
 
@@ -24,8 +26,14 @@ def test_layout_matches_transformers(make_checkpoint, arch, ep, tp):
     g = torch.Generator().manual_seed(3000)
     prompts = [torch.randint(3, 320, (n,), generator=g).tolist() for n in (40, 120, 200, 63)]
     ref = hf_model(folder)
-    with LLM(str(folder), ep=ep, tp=tp, max_num_seqs=8, max_num_batched_tokens=64) as llm:
+    counts = CountingStatLogger()
+    with LLM(str(folder), ep=ep, tp=tp, max_num_seqs=8, max_num_batched_tokens=64, stat_loggers=[counts]) as llm:
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+        if tp > 1:  # a later turn of the first prompt resumes from its state saved at 32, on every rank
+            turn = prompts[0] + list(outputs[0].outputs[0].token_ids) + prompts[3][:5]
+            prompts.append(turn)
+            outputs += llm.generate([{"prompt_token_ids": turn}], GREEDY, use_tqdm=False)
+            assert counts.prefix_cache_hits == 32
     for prompt, output in zip(prompts, outputs):
         assert list(output.outputs[0].token_ids) == hf_greedy_tokens(ref, prompt, 32)
 

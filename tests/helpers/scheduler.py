@@ -3,10 +3,47 @@ was given, and the check every plan must pass."""
 
 from __future__ import annotations
 
+import random
+from collections.abc import Callable
+
 from moeserve.sampling_params import SamplingParams
 from moeserve.scheduler import Request, RequestStatus, Scheduler, SchedulerOutput
 
 EOS = 0
+
+
+def run_step(scheduler: RecordingScheduler, pool=None) -> SchedulerOutput:
+    """Plan a step, check it, let a fake cache `pool` (with `run(scheduler, output)`) play it, and
+    apply its sampled tokens (`token_for` the next position of each sampling request)."""
+    output = scheduler.schedule()
+    check_output(scheduler, output)
+    if pool is not None:
+        pool.run(scheduler, output)
+    positions = {s.request_id: s.start_position + len(s.token_ids) for s in output.scheduled if s.sample}
+    scheduler.update(output, {request_id: token_for(request_id, p) for request_id, p in positions.items()})
+    return output
+
+
+def shared_prefix_workload(
+    scheduler: RecordingScheduler, rng: random.Random, step: Callable[[], SchedulerOutput]
+) -> int:
+    """Run `scheduler` (each step by `step`) through a random workload until it is idle: for 60
+    steps, a new request half the time (one of three shared prefixes and up to 8 tokens more, up
+    to 12 tokens out), an abort of any request one step in 20. Returns the prefix-cache hits."""
+    prefixes = [[rng.randint(3, 300) for _ in range(rng.randint(4, 24))] for _ in range(3)]
+    hits = 0
+    for index in range(400):
+        if index < 60 and rng.random() < 0.5:
+            tokens = rng.choice(prefixes) + [rng.randint(3, 300) for _ in range(rng.randint(0, 8))]
+            params = SamplingParams(max_tokens=rng.randint(1, 12))
+            scheduler.add_request(Request(f"r{index}", tokens, params, (EOS,), arrival_time=0.0))
+        if rng.random() < 0.05 and scheduler.added:
+            scheduler.abort_request(rng.choice(list(scheduler.added)))
+        hits += step().prefix_cache_hits
+        if index >= 60 and not scheduler.has_unfinished_requests():
+            break
+    assert not scheduler.has_unfinished_requests()
+    return hits
 
 
 class RecordingScheduler(Scheduler):

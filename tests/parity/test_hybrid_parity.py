@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers.reference import hf_greedy_tokens, hf_model
+from helpers.stats import CountingStatLogger
 from safetensors.torch import load_file, save_file
 
 from moeserve import LLM, SamplingParams
@@ -118,32 +119,42 @@ def test_stacked_experts_as_released(make_checkpoint, tmp_path):
     assert torch.equal(prefill_logits(released, prompts), per_expert)
 
 
-def test_no_state_slot_or_block_leaks_after_preemption_and_aborts(make_checkpoint):
+def test_no_state_slot_or_block_leaks_after_preemption_aborts_and_prefix_hits(make_checkpoint):
     """A cache so small that sequences are preempted (their slots freed, their prompts recomputed
-    from zeros into another slot), one request aborted mid-prompt: the tokens equal a roomy
-    engine's, and afterwards every block and every slot but the last request's is free."""
+    from zeros or a saved state into another slot), one request aborted mid-prompt, prompts that
+    extend others (prefix-cache hits resuming from saved states): the tokens equal those of a
+    roomy engine without prefix caching, and afterwards every block and every slot but the last
+    request's is free, and no saved state is left half-written."""
     folder = str(make_checkpoint("qwen3_next"))
-    prompts = [{"prompt_token_ids": p} for p in prompts_for(3, (40, 52, 61, 45))]
+    base = prompts_for(3, (40, 52, 61, 45))
+    extended = [base[0] + base[3][:12], base[1] + base[2][:9]]  # each admitted once its prefix is saved
+    prompts = [{"prompt_token_ids": p} for p in (base[0], extended[0], base[1], extended[1], *base[2:])]
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-    roomy = [o.outputs[0].token_ids for o in LLM(folder, max_num_seqs=4).generate(prompts, params, use_tqdm=False)]
-    tight = LLM(folder, block_size=4, max_model_len=96, max_num_seqs=4, max_num_batched_tokens=16, kv_cache_blocks=40)
+    roomy = LLM(folder, max_num_seqs=4, enable_prefix_caching=False)
+    expected = [o.outputs[0].token_ids for o in roomy.generate(prompts, params, use_tqdm=False)]
+    counts = CountingStatLogger()
+    tight = LLM(
+        folder,
+        block_size=4,
+        max_model_len=96,
+        max_num_seqs=4,
+        max_num_batched_tokens=16,
+        kv_cache_blocks=40,
+        saved_states=2,
+        stat_loggers=[counts],
+    )
     engine, runner = tight.engine, tight.engine.executor.runner
-    preempted, track = [], runner._track
-
-    def spy(plan):
-        preempted.extend(plan.preempted_request_ids)
-        track(plan)
-
-    runner._track = spy
     engine.add_request(prompts[0], params, request_id="doomed")
     engine.step()
     engine.abort_request("doomed")
     outputs = tight.generate(prompts, params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outputs] == roomy
-    assert preempted
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert counts.num_preemptions > 0 and counts.prefix_cache_hits > 0
     tight.generate([prompts[0]], SamplingParams(max_tokens=2), use_tqdm=False)
     assert engine.scheduler.num_used_blocks == 0
     assert len(runner.states.request_ids) <= 1 and runner.states.num_free >= runner.states.num_slots - 1
+    saved = engine.scheduler.groups[0].block_manager.saved_states
+    assert saved.num_pending == 0 and 0 < saved.num_held <= 2
 
 
 @pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5_moe"])
@@ -193,3 +204,28 @@ def test_the_start_up_step_profile_frees_the_state_slots_it_took(make_checkpoint
     assert profiled.engine.executor.runner.states.request_ids == []
     outputs = profiled.generate(prompts, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == plain
+
+
+def test_a_shared_prefix_resumes_from_a_saved_state(make_checkpoint):
+    """A prompt, then the same prompt again, then a later turn (the prompt, its output, more): the
+    first saves its states at its prompt's last block boundary before its last token, the later
+    two resume from them (96 of their tokens are prefix-cache hits each), and every greedy token
+    equals transformers' (the first run's, for the repeat). The gauges show two saved states
+    (the second prompt's mark, 96, was saved already) and every state slot free."""
+    folder = make_checkpoint("qwen3_5_moe")
+    ref = hf_model(folder)
+    first, more = prompts_for(4, (97, 20))
+    counts = CountingStatLogger()
+    llm = LLM(str(folder), dtype="float32", max_num_seqs=4, max_num_batched_tokens=40, stat_loggers=[counts])
+
+    def generate(prompt: list[int]) -> list[int]:
+        return list(llm.generate([{"prompt_token_ids": prompt}], GREEDY, use_tqdm=False)[0].outputs[0].token_ids)
+
+    tokens = generate(first)
+    assert tokens == hf_greedy_tokens(ref, first, 32) and counts.prefix_cache_hits == 0
+    assert generate(first) == tokens and counts.prefix_cache_hits == 96
+    turn = first + tokens + more
+    assert generate(turn) == hf_greedy_tokens(ref, turn, 32) and counts.prefix_cache_hits == 2 * 96
+    gauges = llm.engine.core.scheduler_stats()
+    assert (gauges.state_slots_used, gauges.state_slots_total) == (0, 4)
+    assert (gauges.saved_states_held, gauges.saved_states_total) == (2, 4)

@@ -59,6 +59,10 @@ def test_metrics_record_and_expose() -> None:
             num_waiting=1,
             kv_blocks_used=5,
             kv_blocks_total=9,
+            state_slots_used=2,
+            state_slots_total=4,
+            saved_states_held=3,
+            saved_states_total=6,
         )
     )
     samples = {
@@ -75,6 +79,8 @@ def test_metrics_record_and_expose() -> None:
     assert samples["moeserve:slo_tbt_met_requests_total", None, None] == 0
     assert samples["moeserve:slo_met_requests_total", None, None] == 0  # goodput counts only both targets met
     assert samples["moeserve:kv_cache_blocks_used", None, None] == 5
+    assert [samples[f"moeserve:{name}", None, None] for name in ("state_slots_used", "state_slots_total")] == [2, 4]
+    assert [samples[f"moeserve:{name}", None, None] for name in ("saved_states_held", "saved_states_total")] == [3, 6]
     assert samples["moeserve:num_preemptions_total", None, None] == 1
 
 

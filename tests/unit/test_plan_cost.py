@@ -46,8 +46,15 @@ def h100():
 
 
 def test_every_known_model_parses_through_the_servers_own_config_code():
-    assert known_models() == ["deepseek-v3", "gpt-oss-120b", "mixtral-8x7b", "qwen3-235b-a22b", "qwen3-30b-a3b"]
-    for name in known_models():
+    assert known_models() == [
+        "deepseek-v3",
+        "gpt-oss-120b",
+        "mixtral-8x7b",
+        "qwen3-235b-a22b",
+        "qwen3-30b-a3b",
+        "qwen3.5-35b-a3b",  # its cache only (test_plan_cache): the search does not model its DeltaNets
+    ]
+    for name in known_models()[:-1]:
         assert load_shape(name).moe_layers > 0
 
 

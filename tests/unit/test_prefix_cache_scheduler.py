@@ -9,7 +9,8 @@ import random
 
 import pytest
 from helpers.clock import TickingClock
-from helpers.scheduler import EOS, RecordingScheduler, check_output, token_for
+from helpers.scheduler import EOS, RecordingScheduler, shared_prefix_workload, token_for
+from helpers.scheduler import run_step as step
 
 from moeserve.sampling_params import SamplingParams
 from moeserve.scheduler import Request, RequestStatus, SchedulerConfig, SchedulerOutput
@@ -51,16 +52,6 @@ class FakeKV:
                 assert slot not in written, "two sequences wrote one slot in a step"
                 written.add(slot)
                 self.slots[slot] = tuple(tokens[: position + 1])
-
-
-def step(scheduler: RecordingScheduler, kv: FakeKV | None = None) -> SchedulerOutput:
-    output = scheduler.schedule()
-    check_output(scheduler, output)
-    if kv is not None:
-        kv.run(scheduler, output)
-    positions = {s.request_id: s.start_position + len(s.token_ids) for s in output.scheduled if s.sample}
-    scheduler.update(output, {request_id: token_for(request_id, p) for request_id, p in positions.items()})
-    return output
 
 
 def test_a_request_sharing_a_finished_prompt_starts_after_the_cached_blocks():
@@ -148,20 +139,13 @@ def test_random_workload_reads_only_kv_its_own_tokens_wrote(seed):
         policy=rng.choice(["fcfs", "slo"]),
     )
     kv = FakeKV(block_size)
-    prefixes = [[rng.randint(3, 300) for _ in range(rng.randint(4, 24))] for _ in range(3)]
-    hits = 0
-    for index in range(400):
-        if index < 60 and rng.random() < 0.5:
-            tokens = rng.choice(prefixes) + [rng.randint(3, 300) for _ in range(rng.randint(0, 8))]
-            scheduler.add_request(make_request(f"r{index}", tokens, max_tokens=rng.randint(1, 12)))
-        if rng.random() < 0.05 and scheduler.added:
-            scheduler.abort_request(rng.choice(list(scheduler.added)))
+
+    def checked_step() -> SchedulerOutput:
         output = step(scheduler, kv)
-        hits += output.prefix_cache_hits
         check_blocks(scheduler)
-        if index >= 60 and not scheduler.has_unfinished_requests():
-            break
-    assert not scheduler.has_unfinished_requests()
+        return output
+
+    hits = shared_prefix_workload(scheduler, rng, checked_step)
     assert scheduler.block_manager.num_free_blocks == scheduler.config.num_kv_blocks
     assert hits > 0
     for request in scheduler.added.values():
