@@ -124,6 +124,17 @@ def state_refusal(config: EngineConfig) -> str | None:
     return None
 
 
+def sparse_attention_refusal(config: EngineConfig) -> str | None:
+    """Why `config` cannot serve a DeepSeek Sparse Attention model (DeepSeek-V3.2, GLM-5), or
+    None: its MTP layers draft through the decoder's attention, and disaggregation's transfer
+    registers one tensor of one shape per layer, neither built for the indexer's keys yet."""
+    if config.mtp_drafts:
+        return "speculative_config method 'mtp' is not built for DeepSeek Sparse Attention models yet (ngram is)"
+    if config.kv_transfer.enabled:
+        return "prefill/decode disaggregation (kv_transfer) does not move the DSA indexer-key cache yet"
+    return None
+
+
 def build_scheduler(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype, max_model_len: int):
     """The data-parallel scheduler for `config`, with as many KV blocks as the cache budget buys
     once every running sequence's state is set aside (see `worker.kv_cache`)."""
@@ -131,6 +142,9 @@ def build_scheduler(config: EngineConfig, model_config: ModelConfig, dtype: torc
     mtp_layers = model_config.num_mtp_layers if config.mtp_drafts else 0
     specs = cache_specs(model_config, dtype, parallel.tp, mtp_layers)
     prefix_caching = cache.enable_prefix_caching
+    refusal = sparse_attention_refusal(config) if model_config.dsa is not None else None
+    if refusal is not None:
+        raise ValueError(f"{model_config.architecture}: {refusal}")
     if specs.has_state:
         refusal = state_refusal(config)
         if refusal is not None:

@@ -14,11 +14,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moeserve.cache_spec import CacheSpecs
+from moeserve.cache_spec import CacheSpecs, LayerSpec
 from moeserve.config import ModelConfig
 from moeserve.dispatch import Dispatcher, ExpertMap, ReplicaTable
 from moeserve.dispatch.base import Steps, finish
 from moeserve.models.layers.attention import Attention
+from moeserve.models.layers.dsa import SparseMLAttention
 from moeserve.models.layers.gated_deltanet import GatedDeltaNet
 from moeserve.models.layers.mla import MLAttention
 from moeserve.models.layers.mlp import GatedMLP
@@ -31,9 +32,9 @@ from moeserve.ops import TORCH_OPS, LayerOps
 from moeserve.ops.attention import AttentionPlan
 from moeserve.ops.state_batch import StateStep
 
-LayerCache = torch.Tensor | StateStep
-"""What a layer's forward gets of the cache: an attention layer its paged tensor, a Gated
-DeltaNet its state bound to the step."""
+LayerCache = torch.Tensor | tuple[torch.Tensor, ...] | StateStep
+"""What a layer's forward gets of the cache: an attention layer its paged tensor (a DSA layer
+with an indexer: its latent and its indexer keys), a Gated DeltaNet its state bound to the step."""
 
 
 def kv_cache_shape(cfg: ModelConfig, num_blocks: int, block_size: int, tp_size: int = 1) -> tuple[int, ...]:
@@ -47,14 +48,15 @@ def cache_specs(cfg: ModelConfig, dtype: torch.dtype, tp_size: int = 1, mtp_laye
     """What each layer keeps on a rank of a `tp_size`-way group: the decoder layers', then the
     `mtp_layers` MTP layers' (attention, as the last layer's kind), known without a model."""
     attention_cls = MLAttention if cfg.is_mla else Attention
-    return CacheSpecs(
-        tuple(
-            GatedDeltaNet.cache_spec(cfg, dtype, tp_size)
-            if cfg.is_linear(i)
-            else attention_cls.cache_spec(cfg, dtype, tp_size)
-            for i in range(cfg.num_layers + mtp_layers)
-        )
-    )
+
+    def spec(layer: int) -> LayerSpec:
+        if cfg.is_linear(layer):
+            return GatedDeltaNet.cache_spec(cfg, dtype, tp_size)
+        if cfg.dsa is not None:
+            return SparseMLAttention.layer_cache_spec(cfg, layer, dtype, tp_size)
+        return attention_cls.cache_spec(cfg, dtype, tp_size)
+
+    return CacheSpecs(tuple(spec(i) for i in range(cfg.num_layers + mtp_layers)))
 
 
 class DecoderLayer(nn.Module):
@@ -77,7 +79,7 @@ class DecoderLayer(nn.Module):
         ops: LayerOps = TORCH_OPS,
     ) -> None:
         super().__init__()
-        attention_cls = MLAttention if cfg.is_mla else Attention
+        attention_cls = SparseMLAttention if cfg.dsa is not None else MLAttention if cfg.is_mla else Attention
         self.tp = tp
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, ops)
         if cfg.is_linear(layer):

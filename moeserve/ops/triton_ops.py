@@ -65,6 +65,11 @@ class TritonOps(LayerOps[TritonAttentionPlan]):
         gpt-oss's layer options have no kernel yet: sinks in
         the attention kernels, biases and the clamped SwiGLU in `fused_moe`, its
         top-k-then-softmax router in `route`."""
+        if cfg.dsa is not None:
+            return (
+                "the Triton kernels have no DeepSeek Sparse Attention (indexer top-k, sparse MLA) yet; "
+                "use kernels=torch for DeepSeek-V3.2 and GLM-5"
+            )
         if isinstance(cfg.weight_quant, MXFP4Config):
             return "the Triton kernels have no MXFP4 (FP4 x bf16) expert GEMM yet; use kernels=torch for MXFP4 weights"
         if isinstance(cfg.weight_quant, BlockFP8Config) and group_problem(cfg.weight_quant.block[1]) is not None:
