@@ -126,12 +126,9 @@ def state_refusal(config: EngineConfig) -> str | None:
 
 def sparse_attention_refusal(config: EngineConfig) -> str | None:
     """Why `config` cannot serve a DeepSeek Sparse Attention model (DeepSeek-V3.2, GLM-5), or
-    None: its MTP layers draft through the decoder's attention, and disaggregation's transfer
-    registers one tensor of one shape per layer, neither built for the indexer's keys yet."""
+    None: its MTP layers (each with an indexer of its own in the releases) are not built yet."""
     if config.mtp_drafts:
         return "speculative_config method 'mtp' is not built for DeepSeek Sparse Attention models yet (ngram is)"
-    if config.kv_transfer.enabled:
-        return "prefill/decode disaggregation (kv_transfer) does not move the DSA indexer-key cache yet"
     return None
 
 
