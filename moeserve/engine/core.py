@@ -124,14 +124,6 @@ def state_refusal(config: EngineConfig) -> str | None:
     return None
 
 
-def sparse_attention_refusal(config: EngineConfig) -> str | None:
-    """Why `config` cannot serve a DeepSeek Sparse Attention model (DeepSeek-V3.2, GLM-5), or
-    None: its MTP layers (each with an indexer of its own in the releases) are not built yet."""
-    if config.mtp_drafts:
-        return "speculative_config method 'mtp' is not built for DeepSeek Sparse Attention models yet (ngram is)"
-    return None
-
-
 def build_scheduler(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype, max_model_len: int):
     """The data-parallel scheduler for `config`, with as many KV blocks as the cache budget buys
     once every running sequence's state is set aside (see `worker.kv_cache`)."""
@@ -139,9 +131,6 @@ def build_scheduler(config: EngineConfig, model_config: ModelConfig, dtype: torc
     mtp_layers = model_config.num_mtp_layers if config.mtp_drafts else 0
     specs = cache_specs(model_config, dtype, parallel.tp, mtp_layers)
     prefix_caching = cache.enable_prefix_caching
-    refusal = sparse_attention_refusal(config) if model_config.dsa is not None else None
-    if refusal is not None:
-        raise ValueError(f"{model_config.architecture}: {refusal}")
     if specs.has_state:
         refusal = state_refusal(config)
         if refusal is not None:

@@ -77,16 +77,24 @@ class DecoderLayer(nn.Module):
         device: torch.device | str,
         tp: TensorParallel = SINGLE,
         ops: LayerOps = TORCH_OPS,
+        mtp_index: int | None = None,
     ) -> None:
+        """mtp_index: this is MTP layer `mtp_index`, built like decoder layer `layer`; its sparse
+        attention (DSA) is then checkpoint layer `num_layers + mtp_index`'s, with an indexer and
+        indexer keys of its own as the releases' MTP layers have, whatever `layer` has."""
         super().__init__()
-        attention_cls = SparseMLAttention if cfg.dsa is not None else MLAttention if cfg.is_mla else Attention
+        attention_cls = MLAttention if cfg.is_mla else Attention
         self.tp = tp
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, ops)
         if cfg.is_linear(layer):
             self.linear_attn: GatedDeltaNet | None = GatedDeltaNet(cfg, dtype, device, tp, ops)
         else:
             self.linear_attn = None
-            self.attn = attention_cls(cfg, layer, dtype, device, tp, ops)
+            if cfg.dsa is not None:
+                own = layer if mtp_index is None else cfg.num_layers + mtp_index
+                self.attn = SparseMLAttention(cfg, own, dtype, device, tp, ops)
+            else:
+                self.attn = attention_cls(cfg, layer, dtype, device, tp, ops)
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, ops)
         if cfg.moe_layers[layer]:
             self.mlp: nn.Module = MoEBlock(cfg, dispatcher, dtype, device, ops)
@@ -196,8 +204,8 @@ class MoECausalLM(nn.Module):
         self.rotary = RotaryEmbedding(cfg.rope, device)
         template = cfg.moe_layer_indices[-1] if cfg.moe_layer_indices else 0
         self.mtp = nn.ModuleList(
-            MTPLayer(cfg, DecoderLayer(cfg, template, dispatcher, dtype, device, tp, ops), dtype, device, tp, ops)
-            for _ in range(cfg.num_mtp_layers if with_mtp else 0)
+            MTPLayer(cfg, DecoderLayer(cfg, template, dispatcher, dtype, device, tp, ops, i), dtype, device, tp, ops)
+            for i in range(cfg.num_mtp_layers if with_mtp else 0)
         )
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:

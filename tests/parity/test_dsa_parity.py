@@ -10,6 +10,7 @@ again when the prompts come back from the prefix cache (the indexer keys shared 
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -18,8 +19,9 @@ from helpers.stats import CountingStatLogger
 
 from moeserve import LLM, SamplingParams
 from moeserve.cache_spec import PagedSpec
-from moeserve.config import EngineConfig, ModelConfig
-from moeserve.engine.core import sparse_attention_refusal
+from moeserve.checkpoints import MakeModelSpec
+from moeserve.checkpoints.mtp import write_mtp_layers
+from moeserve.config import ModelConfig
 from moeserve.models import load_model, resolve_architecture
 from moeserve.models.decoder import cache_specs
 from moeserve.ops import TorchOps
@@ -89,14 +91,33 @@ def test_greedy_tokens_in_chunks_and_from_the_prefix_cache(make_checkpoint, arch
     assert llm.engine.scheduler.num_used_blocks == 0
 
 
-def test_features_not_built_for_sparse_attention_are_refused(make_checkpoint):
-    folder = str(make_checkpoint("glm_moe_dsa"))
-    mtp = EngineConfig.from_options(model=folder, speculative_config={"method": "mtp", "num_speculative_tokens": 1})
-    assert "method 'mtp' is not built for DeepSeek Sparse Attention" in sparse_attention_refusal(mtp)
-    assert sparse_attention_refusal(EngineConfig.from_options(model=folder)) is None
+def test_the_triton_backend_refuses_sparse_attention(make_checkpoint):
     cfg = config_of(make_checkpoint("glm_moe_dsa"))
     assert "no DeepSeek Sparse Attention" in OPS_BACKENDS["triton"].load().supports_model(cfg)
     assert TorchOps.supports_model(cfg) is None
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_mtp_drafts_give_the_greedy_tokens(make_checkpoint, tmp_path, arch):
+    """A one-layer target (MoE) and an MTP layer (checkpoint layer 1) copied from it as
+    `checkpoints.mtp` aligns it, indexer included, as the releases' MTP layers have one: it runs
+    its own indexer over its own keys. Two drafts a step, prompts past the top-k: the tokens are
+    plain greedy's, and drafts are kept (so accepted drafts' keys stay, rejected ones' are
+    overwritten)."""
+    folder = tmp_path / arch
+    shutil.copytree(make_checkpoint(arch, num_hidden_layers=1, first_k_dense_replace=0), folder)
+    write_mtp_layers(
+        MakeModelSpec("deepseek_v3", layers=1, first_k_dense_replace=0, mtp_layers=1, mtp_init="aligned"), None, folder
+    )
+    requests = [{"prompt_token_ids": p} for p in prompts_for(2, (30, 70))]
+    options = dict(dtype="float32", max_num_seqs=4, max_model_len=160)
+    plain = [o.outputs[0].token_ids for o in LLM(str(folder), **options).generate(requests, GREEDY, use_tqdm=False)]
+    counts = CountingStatLogger()
+    mtp = {"method": "mtp", "num_speculative_tokens": 2}
+    drafting = LLM(str(folder), speculative_config=mtp, stat_loggers=[counts], **options)
+    assert [o.outputs[0].token_ids for o in drafting.generate(requests, GREEDY, use_tqdm=False)] == plain
+    assert counts.spec_decode.accepted_per_position[0] > counts.spec_decode.num_drafts / 4
+    assert drafting.engine.scheduler.num_used_blocks == 0
 
 
 def test_decode_attention_cost_from_the_specs(make_checkpoint):
