@@ -22,7 +22,7 @@ gets the same bits in any step (tests/kernels/test_torch_attention.py checks it 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from itertools import accumulate, chain
 
 import torch
@@ -138,11 +138,6 @@ class TorchAttentionPlan(AttentionPlan):
     query_rows: torch.Tensor | None
     buckets: tuple[AttentionBucket, ...]
     output_rows: torch.Tensor | None = None
-    selections: dict[int, tuple[torch.Tensor | None, ...]] = field(default_factory=dict, compare=False, repr=False)
-    """A DSA model's top-k of this forward, by the layer that chose it (`ops.sparse_mla`): per
-    bucket, each query's chosen keys, or None where the bucket attends densely. Written by a layer
-    that runs its indexer, read by it and by the layers that reuse its choice (GLM-5); each
-    micro-batch of a step has its own plan, so its own selections."""
 
     @property
     def context_slots(self) -> tuple[torch.Tensor, ...]:

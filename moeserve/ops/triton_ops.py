@@ -30,6 +30,7 @@ from moeserve.kernels.packed_moe import packed_moe
 from moeserve.kernels.paged_attention import PagedInputs, paged_attention, paged_inputs
 from moeserve.kernels.rotary import apply_rotary_qk_
 from moeserve.kernels.routing import route
+from moeserve.kernels.sparse_mla import indexer_topk, sparse_mla
 from moeserve.ops.attention import AttentionBatch, AttentionPlan, DecodeGraphInputs
 from moeserve.ops.base import LayerOps, Weight
 from moeserve.ops.gated_delta import split_heads
@@ -65,11 +66,6 @@ class TritonOps(LayerOps[TritonAttentionPlan]):
         gpt-oss's layer options have no kernel yet: sinks in
         the attention kernels, biases and the clamped SwiGLU in `fused_moe`, its
         top-k-then-softmax router in `route`."""
-        if cfg.dsa is not None:
-            return (
-                "the Triton kernels have no DeepSeek Sparse Attention (indexer top-k, sparse MLA) yet; "
-                "use kernels=torch for DeepSeek-V3.2 and GLM-5"
-            )
         if isinstance(cfg.weight_quant, MXFP4Config):
             return "the Triton kernels have no MXFP4 (FP4 x bf16) expert GEMM yet; use kernels=torch for MXFP4 weights"
         if isinstance(cfg.weight_quant, BlockFP8Config) and group_problem(cfg.weight_quant.block[1]) is not None:
@@ -175,6 +171,35 @@ class TritonOps(LayerOps[TritonAttentionPlan]):
         if q_nope.shape[0] == 0:
             return q_nope.new_empty(0, q_nope.shape[1], mla.v_head_dim)
         return mla_decode(q_nope, q_rope, kv_cache, kv_b_weight, plan.paged, scale, mla)
+
+    def dsa_select(
+        self,
+        q: torch.Tensor,
+        weights: torch.Tensor,
+        key_cache: torch.Tensor,
+        plan: TritonAttentionPlan,
+        index_topk: int,
+    ) -> torch.Tensor | None:
+        """Each token's top-k positions `[T, index_topk]` int32 (-1: none), or None when no
+        context of the step is longer than `index_topk` (dense, the same result)."""
+        if plan.paged.max_context_len <= index_topk or q.shape[0] == 0:
+            return None
+        return indexer_topk(q.contiguous(), weights, key_cache, plan.paged, index_topk)
+
+    def sparse_mla_attention(
+        self,
+        q_nope: torch.Tensor,
+        q_rope: torch.Tensor,
+        kv_cache: torch.Tensor,
+        plan: TritonAttentionPlan,
+        kv_b_weight: torch.Tensor,
+        mla: MLAConfig,
+        scale: float,
+        selection: torch.Tensor | None,
+    ) -> torch.Tensor:
+        if selection is None:
+            return self.mla_attention(q_nope, q_rope, kv_cache, plan, kv_b_weight, mla, scale)
+        return sparse_mla(q_nope, q_rope, kv_cache, kv_b_weight, selection, plan.paged, scale, mla)
 
     def route(
         self, cfg: RouterConfig, logits: torch.Tensor, correction_bias: torch.Tensor | None

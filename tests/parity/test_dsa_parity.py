@@ -24,8 +24,6 @@ from moeserve.checkpoints.mtp import write_mtp_layers
 from moeserve.config import ModelConfig
 from moeserve.models import load_model, resolve_architecture
 from moeserve.models.decoder import cache_specs
-from moeserve.ops import TorchOps
-from moeserve.ops.registry import OPS_BACKENDS
 from moeserve.plan.sparse_attention import decode_attention_cost
 
 ARCHS = ("deepseek_v32", "glm_moe_dsa")
@@ -89,12 +87,6 @@ def test_greedy_tokens_in_chunks_and_from_the_prefix_cache(make_checkpoint, arch
     assert counts.prefix_cache_hits - hits >= sum(len(p) for p in prompts) - 3 * 16  # all but the last blocks
     assert [list(o.outputs[0].token_ids) for o in cached] == expected
     assert llm.engine.scheduler.num_used_blocks == 0
-
-
-def test_the_triton_backend_refuses_sparse_attention(make_checkpoint):
-    cfg = config_of(make_checkpoint("glm_moe_dsa"))
-    assert "no DeepSeek Sparse Attention" in OPS_BACKENDS["triton"].load().supports_model(cfg)
-    assert TorchOps.supports_model(cfg) is None
 
 
 @pytest.mark.parametrize("arch", ARCHS)

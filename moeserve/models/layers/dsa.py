@@ -5,13 +5,17 @@ The indexer has its own heads: queries from MLA's query latent (`wq_b`), one key
 the hidden state (`wk`, then a LayerNorm), both rotated on their first `qk_rope_head_dim` dims,
 and per-head weights from the hidden state (`weights_proj`, float32 as transformers keeps it).
 Its keys are a second paged cache beside the latent, one entry per token in the same blocks
-(`cache_spec`), so prefix caching shares them with the latent. The math is `ops.sparse_mla`'s.
+(`cache_spec`), so prefix caching shares them with the latent. The backend chooses and attends
+(`LayerOps.dsa_select`, `sparse_mla_attention`): `ops.sparse_mla` is the reference, the Triton
+backend runs `kernels.sparse_mla`.
 
 Tensor parallel: the indexer is replicated, as the latent projections are: every rank of a group
 chooses the same positions for its own heads.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from torch import nn
@@ -23,9 +27,7 @@ from moeserve.models.layers.linear import Linear
 from moeserve.models.layers.mla import MLAttention
 from moeserve.models.tensor_parallel import SINGLE, TensorParallel
 from moeserve.ops import TORCH_OPS, LayerOps
-from moeserve.ops.attention import write_to_cache
-from moeserve.ops.sparse_mla import Selection, indexer_topk, sparse_mla_attention
-from moeserve.ops.torch_attention import TorchAttentionPlan
+from moeserve.ops.attention import AttentionPlan, write_to_cache
 
 INDEXER_NORM_EPS = 1e-6  # the indexer's k_norm, as DeepSeek's code and transformers fix it
 
@@ -52,8 +54,8 @@ class Indexer(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         key_cache: torch.Tensor,
-        plan: TorchAttentionPlan,
-    ) -> Selection:
+        plan: AttentionPlan,
+    ) -> Any:
         """x `[T, H]`, q_latent `[T, q_lora_rank]`: the step's keys written to `key_cache`, then each
         query's choice."""
         d, num_tokens = self.dsa, x.shape[0]
@@ -66,13 +68,13 @@ class Indexer(nn.Module):
         k = torch.cat((k_rot, k[..., self.rope_dim :]), dim=-1)[:, 0]
         write_to_cache(key_cache, k, plan.slot_mapping)
         weights = self.weights_proj(x.float()) * d.index_n_heads**-0.5  # [T, Hi] float32
-        return indexer_topk(q, weights, key_cache, plan, d.index_topk)
+        return self.ops.dsa_select(q, weights, key_cache, plan, d.index_topk)
 
 
 class SparseMLAttention(MLAttention):
     """MLA over the indexer's choice. A layer with an indexer keeps `(latent, indexer keys)` as
     its cache; a GLM-5 layer without one keeps the latent only and attends with the choice of
-    the last layer before it that has one (the plan carries it, `TorchAttentionPlan.selections`)."""
+    the last layer before it that has one (the plan carries it, `AttentionPlan.selections`)."""
 
     def __init__(
         self,
@@ -106,7 +108,7 @@ class SparseMLAttention(MLAttention):
         cos: torch.Tensor,
         sin: torch.Tensor,
         kv_cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
-        plan: TorchAttentionPlan,
+        plan: AttentionPlan,
     ) -> torch.Tensor:
         """x `[T, H]`; cos/sin `[T, rope]` -> `[T, H]`."""
         latent_cache = kv_cache[0] if self.indexer is not None else kv_cache
@@ -114,7 +116,7 @@ class SparseMLAttention(MLAttention):
         if self.indexer is not None:
             assert q_latent is not None
             plan.selections[self.source] = self.indexer(x, q_latent, cos, sin, kv_cache[1], plan)
-        out = sparse_mla_attention(
+        out = self.ops.sparse_mla_attention(
             q_nope, q_rope, latent_cache, plan, self.kv_b_matrix(), self.mla, self.scale, plan.selections[self.source]
         )
         return self._output(out)
