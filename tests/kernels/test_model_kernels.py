@@ -18,10 +18,10 @@ CASES = [
     ("qwen3_moe", {}),
     ("mixtral", {}),
     ("deepseek_v3", {}),
-    # DeepSeek Sparse Attention (GLM-5: two indexer layers, one reusing their top-k) with the
+    # DeepSeek Sparse Attention (GLM-5: an indexer layer, then one reusing its top-k) with the
     # indexer keeping the top 4 of up to 9 tokens: sparse steps (the indexer and gather-attend
     # kernels) and dense ones (no context past the top-k).
-    ("glm_moe_dsa", {"index_topk": 4}),
+    ("glm_moe_dsa", {"index_topk": 4, "num_hidden_layers": 2}),
 ]
 
 
