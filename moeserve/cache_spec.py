@@ -9,6 +9,10 @@ Two kinds, both torch-free so the scheduler and `moeserve plan` read them withou
 - `StateSpec`: tensors of a fixed size per sequence whatever its length (Gated DeltaNet's conv
   and recurrent states), held in one slot per running sequence.
 
+A layer that keeps several paged tensors declares them as a tuple of `PagedSpec`s (a DSA layer:
+its MLA latent and its indexer keys), all in the one paged group: one block id covers
+`block_size` positions of each.
+
 `CacheSpecs` is the model's list, one spec per layer (the MTP layers' after the decoder's).
 """
 
@@ -50,7 +54,7 @@ class StateSpec:
         return sum(math.prod(s) * ITEMSIZES[d] for s, d in zip(self.shapes, self.dtypes, strict=True))
 
 
-LayerSpec = PagedSpec | StateSpec
+LayerSpec = PagedSpec | StateSpec | tuple[PagedSpec, ...]
 
 
 @dataclass(frozen=True)
@@ -64,9 +68,16 @@ class CacheSpecs:
         state kept for it."""
         return any(isinstance(spec, StateSpec) for spec in self.layers)
 
+    @property
+    def paged(self) -> tuple[PagedSpec, ...]:
+        """Every paged tensor of every layer, a layer's several in their order."""
+        return tuple(
+            p for s in self.layers if not isinstance(s, StateSpec) for p in (s if isinstance(s, tuple) else (s,))
+        )
+
     def bytes_per_block(self, block_size: int) -> int:
-        """One block id's bytes: its `block_size` positions in every paged layer."""
-        return block_size * sum(s.bytes_per_token for s in self.layers if isinstance(s, PagedSpec))
+        """One block id's bytes: its `block_size` positions in every paged tensor."""
+        return block_size * sum(s.bytes_per_token for s in self.paged)
 
     @property
     def state_bytes_per_sequence(self) -> int:

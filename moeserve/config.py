@@ -84,6 +84,37 @@ class MLAConfig:
 
 
 @dataclass(frozen=True)
+class DSAConfig:
+    """DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5): a lightning indexer of `index_n_heads`
+    heads of `index_head_dim` scores every cached token for each query, and MLA attends only to
+    the `index_topk` best. The indexer rotates the first `qk_rope_head_dim` dims of its heads:
+    split in halves (DeepSeek-V3.2) or in interleaved pairs (GLM-5, `interleaved_rope`).
+
+    `indexer_layers`: per decoder layer, whether it runs its own indexer (and caches its keys) or
+    reuses the top-k of the last layer before it that does (GLM-5's `index_topk_freq`)."""
+
+    index_n_heads: int
+    index_head_dim: int
+    index_topk: int
+    interleaved_rope: bool
+    indexer_layers: tuple[bool, ...]
+
+    def __post_init__(self) -> None:
+        if not self.indexer_layers or not self.indexer_layers[0]:
+            raise ValueError("the first layer of a DSA model must run its own indexer")
+
+    def has_indexer(self, layer: int) -> bool:
+        """Whether `layer` runs an indexer; an MTP layer (past the decoder's) always does."""
+        return layer >= len(self.indexer_layers) or self.indexer_layers[layer]
+
+    def source_layer(self, layer: int) -> int:
+        """The layer whose top-k `layer` attends with: itself, or the last indexer layer before it."""
+        if self.has_indexer(layer):
+            return layer
+        return max(i for i in range(layer) if self.indexer_layers[i])
+
+
+@dataclass(frozen=True)
 class LinearAttentionConfig:
     """Gated DeltaNet layers (Qwen3-Next, Qwen3.5): Hk key heads of Dk, Hv value heads of Dv (each
     key head serves Hv / Hk consecutive value heads), a depthwise causal conv of `conv_kernel` taps.
@@ -234,6 +265,7 @@ class ModelConfig:
     expert_activation: GatedActivation = GatedActivation()
     expert_bias: bool = False  # gpt-oss: the experts' gate/up and down projections have biases
     mla: MLAConfig | None = None
+    dsa: DSAConfig | None = None  # DeepSeek-V3.2, GLM-5: MLA over the indexer's top-k tokens
     attention_scale: float | None = None  # None: head_dim ** -0.5
     tie_word_embeddings: bool = False
     eos_token_ids: tuple[int, ...] = ()

@@ -79,6 +79,7 @@ LONGEST_FIRST = (
     "test_server_safety.py",  # ~50
     "test_shutdown_server.py",  # ~50? (three servers; 105 s under load)
     "test_cli.py",  # ~45
+    "test_dsa_ep_parity.py",  # ~25 single-threaded (four ep=4 runs)
     "test_dashboards.py",  # ~45
     "test_eplb_server.py",  # ~35
     "test_openapi_fuzz.py",  # ~35? (every route; 68 s under load)

@@ -350,6 +350,37 @@ def _mla() -> None:
         )
 
 
+def _sparse_mla() -> None:
+    """DeepSeek Sparse Attention at the releases' shapes: the indexer (DeepSeek-V3.2: 64 heads of
+    128; GLM-5: 32) over a context past its top 2048, and sparse MLA of 16 heads (V3.2 at TP 8)
+    and 8 (GLM-5 at TP 8) of 512 + 64 over the chosen positions; decodes and a prefill chunk."""
+    from moeserve.kernels.paged_attention import paged_inputs
+    from moeserve.kernels.sparse_mla import indexer_topk, sparse_mla_latent_attention
+
+    lora, rope, block_size, topk, blocks = 512, 64, 64, 2048, 80
+    kv_cache = torch.empty(blocks, block_size, lora + rope, dtype=BF16)
+    key_cache = torch.empty(blocks, block_size, 128, dtype=BF16)
+    for starts, lens in (([3000], [1]), ([3000, 4100], [1, 1]), ([2100], [17])):
+        tables = [
+            [(i * 40 + j) % blocks for j in range(-(-(s + n) // block_size))]
+            for i, (s, n) in enumerate(zip(starts, lens))
+        ]
+        inputs = paged_inputs(tables, starts, lens, block_size, "cpu")
+        tokens = inputs.num_tokens
+        for index_heads, heads in ((64, 16), (32, 8)):
+            q = torch.empty(tokens, index_heads, 128, dtype=BF16)
+            chosen = indexer_topk(q, torch.empty(tokens, index_heads), key_cache, inputs, topk)
+            sparse_mla_latent_attention(
+                torch.empty(tokens, heads, lora, dtype=BF16),
+                torch.empty(tokens, heads, rope, dtype=BF16),
+                kv_cache,
+                chosen,
+                inputs,
+                (128 + 64) ** -0.5,
+                lora,
+            )
+
+
 CASES: list[Case] = [
     Case("norm", "RMSNorm and fused add+RMSNorm, DeepSeek-V3/Qwen3 widths", lambda: _compile_only(_norms)()),
     Case("rotary", "rotary q/k (neox) and DeepSeek's interleaved rope", lambda: _compile_only(_rotary)()),
@@ -363,6 +394,11 @@ CASES: list[Case] = [
         lambda: _compile_only(_paged_attention)(),
     ),
     Case("mla_attention", "MLA latent attention, DeepSeek-V3 at TP 8", lambda: _compile_only(_mla)()),
+    Case(
+        "sparse_mla",
+        "DSA indexer scores and sparse MLA, DeepSeek-V3.2 and GLM-5 at TP 8",
+        lambda: _compile_only(_sparse_mla)(),
+    ),
     Case(
         "gated_delta",
         "Gated DeltaNet conv and delta rule, Qwen3.5-35B-A3B: decodes and prompt chunks",

@@ -4,8 +4,8 @@ are published in.
 Every linear weight (a 2-D `*.weight` of a projection, shared or routed expert) becomes
 float8_e4m3fn with `*.weight_scale_inv` of one scale per block (`fp8_format.py`), float32 as
 DeepSeek stores them unless asked for Qwen3-FP8's bfloat16 or float16;
-the embeddings, the LM head, the norms and the routers' gates stay as they were, as in the
-published checkpoints. config.json gets the published `quantization_config`.
+the embeddings, the LM head, the norms, the routers' gates and DeepSeek-V3.2's indexer head
+weights stay as they were, as in the published checkpoints. config.json gets the published `quantization_config`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,9 @@ import torch
 from moeserve.checkpoints.rewrite import rewrite_tensors
 from moeserve.fp8_format import SCALE_DTYPE, quantize, scale_name
 
-_KEPT = ("embed_tokens", "lm_head", "gate", "router", "shared_expert_gate")  # module names left unquantized
+# Module names left unquantized; DeepSeek-V3.2's indexer keeps its head weights (`weights_proj`)
+# unquantized, its wq_b and wk are FP8.
+_KEPT = ("embed_tokens", "lm_head", "gate", "router", "shared_expert_gate", "weights_proj")
 
 
 def is_quantized(name: str, tensor: torch.Tensor) -> bool:

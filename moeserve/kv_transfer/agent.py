@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moeserve.kv_transfer.layout import KvLayout, paired_runs
+from moeserve.kv_transfer.layout import KvLayout, layouts_of, paired_runs
 
 POLL_S = 0.0005  # how often a transfer in progress is looked at
 
@@ -36,22 +36,24 @@ class KvTransferError(RuntimeError):
 
 @dataclass(frozen=True)
 class KvRegistration:
-    """What a peer needs to write into this cache: the agent's name and metadata, and the layout."""
+    """What a peer needs to write into this cache: the agent's name and metadata, and the layout
+    of each kind of paged tensor (`layouts_of`)."""
 
     agent_name: str
     metadata: bytes
-    layout: KvLayout
+    layouts: tuple[KvLayout, ...]
 
     def to_json(self) -> dict:
         return {
             "agent_name": self.agent_name,
             "metadata": base64.b64encode(self.metadata).decode(),
-            "layout": self.layout.to_json(),
+            "layouts": [layout.to_json() for layout in self.layouts],
         }
 
     @classmethod
     def from_json(cls, data: dict) -> KvRegistration:
-        return cls(data["agent_name"], base64.b64decode(data["metadata"]), KvLayout.from_json(data["layout"]))
+        layouts = tuple(KvLayout.from_json(layout) for layout in data["layouts"])
+        return cls(data["agent_name"], base64.b64decode(data["metadata"]), layouts)
 
 
 class KvAgent:
@@ -59,21 +61,21 @@ class KvAgent:
     different peers (or to the same one) run concurrently: pushes come from the side channel's
     threads, and one slow decode peer must not hold up the others."""
 
-    def __init__(self, caches: Sequence[torch.Tensor], label: str) -> None:
+    def __init__(self, caches: Sequence[torch.Tensor | tuple[torch.Tensor, ...]], label: str) -> None:
         from nixl_cu12._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
         self.name = f"moeserve-{label}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         # Strict sync: NIXL serialises calls into the agent itself, so threads may share it.
         config = nixl_agent_config(backends=["UCX"], sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
         self._agent = nixl_agent(self.name, config)
-        self.layout = KvLayout.of(caches)
-        self._agent.register_memory(list(caches))
+        self.layouts = layouts_of(caches)
+        self._agent.register_memory([t for c in caches for t in (c if isinstance(c, tuple) else (c,))])
         self._peers: dict[str, str] = {}  # agent name -> the name NIXL knows it by, once added
         self._peers_lock = threading.Lock()
 
     @property
     def registration(self) -> KvRegistration:
-        return KvRegistration(self.name, self._agent.get_agent_metadata(), self.layout)
+        return KvRegistration(self.name, self._agent.get_agent_metadata(), self.layouts)
 
     def write(self, dest: KvRegistration, src_blocks: Sequence[int], dst_blocks: Sequence[int], write_by: float) -> int:
         """Copy blocks `src_blocks` of this cache to `dst_blocks` of `dest`'s; the bytes moved.
@@ -81,18 +83,19 @@ class KvAgent:
         bytes: a transfer not done by then is cancelled, and this returns only once NIXL says
         nothing moves any more. Raises KvTransferError when the layouts differ, NIXL fails, or
         the deadline passes."""
-        if dest.layout.shape_key != self.layout.shape_key:
+        here, there = [x.shape_key for x in self.layouts], [x.shape_key for x in dest.layouts]
+        if here != there:
             raise KvTransferError(
-                f"KV layouts differ: (layers, planes, block bytes) {self.layout.shape_key} here, "
-                f"{dest.layout.shape_key} on the decode side",
+                f"KV layouts differ: (layers, planes, block bytes) {here} here, {there} on the decode side",
                 "layout",
             )
         deadline = time.monotonic() + (write_by - time.time())
         if deadline <= time.monotonic():
             raise KvTransferError(f"KV write to {dest.agent_name} came after its deadline", "timeout")
         src_runs, dst_runs = paired_runs(src_blocks, dst_blocks)
-        local = self._agent.get_xfer_descs(self.layout.regions(src_runs), self.layout.mem_type)
-        remote = self._agent.get_xfer_descs(dest.layout.regions(dst_runs), dest.layout.mem_type)
+        mem_type, dest_mem_type = self.layouts[0].mem_type, dest.layouts[0].mem_type
+        local = self._agent.get_xfer_descs([r for x in self.layouts for r in x.regions(src_runs)], mem_type)
+        remote = self._agent.get_xfer_descs([r for x in dest.layouts for r in x.regions(dst_runs)], dest_mem_type)
         handle = self._agent.initialize_xfer("WRITE", local, remote, self._peer(dest))
         state = self._agent.transfer(handle)
         while state == "PROC" and time.monotonic() < deadline:
@@ -104,7 +107,7 @@ class KvAgent:
         self._agent.release_xfer_handle(handle)
         if state != "DONE":
             raise KvTransferError(f"NIXL reported {state} writing to {dest.agent_name}", "transport")
-        return len(src_blocks) * self.layout.block_bytes * self.layout.planes * len(self.layout.layer_bases)
+        return sum(layout.bytes_of(len(src_blocks)) for layout in self.layouts)
 
     def _peer(self, dest: KvRegistration) -> str:
         """The name NIXL knows `dest`'s agent by, added on first use."""

@@ -2,7 +2,8 @@
 
 A layer's cache is one contiguous tensor whose blocks are rows of one or more planes: GQA keeps
 keys and values in two planes `[2, num_blocks, block_size, heads, head_dim]`, MLA its latent cache
-in one `[num_blocks, block_size, rank + rope]`. A block of a layer is then `planes` regions of
+in one `[num_blocks, block_size, rank + rope]` (a DSA layer its indexer keys too, one more tensor
+of its own shape: `layouts_of` makes a layout per kind). A block of a layer is then `planes` regions of
 `block_bytes`, and a run of consecutive block ids on both sides moves as one region per plane:
 no staging copy, the transfer reads and writes the caches themselves.
 """
@@ -44,6 +45,10 @@ class KvLayout:
         bases = tuple(c.data_ptr() for c in caches)
         return cls(bases, planes, plane_bytes, plane_bytes // num_blocks, device_id, mem_type)
 
+    def bytes_of(self, num_blocks: int) -> int:
+        """Bytes `num_blocks` blocks take over every layer and plane."""
+        return num_blocks * self.block_bytes * self.planes * len(self.layer_bases)
+
     @property
     def shape_key(self) -> tuple[int, int, int]:
         """What two sides must share for a block to mean the same bytes: layers, planes, block size."""
@@ -72,6 +77,17 @@ class KvLayout:
     def from_json(cls, data: dict) -> KvLayout:
         fields = ("planes", "plane_bytes", "block_bytes", "device_id", "mem_type")
         return cls(tuple(data["layer_bases"]), *(data[name] for name in fields))
+
+
+def layouts_of(caches: Sequence[torch.Tensor | tuple[torch.Tensor, ...]]) -> tuple[KvLayout, ...]:
+    """The paged tensors of a model's layers (a DSA layer's latent and indexer keys: a tuple) as
+    one layout per kind of tensor (shape and dtype), in the order each kind first appears: every
+    kind's blocks are the same block ids, so a transfer moves the same runs in each."""
+    kinds: dict[tuple[tuple[int, ...], torch.dtype], list[torch.Tensor]] = {}
+    for cache in caches:
+        for tensor in cache if isinstance(cache, tuple) else (cache,):
+            kinds.setdefault((tuple(tensor.shape), tensor.dtype), []).append(tensor)
+    return tuple(KvLayout.of(tensors) for tensors in kinds.values())
 
 
 def paired_runs(src: Sequence[int], dst: Sequence[int]) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:

@@ -14,11 +14,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moeserve.cache_spec import CacheSpecs
+from moeserve.cache_spec import CacheSpecs, LayerSpec
 from moeserve.config import ModelConfig
 from moeserve.dispatch import Dispatcher, ExpertMap, ReplicaTable
 from moeserve.dispatch.base import Steps, finish
 from moeserve.models.layers.attention import Attention
+from moeserve.models.layers.dsa import SparseMLAttention
 from moeserve.models.layers.gated_deltanet import GatedDeltaNet
 from moeserve.models.layers.mla import MLAttention
 from moeserve.models.layers.mlp import GatedMLP
@@ -31,9 +32,9 @@ from moeserve.ops import TORCH_OPS, LayerOps
 from moeserve.ops.attention import AttentionPlan
 from moeserve.ops.state_batch import StateStep
 
-LayerCache = torch.Tensor | StateStep
-"""What a layer's forward gets of the cache: an attention layer its paged tensor, a Gated
-DeltaNet its state bound to the step."""
+LayerCache = torch.Tensor | tuple[torch.Tensor, ...] | StateStep
+"""What a layer's forward gets of the cache: an attention layer its paged tensor (a DSA layer
+with an indexer: its latent and its indexer keys), a Gated DeltaNet its state bound to the step."""
 
 
 def kv_cache_shape(cfg: ModelConfig, num_blocks: int, block_size: int, tp_size: int = 1) -> tuple[int, ...]:
@@ -47,14 +48,15 @@ def cache_specs(cfg: ModelConfig, dtype: torch.dtype, tp_size: int = 1, mtp_laye
     """What each layer keeps on a rank of a `tp_size`-way group: the decoder layers', then the
     `mtp_layers` MTP layers' (attention, as the last layer's kind), known without a model."""
     attention_cls = MLAttention if cfg.is_mla else Attention
-    return CacheSpecs(
-        tuple(
-            GatedDeltaNet.cache_spec(cfg, dtype, tp_size)
-            if cfg.is_linear(i)
-            else attention_cls.cache_spec(cfg, dtype, tp_size)
-            for i in range(cfg.num_layers + mtp_layers)
-        )
-    )
+
+    def spec(layer: int) -> LayerSpec:
+        if cfg.is_linear(layer):
+            return GatedDeltaNet.cache_spec(cfg, dtype, tp_size)
+        if cfg.dsa is not None:
+            return SparseMLAttention.layer_cache_spec(cfg, layer, dtype, tp_size)
+        return attention_cls.cache_spec(cfg, dtype, tp_size)
+
+    return CacheSpecs(tuple(spec(i) for i in range(cfg.num_layers + mtp_layers)))
 
 
 class DecoderLayer(nn.Module):
@@ -75,7 +77,11 @@ class DecoderLayer(nn.Module):
         device: torch.device | str,
         tp: TensorParallel = SINGLE,
         ops: LayerOps = TORCH_OPS,
+        mtp_index: int | None = None,
     ) -> None:
+        """mtp_index: this is MTP layer `mtp_index`, built like decoder layer `layer`; its sparse
+        attention (DSA) is then checkpoint layer `num_layers + mtp_index`'s, with an indexer and
+        indexer keys of its own as the releases' MTP layers have, whatever `layer` has."""
         super().__init__()
         attention_cls = MLAttention if cfg.is_mla else Attention
         self.tp = tp
@@ -84,7 +90,11 @@ class DecoderLayer(nn.Module):
             self.linear_attn: GatedDeltaNet | None = GatedDeltaNet(cfg, dtype, device, tp, ops)
         else:
             self.linear_attn = None
-            self.attn = attention_cls(cfg, layer, dtype, device, tp, ops)
+            if cfg.dsa is not None:
+                own = layer if mtp_index is None else cfg.num_layers + mtp_index
+                self.attn = SparseMLAttention(cfg, own, dtype, device, tp, ops)
+            else:
+                self.attn = attention_cls(cfg, layer, dtype, device, tp, ops)
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, ops)
         if cfg.moe_layers[layer]:
             self.mlp: nn.Module = MoEBlock(cfg, dispatcher, dtype, device, ops)
@@ -194,8 +204,8 @@ class MoECausalLM(nn.Module):
         self.rotary = RotaryEmbedding(cfg.rope, device)
         template = cfg.moe_layer_indices[-1] if cfg.moe_layer_indices else 0
         self.mtp = nn.ModuleList(
-            MTPLayer(cfg, DecoderLayer(cfg, template, dispatcher, dtype, device, tp, ops), dtype, device, tp, ops)
-            for _ in range(cfg.num_mtp_layers if with_mtp else 0)
+            MTPLayer(cfg, DecoderLayer(cfg, template, dispatcher, dtype, device, tp, ops, i), dtype, device, tp, ops)
+            for i in range(cfg.num_mtp_layers if with_mtp else 0)
         )
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:

@@ -15,7 +15,8 @@ the Triton kernels: block tables and lengths on the device), so no backend pays 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -97,6 +98,10 @@ class AttentionPlan:
     """
 
     slot_mapping: torch.Tensor
+    selections: dict[int, Any] = field(default_factory=dict, compare=False, repr=False, kw_only=True)
+    """A DSA model's top-k of this forward, by the layer that chose it (`LayerOps.dsa_select`),
+    in the backend's form. Written by a layer that runs its indexer, read by it and by the layers
+    that reuse its choice (GLM-5); each micro-batch of a step has its own plan, so its own."""
 
     @property
     def num_tokens(self) -> int:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import torch
 
@@ -136,6 +136,30 @@ class LayerOps(ABC, Generic[PlanT]):
     ) -> torch.Tensor:
         """MLA: queries `[T, H, nope]` and rotated `[T, H, rope]` over the latent cache, with
         kv_b_proj's weight `[H * (nope + v), kv_lora_rank]` -> `[T, H, v]`."""
+
+    @abstractmethod
+    def dsa_select(
+        self, q: torch.Tensor, weights: torch.Tensor, key_cache: torch.Tensor, plan: PlanT, index_topk: int
+    ) -> Any:
+        """DeepSeek Sparse Attention's indexer: rotated queries `[T, Hi, Di]`, head weights `[T, Hi]`
+        float32 and the key cache holding this step's keys -> each query's top `index_topk`
+        positions, in the backend's own form, which only its `sparse_mla_attention` reads (the
+        layer keeps it in `plan.selections` for the layers that reuse it). Contexts no longer
+        than `index_topk` may be marked dense instead."""
+
+    @abstractmethod
+    def sparse_mla_attention(
+        self,
+        q_nope: torch.Tensor,
+        q_rope: torch.Tensor,
+        kv_cache: torch.Tensor,
+        plan: PlanT,
+        kv_b_weight: torch.Tensor,
+        mla: MLAConfig,
+        scale: float,
+        selection: Any,
+    ) -> torch.Tensor:
+        """`mla_attention` where each query sees only the positions `selection` chose."""
 
     @abstractmethod
     def route(

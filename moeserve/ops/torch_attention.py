@@ -352,8 +352,18 @@ def _each_bucket(
 ) -> torch.Tensor:
     """q `[T, Hq, Dk]`, bucket by bucket (at least one): `attend(bucket, its queries [n, Lq, Hq,
     Dk])` gives `[n * Lq, Hq, Dv]`; the outputs go back to the step's token order -> `[T, Hq, Dv]`."""
-    rows = q if plan.query_rows is None else q.index_select(0, plan.query_rows)
-    outs = [attend(b, b.rows_of(rows)) for b in plan.buckets]
+    return step_order([attend(b, qb) for b, qb in zip(plan.buckets, bucket_rows(q, plan))], plan)
+
+
+def bucket_rows(x: torch.Tensor, plan: TorchAttentionPlan) -> list[torch.Tensor]:
+    """`x [T, ...]` (the step's tokens in order) as each bucket's `[n, query_len, ...]`."""
+    rows = x if plan.query_rows is None else x.index_select(0, plan.query_rows)
+    return [b.rows_of(rows) for b in plan.buckets]
+
+
+def step_order(outs: list[torch.Tensor], plan: TorchAttentionPlan) -> torch.Tensor:
+    """The buckets' outputs `[n * query_len, ...]` each (at least one), back in the step's token
+    order -> `[T, ...]`."""
     out = outs[0] if len(outs) == 1 else torch.cat(outs)
     if plan.output_rows is not None:
         return out.index_select(0, plan.output_rows)
@@ -409,12 +419,20 @@ def mla_attention(
     weight = kv_b_weight.t()  # [kv_lora_rank, H * (nope + v)]
 
     def attend(b: AttentionBucket, qb: torch.Tensor) -> torch.Tensor:
-        latent, k_rope = b.keys_of(latents).split([mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
-        kv = torch.bmm(latent, weight.expand(b.num_seqs, -1, -1))  # [n, K, H * (nope + v)]
-        k_nope, v = kv.unflatten(-1, (num_heads, -1)).split([mla.qk_nope_head_dim, mla.v_head_dim], dim=-1)
-        k = torch.cat((k_nope, k_rope[:, :, None, :].expand(-1, -1, num_heads, -1)), dim=-1)
-        return bucket_attention(qb, k, v, b.bias, scale)
+        return bucket_attention(qb, *expand_latents(b.keys_of(latents), weight, mla, num_heads), b.bias, scale)
 
     if not plan.buckets:
         return q.new_empty(0, num_heads, mla.v_head_dim)
     return _each_bucket(q, plan, attend)
+
+
+def expand_latents(
+    latents: torch.Tensor, weight: torch.Tensor, mla: MLAConfig, num_heads: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A bucket's context latents `[n, K, kv_lora_rank + rope]` through kv_b_proj (`weight`, its
+    transpose `[kv_lora_rank, H * (nope + v)]`) -> keys `[n, K, H, nope + rope]` (the shared rope
+    key on every head) and values `[n, K, H, v]`."""
+    latent, k_rope = latents.split([mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
+    kv = torch.bmm(latent, weight.expand(latents.shape[0], -1, -1))  # [n, K, H * (nope + v)]
+    k_nope, v = kv.unflatten(-1, (num_heads, -1)).split([mla.qk_nope_head_dim, mla.v_head_dim], dim=-1)
+    return torch.cat((k_nope, k_rope[:, :, None, :].expand(-1, -1, num_heads, -1)), dim=-1), v

@@ -14,6 +14,7 @@ from moeserve.ops.base import LayerOps, Weight, dense_weight
 from moeserve.ops.gated_delta import gated_delta_net
 from moeserve.ops.grouped_mlp import grouped_mlp
 from moeserve.ops.rotary import apply_rotary
+from moeserve.ops.sparse_mla import Selection, indexer_topk, sparse_mla_attention
 from moeserve.ops.torch_attention import (
     TorchAttentionPlan,
     decode_graph_planner,
@@ -92,6 +93,25 @@ class TorchOps(LayerOps[TorchAttentionPlan]):
         scale: float,
     ) -> torch.Tensor:
         return mla_attention(q_nope, q_rope, kv_cache, plan, kv_b_weight, mla, scale)
+
+    def dsa_select(
+        self, q: torch.Tensor, weights: torch.Tensor, key_cache: torch.Tensor, plan: TorchAttentionPlan, index_topk: int
+    ) -> Selection:
+        """Per bucket, each query's chosen keys, or None where the bucket attends densely."""
+        return indexer_topk(q, weights, key_cache, plan, index_topk)
+
+    def sparse_mla_attention(
+        self,
+        q_nope: torch.Tensor,
+        q_rope: torch.Tensor,
+        kv_cache: torch.Tensor,
+        plan: TorchAttentionPlan,
+        kv_b_weight: torch.Tensor,
+        mla: MLAConfig,
+        scale: float,
+        selection: Selection,
+    ) -> torch.Tensor:
+        return sparse_mla_attention(q_nope, q_rope, kv_cache, plan, kv_b_weight, mla, scale, selection)
 
     def route(
         self, cfg: RouterConfig, logits: torch.Tensor, correction_bias: torch.Tensor | None

@@ -30,6 +30,7 @@ from moeserve.kernels.packed_moe import packed_moe
 from moeserve.kernels.paged_attention import PagedInputs, paged_attention, paged_inputs
 from moeserve.kernels.rotary import apply_rotary_qk_
 from moeserve.kernels.routing import route
+from moeserve.kernels.sparse_mla import indexer_topk, sparse_mla
 from moeserve.ops.attention import AttentionBatch, AttentionPlan, DecodeGraphInputs
 from moeserve.ops.base import LayerOps, Weight
 from moeserve.ops.gated_delta import split_heads
@@ -170,6 +171,35 @@ class TritonOps(LayerOps[TritonAttentionPlan]):
         if q_nope.shape[0] == 0:
             return q_nope.new_empty(0, q_nope.shape[1], mla.v_head_dim)
         return mla_decode(q_nope, q_rope, kv_cache, kv_b_weight, plan.paged, scale, mla)
+
+    def dsa_select(
+        self,
+        q: torch.Tensor,
+        weights: torch.Tensor,
+        key_cache: torch.Tensor,
+        plan: TritonAttentionPlan,
+        index_topk: int,
+    ) -> torch.Tensor | None:
+        """Each token's top-k positions `[T, index_topk]` int32 (-1: none), or None when no
+        context of the step is longer than `index_topk` (dense, the same result)."""
+        if plan.paged.max_context_len <= index_topk or q.shape[0] == 0:
+            return None
+        return indexer_topk(q.contiguous(), weights, key_cache, plan.paged, index_topk)
+
+    def sparse_mla_attention(
+        self,
+        q_nope: torch.Tensor,
+        q_rope: torch.Tensor,
+        kv_cache: torch.Tensor,
+        plan: TritonAttentionPlan,
+        kv_b_weight: torch.Tensor,
+        mla: MLAConfig,
+        scale: float,
+        selection: torch.Tensor | None,
+    ) -> torch.Tensor:
+        if selection is None:
+            return self.mla_attention(q_nope, q_rope, kv_cache, plan, kv_b_weight, mla, scale)
+        return sparse_mla(q_nope, q_rope, kv_cache, kv_b_weight, selection, plan.paged, scale, mla)
 
     def route(
         self, cfg: RouterConfig, logits: torch.Tensor, correction_bias: torch.Tensor | None

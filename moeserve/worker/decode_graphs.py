@@ -216,7 +216,7 @@ def create_decode_graphs(
     device = torch.device(settings.device)
     reason = graph_refusal(config, device, settings)
     if reason is None and not all(isinstance(c, torch.Tensor) for c in kv_caches):
-        reason = "the model's Gated DeltaNet states are not captured"
+        reason = "a layer's cache is not one tensor (Gated DeltaNet states, DSA indexer keys): not captured"
     sizes = config.capture_sizes(settings.max_num_seqs)
     if reason is None:
         dispatcher = model.moe_blocks()[0].dispatcher if model.moe_blocks() else None

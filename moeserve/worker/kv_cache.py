@@ -1,5 +1,6 @@
 """Allocation of the cache from the layers' specs (`cache_spec`): a paged tensor per attention
-layer, sized in blocks, and a state per Gated DeltaNet layer, one slot per running sequence.
+layer (a DSA layer: a tuple, its latent and its indexer keys), sized in blocks, and a state per
+Gated DeltaNet layer, one slot per running sequence.
 
 Sizing needs only the model's config and the rank's tensor-parallel place, so the process that
 schedules (and holds no weights when the model runs in worker processes) can size every data-
@@ -85,16 +86,18 @@ def allocate_kv_caches(
     num_state_slots: int = 0,
     draft_states: int = 0,
     num_saved_states: int = 0,
-) -> list[torch.Tensor | LinearState]:
+) -> list[torch.Tensor | tuple[torch.Tensor, ...] | LinearState]:
     """Zeroed, so a bug that reads an unwritten slot shows up as a wrong token, not as NaN noise.
     The decoder layers' caches, then `mtp_layers` more for the MTP layers loaded to draft; a state
     layer's holds `num_state_slots` sequences, each with `draft_states` more to verify drafts, and
     `num_saved_states` saved ones for prefix caching."""
     specs = cache_specs(cfg, dtype, tp_size, mtp_layers)
-    caches: list[torch.Tensor | LinearState] = []
+    caches: list[torch.Tensor | tuple[torch.Tensor, ...] | LinearState] = []
     for spec in specs.layers:
         if isinstance(spec, PagedSpec):
             caches.append(torch.zeros(spec.shape(num_blocks, block_size), dtype=dtype, device=device))
+        elif isinstance(spec, tuple):
+            caches.append(tuple(torch.zeros(s.shape(num_blocks, block_size), dtype=dtype, device=device) for s in spec))
         else:
             parts = list(zip(spec.shapes, spec.dtypes, strict=True))
             conv, recurrent = (

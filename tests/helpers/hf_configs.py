@@ -17,7 +17,9 @@ def hf_config(arch: str, **overrides: Any):
     from transformers import (
         DeepseekV2Config,
         DeepseekV3Config,
+        DeepseekV32Config,
         Glm4MoeConfig,
+        GlmMoeDsaConfig,
         GptOssConfig,
         MiniMaxM2Config,
         MixtralConfig,
@@ -61,7 +63,7 @@ def hf_config(arch: str, **overrides: Any):
             common, moe_intermediate_size=32, num_experts=6, num_experts_per_tok=2, head_dim=16, norm_topk_prob=True
         )
         cls = Qwen3MoeConfig
-    elif arch == "deepseek_v3":
+    elif arch in ("deepseek_v3", "deepseek_v32", "glm_moe_dsa"):
         cfg = dict(
             common,
             num_key_value_heads=4,
@@ -80,6 +82,13 @@ def hf_config(arch: str, **overrides: Any):
             routed_scaling_factor=2.5,
         )
         cls = DeepseekV3Config
+        if arch != "deepseek_v3":  # DeepSeek Sparse Attention: the top 16 of contexts up to 232 tokens
+            # 16 indexer heads: no two keys tie at a score of exactly 0 (every head's ReLU zero)
+            cfg.update(num_hidden_layers=3, index_topk=16, index_n_heads=16, index_head_dim=16)
+            cls = DeepseekV32Config
+        if arch == "glm_moe_dsa":  # layers 0 and 2 run the indexer, layer 1 reuses layer 0's top-k
+            cfg.update(index_topk_freq=2, index_skip_topk_offset=1)
+            cls = GlmMoeDsaConfig
     elif arch == "deepseek_v2":
         cfg = dict(
             common,

@@ -39,8 +39,9 @@ def hf_greedy_tokens(model, prompt: list[int], num_tokens: int) -> list[int]:
 
 def prefill_logits(model, batch: list[list[int]]) -> torch.Tensor:
     """A loaded moeserve model's logits at every position of one paged prefill of `batch` (its KV
-    cache in its own dtype, on its device)."""
+    cache allocated from its layers' specs, in its own dtype, on its device)."""
     from moeserve.ops import attention_batch
+    from moeserve.worker.kv_cache import allocate_kv_caches
 
     device = model.embed_tokens.device
     block_size, tables, next_block = 4, [], 0
@@ -48,10 +49,7 @@ def prefill_logits(model, batch: list[list[int]]) -> torch.Tensor:
         n = -(-len(p) // block_size)
         tables.append(list(range(next_block, next_block + n)))
         next_block += n
-    caches = [
-        torch.zeros(model.kv_cache_shape(next_block, block_size), dtype=model.dtype, device=device)
-        for _ in model.layers
-    ]
+    caches = allocate_kv_caches(model.cfg, next_block, block_size, model.dtype, device, model.tp.size)
     plan = model.ops.plan_attention(
         attention_batch(tables, [0] * len(batch), [len(p) for p in batch], block_size, device)
     )

@@ -84,7 +84,7 @@ def layer_and_kernel(seqs, block_size: int, num_heads: int, **kwargs) -> tuple[t
     layer(x, cos, sin, cache, meta)  # writes the step's latents, then attends over the expanded context
     want = captured[0].view(len(x), num_heads, m.v_head_dim)
 
-    q_nope, q_rope = layer._queries(x).split([m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
+    q_nope, q_rope = layer._queries(x)[0].split([m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
     q_rope = apply_rotary(q_rope, cos, sin, layer.interleaved_rope)
     got = mla_decode(q_nope, q_rope, cache, layer.kv_b_proj.weight, inputs, layer.scale, m, **kwargs)
     return got, want

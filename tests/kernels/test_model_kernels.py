@@ -14,9 +14,20 @@ GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 PROMPTS = [{"prompt_token_ids": [5, 9, 11, 13, 17]}, {"prompt_token_ids": [7]}, {"prompt_token_ids": [21, 4, 8]}]
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "deepseek_v3"])
-def test_triton_kernels_match_torch_tokens(make_checkpoint, device, arch):
-    folder = make_checkpoint(arch, 2)
+CASES = [
+    ("qwen3_moe", {}),
+    ("mixtral", {}),
+    ("deepseek_v3", {}),
+    # DeepSeek Sparse Attention (GLM-5: an indexer layer, then one reusing its top-k) with the
+    # indexer keeping the top 4 of up to 9 tokens: sparse steps (the indexer and gather-attend
+    # kernels) and dense ones (no context past the top-k).
+    ("glm_moe_dsa", {"index_topk": 4, "num_hidden_layers": 2}),
+]
+
+
+@pytest.mark.parametrize("arch,overrides", CASES, ids=[arch for arch, _ in CASES])
+def test_triton_kernels_match_torch_tokens(make_checkpoint, device, arch, overrides):
+    folder = make_checkpoint(arch, 2, **overrides)
     engine = dict(max_model_len=64, block_size=4, kv_cache_blocks=32, device=str(device), dtype="float32")
     expected = [
         o.outputs[0].token_ids

@@ -60,6 +60,9 @@ class Case:
 CASES = {
     "deepseek_v3": Case("deepseek_v3"),
     "qwen3_moe": Case("qwen3_moe", QWEN3),
+    # DeepSeek-V3.2's layout: the indexer's wq_b and wk FP8, its weights_proj not; contexts of up
+    # to 58 tokens past its top 16.
+    "deepseek_v32": Case("deepseek_v32"),
     # As Qwen3-1.7B-FP8 and Qwen3-32B-FP8 store their scales.
     "qwen3_moe-bf16_scales": Case("qwen3_moe", QWEN3, scale_dtype=torch.bfloat16),
     # As Qwen3-4B-Instruct-2507-FP8 stores its scales; experts of 28 (56-byte bf16 rows, which

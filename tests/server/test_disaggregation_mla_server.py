@@ -1,6 +1,9 @@
-"""Prefill/decode disaggregation of an MLA model (DeepSeek-V3's layout): the latent cache, one
-plane per block, moves over NIXL as GQA's keys and values do; greedy outputs through the router
-equal the colocated server's, streamed and not."""
+"""Prefill/decode disaggregation of an MLA model: the latent cache, one plane per block, moves over
+NIXL as GQA's keys and values do. The model is DeepSeek-V3.2, DeepSeek-V3's MLA with DeepSeek
+Sparse Attention, so each layer's indexer keys move beside its latent (a second layout, of its own
+block bytes): the long prompt (past the indexer's top 16) attends sparsely on the decode side
+over transferred keys, the short one densely. Greedy outputs through the router equal the
+colocated server's, streamed and not."""
 
 from __future__ import annotations
 
@@ -14,7 +17,7 @@ PROMPTS = ["Multi-head latent attention keeps one compressed vector per token in
 
 @pytest.fixture(scope="module")
 def mla_deployment(start_server, make_checkpoint, tmp_path_factory):
-    checkpoint = make_checkpoint("deepseek_v3", 0)
+    checkpoint = make_checkpoint("deepseek_v32", 0)
     both = start_server(*KV, checkpoint=checkpoint, wait=False)
     prefill = start_server("--role", "prefill", "--kv-transfer", "nixl", *KV, checkpoint=checkpoint, wait=False)
     decoder = start_server("--role", "decode", "--kv-transfer", "nixl", *KV, checkpoint=checkpoint, wait=False)

@@ -156,7 +156,7 @@ class _FakePrefill:
 @pytest.fixture
 def decode_side() -> Iterator[tuple[KvCoordinator, DataParallelScheduler]]:
     scheduler = DataParallelScheduler(_config(16))
-    registration = KvRegistration("fake-decode", b"", KvLayout((0,), 1, 16 * BLOCK * 8, BLOCK * 8))
+    registration = KvRegistration("fake-decode", b"", (KvLayout((0,), 1, 16 * BLOCK * 8, BLOCK * 8),))
     config = KvTransferConfig(role="decode", backend="nixl", timeout_s=0.5)
     coordinator = KvCoordinator(config, scheduler, [registration], [])
     yield coordinator, scheduler

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from moeserve.kv_transfer.agent import KvAgent, KvTransferError
+from moeserve.kv_transfer.agent import KvAgent, KvRegistration, KvTransferError
 from moeserve.kv_transfer.identity import KvIdentity
 from moeserve.kv_transfer.layout import KvLayout, paired_runs
 from moeserve.kv_transfer.rank_writer import RankWriter, serve_writes
@@ -53,11 +53,38 @@ def test_agent_writes_blocks_into_another_agents_cache(shape):
             assert torch.equal(dst_cache.select(block_dim, d), src_cache.select(block_dim, s))
         untouched = [b for b in range(12) if b not in (5, 6, 0)]
         assert not dst_cache.index_select(block_dim, torch.tensor(untouched)).any()
-    assert num_bytes == 3 * writer.layout.block_bytes * writer.layout.planes * 2
+    assert num_bytes == 3 * writer.layouts[0].block_bytes * writer.layouts[0].planes * 2
     other = KvAgent([torch.zeros(12, 8, 24)], "test-other")
     with pytest.raises(KvTransferError, match="KV layouts differ") as refused:
         writer.write(other.registration, [0], [0], write_by=time.time() + 10)
     assert refused.value.cause == "layout"
+
+
+def test_a_dsa_models_indexer_keys_move_with_its_latents():
+    """DeepSeek-V3.2 / GLM-5: layers 0 and 2 keep (latent, indexer keys), layer 1 its latent only.
+    One layout per kind of tensor, in order; a write moves the same blocks of every tensor, and
+    the registration round-trips through JSON."""
+
+    def caches(make):
+        return [(make(12, 4, 24), make(12, 4, 16)), make(12, 4, 24), (make(12, 4, 24), make(12, 4, 16))]
+
+    source, dest = caches(torch.randn), caches(torch.zeros)
+    writer, reader = KvAgent(source, "test-dsa-src"), KvAgent(dest, "test-dsa-dst")
+    assert [(len(x.layer_bases), x.block_bytes) for x in writer.layouts] == [(3, 4 * 24 * 4), (2, 4 * 16 * 4)]
+    assert KvRegistration.from_json(reader.registration.to_json()).layouts == reader.layouts
+    num_bytes = writer.write(reader.registration, [2, 3], [5, 9], write_by=time.time() + 10)
+    assert num_bytes == 2 * 4 * 4 * (3 * 24 + 2 * 16)
+    flat = [
+        (s, d)
+        for src, dst in zip(source, dest)
+        for s, d in zip(*(x if isinstance(x, tuple) else (x,) for x in (src, dst)))
+    ]
+    for src_cache, dst_cache in flat:
+        assert torch.equal(dst_cache[[5, 9]], src_cache[[2, 3]])
+        assert not dst_cache[[b for b in range(12) if b not in (5, 9)]].any()
+    latents_only = KvAgent([torch.zeros(12, 4, 24)] * 3, "test-dsa-other")
+    with pytest.raises(KvTransferError, match="KV layouts differ"):
+        writer.write(latents_only.registration, [0], [0], write_by=time.time() + 10)
 
 
 def test_a_rank_writes_its_blocks_when_the_core_asks_over_its_side_channel():
@@ -69,7 +96,7 @@ def test_a_rank_writes_its_blocks_when_the_core_asks_over_its_side_channel():
         writer = RankWriter(channel.address)
         assert (
             writer.write(reader.registration, [4, 5], [1, 9], write_by=time.time() + 10)
-            == 2 * rank_agent.layout.block_bytes * 4
+            == 2 * rank_agent.layouts[0].block_bytes * 4
         )
         for src_cache, dst_cache in zip(source, dest):
             assert torch.equal(dst_cache[:, 1], src_cache[:, 4]) and torch.equal(dst_cache[:, 9], src_cache[:, 5])

@@ -106,20 +106,37 @@ class MLAttention(nn.Module):
         assert cfg.mla is not None
         return PagedSpec((), (cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim,), dtype_name(dtype))
 
-    def _queries(self, x: torch.Tensor) -> torch.Tensor:
-        q = self.q_proj(x) if self.mla.q_lora_rank is None else self.q_b_proj(self.q_a_norm(self.q_a_proj(x)))
-        return q.view(x.shape[0], self.num_heads, self.mla.qk_head_dim)  # [T, Hq, nope + rope]
+    def _queries(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """-> the queries `[T, Hq, nope + rope]`, and the normed query latent (None without one)."""
+        if self.mla.q_lora_rank is None:
+            q, latent = self.q_proj(x), None
+        else:
+            latent = self.q_a_norm(self.q_a_proj(x))
+            q = self.q_b_proj(latent)
+        return q.view(x.shape[0], self.num_heads, self.mla.qk_head_dim), latent
 
-    def forward(
+    def _project(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor, plan: AttentionPlan
-    ) -> torch.Tensor:
-        """x `[T, H]`; cos/sin `[T, rope]` -> `[T, H]`."""
-        m, num_tokens = self.mla, x.shape[0]
-        q = self._queries(x)
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The step's latents written to `kv_cache`; -> (q_nope, rotated q_rope, the query latent)."""
+        m = self.mla
+        q, q_latent = self._queries(x)
         q_nope, q_rope = q.split([m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
         kv_nope, k_rope = self.kv_a_proj(x).split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
         # Views into q and kv_a_proj's output, which are ours: a backend may rotate them in place.
         q_rope, k_rope = self.ops.rotary_qk(q_rope, k_rope[:, None, :], cos, sin, self.interleaved_rope)
         write_to_cache(kv_cache, torch.cat((self.kv_a_norm(kv_nope), k_rope[:, 0]), dim=-1), plan.slot_mapping)
-        out = self.ops.mla_attention(q_nope, q_rope, kv_cache, plan, self.kv_b_matrix(), m, self.scale)
-        return self.o_proj(out.reshape(num_tokens, out.shape[1] * out.shape[2]))  # explicit: T may be 0
+        return q_nope, q_rope, q_latent
+
+    def _output(self, out: torch.Tensor) -> torch.Tensor:
+        """The heads' outputs `[T, Hq, v]` through o_proj -> `[T, H]`."""
+        return self.o_proj(out.reshape(out.shape[0], out.shape[1] * out.shape[2]))  # explicit: T may be 0
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor, plan: AttentionPlan
+    ) -> torch.Tensor:
+        """x `[T, H]`; cos/sin `[T, rope]` -> `[T, H]`."""
+        q_nope, q_rope, _ = self._project(x, cos, sin, kv_cache, plan)
+        return self._output(
+            self.ops.mla_attention(q_nope, q_rope, kv_cache, plan, self.kv_b_matrix(), self.mla, self.scale)
+        )
