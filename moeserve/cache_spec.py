@@ -23,17 +23,29 @@ ITEMSIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
 @dataclass(frozen=True)
 class PagedSpec:
     """A layer's cache tensor is `leading + (num_blocks, block_size) + per_token` in `dtype`:
-    K and V `(2,) + (..) + (Hkv, D)`, MLA's latent `() + (..) + (rank + rope,)`; this rank's share."""
+    K and V `(2,) + (..) + (Hkv, D)`, MLA's latent `() + (..) + (rank + rope,)`; this rank's share.
+
+    `tokens_per_entry`: context positions per entry (DeepSeek-V4's compressed caches: 4 or 128),
+    so a block covers `block_size x tokens_per_entry` positions. `window`: only the last `window`
+    positions are ever read (V4's sliding window), so blocks wholly behind it can go back. Specs
+    with the same pair share one block table (a group, `group_key`)."""
 
     leading: tuple[int, ...]
     per_token: tuple[int, ...]
     dtype: str
+    tokens_per_entry: int = 1
+    window: int | None = None
 
     def shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         return (*self.leading, num_blocks, block_size, *self.per_token)
 
     @property
+    def group_key(self) -> tuple[int, int | None]:
+        return self.tokens_per_entry, self.window
+
+    @property
     def bytes_per_token(self) -> int:
+        """Bytes of one entry (one position's when `tokens_per_entry` is 1)."""
         return math.prod(self.leading) * math.prod(self.per_token) * ITEMSIZES[self.dtype]
 
 

@@ -8,6 +8,7 @@ from typing import Any
 from moeserve.config import ModelConfig
 from moeserve.models.architectures import (
     deepseek,
+    deepseek_v4,
     glm4_moe,
     gpt_oss,
     kimi_k25,
@@ -24,7 +25,10 @@ from moeserve.models.checkpoint import CheckpointError
 ARCHITECTURES: dict[str, Architecture] = {
     name: arch
     for arch in (
-        *(m.ARCHITECTURE for m in (mixtral, qwen_moe, deepseek, olmoe, glm4_moe, minimax_m2, gpt_oss, kimi_k25)),
+        *(
+            m.ARCHITECTURE
+            for m in (mixtral, qwen_moe, deepseek, deepseek_v4, olmoe, glm4_moe, minimax_m2, gpt_oss, kimi_k25)
+        ),
         *qwen3_next.ARCHITECTURES,
     )
     for name in arch.hf_names

@@ -20,6 +20,7 @@ from torch import nn
 
 from moeserve.config import ModelConfig
 from moeserve.models.layers.linear import Linear
+from moeserve.models.v4.cache import LayerCache, SequenceView, read_rows, write_rows
 from moeserve.models.v4.compressor import Compressor, Indexer, visible_entries
 from moeserve.models.v4.norm import Float32RMSNorm, unweighted_rms_norm
 from moeserve.models.v4.rotary import TailRotary, rotate_tail
@@ -122,7 +123,8 @@ class CompressedAttention(nn.Module):
 
     def output(self, attended: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """attended `[S, Hq, D]` -> `[S, H]`: rotated back at the query, projected per group, mixed."""
-        rows = rotate_tail(attended, cos, -sin).reshape(attended.shape[0], self.o_groups, -1)  # [S, G, Hq*D/G]
+        group_width = self.num_heads * self.head_dim // self.o_groups
+        rows = rotate_tail(attended, cos, -sin).reshape(attended.shape[0], self.o_groups, group_width)
         return self.o_b_proj(self.o_a_proj(rows).flatten(1))
 
     def forward_sequence(self, x: torch.Tensor) -> torch.Tensor:
@@ -138,6 +140,33 @@ class CompressedAttention(nn.Module):
                 chosen = visible_entries(positions, entries.shape[0], self.ratio)
             else:
                 chosen = self.indexer.select(x, q_residual, positions, self.indexer.sequence_entries(x))
+            keys, visible = torch.cat([keys, entries]), torch.cat([visible, chosen], dim=1)
+        attended = sink_attention(q, keys, visible, self.sinks, self.head_dim**-0.5)
+        return self.output(attended, cos, sin)
+
+    def forward_cached(self, x: torch.Tensor, cache: LayerCache, seq: SequenceView) -> torch.Tensor:
+        """A sequence's next rows x `[n, H]` (a prompt chunk, a decode) -> `[n, H]`, reading and
+        extending its cache: the window's keys, the entries, the open window's state."""
+        n, start, bs = x.shape[0], seq.start, seq.block_size
+        positions = torch.arange(start, start + n, device=x.device)
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        q_residual, q = self.queries(x, cos, sin)
+        window_table = seq.table((1, self.window))
+        write_rows(cache.window, window_table, start, self.keys(x, cos, sin), bs)
+        first = max(0, start - self.window + 1)
+        keys = read_rows(cache.window, window_table, first, start + n, bs)
+        visible = window_visible(positions, torch.arange(first, start + n, device=x.device), self.window)
+        if self.compressor is not None:
+            table, state = seq.table((self.ratio, None)), cache.state
+            assert cache.entries is not None
+            entries = self.compressor.extend(x, start, cache.entries, table, bs, state[:4], seq.slot)
+            indexer = self.indexer
+            if indexer is None:
+                chosen = visible_entries(positions, entries.shape[0], self.ratio)
+            else:
+                assert cache.index_keys is not None
+                index_keys = indexer.extend(x, start, cache.index_keys, table, bs, state[4:], seq.slot)
+                chosen = indexer.select(x, q_residual, positions, index_keys)
             keys, visible = torch.cat([keys, entries]), torch.cat([visible, chosen], dim=1)
         attended = sink_attention(q, keys, visible, self.sinks, self.head_dim**-0.5)
         return self.output(attended, cos, sin)

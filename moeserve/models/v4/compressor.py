@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moeserve.models.layers.linear import Linear
+from moeserve.models.v4.cache import read_rows, write_rows
 from moeserve.models.v4.norm import Float32RMSNorm
 from moeserve.models.v4.rotary import TailRotary, rotate_tail
 from moeserve.ops import TORCH_OPS, LayerOps
@@ -83,6 +84,34 @@ class Compressor(nn.Module):
         positions = (torch.arange(n, device=kv.device) + first_entry) * r
         cos, sin = self.rotary.cos_sin(positions, entries.dtype)
         return rotate_tail(entries, cos, sin), next_carry
+
+    def extend(
+        self,
+        x: torch.Tensor,
+        start: int,
+        cache: torch.Tensor,
+        table: torch.Tensor,
+        block_size: int,
+        state: tuple[torch.Tensor, ...],
+        slot: int,
+    ) -> torch.Tensor:
+        """A sequence's next rows x `[n, H]` from position `start`: the windows they close pooled
+        (with the pending positions the state holds) and written to `cache` by `table`, the rest
+        left pending in `state`'s slot -> every entry of the sequence so far `[E, head_dim]`."""
+        kv, gate = self.project(x)
+        pending, first_entry = start % self.ratio, start // self.ratio
+        kv = torch.cat([state[0][slot, :pending], kv])
+        gate = torch.cat([state[1][slot, :pending], gate])
+        usable = kv.shape[0] // self.ratio * self.ratio
+        if usable:
+            carry = Overlap(state[2][slot], state[3][slot]) if self.overlap and first_entry else None
+            entries, carry = self.pool(kv[:usable], gate[:usable], first_entry, carry)
+            write_rows(cache, table, first_entry, entries, block_size)
+            if carry is not None:
+                state[2][slot], state[3][slot] = carry.kv, carry.gate
+        left = kv.shape[0] - usable
+        state[0][slot, :left], state[1][slot, :left] = kv[usable:], gate[usable:]
+        return read_rows(cache, table, 0, (start + x.shape[0]) // self.ratio, block_size)
 
     def sequence_entries(self, x: torch.Tensor) -> torch.Tensor:
         """The entries of a whole sequence `[S, H]` from position 0: one per closed window."""
