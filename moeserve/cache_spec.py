@@ -9,7 +9,7 @@ Two kinds, both torch-free so the scheduler and `moeserve plan` read them withou
 - `StateSpec`: tensors of a fixed size per sequence whatever its length (Gated DeltaNet's conv
   and recurrent states), held in one slot per running sequence.
 
-`CacheSpecs` is the model's list, one spec per layer (the MTP layers' after the decoder's).
+`CacheSpecs` is the model's list, each layer's specs in order (the MTP layers' after the decoder's).
 """
 
 from __future__ import annotations
@@ -68,6 +68,12 @@ LayerSpec = PagedSpec | StateSpec
 @dataclass(frozen=True)
 class CacheSpecs:
     layers: tuple[LayerSpec, ...]
+    """The layers' specs in model order (a DeepSeek-V4 layer declares several)."""
+
+    @property
+    def groups(self) -> tuple[tuple[int, int | None], ...]:
+        """The block-table groups the paged specs form (`PagedSpec.group_key`), in first-seen order."""
+        return tuple(dict.fromkeys(s.group_key for s in self.layers if isinstance(s, PagedSpec)))
 
     @property
     def has_state(self) -> bool:
