@@ -63,14 +63,17 @@ class GroupedBlocks:
         tables = self.tables(request_id)
         end = start + num_new_tokens
         needed = {key: max(0, g.blocks_for(end, self.block_size) - len(tables[key])) for key, g in self.groups.items()}
-        if any(n > len(self._free[key]) for key, n in needed.items()):
+        dead = {
+            key: [i for i in range(g.dead_blocks(start, self.block_size)) if tables[key][i] != RELEASED]
+            for key, g in self.groups.items()
+        }
+        if any(n > len(self._free[key]) + len(dead[key]) for key, n in needed.items()):
             return False
         for key, n in needed.items():
+            for i in dead[key]:  # behind the window first, so that growth can reuse them
+                self._free[key].append(tables[key][i])
+                tables[key][i] = RELEASED
             tables[key].extend(self._free[key].pop() for _ in range(n))
-            for i in range(self.groups[key].dead_blocks(start, self.block_size)):
-                if tables[key][i] != RELEASED:
-                    self._free[key].append(tables[key][i])
-                    tables[key][i] = RELEASED
         self._tables[request_id] = tables
         return True
 
