@@ -4,16 +4,20 @@ kinds (hash and sqrtsoftplus routing, clamped SwiGLU) through the common MoE blo
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from helpers.hf_configs import hf_config, randomize_deepseek_v4
 
+from moeserve.config import BlockFP8Config
 from moeserve.dispatch import LocalDispatcher
 from moeserve.dispatch.placement import ExpertPlacement
 from moeserve.models.architectures.deepseek_v4 import parse_config
 from moeserve.models.layers.moe import MoEBlock
 from moeserve.models.v4.attention import CompressedAttention
 from moeserve.models.v4.hyper import HyperConnection, HyperHead, merge
+from moeserve.models.v4.model import DeepseekV4CausalLM
 
 SEQ = 45  # several closed windows of both ratios, a few past the CSA top-k, an open one at the end
 
@@ -109,3 +113,16 @@ def test_moe_block_matches_transformers(reference, layer):
         want = theirs(x[None], input_ids=token_ids[None])[0]
         got = ours(x, token_ids=token_ids)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "change,match",
+    [({"with_mtp": True}, "MTP layers"), ({"quant": BlockFP8Config()}, "ue8m0")],
+    ids=["mtp", "fp8"],
+)
+def test_what_is_not_built_is_refused_by_name(reference, change, match):
+    _, cfg = reference
+    cfg = dataclasses.replace(cfg, weight_quant=change.get("quant"))
+    dispatcher = LocalDispatcher(ExpertPlacement.contiguous(cfg.num_experts))
+    with pytest.raises(ValueError, match=match):
+        DeepseekV4CausalLM(cfg, dispatcher, torch.float32, with_mtp=change.get("with_mtp", False))
