@@ -2,8 +2,8 @@
 window-only layer, two CSA layers (4 tokens per entry, top 3 entries per query) and an HCA layer
 (16 per entry), hash-routed and learned MoE layers, a window of 8. Prompts of 40 and 200 tokens,
 prefilled in chunks of 16 then decoded (`helpers.v4_greedy`, which also checks that window blocks
-go back and no block leaks): both together on one rank, then one per rank over `--ep 4` with the
-`torch` all-to-all dispatcher (hash routing through the same dispatch and combine)."""
+go back and no block leaks): both together on one rank, then over `--ep 4` (and `--tp 2`) with
+the `torch` all-to-all dispatcher (hash routing through the same dispatch and combine)."""
 
 from __future__ import annotations
 
@@ -40,11 +40,15 @@ def test_greedy_tokens_match_transformers_in_chunks(checkpoint, prompts_and_toke
     assert no_leak
 
 
-def test_expert_parallel_greedy_tokens_match_transformers(checkpoint, prompts_and_tokens):
+@pytest.mark.parametrize("tp", [1, 2], ids=["ep4", "ep4-tp2"])
+def test_expert_parallel_greedy_tokens_match_transformers(checkpoint, prompts_and_tokens, tp):
+    """`--ep 4`: a prompt per rank; `--ep 4 --tp 2`: a prompt per pair of ranks, each rank's MoE
+    on half its pair's tokens."""
     prompts, want = prompts_and_tokens
-    per_rank = [prompts[0], prompts[1], prompts[0], prompts[0]]
-    results = run_ranks(4, rank_greedy, str(checkpoint), per_rank, steps_for(PROMPT_LENGTHS), timeout=600)
-    assert [tokens for tokens, _ in results] == [want[0], want[1], want[0], want[0]]
+    per_group = [prompts[1], prompts[0], prompts[0], prompts[0]][: 4 // tp]
+    results = run_ranks(4, rank_greedy, str(checkpoint), per_group, steps_for(PROMPT_LENGTHS), tp, timeout=600)
+    expected = [want[1], want[0], want[0], want[0]][: 4 // tp]
+    assert [tokens for tokens, _ in results] == [t for t in expected for _ in range(tp)]
     assert all(no_leak for _, no_leak in results)
 
 

@@ -3,7 +3,10 @@
 
 A step packs its sequences' tokens (`V4Batch`): attention runs sequence by sequence against each
 one's cache (`CompressedAttention.forward_cached`), the MoE over all tokens at once through the
-dispatcher, hash-routed layers by the token ids. The bookkeeping of expert load and placement is
+dispatcher, hash-routed layers by the token ids. Under tensor parallelism the attention and the
+hyper-connections are replicated on every rank of the group (as transformers' plan keeps them:
+one shared KV head does not split), and each rank's MoE takes its slice of the tokens, gathered
+back after the combine. The bookkeeping of expert load and placement is
 `MoECausalLM`'s, which reads only the layers' MoE blocks.
 """
 
@@ -49,11 +52,13 @@ class V4DecoderLayer(nn.Module):
         dispatcher: Dispatcher,
         dtype: torch.dtype,
         device: torch.device | str,
+        tp: TensorParallel,
         ops: LayerOps,
     ) -> None:
         super().__init__()
         hc = cfg.hyper_connections
         assert hc is not None
+        self.tp = tp
         self.input_norm = Float32RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device)
         self.attn = CompressedAttention(cfg, layer, dtype, device, ops)
         self.post_attn_norm = Float32RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device)
@@ -78,8 +83,9 @@ class V4DecoderLayer(nn.Module):
         ]
         streams = merge(torch.cat(mixed) if mixed else normed, streams, post, comb)
         post, comb, collapsed = self.ffn_hc(streams)
-        out = self.mlp(self.post_attn_norm(collapsed), max_tokens_per_rank, token_ids)
-        return merge(out, streams, post, comb)
+        rows = self.tp.token_slice(token_ids.shape[0])
+        out = self.mlp(self.post_attn_norm(collapsed[rows]), max_tokens_per_rank, token_ids[rows])
+        return merge(self.tp.all_gather_tokens(out, token_ids.shape[0]), streams, post, comb)
 
 
 class DeepseekV4CausalLM(nn.Module):
@@ -97,8 +103,6 @@ class DeepseekV4CausalLM(nn.Module):
         with_mtp: bool = False,
     ) -> None:
         super().__init__()
-        if tp.size > 1:
-            raise ValueError("DeepSeek-V4 has no tensor-parallel attention yet; serve it with --tp 1")
         if with_mtp:
             raise ValueError("DeepSeek-V4's MTP layers are not built yet; serve it without mtp drafts")
         if cfg.weight_quant is not None:
@@ -113,7 +117,7 @@ class DeepseekV4CausalLM(nn.Module):
             torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device), requires_grad=False
         )
         self.layers = nn.ModuleList(
-            V4DecoderLayer(cfg, i, dispatcher, dtype, device, ops) for i in range(cfg.num_layers)
+            V4DecoderLayer(cfg, i, dispatcher, dtype, device, tp, ops) for i in range(cfg.num_layers)
         )
         self.hc_head = HyperHead(hc, cfg.hidden_size, cfg.rms_norm_eps, device)
         self.norm = Float32RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device)
