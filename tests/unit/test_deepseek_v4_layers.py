@@ -126,3 +126,42 @@ def test_what_is_not_built_is_refused_by_name(reference, change, match):
     dispatcher = LocalDispatcher(ExpertPlacement.contiguous(cfg.num_experts))
     with pytest.raises(ValueError, match=match):
         DeepseekV4CausalLM(cfg, dispatcher, torch.float32, with_mtp=change.get("with_mtp", False))
+
+
+def test_released_config_form_parses_as_transformers_form(reference):
+    """DeepSeek's config.json: per-layer `compress_ratios`, `num_hash_layers`, flat rope keys."""
+    model, cfg = reference
+    raw = {**model.config.to_dict(), "architectures": ["DeepseekV4ForCausalLM"]}
+    for key in ("layer_types", "mlp_layer_types", "compress_rates", "rope_parameters", "partial_rotary_factor"):
+        raw.pop(key)
+    raw.update(
+        compress_ratios=[0, 4, 128, 4],
+        compress_rate_hca=16,  # the tiny model's HCA ratio; released configs say 128
+        num_hash_layers=2,
+        qk_rope_head_dim=8,
+        rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+    )
+    released = parse_config(raw)
+    assert released.compressed_attention == cfg.compressed_attention
+    assert (released.rope, released.hash_moe_layers) == (cfg.rope, cfg.hash_moe_layers)
+
+
+def test_released_tensor_names_load_alike(make_checkpoint, tmp_path):
+    """The release's top-level names (`embed`, `hc_head_fn`, no `model.` prefix) and transformers'
+    save of the same layout load the same weights."""
+    from safetensors.torch import load_file, save_file
+
+    from moeserve.models import load_model
+
+    folder = make_checkpoint("deepseek_v4")
+    tensors = load_file(folder / "model.safetensors")
+    top = {"model.embed_tokens.weight": "embed.weight", "model.hc_head.hc_fn": "hc_head_fn"}
+    top |= {"model.hc_head.hc_base": "hc_head_base", "model.hc_head.hc_scale": "hc_head_scale"}
+    released = {top.get(k, k.removeprefix("model.")): v for k, v in tensors.items()}
+    for f in folder.iterdir():
+        if f.suffix != ".safetensors":
+            (tmp_path / f.name).write_bytes(f.read_bytes())
+    save_file(released, tmp_path / "model.safetensors")
+    ours, theirs = load_model(folder), load_model(tmp_path)
+    for (name, a), (_, b) in zip(ours.state_dict().items(), theirs.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name

@@ -75,8 +75,9 @@ def _ropes(c: HFConfig, rotary_dim: int) -> tuple[RopeConfig, RopeConfig]:
             **{k: v for k, v in params.items() if k not in ("main", "compress")},
         }
         main = {"rope_type": "default", "rope_theta": c.get("rope_theta", 10000.0)}
-        compress = {"rope_type": "default", **flat, "rope_theta": c.get("compress_rope_theta", 160000.0)}
-        if compress.get("rope_type", compress.get("type")) == "yarn":
+        kind = flat.get("rope_type", flat.get("type", "default"))  # older configs say `type`
+        compress = {**flat, "rope_type": kind, "rope_theta": c.get("compress_rope_theta", 160000.0)}
+        if kind == "yarn":
             compress.setdefault("attention_factor", 1.0)  # the reference leaves cos/sin unscaled
     return tuple(  # type: ignore[return-value]
         HFConfig({**c.raw, "rope_parameters": p, "rope_scaling": None}).rope(rotary_dim, interleaved=True)
