@@ -3,17 +3,18 @@ out or moves cache (see docs/architecture.md, "Cache specs").
 
 Two kinds, both torch-free so the scheduler and `moeserve plan` read them without a model:
 
-- `PagedSpec`: entries that grow with the context, kept in the block pool; every paged layer of
-  a model shares one block table (a block id covers `block_size` positions in each of them).
-  Full attention's K and V and MLA's latent are paged.
+- `PagedSpec`: entries that grow with the context, kept in the block pool; paged specs with the
+  same (tokens per entry, window) form a group that shares one block table (a block id covers
+  `block_size` entries in each of them). Full attention's K and V, MLA's latent and DSA's
+  indexer keys are paged, one entry per position, in the one group today's models have.
 - `StateSpec`: tensors of a fixed size per sequence whatever its length (Gated DeltaNet's conv
-  and recurrent states), held in one slot per running sequence.
+  and recurrent states, DeepSeek-V4's open compression window), held in one slot per running
+  sequence.
 
-A layer that keeps several paged tensors declares them as a tuple of `PagedSpec`s (a DSA layer:
-its MLA latent and its indexer keys), all in the one paged group: one block id covers
-`block_size` positions of each.
+A layer that keeps several tensors declares them as a tuple (a DSA layer: its MLA latent and its
+indexer keys; a DeepSeek-V4 layer: its window, compressed entries, indexer keys and open window).
 
-`CacheSpecs` is the model's list, one spec per layer (the MTP layers' after the decoder's).
+`CacheSpecs` is the model's list, one entry per layer (the MTP layers' after the decoder's).
 """
 
 from __future__ import annotations
@@ -27,17 +28,29 @@ ITEMSIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
 @dataclass(frozen=True)
 class PagedSpec:
     """A layer's cache tensor is `leading + (num_blocks, block_size) + per_token` in `dtype`:
-    K and V `(2,) + (..) + (Hkv, D)`, MLA's latent `() + (..) + (rank + rope,)`; this rank's share."""
+    K and V `(2,) + (..) + (Hkv, D)`, MLA's latent `() + (..) + (rank + rope,)`; this rank's share.
+
+    `tokens_per_entry`: context positions per entry (DeepSeek-V4's compressed caches: 4 or 128),
+    so a block covers `block_size x tokens_per_entry` positions. `window`: only the last `window`
+    positions are ever read (V4's sliding window), so blocks wholly behind it can go back. Specs
+    with the same pair share one block table (a group, `group_key`)."""
 
     leading: tuple[int, ...]
     per_token: tuple[int, ...]
     dtype: str
+    tokens_per_entry: int = 1
+    window: int | None = None
 
     def shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         return (*self.leading, num_blocks, block_size, *self.per_token)
 
     @property
+    def group_key(self) -> tuple[int, int | None]:
+        return self.tokens_per_entry, self.window
+
+    @property
     def bytes_per_token(self) -> int:
+        """Bytes of one entry (one position's when `tokens_per_entry` is 1)."""
         return math.prod(self.leading) * math.prod(self.per_token) * ITEMSIZES[self.dtype]
 
 
@@ -54,7 +67,8 @@ class StateSpec:
         return sum(math.prod(s) * ITEMSIZES[d] for s, d in zip(self.shapes, self.dtypes, strict=True))
 
 
-LayerSpec = PagedSpec | StateSpec | tuple[PagedSpec, ...]
+Spec = PagedSpec | StateSpec
+LayerSpec = Spec | tuple[Spec, ...]
 
 
 @dataclass(frozen=True)
@@ -62,26 +76,34 @@ class CacheSpecs:
     layers: tuple[LayerSpec, ...]
 
     @property
-    def has_state(self) -> bool:
-        """Whether a sequence's cache includes a state: such a sequence starts from position 0 or
-        from a saved state (a prefix-cache hit), and steps back past rejected drafts only to a
-        state kept for it."""
-        return any(isinstance(spec, StateSpec) for spec in self.layers)
+    def specs(self) -> tuple[Spec, ...]:
+        """Every spec of every layer, a layer's several in their order."""
+        return tuple(p for s in self.layers for p in (s if isinstance(s, tuple) else (s,)))
 
     @property
     def paged(self) -> tuple[PagedSpec, ...]:
         """Every paged tensor of every layer, a layer's several in their order."""
-        return tuple(
-            p for s in self.layers if not isinstance(s, StateSpec) for p in (s if isinstance(s, tuple) else (s,))
-        )
+        return tuple(s for s in self.specs if isinstance(s, PagedSpec))
+
+    @property
+    def groups(self) -> tuple[tuple[int, int | None], ...]:
+        """The block-table groups the paged specs form (`PagedSpec.group_key`), in first-seen order."""
+        return tuple(dict.fromkeys(s.group_key for s in self.paged))
+
+    @property
+    def has_state(self) -> bool:
+        """Whether a sequence's cache includes a state: such a sequence starts from position 0 or
+        from a saved state (a prefix-cache hit), and steps back past rejected drafts only to a
+        state kept for it."""
+        return any(isinstance(s, StateSpec) for s in self.specs)
 
     def bytes_per_block(self, block_size: int) -> int:
-        """One block id's bytes: its `block_size` positions in every paged tensor."""
+        """One block id's bytes: its `block_size` entries in every paged tensor."""
         return block_size * sum(s.bytes_per_token for s in self.paged)
 
     @property
     def state_bytes_per_sequence(self) -> int:
-        return sum(s.bytes_per_sequence for s in self.layers if isinstance(s, StateSpec))
+        return sum(s.bytes_per_sequence for s in self.specs if isinstance(s, StateSpec))
 
     def bytes_per_sequence(self, num_tokens: int, block_size: int) -> int:
         """A sequence of `num_tokens` positions: its whole blocks and its state."""

@@ -21,8 +21,10 @@ from moeserve.engine_config import CacheConfig, EngineConfig, ParallelConfig, SL
 __all__ = [
     "DTYPES",
     "CacheConfig",
+    "CompressedAttentionConfig",
     "EngineConfig",
     "GatedActivation",
+    "HyperConnectionConfig",
     "LinearAttentionConfig",
     "MLAConfig",
     "ModelConfig",
@@ -136,6 +138,39 @@ class LinearAttentionConfig:
 
 
 @dataclass(frozen=True)
+class CompressedAttentionConfig:
+    """DeepSeek-V4's attention: shared-KV MQA (one `head_dim` head read as key and value) over a
+    sliding window of `window` tokens, plus, by layer, entries compressed from every
+    `compress_ratios[i]` tokens (0: the window only; 4: CSA, whose entries a lightning indexer
+    narrows to `index_topk` per query; 128 or any other ratio: HCA, attended densely). q from a
+    low-rank `q_lora_rank` projection; the output projected per group of heads (`o_groups`, each to
+    `o_lora_rank`) then mixed. Window-only layers rotate with the model's `RopeConfig`, the
+    compressed ones (their queries, window keys and entries alike) with `compress_rope`."""
+
+    q_lora_rank: int
+    o_groups: int
+    o_lora_rank: int
+    window: int
+    compress_ratios: tuple[int, ...]
+    sparse_ratio: int  # the ratio whose layers run the indexer (CSA)
+    index_n_heads: int
+    index_head_dim: int
+    index_topk: int
+    compress_rope: RopeConfig
+
+
+@dataclass(frozen=True)
+class HyperConnectionConfig:
+    """DeepSeek-V4's manifold-constrained hyper-connections: the residual is `mult` streams, mixed
+    around each block by a matrix Sinkhorn-normalised over `sinkhorn_iters` iterations (`eps`: the
+    floor of every normalisation)."""
+
+    mult: int
+    sinkhorn_iters: int
+    eps: float
+
+
+@dataclass(frozen=True)
 class RouterConfig:
     """How router logits become top-k expert ids and weights.
 
@@ -146,9 +181,11 @@ class RouterConfig:
     choosing, group-limited selection, optional renormalisation, then a global scale (GLM-4.5
     alike; MiniMax-M2 with one group).
     `topk_softmax`: gpt-oss — top-k of the raw logits, then softmax over the k picked logits.
+    `sqrtsoftplus`: DeepSeek-V4 — scores sqrt(softplus(logit)), chosen with the correction bias,
+    always renormalised, then scaled.
     """
 
-    kind: Literal["softmax", "grouped_sigmoid", "topk_softmax"]
+    kind: Literal["softmax", "grouped_sigmoid", "topk_softmax", "sqrtsoftplus"]
     top_k: int
     renormalize: bool
     num_groups: int = 1
@@ -166,9 +203,10 @@ class GatedActivation:
     `silu`: silu(gate) * up (every architecture but gpt-oss).
     `clamped_swiglu`: gpt-oss — gate clamped above at `limit`, up to [-limit, limit], then
     (up + 1) * gate * sigmoid(alpha * gate).
+    `clamped_silu`: DeepSeek-V4 — the same clamps, then the plain silu(gate) * up.
     """
 
-    kind: Literal["silu", "clamped_swiglu"] = "silu"
+    kind: Literal["silu", "clamped_swiglu", "clamped_silu"] = "silu"
     alpha: float = 1.702
     limit: float = 7.0
 
@@ -280,6 +318,15 @@ class ModelConfig:
     zero_centered_norms: bool = False
     """Qwen3-Next, Qwen3.5: every RMSNorm (not the DeltaNet's gated one) scales by `1 + weight`; the
     loader stores `1 + weight`, so the layers are the usual ones."""
+    compressed_attention: CompressedAttentionConfig | None = None
+    """DeepSeek-V4: every layer's attention is `CompressedAttention` (None: attention or MLA)."""
+    hyper_connections: HyperConnectionConfig | None = None
+    """DeepSeek-V4: the residual stream is several streams mixed by hyper-connections."""
+    hash_moe_layers: tuple[bool, ...] = ()
+    """Per layer: its MoE routes by the token id (DeepSeek-V4's `hash_moe`, a `tid2eid` table);
+    empty: every MoE layer routes by its router's scores."""
+    shared_expert_activation: bool = False
+    """DeepSeek-V4: the shared expert applies `expert_activation` too (its clamps); else plain silu."""
     num_mtp_layers: int = 0
     """Multi-token prediction layers the checkpoint stores after its decoder layers (DeepSeek-V3's
     and GLM-4.5's `num_nextn_predict_layers`); loaded only to draft (`spec_decode` method mtp)."""

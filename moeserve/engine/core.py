@@ -136,6 +136,12 @@ def build_scheduler(config: EngineConfig, model_config: ModelConfig, dtype: torc
     cache, parallel = config.cache, config.parallel
     mtp_layers = model_config.num_mtp_layers if config.mtp_drafts else 0
     specs = cache_specs(model_config, dtype, parallel.tp, mtp_layers)
+    if len(specs.groups) > 1:
+        raise ValueError(
+            f"{model_config.architecture}: its paged caches form {len(specs.groups)} block-table groups "
+            f"(tokens per entry, window: {list(specs.groups)}); the scheduler hands each request one table "
+            "and the runner feeds one, so serving it is not built yet"
+        )
     if specs.has_state:
         refusal = state_refusal(config)
         if refusal is not None:

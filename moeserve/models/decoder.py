@@ -28,6 +28,7 @@ from moeserve.models.layers.norm import RMSNorm
 from moeserve.models.layers.rotary import RotaryEmbedding
 from moeserve.models.mtp import MTPLayer
 from moeserve.models.tensor_parallel import SINGLE, TensorParallel
+from moeserve.models.v4.cache import layer_specs as v4_layer_specs
 from moeserve.ops import TORCH_OPS, LayerOps
 from moeserve.ops.attention import AttentionPlan
 from moeserve.ops.state_batch import StateStep
@@ -47,6 +48,8 @@ def kv_cache_shape(cfg: ModelConfig, num_blocks: int, block_size: int, tp_size: 
 def cache_specs(cfg: ModelConfig, dtype: torch.dtype, tp_size: int = 1, mtp_layers: int = 0) -> CacheSpecs:
     """What each layer keeps on a rank of a `tp_size`-way group: the decoder layers', then the
     `mtp_layers` MTP layers' (attention, as the last layer's kind), known without a model."""
+    if cfg.compressed_attention is not None:  # DeepSeek-V4: several specs per layer
+        return CacheSpecs(tuple(v4_layer_specs(cfg, i, dtype) for i in range(cfg.num_layers)))
     attention_cls = MLAttention if cfg.is_mla else Attention
 
     def spec(layer: int) -> LayerSpec:

@@ -36,6 +36,8 @@ from moeserve.models.quantized_sources import (
     scale_grid,
 )
 from moeserve.models.tensor_parallel import SINGLE, TensorParallel, shard_of
+from moeserve.models.v4.model import DeepseekV4CausalLM
+from moeserve.models.v4.weights import layout_of, v4_source
 from moeserve.models.weight_sources import check_sources, checkpoint_shape, layer_source, rows_source, weight_source
 from moeserve.ops import TORCH_OPS, LayerOps
 
@@ -81,17 +83,22 @@ def load_model(
         raise ValueError(f"{cfg.architecture} cannot run on kernels={ops.name}: {reason}")
     if with_mtp:
         _check_mtp(cfg, expert_map, reader, arch.names.model_prefix)
-    model = MoECausalLM(cfg, dispatcher, dtype, device, tp, ops, with_mtp)
+    model_cls = MoECausalLM if cfg.compressed_attention is None else DeepseekV4CausalLM
+    model = model_cls(cfg, dispatcher, dtype, device, tp, ops, with_mtp)
     experts_by_layer = {layer: expert_map.local_logical(i, placement.rank) for i, layer in enumerate(moe_layers)}
     for i in range(len(model.mtp)):
         experts_by_layer[cfg.num_layers + i] = expert_map.local_logical(0, placement.rank)
     targets = {name: p for name, p in model.named_parameters()}
     names = checkpoint_names(arch.names, cfg, reader)
-    sources = {
-        name: rows_source(name, param, names)
-        or weight_source(name, names, experts_by_layer, cfg.num_experts, cfg.num_layers)
-        for name, param in targets.items()
-    }
+    if cfg.compressed_attention is not None:
+        layout = layout_of(reader)
+        sources = {name: v4_source(name, layout, experts_by_layer) for name in targets}
+    else:
+        sources = {
+            name: rows_source(name, param, names)
+            or weight_source(name, names, experts_by_layer, cfg.num_experts, cfg.num_layers)
+            for name, param in targets.items()
+        }
     mxfp4 = mxfp4_sources(sources, targets, reader, cfg.weight_quant)
     packed, dequantized = {}, {}
     if isinstance(cfg.weight_quant, PackedInt4Config | NVFP4Config):

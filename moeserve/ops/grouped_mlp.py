@@ -37,6 +37,8 @@ def gated(gate: torch.Tensor, up: torch.Tensor, activation: GatedActivation | No
         return F.silu(gate) * up
     gate = gate.clamp(max=activation.limit)
     up = up.clamp(-activation.limit, activation.limit)
+    if activation.kind == "clamped_silu":
+        return F.silu(gate) * up
     return (up + 1) * (gate * torch.sigmoid(gate * activation.alpha))
 
 

@@ -119,6 +119,8 @@ class TorchOps(LayerOps[TorchAttentionPlan]):
         num_tokens, num_experts = logits.shape
         if cfg.kind == "grouped_sigmoid":
             return _grouped_sigmoid(cfg, logits, correction_bias)
+        if cfg.kind == "sqrtsoftplus":
+            return _sqrtsoftplus(cfg, logits, correction_bias)
         if cfg.kind == "topk_softmax":  # gpt-oss: softmax over the k best logits only
             top, ids = torch.topk(logits, cfg.top_k, dim=-1)
             return ids, torch.softmax(top, dim=1, dtype=top.dtype).float()
@@ -144,6 +146,23 @@ class TorchOps(LayerOps[TorchAttentionPlan]):
         rows = x.index_select(0, order // topk_ids.shape[1])
         out = grouped_mlp(rows, counts, w13, w2, b13, b2, activation)
         return torch.empty_like(rows).index_copy_(0, order, out)
+
+
+def sqrtsoftplus_weights(cfg: RouterConfig, scores: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """DeepSeek-V4's weights of the chosen experts `ids [T, K]` from all scores `[T, E]`:
+    renormalised whatever `norm_topk_prob` says (as transformers does), then scaled."""
+    weights = scores.gather(1, ids)
+    return (weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)) * cfg.routed_scaling_factor
+
+
+def _sqrtsoftplus(
+    cfg: RouterConfig, logits: torch.Tensor, correction_bias: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V4's learned routing: the correction bias only chooses."""
+    scores = F.softplus(logits.float()).sqrt()
+    biased = scores if correction_bias is None else scores + correction_bias
+    ids = torch.topk(biased, cfg.top_k, dim=-1, sorted=False).indices
+    return ids, sqrtsoftplus_weights(cfg, scores, ids).float()
 
 
 def _grouped_sigmoid(

@@ -70,6 +70,8 @@ class TritonOps(LayerOps[TritonAttentionPlan]):
             return "the Triton kernels have no MXFP4 (FP4 x bf16) expert GEMM yet; use kernels=torch for MXFP4 weights"
         if isinstance(cfg.weight_quant, BlockFP8Config) and group_problem(cfg.weight_quant.block[1]) is not None:
             return f"{group_problem(cfg.weight_quant.block[1])}; use kernels=torch"
+        if cfg.compressed_attention is not None:
+            return "the Triton kernels have no DeepSeek-V4 compressed attention nor its routing yet; use kernels=torch"
         if cfg.attention_sinks:
             return "the Triton attention kernels have no attention sinks (gpt-oss); use kernels=torch"
         if cfg.expert_bias or cfg.expert_activation.kind != "silu":

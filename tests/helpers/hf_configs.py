@@ -17,6 +17,7 @@ def hf_config(arch: str, **overrides: Any):
     from transformers import (
         DeepseekV2Config,
         DeepseekV3Config,
+        DeepseekV4Config,
         DeepseekV32Config,
         Glm4MoeConfig,
         GlmMoeDsaConfig,
@@ -173,6 +174,37 @@ def hf_config(arch: str, **overrides: Any):
         else:  # three DeltaNets then one full attention (transformers' default interval of 4)
             del cfg["intermediate_size"]
             cls = Qwen3_5MoeTextConfig
+    elif arch == "deepseek_v4":  # every mechanism within reach of 40-token prompts
+        cfg = dict(
+            common,
+            num_hidden_layers=4,
+            num_key_value_heads=1,
+            head_dim=32,
+            partial_rotary_factor=0.25,
+            q_lora_rank=24,
+            o_groups=2,
+            o_lora_rank=16,
+            moe_intermediate_size=32,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            swiglu_limit=1.0,  # low enough that the tiny model's gate and up values get clamped
+            layer_types=[
+                "sliding_attention",
+                "compressed_sparse_attention",
+                "heavily_compressed_attention",
+                "compressed_sparse_attention",
+            ],
+            compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
+            mlp_layer_types=["hash_moe", "hash_moe", "moe", "moe"],
+            sliding_window=8,
+            index_n_heads=8,  # ReLU scores of all heads zero (a tie top-k breaks as it likes) stay rare
+            index_head_dim=16,
+            index_topk=3,
+            hc_mult=4,
+            rope_parameters=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=64),
+        )
+        del cfg["intermediate_size"]
+        cls = DeepseekV4Config
     else:
         raise ValueError(arch)
     cfg.update(overrides)
@@ -196,6 +228,8 @@ def write_checkpoint(folder: Path, tokenizer_dir: Path, arch: str, seed: int = 0
     for name, buf in model.named_buffers():
         if name.endswith("e_score_correction_bias"):
             buf.normal_(0.0, 0.05)
+    if arch == "deepseek_v4":
+        randomize_deepseek_v4(model)
     hybrid = arch.startswith(("qwen3_next", "qwen3_5"))
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -207,3 +241,20 @@ def write_checkpoint(folder: Path, tokenizer_dir: Path, arch: str, seed: int = 0
     for f in tokenizer_dir.iterdir():
         shutil.copy(f, folder / f.name)
     return folder
+
+
+def randomize_deepseek_v4(model: torch.nn.Module) -> None:
+    """What DeepSeek-V4's init leaves zero or constant (sinks, pooling position biases, the
+    hyper-connections' biases) drawn at random, and each token's `tid2eid` experts distinct, so
+    every path of a tiny model shapes its output."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("sinks", "position_bias", ".base", "hc_base")):
+                param.normal_(0.0, 0.5)
+            elif name.endswith((".scale", "hc_scale")):
+                param.uniform_(0.5, 1.5)
+        for name, buf in model.named_buffers():
+            if name.endswith("tid2eid"):
+                vocab, top_k = buf.shape
+                experts = model.config.n_routed_experts
+                buf.copy_(torch.rand(vocab, experts).argsort(dim=-1)[:, :top_k])

@@ -8,6 +8,7 @@ from typing import Any
 from moeserve.config import ModelConfig
 from moeserve.models.architectures import (
     deepseek,
+    deepseek_v4,
     deepseek_v32,
     glm4_moe,
     gpt_oss,
@@ -27,7 +28,18 @@ ARCHITECTURES: dict[str, Architecture] = {
     for arch in (
         *(
             m.ARCHITECTURE
-            for m in (mixtral, qwen_moe, deepseek, deepseek_v32, olmoe, glm4_moe, minimax_m2, gpt_oss, kimi_k25)
+            for m in (
+                mixtral,
+                qwen_moe,
+                deepseek,
+                deepseek_v32,
+                deepseek_v4,
+                olmoe,
+                glm4_moe,
+                minimax_m2,
+                gpt_oss,
+                kimi_k25,
+            )
         ),
         *qwen3_next.ARCHITECTURES,
     )

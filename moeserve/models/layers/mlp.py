@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from moeserve.config import GatedActivation
 from moeserve.models.fp8 import stored_weight
 from moeserve.ops import TORCH_OPS, LayerOps
+from moeserve.ops.grouped_mlp import gated
 
 
 class GatedMLP(nn.Module):
@@ -18,9 +19,11 @@ class GatedMLP(nn.Module):
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
         ops: LayerOps = TORCH_OPS,
+        activation: GatedActivation | None = None,
     ) -> None:
         super().__init__()
         self.ops = ops
+        self.activation = activation  # None: silu(gate) * up; DeepSeek-V4's shared expert clamps
         self.intermediate = intermediate
         # gate and up stacked in one GEMM: [2I, H]
         self.gate_up = nn.Parameter(
@@ -30,4 +33,4 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.ops.linear(x, stored_weight(self, "gate_up")).chunk(2, dim=-1)
-        return self.ops.linear(F.silu(gate) * up, stored_weight(self, "down"))
+        return self.ops.linear(gated(gate, up, self.activation), stored_weight(self, "down"))

@@ -27,7 +27,7 @@ from moeserve.dispatch.replicas import ReplicaTable
 from moeserve.dispatch.wire import rows_per_destination
 from moeserve.models.layers.experts import Experts
 from moeserve.models.layers.mlp import GatedMLP
-from moeserve.models.layers.router import Router
+from moeserve.models.layers.router import HashRouter, Router
 from moeserve.ops import TORCH_OPS, LayerOps
 
 T = TypeVar("T")
@@ -41,11 +41,16 @@ class MoEBlock(nn.Module):
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
         ops: LayerOps = TORCH_OPS,
+        hash_routed: bool = False,
     ) -> None:
         super().__init__()
         self.dispatcher = dispatcher
         num_local = dispatcher.placement.num_local_experts
-        self.router = Router(cfg.router, cfg.hidden_size, cfg.num_experts, dtype, device, ops)
+        self.router: Router | HashRouter = (
+            HashRouter(cfg.router, cfg.hidden_size, cfg.num_experts, cfg.vocab_size, dtype, device)
+            if hash_routed
+            else Router(cfg.router, cfg.hidden_size, cfg.num_experts, dtype, device, ops)
+        )
         self.experts = Experts(
             num_local,
             cfg.hidden_size,
@@ -79,7 +84,8 @@ class MoEBlock(nn.Module):
         self.shared = None
         self.shared_gate = None
         if cfg.shared_expert_intermediate_size:
-            self.shared = GatedMLP(cfg.hidden_size, cfg.shared_expert_intermediate_size, dtype, device, ops)
+            activation = cfg.expert_activation if cfg.shared_expert_activation else None
+            self.shared = GatedMLP(cfg.hidden_size, cfg.shared_expert_intermediate_size, dtype, device, ops, activation)
             if cfg.shared_expert_gated:
                 self.shared_gate = nn.Parameter(
                     torch.empty(1, cfg.hidden_size, dtype=dtype, device=device), requires_grad=False
@@ -113,16 +119,26 @@ class MoEBlock(nn.Module):
                 self.router.num_experts, dtype=torch.int64, device=self.routed_tokens.device
             )
 
-    def forward(self, x: torch.Tensor, max_tokens_per_rank: int | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, max_tokens_per_rank: int | None = None, token_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """x `[T, H]` -> `[T, H]`. max_tokens_per_rank: this step's bound on T over the EP group
-        (see `Dispatcher.dispatch`); None where none is known."""
-        return finish(self.forward_steps(x, max_tokens_per_rank))
+        (see `Dispatcher.dispatch`); None where none is known. token_ids `[T]`: the tokens of
+        x's rows, which a hash-routed block routes by (others ignore them)."""
+        return finish(self.forward_steps(x, max_tokens_per_rank, token_ids))
 
-    def forward_steps(self, x: torch.Tensor, max_tokens_per_rank: int | None = None) -> Steps[torch.Tensor]:
+    def forward_steps(
+        self, x: torch.Tensor, max_tokens_per_rank: int | None = None, token_ids: torch.Tensor | None = None
+    ) -> Steps[torch.Tensor]:
         """forward() in steps: yields while the dispatch or the combine waits for peers, and at
         least once after each. Every rank yields equally often for equal calls, provided the
         dispatcher's steps do (the `torch` backend's number depends only on the step's bound)."""
-        topk_ids, topk_weights = self.router(x)  # [T, K] logical ids, [T, K]
+        if isinstance(self.router, HashRouter):
+            if token_ids is None:
+                raise ValueError("a hash-routed MoE block needs the token ids of its rows")
+            topk_ids, topk_weights = self.router(x, token_ids)
+        else:
+            topk_ids, topk_weights = self.router(x)  # [T, K] logical ids, [T, K]
         weights = self._pair_weights(topk_ids)  # [T, K] int64 or None: what each pair counts
         if self.logical_load is not None:
             self.logical_load += count_per_expert(topk_ids, self.logical_load.shape[0], weights)

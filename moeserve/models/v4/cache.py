@@ -1,0 +1,106 @@
+"""DeepSeek-V4's cache, declared as specs, and how a step reads and writes it.
+
+Per layer: the window's keys (one `head_dim` row per position, `PagedSpec` with `window`: only the
+last `window` positions are read, so blocks behind them can go back); on a compressed layer its
+entries (one row per `ratio` positions, `tokens_per_entry`), on a CSA layer the indexer's keys
+too (the same group); and the open compression window as a state (`StateSpec`): the projected
+values and raw gates of the up to `ratio - 1` positions not yet pooled, and on a CSA layer the
+last closed window's Ca values and biased gates its next entry pools with (the indexer's alike).
+
+A step hands each sequence's block table per group (keyed by `PagedSpec.group_key`) and its
+state slot (`SequenceView`); the tables index absolute rows: row i of a group lies in block
+`table[i // block_size]` at `i % block_size`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moeserve.cache_spec import PagedSpec, Spec, StateSpec
+from moeserve.config import DTYPES, ModelConfig
+from moeserve.engine_config import dtype_name
+
+
+def layer_specs(cfg: ModelConfig, layer: int, dtype: torch.dtype) -> tuple[Spec, ...]:
+    """Layer `layer`'s specs: the window's, then the entries' and the indexer keys' (compressed
+    layers; CSA for the keys), then the open window's state (compressed layers)."""
+    ca = cfg.compressed_attention
+    assert ca is not None
+    name, ratio, hd = dtype_name(dtype), ca.compress_ratios[layer], cfg.head_dim
+    specs: list[Spec] = [PagedSpec((), (hd,), name, window=ca.window)]
+    if not ratio:
+        return tuple(specs)
+    specs.append(PagedSpec((), (hd,), name, tokens_per_entry=ratio))
+    sparse = ratio == ca.sparse_ratio
+    state = _open_window(ratio, hd, sparse, name)
+    if sparse:
+        specs.append(PagedSpec((), (ca.index_head_dim,), name, tokens_per_entry=ratio))
+        state = StateSpec(
+            state.shapes + _open_window(ratio, ca.index_head_dim, True, name).shapes,
+            state.dtypes + _open_window(ratio, ca.index_head_dim, True, name).dtypes,
+        )
+    specs.append(state)
+    return tuple(specs)
+
+
+def _open_window(ratio: int, head_dim: int, overlap: bool, dtype: str) -> StateSpec:
+    """A compressor's pending values and gates `[ratio - 1, width]`, with overlap its carry `[ratio, head_dim]` x 2."""
+    width = 2 * head_dim if overlap else head_dim
+    shapes: tuple[tuple[int, ...], ...] = ((ratio - 1, width), (ratio - 1, width))
+    dtypes: tuple[str, ...] = (dtype, dtype)
+    if overlap:
+        shapes, dtypes = shapes + ((ratio, head_dim), (ratio, head_dim)), dtypes + (dtype, "float32")
+    return StateSpec(shapes, dtypes)
+
+
+@dataclass(frozen=True)
+class LayerCache:
+    """One layer's tensors, allocated from `layer_specs`: the window `[N, B, D]`, the entries and
+    indexer keys (None where the layer has none), the open-window state's tensors (slot-major)."""
+
+    window: torch.Tensor
+    entries: torch.Tensor | None = None
+    index_keys: torch.Tensor | None = None
+    state: tuple[torch.Tensor, ...] = ()
+
+
+def allocate(specs: tuple[Spec, ...], num_blocks: int, block_size: int, num_slots: int) -> LayerCache:
+    """Zeroed tensors for one layer's specs (each group's tensor has `num_blocks` blocks)."""
+    paged = [
+        torch.zeros(s.shape(num_blocks, block_size), dtype=DTYPES[s.dtype]) for s in specs if isinstance(s, PagedSpec)
+    ]
+    state = next((s for s in specs if isinstance(s, StateSpec)), None)
+    tensors = ()
+    if state is not None:
+        tensors = tuple(
+            torch.zeros((num_slots, *shape), dtype=DTYPES[d])
+            for shape, d in zip(state.shapes, state.dtypes, strict=True)
+        )
+    return LayerCache(*paged, *([None] * (3 - len(paged))), state=tensors)
+
+
+@dataclass(frozen=True)
+class SequenceView:
+    """One sequence of the step: its first position, its block table per group, its state slot."""
+
+    start: int
+    tables: dict[tuple[int, int | None], torch.Tensor]
+    slot: int
+    block_size: int
+
+    def table(self, spec_key: tuple[int, int | None]) -> torch.Tensor:
+        return self.tables[spec_key]
+
+
+def write_rows(cache: torch.Tensor, table: torch.Tensor, first: int, rows: torch.Tensor, block_size: int) -> None:
+    """Rows `first .. first + len(rows)` of a group's tensor `[N, B, D]` set to `rows`."""
+    index = torch.arange(first, first + rows.shape[0])
+    cache[table[index // block_size], index % block_size] = rows.to(cache.dtype)
+
+
+def read_rows(cache: torch.Tensor, table: torch.Tensor, first: int, end: int, block_size: int) -> torch.Tensor:
+    """Rows `first .. end - 1` of a group's tensor `[N, B, D]`."""
+    index = torch.arange(first, end)
+    return cache[table[index // block_size], index % block_size]

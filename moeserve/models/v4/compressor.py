@@ -1,0 +1,178 @@
+"""DeepSeek-V4's compressors: every `ratio` tokens of a layer pooled into one attention entry.
+
+Each token projects to a value `kv` and a gate; a window's entry is the softmax-gated sum (over
+the window's tokens, per channel, with a learnt bias per position in the window) of its values,
+RMS-normalised and rotated at position `entry * ratio`. HCA (`overlap` off) pools each window
+alone. CSA (`overlap` on) projects two series per token, Ca and Cb, and its entry w pools window
+w's Cb with window w - 1's Ca, so it spans 2 x ratio tokens with stride ratio: what carries from
+one window to the next is the previous window's Ca values and gates (`Overlap`).
+
+The lightning indexer of a CSA layer is such a compressor at its own small head size, whose
+entries score each query (`sum_h w_h * relu(q_h . k)`) to keep the `index_topk` best entries the
+query may see.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moeserve.models.layers.linear import Linear
+from moeserve.models.v4.cache import read_rows, write_rows
+from moeserve.models.v4.norm import Float32RMSNorm
+from moeserve.models.v4.rotary import TailRotary, rotate_tail
+from moeserve.ops import TORCH_OPS, LayerOps
+
+
+@dataclass(frozen=True)
+class Overlap:
+    """A CSA compressor's carry: the last closed window's Ca values and biased gates `[ratio, D]`."""
+
+    kv: torch.Tensor
+    gate: torch.Tensor
+
+
+class Compressor(nn.Module):
+    def __init__(
+        self,
+        hidden: int,
+        head_dim: int,
+        ratio: int,
+        overlap: bool,
+        eps: float,
+        rotary: TailRotary,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+        ops: LayerOps = TORCH_OPS,
+    ) -> None:
+        super().__init__()
+        self.head_dim, self.ratio, self.overlap = head_dim, ratio, overlap
+        width = 2 * head_dim if overlap else head_dim
+        self.kv_proj = Linear(hidden, width, False, dtype, device, ops)
+        self.gate_proj = Linear(hidden, width, False, dtype, device, ops)
+        self.position_bias = nn.Parameter(torch.empty(ratio, width, device=device), requires_grad=False)
+        self.kv_norm = Float32RMSNorm(head_dim, eps, device)
+        self.rotary = rotary
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x `[S, H]` -> each token's values and gates `[S, width]`."""
+        return self.kv_proj(x), self.gate_proj(x)
+
+    def pool(
+        self, kv: torch.Tensor, gate: torch.Tensor, first_entry: int, carry: Overlap | None
+    ) -> tuple[torch.Tensor, Overlap | None]:
+        """The entries of n closed windows: kv, gate `[n * ratio, width]`, the window of entry
+        `first_entry` first; `carry`: the window before's (None at the sequence's first) ->
+        (entries `[n, head_dim]`, the carry after them; None without overlap)."""
+        n, r, d = kv.shape[0] // self.ratio, self.ratio, self.head_dim
+        kv = kv.view(n, r, -1)
+        gate = gate.view(n, r, -1) + self.position_bias
+        next_carry = None
+        if self.overlap:
+            pooled_kv = kv.new_zeros((n, 2 * r, d))
+            pooled_gate = gate.new_full((n, 2 * r, d), float("-inf"))
+            pooled_kv[:, r:], pooled_gate[:, r:] = kv[..., d:], gate[..., d:]
+            pooled_kv[1:, :r], pooled_gate[1:, :r] = kv[:-1, :, :d], gate[:-1, :, :d]
+            if carry is not None:
+                pooled_kv[0, :r], pooled_gate[0, :r] = carry.kv.to(kv.dtype), carry.gate.to(gate.dtype)
+            next_carry = Overlap(kv[-1, :, :d].clone(), gate[-1, :, :d].clone())
+            kv, gate = pooled_kv, pooled_gate
+        entries = self.kv_norm((kv * gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)).sum(dim=1))
+        positions = (torch.arange(n, device=kv.device) + first_entry) * r
+        cos, sin = self.rotary.cos_sin(positions, entries.dtype)
+        return rotate_tail(entries, cos, sin), next_carry
+
+    def extend(
+        self,
+        x: torch.Tensor,
+        start: int,
+        cache: torch.Tensor,
+        table: torch.Tensor,
+        block_size: int,
+        state: tuple[torch.Tensor, ...],
+        slot: int,
+    ) -> torch.Tensor:
+        """A sequence's next rows x `[n, H]` from position `start`: the windows they close pooled
+        (with the pending positions the state holds) and written to `cache` by `table`, the rest
+        left pending in `state`'s slot -> every entry of the sequence so far `[E, head_dim]`."""
+        kv, gate = self.project(x)
+        pending, first_entry = start % self.ratio, start // self.ratio
+        kv = torch.cat([state[0][slot, :pending], kv])
+        gate = torch.cat([state[1][slot, :pending], gate])
+        usable = kv.shape[0] // self.ratio * self.ratio
+        if usable:
+            carry = Overlap(state[2][slot], state[3][slot]) if self.overlap and first_entry else None
+            entries, carry = self.pool(kv[:usable], gate[:usable], first_entry, carry)
+            write_rows(cache, table, first_entry, entries, block_size)
+            if carry is not None:
+                state[2][slot], state[3][slot] = carry.kv, carry.gate
+        left = kv.shape[0] - usable
+        state[0][slot, :left], state[1][slot, :left] = kv[usable:], gate[usable:]
+        return read_rows(cache, table, 0, (start + x.shape[0]) // self.ratio, block_size)
+
+    def sequence_entries(self, x: torch.Tensor) -> torch.Tensor:
+        """The entries of a whole sequence `[S, H]` from position 0: one per closed window."""
+        usable = x.shape[0] // self.ratio * self.ratio
+        kv, gate = self.project(x[:usable])
+        if not usable:
+            return kv.new_zeros((0, self.head_dim))
+        return self.pool(kv, gate, 0, None)[0]
+
+
+def visible_entries(positions: torch.Tensor, num_entries: int, ratio: int) -> torch.Tensor:
+    """bool `[S, E]`: which entries each query may see, those of windows closed at its position."""
+    return torch.arange(num_entries, device=positions.device)[None, :] < ((positions + 1) // ratio)[:, None]
+
+
+class IndexerScorer(nn.Module):
+    def __init__(
+        self, hidden: int, num_heads: int, dtype: torch.dtype, device: torch.device | str, ops: LayerOps
+    ) -> None:
+        super().__init__()
+        self.weights_proj = Linear(hidden, num_heads, False, dtype, device, ops)
+
+
+class Indexer(Compressor):
+    """The lightning indexer of a CSA layer: its own overlapping compressor at `index_head_dim`,
+    queries from the attention's low-rank q (`q_residual`), rotated by the compressed rotary."""
+
+    def __init__(
+        self,
+        hidden: int,
+        q_lora_rank: int,
+        num_heads: int,
+        head_dim: int,
+        ratio: int,
+        top_k: int,
+        eps: float,
+        rotary: TailRotary,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+        ops: LayerOps = TORCH_OPS,
+    ) -> None:
+        super().__init__(hidden, head_dim, ratio, True, eps, rotary, dtype, device, ops)
+        self.num_heads, self.top_k = num_heads, top_k
+        self.q_b_proj = Linear(q_lora_rank, num_heads * head_dim, False, dtype, device, ops)
+        self.scorer = IndexerScorer(hidden, num_heads, dtype, device, ops)
+
+    def select(
+        self, x: torch.Tensor, q_residual: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor
+    ) -> torch.Tensor:
+        """Queries' rows x `[S, H]`, q_residual `[S, q_lora]` at `positions [S]`, the indexer's
+        entries `keys [E, Di]` -> bool `[S, E]`: the entries each query attends (its top_k best
+        scoring among those it may see)."""
+        num_tokens, num_entries = x.shape[0], keys.shape[0]
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        q = rotate_tail(self.q_b_proj(q_residual).view(num_tokens, self.num_heads, self.head_dim), cos, sin)
+        scores = F.relu(torch.einsum("shd,ed->she", q.float(), keys.float())) * self.head_dim**-0.5
+        weights = self.scorer.weights_proj(x).float() * self.num_heads**-0.5  # [S, Hi]
+        scores = (scores * weights.unsqueeze(-1)).sum(dim=1)  # [S, E]
+        visible = visible_entries(positions, num_entries, self.ratio)
+        chosen = torch.zeros_like(visible)
+        if num_entries:
+            top = scores.masked_fill(~visible, float("-inf")).topk(min(self.top_k, num_entries), dim=-1).indices
+            chosen.scatter_(1, top, True)
+        return chosen & visible

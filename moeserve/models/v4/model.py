@@ -1,0 +1,152 @@
+"""The DeepSeek-V4 model: embeddings spread over the hyper-connection streams, decoder layers
+(attention then MoE, each between its hyper-connections), the hyper head, the final norm.
+
+A step packs its sequences' tokens (`V4Batch`): attention runs sequence by sequence against each
+one's cache (`CompressedAttention.forward_cached`), the MoE over all tokens at once through the
+dispatcher, hash-routed layers by the token ids. Under tensor parallelism the attention and the
+hyper-connections are replicated on every rank of the group (as transformers' plan keeps them:
+one shared KV head does not split), and each rank's MoE takes its slice of the tokens, gathered
+back after the combine. The bookkeeping of expert load and placement is
+`MoECausalLM`'s, which reads only the layers' MoE blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moeserve.cache_spec import CacheSpecs
+from moeserve.config import ModelConfig
+from moeserve.dispatch import Dispatcher
+from moeserve.models.decoder import MoECausalLM
+from moeserve.models.layers.moe import MoEBlock
+from moeserve.models.tensor_parallel import SINGLE, TensorParallel
+from moeserve.models.v4.attention import CompressedAttention
+from moeserve.models.v4.cache import LayerCache, SequenceView, layer_specs
+from moeserve.models.v4.hyper import HyperConnection, HyperHead, merge
+from moeserve.models.v4.norm import Float32RMSNorm
+from moeserve.ops import TORCH_OPS, LayerOps
+
+
+def cache_specs(cfg: ModelConfig, dtype: torch.dtype) -> tuple[CacheSpecs, ...]:
+    """Each layer's specs (`cache.layer_specs`), one `CacheSpecs` per layer."""
+    return tuple(CacheSpecs(layer_specs(cfg, i, dtype)) for i in range(cfg.num_layers))
+
+
+@dataclass(frozen=True)
+class V4Batch:
+    """A step's sequences in packing order, each with its tokens' count and its cache view."""
+
+    query_lens: tuple[int, ...]
+    sequences: tuple[SequenceView, ...]
+
+
+class V4DecoderLayer(nn.Module):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        layer: int,
+        dispatcher: Dispatcher,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        tp: TensorParallel,
+        ops: LayerOps,
+    ) -> None:
+        super().__init__()
+        hc = cfg.hyper_connections
+        assert hc is not None
+        self.tp = tp
+        self.input_norm = Float32RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device)
+        self.attn = CompressedAttention(cfg, layer, dtype, device, ops)
+        self.post_attn_norm = Float32RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device)
+        self.mlp = MoEBlock(cfg, dispatcher, dtype, device, ops, hash_routed=cfg.hash_moe_layers[layer])
+        self.attn_hc = HyperConnection(hc, cfg.hidden_size, cfg.rms_norm_eps, device)
+        self.ffn_hc = HyperConnection(hc, cfg.hidden_size, cfg.rms_norm_eps, device)
+
+    def forward(
+        self,
+        streams: torch.Tensor,
+        token_ids: torch.Tensor,
+        batch: V4Batch,
+        cache: LayerCache,
+        max_tokens_per_rank: int | None,
+    ) -> torch.Tensor:
+        """streams `[T, N, H]` -> `[T, N, H]`."""
+        post, comb, collapsed = self.attn_hc(streams)
+        normed = self.input_norm(collapsed)
+        mixed = [
+            self.attn.forward_cached(rows, cache, seq)
+            for rows, seq in zip(normed.split(list(batch.query_lens)), batch.sequences, strict=True)
+        ]
+        streams = merge(torch.cat(mixed) if mixed else normed, streams, post, comb)
+        post, comb, collapsed = self.ffn_hc(streams)
+        rows = self.tp.token_slice(token_ids.shape[0])
+        out = self.mlp(self.post_attn_norm(collapsed[rows]), max_tokens_per_rank, token_ids[rows])
+        return merge(self.tp.all_gather_tokens(out, token_ids.shape[0]), streams, post, comb)
+
+
+class DeepseekV4CausalLM(nn.Module):
+    """Parameters named as `MoECausalLM`'s where they match (`embed_tokens`, `layers.N.attn`,
+    `layers.N.mlp`, `norm`, `lm_head`) so that one checkpoint mapping serves both."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        dispatcher: Dispatcher,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+        tp: TensorParallel = SINGLE,
+        ops: LayerOps = TORCH_OPS,
+        with_mtp: bool = False,
+    ) -> None:
+        super().__init__()
+        if with_mtp:
+            raise ValueError("DeepSeek-V4's MTP layers are not built yet; serve it without mtp drafts")
+        if cfg.weight_quant is not None:
+            raise ValueError(
+                "DeepSeek-V4's quantized checkpoints (FP8 with ue8m0 scales, FP4 experts) are not built yet; "
+                "use a bfloat16 or float32 one"
+            )
+        hc = cfg.hyper_connections
+        assert hc is not None
+        self.cfg, self.dtype, self.tp, self.ops = cfg, dtype, tp, ops
+        self.embed_tokens = nn.Parameter(
+            torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device), requires_grad=False
+        )
+        self.layers = nn.ModuleList(
+            V4DecoderLayer(cfg, i, dispatcher, dtype, device, tp, ops) for i in range(cfg.num_layers)
+        )
+        self.hc_head = HyperHead(hc, cfg.hidden_size, cfg.rms_norm_eps, device)
+        self.norm = Float32RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device)
+        self.lm_head = nn.Parameter(
+            torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device), requires_grad=False
+        )
+        self.mtp = nn.ModuleList()
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        batch: V4Batch,
+        caches: list[LayerCache],
+        max_tokens_per_rank: int | None = None,
+    ) -> torch.Tensor:
+        """input_ids `[T]` (the batch's sequences packed) -> final hidden states `[T, H]`."""
+        x = F.embedding(input_ids, self.embed_tokens)
+        streams = x.unsqueeze(1).expand(-1, self.cfg.hyper_connections.mult, -1).contiguous()
+        for layer, cache in zip(self.layers, caches, strict=True):
+            streams = layer(streams, input_ids, batch, cache, max_tokens_per_rank)
+        return self.norm(self.hc_head(streams))
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head).float()
+
+    # Expert bookkeeping reads only `self.layers[i].mlp`: MoECausalLM's serves as it is.
+    moe_blocks = MoECausalLM.moe_blocks
+    set_expert_map = MoECausalLM.set_expert_map
+    rehome = MoECausalLM.rehome
+    counting_rows = MoECausalLM.counting_rows
+    take_dispatch_rows = MoECausalLM.take_dispatch_rows
+    take_routed_tokens = MoECausalLM.take_routed_tokens
