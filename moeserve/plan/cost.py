@@ -102,20 +102,41 @@ def attention_core(shape: ModelShape, hw: Hardware, layout: Layout, work: Work) 
     (MLA absorbed: scores over the 512+64 latent, values over the 512), reading each sequence's
     KV once (`kv_bytes` per token and layer; MTP's drafts share it). MLA's latent is one "head"
     every TP rank holds whole; GQA's KV heads split over TP. Prefill: `prefill_ctx_flops` per
-    pair (MLA not absorbed), compute bound. Heads split over TP, so FLOPs divide by tp."""
+    pair (MLA not absorbed), compute bound. Heads split over TP, so FLOPs divide by tp.
+    DeepSeek Sparse Attention: MLA over the top-k only (`attended_ctx`), plus the indexer."""
     kv_split = 1 if shape.attention == "mla" else min(layout.tp, shape.kv_heads)
-    ctx = shape.kv_ctx(work.decode_ctx)
+    ctx = shape.attended_ctx(work.decode_ctx)
     decode = roofline(
         work.decode_tokens * ctx * shape.attn_ctx_flops / layout.tp,
         hw.attention_flops,
         work.decode_tokens / work.decode_queries * ctx * shape.kv_bytes / kv_split,
         hw.hbm_bw,
     )
-    pctx = shape.kv_ctx(work.prefill_ctx)
+    pctx = shape.attended_ctx(work.prefill_ctx)
     prefill = roofline(
         work.prefill_tokens * pctx * shape.prefill_ctx_flops / layout.tp,
         hw.attention_flops,
         work.prefill_tokens * pctx * shape.kv_bytes / kv_split,
+        hw.hbm_bw,
+    )
+    return decode + prefill + indexer(shape, hw, work)
+
+
+def indexer(shape: ModelShape, hw: Hardware, work: Work) -> float:
+    """DSA's lightning indexer, averaged over the layers (`indexer_share` run one): every query
+    scores every context token (`indexer_ctx_flops`), reading each sequence's indexer keys once.
+    Replicated on the TP ranks of a group, as the model runs it; zero for a dense model."""
+    share = shape.indexer_share
+    decode = roofline(
+        share * work.decode_tokens * work.decode_ctx * shape.indexer_ctx_flops,
+        hw.attention_flops,
+        share * work.decode_tokens / work.decode_queries * work.decode_ctx * shape.indexer_key_bytes,
+        hw.hbm_bw,
+    )
+    prefill = roofline(
+        share * work.prefill_tokens * work.prefill_ctx * shape.indexer_ctx_flops,
+        hw.attention_flops,
+        share * work.prefill_tokens * work.prefill_ctx * shape.indexer_key_bytes,
         hw.hbm_bw,
     )
     return decode + prefill
@@ -293,7 +314,7 @@ def weight_bytes_per_gpu(shape: ModelShape, layout: Layout) -> float:
 def kv_bytes_per_token(shape: ModelShape, layout: Layout) -> float:
     """KV cache bytes one rank holds per token of its DP group (all layers)."""
     kv_split = 1 if shape.attention == "mla" else min(layout.tp, shape.kv_heads)
-    return shape.layers * shape.kv_bytes / kv_split
+    return shape.layers * (shape.kv_bytes / kv_split + shape.indexer_share * shape.indexer_key_bytes)
 
 
 def max_tokens_in_cache(shape: ModelShape, hw: Hardware, layout: Layout, usable: float = 0.9) -> float:

@@ -62,6 +62,14 @@ class ModelShape:
     dense_weight_bytes: float
     fp8_experts: bool
     """Expert GEMMs run w8a8 FP8 (block-FP8 checkpoints); otherwise in bf16."""
+    index_topk: int = 0
+    """DeepSeek Sparse Attention: the context tokens MLA attends per query; 0: all (dense)."""
+    indexer_share: float = 0.0
+    """DSA: share of layers running an indexer (GLM-5's others reuse a layer's top-k)."""
+    indexer_ctx_flops: int = 0
+    """DSA: indexer FLOPs per query token, per context token, per indexer layer."""
+    indexer_key_bytes: int = 0
+    """DSA: indexer key cache bytes per token and indexer layer (bf16 cache)."""
 
     @property
     def dense_layers(self) -> int:
@@ -75,6 +83,10 @@ class ModelShape:
     def kv_ctx(self, ctx: float) -> float:
         """Mean context a layer attends over at context `ctx` (windowed layers capped)."""
         return (1 - self.window_share) * ctx + self.window_share * min(ctx, self.window)
+
+    def attended_ctx(self, ctx: float) -> float:
+        """Context tokens attention reads per query at context `ctx`: DSA's top-k at most."""
+        return min(self.kv_ctx(ctx), self.index_topk) if self.index_topk else self.kv_ctx(ctx)
 
 
 def shape_of(config: ModelConfig, name: str) -> ModelShape:
@@ -108,6 +120,7 @@ def shape_of(config: ModelConfig, name: str) -> ModelShape:
         kind = "gqa"
         head_dim = d
     windows = [w for w in config.sliding_windows if w is not None]
+    dsa = config.dsa
     quant = config.weight_quant
     dense_bytes = 1.0 if isinstance(quant, BlockFP8Config) else 2.0
     expert_bytes = dense_bytes
@@ -141,6 +154,11 @@ def shape_of(config: ModelConfig, name: str) -> ModelShape:
         expert_weight_bytes=expert_bytes,
         dense_weight_bytes=dense_bytes,
         fp8_experts=isinstance(quant, BlockFP8Config),
+        index_topk=dsa.index_topk if dsa else 0,
+        indexer_share=sum(dsa.indexer_layers) / config.num_layers if dsa else 0.0,
+        # per indexer head: a score over its keys, then the weighted sum (`plan.sparse_attention`)
+        indexer_ctx_flops=dsa.index_n_heads * (2 * dsa.index_head_dim + 2) if dsa else 0,
+        indexer_key_bytes=2 * dsa.index_head_dim if dsa else 0,
     )
 
 

@@ -215,3 +215,32 @@ def test_layout_refuses_what_the_runtime_cannot_run():
         Layout(ep=6, tp=4)
     with pytest.raises(ValueError):
         Layout(ep=8, expert_imbalance=0.9)
+
+
+def test_dsa_decode_attention_is_the_sparse_cost_not_dense_mla(h100):
+    """DeepSeek-V3.2 (DeepSeek-V3's shapes and its indexer: 64 heads of 128, top 2048) at 32k of
+    context: the planner's decode attention, compute-bound and then memory-bound, sums to
+    `plan.sparse_attention`'s FLOPs and bytes; the same shape without DSA costs dense MLA's."""
+    from moeserve.models.architectures import resolve_architecture
+    from moeserve.plan.cost import kv_bytes_per_token
+    from moeserve.plan.shapes import CONFIGS, shape_of
+    from moeserve.plan.sparse_attention import decode_attention_cost
+
+    raw = json.loads((CONFIGS / "deepseek-v3.json").read_text())
+    raw |= {"architectures": ["DeepseekV32ForCausalLM"], "index_topk": 2048, "index_n_heads": 64, "index_head_dim": 128}
+    config = resolve_architecture(raw)[1]
+    sparse, dense = shape_of(config, "v32"), shape_of(dataclasses.replace(config, dsa=None), "v3")
+    work = Work(decode_tokens=1, decode_ctx=32768)
+    compute_bound, memory_bound = (dataclasses.replace(h100, **{f: math.inf}) for f in ("hbm_bw", "attention_flops"))
+    for shape, cost in (
+        (sparse, decode_attention_cost(config, 32768)),
+        (dense, decode_attention_cost(config, 32768, sparse=False)),
+    ):
+        flops = shape.layers * attention_core(shape, compute_bound, Layout(), work) * h100.attention_flops
+        nbytes = shape.layers * attention_core(shape, memory_bound, Layout(), work) * h100.hbm_bw
+        assert (flops, nbytes) == (pytest.approx(cost.flops), pytest.approx(cost.bytes))
+    assert attention_core(sparse, h100, Layout(), work) < attention_core(dense, h100, Layout(), work) / 3
+    # the cache holds each layer's indexer keys beside its latent
+    assert (
+        kv_bytes_per_token(sparse, Layout()) == 61 * (1152 + 256) and kv_bytes_per_token(dense, Layout()) == 61 * 1152
+    )
