@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from moeserve.kv_transfer.layout import KvLayout, paired_runs
+from moeserve.kv_transfer.layout import NO_STATE, Blocks, KvLayout, Slots, paged_caches, paired_runs, saved_states
+from moeserve.ops.state_batch import LinearState
 
 POLL_S = 0.0005  # how often a transfer in progress is looked at
 
@@ -59,7 +60,7 @@ class KvAgent:
     different peers (or to the same one) run concurrently: pushes come from the side channel's
     threads, and one slow decode peer must not hold up the others."""
 
-    def __init__(self, caches: Sequence[torch.Tensor], label: str) -> None:
+    def __init__(self, caches: Sequence[torch.Tensor | LinearState], label: str) -> None:
         from nixl_cu12._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
         self.name = f"moeserve-{label}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -67,7 +68,7 @@ class KvAgent:
         config = nixl_agent_config(backends=["UCX"], sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
         self._agent = nixl_agent(self.name, config)
         self.layout = KvLayout.of(caches)
-        self._agent.register_memory(list(caches))
+        self._agent.register_memory(paged_caches(caches) + saved_states(caches))
         self._peers: dict[str, str] = {}  # agent name -> the name NIXL knows it by, once added
         self._peers_lock = threading.Lock()
 
@@ -75,24 +76,26 @@ class KvAgent:
     def registration(self) -> KvRegistration:
         return KvRegistration(self.name, self._agent.get_agent_metadata(), self.layout)
 
-    def write(self, dest: KvRegistration, src_blocks: Sequence[int], dst_blocks: Sequence[int], write_by: float) -> int:
-        """Copy blocks `src_blocks` of this cache to `dst_blocks` of `dest`'s; the bytes moved.
+    def write(self, dest: KvRegistration, src: Blocks, dst: Blocks, write_by: float, states: Slots = NO_STATE) -> int:
+        """Copy blocks `src` of this cache to `dst` of `dest`'s, and with `states`
+        (source slot, destination slot) >= 0 that saved state of every state layer; the bytes moved.
         `write_by` (wall clock, `time.time()`) is when the decode side stops counting on the
         bytes: a transfer not done by then is cancelled, and this returns only once NIXL says
         nothing moves any more. Raises KvTransferError when the layouts differ, NIXL fails, or
         the deadline passes."""
         if dest.layout.shape_key != self.layout.shape_key:
             raise KvTransferError(
-                f"KV layouts differ: (layers, planes, block bytes) {self.layout.shape_key} here, "
+                f"KV layouts differ: (layers, planes, block bytes, state slot bytes) {self.layout.shape_key} here, "
                 f"{dest.layout.shape_key} on the decode side",
                 "layout",
             )
         deadline = time.monotonic() + (write_by - time.time())
         if deadline <= time.monotonic():
             raise KvTransferError(f"KV write to {dest.agent_name} came after its deadline", "timeout")
-        src_runs, dst_runs = paired_runs(src_blocks, dst_blocks)
-        local = self._agent.get_xfer_descs(self.layout.regions(src_runs), self.layout.mem_type)
-        remote = self._agent.get_xfer_descs(dest.layout.regions(dst_runs), dest.layout.mem_type)
+        src_runs, dst_runs = paired_runs(src, dst)
+        src_state, dst_state = states
+        local = self._agent.get_xfer_descs(self.layout.regions(src_runs, src_state), self.layout.mem_type)
+        remote = self._agent.get_xfer_descs(dest.layout.regions(dst_runs, dst_state), dest.layout.mem_type)
         handle = self._agent.initialize_xfer("WRITE", local, remote, self._peer(dest))
         state = self._agent.transfer(handle)
         while state == "PROC" and time.monotonic() < deadline:
@@ -104,7 +107,7 @@ class KvAgent:
         self._agent.release_xfer_handle(handle)
         if state != "DONE":
             raise KvTransferError(f"NIXL reported {state} writing to {dest.agent_name}", "transport")
-        return len(src_blocks) * self.layout.block_bytes * self.layout.planes * len(self.layout.layer_bases)
+        return self.layout.num_bytes(len(src), src_state >= 0)
 
     def _peer(self, dest: KvRegistration) -> str:
         """The name NIXL knows `dest`'s agent by, added on first use."""
