@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from moeserve.kv_transfer.layout import KvLayout, layouts_of, paired_runs
+from moeserve.kv_transfer.layout import NO_STATE, Blocks, KvLayout, Slots, layouts_of, paired_runs, registered_tensors
+from moeserve.ops.state_batch import LinearState
 
 POLL_S = 0.0005  # how often a transfer in progress is looked at
 
@@ -61,7 +62,7 @@ class KvAgent:
     different peers (or to the same one) run concurrently: pushes come from the side channel's
     threads, and one slow decode peer must not hold up the others."""
 
-    def __init__(self, caches: Sequence[torch.Tensor | tuple[torch.Tensor, ...]], label: str) -> None:
+    def __init__(self, caches: Sequence[torch.Tensor | tuple[torch.Tensor, ...] | LinearState], label: str) -> None:
         from nixl_cu12._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
         self.name = f"moeserve-{label}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -69,7 +70,7 @@ class KvAgent:
         config = nixl_agent_config(backends=["UCX"], sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
         self._agent = nixl_agent(self.name, config)
         self.layouts = layouts_of(caches)
-        self._agent.register_memory([t for c in caches for t in (c if isinstance(c, tuple) else (c,))])
+        self._agent.register_memory(registered_tensors(caches))
         self._peers: dict[str, str] = {}  # agent name -> the name NIXL knows it by, once added
         self._peers_lock = threading.Lock()
 
@@ -77,8 +78,9 @@ class KvAgent:
     def registration(self) -> KvRegistration:
         return KvRegistration(self.name, self._agent.get_agent_metadata(), self.layouts)
 
-    def write(self, dest: KvRegistration, src_blocks: Sequence[int], dst_blocks: Sequence[int], write_by: float) -> int:
-        """Copy blocks `src_blocks` of this cache to `dst_blocks` of `dest`'s; the bytes moved.
+    def write(self, dest: KvRegistration, src: Blocks, dst: Blocks, write_by: float, states: Slots = NO_STATE) -> int:
+        """Copy blocks `src` of this cache to `dst` of `dest`'s, and with `states`
+        (source slot, destination slot) >= 0 that saved state of every state layer; the bytes moved.
         `write_by` (wall clock, `time.time()`) is when the decode side stops counting on the
         bytes: a transfer not done by then is cancelled, and this returns only once NIXL says
         nothing moves any more. Raises KvTransferError when the layouts differ, NIXL fails, or
@@ -86,16 +88,21 @@ class KvAgent:
         here, there = [x.shape_key for x in self.layouts], [x.shape_key for x in dest.layouts]
         if here != there:
             raise KvTransferError(
-                f"KV layouts differ: (layers, planes, block bytes) {here} here, {there} on the decode side",
+                f"KV layouts differ: (layers, planes, block bytes, state slot bytes) per kind {here} here, "
+                f"{there} on the decode side",
                 "layout",
             )
         deadline = time.monotonic() + (write_by - time.time())
         if deadline <= time.monotonic():
             raise KvTransferError(f"KV write to {dest.agent_name} came after its deadline", "timeout")
-        src_runs, dst_runs = paired_runs(src_blocks, dst_blocks)
-        mem_type, dest_mem_type = self.layouts[0].mem_type, dest.layouts[0].mem_type
-        local = self._agent.get_xfer_descs([r for x in self.layouts for r in x.regions(src_runs)], mem_type)
-        remote = self._agent.get_xfer_descs([r for x in dest.layouts for r in x.regions(dst_runs)], dest_mem_type)
+        src_runs, dst_runs = paired_runs(src, dst)
+        src_state, dst_state = states
+        local = self._agent.get_xfer_descs(
+            [r for x in self.layouts for r in x.regions(src_runs, src_state)], self.layouts[0].mem_type
+        )
+        remote = self._agent.get_xfer_descs(
+            [r for x in dest.layouts for r in x.regions(dst_runs, dst_state)], dest.layouts[0].mem_type
+        )
         handle = self._agent.initialize_xfer("WRITE", local, remote, self._peer(dest))
         state = self._agent.transfer(handle)
         while state == "PROC" and time.monotonic() < deadline:
@@ -107,7 +114,7 @@ class KvAgent:
         self._agent.release_xfer_handle(handle)
         if state != "DONE":
             raise KvTransferError(f"NIXL reported {state} writing to {dest.agent_name}", "transport")
-        return sum(layout.bytes_of(len(src_blocks)) for layout in self.layouts)
+        return sum(layout.num_bytes(len(src), src_state >= 0) for layout in self.layouts)
 
     def _peer(self, dest: KvRegistration) -> str:
         """The name NIXL knows `dest`'s agent by, added on first use."""

@@ -14,6 +14,11 @@ core hands each such `KvLoad` here; a thread asks the prefill instance to push i
 and when it ends the scheduler is told (`finish_kv_load`): loaded, the request computes only its
 last partial block; failed, it recomputes its prompt or fails (`load_failure_policy`).
 
+A model with state layers (Gated DeltaNet) moves with the blocks the state saved at the prompt's
+last full block: a hold pins its saved-state slot on the prefill side, a load writes it into a
+slot reserved on the decode side (`KvLoad.state_slot`), committed as a saved state when the load
+ended well and freed otherwise, once the push has answered (`SavedStates.end_load`).
+
 Deadlines: each load has one absolute deadline, fixed when it is asked for. The prefill side must
 have written by `write_by` (a share of it, in wall-clock time, so both sides read the same
 instant); it cancels a write still under way then and answers only once nothing moves any more.
@@ -50,6 +55,8 @@ class _Hold:
     group: int
     block_ids: list[int]
     deadline: float
+    state_slot: int = -1
+    """The pinned saved-state slot of the prompt's state at its last full block (state layers)."""
 
 
 @dataclass
@@ -61,6 +68,8 @@ class _Load:
     started: float
     deadline: float
     """When the request stops waiting (monotonic); the prefill side writes by a share of it."""
+    state_slot: int = -1
+    """The saved-state slot the push writes the prompt's state into, reserved until it answers."""
     done: bool = False
     error: KvTransferError | None = None
     num_bytes: int = 0
@@ -119,7 +128,7 @@ class KvCoordinator:
         params = request.sampling_params.kv_transfer
         assert params is not None and params.remote is not None, "only a request with a remote loads"
         now = time.monotonic()
-        load = _Load(order.request_id, group, list(order.block_ids), now, now + self.config.timeout_s)
+        load = _Load(order.request_id, group, list(order.block_ids), now, now + self.config.timeout_s, order.state_slot)
         self.scheduler.groups[group].block_manager.pin(load.block_ids)
         self._loads[order.request_id] = load
         self._count_in_flight(+1)
@@ -128,6 +137,7 @@ class KvCoordinator:
             "dest": self.registrations[group].to_json(),
             "dst_blocks": load.block_ids,
             "first_block": order.first_block,
+            "dst_state": order.state_slot,
             "write_by": time.time() + self.config.timeout_s * PUSH_DEADLINE_SHARE,
         }
         thread = threading.Thread(target=self._run_load, args=(load, params.remote, body), name="kv-load", daemon=True)
@@ -156,8 +166,8 @@ class KvCoordinator:
         deadline = time.monotonic() + self.config.timeout_s
         with self._lock:
             for g, group in enumerate(self.scheduler.groups):
-                for transfer_id, block_ids in group.kv_holds:
-                    self._holds[transfer_id] = _Hold(transfer_id, g, block_ids, deadline)
+                for transfer_id, block_ids, state_slot in group.kv_holds:
+                    self._holds[transfer_id] = _Hold(transfer_id, g, block_ids, deadline, state_slot)
                 group.kv_holds.clear()
         self._report_held()
 
@@ -175,11 +185,17 @@ class KvCoordinator:
             released, self._pushed = self._pushed + expired, []
             ended = [load for load in self._loads.values() if load.done]
         for hold in released:
-            self.scheduler.groups[hold.group].block_manager.unpin(hold.block_ids)
+            block_manager = self.scheduler.groups[hold.group].block_manager
+            block_manager.unpin(hold.block_ids)
+            if hold.state_slot >= 0:
+                block_manager.saved_states.unpin(hold.state_slot)
         failed = []
         for load in ended:
             del self._loads[load.request_id]
-            self.scheduler.groups[load.group].block_manager.unpin(load.block_ids)
+            block_manager = self.scheduler.groups[load.group].block_manager
+            block_manager.unpin(load.block_ids)
+            if load.state_slot >= 0:  # findable before the request's admission looks for it
+                block_manager.saved_states.end_load(load.state_slot, loaded=load.error is None and not load.given_up)
             if not load.given_up and self._resume(load):
                 failed.append(load.request_id)
         for load in self._loads.values():
@@ -230,6 +246,12 @@ class KvCoordinator:
                 raise KvTransferError(
                     f"asked for {len(dst_blocks)} blocks from block {first}; {len(hold.block_ids)} are held", "refused"
                 )
+            dst_state = int(body.get("dst_state", -1))
+            if dst_state >= 0 and hold.state_slot < 0:
+                raise KvTransferError(
+                    f"transfer {transfer_id!r}: the prompt's state at its last full block was not saved here", "refused"
+                )
+            states = (hold.state_slot, dst_state) if dst_state >= 0 else (-1, -1)
             if not dst_blocks:
                 return {"bytes": 0, "seconds": 0.0}
             if write_by <= time.time():
@@ -237,7 +259,7 @@ class KvCoordinator:
                     f"transfer {transfer_id!r} came too late: the decode side has given up", "timeout"
                 )
             num_bytes = self.writers[hold.group].write(
-                KvRegistration.from_json(body["dest"]), src_blocks, dst_blocks, write_by
+                KvRegistration.from_json(body["dest"]), src_blocks, dst_blocks, write_by, states
             )
         except KvTransferError as exc:
             self.stats.failed(exc.cause)

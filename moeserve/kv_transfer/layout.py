@@ -6,6 +6,10 @@ in one `[num_blocks, block_size, rank + rope]` (a DSA layer its indexer keys too
 of its own shape: `layouts_of` makes a layout per kind). A block of a layer is then `planes` regions of
 `block_bytes`, and a run of consecutive block ids on both sides moves as one region per plane:
 no staging copy, the transfer reads and writes the caches themselves.
+
+A Gated DeltaNet layer keeps no blocks but a state per sequence; what moves of it is the state
+saved at the prompt's last full block (prefix caching's saved-state slots, `LinearState.saved_*`):
+one region per saved tensor (the conv state and the recurrent state) at the slot each side names.
 """
 
 from __future__ import annotations
@@ -15,8 +19,15 @@ from dataclasses import dataclass
 
 import torch
 
+from moeserve.ops.state_batch import LinearState
+
 Region = tuple[int, int, int]
 """(address, bytes, device id), as NIXL describes memory."""
+Blocks = Sequence[int]
+"""Block ids of one side of a write, in the prompt's order."""
+Slots = tuple[int, int]
+"""(source, destination) saved-state slots of a write; -1 each for none."""
+NO_STATE: Slots = (-1, -1)
 
 
 @dataclass(frozen=True)
@@ -31,37 +42,53 @@ class KvLayout:
     device_id: int = 0
     mem_type: str = "DRAM"
     """NIXL's memory kind: DRAM (CPU) or VRAM (GPU)."""
+    state_bases: tuple[int, ...] = ()
+    """Address of each state layer's saved conv and saved recurrent tensors, in that order."""
+    state_slot_bytes: tuple[int, ...] = ()
+    """Bytes of one saved-state slot in each of `state_bases`' tensors."""
 
     @classmethod
-    def of(cls, caches: Sequence[torch.Tensor]) -> KvLayout:
+    def of(cls, caches: Sequence[torch.Tensor | LinearState]) -> KvLayout:
+        caches, states = paged_caches(caches), saved_states(caches)
         first = caches[0]
         if not all(c.is_contiguous() and c.shape == first.shape and c.dtype == first.dtype for c in caches):
             raise ValueError("KV transfer needs contiguous layer caches of one shape and dtype")
+        if not all(s.is_contiguous() for s in states):
+            raise ValueError("KV transfer needs contiguous saved states")
         planes = first.shape[0] if first.dim() == 5 else 1  # GQA's K and V, or MLA's single latent plane
         num_blocks = first.shape[1] if first.dim() == 5 else first.shape[0]
         plane_bytes = first.nbytes // planes
         device_id = first.device.index or 0
         mem_type = "VRAM" if first.device.type == "cuda" else "DRAM"
         bases = tuple(c.data_ptr() for c in caches)
-        return cls(bases, planes, plane_bytes, plane_bytes // num_blocks, device_id, mem_type)
-
-    def bytes_of(self, num_blocks: int) -> int:
-        """Bytes `num_blocks` blocks take over every layer and plane."""
-        return num_blocks * self.block_bytes * self.planes * len(self.layer_bases)
+        state_bases = tuple(s.data_ptr() for s in states)
+        slot_bytes = tuple(s.nbytes // s.shape[0] for s in states)
+        return cls(bases, planes, plane_bytes, plane_bytes // num_blocks, device_id, mem_type, state_bases, slot_bytes)
 
     @property
-    def shape_key(self) -> tuple[int, int, int]:
-        """What two sides must share for a block to mean the same bytes: layers, planes, block size."""
-        return (len(self.layer_bases), self.planes, self.block_bytes)
+    def shape_key(self) -> tuple[int, int, int, tuple[int, ...]]:
+        """What two sides must share for a block (and a state) to mean the same bytes: layers,
+        planes, block size, and the bytes of each state tensor's slot."""
+        return (len(self.layer_bases), self.planes, self.block_bytes, self.state_slot_bytes)
 
-    def regions(self, runs: Sequence[tuple[int, int]]) -> list[Region]:
-        """The regions of `runs` (first block id, block count), layer by layer, plane by plane."""
-        return [
+    def regions(self, runs: Sequence[tuple[int, int]], state_slot: int = -1) -> list[Region]:
+        """The regions of `runs` (first block id, block count), layer by layer, plane by plane;
+        then, for a `state_slot` >= 0, that saved-state slot's in each state tensor."""
+        blocks = [
             (base + plane * self.plane_bytes + first * self.block_bytes, count * self.block_bytes, self.device_id)
             for base in self.layer_bases
             for plane in range(self.planes)
             for first, count in runs
         ]
+        if state_slot < 0:
+            return blocks
+        states = zip(self.state_bases, self.state_slot_bytes, strict=True)
+        return blocks + [(base + state_slot * size, size, self.device_id) for base, size in states]
+
+    def num_bytes(self, num_blocks: int, with_state: bool) -> int:
+        """Bytes `num_blocks` blocks of every layer move, with one saved state or without."""
+        state = sum(self.state_slot_bytes) if with_state else 0
+        return num_blocks * self.block_bytes * self.planes * len(self.layer_bases) + state
 
     def to_json(self) -> dict:
         return {
@@ -71,23 +98,50 @@ class KvLayout:
             "block_bytes": self.block_bytes,
             "device_id": self.device_id,
             "mem_type": self.mem_type,
+            "state_bases": list(self.state_bases),
+            "state_slot_bytes": list(self.state_slot_bytes),
         }
 
     @classmethod
     def from_json(cls, data: dict) -> KvLayout:
         fields = ("planes", "plane_bytes", "block_bytes", "device_id", "mem_type")
-        return cls(tuple(data["layer_bases"]), *(data[name] for name in fields))
+        states = (tuple(data.get(name, ())) for name in ("state_bases", "state_slot_bytes"))
+        return cls(tuple(data["layer_bases"]), *(data[name] for name in fields), *states)
 
 
-def layouts_of(caches: Sequence[torch.Tensor | tuple[torch.Tensor, ...]]) -> tuple[KvLayout, ...]:
-    """The paged tensors of a model's layers (a DSA layer's latent and indexer keys: a tuple) as
-    one layout per kind of tensor (shape and dtype), in the order each kind first appears: every
-    kind's blocks are the same block ids, so a transfer moves the same runs in each."""
-    kinds: dict[tuple[tuple[int, ...], torch.dtype], list[torch.Tensor]] = {}
-    for cache in caches:
-        for tensor in cache if isinstance(cache, tuple) else (cache,):
-            kinds.setdefault((tuple(tensor.shape), tensor.dtype), []).append(tensor)
-    return tuple(KvLayout.of(tensors) for tensors in kinds.values())
+def paged_caches(caches: Sequence[torch.Tensor | LinearState]) -> list[torch.Tensor]:
+    """The block caches among `caches` (a state layer has none)."""
+    return [c for c in caches if isinstance(c, torch.Tensor)]
+
+
+def saved_states(caches: Sequence[torch.Tensor | LinearState]) -> list[torch.Tensor]:
+    """The state layers' saved-state tensors, conv then recurrent per layer (none without prefix
+    caching, which allocates them)."""
+    return [t for c in caches if isinstance(c, LinearState) for t in (c.saved_conv, c.saved_recurrent) if t is not None]
+
+
+Cache = torch.Tensor | tuple[torch.Tensor, ...] | LinearState
+"""A layer's cache: its block tensor, its several (a DSA layer's latent and indexer keys), or its state."""
+
+
+def layouts_of(caches: Sequence[Cache]) -> tuple[KvLayout, ...]:
+    """The paged tensors of a model's layers as one layout per kind of tensor (shape and dtype), in
+    the order each kind first appears: every kind's blocks are the same block ids, so a transfer
+    moves the same runs in each. The state layers' saved states ride with the first layout."""
+    kinds: dict[tuple[tuple[int, ...], torch.dtype], list[torch.Tensor | LinearState]] = {}
+    for tensor in _paged_tensors(caches):
+        kinds.setdefault((tuple(tensor.shape), tensor.dtype), []).append(tensor)
+    states = [c for c in caches if isinstance(c, LinearState)]
+    return tuple(KvLayout.of([*tensors, *(states if i == 0 else ())]) for i, tensors in enumerate(kinds.values()))
+
+
+def registered_tensors(caches: Sequence[Cache]) -> list[torch.Tensor]:
+    """What a transfer agent registers: every paged tensor, then every saved state."""
+    return _paged_tensors(caches) + saved_states([c for c in caches if isinstance(c, LinearState)])
+
+
+def _paged_tensors(caches: Sequence[Cache]) -> list[torch.Tensor]:
+    return [t for c in caches if not isinstance(c, LinearState) for t in (c if isinstance(c, tuple) else (c,))]
 
 
 def paired_runs(src: Sequence[int], dst: Sequence[int]) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:

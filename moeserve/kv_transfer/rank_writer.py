@@ -7,7 +7,7 @@ of the group that prefilled the request: the bytes go from the rank's cache stra
 decode side's, never through the core, and the rank's steps go on meanwhile (the blocks it
 writes out are pinned, nothing computes into them).
 
-    POST /kv/push  {dest: registration, src_blocks, dst_blocks, write_by} -> {bytes}
+    POST /kv/push  {dest: registration, src_blocks, dst_blocks, write_by, states} -> {bytes}
 
 `write_by` is the decode side's deadline for the bytes (wall clock), passed on unchanged: the rank
 honours the same instant the core was given, whatever the hop to it cost.
@@ -16,10 +16,10 @@ honours the same instant the core was given, whatever the hop to it cost.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
 from typing import Protocol
 
 from moeserve.kv_transfer.agent import KvAgent, KvRegistration
+from moeserve.kv_transfer.layout import NO_STATE, Blocks, Slots
 from moeserve.kv_transfer.side_channel import REPLY_GRACE_S, SideChannel, reply_bytes, request_push
 
 
@@ -27,9 +27,9 @@ class KvWriter(Protocol):
     """Whatever writes a group's blocks into a peer's cache: the agent itself when the cache is in
     the core's process (ep 1), a `RankWriter` when it is in a rank process."""
 
-    def write(
-        self, dest: KvRegistration, src_blocks: Sequence[int], dst_blocks: Sequence[int], write_by: float
-    ) -> int: ...
+    def write(self, dest: KvRegistration, src: Blocks, dst: Blocks, write_by: float, states: Slots = NO_STATE) -> int:
+        """Copy blocks `src` (and the saved state `states` names) into `dst` of `dest`'s cache by
+        `write_by`; the bytes moved (`KvAgent.write`)."""
 
 
 class RankWriter:
@@ -38,12 +38,13 @@ class RankWriter:
     def __init__(self, address: str) -> None:
         self.address = address
 
-    def write(self, dest: KvRegistration, src_blocks: Sequence[int], dst_blocks: Sequence[int], write_by: float) -> int:
+    def write(self, dest: KvRegistration, src: Blocks, dst: Blocks, write_by: float, states: Slots = NO_STATE) -> int:
         body = {
             "dest": dest.to_json(),
-            "src_blocks": list(src_blocks),
-            "dst_blocks": list(dst_blocks),
+            "src_blocks": list(src),
+            "dst_blocks": list(dst),
             "write_by": write_by,
+            "states": list(states),
         }
         return reply_bytes(request_push(self.address, body, write_by - time.time() + REPLY_GRACE_S), self.address)
 
@@ -54,6 +55,8 @@ def serve_writes(agent: KvAgent, host: str) -> SideChannel:
     def write(body: dict) -> dict:
         src = [int(b) for b in body["src_blocks"]]
         dst = [int(b) for b in body["dst_blocks"]]
-        return {"bytes": agent.write(KvRegistration.from_json(body["dest"]), src, dst, float(body["write_by"]))}
+        src_state, dst_state = (int(s) for s in body.get("states", (-1, -1)))
+        dest = KvRegistration.from_json(body["dest"])
+        return {"bytes": agent.write(dest, src, dst, float(body["write_by"]), (src_state, dst_state))}
 
     return SideChannel(host, 0, None, write)

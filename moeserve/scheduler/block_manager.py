@@ -114,6 +114,22 @@ class BlockManager:
             return None
         return self.saved_states.reserve(block_hashes(request, self.block_size, num_blocks)[num_blocks - 1])
 
+    def pin_saved_state(self, request: Request, num_blocks: int) -> int:
+        """The saved-state slot holding `request`'s state after its first `num_blocks` blocks,
+        pinned for a transfer to read (`saved_states.unpin`), or -1 when none is held."""
+        if not num_blocks or not self.saved_states.num_slots:
+            return -1
+        slot = self.saved_states.pin(block_hashes(request, self.block_size, num_blocks)[num_blocks - 1])
+        return -1 if slot is None else slot
+
+    def reserve_state_load(self, request: Request, num_blocks: int) -> int:
+        """A saved-state slot for a transfer to write `request`'s state after its first
+        `num_blocks` blocks into (`saved_states.end_load` once it ends), or -1 when none is taken."""
+        if not num_blocks or not self.saved_states.num_slots:
+            return -1
+        slot = self.saved_states.reserve_load(block_hashes(request, self.block_size, num_blocks)[num_blocks - 1])
+        return -1 if slot is None else slot
+
     def commit_saved_states(self) -> None:
         """The planned step ran: the states it saved are findable."""
         self.saved_states.commit()

@@ -16,11 +16,17 @@ names the slot, the runner writes it at the step's end. A step lost with a rank 
 and its reservations go back (`drop_pending`). The runner loads a plan's restores before its
 forward and writes its saves after it, so a slot evicted for a save in the same plan as a restore
 from it is read before it is overwritten.
+
+Prefill/decode disaggregation moves a prompt's state as one of these: the prefill instance pins
+the state saved at the prompt's mark (`pin`) until a decode instance's push has read it, and the
+decode instance writes it into a slot reserved for the load (`reserve_load`), findable once the
+load has ended well (`end_load`) beside the loaded blocks, so admission resumes from it as from
+any prefix hit.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 
 from moeserve.scheduler.block_hash import BlockHash
 
@@ -35,6 +41,8 @@ class SavedStates:
         self._free = list(range(num_slots - 1, -1, -1))  # pop() hands out the lowest first
         self._slot_by_hash: OrderedDict[BlockHash, int] = OrderedDict()  # least recently used first
         self._pending: dict[BlockHash, int] = {}  # saves the step in flight writes
+        self._pins: Counter[int] = Counter()  # held slots a transfer reads: never evicted
+        self._loading: dict[int, BlockHash] = {}  # slots a transfer writes into
 
     @property
     def num_held(self) -> int:
@@ -64,14 +72,52 @@ class SavedStates:
             return None
         if block_hash in self._pending:
             return None
-        if self._free:
-            slot = self._free.pop()
-        elif self._slot_by_hash:
-            _, slot = self._slot_by_hash.popitem(last=False)
-        else:
-            return None
-        self._pending[block_hash] = slot
+        slot = self._take_slot()
+        if slot is not None:
+            self._pending[block_hash] = slot
         return slot
+
+    def _take_slot(self) -> int | None:
+        """A free slot, else the least recently used held one that no transfer pins, else None."""
+        if self._free:
+            return self._free.pop()
+        for block_hash, slot in self._slot_by_hash.items():
+            if slot not in self._pins:
+                del self._slot_by_hash[block_hash]
+                return slot
+        return None
+
+    def pin(self, block_hash: BlockHash) -> int | None:
+        """The slot holding the state after the prefix ending with `block_hash`, kept from eviction
+        until `unpin` (a decode instance reads it), or None when no such state is held."""
+        slot = self._slot_by_hash.get(block_hash)
+        if slot is not None:
+            self._pins[slot] += 1
+        return slot
+
+    def unpin(self, slot: int) -> None:
+        self._pins[slot] -= 1
+        if not self._pins[slot]:
+            del self._pins[slot]
+
+    def reserve_load(self, block_hash: BlockHash) -> int | None:
+        """A slot for a transfer to write the state after the prefix ending with `block_hash` into,
+        or None when that state is held or saved already, or no slot can be taken."""
+        if block_hash in self._slot_by_hash or block_hash in self._pending:
+            return None
+        slot = self._take_slot()
+        if slot is not None:
+            self._loading[slot] = block_hash
+        return slot
+
+    def end_load(self, slot: int, loaded: bool) -> None:
+        """The transfer into `slot` has ended: loaded, its state is findable (unless a save of the
+        same prefix got there first); otherwise the slot goes back unwritten."""
+        block_hash = self._loading.pop(slot)
+        if loaded and block_hash not in self._slot_by_hash and block_hash not in self._pending:
+            self._slot_by_hash[block_hash] = slot
+        else:
+            self._free.append(slot)
 
     def commit(self) -> None:
         """The step in flight ran: its saves are findable."""

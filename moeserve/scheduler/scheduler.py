@@ -42,6 +42,9 @@ Mechanics shared by both policies: iteration-level batching, preemption by recom
   prefix cache and released, and it goes back to the queue's head, whose admission finds them
   cached and computes only its last partial block; a failed load releases them unregistered and
   it recomputes its prompt. No queued request holds blocks, so none waits on another that does.
+  A model with state layers also reserves a saved-state slot for the prompt's state at its last
+  loaded block (`KvLoad.state_slot`), which the load's end makes findable, so that admission
+  resumes from it as from any hit.
 
 - Speculative decoding (`SchedulerConfig.speculative`): a decode whose drafts can be verified
   exactly feeds n-gram drafts (or slots the runner's MTP layers fill) after its last token, out
@@ -152,6 +155,9 @@ class KvLoad:
     """The blocks to write, in prompt order: the request's full prompt blocks after its cached prefix."""
     first_block: int
     """Which of the prompt's blocks `block_ids[0]` holds (the cached prefix's length)."""
+    state_slot: int = -1
+    """For a model with state layers, the saved-state slot the prompt's state at its last full
+    block goes into (`SavedStates.reserve_load`); -1 for none."""
 
 
 @dataclass(frozen=True)
@@ -272,9 +278,9 @@ class Scheduler:
         """How admission's TTFT predictions turned out (see `admission.py`)."""
         self._finished_ids: list[str] = []  # finished since the previous schedule()
         self._awaiting_update = False
-        self.kv_holds: list[tuple[str, list[int]]] = []
-        """(transfer id, pinned block ids) of finished prefill-only requests, for the KV transfer
-        to take over (`Request.kv_hold_id`)."""
+        self.kv_holds: list[tuple[str, list[int], int]] = []
+        """(transfer id, pinned block ids, pinned saved-state slot or -1) of finished prefill-only
+        requests, for the KV transfer to take over (`Request.kv_hold_id`)."""
 
     # ----- requests in and out -----
 
@@ -714,7 +720,11 @@ class Scheduler:
         request.num_computed_tokens = num_cached
         request.status = RequestStatus.WAITING_FOR_REMOTE_KV
         self._loading[request.request_id] = request
-        plan.kv_loads.append(KvLoad(request.request_id, request.block_ids[len(cached_blocks) :], len(cached_blocks)))
+        state_slot = -1
+        if self.block_manager.has_state and num_full > len(cached_blocks):
+            state_slot = self.block_manager.reserve_state_load(request, num_full)
+        loaded_blocks = request.block_ids[len(cached_blocks) :]
+        plan.kv_loads.append(KvLoad(request.request_id, loaded_blocks, len(cached_blocks), state_slot))
         return True
 
     def finish_kv_load(self, request_id: str, loaded: bool) -> bool:
@@ -896,7 +906,8 @@ class Scheduler:
         if request.kv_hold_id is not None and reason != "abort":
             full = request.block_ids[: (request.num_prompt_tokens - 1) // self.config.block_size]
             self.block_manager.pin(full)
-            self.kv_holds.append((request.kv_hold_id, full))
+            state_slot = self.block_manager.pin_saved_state(request, len(full)) if self.block_manager.has_state else -1
+            self.kv_holds.append((request.kv_hold_id, full, state_slot))
         self.block_manager.free(request)
         request.status = STATUS_BY_FINISH_REASON[reason]
         request.finish_reason = reason

@@ -187,8 +187,9 @@ def test_features_not_built_for_states_are_refused(make_checkpoint):
     ngram = {"method": "ngram", "num_speculative_tokens": 2}
     triton = EngineConfig.from_options(model=folder, kernels="triton", speculative_config=ngram)
     assert "keep no per-draft states yet" in state_refusal(triton)
-    decode = EngineConfig.from_options(model=folder, role="decode", kv_transfer="nixl")
-    assert "does not move Gated DeltaNet states" in state_refusal(decode)
+    decode = EngineConfig.from_options(model=folder, role="decode", kv_transfer="nixl", saved_states=0)
+    assert "enable prefix caching, with saved states > 0" in state_refusal(decode)
+    assert state_refusal(EngineConfig.from_options(model=folder, role="decode", kv_transfer="nixl")) is None
     assert state_refusal(EngineConfig.from_options(model=folder)) is None
 
 

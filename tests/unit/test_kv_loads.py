@@ -8,6 +8,7 @@ import json
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -221,6 +222,30 @@ def test_a_bad_reply_ends_the_load_and_the_request_recomputes(decode_side, statu
     assert _failures(coordinator, cause) == 1
     (push,) = fake.pushes
     assert push["write_by"] < time.time() + 0.5 and push["first_block"] == 0 and len(push["dst_blocks"]) == 3
+
+
+@pytest.mark.parametrize("pushed", [True, False], ids=["pushed", "refused"])
+def test_a_state_model_loads_the_prompts_state_into_a_saved_slot_and_resumes_from_it(pushed):
+    config = replace(_config(16), has_state=True, num_saved_states=2)
+    scheduler = DataParallelScheduler(config)
+    registration = KvRegistration("fake-decode", b"", (KvLayout((0,), 1, 16 * BLOCK * 8, BLOCK * 8),))
+    coordinator = KvCoordinator(KvTransferConfig(role="decode", backend="nixl"), scheduler, [registration], [])
+    fake = _FakePrefill(200, b'{"bytes": 1}') if pushed else _FakePrefill(409, b'{"error": "no", "cause": "refused"}')
+    try:
+        request = _start(coordinator, scheduler, fake.address)
+        _settle_until(coordinator, lambda: not coordinator.busy)
+    finally:
+        coordinator.close()
+        fake.close()
+    (push,) = fake.pushes
+    saved = scheduler.groups[0].block_manager.saved_states
+    assert push["dst_state"] >= 0 and saved.num_held == int(pushed)
+    (scheduled,) = scheduler.schedule().groups[0].scheduled
+    if pushed:  # admission resumes from the loaded state, past the loaded blocks
+        assert (scheduled.start_position, scheduled.load_state) == (12, push["dst_state"])
+    else:
+        assert (scheduled.start_position, scheduled.load_state) == (0, -1)
+    assert request.status is RequestStatus.RUNNING
 
 
 def test_an_exception_in_the_load_thread_fails_the_load_instead_of_killing_it(decode_side, monkeypatch):

@@ -12,6 +12,7 @@ from moeserve.kv_transfer.agent import KvAgent, KvRegistration, KvTransferError
 from moeserve.kv_transfer.identity import KvIdentity
 from moeserve.kv_transfer.layout import KvLayout, paired_runs
 from moeserve.kv_transfer.rank_writer import RankWriter, serve_writes
+from moeserve.ops.state_batch import LinearState
 from moeserve.router.app import PhaseLines
 from moeserve.router.instances import Instance, choose, pairing_problems
 from moeserve.router.metrics import RouterMetrics
@@ -37,7 +38,7 @@ def test_layout_of_gqa_and_mla_caches():
     value_block_7 = gqa[1][1, 7].data_ptr()
     assert (value_block_7, 2 * layout.block_bytes, 0) in layout.regions([(7, 2)])
     mla = KvLayout.of([torch.zeros(10, 4, 24)])
-    assert (mla.planes, mla.block_bytes, mla.shape_key) == (1, 4 * 24 * 4, (1, 1, 4 * 24 * 4))
+    assert (mla.planes, mla.block_bytes, mla.shape_key) == (1, 4 * 24 * 4, (1, 1, 4 * 24 * 4, ()))
     assert KvLayout.from_json(layout.to_json()) == layout
 
 
@@ -85,6 +86,42 @@ def test_a_dsa_models_indexer_keys_move_with_its_latents():
     latents_only = KvAgent([torch.zeros(12, 4, 24)] * 3, "test-dsa-other")
     with pytest.raises(KvTransferError, match="KV layouts differ"):
         writer.write(latents_only.registration, [0], [0], write_by=time.time() + 10)
+
+
+def _hybrid_caches(fill) -> list:
+    """A GQA layer's blocks and two Gated DeltaNet layers' states with 3 saved-state slots."""
+    states = [
+        LinearState(
+            torch.zeros(2, 6, 3), torch.zeros(2, 2, 4, 4), saved_conv=fill(3, 6, 3), saved_recurrent=fill(3, 2, 4, 4)
+        )
+        for _ in range(2)
+    ]
+    return [states[0], fill(2, 12, 4, 2, 8), states[1]]
+
+
+def test_a_write_carries_a_saved_state_of_every_state_layer():
+    source, dest = _hybrid_caches(torch.randn), _hybrid_caches(torch.zeros)
+    writer, reader = KvAgent(source, "test-hybrid-src"), KvAgent(dest, "test-hybrid-dst")
+    (layout,) = writer.layouts
+    assert KvLayout.from_json(layout.to_json()) == layout
+    channel = serve_writes(writer, "127.0.0.1")  # the rank's path passes the slots on as the core's does
+    try:
+        num_bytes = RankWriter(channel.address).write(
+            reader.registration, [4], [9], write_by=time.time() + 10, states=(2, 0)
+        )
+    finally:
+        channel.close()
+    assert torch.equal(dest[1][:, 9], source[1][:, 4]) and not dest[1][:, :9].any()
+    for src_state, dst_state in ((source[0], dest[0]), (source[2], dest[2])):
+        for saved in ("saved_conv", "saved_recurrent"):
+            src, dst = getattr(src_state, saved), getattr(dst_state, saved)
+            assert torch.equal(dst[0], src[2]) and not dst[1:].any()
+    state_bytes = 2 * (6 * 3 + 2 * 4 * 4) * 4
+    assert num_bytes == layout.block_bytes * 2 + state_bytes
+    assert writer.write(reader.registration, [4], [9], write_by=time.time() + 10) == layout.block_bytes * 2
+    fewer = KvAgent(_hybrid_caches(torch.zeros)[1:], "test-hybrid-fewer")
+    with pytest.raises(KvTransferError, match="KV layouts differ"):
+        writer.write(fewer.registration, [0], [0], write_by=time.time() + 10, states=(0, 0))
 
 
 def test_a_rank_writes_its_blocks_when_the_core_asks_over_its_side_channel():
@@ -139,18 +176,31 @@ def test_a_write_past_its_deadline_moves_nothing():
     assert late.value.cause == "timeout" and not dest[0].any()
 
 
-def test_a_prefill_request_leaves_its_full_blocks_held():
-    scheduler = Scheduler(SchedulerConfig(max_num_seqs=2, max_model_len=64, block_size=4, num_kv_blocks=16))
+@pytest.mark.parametrize("has_state", [False, True], ids=["paged", "state"])
+def test_a_prefill_request_leaves_its_full_blocks_held(has_state):
+    """A model with state layers also holds the state saved at the prompt's last full block
+    (its prompt is cut there), pinned against eviction until the push has read it."""
+    config = SchedulerConfig(
+        max_num_seqs=2, max_model_len=64, block_size=4, num_kv_blocks=16, has_state=has_state, num_saved_states=1
+    )
+    scheduler = Scheduler(config)
     request = _request("p", 10)
     request.kv_hold_id = "xfer-1"
     scheduler.add_request(request)
-    plan = scheduler.schedule()
-    assert scheduler.update(plan, {"p": 5})[0].finish_reason == "length"
-    ((transfer_id, held),) = scheduler.kv_holds
-    assert transfer_id == "xfer-1" and len(held) == (10 - 1) // 4
+    finished = []
+    while not finished:
+        plan = scheduler.schedule()
+        finished = scheduler.update(plan, {s.request_id: 5 for s in plan.scheduled if s.sample})
+    assert finished[0].finish_reason == "length"
+    ((transfer_id, held, state_slot),) = scheduler.kv_holds
+    assert transfer_id == "xfer-1" and len(held) == (10 - 1) // 4 and state_slot == (0 if has_state else -1)
     assert scheduler.block_manager.num_used_blocks == len(held)
     scheduler.block_manager.unpin(held)
     assert scheduler.block_manager.num_used_blocks == 0
+    if has_state:
+        assert scheduler.block_manager.saved_states.reserve(b"other") is None  # pinned: not evicted
+        scheduler.block_manager.saved_states.unpin(state_slot)
+        assert scheduler.block_manager.saved_states.reserve(b"other") == 0
 
 
 def test_handshake_mismatches_and_router_pairing():

@@ -83,6 +83,22 @@ def test_saved_states_keep_their_own_lru_order_and_commit_only_steps_that_ran():
     assert saved.num_held == 0 and b"c" not in saved and sorted([saved.reserve(b"f"), saved.reserve(b"g")]) == [0, 1]
 
 
+def test_transfers_pin_the_states_they_read_and_reserve_the_ones_they_write():
+    saved = SavedStates(2)
+    saved.reserve(b"a")
+    saved.commit()
+    assert saved.pin(b"a") == 0 and saved.pin(b"x") is None
+    assert saved.reserve_load(b"a") is None  # held already: nothing to write
+    assert saved.reserve_load(b"b") == 1  # the one free slot; a pinned one is never evicted
+    assert saved.reserve(b"c") is None and saved.reserve_load(b"d") is None
+    saved.end_load(1, loaded=True)
+    assert b"b" in saved and saved.num_held == 2
+    saved.unpin(0)
+    assert saved.reserve_load(b"e") == 0 and b"a" not in saved  # unpinned: least recently used goes
+    saved.end_load(0, loaded=False)  # the push failed: nothing findable, the slot goes back
+    assert b"e" not in saved and saved.reserve(b"f") == 0
+
+
 def test_a_prompt_is_cut_where_its_state_is_saved_and_a_repeat_resumes_there():
     """Block 4, interval 4 blocks (16 tokens): a 26-token prompt runs 16 (saved), then 8 to its
     last boundary before its last token (saved), then its last 2. The same prompt later resumes
