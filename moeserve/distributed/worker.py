@@ -233,6 +233,7 @@ class Worker:
             num_state_slots=spec.max_num_seqs,
             draft_states=spec.draft_states,
             num_saved_states=spec.saved_states,
+            max_num_batched_tokens=spec.max_num_batched_tokens,
         )
         settings = GraphSettings(
             str(self.device),
