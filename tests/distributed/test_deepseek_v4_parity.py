@@ -58,3 +58,13 @@ def test_expert_parallel_greedy_tokens_match_transformers(checkpoint, prompts_an
     prompts, want = prompts_and_tokens
     with LLM(str(checkpoint), ep=4, tp=tp, **ENGINE) as llm:
         assert _generate_without_leaks(llm, prompts) == want
+
+
+def test_features_not_built_for_several_groups_are_refused(checkpoint):
+    ngram = {"method": "ngram", "num_speculative_tokens": 2}
+    with pytest.raises(ValueError, match="speculative decoding is not built for caches in several block-table"):
+        LLM(str(checkpoint), speculative_config=ngram)
+    with pytest.raises(ValueError, match="two-batch overlap is not built for caches in several block-table"):
+        LLM(str(checkpoint), two_batch_overlap=True)
+    with pytest.raises(ValueError, match="disaggregation .kv_transfer. is not built for caches in several"):
+        LLM(str(checkpoint), role="decode", kv_transfer="nixl")
