@@ -66,6 +66,11 @@ class LayerCache:
     index_keys: torch.Tensor | None = None
     state: tuple[torch.Tensor, ...] = ()
 
+    @property
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """Every tensor the layer holds (its paged ones, then its state's)."""
+        return tuple(t for t in (self.window, self.entries, self.index_keys) if t is not None) + self.state
+
 
 def allocate(
     specs: tuple[Spec, ...],
