@@ -101,6 +101,10 @@ class CacheSpecs:
         """One block id's bytes: its `block_size` entries in every paged tensor."""
         return block_size * sum(s.bytes_per_token for s in self.paged)
 
+    def group_bytes_per_block(self, block_size: int) -> tuple[int, ...]:
+        """One block id's bytes in each group (`groups`' order): its entries in the group's tensors."""
+        return tuple(block_size * sum(s.bytes_per_token for s in self.paged if s.group_key == g) for g in self.groups)
+
     @property
     def state_bytes_per_sequence(self) -> int:
         return sum(s.bytes_per_sequence for s in self.specs if isinstance(s, StateSpec))

@@ -38,6 +38,8 @@ class WorkerSpec:
     cuda_graphs: CudaGraphConfig = field(default_factory=CudaGraphConfig)
     max_num_seqs: int = 1
     """Per data-parallel group, as its scheduler has it: the largest decode batch."""
+    max_num_batched_tokens: int = 1
+    """Per data-parallel group: the most tokens one step carries (a window group's pool is sized for it)."""
     max_model_len: int = 1
     """The longest context a sequence reaches (the captured decode steps are shaped for it)."""
     mtp_drafts: int = 0

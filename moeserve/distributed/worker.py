@@ -233,6 +233,7 @@ class Worker:
             num_state_slots=spec.max_num_seqs,
             draft_states=spec.draft_states,
             num_saved_states=spec.saved_states,
+            max_num_batched_tokens=spec.max_num_batched_tokens,
         )
         settings = GraphSettings(
             str(self.device),
@@ -273,6 +274,16 @@ class Worker:
             )
         self._routed: list[list[int]] | None = None  # rows counted under a map since replaced
         sizes = weight_bytes(model)
+        if self.runner.grouped:  # a pool per block-table group: what was allocated
+            kv_bytes = sum(t.nbytes for cache in kv_caches for t in cache.tensors)
+        else:
+            paged = spec.num_kv_blocks * bytes_per_block(
+                model.cfg, spec.block_size, spec.dtype, self.tp.size, len(model.mtp)
+            )
+            states = state_bytes(
+                model.cfg, spec.dtype, spec.max_num_seqs, self.tp.size, spec.draft_states, spec.saved_states
+            )
+            kv_bytes = paged + states
         return LoadReport(
             rank=self.rank,
             node_rank=self.node_rank,
@@ -281,9 +292,7 @@ class Worker:
             num_local_experts=placement.num_local_experts,
             expert_bytes=sizes.experts,
             other_bytes=sizes.other,
-            kv_bytes=spec.num_kv_blocks
-            * bytes_per_block(model.cfg, spec.block_size, spec.dtype, self.tp.size, len(model.mtp))
-            + state_bytes(model.cfg, spec.dtype, spec.max_num_seqs, self.tp.size, spec.draft_states, spec.saved_states),
+            kv_bytes=kv_bytes,
             dispatcher=dispatcher.name,
             decode_graph_sizes=graphs.sizes if graphs is not None else (),
             kv_registration=self.kv_agent.registration if self.kv_agent is not None else None,

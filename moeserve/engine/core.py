@@ -31,6 +31,7 @@ from moeserve.kv_transfer.coordinator import KvCoordinator
 from moeserve.models.decoder import cache_specs
 from moeserve.sampling_params import SamplingParams
 from moeserve.scheduler import DataParallelScheduler, QueueFullError, Request, SchedulerConfig, StepPlan
+from moeserve.scheduler.block_groups import group_block_counts
 from moeserve.spec_decode.stats import SpecDecodeStats
 from moeserve.structured import GrammarCompiler, StructuredOutputManager
 from moeserve.worker.kv_cache import num_blocks_for
@@ -134,18 +135,30 @@ def state_refusal(config: EngineConfig) -> str | None:
     return None
 
 
+def groups_refusal(config: EngineConfig) -> str | None:
+    """Why `config` cannot serve a model whose paged caches form several block-table groups
+    (DeepSeek-V4), or None: its runner feeds the model sequence by sequence, with no drafts to
+    step back from and no blocks to move between instances yet."""
+    if config.speculative_config is not None:
+        return "speculative decoding is not built for caches in several block-table groups yet"
+    if config.kv_transfer.enabled:
+        return "prefill/decode disaggregation (kv_transfer) is not built for caches in several block-table groups yet"
+    if config.parallel.two_batch_overlap:
+        return "two-batch overlap is not built for caches in several block-table groups yet"
+    return None
+
+
 def build_scheduler(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype, max_model_len: int):
     """The data-parallel scheduler for `config`, with as many KV blocks as the cache budget buys
     once every running sequence's state is set aside (see `worker.kv_cache`)."""
     cache, parallel = config.cache, config.parallel
     mtp_layers = model_config.num_mtp_layers if config.mtp_drafts else 0
     specs = cache_specs(model_config, dtype, parallel.tp, mtp_layers)
-    if len(specs.groups) > 1:
-        raise ValueError(
-            f"{model_config.architecture}: its paged caches form {len(specs.groups)} block-table groups "
-            f"(tokens per entry, window: {list(specs.groups)}); the scheduler hands each request one table "
-            "and the runner feeds one, so serving it is not built yet"
-        )
+    grouped = len(specs.groups) > 1
+    if grouped:
+        refusal = groups_refusal(config)
+        if refusal is not None:
+            raise ValueError(f"{model_config.architecture}: {refusal}")
     if specs.has_state:
         refusal = state_refusal(config)
         if refusal is not None:
@@ -161,7 +174,21 @@ def build_scheduler(config: EngineConfig, model_config: ModelConfig, dtype: torc
         mtp_layers,
         config.draft_states,
         saved_states,
+        config.max_num_batched_tokens,
     )
+    caching = cache.enable_prefix_caching
+    block_groups: tuple = ()
+    if grouped:
+        counts = group_block_counts(
+            specs.groups, num_blocks, cache.block_size, config.max_num_seqs, config.max_num_batched_tokens
+        )
+        block_groups = tuple(zip(specs.groups, counts, strict=True))
+        if caching:
+            logger.warning(
+                "%s: prefix caching is turned off: it is not built for caches in several block-table groups",
+                model_config.architecture,
+            )
+            caching = False
     return DataParallelScheduler(
         SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
@@ -169,8 +196,9 @@ def build_scheduler(config: EngineConfig, model_config: ModelConfig, dtype: torc
             max_model_len=max_model_len,
             block_size=cache.block_size,
             num_kv_blocks=num_blocks,
-            enable_prefix_caching=cache.enable_prefix_caching,
+            enable_prefix_caching=caching,
             has_state=specs.has_state,
+            block_groups=block_groups,
             num_saved_states=saved_states,
             max_waiting=config.max_waiting,
             policy=config.scheduling_policy,

@@ -72,6 +72,7 @@ class InProcessExecutor(Executor):
             num_state_slots=config.max_num_seqs,
             draft_states=config.draft_states,
             num_saved_states=config.num_saved_states,
+            max_num_batched_tokens=config.max_num_batched_tokens,
         )
         settings = GraphSettings(
             config.device,

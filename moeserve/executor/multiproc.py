@@ -145,6 +145,7 @@ class MultiprocessExecutor(Executor):
                 kernels=config.kernels,
                 cuda_graphs=config.cuda_graphs,
                 max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
                 max_model_len=config.max_model_len or model_config.max_position_embeddings,
                 mtp_drafts=config.mtp_drafts,
                 draft_states=config.draft_states,

@@ -9,13 +9,19 @@ positions. Growth is all or nothing across the groups, so a request that cannot 
 it held. A window group gives back the blocks wholly behind the window as the request advances:
 their table entries become `RELEASED` (never read again).
 
-Not yet wired into `Scheduler`, which hands each request one table (`BlockManager`).
+`GroupedBlockManager` is what `Scheduler` holds in place of `BlockManager` for such a model: the
+same calls, each request's tables per group in the plan (`ScheduledRequest.group_tables`). Prefix
+caching, draft trimming and pinning for transfers are not built for several groups (the engine
+refuses them first). `group_block_counts` sizes each group's pool.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from moeserve.scheduler.request import Request
+from moeserve.scheduler.saved_states import SavedStates
 
 RELEASED = -1
 """The table entry of a window block given back: nothing reads it any more."""
@@ -81,3 +87,81 @@ class GroupedBlocks:
         """Give back every block the request holds; a second call is a no-op."""
         for key, table in self._tables.pop(request_id, {}).items():
             self._free[key].extend(b for b in reversed(table) if b != RELEASED)
+
+
+def group_block_counts(
+    groups: Sequence[GroupKey], context_blocks: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int
+) -> tuple[int, ...]:
+    """Each group's pool when the cache holds `context_blocks * block_size` positions of context:
+    a compressed group the blocks of their entries (and one partly filled block per sequence), a
+    window group what its running sequences can read at once (each its window and a block either
+    side, the step's tokens besides), never more than the context itself."""
+    counts = []
+    for tokens_per_entry, window in groups:
+        if window is None:
+            counts.append(-(-context_blocks // tokens_per_entry) + max_num_seqs)
+        else:
+            live = max_num_seqs * (-(-window // block_size) + 2) + -(-max_num_batched_tokens // block_size)
+            counts.append(min(live, context_blocks))
+    return tuple(counts)
+
+
+class GroupedBlockManager:
+    """`BlockManager`'s part the scheduler calls, over one `GroupedBlocks`: a request's table per
+    group instead of `Request.block_ids`. Block counts (`num_blocks`, free, used) are the groups'
+    together, for the usage gauge and data-parallel routing."""
+
+    enable_caching = False
+    has_state = True
+
+    def __init__(self, groups: Sequence[GroupKey], num_blocks: Sequence[int], block_size: int) -> None:
+        self.blocks = GroupedBlocks(groups, num_blocks, block_size)
+        self.block_size = block_size
+        self.num_blocks = sum(num_blocks)
+        self.num_cached_blocks = 0
+        self.saved_states = SavedStates(0)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return sum(self.blocks.num_free(key) for key in self.blocks.groups)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.num_used_blocks / self.num_blocks
+
+    def group_tables(self, request: Request) -> dict[GroupKey, list[int]]:
+        """A copy of `request`'s table per group, for the plan."""
+        return {key: list(table) for key, table in self.blocks.tables(request.request_id).items()}
+
+    def lookup(self, request: Request) -> list[int]:
+        return []
+
+    def allocate(self, request: Request, num_new_tokens: int, cached_blocks: Sequence[int] = ()) -> bool:
+        """Every group's table covering the request's next `num_new_tokens` positions, all or nothing."""
+        if cached_blocks:
+            raise ValueError("prefix caching is not built for several block-table groups")
+        return self.blocks.allocate(request.request_id, request.num_computed_tokens, num_new_tokens)
+
+    def free(self, request: Request) -> None:
+        self.blocks.free(request.request_id)
+
+    def cache_full_blocks(self, request: Request, num_computed_before: int) -> None:
+        """Nothing is registered: no prefix caching."""
+
+    def commit_saved_states(self) -> None:
+        """No saved states: nothing to commit."""
+
+    def drop_pending_states(self) -> None:
+        """No saved states: nothing pending."""
+
+    def trim(self, request: Request, num_tokens: int) -> None:
+        raise NotImplementedError("speculative decoding is not built for several block-table groups")
+
+    def pin(self, block_ids: Sequence[int]) -> None:
+        raise NotImplementedError("KV transfers are not built for several block-table groups")
+
+    unpin = pin

@@ -79,6 +79,10 @@ class BlockManager:
         num_tokens = request.num_computed_tokens + num_new_tokens
         return max(0, blocks_for_tokens(num_tokens, self.block_size) - len(request.block_ids))
 
+    def group_tables(self, request: Request) -> dict:
+        """None beside `request.block_ids`: one group, one table (`GroupedBlockManager` has several)."""
+        return {}
+
     def lookup(self, request: Request) -> list[int]:
         """The cached blocks holding the longest run of `request`'s full blocks from its start,
         for a request about to be admitted. The run stops short of the last token, whose logits

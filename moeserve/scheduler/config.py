@@ -86,6 +86,11 @@ class SchedulerConfig:
     """With saved states: a sequence's state is saved every this many blocks, and at the last
     block boundary before its prompt's last token (what a later turn of the conversation or a
     repeat of the prompt resumes from). A prompt chunk crossing such a boundary is cut there."""
+    block_groups: tuple[tuple[tuple[int, int | None], int], ...] = ()
+    """A model whose paged caches form several block-table groups (`CacheSpecs.groups`, DeepSeek-V4):
+    each group's key and pool (`block_groups.group_block_counts`), each request holding a table per
+    group. Empty: one group of `num_kv_blocks`, then a table per request (`Request.block_ids`),
+    as every other model has. `num_kv_blocks` is then the context the cache holds, in blocks."""
     speculative: SpeculativeConfig | None = None
     """Draft tokens for decodes (`moeserve.spec_decode`): a decode step may feed, after its last
     token, up to `num_speculative_tokens` drafts, each costing a token of the step's budget and a

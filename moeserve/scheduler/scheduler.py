@@ -87,6 +87,7 @@ from dataclasses import dataclass, field
 
 from moeserve.sampling_params import SamplingParams
 from moeserve.scheduler.admission import AdmissionTally, SLORejectedError, retry_after_s
+from moeserve.scheduler.block_groups import GroupedBlockManager
 from moeserve.scheduler.block_hash import BlockHash, block_hashes
 from moeserve.scheduler.block_manager import BlockManager
 from moeserve.scheduler.config import SchedulerConfig, blocks_for_tokens
@@ -125,6 +126,9 @@ class ScheduledRequest:
     """A model with state layers: the saved-state slot the runner copies this sequence's states
     into once the step has run (they are then the states after `start_position + len(token_ids)`
     positions), else -1."""
+    group_tables: dict[tuple[int, int | None], list[int]] = field(default_factory=dict)
+    """A model with several block-table groups (DeepSeek-V4): its table per group (`block_groups`;
+    a window block given back reads `RELEASED`), `block_ids` then empty. Else empty."""
 
 
 @dataclass(frozen=True)
@@ -259,13 +263,18 @@ class Scheduler:
         admission: AdmissionTally | None = None,
     ) -> None:
         self.config = config
-        self.block_manager = BlockManager(
-            config.num_kv_blocks,
-            config.block_size,
-            config.enable_prefix_caching,
-            config.has_state,
-            config.num_saved_states,
-        )
+        self.block_manager: BlockManager | GroupedBlockManager
+        if config.block_groups:
+            keys, counts = zip(*config.block_groups)
+            self.block_manager = GroupedBlockManager(keys, counts, config.block_size)
+        else:
+            self.block_manager = BlockManager(
+                config.num_kv_blocks,
+                config.block_size,
+                config.enable_prefix_caching,
+                config.has_state,
+                config.num_saved_states,
+            )
         self._clock = clock
         self._requests: dict[str, Request] = {}  # every unfinished request, by id
         self._waiting: WaitingQueue = SloQueue(config.slo_ttft_s, clock) if config.policy == "slo" else FcfsQueue()
@@ -860,6 +869,7 @@ class Scheduler:
                     num_draft_tokens=len(drafts),
                     load_state=plan.state_loads.get(request.request_id, -1),
                     save_state=-1 if save is None else save,
+                    group_tables=self.block_manager.group_tables(request),
                 )
             )
         finished_ids, self._finished_ids = self._finished_ids, []

@@ -17,10 +17,13 @@ import logging
 
 import torch
 
-from moeserve.cache_spec import PagedSpec
+from moeserve.cache_spec import CacheSpecs, PagedSpec
 from moeserve.config import DTYPES, CacheConfig, ModelConfig
 from moeserve.models.decoder import cache_specs
+from moeserve.models.v4.cache import LayerCache as V4LayerCache
+from moeserve.models.v4.cache import allocate as allocate_v4_layer
 from moeserve.ops.state_batch import LinearState
+from moeserve.scheduler.block_groups import group_block_counts
 
 logger = logging.getLogger(__name__)
 
@@ -57,10 +60,12 @@ def num_blocks_for(
     mtp_layers: int = 0,
     draft_states: int = 0,
     saved_states: int = 0,
+    max_num_batched_tokens: int = 0,
 ) -> int:
     """Blocks that fit the per-rank memory budget once `max_num_seqs` states (and their
     `draft_states`) and prefix caching's `saved_states` are set aside, but no more than every
-    sequence slot at full length can ever use."""
+    sequence slot at full length can ever use. A model with several block-table groups: blocks
+    of context (`context_blocks`), the window groups sized for a step of `max_num_batched_tokens`."""
     if cache.num_blocks is not None:
         return cache.num_blocks
     states = state_bytes(cfg, dtype, max_num_seqs, tp_size, draft_states, saved_states)
@@ -71,8 +76,34 @@ def num_blocks_for(
             f"{max_num_seqs} sequences and {saved_states} saved ones ({states / 2**20:.1f} MiB): raise "
             "the budget or lower max_num_seqs or saved_states"
         )
-    fitting = budget // bytes_per_block(cfg, cache.block_size, dtype, tp_size, mtp_layers)
-    return max(1, min(fitting, -(-max_num_seqs * max_model_len // cache.block_size)))
+    most = -(-max_num_seqs * max_model_len // cache.block_size)
+    specs = cache_specs(cfg, dtype, tp_size, mtp_layers)
+    if len(specs.groups) > 1:
+        return context_blocks(specs, budget, cache.block_size, max_num_seqs, max_num_batched_tokens, most)
+    fitting = budget // specs.bytes_per_block(cache.block_size)
+    return max(1, min(fitting, most))
+
+
+def context_blocks(
+    specs: CacheSpecs, budget: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int, most: int
+) -> int:
+    """The context, in blocks of positions, that `budget` bytes hold for a model with several
+    groups (at most `most`): the window groups' pools come first (what the running sequences'
+    windows read, whatever the context), the rest buys compressed entries, each group's blocks
+    in proportion to its bytes per position of context (`group_block_counts`)."""
+    sizes = specs.group_bytes_per_block(block_size)
+    pools = group_block_counts(specs.groups, most, block_size, max_num_seqs, max_num_batched_tokens)
+    fixed = sum(
+        (n if window is not None else max_num_seqs + 1) * size
+        for (_, window), n, size in zip(specs.groups, pools, sizes, strict=True)
+    )
+    per_block = sum(size / ratio for (ratio, window), size in zip(specs.groups, sizes) if window is None)
+    if budget <= fixed:
+        raise ValueError(
+            f"the KV cache budget ({budget / 2**20:.1f} MiB once states are set aside) does not hold the "
+            f"sliding windows of {max_num_seqs} sequences ({fixed / 2**20:.1f} MiB): raise it or lower max_num_seqs"
+        )
+    return max(1, min(most, int((budget - fixed) // per_block) if per_block else most))
 
 
 def allocate_kv_caches(
@@ -86,12 +117,24 @@ def allocate_kv_caches(
     num_state_slots: int = 0,
     draft_states: int = 0,
     num_saved_states: int = 0,
-) -> list[torch.Tensor | tuple[torch.Tensor, ...] | LinearState]:
+    max_num_batched_tokens: int = 0,
+) -> list[torch.Tensor | tuple[torch.Tensor, ...] | LinearState] | list[V4LayerCache]:
     """Zeroed, so a bug that reads an unwritten slot shows up as a wrong token, not as NaN noise.
     The decoder layers' caches, then `mtp_layers` more for the MTP layers loaded to draft; a state
     layer's holds `num_state_slots` sequences, each with `draft_states` more to verify drafts, and
-    `num_saved_states` saved ones for prefix caching."""
+    `num_saved_states` saved ones for prefix caching. A model with several block-table groups
+    (DeepSeek-V4): `num_blocks` blocks of context, each group's pool from `group_block_counts`."""
     specs = cache_specs(cfg, dtype, tp_size, mtp_layers)
+    if len(specs.groups) > 1:
+        counts = group_block_counts(specs.groups, num_blocks, block_size, num_state_slots, max_num_batched_tokens)
+        pools = dict(zip(specs.groups, counts, strict=True))
+        logger.info(
+            "KV cache: %d blocks of %d tokens of context; block-table groups (tokens per entry, window): %s",
+            num_blocks,
+            block_size,
+            ", ".join(f"{key}: {n} blocks" for key, n in pools.items()),
+        )
+        return [allocate_v4_layer(spec, pools, block_size, num_state_slots, device) for spec in specs.layers]
     caches: list[torch.Tensor | tuple[torch.Tensor, ...] | LinearState] = []
     for spec in specs.layers:
         if isinstance(spec, PagedSpec):

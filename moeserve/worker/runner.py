@@ -20,6 +20,9 @@ import torch
 
 from moeserve.models import MoECausalLM
 from moeserve.models.decoder import LayerCache
+from moeserve.models.v4.cache import LayerCache as GroupedLayerCache
+from moeserve.models.v4.cache import SequenceView
+from moeserve.models.v4.model import V4Batch
 from moeserve.ops import attention_batch
 from moeserve.ops.attention import AttentionPlan
 from moeserve.ops.host_ints import int64_tensor
@@ -100,9 +103,12 @@ class ModelRunner:
         self.model = model
         self.drafter = MTPDrafter(model, kv_caches, block_size, mtp_drafts) if mtp_drafts else None
         self.kv_caches = kv_caches
-        states = [c for c in kv_caches if isinstance(c, LinearState)]
-        self.states = StateSlots(states[0].conv.shape[0]) if states else None
-        """Each running sequence's slot in the state layers' caches (models with Gated DeltaNets)."""
+        self.grouped = any(isinstance(c, GroupedLayerCache) for c in kv_caches)
+        """DeepSeek-V4: caches in several block-table groups, fed through `_grouped_inputs`."""
+        slots = [c.conv.shape[0] for c in kv_caches if isinstance(c, LinearState)]
+        slots += [c.state[0].shape[0] for c in kv_caches if isinstance(c, GroupedLayerCache) and c.state]
+        self.states = StateSlots(slots[0]) if slots else None
+        """Each running sequence's slot in the state layers' caches (Gated DeltaNets, V4's open windows)."""
         self.block_size = block_size
         self.eos_token_ids = tuple(eos_token_ids)
         self.device = torch.device(device)
@@ -356,6 +362,8 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionPlan, list[LayerCache]]:
         """The model's packed inputs for these sequences: token ids `[T]`, positions `[T]`, the
         attention plan and the layers' caches (state layers' bound to these sequences' slots)."""
+        if self.grouped:
+            return self._grouped_inputs(scheduled)
         query_lens = [len(s.token_ids) for s in scheduled]
         start_positions = [s.start_position for s in scheduled]
         input_ids = int64_tensor(itertools.chain.from_iterable(s.token_ids for s in scheduled))
@@ -377,6 +385,22 @@ class ModelRunner:
             self.model.ops.plan_attention(batch),
             caches,
         )
+
+    def _grouped_inputs(self, scheduled: Sequence[ScheduledRequest]) -> tuple[torch.Tensor, V4Batch, list]:
+        """A model with several block-table groups: token ids `[T]`, each sequence's view (its
+        first position, its table per group, its state slot) and the layers' caches."""
+        slots = self.states.batch(scheduled).slots if self.states is not None else (-1,) * len(scheduled)
+        views = tuple(
+            SequenceView(
+                s.start_position,
+                {key: int64_tensor(table).to(self.device) for key, table in s.group_tables.items()},
+                slot,
+                self.block_size,
+            )
+            for s, slot in zip(scheduled, slots, strict=True)
+        )
+        input_ids = int64_tensor(itertools.chain.from_iterable(s.token_ids for s in scheduled))
+        return input_ids.to(self.device), V4Batch(tuple(len(s.token_ids) for s in scheduled), views), self.kv_caches
 
     def _save_states(self, scheduled: Sequence[ScheduledRequest]) -> None:
         """Copy the states of the sequences the plan marked into their saved-state slots, once

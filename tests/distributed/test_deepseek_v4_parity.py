@@ -1,23 +1,23 @@
-"""DeepSeek-V4 against transformers: greedy tokens of a checkpoint transformers writes, mixing a
-window-only layer, two CSA layers (4 tokens per entry, top 3 entries per query) and an HCA layer
-(16 per entry), hash-routed and learned MoE layers, a window of 8. Prompts of 40 and 200 tokens,
-prefilled in chunks of 16 then decoded (`helpers.v4_greedy`, which also checks that window blocks
-go back and no block leaks): both together on one rank, then over `--ep 4` (and `--tp 2`) with
-the `torch` all-to-all dispatcher (hash routing through the same dispatch and combine)."""
+"""DeepSeek-V4 served by the engine against transformers: greedy tokens of a checkpoint
+transformers writes, mixing a window-only layer, two CSA layers (4 tokens per entry, top 3
+entries per query) and an HCA layer (16 per entry), hash-routed and learned MoE layers, a window
+of 8. Prompts of 40 and 200 tokens, prefilled in chunks of 16 then decoded, each request's block
+tables per group handed out by the scheduler (`block_groups`), the window group's pool too small
+for the prompts unless blocks behind the window go back; no block is held at the end. On one
+rank, then over `--ep 4` (and `--tp 2`, attention replicated on each pair of ranks)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from deepseek_v4_cases import rank_greedy
 from helpers.reference import hf_greedy_tokens, hf_model
-from helpers.v4_greedy import NEW_TOKENS, greedy_in_chunks, steps_for
-from ranks import run_ranks
 
-from moeserve import LLM
-from moeserve.models import load_model
+from moeserve import LLM, SamplingParams
 
 PROMPT_LENGTHS = (40, 200)
+NEW_TOKENS = 32
+GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+ENGINE = dict(max_num_seqs=2, max_num_batched_tokens=16, max_model_len=256, block_size=4)
 
 
 @pytest.fixture(scope="module")
@@ -33,25 +33,38 @@ def prompts_and_tokens(checkpoint):
     return prompts, [hf_greedy_tokens(reference, p, NEW_TOKENS) for p in prompts]
 
 
+def _generate_without_leaks(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    """Greedy tokens; every group's pool whole again afterwards, each window pool too small for
+    the longest sequence had nothing gone back."""
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    longest = max(map(len, prompts)) + NEW_TOKENS
+    for scheduler in llm.engine.scheduler.groups:
+        window_pools = [n for (_, window), n in scheduler.config.block_groups if window is not None]
+        assert window_pools and all(n * ENGINE["block_size"] < longest for n in window_pools)
+        assert scheduler.block_manager.num_used_blocks == 0
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
 def test_greedy_tokens_match_transformers_in_chunks(checkpoint, prompts_and_tokens):
     prompts, want = prompts_and_tokens
-    got, no_leak = greedy_in_chunks(load_model(checkpoint), prompts, steps_for(PROMPT_LENGTHS))
-    assert got == want
-    assert no_leak
+    with LLM(str(checkpoint), enable_prefix_caching=True, **ENGINE) as llm:  # turned off: several groups
+        assert not llm.engine.scheduler.groups[0].config.enable_prefix_caching
+        assert _generate_without_leaks(llm, prompts) == want
 
 
 @pytest.mark.parametrize("tp", [1, 2], ids=["ep4", "ep4-tp2"])
 def test_expert_parallel_greedy_tokens_match_transformers(checkpoint, prompts_and_tokens, tp):
-    """`--ep 4`: a prompt per rank; `--ep 4 --tp 2`: a prompt per pair of ranks, each rank's MoE
-    on half its pair's tokens."""
+    """Both prompts spread over the data-parallel groups, each group's MoE over every rank."""
     prompts, want = prompts_and_tokens
-    per_group = [prompts[1], prompts[0], prompts[0], prompts[0]][: 4 // tp]
-    results = run_ranks(4, rank_greedy, str(checkpoint), per_group, steps_for(PROMPT_LENGTHS), tp, timeout=600)
-    expected = [want[1], want[0], want[0], want[0]][: 4 // tp]
-    assert [tokens for tokens, _ in results] == [t for t in expected for _ in range(tp)]
-    assert all(no_leak for _, no_leak in results)
+    with LLM(str(checkpoint), ep=4, tp=tp, **ENGINE) as llm:
+        assert _generate_without_leaks(llm, prompts) == want
 
 
-def test_engine_refuses_several_block_table_groups(checkpoint):
-    with pytest.raises(ValueError, match="3 block-table groups"):
-        LLM(checkpoint)
+def test_features_not_built_for_several_groups_are_refused(checkpoint):
+    ngram = {"method": "ngram", "num_speculative_tokens": 2}
+    with pytest.raises(ValueError, match="speculative decoding is not built for caches in several block-table"):
+        LLM(str(checkpoint), speculative_config=ngram)
+    with pytest.raises(ValueError, match="two-batch overlap is not built for caches in several block-table"):
+        LLM(str(checkpoint), two_batch_overlap=True)
+    with pytest.raises(ValueError, match="disaggregation .kv_transfer. is not built for caches in several"):
+        LLM(str(checkpoint), role="decode", kv_transfer="nixl")

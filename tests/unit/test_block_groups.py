@@ -3,7 +3,12 @@ positions, a window group gives back what falls behind its window, growth is all
 
 from __future__ import annotations
 
-from moeserve.scheduler.block_groups import RELEASED, GroupedBlocks
+from helpers.scheduler import make_request, token_for
+
+from moeserve.cache_spec import CacheSpecs, PagedSpec
+from moeserve.scheduler import Scheduler, SchedulerConfig
+from moeserve.scheduler.block_groups import RELEASED, GroupedBlocks, group_block_counts
+from moeserve.worker.kv_cache import context_blocks
 
 WINDOW, COMPRESSED = (1, 8), (4, None)
 
@@ -36,3 +41,50 @@ def test_growth_is_all_or_nothing_across_groups():
     assert not blocks.allocate("a", 16, 4)  # the compressed group would need a second block
     assert blocks.tables("a") == held
     assert (blocks.num_free(WINDOW), blocks.num_free(COMPRESSED)) == (4, 0)
+
+
+def test_scheduler_hands_out_a_table_per_group_and_preemption_returns_every_group():
+    """Two requests of 40 positions in chunks of 8: each needs 3 compressed blocks of the 4, so the
+    newer is preempted and recomputes; the window pool (8 blocks, a request's 40 positions being
+    10) lasts only because blocks behind the window go back. Everything is free at the end."""
+    config = SchedulerConfig(
+        max_num_seqs=2,
+        max_num_batched_tokens=8,
+        max_model_len=64,
+        block_size=4,
+        num_kv_blocks=16,
+        block_groups=((WINDOW, 8), (COMPRESSED, 4)),
+    )
+    scheduler = Scheduler(config)
+    for request_id in "ab":
+        scheduler.add_request(make_request(request_id, prompt_len=30, max_tokens=10))
+    released, preempted = False, []
+    while scheduler.has_unfinished_requests():
+        output = scheduler.schedule()
+        preempted += output.preempted_request_ids
+        for s in output.scheduled:
+            end = s.start_position + len(s.token_ids)
+            assert not s.block_ids and set(s.group_tables) == {WINDOW, COMPRESSED}
+            assert len(s.group_tables[WINDOW]) == -(-end // 4)
+            assert len(s.group_tables[COMPRESSED]) == -(-(end // 4) // 4)  # a block per 4 entries of 4
+            live = s.group_tables[WINDOW][max(0, s.start_position - 7) // 4 :]
+            assert RELEASED not in live  # what the window reads is held
+            released = released or RELEASED in s.group_tables[WINDOW]
+        sampled = {s.request_id: token_for(s.request_id, 0) for s in output.scheduled if s.sample}
+        scheduler.update(output, sampled)
+    assert released and set(preempted) == {"b"}  # the newer one, as with one table
+    assert scheduler.block_manager.num_used_blocks == 0
+
+
+def test_budget_buys_window_pools_first_then_context_by_bytes_per_position():
+    window, entries = PagedSpec((), (8,), "float32", window=8), PagedSpec((), (8,), "float32", tokens_per_entry=4)
+    specs = CacheSpecs(((window, entries),) * 2)
+    sizes = specs.group_bytes_per_block(4)
+    assert sizes == (2 * 4 * 8 * 4, 2 * 4 * 8 * 4)
+    pools = group_block_counts(specs.groups, 1000, 4, 2, 8)
+    assert pools[0] == 2 * (2 + 2) + 2  # two sequences' windows and a block either side, a step's tokens
+    blocks = [context_blocks(specs, budget, 4, 2, 8, most=1000) for budget in (20_000, 40_000)]
+    for budget, n in zip((20_000, 40_000), blocks):
+        used = sum(c * s for c, s in zip(group_block_counts(specs.groups, n, 4, 2, 8), sizes))
+        assert used <= budget < used + 4 * sizes[1]  # the rest buys compressed entries, to within a block of context
+    assert context_blocks(specs, 10**9, 4, 2, 8, most=100) == 100

@@ -14,6 +14,7 @@ state slot (`SequenceView`); the tables index absolute rows: row i of a group li
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -65,17 +66,30 @@ class LayerCache:
     index_keys: torch.Tensor | None = None
     state: tuple[torch.Tensor, ...] = ()
 
+    @property
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """Every tensor the layer holds (its paged ones, then its state's)."""
+        return tuple(t for t in (self.window, self.entries, self.index_keys) if t is not None) + self.state
 
-def allocate(specs: tuple[Spec, ...], num_blocks: int, block_size: int, num_slots: int) -> LayerCache:
-    """Zeroed tensors for one layer's specs (each group's tensor has `num_blocks` blocks)."""
+
+def allocate(
+    specs: tuple[Spec, ...],
+    num_blocks: Mapping[tuple[int, int | None], int],
+    block_size: int,
+    num_slots: int,
+    device: torch.device | str = "cpu",
+) -> LayerCache:
+    """Zeroed tensors for one layer's specs, each paged one with its group's `num_blocks[group_key]`."""
     paged = [
-        torch.zeros(s.shape(num_blocks, block_size), dtype=DTYPES[s.dtype]) for s in specs if isinstance(s, PagedSpec)
+        torch.zeros(s.shape(num_blocks[s.group_key], block_size), dtype=DTYPES[s.dtype], device=device)
+        for s in specs
+        if isinstance(s, PagedSpec)
     ]
     state = next((s for s in specs if isinstance(s, StateSpec)), None)
     tensors = ()
     if state is not None:
         tensors = tuple(
-            torch.zeros((num_slots, *shape), dtype=DTYPES[d])
+            torch.zeros((num_slots, *shape), dtype=DTYPES[d], device=device)
             for shape, d in zip(state.shapes, state.dtypes, strict=True)
         )
     return LayerCache(*paged, *([None] * (3 - len(paged))), state=tensors)
