@@ -511,11 +511,21 @@ class NvshmemDispatcher(SteppedDispatcher):
             kinds.append((self._put_kind, self._put_libs))
         return kinds
 
+    def check_step(self) -> None:
+        """The error words read now, not an earlier copy: on a GPU a low-latency wait that ran out
+        hands out zero counts and the step goes on without a host sync (`_check_peers` looks only
+        at a copy already made), so its tokens would leave without the dead peer's rows. One
+        small read, where the runner reads the tokens anyway."""
+        self._raise_for(self._error.tolist())
+
     def _check_peers(self, synced: bool) -> None:
         """Raise `PeerTimeout` if a wait of this dispatcher ran out. `synced`: the kernels so far
         have finished (a CPU transport, or right after a host read); on a GPU otherwise only
         what an earlier, completed copy of the error words shows is looked at, never waited for."""
-        error = self._error_seen.read(synced)
+        self._raise_for(self._error_seen.read(synced))
+
+    def _raise_for(self, error: list[int] | None) -> None:
+        """Raise `PeerTimeout` naming the phase and peer if `error` (the error words) holds a record."""
         if error is None or error[0] == 0:
             return
         phase, where, seq = error[0], error[1], error[2]
