@@ -8,17 +8,20 @@ starts further commands of its own).
 
 Sizing. A lent device gives one H200 for 15 minutes in all (its start included), at most 600 s a
 command; so the runbook's default call (`ORDER`) must prove the most in one 600 s command, the
-path only a GPU can prove (NVSHMEM's puts) first. Each stage's estimate is its kernels' compile
-time, measured, plus a guess at the rest until a device run records the stage's `seconds`:
+path only a GPU can prove (NVSHMEM's puts) first. Each stage's estimate is the compile time of
+the kernels it builds, measured, plus a guess at the rest until a device run records the stage's
+`seconds`. The compile times are CPU-seconds (the process's and its ptxas children's, which a
+shared machine does not inflate as it does the wall clock), per case of the compile check, for
+sm_90a only, from an empty cache, under Triton 3.6 (the device's) with nvidia-nvshmem-cu13 3.4.5:
 
-    rm -rf /tmp/tc; TRITON_CACHE_DIR=/tmp/tc python bench/gpu/compile_check.py --arch 90 [--only peer_copy]
+    TRITON_CACHE_DIR=$(mktemp -d) python bench/gpu/compile_check.py --arch 90 --nvshmem
 
-from an empty cache under Triton 3.6 (the device's), on the 2-core CPU machine where the project
-is built (2026-11-28): `COMPILE_S` below. A GPU machine's 16 cores compile no slower. The
-kernels' own waits for a peer time out at `PEER_TIMEOUT_S` (the runbook sets the dispatcher's
+on the 2-core CPU machine where the project is built (2026-11-28; `case_cpu_seconds` in its
+output). One ptxas runs per kernel, so a GPU machine's 16 cores compile no slower. The kernels'
+own waits for a peer time out at `PEER_TIMEOUT_S` (the runbook sets the dispatcher's
 `MOESERVE_PEER_TIMEOUT_S` for every stage), below every watchdog a stage or its scripts keep,
-so a protocol hang is reported as the kernels' `PeerTimeout` naming the phase and
-the peer rather than as a watchdog's kill.
+so a protocol hang is reported as the kernels' `PeerTimeout` naming the phase and the peer
+rather than as a watchdog's kill.
 """
 
 from __future__ import annotations
@@ -29,11 +32,11 @@ NEEDS_CUDA = 2  # exit status of a stage script that found no CUDA device
 CALL_S = 600  # one device command's limit
 PEER_TIMEOUT_S = 30  # the communication kernels' wait bound in every stage (the product's default is 100 s)
 
-# Measured compile seconds, sm_90a only, from an empty Triton cache (module docstring).
+# Measured compile CPU-seconds (module docstring), and what each stage builds of them.
 COMPILE_S = {
-    "puts": 0,  # the put variants at both put shapes (compile_cases' two "nvshmem puts" cases)
-    "comm": 0,  # the store-path communication kernels at the dispatcher's shapes
-    "kernels": 0,  # every other kernel at the compile check's shapes
+    "puts": 21,  # the put variants at one shape ("nvshmem puts only ...", EP 1): dispatch_puts builds two
+    "comm": 7,  # the store-path kernels at Mixtral's and DeepSeek-V3's shapes (1.6 s + 5.9 s)
+    "kernels": 30,  # every other kernel at the check's shapes; the gpu tests build about three times as many
 }
 
 
@@ -94,7 +97,7 @@ STAGES = (
             Pytest("gpu", NVSHMEM_TESTS),
         ),
         240,
-        60 + COMPILE_S["puts"],  # NCCL's and NVSHMEM's start-up and two pytest processes, beside the compiles
+        60 + 2 * COMPILE_S["puts"],  # NCCL's and NVSHMEM's start-up and two pytest processes, beside the compiles
     ),
     Stage(
         "tests",
@@ -110,7 +113,7 @@ STAGES = (
             ),
         ),
         330,
-        150 + COMPILE_S["kernels"],  # 14 processes' start-up (torch, CUDA) and the tests' own time
+        150 + 3 * COMPILE_S["kernels"],  # 14 processes' start-up (torch, CUDA) and the tests' own time
     ),
     Stage(
         "parity",
@@ -143,7 +146,7 @@ STAGES = (
             ),
         ),
         420,
-        300 + COMPILE_S["comm"],
+        300 + 2 * COMPILE_S["comm"],  # FP8 rows compile their own variants
     ),
     Stage(
         "kernels",
