@@ -100,10 +100,14 @@ def _kernel_body(ptx: str, kernel: str) -> str:
 
 def _thread_predicates(body: str) -> tuple[set[str], set[str]]:
     """(predicates true in every thread but thread 0, predicates true in thread 0 alone), from the
-    comparisons of `%tid.x` with 0 and what `or`/`and`/`not` make of them; a predicate register
+    comparisons with 0 of `%tid.x` (or of an `or` with it: the compiler folds `program 0's thread
+    0` into one) and what `or`/`and`/`not` make of them; a predicate register
     written more than once is neither (it may hold something else where it is read)."""
     writes = collections.Counter(re.findall(r"^\s*(?:setp|or|and|not|xor|mov)\.\S+\s+(%p\d+),", body, re.M))
-    tids = set(_TID.findall(body))
+    tids = set(_TID.findall(body))  # registers nonzero wherever %tid.x is: it, and ors of it
+    ors = re.findall(r"\bor\.b32\s+(%r\d+),\s*(%r\d+),\s*(%r\d+);", body)
+    while grown := {r for r, a, b in ors if r not in tids and {a, b} & tids}:
+        tids |= grown
     others = {p for op, p, r in _TID_SETP.findall(body) if r in tids and op == "ne"}
     leader = {p for op, p, r in _TID_SETP.findall(body) if r in tids and op == "eq"}
     grew = True

@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 GPU = ROOT / "bench" / "gpu"
 sys.path.insert(0, str(GPU))
 
-from ptx_rules import check_comm_ptx, check_put_ptx  # noqa: E402
+from ptx_rules import check_comm_ptx, check_put_ptx, unguarded_calls  # noqa: E402
 
 from moeserve.kernels.nvshmem_device import device_library  # noqa: E402
 
@@ -180,3 +180,28 @@ def test_each_rule_catches_its_regression(ptx: dict[str, str], kernel: str, old:
     assert old in ptx[kernel], f"{kernel}'s PTX no longer has {old!r}: update this test's regression"
     _, problems = check_comm_ptx(kernel, ptx[kernel].replace(old, new))
     assert any(finding in p for p in problems), problems
+
+
+_FOLDED = """.entry k()
+{
+	mov.u32 	%r6, %ctaid.x;
+	mov.u32 %r5, %tid.x;
+	or.b32 	%r7, %r6, %r5;
+	setp.ne.b32 	%p1, %r7, 0;
+	@%p1 bra 	$L__BB0_2;
+	call.uni _Z30nvshmemi_transfer_amo_nonfetchImEvPvT_i14nvshmemi_amo_t, (param0, param1, param2, param3);
+$L__BB0_2:
+	ret;
+}"""
+
+
+@pytest.mark.parametrize(
+    "old,new,unguarded",
+    [("", "", 0), ("or.b32 \t%r7, %r6, %r5;", "and.b32 \t%r7, %r6, %r5;", 1), ("@%p1 bra", "@!%p1 bra", 1)],
+    ids=["program_and_thread_folded", "and_is_no_guard", "branch_the_wrong_way"],
+)
+def test_the_thread_guard_as_the_compiler_folds_it(old: str, new: str, unguarded: int) -> None:
+    """Where the program is known (one destination), the compiler folds `program 0, thread 0` into
+    one `or` of %ctaid.x and %tid.x: still a guard. An `and`, or the branch taken the wrong way
+    (every thread but 0 falling through to the call), is none."""
+    assert len(unguarded_calls(_FOLDED.replace(old, new))) == unguarded
