@@ -94,7 +94,9 @@ def _kernel_body(ptx: str, kernel: str) -> str:
     start = ptx.find(f".entry {kernel}")
     if start < 0:
         return ptx
-    end = ptx.find("\n}", start)  # a function's closing brace is the only one at a line's start
+    # A function's closing brace is the first at a line's start after its end label (an inline
+    # asm block's own braces may start a line too).
+    end = ptx.find("\n}", max(start, ptx.find("$L__func_end", start)))
     return ptx[start : end + 2] if end >= 0 else ptx[start:]
 
 
@@ -149,9 +151,9 @@ def _successors(blocks: list[list[str]], labels: dict[str, int], i: int, ways=la
     unconditional = re.match(r"bra(\.uni)?\s+(\$\w+);", last)
     if branch:
         taken, falls = ways(*branch.groups()[:2])
-        out = ([labels[branch.group(3)]] if taken else []) + ([i + 1] if falls else [])
+        out = ([labels.get(branch.group(3), len(blocks))] if taken else []) + ([i + 1] if falls else [])
     elif unconditional:
-        out = [labels[unconditional.group(2)]]
+        out = [labels.get(unconditional.group(2), len(blocks))]  # not in the body: out of it
     elif re.search(r"\b(ret|exit)\b", last):
         out = []
     else:

@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 GPU = ROOT / "bench" / "gpu"
 sys.path.insert(0, str(GPU))
 
-from ptx_rules import check_comm_ptx, check_put_ptx, unguarded_calls  # noqa: E402
+from ptx_rules import _kernel_body, check_comm_ptx, check_put_ptx, unguarded_calls  # noqa: E402
 
 from moeserve.kernels.nvshmem_device import device_library  # noqa: E402
 
@@ -205,3 +205,14 @@ def test_the_thread_guard_as_the_compiler_folds_it(old: str, new: str, unguarded
     one `or` of %ctaid.x and %tid.x: still a guard. An `and`, or the branch taken the wrong way
     (every thread but 0 falling through to the call), is none."""
     assert len(unguarded_calls(_FOLDED.replace(old, new))) == unguarded
+
+
+def test_a_kernel_body_runs_to_its_end_label() -> None:
+    """An inline asm block's closing brace may start a line: the body runs to the brace after
+    `$L__func_end`, else branch targets past the asm block go missing (the compile check crashed
+    on the Mixtral dispatch's control flow with a KeyError)."""
+    asm = _FOLDED.replace("$L__BB0_2:", "{\n\t.reg .b32 %t;\n}\n$L__BB0_2:").replace(
+        "\tret;\n}", "\tret;\n$L__func_end0:\n}"
+    )
+    assert "$L__BB0_2:" in _kernel_body(asm, "k")
+    assert unguarded_calls(_kernel_body(asm, "k")) == []
