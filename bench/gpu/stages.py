@@ -94,7 +94,7 @@ STAGES = (
         "backend's gpu-marked tests (its steps and refusals on CUDA, nvshmem4py's host)",
         (
             Script("bench/dispatch_puts.py", ("--world-timeout", "150"), "dispatch_puts.json"),
-            Pytest("gpu", NVSHMEM_TESTS),
+            Pytest("gpu", NVSHMEM_TESTS, per_file=True),
         ),
         240,
         60 + 2 * COMPILE_S["puts"],  # NCCL's and NVSHMEM's start-up and two pytest processes, beside the compiles
