@@ -1,18 +1,21 @@
-"""The GPU runbook behind bench/gpu/run.sh: the environment once, then the chosen stages, each
-recorded whatever happens to the others.
+"""The GPU runbook behind bench/gpu/run.sh: the environment once, then the chosen stages in the
+order named, each recorded whatever happens to the others.
 
-    bench/gpu/run.sh STAGE... | all [--dry-run] [--budget SECONDS] [--out-dir DIR]
+    bench/gpu/run.sh [STAGE... | all] [--dry-run] [--budget SECONDS] [--out-dir DIR]
 
-Records: `<stage>.json` per stage and `env.json` in $OUT/results/ when OUT is set (the device
-tool brings back at most 8 files), else in bench/results/gpu/; every log, the scripts' own
-outputs and summary.json in one logs.tar.gz beside them (rewritten after every stage, so a run
-cut short keeps what it did). Stages are in stages.py.
+No stage, or `all`: every stage in `stages.ORDER` (the NVSHMEM path first). A call on the device
+may run 600 s: --budget (default 520 s, leaving the wheels' install, Python's start and the
+archive a margin) bounds the whole run, and a stage starts only while its estimate fits in what
+is left (its timeout is cut to what is left); the others are recorded as deferred and the summary
+prints the command for the next call. Before anything runs the plan is printed: each stage in
+order, its estimate, where in the budget it starts or that it is left to the next call, and the
+total against the 600 s call.
 
-A call on the device may run 10 minutes: --budget (default 560 s) bounds the whole run, and a
-stage starts only while its expected length fits in what is left (its timeout is cut to what
-is left); the others are recorded as deferred and the summary prints the command for the next
-call. Without a CUDA device the run is
-a dry run (see dryrun.py): each stage is skipped after its command lines were checked.
+Records: two files, whatever the stages (the device tool brings back at most 8): results.json
+(the plan, env and every stage's record, rewritten after every stage, so a run cut short keeps
+what it did) and logs.tar.gz (every log and the scripts' own outputs), in $OUT when OUT is set,
+else in bench/results/gpu/. Without a CUDA device the run is a dry run (see dryrun.py): each
+stage is skipped after its command lines were checked.
 Exit status: 1 if a stage failed (a dry run: if a check failed), else 0.
 """
 
@@ -36,37 +39,42 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from stages import ENV, NEEDS_CUDA, STAGES, Pytest, Script, Stage  # noqa: E402
+from stages import CALL_S, ENV, NEEDS_CUDA, ORDER, PEER_TIMEOUT_S, Pytest, Script, Stage, chosen, plan  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from moeserve.dispatch.nvshmem import TIMEOUT_VAR  # noqa: E402
+
 WHEELS = ROOT / ".whl"
-DEFAULT_BUDGET_S = 560.0
+DEFAULT_BUDGET_S = 520.0
 LOG_TAIL_LINES = 15
-PYTEST_TIMEOUT_S = 150  # one test's limit, where pytest-timeout is installed
+MAX_FILES = 8  # what the device tool brings back from $OUT
+# One test's limit where pytest-timeout is installed (the GPU image has it). Its thread method: the
+# default (signals) cannot interrupt a thread blocked in a CUDA synchronisation; the thread method
+# dumps every stack and ends the process, which costs that process's file only (Pytest.per_file).
+PYTEST_TIMEOUT_S = 120
 
 
 @dataclass(frozen=True)
 class Layout:
     results: Path
-    """Where env.json and each <stage>.json go."""
+    """results.json: the plan, env and every stage's record."""
     archive: Path
-    """logs.tar.gz: the work folder and summary.json."""
+    """logs.tar.gz: the work folder."""
     work: Path
     """Scratch: a folder per stage with its log and its scripts' outputs."""
 
 
 def layout(out_dir: Path | None, dry_run: bool) -> Layout:
-    if out_dir is not None:
-        results = out_dir
-    elif os.environ.get("OUT"):
-        results = Path(os.environ["OUT"]) / "results"
-    elif dry_run:  # a dry run on a developer's machine leaves the repository alone
-        results = Path(tempfile.mkdtemp(prefix="moeserve-runbook-dry-"))
-    else:
-        results = ROOT / "bench" / "results" / "gpu"
-    archive = (results.parent if os.environ.get("OUT") and out_dir is None else results) / "logs.tar.gz"
-    results.mkdir(parents=True, exist_ok=True)
-    return Layout(results, archive, Path(tempfile.mkdtemp(prefix="moeserve-runbook-")))
+    if out_dir is None and os.environ.get("OUT"):
+        out_dir = Path(os.environ["OUT"])
+    elif out_dir is None and dry_run:  # a dry run on a developer's machine leaves the repository alone
+        out_dir = Path(tempfile.mkdtemp(prefix="moeserve-runbook-dry-"))
+    elif out_dir is None:
+        out_dir = ROOT / "bench" / "results" / "gpu"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return Layout(out_dir / "results.json", out_dir / "logs.tar.gz", Path(tempfile.mkdtemp(prefix="moeserve-runbook-")))
 
 
 def pinned() -> dict[str, str]:
@@ -103,21 +111,35 @@ def wheel_report(installed: bool) -> dict:
 
 
 def pytest_targets(command: Pytest) -> list[str]:
-    """The command's targets, or every test file that uses the `gpu` marker."""
+    """The command's targets, or every test file that uses the `gpu` marker but the excluded."""
     if command.targets:
         return list(command.targets)
     return sorted(
-        str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("test_*.py") if "pytest.mark.gpu" in p.read_text()
+        name
+        for p in (ROOT / "tests").rglob("test_*.py")
+        if "pytest.mark.gpu" in p.read_text() and (name := str(p.relative_to(ROOT))) not in command.exclude
     )
+
+
+def processes(stage: Stage) -> list[Script | Pytest]:
+    """The stage's commands as the processes they run: a `per_file` pytest becomes one per file."""
+    out: list[Script | Pytest] = []
+    for command in stage.commands:
+        if isinstance(command, Pytest) and command.per_file:
+            out += [Pytest(command.marker, (target,)) for target in pytest_targets(command)]
+        else:
+            out.append(command)
+    return out
 
 
 def command_argv(command: Script | Pytest, work: Path) -> list[str]:
     if isinstance(command, Script):
         return [sys.executable, command.path, *command.args, "--out", str(work / command.result)]
-    junit = work / f"junit-{command.marker.replace(' ', '-')}.xml"
+    files = "-".join(Path(t.split("::", 1)[0]).stem for t in command.targets) if len(command.targets) == 1 else ""
+    junit = work / f"junit-{'-'.join(filter(None, [command.marker.replace(' ', '-'), files]))}.xml"
     argv = [sys.executable, "-m", "pytest", "-v", "--tb=short", "-rfE", "-p", "no:cacheprovider"]
-    if importlib.util.find_spec("pytest_timeout") is not None:  # in the GPU image: a hung kernel costs 150 s
-        argv.append(f"--timeout={PYTEST_TIMEOUT_S}")
+    if importlib.util.find_spec("pytest_timeout") is not None:
+        argv += [f"--timeout={PYTEST_TIMEOUT_S}", "--timeout-method=thread"]
     return [*argv, "-m", command.marker, "--junitxml", str(junit), *pytest_targets(command)]
 
 
@@ -144,7 +166,8 @@ def execute(argv: list[str], log: io.TextIOBase, timeout_s: float) -> tuple[int 
     started = time.monotonic()
     log.write(f"\n$ {' '.join(argv)}\n")
     log.flush()
-    proc = subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    env = {**os.environ, TIMEOUT_VAR: str(PEER_TIMEOUT_S)}  # the kernels' waits end before any watchdog
+    proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         code: int | None = proc.wait(timeout_s)
     except subprocess.TimeoutExpired:
@@ -161,6 +184,7 @@ class Runbook:
     budget_s: float
     started: float = field(default_factory=time.monotonic)
     records: dict[str, dict] = field(default_factory=dict)
+    plan: list[dict] = field(default_factory=list)
 
     def left(self) -> float:
         return float("inf") if self.budget_s <= 0 else self.budget_s - (time.monotonic() - self.started)
@@ -177,7 +201,7 @@ class Runbook:
             return self._save(stage, record)
         started = time.monotonic()
         with open(work / "log.txt", "w") as log:
-            for command in stage.commands:
+            for command in processes(stage):
                 if self.dry_run:
                     record["commands"].append(self._dry(command, work, log))
                 else:
@@ -253,9 +277,16 @@ class Runbook:
 
     def _save(self, stage: Stage, record: dict) -> dict:
         self.records[stage.name] = record
-        (self.layout.results / f"{stage.name}.json").write_text(json.dumps(record, indent=2) + "\n")
-        self.archive()
+        self.save()
         return record
+
+    def save(self) -> None:
+        """results.json (replaced whole, so a kill mid-write leaves the last one) and logs.tar.gz."""
+        text = json.dumps({"summary": self.summary(), "plan": self.plan, "stages": self.records}, indent=2)
+        partial = self.layout.results.with_name(self.layout.results.name + ".partial")
+        partial.write_text(text + "\n")
+        os.replace(partial, self.layout.results)
+        self.archive()
 
     def summary(self) -> dict:
         deferred = [name for name, r in self.records.items() if r["status"] == "deferred"]
@@ -268,9 +299,33 @@ class Runbook:
         }
 
     def archive(self) -> None:
-        (self.layout.work / "summary.json").write_text(json.dumps(self.summary(), indent=2) + "\n")
-        with tarfile.open(self.layout.archive, "w:gz") as tar:
+        partial = self.layout.archive.with_name(self.layout.archive.name + ".partial")
+        with tarfile.open(partial, "w:gz") as tar:
             tar.add(self.layout.work, arcname="runbook")
+        os.replace(partial, self.layout.archive)
+
+
+def planned(stages: list[Stage], budget_s: float) -> list[dict]:
+    """The call's plan as records: each stage in order with its estimate and start (or next call)."""
+    return [
+        {"stage": s.name, "expected_s": s.expected_s, "timeout_s": s.timeout_s, "starts_at_s": at}
+        for s, at in plan(stages, budget_s)
+    ]
+
+
+def plan_lines(entries: list[dict], budget_s: float) -> list[str]:
+    """The plan as printed: order, estimates, this call or the next, and the total against the call."""
+    lines = [f"plan: budget {budget_s:.0f} s of the {CALL_S} s call; env {ENV.expected_s} s first, then in order:"]
+    for i, e in enumerate(entries, 1):
+        when = f"starts at ~{e['starts_at_s']:.0f} s" if e["starts_at_s"] is not None else "next call"
+        lines.append(f"  {i}. {e['stage']:9s} ~{e['expected_s']:4d} s (limit {e['timeout_s']:3d} s)  {when}")
+    now = ENV.expected_s + sum(e["expected_s"] for e in entries if e["starts_at_s"] is not None)
+    later = [e["stage"] for e in entries if e["starts_at_s"] is None]
+    lines.append(
+        f"plan: this call ~{now} s of the {budget_s:.0f} s budget ({CALL_S - budget_s:.0f} s of the {CALL_S} s call "
+        f"left for the wheels, start-up and archive); " + (f"next call: {' '.join(later)}" if later else "no next call")
+    )
+    return lines
 
 
 def describe(record: dict) -> str:
@@ -284,12 +339,18 @@ def describe(record: dict) -> str:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="bench/gpu/run.sh", description=__doc__.split("\n\n")[0])
-    names = [s.name for s in STAGES]
-    parser.add_argument("stages", nargs="+", choices=[*names, "all"], metavar="STAGE", help=f"all, or of {names}")
+    names = list(ORDER)
+    parser.add_argument("stages", nargs="*", metavar="STAGE", help=f"in the order to run: all (default), or of {names}")
     parser.add_argument("--dry-run", action="store_true", help="check every command line; run nothing on a device")
     parser.add_argument("--budget", type=float, default=DEFAULT_BUDGET_S, help="seconds for the whole run; 0: none")
-    parser.add_argument("--out-dir", type=Path, help="records here (default: $OUT/results, else bench/results/gpu)")
-    return parser.parse_args(argv)
+    parser.add_argument(
+        "--out-dir", type=Path, help="results.json and logs.tar.gz here (default: $OUT, else bench/results/gpu)"
+    )
+    args = parser.parse_args(argv)
+    unknown = [name for name in args.stages if name not in (*names, "all")]  # choices would refuse none at all
+    if unknown:
+        parser.error(f"unknown stage(s) {unknown}: choose from {names} or all")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -301,11 +362,12 @@ def main(argv: list[str] | None = None) -> int:
     if not dry_run and not torch.cuda.is_available():
         print("runbook: no CUDA device here: a dry run instead", flush=True)
         dry_run = True
-    wanted = [s for s in STAGES if "all" in args.stages or s.name in args.stages]
-    book = Runbook(layout(args.out_dir, dry_run), dry_run, args.budget)
+    wanted = chosen(args.stages)
+    book = Runbook(layout(args.out_dir, dry_run), dry_run, args.budget, plan=planned(wanted, args.budget))
     wheels = wheel_report(installed=not dry_run)
     # No torch.cuda call that makes a context here: this process would hold it through every stage.
     print(f"runbook: {'dry run' if dry_run else 'CUDA device present'}; stages {[s.name for s in wanted]}")
+    print("\n".join(plan_lines(book.plan, args.budget)), flush=True)
     print(f"runbook: wheels in .whl/: missing {wheels['missing'] or 'none'}, unpinned {wheels['unpinned'] or 'none'}")
     if wheels.get("not_installed_at_pin"):
         print(f"runbook: WARNING: not importable at their pins: {wheels['not_installed_at_pin']}", flush=True)
@@ -315,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
 
         env["software"] = gpu_env.software()
     env["wheels"] = wheels
-    (book.layout.results / "env.json").write_text(json.dumps(env, indent=2) + "\n")
+    book.save()  # the record, now with the software and the wheels
     print(describe(env), flush=True)
     measured = (env["commands"][0].get("result") or {}) if env["commands"] else {}
     if "ceilings" in measured:
@@ -332,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
         print(describe(record), flush=True)
         for line in record.get("log_tail", []):
             print(f"    | {line}")
-    book.archive()
+    book.save()
     shutil.rmtree(book.layout.work)  # all of it is in the archive
     summary = book.summary()
     print("\nsummary:")

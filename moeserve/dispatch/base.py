@@ -135,6 +135,13 @@ class Dispatcher(ABC):
         """Whether dispatch() with this bound reads device data back to the host."""
         return False
 
+    def check_step(self) -> None:
+        """Raise if this step's exchange failed (a peer dead or stalled). The model runner calls
+        it once a step's tokens are sampled and before any leaves the device, so the step never
+        produces tokens computed without some experts' rows. A backend that raises inside
+        dispatch()/combine() (it waits on the host) has nothing to add."""
+        return None  # noqa: B027 - a hook: only a backend that waits on the device overrides it
+
     def graph_capture_refusal(self, max_tokens_per_rank: int) -> str | None:
         """None if a decode step with this bound can be captured in a CUDA graph and replayed,
         else why not. A replay reruns the captured kernels with the arguments they had, so a

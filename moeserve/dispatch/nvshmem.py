@@ -78,6 +78,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import os
 import time
 from dataclasses import dataclass
 
@@ -99,6 +100,14 @@ CHUNK_TOKENS = 128  # tokens per rank per chunk: the low-latency bound, as the t
 GPU_COMM_SMS = 20  # programs of every communication kernel on a GPU; the rest compute
 CPU_COMM_PROGRAMS = 3  # under the interpreter programs run one after another: a few exercise the striding
 WAIT_TIMEOUT_S = 100.0  # a peer silent this long is dead or mismatched (DeepEP's bound is of this order)
+# Overrides WAIT_TIMEOUT_S where a dispatcher is built with no timeout_s: the GPU runbook sets it
+# below its stages' watchdogs, so that a hang is the kernels' PeerTimeout naming phase and peer.
+TIMEOUT_VAR = "MOESERVE_PEER_TIMEOUT_S"
+
+
+def default_timeout_s() -> float:
+    """The wait bound of a dispatcher built without one: TIMEOUT_VAR's seconds, else WAIT_TIMEOUT_S."""
+    return float(os.environ.get(TIMEOUT_VAR) or WAIT_TIMEOUT_S)
 
 
 class PeerTimeout(RuntimeError):
@@ -156,7 +165,7 @@ class NvshmemDispatcher(SteppedDispatcher):
         chunk_tokens: int = CHUNK_TOKENS,
         num_comm_sms: int | None = None,
         dispatch_fp8: bool = False,
-        timeout_s: float = WAIT_TIMEOUT_S,
+        timeout_s: float | None = None,
         streams: Streams | None = None,
         comm_stream: bool = True,
         nvlink_domain_size: int | None = None,
@@ -169,7 +178,8 @@ class NvshmemDispatcher(SteppedDispatcher):
         chunk_tokens: tokens per rank per chunk, and the largest low-latency bound.
         num_comm_sms: programs of each communication kernel (None: 20 on GPUs, 3 on CPU).
         dispatch_fp8: send FP8 rows with per-128-channel scales (see the module docstring).
-        timeout_s: how long any wait for a peer may take before it raises `PeerTimeout`.
+        timeout_s: how long any wait for a peer may take before it raises `PeerTimeout` (None:
+            `default_timeout_s()`).
         streams: the device's streams and events (None: `streams_for(device)`).
         comm_stream: launch on a comm stream of our own beside the caller's (module docstring);
             False: on the caller's stream, after its work, as emulated PEs that one host thread
@@ -199,6 +209,7 @@ class NvshmemDispatcher(SteppedDispatcher):
         # the emulated put, compiled or interpreted alike. 0: no peer is reached by puts.
         self._put_kind = 0 if not staged else 2 if self.heap.name == "nvshmem" else 1
         self.num_programs = _programs(self.device, num_comm_sms)
+        timeout_s = default_timeout_s() if timeout_s is None else timeout_s
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
         self.timeout_s = timeout_s
@@ -500,11 +511,21 @@ class NvshmemDispatcher(SteppedDispatcher):
             kinds.append((self._put_kind, self._put_libs))
         return kinds
 
+    def check_step(self) -> None:
+        """The error words read now, not an earlier copy: on a GPU a low-latency wait that ran out
+        hands out zero counts and the step goes on without a host sync (`_check_peers` looks only
+        at a copy already made), so its tokens would leave without the dead peer's rows. One
+        small read, where the runner reads the tokens anyway."""
+        self._raise_for(self._error.tolist())
+
     def _check_peers(self, synced: bool) -> None:
         """Raise `PeerTimeout` if a wait of this dispatcher ran out. `synced`: the kernels so far
         have finished (a CPU transport, or right after a host read); on a GPU otherwise only
         what an earlier, completed copy of the error words shows is looked at, never waited for."""
-        error = self._error_seen.read(synced)
+        self._raise_for(self._error_seen.read(synced))
+
+    def _raise_for(self, error: list[int] | None) -> None:
+        """Raise `PeerTimeout` naming the phase and peer if `error` (the error words) holds a record."""
         if error is None or error[0] == 0:
             return
         phase, where, seq = error[0], error[1], error[2]

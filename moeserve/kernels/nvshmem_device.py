@@ -4,8 +4,11 @@ that have no load/store address (other nodes, over IBGDA).
 Declared here rather than taken from PyTorch's `_nvshmem_triton`, which offers only the blocking
 put-with-signal and refuses to load without a GPU: the kernels post non-blocking puts (the send
 returns and the receive step is the overlap hook), and the compile check must build them on a
-machine with no GPU. Each extern is called by every thread of a program with the same scalar
+machine with no GPU. The puts are called by every thread of a program with the same scalar
 arguments, which is what NVSHMEM's `_block` variants expect: the program cooperates on one put.
+`signal_op` and `fence` are thread-level calls: a kernel makes them from one thread alone
+(`if thread_index() == 0`, after a block barrier), since every call is an operation of its own
+(an IBGDA atomic per thread: 128 for one signal at 4 warps).
 
 Only compiled code reaches these (the put variants with `PUT_NVSHMEM`); the interpreter runs the
 emulated put instead. Linking needs the device bitcode `libnvshmem_device*.bc` of an NVSHMEM
@@ -21,7 +24,7 @@ from pathlib import Path
 
 from triton.language import core
 
-SIGNAL_SET = 0  # NVSHMEM_SIGNAL_SET: the signal word takes the value (NVSHMEM_SIGNAL_ADD is 5)
+SIGNAL_SET = 9  # NVSHMEM_SIGNAL_SET (nvshmemx_signal_op_t): the signal word takes the value (ADD is 10)
 LIB_DIR_VAR = "NVSHMEM_LIB_DIR"  # the variable PyTorch's NVSHMEM support reads for the same file
 
 _I64, _I32 = core.dtype("int64"), core.dtype("int32")
@@ -52,6 +55,14 @@ def extern_libs(arch: int | None = None) -> dict[str, str]:
             f"no NVSHMEM device bitcode: install an nvidia-nvshmem wheel or set {LIB_DIR_VAR} to its lib directory"
         )
     return {"libnvshmem_device": str(path)}
+
+
+@core.extern
+def thread_index(_semantic=None):
+    """This thread's index in its program (`%tid.x`): the guard of the thread-level calls."""
+    return core.inline_asm_elementwise(
+        "mov.u32 $0, %tid.x;", "=r", [], dtype=_I32, is_pure=True, pack=1, _semantic=_semantic
+    )
 
 
 @core.extern

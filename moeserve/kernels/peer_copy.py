@@ -49,8 +49,11 @@ What a GPU run needs that the interpreter never shows:
 * Every wait is bounded (`timeout` nanoseconds: of the GPU's `%globaltimer` when compiled,
   of `HOST_CLOCK`, the host's monotonic clock, when interpreted; the interpreter runs the
   kernel's Python, so it may call one). A wait that runs out records `(phase, word, seq)` in the caller's `error`
-  words, hands out zero counts and stops; every later wait sees the record and returns at once,
-  so a dead or mismatched peer turns into a host-side error naming it instead of a hung GPU.
+  words, hands out zero counts and stops; every wait re-reads the record (a volatile load: the
+  compiler may not keep it in a register) each time round its loop, so one already spinning ends
+  too, and every later one returns at once: a dead or mismatched peer turns into a host-side error
+  naming it instead of a hung GPU. The step whose wait ran out produces no token (the model
+  runner's `check_step` reads the record before its sampled tokens leave the device).
 * Signal words carry `epoch(seq)` (1 .. 2**31 - 1, wrapping), compared for equality: a slot's word
   holds either its previous use's epoch or the current one, never a later one (credits forbid
   it), so equality is exact where `seq << 32` would overflow int64 after 2**31 sequences.
@@ -179,7 +182,7 @@ def dispatch_send_kernel(
         ready = remote == (KIND != STORE)
         if ready & (seq64 > SLOTS):  # the slot was used SLOTS sequences ago: wait until dest has copied it out
             credit = tl.atomic_add(credits + dest, 0, sem="acquire", scope="sys")
-            failed = tl.load(error) != 0
+            failed = tl.load(error, volatile=True) != 0
             spent = tl.cast(0, tl.int64)
             if GLOBALTIMER:
                 start_ns = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], tl.int64, False, 1)
@@ -187,6 +190,7 @@ def dispatch_send_kernel(
                 start_ns = HOST_CLOCK()
             while (credit < seq64 - SLOTS) & (spent < timeout) & (not failed):
                 credit = tl.atomic_add(credits + dest, 0, sem="acquire", scope="sys")
+                failed = tl.load(error, volatile=True) != 0  # another program's timeout ends this wait too
                 if GLOBALTIMER:
                     now = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], tl.int64, False, 1)
                     spent = now - start_ns
@@ -236,6 +240,7 @@ def dispatch_send_kernel(
                         m = mask[:, None] & (w0 + w < WORDS)[None, :]
                         row = tl.load(rows + (at + i)[:, None] * WORDS + (w0 + w)[None, :], mask=m)
                         tl.store(peer_rows + (region + i)[:, None] * WORDS + (w0 + w)[None, :], row, mask=m)
+                tl.debug_barrier()  # every thread's peer-row stores before the release below
                 signal = (target + signal_offset).to(tl.pointer_type(tl.int64)) + signal_word
                 tl.atomic_xchg(signal, sent, sem="release", scope="sys")
             else:  # the metadata, a fence, then the rows carrying the signal
@@ -243,7 +248,10 @@ def dispatch_send_kernel(
                 nvshmem.putmem_nbi_block(
                     own + meta_offset + region * 4, own + stage_meta_offset + at * 4, count * 4, pe
                 )
-                nvshmem.fence()
+                tl.debug_barrier()  # the block's put is posted before its one thread fences it
+                if nvshmem.thread_index() == 0:
+                    nvshmem.fence()
+                tl.debug_barrier()
                 nvshmem.putmem_signal_nbi_block(
                     own + rows_offset + region * (WORDS * 4), own + stage_rows_offset + at * (WORDS * 4),
                     count * (WORDS * 4), own + signal_offset + signal_word * 8, sent, pe,
@@ -272,7 +280,7 @@ def wait_signals_kernel(
     seq64 = tl.full((), 0, tl.int64) + seq  # not seq.to(tl.int64): see WIDENING
     words = (tl.load(addresses + rank) + signal_offset).to(tl.pointer_type(tl.int64)) + first_word
     target = epoch.to(tl.int64)
-    failed = tl.load(error) != 0
+    failed = tl.load(error, volatile=True) != 0
     spent = tl.cast(0, tl.int64)
     if GLOBALTIMER:
         start_ns = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], tl.int64, False, 1)
@@ -288,6 +296,7 @@ def wait_signals_kernel(
             value = tl.atomic_add(words + i, 0, mask=mask, sem="acquire", scope="sys")
             late = mask & ((value >> 32) != target)
             pending = tl.reduce(late.to(tl.int32), 0, _add)
+            failed = tl.load(error, volatile=True) != 0  # another program's timeout ends this wait too
             if GLOBALTIMER:
                 now = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], tl.int64, False, 1)
                 spent = now - start_ns
@@ -354,7 +363,7 @@ def dispatch_recv_kernel(
             by_store = True
             if PUT == PUT_NVSHMEM:
                 by_store = (source // DOMAIN == rank // DOMAIN) if DOMAIN else False
-                if not by_store:
+                if (not by_store) & (nvshmem.thread_index() == 0):  # one signal, not one per thread
                     nvshmem.signal_op(own + credit_offset + word * 8, seq64, source.to(tl.int32))
             if by_store:
                 credit = (tl.load(addresses + source) + credit_offset).to(tl.pointer_type(tl.int64)) + word
@@ -404,7 +413,7 @@ def combine_send_kernel(
         ready = remote == (KIND != STORE)  # else the other launch's
         if ready & (seq64 > SLOTS):  # the slot was used SLOTS sequences ago: wait until source has reduced it
             credit = tl.atomic_add(credits + source, 0, sem="acquire", scope="sys")
-            failed = tl.load(error) != 0
+            failed = tl.load(error, volatile=True) != 0
             spent = tl.cast(0, tl.int64)
             if GLOBALTIMER:
                 start_ns = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], tl.int64, False, 1)
@@ -412,6 +421,7 @@ def combine_send_kernel(
                 start_ns = HOST_CLOCK()
             while (credit < seq64 - SLOTS) & (spent < timeout) & (not failed):
                 credit = tl.atomic_add(credits + source, 0, sem="acquire", scope="sys")
+                failed = tl.load(error, volatile=True) != 0  # another program's timeout ends this wait too
                 if GLOBALTIMER:
                     now = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], tl.int64, False, 1)
                     spent = now - start_ns
@@ -461,6 +471,7 @@ def combine_send_kernel(
                             m = mask[:, None] & (w0 + w < WORDS)[None, :]
                             row = tl.load(stage + (at + i)[:, None] * WORDS + (w0 + w)[None, :], mask=m)
                             tl.store(rows + dest_row[:, None] * WORDS + (w0 + w)[None, :], row, mask=m)
+                    tl.debug_barrier()  # every thread's peer-row stores before the release below
                     signal = (target + signal_offset).to(tl.pointer_type(tl.int64)) + signal_word
                     tl.atomic_xchg(signal, sent, sem="release", scope="sys")
                 else:  # the rows' puts, a fence, then the signal: NVSHMEM delivers it after them
@@ -471,8 +482,10 @@ def combine_send_kernel(
                             own + rows_offset + dest_row * (WORDS * 4), own + stage_offset + (at + i) * (WORDS * 4),
                             tl.full((), WORDS * 4, tl.int64), pe,
                         )  # fmt: skip
-                    nvshmem.fence()
-                    nvshmem.signal_op(own + signal_offset + signal_word * 8, sent, pe)
+                    tl.debug_barrier()  # every row's put posted before the one thread's fence and signal
+                    if nvshmem.thread_index() == 0:
+                        nvshmem.fence()
+                        nvshmem.signal_op(own + signal_offset + signal_word * 8, sent, pe)
 
 
 @triton.jit(do_not_specialize=_PER_CALL)
@@ -528,7 +541,7 @@ def give_credit_kernel(
         by_store = True  # or the emulated put of the one word
         if PUT == PUT_NVSHMEM:
             by_store = (dest // DOMAIN == rank // DOMAIN) if DOMAIN else False
-            if not by_store:
+            if (not by_store) & (nvshmem.thread_index() == 0):  # one signal, not one per thread
                 nvshmem.signal_op(tl.load(addresses + rank) + credit_offset + word * 8, seq64, dest.to(tl.int32))
         if by_store:
             credit = (tl.load(addresses + dest) + credit_offset).to(tl.pointer_type(tl.int64)) + word

@@ -245,6 +245,8 @@ class ModelRunner:
         metadata = self.batch.sampling_metadata(self.batch.slots(request_ids))
         allowed = None if token_bitmask is None else token_bitmask.get().for_rows(request_ids, self.device)
         out = self.sampler.sample(logits, metadata, allowed)
+        for dispatcher in {id(b.dispatcher): b.dispatcher for b in self.model.moe_blocks()}.values():
+            dispatcher.check_step()  # a step whose exchange failed produces no token
         if resampled:  # the sampler's pick at the greedy row is not theirs: rejection sampling drew it
             for i, request_id in enumerate(request_ids):
                 if request_id in resampled:

@@ -201,3 +201,49 @@ def test_a_cpu_transport_interprets_even_where_kernels_are_compiled() -> None:
     layout, buffer, addresses = _one_pe_recv_buffer()
     kernel[(1,)](addresses, 0, 3, 1, layout.offsets["dispatch_credit"], EP=1, PUT=0, DOMAIN=1)
     assert _credit(layout, buffer, 1) == 3
+
+
+class _GpuMirror:
+    """The error words as a GPU's low-latency step shows them to the host: only an earlier copy
+    (`_ErrorMirror` on CUDA), here none yet."""
+
+    def read(self, synced: bool) -> list[int] | None:
+        return None
+
+
+def test_a_timed_out_low_latency_step_is_caught_before_its_tokens() -> None:
+    """On a GPU a low-latency wait that runs out hands out zero counts and the step goes on, no
+    host sync to see the record: dispatch returns. `check_step`, which the runner calls before a
+    step's tokens leave, reads the record itself and names the peer and the phase."""
+    rank0, _ = two_pes(timeout_s=0.5)
+    rank0._error_seen = _GpuMirror()
+    sent = within(60, lambda: rank0.dispatch(*inputs(5), 8))  # rank 1 never sends: no rows from it
+    assert int(sent.num_tokens_per_expert.sum()) < 5 * 2  # rank 0's own pairs at most
+    with pytest.raises(PeerTimeout, match=r"rank 0: no word from rank 1 for 0.5 s in dispatch receive"):
+        rank0.check_step()
+
+
+def test_the_runner_produces_no_token_from_a_failed_step(make_checkpoint, monkeypatch) -> None:
+    """The runner asks every dispatcher of the model after sampling, before any token leaves."""
+    from host_sync_cases import BLOCK_SIZE, step
+
+    from moeserve.dispatch import create_dispatcher
+    from moeserve.models import load_model, model_config
+    from moeserve.worker.kv_cache import allocate_kv_caches
+    from moeserve.worker.runner import ModelRunner
+
+    folder = make_checkpoint("qwen3_moe")
+    dispatcher = create_dispatcher("local", ExpertPlacement.contiguous(model_config(folder).num_experts, 1, 0))
+    model = load_model(folder, torch.float32, "cpu", dispatcher)
+    runner = ModelRunner(
+        model, allocate_kv_caches(model.cfg, 2, BLOCK_SIZE, torch.float32, "cpu"), BLOCK_SIZE, (), seed=0
+    )
+    prompts = {"a": [3, 7, 11]}
+    assert set(runner.execute(step(prompts, None))) == {"a"}  # a healthy step samples
+
+    def dead_peer() -> None:
+        raise PeerTimeout("rank 0: no word from rank 1 for 0.5 s in dispatch receive")
+
+    monkeypatch.setattr(dispatcher, "check_step", dead_peer)
+    with pytest.raises(PeerTimeout, match="rank 1"):
+        runner.execute(step(prompts, {"a": 5}))

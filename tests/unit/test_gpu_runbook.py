@@ -23,7 +23,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 GPU = ROOT / "bench" / "gpu"
-STAGE_NAMES = ("tests", "parity", "kernels", "decode", "serve", "dispatch")
+STAGE_NAMES = ("puts", "tests", "parity", "serve", "dispatch", "kernels", "decode")
 
 
 @pytest.fixture(scope="module")
@@ -36,37 +36,109 @@ def runbook():
 
 
 def test_dry_run_walks_every_stage(tmp_path):
+    """`run.sh` with no stage: the default call, planned and checked; two files come back."""
     env = {**os.environ, "PYTHON": sys.executable, "OUT": str(tmp_path)}
-    proc = subprocess.run(
-        [str(GPU / "run.sh"), "all", "--dry-run"], capture_output=True, text=True, env=env, timeout=300
-    )
+    proc = subprocess.run([str(GPU / "run.sh"), "--dry-run"], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "plan: budget 520 s of the 600 s call; env 20 s first, then in order:" in proc.stdout
+    assert re.search(r"  1\. puts +~ *\d+ s \(limit 240 s\)  starts at ~20 s", proc.stdout), proc.stdout
     summary = proc.stdout[proc.stdout.index("summary:") :]
     for name in ("env", *STAGE_NAMES):
         assert f"  {name:9s} skipped" in summary
     # What the device tool brings back: at most 8 files, at most 2 folders down.
     files = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file())
-    assert files == sorted(["logs.tar.gz", *(f"results/{n}.json" for n in ("env", *STAGE_NAMES))])
+    assert files == ["logs.tar.gz", "results.json"]
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert list(results["stages"]) == ["env", *STAGE_NAMES]  # puts first: the order run.sh gives
+    assert [e["stage"] for e in results["plan"]] == list(STAGE_NAMES)
     for name in STAGE_NAMES:
-        record = json.loads((tmp_path / "results" / f"{name}.json").read_text())
+        record = results["stages"][name]
         assert record["status"] == "skipped" and record["commands"]
         assert all(c["status"] == "skipped" and c["checked"] for c in record["commands"])
-    tests = json.loads((tmp_path / "results" / "tests.json").read_text())
-    assert tests["commands"][0]["argv"][1] == "bench/gpu/compile_check.py"  # the compile check comes first
-    assert "tests/kernels/test_fused_moe.py" in tests["commands"][1]["argv"]
-    assert re.fullmatch(r"pytest -m 'gpu': \d+ tests in \d+ files collect", tests["commands"][1]["checked"])
-    env_record = json.loads((tmp_path / "results" / "env.json").read_text())
+    puts, tests = results["stages"]["puts"], results["stages"]["tests"]
+    assert puts["commands"][0]["argv"][1] == "bench/dispatch_puts.py"
+    assert "tests/unit/test_nvshmem_steps_and_refusals.py" in puts["commands"][1]["argv"]
+    argvs = [c["argv"] for c in tests["commands"]]
+    assert not any("bench/gpu/compile_check.py" in a for a in argvs)  # CI compiles; the device tests
+    # One process per file, the NVSHMEM path's own tests left to the puts stage.
+    assert sum("tests/kernels/test_fused_moe.py" in a for a in argvs) == 1 and len(argvs) > 10
+    assert not any("tests/unit/test_nvshmem_steps_and_refusals.py" in a for a in argvs)
+    assert re.fullmatch(r"pytest -m 'gpu': \d+ tests in 1 files collect", tests["commands"][0]["checked"])
+    env_record = results["stages"]["env"]
     assert env_record["software"]["python"] and "missing" in env_record["wheels"]
     with tarfile.open(tmp_path / "logs.tar.gz") as tar:
-        summary_json = json.load(tar.extractfile("runbook/summary.json"))
-    assert summary_json["dry_run"] and set(summary_json["stages"]) == {"env", *STAGE_NAMES}
+        assert "runbook/tests/log.txt" in tar.getnames()
+    assert results["summary"]["dry_run"] and set(results["summary"]["stages"]) == {"env", *STAGE_NAMES}
+
+
+def test_stages_run_in_the_order_named_and_the_default_call_fits(runbook):
+    """The order given is the order run; `all` (or nothing) is the NVSHMEM path first; the plan
+    the runbook follows fits the budget, and the budget the 600 s call with a margin."""
+    stages = sys.modules["stages"]
+    assert [s.name for s in stages.chosen(["tests", "puts"])] == ["tests", "puts"]
+    assert [s.name for s in stages.chosen([])] == [s.name for s in stages.chosen(["all"])] == list(STAGE_NAMES)
+    assert [s.name for s in stages.chosen(["decode", "all"])] == ["decode", *STAGE_NAMES[:-1]]
+    with pytest.raises(SystemExit):
+        runbook.parse_args(["puts", "nonsense"])
+    budget = runbook.DEFAULT_BUDGET_S
+    assert budget + 60 <= stages.CALL_S  # the wheels' install, Python's start and the archive
+    plan = runbook.planned(stages.chosen([]), budget)
+    now = [e for e in plan if e["starts_at_s"] is not None]
+    assert [e["stage"] for e in now][:2] == ["puts", "tests"]
+    assert stages.ENV.expected_s + sum(e["expected_s"] for e in now) <= budget
+    for e in now:  # each starts where the one before it is expected to end
+        assert e["starts_at_s"] + e["expected_s"] <= budget
+    assert any(e["starts_at_s"] is None for e in plan)  # every stage together does not fit one call
+    # A stage that does not fit leaves its room to a later, shorter one.
+    long, short = (stages.Stage(n, "", (), 10, s) for n, s in (("long", 400), ("short", 50)))
+    got = stages.plan([long, long, short], 500)
+    assert [at for _, at in got] == [stages.ENV.expected_s, None, stages.ENV.expected_s + 400]
+    lines = runbook.plan_lines(runbook.planned([long, short], 500), 500)
+    assert lines[-1].startswith(f"plan: this call ~{stages.ENV.expected_s + 450} s of the 500 s budget")
+    # One results.json and one archive, whatever the stages: never more than the device brings back.
+    assert 2 <= runbook.MAX_FILES
+
+
+def test_the_kernels_time_out_before_any_watchdog(runbook, monkeypatch):
+    """A hang must be reported by the kernels (PeerTimeout, phase and peer), not a watchdog's kill:
+    their wait bound, which the runbook sets for every stage, is below each stage's limit, each
+    script's own watchdog and pytest's per-test limit."""
+    from moeserve.dispatch import nvshmem
+
+    stages = sys.modules["stages"]
+    peer = stages.PEER_TIMEOUT_S
+    assert peer < runbook.PYTEST_TIMEOUT_S
+    for stage in stages.STAGES:
+        assert peer < stage.timeout_s
+        for command in stage.commands:
+            args = command.args if isinstance(command, stages.Script) else ()
+            for flag in ("--world-timeout", "--stall-limit", "--time-limit"):
+                if flag in args:
+                    assert peer < float(args[args.index(flag) + 1]), (stage.name, flag)
+    monkeypatch.delenv(nvshmem.TIMEOUT_VAR, raising=False)
+    assert nvshmem.default_timeout_s() == nvshmem.WAIT_TIMEOUT_S
+    monkeypatch.setenv(runbook.TIMEOUT_VAR, str(peer))
+    assert nvshmem.default_timeout_s() == peer
+
+
+def test_pytest_runs_under_the_thread_timeout_method(runbook, monkeypatch, tmp_path):
+    """Where pytest-timeout is installed (the GPU image), each test is bounded by its thread method:
+    the signal method cannot interrupt a thread blocked in a CUDA synchronisation."""
+    stages = sys.modules["stages"]
+    found = runbook.importlib.util.find_spec
+    monkeypatch.setattr(
+        runbook.importlib.util, "find_spec", lambda name: object() if name == "pytest_timeout" else found(name)
+    )
+    argv = runbook.command_argv(stages.Pytest("gpu", ("tests/kernels/test_norm.py",)), tmp_path)
+    assert f"--timeout={runbook.PYTEST_TIMEOUT_S}" in argv and "--timeout-method=thread" in argv
+    assert argv[argv.index("--junitxml") + 1].endswith("junit-gpu-test_norm.xml")
 
 
 def test_dry_run_fails_a_bad_command_line(runbook, tmp_path):
     stages = sys.modules["stages"]
     (tmp_path / "work").mkdir()
     book = runbook.Runbook(
-        runbook.Layout(tmp_path, tmp_path / "logs.tar.gz", tmp_path / "work"), dry_run=True, budget_s=0
+        runbook.Layout(tmp_path / "results.json", tmp_path / "logs.tar.gz", tmp_path / "work"), dry_run=True, budget_s=0
     )
     bad = stages.Stage(
         "bad",
@@ -97,7 +169,9 @@ def test_real_runs_are_recorded_and_bounded(runbook, tmp_path):
     results.mkdir()
     (tmp_path / "work").mkdir()
     book = runbook.Runbook(
-        runbook.Layout(results, tmp_path / "logs.tar.gz", tmp_path / "work"), dry_run=False, budget_s=300
+        runbook.Layout(results / "results.json", tmp_path / "logs.tar.gz", tmp_path / "work"),
+        dry_run=False,
+        budget_s=300,
     )
     ok = _script(tmp_path, "ok", "json.dump({'x': 1}, open(out, 'w'))\n")
     no_cuda = _script(tmp_path, "no_cuda", "print('needs CUDA'); sys.exit(2)\n")
@@ -130,7 +204,7 @@ def test_real_runs_are_recorded_and_bounded(runbook, tmp_path):
     assert cut["status"] == "deferred" and re.search(r"slow.py: cut after [23] s, the call.s budget", cut["reason"])
     assert [c["status"] for c in cut["commands"]] == ["deferred", "deferred"]
     assert book.summary()["next_call"] == "bench/gpu/run.sh late cut"
-    assert json.loads((results / "mixed.json").read_text())["status"] == "failed"
+    assert json.loads((results / "results.json").read_text())["stages"]["mixed"]["status"] == "failed"
 
 
 def test_junit_summary(runbook, tmp_path):

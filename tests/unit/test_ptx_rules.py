@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -23,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 GPU = ROOT / "bench" / "gpu"
 sys.path.insert(0, str(GPU))
 
-from ptx_rules import check_comm_ptx  # noqa: E402
+from ptx_rules import _kernel_body, check_comm_ptx, check_put_ptx, unguarded_calls  # noqa: E402
 
 from moeserve.kernels.nvshmem_device import device_library  # noqa: E402
 
@@ -97,9 +98,9 @@ def test_the_kernels_as_built_keep_every_rule(ptx: dict[str, str]) -> None:
 @needs_nvshmem
 def test_the_put_variants_call_nvshmem_and_store_into_no_peer(ptx: dict[str, str]) -> None:
     """NVSHMEM's entry points are inlined: what shows them is the call of their transfer routines."""
-    assert "call.uni _Z37nvshmemi_transfer_put_signal" in ptx["dispatch_send_kernel[put]"]
+    assert re.search(r"call\.uni _Z\d+nvshmemi_transfer_put_signal", ptx["dispatch_send_kernel[put]"])
     assert ".sys.release.exch" not in ptx["dispatch_send_kernel[put]"]
-    assert "call.uni _Z30nvshmemi_transfer_amo_nonfetch" in ptx["give_credit_kernel[put]"]
+    assert re.search(r"call\.uni _Z\d+nvshmemi_transfer_amo_nonfetch", ptx["give_credit_kernel[put]"])
 
 
 @needs_nvshmem
@@ -130,6 +131,32 @@ def test_with_no_load_store_peer_every_credit_is_a_put(ptx: dict[str, str]) -> N
     assert any("never calls NVSHMEM's nvshmemi_transfer_amo" in p for p in problems), problems
 
 
+@needs_nvshmem
+def test_signal_ops_and_fences_are_one_threads_and_set_their_word(ptx: dict[str, str]) -> None:
+    """A thread-level NVSHMEM call made by every thread of a program is one operation per thread
+    (128 IBGDA atomics for one credit at 4 warps): each sits behind a branch on `%tid.x`; and a
+    signal operation passes NVSHMEM_SIGNAL_SET (9), not 0, which NVSHMEM's load/store path adds
+    and its transfer does not know. Without the `%tid.x` guard, or with 0, the rules say so."""
+    for name in ("give_credit_kernel[put]", "give_credit_kernel[all_puts]", "dispatch_send_kernel[put]"):
+        assert check_put_ptx(name.split("[")[0], ptx[name], "all_puts" not in name) == [], name
+        unguarded = ptx[name].replace("%tid.x", "%ctaid.x")  # the guard compares the block, not the thread
+        problems = check_put_ptx(name.split("[")[0], unguarded, "all_puts" not in name)
+        assert any("every thread of a program makes the thread-level call" in p for p in problems), (name, problems)
+    assert "[param3], 9;" in ptx["give_credit_kernel[put]"]
+    added = ptx["give_credit_kernel[put]"].replace("[param3], 9;", "[param3], 0;")
+    assert check_put_ptx("give_credit_kernel", added) == ["a signal operation passes amo type(s) [0], not SET (9)"]
+
+
+def test_the_rule_catches_a_signal_released_before_the_block_barrier(ptx: dict[str, str]) -> None:
+    """The release exchange is one thread's; the rows it publishes are every thread's: a block
+    barrier must come between, else a receiver running concurrently sees the signal first."""
+    text = ptx["dispatch_send_kernel"]
+    unordered = "\n".join(line for line in text.splitlines() if not line.strip().startswith("bar.sync"))
+    assert unordered != text
+    _, problems = check_comm_ptx("dispatch_send_kernel", unordered)
+    assert problems == ["1 release exchange(s) follow the rows' stores with no block barrier between"]
+
+
 @pytest.mark.parametrize(
     "kernel,old,new,finding",
     [
@@ -138,10 +165,54 @@ def test_with_no_load_store_peer_every_credit_is_a_put(ptx: dict[str, str]) -> N
         ("wait_signals_kernel", "%globaltimer", "%clock64", "bounded by the global timer"),
         ("give_credit_kernel", ".release.max", ".release.exch", "release max"),
         ("dispatch_send_kernel", ".v4.b32", ".b32", "scalar loads/stores"),
+        ("wait_signals_kernel", "ld.volatile.", "ld.", "re-read the error word"),
     ],
-    ids=["signal_at_gpu_scope", "relaxed_wait", "unbounded_wait", "credit_stored_not_raised", "scalar_copies"],
+    ids=[
+        "signal_at_gpu_scope",
+        "relaxed_wait",
+        "unbounded_wait",
+        "credit_stored_not_raised",
+        "scalar_copies",
+        "error_read_once",
+    ],
 )
 def test_each_rule_catches_its_regression(ptx: dict[str, str], kernel: str, old: str, new: str, finding: str) -> None:
     assert old in ptx[kernel], f"{kernel}'s PTX no longer has {old!r}: update this test's regression"
     _, problems = check_comm_ptx(kernel, ptx[kernel].replace(old, new))
     assert any(finding in p for p in problems), problems
+
+
+_FOLDED = """.entry k()
+{
+	mov.u32 	%r6, %ctaid.x;
+	mov.u32 %r5, %tid.x;
+	or.b32 	%r7, %r6, %r5;
+	setp.ne.b32 	%p1, %r7, 0;
+	@%p1 bra 	$L__BB0_2;
+	call.uni _Z30nvshmemi_transfer_amo_nonfetchImEvPvT_i14nvshmemi_amo_t, (param0, param1, param2, param3);
+$L__BB0_2:
+	ret;
+}"""
+
+
+@pytest.mark.parametrize(
+    "old,new,unguarded",
+    [("", "", 0), ("or.b32 \t%r7, %r6, %r5;", "and.b32 \t%r7, %r6, %r5;", 1), ("@%p1 bra", "@!%p1 bra", 1)],
+    ids=["program_and_thread_folded", "and_is_no_guard", "branch_the_wrong_way"],
+)
+def test_the_thread_guard_as_the_compiler_folds_it(old: str, new: str, unguarded: int) -> None:
+    """Where the program is known (one destination), the compiler folds `program 0, thread 0` into
+    one `or` of %ctaid.x and %tid.x: still a guard. An `and`, or the branch taken the wrong way
+    (every thread but 0 falling through to the call), is none."""
+    assert len(unguarded_calls(_FOLDED.replace(old, new))) == unguarded
+
+
+def test_a_kernel_body_runs_to_its_end_label() -> None:
+    """An inline asm block's closing brace may start a line: the body runs to the brace after
+    `$L__func_end`, else branch targets past the asm block go missing (the compile check crashed
+    on the Mixtral dispatch's control flow with a KeyError)."""
+    asm = _FOLDED.replace("$L__BB0_2:", "{\n\t.reg .b32 %t;\n}\n$L__BB0_2:").replace(
+        "\tret;\n}", "\tret;\n$L__func_end0:\n}"
+    )
+    assert "$L__BB0_2:" in _kernel_body(asm, "k")
+    assert unguarded_calls(_kernel_body(asm, "k")) == []
