@@ -143,6 +143,7 @@ class MultiprocessExecutor(Executor):
                 eos_token_ids=tuple(eos_token_ids),
                 seed=config.seed,
                 kernels=config.kernels,
+                indexer_key_dtype=config.indexer_key_dtype,
                 cuda_graphs=config.cuda_graphs,
                 max_num_seqs=config.max_num_seqs,
                 max_model_len=config.max_model_len or model_config.max_position_embeddings,

@@ -93,11 +93,16 @@ def allocate_kv_caches(
     `num_saved_states` saved ones for prefix caching."""
     specs = cache_specs(cfg, dtype, tp_size, mtp_layers)
     caches: list[torch.Tensor | tuple[torch.Tensor, ...] | LinearState] = []
+
+    def paged(spec: PagedSpec) -> torch.Tensor:
+        """In the spec's own dtype: FP8 indexer keys are uint8 rows beside a latent in `dtype`."""
+        return torch.zeros(spec.shape(num_blocks, block_size), dtype=getattr(torch, spec.dtype), device=device)
+
     for spec in specs.layers:
         if isinstance(spec, PagedSpec):
-            caches.append(torch.zeros(spec.shape(num_blocks, block_size), dtype=dtype, device=device))
+            caches.append(paged(spec))
         elif isinstance(spec, tuple):
-            caches.append(tuple(torch.zeros(s.shape(num_blocks, block_size), dtype=dtype, device=device) for s in spec))
+            caches.append(tuple(paged(s) for s in spec))
         else:
             parts = list(zip(spec.shapes, spec.dtypes, strict=True))
             conv, recurrent = (
