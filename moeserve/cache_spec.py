@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-ITEMSIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
+ITEMSIZES = {"float32": 4, "bfloat16": 2, "float16": 2, "uint8": 1}  # uint8: packed bytes (FP8 indexer keys)
 
 
 @dataclass(frozen=True)

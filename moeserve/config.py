@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import fnmatch
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import torch
@@ -93,13 +93,18 @@ class DSAConfig:
     split in halves (DeepSeek-V3.2) or in interleaved pairs (GLM-5, `interleaved_rope`).
 
     `indexer_layers`: per decoder layer, whether it runs its own indexer (and caches its keys) or
-    reuses the top-k of the last layer before it that does (GLM-5's `index_topk_freq`)."""
+    reuses the top-k of the last layer before it that does (GLM-5's `index_topk_freq`).
+
+    `fp8_keys`: cache the indexer's keys as DeepSeek-V3.2's release does, e4m3 with one float32
+    scale per token (`index_head_dim + 4` bytes), instead of in the compute dtype as transformers
+    keeps them; an engine option (`EngineConfig.indexer_key_dtype`), not read from the checkpoint."""
 
     index_n_heads: int
     index_head_dim: int
     index_topk: int
     interleaved_rope: bool
     indexer_layers: tuple[bool, ...]
+    fp8_keys: bool = False
 
     def __post_init__(self) -> None:
         if not self.indexer_layers or not self.indexer_layers[0]:
@@ -352,6 +357,19 @@ class ModelConfig:
     @property
     def is_mla(self) -> bool:
         return self.mla is not None
+
+    def with_indexer_key_dtype(self, key_dtype: str) -> ModelConfig:
+        """This config with `EngineConfig.indexer_key_dtype` applied: "auto" keeps the indexer's keys
+        in the compute dtype, "fp8" caches them as e4m3 with a float32 scale per token
+        (`DSAConfig.fp8_keys`), which only a DSA model has keys for."""
+        if key_dtype == "auto":
+            return self
+        if self.dsa is None:
+            raise ValueError(
+                f"--indexer-key-dtype {key_dtype}: {self.architecture} has no lightning indexer "
+                "(only DeepSeek Sparse Attention models, DeepSeek-V3.2 and GLM-5, cache indexer keys)"
+            )
+        return replace(self, dsa=replace(self.dsa, fp8_keys=key_dtype == "fp8"))
 
     def is_linear(self, layer: int) -> bool:
         """Whether decoder layer `layer` is a Gated DeltaNet (MTP layers, past the decoder's, never are)."""

@@ -33,6 +33,7 @@ logger = logging.getLogger(__name__)
 DTYPE_NAMES = ("float32", "float16", "bfloat16")
 DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16"}
 KERNEL_BACKENDS = ("auto", "torch", "triton")
+INDEXER_KEY_DTYPES = ("auto", "fp8")
 A2A_BACKENDS = ("auto", "torch", "nvshmem")
 SCHEDULING_POLICIES = POLICIES
 
@@ -475,6 +476,11 @@ class EngineConfig:
     """cuda, cpu, or auto: cuda when a GPU is visible, else cpu."""
     kernels: Literal["auto", "torch", "triton"] = "auto"
     """Layer operations backend: torch, triton, or auto (see `ops.create_ops`)."""
+    indexer_key_dtype: Literal["auto", "fp8"] = "auto"
+    """DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5): how the lightning indexer's keys are
+    cached. auto: in the compute dtype, as transformers keeps them; fp8: e4m3 with one float32
+    scale per token (index_head_dim + 4 bytes, 132 at 128), as DeepSeek-V3.2's release caches
+    them, about half of bf16's bytes and close to (not exactly) the same top-k; kernels=torch only."""
     max_model_len: int | None = None
     """Longest prompt + completion; None: the checkpoint's max_position_embeddings."""
     max_num_seqs: int = _scheduler_default("max_num_seqs")  # type: ignore[assignment]
@@ -544,6 +550,10 @@ class EngineConfig:
             )
         if self.kernels not in KERNEL_BACKENDS:
             raise ValueError(f"kernels {self.kernels!r} is not one of {', '.join(KERNEL_BACKENDS)}")
+        if self.indexer_key_dtype not in INDEXER_KEY_DTYPES:
+            raise ValueError(
+                f"indexer key dtype {self.indexer_key_dtype!r} is not one of {', '.join(INDEXER_KEY_DTYPES)}"
+            )
         parallel, caching = self.parallel, self.cache.enable_prefix_caching
         problem = disaggregation_problem(self.kv_transfer, parallel.tp, caching)
         if problem is not None:

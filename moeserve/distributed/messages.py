@@ -35,6 +35,8 @@ class WorkerSpec:
     eos_token_ids: tuple[int, ...]
     seed: int
     kernels: str = "auto"
+    indexer_key_dtype: str = "auto"
+    """`EngineConfig.indexer_key_dtype`: every rank caches the indexer's keys alike."""
     cuda_graphs: CudaGraphConfig = field(default_factory=CudaGraphConfig)
     max_num_seqs: int = 1
     """Per data-parallel group, as its scheduler has it: the largest decode batch."""

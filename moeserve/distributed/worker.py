@@ -195,7 +195,7 @@ class Worker:
 
     def load(self) -> LoadReport:
         spec = self.spec
-        cfg, eplb = model_config(spec.model), spec.parallel.eplb
+        cfg, eplb = model_config(spec.model, spec.indexer_key_dtype), spec.parallel.eplb
         self.expert_map = ExpertMap.initial(
             cfg.num_experts,
             len(cfg.moe_layer_indices),
@@ -219,6 +219,7 @@ class Worker:
             create_ops(spec.kernels, self.device),
             self.expert_map,
             with_mtp=spec.mtp_drafts > 0,
+            indexer_key_dtype=spec.indexer_key_dtype,
         )
         # One block more when decode graphs may be captured: their pad rows' scratch block.
         scratch = 1 if spec.cuda_graphs.wanted(str(self.device)) else 0

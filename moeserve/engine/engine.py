@@ -54,7 +54,7 @@ class ModelFacts:
     @classmethod
     def read(cls, config: EngineConfig) -> ModelFacts:
         folder = Path(config.model)
-        cfg = model_config(folder)
+        cfg = model_config(folder, config.indexer_key_dtype)
         max_model_len = config.max_model_len or cfg.max_position_embeddings
         if max_model_len > cfg.max_position_embeddings:
             raise ValueError(

@@ -58,6 +58,7 @@ class InProcessExecutor(Executor):
             ops=create_ops(config.kernels, config.device),
             expert_map=self.expert_map,
             with_mtp=mtp_drafts > 0,
+            indexer_key_dtype=config.indexer_key_dtype,
         )
         # One block more when decode graphs may be captured: their pad rows' scratch block.
         scratch = 1 if config.cuda_graphs.wanted(config.device) else 0

@@ -143,6 +143,7 @@ class MultiprocessExecutor(Executor):
                 eos_token_ids=tuple(eos_token_ids),
                 seed=config.seed,
                 kernels=config.kernels,
+                indexer_key_dtype=config.indexer_key_dtype,
                 cuda_graphs=config.cuda_graphs,
                 max_num_seqs=config.max_num_seqs,
                 max_num_batched_tokens=config.max_num_batched_tokens,

@@ -53,12 +53,14 @@ def load_model(
     ops: LayerOps = TORCH_OPS,
     expert_map: ExpertMap | None = None,
     with_mtp: bool = False,
+    indexer_key_dtype: str = "auto",
 ) -> MoECausalLM:
     """Build the model for `folder`'s architecture and load this rank's share of its weights.
 
     `with_mtp`: also load the checkpoint's multi-token prediction layers (speculative decoding's
     mtp drafts). Their experts sit in the slots of the default placement: a map with redundant or
     moved experts (EPLB) covers the decoder's MoE layers only, so it is refused with them.
+    `indexer_key_dtype`: `EngineConfig.indexer_key_dtype` (FP8 indexer keys or not).
 
     The rank's physical expert slots are `dispatcher.placement`'s, and `expert_map` says which
     logical expert each holds (None: slot e holds expert e, no redundant experts); without a
@@ -67,6 +69,7 @@ def load_model(
     """
     reader = CheckpointReader(folder)
     arch, cfg = resolve_architecture(reader.config)
+    cfg = cfg.with_indexer_key_dtype(indexer_key_dtype)
     if dispatcher is None:
         dispatcher = create_dispatcher("local", ExpertPlacement.contiguous(cfg.num_experts), device)
     placement = dispatcher.placement
@@ -272,6 +275,7 @@ def weight_bytes(model: MoECausalLM) -> WeightBytes:
     return WeightBytes(experts, other)
 
 
-def model_config(folder: str | Path) -> ModelConfig:
-    """The normalised config of a checkpoint, without reading any weight."""
-    return resolve_architecture(CheckpointReader(folder).config)[1]
+def model_config(folder: str | Path, indexer_key_dtype: str = "auto") -> ModelConfig:
+    """The normalised config of a checkpoint, without reading any weight, with the engine's
+    `indexer_key_dtype` applied (what sizes the cache must agree with what `load_model` builds)."""
+    return resolve_architecture(CheckpointReader(folder).config)[1].with_indexer_key_dtype(indexer_key_dtype)

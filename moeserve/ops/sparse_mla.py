@@ -8,6 +8,10 @@ index_head_dim ** -0.5`, over the keys t sees (causal); t attends to the `index_
 or to all of them when it sees no more than that. A bucket whose key length is at most
 `index_topk` therefore attends densely, and skips the scoring: the same result (a decode bucket's
 padded keys are masked either way).
+
+FP8 keys (`DSAConfig.fp8_keys`): each key is cached as one row of bytes, its e4m3 values then a
+float32 scale (`dispatch.fp8`'s per-token row: a single scale group up to 128 dims, so 132 bytes
+at DeepSeek-V3.2's 128), and the scoring dequantizes the keys it gathers to float32.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from moeserve.config import MLAConfig
+from moeserve.dispatch import fp8
 from moeserve.ops.attention import gather_from_cache
 from moeserve.ops.torch_attention import (
     TorchAttentionPlan,
@@ -28,14 +33,32 @@ Selection = tuple[torch.Tensor | None, ...]
 """Per bucket of the plan, `[n, query_len, index_topk]` int64 positions in its keys, or None (dense)."""
 
 
+def fp8_key_row_bytes(head_dim: int) -> int:
+    """Bytes of one FP8 key row: `head_dim` e4m3 bytes (padded to 4) and a float32 scale per 128."""
+    return fp8.packed_row_bytes(head_dim)
+
+
+def fp8_key_rows(k: torch.Tensor) -> torch.Tensor:
+    """Keys `[T, Di]` -> their cache rows, uint8 `[T, fp8_key_row_bytes(Di)]`."""
+    return fp8.encode_rows(k).view(torch.uint8)
+
+
+def keys_of_rows(rows: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Cache rows uint8 `[N, fp8_key_row_bytes(Di)]` -> the keys they hold, float32 `[N, Di]`."""
+    return fp8.decode_rows(rows.contiguous().view(torch.int32), head_dim).dequantize(torch.float32)
+
+
 def indexer_topk(
     q: torch.Tensor, weights: torch.Tensor, key_cache: torch.Tensor, plan: TorchAttentionPlan, index_topk: int
 ) -> Selection:
     """q `[T, Hi, Di]` (rotated), weights `[T, Hi]` float32 (already scaled by Hi ** -0.5),
-    key_cache `[num_blocks, block_size, Di]` holding this step's keys -> each bucket's choice."""
+    key_cache `[num_blocks, block_size, Di]` holding this step's keys (uint8 `[.., .., row bytes]`:
+    FP8 rows) -> each bucket's choice."""
     if all(b.key_len <= index_topk for b in plan.buckets):
         return (None,) * len(plan.buckets)
     keys = gather_from_cache(key_cache, plan.key_slots)  # [N, Di]
+    if keys.dtype == torch.uint8:
+        keys = keys_of_rows(keys, q.shape[-1])
     scale = q.shape[-1] ** -0.5
     chosen: list[torch.Tensor | None] = []
     for b, qb, wb in zip(plan.buckets, bucket_rows(q, plan), bucket_rows(weights, plan)):

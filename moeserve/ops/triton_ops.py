@@ -78,6 +78,8 @@ class TritonOps(LayerOps[TritonAttentionPlan]):
             return "the Triton fused MoE kernel has no expert biases nor clamped SwiGLU (gpt-oss); use kernels=torch"
         if cfg.router.kind == "topk_softmax" or cfg.router.has_bias:
             return "the Triton routing kernel has no top-k-then-softmax router with a bias (gpt-oss); use kernels=torch"
+        if cfg.dsa is not None and cfg.dsa.fp8_keys:
+            return "the Triton indexer kernel reads keys in the compute dtype, not FP8 ones; use kernels=torch"
         return None
 
     def plan_attention(self, batch: AttentionBatch) -> TritonAttentionPlan:

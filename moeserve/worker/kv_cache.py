@@ -136,11 +136,16 @@ def allocate_kv_caches(
         )
         return [allocate_v4_layer(spec, pools, block_size, num_state_slots, device) for spec in specs.layers]
     caches: list[torch.Tensor | tuple[torch.Tensor, ...] | LinearState] = []
+
+    def paged(spec: PagedSpec) -> torch.Tensor:
+        """In the spec's own dtype: FP8 indexer keys are uint8 rows beside a latent in `dtype`."""
+        return torch.zeros(spec.shape(num_blocks, block_size), dtype=getattr(torch, spec.dtype), device=device)
+
     for spec in specs.layers:
         if isinstance(spec, PagedSpec):
-            caches.append(torch.zeros(spec.shape(num_blocks, block_size), dtype=dtype, device=device))
+            caches.append(paged(spec))
         elif isinstance(spec, tuple):
-            caches.append(tuple(torch.zeros(s.shape(num_blocks, block_size), dtype=dtype, device=device) for s in spec))
+            caches.append(tuple(paged(s) for s in spec))
         else:
             parts = list(zip(spec.shapes, spec.dtypes, strict=True))
             conv, recurrent = (

@@ -9,11 +9,11 @@ again when the prompts come back from the prefix cache (the indexer keys shared 
 
 from __future__ import annotations
 
-import json
 import shutil
 
 import pytest
 import torch
+from helpers.dsa import config_of, prompts_for
 from helpers.reference import hf_greedy_tokens, hf_model, prefill_logits
 from helpers.stats import CountingStatLogger
 
@@ -21,22 +21,12 @@ from moeserve import LLM, SamplingParams
 from moeserve.cache_spec import PagedSpec
 from moeserve.checkpoints import MakeModelSpec
 from moeserve.checkpoints.mtp import write_mtp_layers
-from moeserve.config import ModelConfig
-from moeserve.models import load_model, resolve_architecture
+from moeserve.models import load_model
 from moeserve.models.decoder import cache_specs
 from moeserve.plan.sparse_attention import decode_attention_cost
 
 ARCHS = ("deepseek_v32", "glm_moe_dsa")
 GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
-
-
-def config_of(folder) -> ModelConfig:
-    return resolve_architecture(json.loads((folder / "config.json").read_text()))[1]
-
-
-def prompts_for(seed: int, lengths: tuple[int, ...]) -> list[list[int]]:
-    g = torch.Generator().manual_seed(4000 + seed)
-    return [torch.randint(3, 320, (n,), generator=g).tolist() for n in lengths]
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -232,6 +232,17 @@ def test_dispatch_fp8_is_a_switch() -> None:
     assert EngineConfig.from_options(dispatch_fp8=True).parallel.dispatch_fp8 is True
 
 
+def test_indexer_key_dtype_is_a_choice() -> None:
+    def key_dtype(*argv: str) -> str:
+        args = parse(*argv)
+        return EngineConfig.from_options(**{n: getattr(args, n) for n in args.engine_options}).indexer_key_dtype
+
+    assert key_dtype("launch") == "auto"
+    assert key_dtype("launch", "--indexer-key-dtype", "fp8") == "fp8"
+    with pytest.raises(ValueError, match="indexer key dtype 'int8'"):
+        EngineConfig(indexer_key_dtype="int8")  # type: ignore[arg-type]
+
+
 def test_num_comm_sms_reaches_the_nvshmem_dispatcher() -> None:
     from moeserve.dispatch import DispatchRows, ExpertPlacement, ep_dispatcher
 

@@ -5,7 +5,9 @@ The indexer has its own heads: queries from MLA's query latent (`wq_b`), one key
 the hidden state (`wk`, then a LayerNorm), both rotated on their first `qk_rope_head_dim` dims,
 and per-head weights from the hidden state (`weights_proj`, float32 as transformers keeps it).
 Its keys are a second paged cache beside the latent, one entry per token in the same blocks
-(`cache_spec`), so prefix caching shares them with the latent. The backend chooses and attends
+(`cache_spec`), so prefix caching shares them with the latent: in the compute dtype, or with
+`DSAConfig.fp8_keys` as DeepSeek-V3.2's release caches them, e4m3 with a float32 scale per token
+(`ops.sparse_mla.fp8_key_rows`; the scoring dequantizes what it gathers). The backend chooses and attends
 (`LayerOps.dsa_select`, `sparse_mla_attention`): `ops.sparse_mla` is the reference, the Triton
 backend runs `kernels.sparse_mla`.
 
@@ -28,6 +30,7 @@ from moeserve.models.layers.mla import MLAttention
 from moeserve.models.tensor_parallel import SINGLE, TensorParallel
 from moeserve.ops import TORCH_OPS, LayerOps
 from moeserve.ops.attention import AttentionPlan, write_to_cache
+from moeserve.ops.sparse_mla import fp8_key_row_bytes, fp8_key_rows
 
 INDEXER_NORM_EPS = 1e-6  # the indexer's k_norm, as DeepSeek's code and transformers fix it
 
@@ -66,7 +69,7 @@ class Indexer(nn.Module):
         )
         q = torch.cat((q_rot, q[..., self.rope_dim :]), dim=-1)
         k = torch.cat((k_rot, k[..., self.rope_dim :]), dim=-1)[:, 0]
-        write_to_cache(key_cache, k, plan.slot_mapping)
+        write_to_cache(key_cache, fp8_key_rows(k) if d.fp8_keys else k, plan.slot_mapping)
         weights = self.weights_proj(x.float()) * d.index_n_heads**-0.5  # [T, Hi] float32
         return self.ops.dsa_select(q, weights, key_cache, plan, d.index_topk)
 
@@ -95,11 +98,14 @@ class SparseMLAttention(MLAttention):
         cfg: ModelConfig, layer: int, dtype: torch.dtype, tp_size: int = 1
     ) -> PagedSpec | tuple[PagedSpec, ...]:
         """The latent (`MLAttention.cache_spec`), and for a layer with an indexer its keys: one
-        `index_head_dim` entry per token, in the model's dtype as transformers caches them."""
+        `index_head_dim` entry per token, in the model's dtype as transformers caches them, or
+        with `fp8_keys` one row of `index_head_dim + 4` bytes (e4m3 bytes, then the float32 scale)."""
         latent = MLAttention.cache_spec(cfg, dtype, tp_size)
         assert cfg.dsa is not None
         if not cfg.dsa.has_indexer(layer):
             return latent
+        if cfg.dsa.fp8_keys:
+            return latent, PagedSpec((), (fp8_key_row_bytes(cfg.dsa.index_head_dim),), "uint8")
         return latent, PagedSpec((), (cfg.dsa.index_head_dim,), dtype_name(dtype))
 
     def forward(
