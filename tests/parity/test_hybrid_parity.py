@@ -182,6 +182,14 @@ def test_ngram_drafts_give_the_greedy_tokens(make_checkpoint, monkeypatch, arch)
     assert any(r >= 0 for r in restores)
 
 
+def with_mtp_layer(checkpoint: Path, tmp_path: Path) -> Path:
+    """A copy of `checkpoint` with an aligned MTP layer in the released layout."""
+    folder = tmp_path / checkpoint.name
+    shutil.copytree(checkpoint, folder)
+    write_qwen_mtp_layer(folder)
+    return folder
+
+
 @pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5_moe"])
 def test_mtp_drafts_give_the_greedy_tokens(make_checkpoint, monkeypatch, tmp_path, arch):
     """The released MTP layout (`mtp.fc`, `mtp.layers.0.`, ...; an aligned layer over the target's
@@ -189,9 +197,7 @@ def test_mtp_drafts_give_the_greedy_tokens(make_checkpoint, monkeypatch, tmp_pat
     (whose parity with transformers the tests above hold), the DeltaNet states stepped back past
     rejected drafts, the MTP layer's cache is an attention layer's in the paged group, and neither
     a KV block nor a state slot is left held."""
-    folder = tmp_path / arch
-    shutil.copytree(make_checkpoint(arch), folder)
-    write_qwen_mtp_layer(folder)
+    folder = with_mtp_layer(make_checkpoint(arch), tmp_path)
     g = torch.Generator().manual_seed(9)
     prompts = [{"prompt_token_ids": torch.randint(3, 320, (n,), generator=g).tolist()} for n in (40, 61)]
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
@@ -214,6 +220,23 @@ def test_mtp_drafts_give_the_greedy_tokens(make_checkpoint, monkeypatch, tmp_pat
     assert specs.layers[-1] == specs.layers[runner.model.cfg.linear_layers.index(False)]
     assert drafting.engine.scheduler.num_used_blocks == 0
     assert len(runner.states.request_ids) <= 1 and runner.states.num_free >= runner.states.num_slots - 1
+
+
+def test_aligned_mtp_drafts_are_kept(make_checkpoint, tmp_path):
+    """A one-layer full-attention target, whose aligned MTP layer predicts it but for attention to
+    the first token (`checkpoints/mtp.py`): most drafts are kept, which they are only if the
+    released names load where they belong (fc's embedding half first, zero-centred norms, the
+    target's embedding and head); the tokens are still the plain greedy ones."""
+    folder = str(
+        with_mtp_layer(make_checkpoint("qwen3_next", num_hidden_layers=1, layer_types=["full_attention"]), tmp_path)
+    )
+    prompts = [{"prompt_token_ids": p} for p in prompts_for(5, (40,))]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in LLM(folder).generate(prompts, params, use_tqdm=False)]
+    counts = CountingStatLogger()
+    drafting = LLM(folder, stat_loggers=[counts], speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    assert [o.outputs[0].token_ids for o in drafting.generate(prompts, params, use_tqdm=False)] == plain
+    assert counts.spec_decode.accepted_per_position[0] > counts.spec_decode.num_drafts / 2
 
 
 def test_features_not_built_for_states_are_refused(make_checkpoint):
