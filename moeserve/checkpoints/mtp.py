@@ -55,11 +55,36 @@ def write_mtp_layers(
         else:
             own = _random(_layer(helper, spec.first_k_dense_replace + i), target, spec.init_std)
         tensors.update({f"model.layers.{spec.layers + i}.{name}": t.contiguous() for name, t in own.items()})
+    _save(out, tensors, {"num_nextn_predict_layers": spec.mtp_layers})
+
+
+def write_qwen_mtp_layer(out: Path) -> None:
+    """Add an aligned MTP layer, as Qwen3-Next and Qwen3.5 release theirs (`mtp.fc`,
+    `mtp.pre_fc_norm_embedding`, `mtp.pre_fc_norm_hidden`, `mtp.layers.0.`, `mtp.norm`), to the
+    text checkpoint transformers saved in `out`: the `_aligned` recipe over the target's last
+    full-attention layer, its norms stored zero-centred (a scale of 1 + w) as the target's are."""
+    target = _read_all(out)
+    config = json.loads((out / "config.json").read_text())
+    last_full = max(i for i, kind in enumerate(config["layer_types"]) if kind == "full_attention")
+    aligned = _aligned(_layer(target, last_full), target)
+    own = {
+        "fc.weight": aligned["eh_proj.weight"],
+        "pre_fc_norm_embedding.weight": aligned["enorm.weight"] - 1,
+        "pre_fc_norm_hidden.weight": torch.zeros_like(aligned["hnorm.weight"]),
+        "norm.weight": target["model.norm.weight"].clone(),
+    }
+    own.update({f"layers.0.{name}": t for name, t in _layer(target, last_full).items()})
+    key = "num_nextn_predict_layers" if config["model_type"] == "qwen3_next" else "mtp_num_hidden_layers"
+    _save(out, {f"mtp.{name}": t.contiguous() for name, t in own.items()}, {key: 1})
+
+
+def _save(out: Path, tensors: dict[str, torch.Tensor], config_keys: dict[str, int]) -> None:
+    """Write the MTP tensors to their own file, list them in the index, set `config_keys`."""
     save_file(tensors, str(out / MTP_FILE), metadata={"format": "pt"})
     _add_to_index(out, list(tensors))
     config_path = out / "config.json"
     config = json.loads(config_path.read_text())
-    config["num_nextn_predict_layers"] = spec.mtp_layers
+    config.update(config_keys)
     config_path.write_text(json.dumps(config, indent=2) + "\n")
 
 

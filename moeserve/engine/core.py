@@ -120,11 +120,9 @@ class CoreStep:
 
 def state_refusal(config: EngineConfig) -> str | None:
     """Why `config` cannot serve a model whose layers keep a state per sequence (Gated DeltaNet),
-    or None. n-gram drafts are verified with the state after each token kept (torch kernels);
-    MTP drafts are not built yet. Disaggregation moves a prompt's state as a saved state of
+    or None. Drafts (n-gram or MTP) are verified with the state after each token kept (torch
+    kernels). Disaggregation moves a prompt's state as a saved state of
     prefix caching (`kv_transfer.layout`), so it needs prefix caching on."""
-    if config.mtp_drafts:
-        return "speculative_config method 'mtp' is not built for Gated DeltaNet models yet (ngram is)"
     if config.speculative_config is not None and config.kernels == "triton":
         return "the Triton Gated DeltaNet kernels keep no per-draft states yet: verify drafts with --kernels torch"
     if config.kv_transfer.enabled and not config.num_saved_states:

@@ -205,7 +205,8 @@ class MoECausalLM(nn.Module):
                 torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device), requires_grad=False
             )
         self.rotary = RotaryEmbedding(cfg.rope, device)
-        template = cfg.moe_layer_indices[-1] if cfg.moe_layer_indices else 0
+        # MTP layers have full attention: built like the last MoE layer that is no Gated DeltaNet.
+        template = next((i for i in reversed(cfg.moe_layer_indices) if not cfg.is_linear(i)), 0)
         self.mtp = nn.ModuleList(
             MTPLayer(cfg, DecoderLayer(cfg, template, dispatcher, dtype, device, tp, ops, i), dtype, device, tp, ops)
             for i in range(cfg.num_mtp_layers if with_mtp else 0)
@@ -239,7 +240,8 @@ class MoECausalLM(nn.Module):
         kv_caches: list[LayerCache],
         max_tokens_per_rank: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """forward(), and the residual stream before the final norm `[T, H]`: what the MTP layers read."""
+        """forward(), and what the MTP layers read `[T, H]`: the residual stream before the final
+        norm, or the final hidden states again where the config says `mtp_reads_normed`."""
         return finish(self._layers(input_ids, positions, plan, kv_caches, max_tokens_per_rank, in_steps=False))
 
     def forward_steps(
@@ -281,9 +283,12 @@ class MoECausalLM(nn.Module):
                 x, residual = layer(*args)
         hidden, stream = self.norm.add(x, residual)
         num_tokens = input_ids.shape[0]
+        gathered = self.tp.all_gather_tokens(hidden, num_tokens)
         if not self.mtp:  # nobody reads the stream: no gather for it
-            return self.tp.all_gather_tokens(hidden, num_tokens), stream
-        return self.tp.all_gather_tokens(hidden, num_tokens), self.tp.all_gather_tokens(stream, num_tokens)
+            return gathered, stream
+        if self.cfg.mtp_reads_normed:
+            return gathered, gathered
+        return gathered, self.tp.all_gather_tokens(stream, num_tokens)
 
     def moe_blocks(self) -> list[MoEBlock]:
         """The MoE layers' blocks in model order (the order `ExpertMap` layers are in)."""

@@ -85,7 +85,7 @@ def load_model(
     if reason is not None:
         raise ValueError(f"{cfg.architecture} cannot run on kernels={ops.name}: {reason}")
     if with_mtp:
-        _check_mtp(cfg, expert_map, reader, arch.names.model_prefix)
+        _check_mtp(cfg, expert_map, reader, arch.names)
     model_cls = MoECausalLM if cfg.compressed_attention is None else DeepseekV4CausalLM
     model = model_cls(cfg, dispatcher, dtype, device, tp, ops, with_mtp)
     experts_by_layer = {layer: expert_map.local_logical(i, placement.rank) for i, layer in enumerate(moe_layers)}
@@ -182,14 +182,22 @@ def checkpoint_names(names: CheckpointNames, cfg: ModelConfig, reader: Checkpoin
     return names if first in reader else dataclasses.replace(names, fused_experts=False)
 
 
-def _check_mtp(cfg: ModelConfig, expert_map: ExpertMap, reader: CheckpointReader, model_prefix: str) -> None:
+def _check_mtp(cfg: ModelConfig, expert_map: ExpertMap, reader: CheckpointReader, names: CheckpointNames) -> None:
     """MTP drafts need the checkpoint's MTP layers and an expert map their MoE can share."""
     if not cfg.num_mtp_layers:
         raise ValueError(
             f"speculative_config method 'mtp' needs multi-token prediction weights, and this {cfg.architecture} "
             "checkpoint has none (config.json's num_nextn_predict_layers is 0 or absent)"
         )
-    first = f"{model_prefix}layers.{cfg.num_layers}.eh_proj.weight"
+    if names.mtp_layout == "qwen" and cfg.num_mtp_layers > 1:
+        raise ValueError(
+            f"speculative_config method 'mtp': {cfg.architecture} with {cfg.num_mtp_layers} MTP layers "
+            "(one fc feeding them all) is not built; the releases have one"
+        )
+    if names.mtp_layout == "qwen":
+        first = "mtp.fc.weight"
+    else:
+        first = f"{names.model_prefix}layers.{cfg.num_layers}.eh_proj.weight"
     if first not in reader:
         raise ValueError(
             f"speculative_config method 'mtp': config.json's num_nextn_predict_layers is {cfg.num_mtp_layers}, "

@@ -9,6 +9,11 @@ Checkpoints store MTP layer i as decoder layer `num_hidden_layers + i`: its own 
 The hidden state it reads is the target's residual stream after the last decoder layer, before
 the final norm: the DeepSeek-V3 report's "representation of the main model" feeds `hnorm`, which
 normalises it again anyway (the final norm's scale aside, the two inputs differ only by it).
+
+Qwen3-Next's and Qwen3.5's MTP layer is the same computation under other names (`fc` for
+`eh_proj`, `pre_fc_norm_embedding` / `pre_fc_norm_hidden`, `norm` before the target's own head,
+over the target's embedding) reading the target's hidden states after its final norm
+(`ModelConfig.mtp_reads_normed`).
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ class MTPLayer(nn.Module):
         super().__init__()
         hidden = cfg.hidden_size
         self.tp = tp
+        self.reads_normed = cfg.mtp_reads_normed
         self.embed_tokens = nn.Parameter(torch.empty(cfg.vocab_size, hidden, dtype=dtype, device=device), False)
         self.enorm = RMSNorm(hidden, cfg.rms_norm_eps, dtype, device, ops)
         self.hnorm = RMSNorm(hidden, cfg.rms_norm_eps, dtype, device, ops)
@@ -65,12 +71,15 @@ class MTPLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden `[T, H]` (the stream before the final norm at each row's position), next_ids `[T]`
         (the token after each row) -> (this layer's stream `[T, H]`, which the next draft position
-        reads as its hidden state, and its normed output `[T, H]`, which `logits` reads)."""
+        reads as its hidden state (its normed output where the config says `mtp_reads_normed`), and
+        its normed output `[T, H]`, which `logits` reads)."""
         num_tokens = next_ids.shape[0]
         embedded = self.enorm(F.embedding(next_ids, self.embed_tokens))
         x = F.linear(torch.cat((embedded, self.hnorm(hidden)), -1), self.eh_proj)
         x, residual = self.layer(x, None, cos, sin, kv_cache, plan, None)
         normed, stream = self.head_norm.add(x, residual)
+        if self.reads_normed:
+            stream = normed
         return self.tp.all_gather_tokens(stream, num_tokens), self.tp.all_gather_tokens(normed, num_tokens)
 
     def logits(self, normed: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,7 @@ every source before any tensor is read, so a bad checkpoint fails with one messa
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 from typing import Literal
@@ -189,6 +190,38 @@ _MTP = {
 }
 
 
+# The same for Qwen3-Next's and Qwen3.5's one MTP layer (ours -> the checkpoint's, after `mtp.`).
+_QWEN_MTP = {
+    "enorm.weight": "pre_fc_norm_embedding.weight",
+    "hnorm.weight": "pre_fc_norm_hidden.weight",
+    "eh_proj": "fc.weight",
+    "head_norm.weight": "norm.weight",
+}
+
+
+def _qwen_mtp_source(
+    index: int,
+    suffix: str,
+    names: CheckpointNames,
+    experts_by_layer: dict[int, tuple[int, ...]],
+    num_experts: int,
+    num_layers: int,
+) -> WeightSource | FusedExpertsSource:
+    """MTP layer `index`'s `suffix` in a Qwen3-Next / Qwen3.5 checkpoint: its own tensors under
+    `mtp.`, its decoder layer as `mtp.layers.{index}.`, the embedding and head the target's."""
+    if suffix == "embed_tokens":
+        return WeightSource.one(f"{names.model_prefix}embed_tokens.weight")
+    if suffix == "head":
+        return WeightSource.one(names.lm_head)
+    if suffix in _QWEN_MTP:
+        return WeightSource.one(f"mtp.{_QWEN_MTP[suffix]}")
+    if not suffix.startswith("layer."):
+        raise KeyError(f"no checkpoint mapping for parameter mtp.{index}.{suffix}")
+    mtp_names = dataclasses.replace(names, model_prefix="mtp.")
+    local = experts_by_layer.get(num_layers + index, ())
+    return layer_source(index, suffix[len("layer.") :], mtp_names, local, num_experts)
+
+
 _DECODER_TOP_LEVEL = {
     "embed_tokens": "embed_tokens.weight",
     "norm.weight": "norm.weight",
@@ -205,6 +238,8 @@ def weight_source(
     """experts_by_layer: decoder layer -> the checkpoint expert in each of this rank's slots (MTP
     layer i is decoder layer `num_layers + i`, as checkpoints number it)."""
     mtp = re.fullmatch(r"mtp\.(\d+)\.(.+)", name)
+    if mtp is not None and names.mtp_layout == "qwen":
+        return _qwen_mtp_source(int(mtp.group(1)), mtp.group(2), names, experts_by_layer, num_experts, num_layers)
     if mtp is not None:
         layer, suffix = num_layers + int(mtp.group(1)), mtp.group(2)
         if suffix in _MTP:

@@ -8,7 +8,7 @@ from typing import Any
 
 SPECULATIVE_METHODS: tuple[str, ...] = ("ngram", "mtp")
 """Draft methods this engine runs: prompt lookup, and the checkpoint's multi-token prediction
-layers (DeepSeek-V3, GLM-4.5; a checkpoint without them is refused when the model loads)."""
+layers (DeepSeek-V3, GLM-4.5, Qwen3-Next, Qwen3.5; a checkpoint without them is refused when the model loads)."""
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ chunk resumes from the state the previous one left).
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ from helpers.stats import CountingStatLogger
 from safetensors.torch import load_file, save_file
 
 from moeserve import LLM, SamplingParams
+from moeserve.checkpoints.mtp import write_qwen_mtp_layer
 from moeserve.config import EngineConfig
 from moeserve.engine.core import state_refusal
 from moeserve.models import load_model
@@ -180,10 +182,65 @@ def test_ngram_drafts_give_the_greedy_tokens(make_checkpoint, monkeypatch, arch)
     assert any(r >= 0 for r in restores)
 
 
+def with_mtp_layer(checkpoint: Path, tmp_path: Path) -> Path:
+    """A copy of `checkpoint` with an aligned MTP layer in the released layout."""
+    folder = tmp_path / checkpoint.name
+    shutil.copytree(checkpoint, folder)
+    write_qwen_mtp_layer(folder)
+    return folder
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5_moe"])
+def test_mtp_drafts_give_the_greedy_tokens(make_checkpoint, monkeypatch, tmp_path, arch):
+    """The released MTP layout (`mtp.fc`, `mtp.layers.0.`, ...; an aligned layer over the target's
+    last full attention) drafting two tokens a step: the tokens equal plain greedy decoding's
+    (whose parity with transformers the tests above hold), the DeltaNet states stepped back past
+    rejected drafts, the MTP layer's cache is an attention layer's in the paged group, and neither
+    a KV block nor a state slot is left held."""
+    folder = with_mtp_layer(make_checkpoint(arch), tmp_path)
+    g = torch.Generator().manual_seed(9)
+    prompts = [{"prompt_token_ids": torch.randint(3, 320, (n,), generator=g).tolist()} for n in (40, 61)]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in LLM(str(folder), max_num_seqs=4).generate(prompts, params, use_tqdm=False)]
+    restores, restore = [], StateSlots._restore
+
+    def spy(self, scheduled):
+        restores.append(restore(self, scheduled))
+        return restores[-1]
+
+    monkeypatch.setattr(StateSlots, "_restore", spy)
+    counts = CountingStatLogger()
+    mtp = {"method": "mtp", "num_speculative_tokens": 2}
+    drafting = LLM(str(folder), max_num_seqs=4, stat_loggers=[counts], speculative_config=mtp)
+    assert [o.outputs[0].token_ids for o in drafting.generate(prompts, params, use_tqdm=False)] == plain
+    assert counts.spec_decode.num_draft_tokens > 0 and any(r >= 0 for r in restores)
+    runner = drafting.engine.executor.runner
+    specs = cache_specs(runner.model.cfg, torch.float32, 1, len(runner.model.mtp))
+    assert len(runner.model.mtp) == 1 and len(specs.groups) == 1
+    assert specs.layers[-1] == specs.layers[runner.model.cfg.linear_layers.index(False)]
+    assert drafting.engine.scheduler.num_used_blocks == 0
+    assert len(runner.states.request_ids) <= 1 and runner.states.num_free >= runner.states.num_slots - 1
+
+
+def test_aligned_mtp_drafts_are_kept(make_checkpoint, tmp_path):
+    """A one-layer full-attention target, whose aligned MTP layer predicts it but for attention to
+    the first token (`checkpoints/mtp.py`): most drafts are kept, which they are only if the
+    released names load where they belong (fc's embedding half first, zero-centred norms, the
+    target's embedding and head); the tokens are still the plain greedy ones."""
+    folder = str(
+        with_mtp_layer(make_checkpoint("qwen3_next", num_hidden_layers=1, layer_types=["full_attention"]), tmp_path)
+    )
+    prompts = [{"prompt_token_ids": p} for p in prompts_for(5, (40,))]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in LLM(folder).generate(prompts, params, use_tqdm=False)]
+    counts = CountingStatLogger()
+    drafting = LLM(folder, stat_loggers=[counts], speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    assert [o.outputs[0].token_ids for o in drafting.generate(prompts, params, use_tqdm=False)] == plain
+    assert counts.spec_decode.accepted_per_position[0] > counts.spec_decode.num_drafts / 2
+
+
 def test_features_not_built_for_states_are_refused(make_checkpoint):
     folder = str(make_checkpoint("qwen3_next"))
-    mtp = EngineConfig.from_options(model=folder, speculative_config={"method": "mtp", "num_speculative_tokens": 1})
-    assert "method 'mtp' is not built for Gated DeltaNet models" in state_refusal(mtp)
     ngram = {"method": "ngram", "num_speculative_tokens": 2}
     triton = EngineConfig.from_options(model=folder, kernels="triton", speculative_config=ngram)
     assert "keep no per-draft states yet" in state_refusal(triton)

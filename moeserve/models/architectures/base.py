@@ -43,6 +43,11 @@ class CheckpointNames:
     lm_head: str = "lm_head.weight"
     """The output projection, outside the decoder: Kimi-K2.5's `language_model.lm_head.weight`,
     Qwen3.5's at the top level as in a text checkpoint."""
+    mtp_layout: Literal["deepseek", "qwen"] = "deepseek"
+    """Where the multi-token prediction layer's tensors are: DeepSeek's, as decoder layer
+    `num_hidden_layers + i` with its own embedding and head (`models/mtp.py`); or Qwen3-Next's and
+    Qwen3.5's, at the top level under `mtp.` (`fc`, `pre_fc_norm_embedding`, `pre_fc_norm_hidden`,
+    `layers.0.`, `norm`), sharing the target's embedding and lm_head."""
 
 
 @dataclass(frozen=True)

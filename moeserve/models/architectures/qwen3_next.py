@@ -16,6 +16,10 @@ always renormalised, experts stacked per layer (`experts.gate_up_proj [E, 2I, H]
 text config under `text_config` and the weights under `model.language_model.`: the text model is
 served, the vision tower is not read. Its rotary is multimodal (per-axis sections); for text the
 three axes share each position, which is the plain rotary.
+
+Both release one multi-token prediction layer (`num_nextn_predict_layers` or
+`mtp_num_hidden_layers`) under `mtp.` (`CheckpointNames.mtp_layout` "qwen"): a full-attention MoE
+decoder layer reading the target's hidden states after its final norm, as vLLM feeds them.
 """
 
 from __future__ import annotations
@@ -88,19 +92,25 @@ def parse_config(raw: dict[str, Any]) -> ModelConfig:
         linear_layers=_layer_types(c, num_layers),
         attention_output_gate=True,
         zero_centered_norms=True,
+        num_mtp_layers=c.get("num_nextn_predict_layers", c.get("mtp_num_hidden_layers", 0)),
+        mtp_reads_normed=True,
     )
 
 
-QWEN3_NEXT_ARCHITECTURE = Architecture(hf_names=(QWEN3_NEXT,), parse_config=parse_config, names=CheckpointNames())
+QWEN3_NEXT_ARCHITECTURE = Architecture(
+    hf_names=(QWEN3_NEXT,), parse_config=parse_config, names=CheckpointNames(mtp_layout="qwen")
+)
 QWEN3_5_ARCHITECTURE = Architecture(
     hf_names=(QWEN3_5_TEXT,),
     parse_config=parse_config,
-    names=CheckpointNames(fused_experts=True, fused_layout="rows"),
+    names=CheckpointNames(fused_experts=True, fused_layout="rows", mtp_layout="qwen"),
 )
 QWEN3_5_MULTIMODAL_ARCHITECTURE = Architecture(
     hf_names=(QWEN3_5_MULTIMODAL,),
     parse_config=parse_config,
-    names=CheckpointNames(fused_experts=True, fused_layout="rows", model_prefix="model.language_model."),
+    names=CheckpointNames(
+        fused_experts=True, fused_layout="rows", model_prefix="model.language_model.", mtp_layout="qwen"
+    ),
     text_config=True,
 )
 ARCHITECTURES = (QWEN3_NEXT_ARCHITECTURE, QWEN3_5_ARCHITECTURE, QWEN3_5_MULTIMODAL_ARCHITECTURE)
