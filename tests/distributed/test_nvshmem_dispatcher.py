@@ -60,7 +60,7 @@ def emulated_results(
 
 @pytest.mark.parametrize(
     "world_size,chunk,step,first",
-    [(2, "low_latency", 6, 0), (8, "low_latency", 24, 5), (2, "chunked", 8, 3), (4, "chunked", 13, 0)],
+    [(2, "low_latency", 6, 0), (8, "low_latency", 48, 5), (2, "chunked", 8, 3), (4, "chunked", 13, 0)],
 )
 def test_emulated_pes_equal_local(world_size: int, chunk: str, step: int, first: int, one_thread: None) -> None:
     cases = every(cases_for(world_size), step, first)
@@ -70,7 +70,7 @@ def test_emulated_pes_equal_local(world_size: int, chunk: str, step: int, first:
 
 @pytest.mark.parametrize(
     "world_size,domain,chunk,step,first",
-    [(4, 2, "low_latency", 13, 1), (4, 2, "chunked", 13, 2), (2, 1, "chunked", 8, 5), (8, 4, "low_latency", 24, 3)],
+    [(4, 2, "low_latency", 13, 1), (4, 2, "chunked", 26, 2), (2, 1, "chunked", 16, 5), (8, 4, "low_latency", 48, 3)],
     ids=["ep4-nodes2-low_latency", "ep4-nodes2-chunked", "ep2-nodes2-chunked", "ep8-nodes2-low_latency"],
 )
 def test_puts_between_emulated_nodes_equal_local(
