@@ -17,10 +17,16 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
-
-from moeserve.kv_transfer.layout import NO_STATE, Blocks, KvLayout, Slots, layouts_of, paired_runs, registered_tensors
-from moeserve.ops.state_batch import LinearState
+from moeserve.kv_transfer.layout import (
+    NO_STATE,
+    Blocks,
+    Cache,
+    KvLayout,
+    Slots,
+    layouts_of,
+    paired_runs,
+    registered_tensors,
+)
 
 POLL_S = 0.0005  # how often a transfer in progress is looked at
 
@@ -62,7 +68,7 @@ class KvAgent:
     different peers (or to the same one) run concurrently: pushes come from the side channel's
     threads, and one slow decode peer must not hold up the others."""
 
-    def __init__(self, caches: Sequence[torch.Tensor | tuple[torch.Tensor, ...] | LinearState], label: str) -> None:
+    def __init__(self, caches: Sequence[Cache], label: str) -> None:
         from nixl_cu12._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
         self.name = f"moeserve-{label}-{os.getpid()}-{uuid.uuid4().hex[:8]}"

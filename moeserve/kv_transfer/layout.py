@@ -16,10 +16,27 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-from moeserve.ops.state_batch import LinearState
+
+class StateCache(Protocol):
+    """A state layer's cache as a transfer reads it (`ops.state_batch.LinearState`; named by its
+    shape, not imported, so this package stays below the model code): its saved-state tensors,
+    None where prefix caching allocated none."""
+
+    saved_conv: torch.Tensor | None
+    saved_recurrent: torch.Tensor | None
+
+
+Cache = torch.Tensor | tuple[torch.Tensor, ...] | StateCache
+"""A layer's cache: its block tensor, its several (a DSA layer's latent and indexer keys), or its state."""
+
+
+def is_state(cache: Cache) -> bool:
+    return not isinstance(cache, torch.Tensor | tuple)
+
 
 Region = tuple[int, int, int]
 """(address, bytes, device id), as NIXL describes memory."""
@@ -48,7 +65,7 @@ class KvLayout:
     """Bytes of one saved-state slot in each of `state_bases`' tensors."""
 
     @classmethod
-    def of(cls, caches: Sequence[torch.Tensor | LinearState]) -> KvLayout:
+    def of(cls, caches: Sequence[Cache]) -> KvLayout:
         caches, states = paged_caches(caches), saved_states(caches)
         first = caches[0]
         if not all(c.is_contiguous() and c.shape == first.shape and c.dtype == first.dtype for c in caches):
@@ -109,39 +126,35 @@ class KvLayout:
         return cls(tuple(data["layer_bases"]), *(data[name] for name in fields), *states)
 
 
-def paged_caches(caches: Sequence[torch.Tensor | LinearState]) -> list[torch.Tensor]:
+def paged_caches(caches: Sequence[Cache]) -> list[torch.Tensor]:
     """The block caches among `caches` (a state layer has none)."""
     return [c for c in caches if isinstance(c, torch.Tensor)]
 
 
-def saved_states(caches: Sequence[torch.Tensor | LinearState]) -> list[torch.Tensor]:
+def saved_states(caches: Sequence[Cache]) -> list[torch.Tensor]:
     """The state layers' saved-state tensors, conv then recurrent per layer (none without prefix
     caching, which allocates them)."""
-    return [t for c in caches if isinstance(c, LinearState) for t in (c.saved_conv, c.saved_recurrent) if t is not None]
-
-
-Cache = torch.Tensor | tuple[torch.Tensor, ...] | LinearState
-"""A layer's cache: its block tensor, its several (a DSA layer's latent and indexer keys), or its state."""
+    return [t for c in caches if is_state(c) for t in (c.saved_conv, c.saved_recurrent) if t is not None]
 
 
 def layouts_of(caches: Sequence[Cache]) -> tuple[KvLayout, ...]:
     """The paged tensors of a model's layers as one layout per kind of tensor (shape and dtype), in
     the order each kind first appears: every kind's blocks are the same block ids, so a transfer
     moves the same runs in each. The state layers' saved states ride with the first layout."""
-    kinds: dict[tuple[tuple[int, ...], torch.dtype], list[torch.Tensor | LinearState]] = {}
+    kinds: dict[tuple[tuple[int, ...], torch.dtype], list[Cache]] = {}
     for tensor in _paged_tensors(caches):
         kinds.setdefault((tuple(tensor.shape), tensor.dtype), []).append(tensor)
-    states = [c for c in caches if isinstance(c, LinearState)]
+    states = [c for c in caches if is_state(c)]
     return tuple(KvLayout.of([*tensors, *(states if i == 0 else ())]) for i, tensors in enumerate(kinds.values()))
 
 
 def registered_tensors(caches: Sequence[Cache]) -> list[torch.Tensor]:
     """What a transfer agent registers: every paged tensor, then every saved state."""
-    return _paged_tensors(caches) + saved_states([c for c in caches if isinstance(c, LinearState)])
+    return _paged_tensors(caches) + saved_states(caches)
 
 
 def _paged_tensors(caches: Sequence[Cache]) -> list[torch.Tensor]:
-    return [t for c in caches if not isinstance(c, LinearState) for t in (c if isinstance(c, tuple) else (c,))]
+    return [t for c in caches if not is_state(c) for t in (c if isinstance(c, tuple) else (c,))]
 
 
 def paired_runs(src: Sequence[int], dst: Sequence[int]) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
