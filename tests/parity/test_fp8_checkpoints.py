@@ -46,7 +46,7 @@ PROMPT_LENGTHS = (1, 9, 26)
 # The hybrids, hidden 192 for partial blocks (a DeltaNet's in_proj_qkvz [128, 192], out_proj
 # [192, 48]), and prompts of 40 to 200 tokens, as their unquantized parity tests.
 HYBRID = dict(hidden_size=192)
-HYBRID_PROMPTS = (40, 97, 200)
+HYBRID_PROMPTS = (40, 200)
 
 
 @dataclass(frozen=True)
@@ -90,6 +90,9 @@ CASES = {
         "qwen3_5_moe", HYBRID, torch.bfloat16, stacked=True, prompt_lengths=HYBRID_PROMPTS
     ),
 }
+EP_ONLY = ("qwen3_5_moe-stacked-bf16_scales",)
+"""Cases whose greedy tokens are checked over EP ranks only (CI time): their single-process load
+is held to transformers' prefill logits by the layout test."""
 EP_CASES = {
     "deepseek_v3": 4,
     "qwen3_moe-bf16_scales": 4,
@@ -180,12 +183,14 @@ def test_checkpoint_has_the_published_layout(fp8_pair):
             assert f.get_slice(kept).get_dtype() == "F32" and kept + "_scale_inv" not in f.keys()
 
 
-def test_hybrid_checkpoints_have_the_released_layout_and_load_as_the_engine_keeps_them(fp8_pair):
+def test_hybrid_checkpoints_have_the_released_layout_and_load_as_the_engine_keeps_them(fp8_pair, reference):
     """What Qwen's hybrid FP8 releases keep unquantized stays so and is listed; Qwen3.5's stacked
-    experts are FP8 with gate and up on their own grids. Loaded: experts, attention and out_proj
-    keep FP8 bytes and scales; the DeltaNet in-projections, whose rows do not fall on blocks, are
-    dequantized at load (the greedy tests above hold their values)."""
-    fp8, _ = fp8_pair("qwen3_5_moe-stacked-bf16_scales")
+    experts are FP8 with gate and up on their own grids. Loaded in one process: experts, attention
+    and out_proj keep FP8 bytes and scales, the DeltaNet in-projections, whose rows do not fall on
+    blocks, are dequantized at load, and the prefill logits are transformers' on the dequantized
+    twin (its greedy tokens are checked over two EP ranks)."""
+    case = "qwen3_5_moe-stacked-bf16_scales"
+    fp8, _ = fp8_pair(case)
     quant = json.loads((fp8 / "config.json").read_text())["quantization_config"]
     assert {k: v for k, v in quant.items() if k != "modules_to_not_convert"} == PUBLISHED
     layer = "model.layers.0"
@@ -206,6 +211,9 @@ def test_hybrid_checkpoints_have_the_released_layout_and_load_as_the_engine_keep
     assert model.layers[3].attn.o_proj.parametrizations.weight.original.dtype == torch.float8_e4m3fn
     for name in ("in_proj_qkv", "in_proj_z", "in_proj_b"):
         assert getattr(deltanet, name).weight.dtype == torch.float32
+    dlogit = max_prefill_dlogit(model, reference(case)[0], prompts(CASES[case].prompt_lengths))
+    logger.warning("FP8 %s: max |dlogit| vs dequantized transformers %.2e", case, dlogit)
+    assert dlogit < CASES[case].max_dlogit
 
 
 @pytest.mark.parametrize(
@@ -266,7 +274,7 @@ def test_half_precision_scales_are_held_exactly_in_float32(fp8_pair, case, store
     assert torch.equal(read["parametrizations.w2.0.scale_inv"][0], held[3])
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", [c for c in CASES if c not in EP_ONLY])
 def test_greedy_tokens_match_dequantized_transformers(fp8_pair, reference, case):
     fp8, _ = fp8_pair(case)
     spec = CASES[case]
