@@ -5,8 +5,9 @@ FP8 (`models/fp8.py`): block-scaled float8_e4m3fn weights with one scale per blo
 float32, bfloat16 or float16 as each release chose and widened (exactly) to float32 as read; a
 tensor-parallel rank reads its slice of both, which must cut the weight at scale-block
 boundaries; Qwen3.5's stacked experts stay FP8 too, and the Gated DeltaNet projections, read by
-rows that need not fall on blocks, are dequantized at load (`FP8RowsSource`). MXFP4 (gpt-oss, `models/mxfp4.py`): the expert projections as packed FP4 codes and
-their scales, of a rank's experts only; those scales are uint8 power-of-two exponents, kept as
+rows that need not fall on blocks, are dequantized at load (`FP8RowsSource`). MXFP4 (gpt-oss,
+`models/mxfp4.py`): the expert projections as packed FP4 codes and their scales, of a rank's
+experts only; those scales are uint8 power-of-two exponents, kept as
 stored. INT4 and NVFP4 (`models/packed.py`): which linear layers are quantized is what the
 config's rules say of each one's checkpoint name; the routed experts are read packed, of a rank's
 experts only; any other linear layer the rules quantize is dequantized at load.
