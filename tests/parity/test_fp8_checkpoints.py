@@ -211,6 +211,15 @@ def test_hybrid_checkpoints_have_the_released_layout_and_load_as_the_engine_keep
     assert model.layers[3].attn.o_proj.parametrizations.weight.original.dtype == torch.float8_e4m3fn
     for name in ("in_proj_qkv", "in_proj_z", "in_proj_b"):
         assert getattr(deltanet, name).weight.dtype == torch.float32
+    # A heal reads expert 4's rows of the stacked data and scales as the load holds them.
+    from moeserve.models.loader import ExpertReader
+
+    reader = ExpertReader(fp8, torch.float32)
+    read = reader.read(0, experts, [4])
+    reader.close()
+    w13 = experts.parametrizations.w13
+    assert torch.equal(read["parametrizations.w13.0.scale_inv"][0], w13[0].scale_inv[4])
+    assert torch.equal(read["parametrizations.w13.original"][0].view(torch.uint8), w13.original[4].view(torch.uint8))
     dlogit = max_prefill_dlogit(model, reference(case)[0], prompts(CASES[case].prompt_lengths))
     logger.warning("FP8 %s: max |dlogit| vs dequantized transformers %.2e", case, dlogit)
     assert dlogit < CASES[case].max_dlogit
