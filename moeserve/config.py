@@ -222,9 +222,21 @@ class BlockFP8Config:
     weight `[out, in]` is float8_e4m3fn with `weight_scale_inv [ceil(out/bo), ceil(in/bi)]` (stored
     float32, bfloat16 or float16, held float32); its value is `weight.float() * scale_inv` over each
     `block = (bo, bi)` tile. Activations
-    are quantized dynamically by kernels that have a w8a8 GEMM (the torch path dequantizes)."""
+    are quantized dynamically by kernels that have a w8a8 GEMM (the torch path dequantizes).
+    `not_converted`: the release's `modules_to_not_convert` (Qwen3-Next's and Qwen3.5's list the
+    modules they keep unquantized), names matched as transformers matches them; a tensor of one
+    stored FP8 contradicts the config and is refused."""
 
     block: tuple[int, int] = (128, 128)
+    not_converted: tuple[str, ...] = ()
+
+    def converts(self, module: str) -> bool:
+        """Whether `module` (a checkpoint name without `.weight`) may be stored FP8: not listed,
+        neither as it, a module above it, nor a suffix of it."""
+        return not any(
+            module == name or module.startswith(name + ".") or module.endswith("." + name)
+            for name in self.not_converted
+        )
 
 
 @dataclass(frozen=True)

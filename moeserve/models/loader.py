@@ -29,6 +29,8 @@ from moeserve.models.mxfp4 import MXFP4ExpertsSource, MXFP4Format
 from moeserve.models.packed import DequantizedSource, PackedExpertsSource, PackedWeight, pack_parameter
 from moeserve.models.quantized_sources import (
     FP8_TENSOR,
+    FP8RowsSource,
+    fp8_parts,
     fp8_sources,
     mxfp4_sources,
     packed_sources,
@@ -115,7 +117,8 @@ def load_model(
     }
     check_sources(plain, targets, reader)
     fp8_quant = cfg.weight_quant if isinstance(cfg.weight_quant, BlockFP8Config) else None
-    fp8 = fp8_sources(plain, reader, fp8_quant)
+    fp8, fp8_dequantized = fp8_sources(plain, reader, fp8_quant)
+    dequantized.update(fp8_dequantized)
     block = fp8_quant.block if fp8_quant is not None else (0, 0)
     storage = {}
     for name in mxfp4:
@@ -127,7 +130,7 @@ def load_model(
     for name, source in fp8.items():
         module, attr = name.rsplit(".", 1)
         grid = scale_grid(source, reader, block, shard_of(targets[name]))
-        storage[name] = quantize_parameter(model.get_submodule(module), attr, len(source.parts[0]), block, grid)
+        storage[name] = quantize_parameter(model.get_submodule(module), attr, fp8_parts(source), block, grid)
     with torch.no_grad():
         for name, param in targets.items():
             source = mxfp4.get(name) or packed.get(name) or dequantized.get(name) or fp8.get(name) or sources[name]
@@ -159,15 +162,18 @@ def load_model(
 
 
 def _quantized_note(
-    fp8: dict, mxfp4: dict, packed: dict[str, PackedExpertsSource], dequantized: dict[str, DequantizedSource]
+    fp8: dict,
+    mxfp4: dict,
+    packed: dict[str, PackedExpertsSource],
+    dequantized: dict[str, DequantizedSource | FP8RowsSource],
 ) -> str:
     """What the load log says of the quantized parameters."""
+    also = f", {len(dequantized)} more dequantized at load" if dequantized else ""
     if fp8:
-        return f", {len(fp8)} parameters in FP8"
+        return f", {len(fp8)} parameters in FP8{also}"
     if mxfp4:
         return f", {len(mxfp4)} parameters in MXFP4"
     if packed:
-        also = f", {len(dequantized)} more dequantized at load" if dequantized else ""
         return f", {len(packed)} parameters in {next(iter(packed.values())).fmt.name}{also}"
     return ""
 

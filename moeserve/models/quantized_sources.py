@@ -4,8 +4,10 @@ checked, and how their bytes and scales are read as the model holds them.
 FP8 (`models/fp8.py`): block-scaled float8_e4m3fn weights with one scale per block, stored in
 float32, bfloat16 or float16 as each release chose and widened (exactly) to float32 as read; a
 tensor-parallel rank reads its slice of both, which must cut the weight at scale-block
-boundaries. MXFP4 (gpt-oss, `models/mxfp4.py`): the expert projections as packed FP4 codes and
-their scales, of a rank's experts only; those scales are uint8 power-of-two exponents, kept as
+boundaries; Qwen3.5's stacked experts stay FP8 too, and the Gated DeltaNet projections, read by
+rows that need not fall on blocks, are dequantized at load (`FP8RowsSource`). MXFP4 (gpt-oss,
+`models/mxfp4.py`): the expert projections as packed FP4 codes and their scales, of a rank's
+experts only; those scales are uint8 power-of-two exponents, kept as
 stored. INT4 and NVFP4 (`models/packed.py`): which linear layers are quantized is what the
 config's rules say of each one's checkpoint name; the routed experts are read packed, of a rank's
 experts only; any other linear layer the rules quantize is dequantized at load.
@@ -13,10 +15,12 @@ experts only; any other linear layer the rules quantize is dequantized at load.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from moeserve.config import BlockFP8Config, MXFP4Config, NVFP4Config, PackedInt4Config, WeightQuant
-from moeserve.fp8_format import FP8_DTYPE, SCALE_DTYPE, scale_name, scale_shape
+from moeserve.fp8_format import FP8_DTYPE, SCALE_DTYPE, dequantize, scale_name, scale_shape
 from moeserve.models.checkpoint import CheckpointError, CheckpointReader
 from moeserve.models.int4 import Int4Format
 from moeserve.models.mxfp4 import MXFP4ExpertsSource
@@ -33,31 +37,50 @@ Qwen3-FP8: bfloat16 or float16); each widens exactly to float32."""
 
 
 def fp8_sources(
-    sources: dict[str, WeightSource | FusedExpertsSource], reader: CheckpointReader, quant: BlockFP8Config | None
-) -> dict[str, WeightSource]:
+    sources: dict[str, WeightSource | FusedExpertsSource | RowsSource],
+    reader: CheckpointReader,
+    quant: BlockFP8Config | None,
+) -> tuple[dict[str, WeightSource | FusedExpertsSource], dict[str, FP8RowsSource]]:
     """Our parameters whose checkpoint tensors are FP8, each checked to have its scales in the
-    published layout (float32, bfloat16 or float16, one per block, partial blocks included)."""
-    found: dict[str, WeightSource] = {}
+    published layout (float32, bfloat16 or float16, one per block, partial blocks included):
+    those kept FP8 (linear layers, experts per expert or stacked as Qwen3.5 releases them), and
+    the Gated DeltaNet projections, dequantized at load (`FP8RowsSource`)."""
+    kept: dict[str, WeightSource | FusedExpertsSource] = {}
+    dequantized: dict[str, FP8RowsSource] = {}
     for name, source in sources.items():
         fp8 = [reader.dtype(n) == FP8_TENSOR for n in source.names]
         if not any(fp8):
             continue
+        tensor = source.names[fp8.index(True)]
         if quant is None:
-            raise CheckpointError(f"tensor {source.names[0]} is FP8 but config.json has no quantization_config")
-        if isinstance(source, FusedExpertsSource):
-            raise CheckpointError(f"tensor {source.name} is FP8: FP8 stacked expert tensors are not supported")
-        if isinstance(source, RowsSource):
-            raise CheckpointError(f"tensor {source.name} is FP8: FP8 Gated DeltaNet projections are not supported")
+            raise CheckpointError(f"tensor {tensor} is FP8 but config.json has no quantization_config")
+        for listed in (n for n, q in zip(source.names, fp8) if q and not quant.converts(n.removesuffix(".weight"))):
+            raise CheckpointError(
+                f"tensor {listed} is FP8 but quantization_config.modules_to_not_convert lists its module"
+            )
+        if isinstance(source, FusedExpertsSource) and source.layout != "rows":
+            raise CheckpointError(
+                f"tensor {source.name} is FP8: stacked expert tensors are read in FP8 as Qwen3.5 releases them "
+                "(`[experts, out, in]`), not in gpt-oss's layout"
+            )
+        if isinstance(source, RowsSource) and (len(reader.shape(tensor)) != 2 or not tensor.endswith(".weight")):
+            raise CheckpointError(
+                f"tensor {tensor} is FP8: of a Gated DeltaNet only the projections are read in FP8 "
+                "(the releases keep conv1d, A_log and dt_bias unquantized)"
+            )
         if not all(fp8):
             raise CheckpointError(f"tensors {', '.join(source.names)} mix FP8 and unquantized weights in one parameter")
-        found[name] = source
-    if quant is not None and not found:
+        if isinstance(source, RowsSource):
+            dequantized[name] = FP8RowsSource(source, quant.block)
+        else:
+            kept[name] = source
+    if quant is not None and not kept and not dequantized:
         raise CheckpointError(
             f"config.json says quant_method 'fp8' but no weight tensor of {reader.folder} is float8_e4m3fn"
         )
-    for source in found.values():
+    for source in [*kept.values(), *(d.rows for d in dequantized.values())]:
         for tensor in source.names:
-            scales, want = scale_name(tensor), scale_shape(reader.shape(tensor), quant.block)
+            scales, want = scale_name(tensor), _stored_scales(source, reader, tensor, quant.block)
             if scales not in reader:
                 raise CheckpointError(f"FP8 tensor {tensor} has no {scales} in the checkpoint")
             if reader.shape(scales) != want or reader.dtype(scales) not in FP8_SCALE_TENSORS:
@@ -65,8 +88,53 @@ def fp8_sources(
                     f"tensor {scales} is {reader.dtype(scales)} {list(reader.shape(scales))}, "
                     f"expected {', '.join(FP8_SCALE_TENSORS[:-1])} or {FP8_SCALE_TENSORS[-1]} {list(want)}: "
                     f"one scale per {quant.block[0]}x{quant.block[1]} block of {tensor} {list(reader.shape(tensor))}"
+                    + (f", {fp8_parts(source)} parts per expert" if isinstance(source, FusedExpertsSource) else "")
                 )
-    return found
+    return kept, dequantized
+
+
+def fp8_parts(source: WeightSource | FusedExpertsSource) -> int:
+    """The checkpoint projections one FP8 parameter's rows concatenate, each with its own scale
+    grid: gate and up of a fused gate_up (Qwen3.5's stacked `gate_up_proj` included: its
+    releases scale each half as the per-expert tensors it stacks), else one."""
+    if isinstance(source, FusedExpertsSource):
+        return 2 if source.name.endswith("gate_up_proj") else 1
+    return len(source.parts[0])
+
+
+def _stored_scales(
+    source: WeightSource | FusedExpertsSource | RowsSource,
+    reader: CheckpointReader,
+    tensor: str,
+    block: tuple[int, int],
+) -> tuple[int, ...]:
+    """The shape of FP8 `tensor`'s stored scales: a stacked expert tensor's part grids stacked
+    along its rows, per expert."""
+    if not isinstance(source, FusedExpertsSource):
+        return scale_shape(reader.shape(tensor), block)
+    grid_rows, grid_cols = scale_grid(source, reader, block, None)
+    return (reader.shape(tensor)[0], fp8_parts(source) * grid_rows, grid_cols)
+
+
+@dataclass(frozen=True)
+class FP8RowsSource:
+    """A Gated DeltaNet projection stored FP8 (`in_proj_qkvz`, Qwen3.5's `in_proj_qkv` and
+    `in_proj_z`), dequantized at load into the compute dtype and then cut to our rows. Kept FP8,
+    its rows would not fall on scale blocks: Qwen3-Next interleaves q, k, v and z per key head,
+    and a tensor-parallel rank holds its heads' rows of each. These projections are a few percent
+    of a release's bytes; `out_proj`, cut by columns as o_proj is, stays FP8."""
+
+    rows: RowsSource
+    block: tuple[int, int]
+
+    @property
+    def names(self) -> list[str]:
+        return [self.rows.name, scale_name(self.rows.name)]
+
+    def read(self, reader: CheckpointReader, dtype: torch.dtype) -> torch.Tensor:
+        scales = reader.get(scale_name(self.rows.name)).to(SCALE_DTYPE)[None]
+        values = dequantize(reader.get(self.rows.name), scales, self.block, dtype)
+        return values[torch.tensor(self.rows.rows, dtype=torch.int64)]
 
 
 def mxfp4_sources(
@@ -179,11 +247,15 @@ def scale_shard(shard: Shard, block: tuple[int, int], name: str) -> Shard:
 
 
 def read_scales(
-    source: WeightSource, reader: CheckpointReader, block: tuple[int, int], shard: Shard | None
+    source: WeightSource | FusedExpertsSource, reader: CheckpointReader, block: tuple[int, int], shard: Shard | None
 ) -> torch.Tensor:
     """The scales of an FP8 parameter in `fp8.BlockFP8`'s layout (one grid per part), float32
     whatever float dtype the checkpoint stored them in: a heal's freshly read scales must meet
     the held ones, and the Triton w8a8 GEMM reads float32."""
+    if isinstance(source, FusedExpertsSource):
+        parts, name = fp8_parts(source), scale_name(source.name)
+        grids = [reader.get_part(name, 0, e, 1)[0] for e in source.experts]
+        return torch.stack([g.reshape(parts, -1, g.shape[-1]) for g in grids]).to(SCALE_DTYPE)
     if shard is not None:
         (name,) = source.names
         rows = scale_shard(shard, block, name)
@@ -193,7 +265,12 @@ def read_scales(
 
 
 def read_held(
-    source: WeightSource | FusedExpertsSource | MXFP4ExpertsSource | PackedExpertsSource | DequantizedSource,
+    source: WeightSource
+    | FusedExpertsSource
+    | MXFP4ExpertsSource
+    | PackedExpertsSource
+    | DequantizedSource
+    | FP8RowsSource,
     reader: CheckpointReader,
     dtype: torch.dtype,
     fp8_block: tuple[int, int] | None,
@@ -206,15 +283,20 @@ def read_held(
         return source.read(reader)
     if isinstance(source, DequantizedSource):
         return (source.read(reader, dtype, shard),)
+    if isinstance(source, FP8RowsSource):
+        return (source.read(reader, dtype),)
     if fp8_block is not None:
         return read_source(source, reader, FP8_DTYPE, shard), read_scales(source, reader, fp8_block, shard)
     return (read_source(source, reader, dtype, shard),)
 
 
 def scale_grid(
-    source: WeightSource, reader: CheckpointReader, block: tuple[int, int], shard: Shard | None
+    source: WeightSource | FusedExpertsSource, reader: CheckpointReader, block: tuple[int, int], shard: Shard | None
 ) -> tuple[int, ...]:
     """The scale grid of one part of the parameter this rank holds."""
+    if isinstance(source, FusedExpertsSource):
+        _, rows, cols = reader.shape(source.name)
+        return scale_shape((rows // fp8_parts(source), cols), block)
     if shard is None:
         return scale_shape(reader.shape(source.names[0]), block)
     full = list(scale_shape(reader.shape(source.names[0]), block))

@@ -39,8 +39,10 @@ def hf_greedy_tokens(model, prompt: list[int], num_tokens: int) -> list[int]:
 
 def prefill_logits(model, batch: list[list[int]]) -> torch.Tensor:
     """A loaded moeserve model's logits at every position of one paged prefill of `batch` (its KV
-    cache allocated from its layers' specs, in its own dtype, on its device)."""
+    cache allocated from its layers' specs, in its own dtype, on its device; a hybrid's state
+    layers hold each sequence in its own state slot)."""
     from moeserve.ops import attention_batch
+    from moeserve.ops.state_batch import LinearState, StateBatch, StateStep
     from moeserve.worker.kv_cache import allocate_kv_caches
 
     device = model.embed_tokens.device
@@ -49,13 +51,17 @@ def prefill_logits(model, batch: list[list[int]]) -> torch.Tensor:
         n = -(-len(p) // block_size)
         tables.append(list(range(next_block, next_block + n)))
         next_block += n
-    caches = allocate_kv_caches(model.cfg, next_block, block_size, model.dtype, device, model.tp.size)
+    caches = allocate_kv_caches(
+        model.cfg, next_block, block_size, model.dtype, device, model.tp.size, num_state_slots=len(batch)
+    )
+    states = StateBatch(tuple(range(len(batch))), tuple(map(len, batch)), (False,) * len(batch))
+    bound = [StateStep(c, states) if isinstance(c, LinearState) else c for c in caches]
     plan = model.ops.plan_attention(
         attention_batch(tables, [0] * len(batch), [len(p) for p in batch], block_size, device)
     )
     with torch.inference_mode():
         positions = torch.cat([torch.arange(len(p)) for p in batch]).to(device)
-        return model.compute_logits(model(torch.tensor(sum(batch, []), device=device), positions, plan, caches))
+        return model.compute_logits(model(torch.tensor(sum(batch, []), device=device), positions, plan, bound))
 
 
 def max_prefill_dlogit(ours, ref_model, batch: list[list[int]]) -> float:

@@ -2,7 +2,9 @@
 
 Each case is a checkpoint written by transformers (random weights), rewritten in the layout the
 FP8 releases use (float8_e4m3fn weights, a `weight_scale_inv` per 128x128 block, stored float32
-as DeepSeek's are or bfloat16/float16 as Qwen3-FP8's are, `quantization_config`). The reference
+as DeepSeek's are or bfloat16/float16 as Qwen3-FP8's are, `quantization_config`; Qwen3-Next's
+and Qwen3.5's with what their releases keep unquantized listed in `modules_to_not_convert`, and
+Qwen3.5's experts stacked as released). The reference
 is transformers, in the case's compute dtype, on a copy whose weights are the FP8 values times
 their scales, dequantized here block by block (not by moeserve's code), so moeserve, which keeps
 the FP8 bytes and dequantizes at use, must match it as it matches an unquantized checkpoint.
@@ -20,6 +22,7 @@ import torch
 from helpers.hf_configs import VOCAB
 from helpers.load_only import LoadOnly
 from helpers.reference import hf_greedy_tokens, hf_model, max_prefill_dlogit
+from helpers.stacked_experts import stack_experts
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -39,6 +42,11 @@ PUBLISHED = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic
 # Qwen3-MoE sized past one block: hidden 192 and experts of 160 give 2x2 scale grids with partial
 # blocks, and gate/up parts meeting inside a block of our fused gate_up.
 QWEN3 = dict(hidden_size=192, moe_intermediate_size=160, num_experts=8, num_experts_per_tok=2, head_dim=32)
+PROMPT_LENGTHS = (1, 9, 26)
+# The hybrids, hidden 192 for partial blocks (a DeltaNet's in_proj_qkvz [128, 192], out_proj
+# [192, 48]), and prompts of 40 to 200 tokens, as their unquantized parity tests.
+HYBRID = dict(hidden_size=192)
+HYBRID_PROMPTS = (40, 200)
 
 
 @dataclass(frozen=True)
@@ -49,6 +57,12 @@ class Case:
     overrides: dict = field(default_factory=dict)  # HF config fields
     scale_dtype: torch.dtype = torch.float32  # what its `weight_scale_inv` tensors are stored in
     dtype: torch.dtype = torch.float32
+    stacked: bool = False  # experts stacked per layer, as Qwen3.5 releases them
+    prompt_lengths: tuple[int, ...] = PROMPT_LENGTHS
+
+    @property
+    def max_model_len(self) -> int:
+        return max(96, max(self.prompt_lengths) + 32)
 
     @property
     def max_dlogit(self) -> float:
@@ -70,14 +84,31 @@ CASES = {
     "deepseek_v3-width28-fp16_scales-bf16": Case(
         "deepseek_v3", dict(moe_intermediate_size=28), scale_dtype=torch.float16, dtype=torch.bfloat16
     ),
+    # Qwen3-Next-FP8 and Qwen3.5's FP8 releases: bf16 scales as Qwen stores them.
+    "qwen3_next-bf16_scales": Case("qwen3_next", HYBRID, torch.bfloat16, prompt_lengths=HYBRID_PROMPTS),
+    "qwen3_5_moe-stacked-bf16_scales": Case(
+        "qwen3_5_moe", HYBRID, torch.bfloat16, stacked=True, prompt_lengths=HYBRID_PROMPTS
+    ),
 }
-EP4_CASES = ("deepseek_v3", "qwen3_moe-bf16_scales", "deepseek_v3-width28-fp16_scales-bf16")
-PROMPT_LENGTHS = (1, 9, 26)
+EP_ONLY = ("qwen3_5_moe-stacked-bf16_scales",)
+"""Cases whose greedy tokens are checked over EP ranks only (CI time): their single-process load
+is held to transformers' prefill logits by the layout test."""
+EP_CASES = {
+    "deepseek_v3": 4,
+    "qwen3_moe-bf16_scales": 4,
+    "deepseek_v3-width28-fp16_scales-bf16": 4,
+    "qwen3_5_moe-stacked-bf16_scales": 2,  # 6 experts: each rank reads its 3 experts' rows of the stacked tensors
+}
 GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
 
 
-def reference_dequantize(weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
-    """The published rule, tile by tile: weight.float() * scale_inv of its 128x128 block."""
+def reference_dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, parts: int = 1) -> torch.Tensor:
+    """The published rule, tile by tile: weight.float() * scale_inv of its 128x128 block; a
+    stacked expert tensor expert by expert, each of its `parts` (gate, up) on its own grid."""
+    if weight.dim() == 3:
+        return torch.stack([reference_dequantize(w, s, parts) for w, s in zip(weight, scale_inv)])
+    if parts > 1:
+        return torch.cat([reference_dequantize(w, s) for w, s in zip(weight.chunk(parts), scale_inv.chunk(parts))])
     out = torch.empty(weight.shape)
     for i in range(scale_inv.shape[0]):
         for j in range(scale_inv.shape[1]):
@@ -94,7 +125,7 @@ def reference(fp8_pair):
 
     def get(case: str):
         if case not in cache:
-            cache[case] = hf_greedy(fp8_pair(case)[1], prompts(), CASES[case].dtype)
+            cache[case] = hf_greedy(fp8_pair(case)[1], prompts(CASES[case].prompt_lengths), CASES[case].dtype)
         return cache[case]
 
     return get
@@ -110,12 +141,16 @@ def fp8_pair(make_checkpoint, tmp_path_factory):
             spec = CASES[case]
             base = make_checkpoint(spec.arch, 7, **spec.overrides)
             root = tmp_path_factory.mktemp(f"fp8-{case}")
+            if spec.stacked:
+                base = stack_experts(base, root / "stacked")
             fp8, plain = shutil.copytree(base, root / "fp8"), shutil.copytree(base, root / "dequantized")
             quantize_checkpoint(fp8, BLOCK, spec.scale_dtype)
             with safe_open(fp8 / "model.safetensors", framework="pt") as f:
                 tensors = {n: f.get_tensor(n) for n in f.keys()}
             values = {
-                n: reference_dequantize(t, tensors[n + "_scale_inv"]) if t.dtype == torch.float8_e4m3fn else t
+                n: reference_dequantize(t, tensors[n + "_scale_inv"], 2 if n.endswith("gate_up_proj") else 1)
+                if t.dtype == torch.float8_e4m3fn
+                else t
                 for n, t in tensors.items()
                 if not n.endswith("_scale_inv")
             }
@@ -126,9 +161,9 @@ def fp8_pair(make_checkpoint, tmp_path_factory):
     return get
 
 
-def prompts() -> list[list[int]]:
+def prompts(lengths: tuple[int, ...] = PROMPT_LENGTHS) -> list[list[int]]:
     g = torch.Generator().manual_seed(77)
-    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
+    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in lengths]
 
 
 def hf_greedy(folder, batch: list[list[int]], dtype: torch.dtype):
@@ -146,6 +181,80 @@ def test_checkpoint_has_the_published_layout(fp8_pair):
         assert f.get_slice(down + "_scale_inv").get_shape() == [2, 2]
         for kept in ("model.embed_tokens.weight", "lm_head.weight", "model.layers.0.mlp.gate.weight"):
             assert f.get_slice(kept).get_dtype() == "F32" and kept + "_scale_inv" not in f.keys()
+
+
+def test_hybrid_checkpoints_have_the_released_layout_and_load_as_the_engine_keeps_them(fp8_pair, reference):
+    """What Qwen's hybrid FP8 releases keep unquantized stays so and is listed; Qwen3.5's stacked
+    experts are FP8 with gate and up on their own grids. Loaded in one process: experts, attention
+    and out_proj keep FP8 bytes and scales, the DeltaNet in-projections, whose rows do not fall on
+    blocks, are dequantized at load, and the prefill logits are transformers' on the dequantized
+    twin (its greedy tokens are checked over two EP ranks)."""
+    case = "qwen3_5_moe-stacked-bf16_scales"
+    fp8, _ = fp8_pair(case)
+    quant = json.loads((fp8 / "config.json").read_text())["quantization_config"]
+    assert {k: v for k, v in quant.items() if k != "modules_to_not_convert"} == PUBLISHED
+    layer = "model.layers.0"
+    kept = [f"{layer}.linear_attn.{m}" for m in ("conv1d", "in_proj_a", "in_proj_b")]
+    kept += [f"{layer}.mlp.gate", f"{layer}.mlp.shared_expert_gate", "model.embed_tokens", "lm_head"]
+    assert set(kept) <= set(quant["modules_to_not_convert"])
+    with safe_open(fp8 / "model.safetensors", framework="pt") as f:
+        for name in kept:
+            assert f.get_slice(name + ".weight").get_dtype() == "F32" and name + ".weight_scale_inv" not in f.keys()
+        gate_up = f"{layer}.mlp.experts.gate_up_proj"
+        assert f.get_slice(gate_up).get_dtype() == "F8_E4M3" and f.get_slice(gate_up).get_shape() == [6, 64, 192]
+        assert f.get_slice(gate_up + "_scale_inv").get_shape() == [6, 2, 2]  # 2 parts of 32 rows, 192 columns
+        assert f.get_slice(f"{layer}.linear_attn.in_proj_qkv.weight").get_dtype() == "F8_E4M3"
+    model = load_model(fp8)
+    deltanet, experts = model.layers[0].linear_attn, model.layers[0].mlp.experts
+    assert experts.parametrizations.w13[0].scale_inv.shape == (6, 2, 1, 2)
+    assert deltanet.out_proj.parametrizations.weight.original.dtype == torch.float8_e4m3fn
+    assert model.layers[3].attn.o_proj.parametrizations.weight.original.dtype == torch.float8_e4m3fn
+    for name in ("in_proj_qkv", "in_proj_z", "in_proj_b"):
+        assert getattr(deltanet, name).weight.dtype == torch.float32
+    # A heal reads expert 4's rows of the stacked data and scales as the load holds them.
+    from moeserve.models.loader import ExpertReader
+
+    reader = ExpertReader(fp8, torch.float32)
+    read = reader.read(0, experts, [4])
+    reader.close()
+    w13 = experts.parametrizations.w13
+    assert torch.equal(read["parametrizations.w13.0.scale_inv"][0], w13[0].scale_inv[4])
+    assert torch.equal(read["parametrizations.w13.original"][0].view(torch.uint8), w13.original[4].view(torch.uint8))
+    dlogit = max_prefill_dlogit(model, reference(case)[0], prompts(CASES[case].prompt_lengths))
+    logger.warning("FP8 %s: max |dlogit| vs dequantized transformers %.2e", case, dlogit)
+    assert dlogit < CASES[case].max_dlogit
+
+
+@pytest.mark.parametrize(
+    "tensor,config,refusal",
+    [
+        (
+            "model.layers.0.linear_attn.conv1d.weight",
+            {"modules_to_not_convert": ["lm_head"]},  # conv1d not listed: refused all the same
+            "of a Gated DeltaNet only the projections are read in FP8",
+        ),
+        (
+            "model.layers.0.linear_attn.in_proj_qkvz.weight",
+            {"modules_to_not_convert": ["lm_head", "model.layers.0.linear_attn"]},
+            "quantization_config.modules_to_not_convert lists its module",
+        ),
+    ],
+)
+def test_unsupported_fp8_tensors_of_hybrids_are_refused_by_name(fp8_pair, tmp_path, tensor, config, refusal):
+    """An FP8 conv1d (the releases keep it unquantized) and an FP8 tensor of a module the config
+    says is not converted are refused, naming the tensor."""
+    fp8, _ = fp8_pair("qwen3_next-bf16_scales")
+    broken = shutil.copytree(fp8, tmp_path / "broken")
+    raw = json.loads((broken / "config.json").read_text())
+    raw["quantization_config"].update(config)
+    (broken / "config.json").write_text(json.dumps(raw))
+    with safe_open(broken / "model.safetensors", framework="pt") as f:
+        tensors = {n: f.get_tensor(n) for n in f.keys()}
+    if tensors[tensor].dtype != torch.float8_e4m3fn:
+        tensors[tensor] = tensors[tensor].to(torch.float8_e4m3fn)
+    save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=rf"tensor {tensor} is FP8.*{refusal}"):
+        load_model(broken)
 
 
 @pytest.mark.parametrize(
@@ -174,29 +283,31 @@ def test_half_precision_scales_are_held_exactly_in_float32(fp8_pair, case, store
     assert torch.equal(read["parametrizations.w2.0.scale_inv"][0], held[3])
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", [c for c in CASES if c not in EP_ONLY])
 def test_greedy_tokens_match_dequantized_transformers(fp8_pair, reference, case):
     fp8, _ = fp8_pair(case)
-    dtype = CASES[case].dtype
-    ours, batch = load_model(fp8, dtype=dtype), prompts()
+    spec = CASES[case]
+    ours, batch = load_model(fp8, dtype=spec.dtype), prompts(spec.prompt_lengths)
     ref_model, expected = reference(case)
     dlogit = max_prefill_dlogit(ours, ref_model, batch)
     logger.warning("FP8 %s: max |dlogit| vs dequantized transformers %.2e", case, dlogit)
-    assert dlogit < CASES[case].max_dlogit
-    outs = LLM(str(fp8), dtype=dtype, block_size=8, max_model_len=96).generate(
+    assert dlogit < spec.max_dlogit
+    outs = LLM(str(fp8), dtype=spec.dtype, block_size=8, max_model_len=spec.max_model_len).generate(
         [{"prompt_token_ids": p} for p in batch], GREEDY, use_tqdm=False
     )
     assert [o.outputs[0].token_ids for o in outs] == expected
 
 
-@pytest.mark.parametrize("case", EP4_CASES)
-def test_greedy_tokens_at_ep4_match_dequantized_transformers(fp8_pair, reference, case):
-    """Four rank processes, each reading only its two experts' FP8 bytes and scales."""
+@pytest.mark.parametrize("case", EP_CASES)
+def test_greedy_tokens_over_ep_ranks_match_dequantized_transformers(fp8_pair, reference, case):
+    """Rank processes (four, or two for the hybrid's 6 experts), each reading only its experts'
+    FP8 bytes and scales."""
     fp8, _ = fp8_pair(case)
-    batch = prompts()
+    spec = CASES[case]
+    batch = prompts(spec.prompt_lengths)
     _, expected = reference(case)
-    dtype = CASES[case].dtype
-    with LLM(str(fp8), ep=4, dtype=dtype, block_size=8, max_model_len=96, kv_cache_blocks=96) as llm:
+    options = dict(dtype=spec.dtype, block_size=8, max_model_len=spec.max_model_len, kv_cache_blocks=96)
+    with LLM(str(fp8), ep=EP_CASES[case], **options) as llm:
         outs = llm.generate([{"prompt_token_ids": p} for p in batch], GREEDY, use_tqdm=False)
     got = [o.outputs[0].token_ids for o in outs]
     assert got == expected

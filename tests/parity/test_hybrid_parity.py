@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.reference import hf_greedy_tokens, hf_model
+from helpers.reference import hf_greedy_tokens, hf_model, prefill_logits
+from helpers.stacked_experts import stack_experts
 from helpers.stats import CountingStatLogger
-from safetensors.torch import load_file, save_file
 
 from moeserve import LLM, SamplingParams
 from moeserve.checkpoints.mtp import write_qwen_mtp_layer
@@ -24,9 +24,6 @@ from moeserve.config import EngineConfig
 from moeserve.engine.core import state_refusal
 from moeserve.models import load_model
 from moeserve.models.decoder import cache_specs
-from moeserve.ops import attention_batch
-from moeserve.ops.state_batch import StateBatch, StateStep
-from moeserve.worker.kv_cache import allocate_kv_caches
 from moeserve.worker.state_slots import StateSlots
 
 GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
@@ -36,22 +33,6 @@ PROMPT_LENGTHS = (40, 97, 200)
 def prompts_for(seed: int, lengths=PROMPT_LENGTHS) -> list[list[int]]:
     g = torch.Generator().manual_seed(2000 + seed)
     return [torch.randint(3, 320, (n,), generator=g).tolist() for n in lengths]
-
-
-def prefill_logits(model, prompts: list[list[int]]) -> torch.Tensor:
-    """Every prompt's logits from one packed prefill, each sequence in its own state slot."""
-    block_size, tables, next_block = 4, [], 0
-    for p in prompts:
-        n = -(-len(p) // block_size)
-        tables.append(list(range(next_block, next_block + n)))
-        next_block += n
-    caches = allocate_kv_caches(model.cfg, next_block, block_size, torch.float32, "cpu", num_state_slots=len(prompts))
-    states = StateBatch(tuple(range(len(prompts))), tuple(map(len, prompts)), (False,) * len(prompts))
-    bound = [c if isinstance(c, torch.Tensor) else StateStep(c, states) for c in caches]
-    plan = model.ops.plan_attention(attention_batch(tables, [0] * len(prompts), list(map(len, prompts)), block_size))
-    with torch.inference_mode():
-        positions = torch.cat([torch.arange(len(p)) for p in prompts])
-        return model.compute_logits(model(torch.tensor(sum(prompts, [])), positions, plan, bound))
 
 
 @pytest.mark.parametrize("arch", ["qwen3_5_moe", "qwen3_next", "qwen3_5_moe_vl"])
@@ -93,26 +74,6 @@ def test_greedy_generation_in_chunks_of_16_matches(make_checkpoint, arch):
     )
     for prompt, output in zip(prompts, outputs):
         assert list(output.outputs[0].token_ids) == hf_greedy_tokens(ref, prompt, 32)
-
-
-def stack_experts(folder: Path, out: Path) -> Path:
-    """`folder`'s checkpoint with each layer's experts stacked as Qwen3.5 releases them
-    (`experts.gate_up_proj [E, 2I, H]`, `experts.down_proj [E, H, I]`); transformers saves them
-    one tensor per expert."""
-    out.mkdir()
-    for f in folder.iterdir():
-        if f.suffix != ".safetensors":
-            (out / f.name).write_bytes(f.read_bytes())
-    tensors = load_file(folder / "model.safetensors")
-    stacked = {}
-    for layer in range(4):
-        prefix = f"model.layers.{layer}.mlp.experts"
-        experts = range(6)
-        gate_up = [torch.cat([tensors.pop(f"{prefix}.{e}.{p}_proj.weight") for p in ("gate", "up")]) for e in experts]
-        stacked[f"{prefix}.gate_up_proj"] = torch.stack(gate_up)
-        stacked[f"{prefix}.down_proj"] = torch.stack([tensors.pop(f"{prefix}.{e}.down_proj.weight") for e in experts])
-    save_file({**tensors, **stacked}, out / "model.safetensors", metadata={"format": "pt"})
-    return out
 
 
 def test_stacked_experts_as_released(make_checkpoint, tmp_path):

@@ -148,4 +148,5 @@ def _fp8_config(quant: dict[str, Any]) -> BlockFP8Config:
         or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)
     ):
         raise CheckpointError(f"quantization_config.weight_block_size should be two positive ints, got {block!r}")
-    return BlockFP8Config(block=(block[0], block[1]))
+    kept = _names(quant.get("modules_to_not_convert") or [], "modules_to_not_convert")
+    return BlockFP8Config(block=(block[0], block[1]), not_converted=kept)
