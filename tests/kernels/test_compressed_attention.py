@@ -1,0 +1,128 @@
+"""DeepSeek-V4's attention kernels (`kernels.compressed_attention`, through `TritonOps`) against
+the torch reference (`TorchOps`, i.e. `ops.compressed_attention`), fp32 under the interpreter.
+
+Then the tiny V4 checkpoint's CSA and HCA layers over a prompt in chunks and decodes on either
+backend. Spans of one sequence over caches scattered in larger pools (block size 4, a window of 6 keys, so
+the window straddles blocks): a prompt from position 0 (its first queries see no closed entry;
+CSA ones see fewer entries than the top-k), a prompt of 6 tokens (fewer entries in all than the
+top-k), a chunk mid-sequence and a decode. Window-only, HCA (16 tokens per entry, all visible)
+and CSA (4 per entry, the indexer's top 3) layers.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers.hf_configs import hf_config
+
+from moeserve.cache_spec import PagedSpec
+from moeserve.models.architectures.deepseek_v4 import parse_config
+from moeserve.models.v4.attention import CompressedAttention
+from moeserve.models.v4.cache import SequenceView, allocate, layer_specs
+from moeserve.ops import TORCH_OPS
+from moeserve.ops.compressed_attention import PagedRows, SequenceKeys
+from moeserve.ops.triton_ops import TritonOps
+
+SPANS = [(0, 20), (0, 6), (37, 6), (70, 1)]  # (start, query length)
+HEADS, HEAD_DIM, WINDOW, BLOCK_SIZE = 4, 24, 6, 4
+INDEX_HEADS, INDEX_DIM, TOP_K = 8, 16, 3
+END = max(start + n for start, n in SPANS)
+
+
+def paged(gen: torch.Generator, rows: int, dim: int) -> PagedRows:
+    """`rows` random rows of width `dim` in blocks scattered over a pool with spare blocks."""
+    blocks = -(-rows // BLOCK_SIZE)
+    table = torch.randperm(blocks + 3, generator=gen)[:blocks]
+    return PagedRows(torch.randn(blocks + 3, BLOCK_SIZE, dim, generator=gen), table, BLOCK_SIZE)
+
+
+@pytest.fixture(scope="module")
+def triton_ops() -> TritonOps:
+    return TritonOps()
+
+
+@pytest.fixture(scope="module")
+def layer():
+    gen = torch.Generator().manual_seed(44)
+    return dict(
+        window=paged(gen, END, HEAD_DIM),
+        hca=paged(gen, END // 16, HEAD_DIM),
+        csa=paged(gen, END // 4, HEAD_DIM),
+        index_keys=paged(gen, END // 4, INDEX_DIM),
+        q=torch.randn(END, HEADS, HEAD_DIM, generator=gen),
+        index_q=torch.randn(END, INDEX_HEADS, INDEX_DIM, generator=gen),
+        weights=torch.randn(END, INDEX_HEADS, generator=gen) * INDEX_HEADS**-0.5,
+        sinks=torch.randn(HEADS, generator=gen),
+    )
+
+
+def as_mask(chosen: torch.Tensor, num_entries: int) -> torch.Tensor:
+    """The kernels' choice `[S, K]` (-1: none) as the reference's bool `[S, E]`."""
+    mask = torch.zeros(chosen.shape[0], num_entries + 1, dtype=torch.bool)
+    mask.scatter_(1, torch.where(chosen < 0, num_entries, chosen).long(), True)
+    return mask[:, :num_entries]
+
+
+def attend(ops, layer, start: int, n: int, kind: str, selection=None) -> torch.Tensor:
+    entries, ratio = {"window": (None, 0), "hca": (layer["hca"], 16), "csa": (layer["csa"], 4)}[kind]
+    keys = SequenceKeys(start, layer["window"], WINDOW, entries, ratio)
+    return ops.compressed_attention(layer["q"][start : start + n], layer["sinks"], HEAD_DIM**-0.5, keys, selection)
+
+
+@pytest.mark.parametrize("start,n", SPANS)
+def test_window_and_hca_attention_match_the_reference(triton_ops, layer, start, n):
+    for kind in ("window", "hca"):
+        want = attend(TORCH_OPS, layer, start, n, kind)
+        got = attend(triton_ops, layer, start, n, kind)
+        assert (got - want).abs().max().item() < 1e-5, kind
+    if start + n >= 32:  # queries past the first closed entries: they change the output
+        window_only = attend(TORCH_OPS, layer, start, n, "window")
+        assert (attend(TORCH_OPS, layer, start, n, "hca") - window_only).abs().max().item() > 1e-2
+
+
+@pytest.mark.parametrize("start,n", SPANS)
+def test_csa_indexer_choice_and_attention_match_the_reference(triton_ops, layer, start, n):
+    rows = slice(start, start + n)
+    select = (layer["index_q"][rows], layer["weights"][rows], layer["index_keys"], start, 4, TOP_K)
+    want = TORCH_OPS.compressed_select(*select)
+    got = triton_ops.compressed_select(*select)
+    num_entries = (start + n) // 4
+    assert got.shape == (n, min(TOP_K, num_entries))
+    assert torch.equal(as_mask(got, num_entries), want)
+    seen = want.sum(-1)
+    assert (seen < TOP_K).any() == (start < 12)  # early queries see fewer entries than the top-k
+    out = attend(triton_ops, layer, start, n, "csa", got)
+    assert (out - attend(TORCH_OPS, layer, start, n, "csa", want)).abs().max().item() < 1e-5
+    if seen.max() < num_entries:  # some entry was left out: the choice changes the output
+        assert (out - attend(TORCH_OPS, layer, start, n, "csa")).abs().max().item() > 1e-2
+
+
+def test_sinks_take_their_share(triton_ops, layer):
+    """A sink far above every logit leaves almost nothing to the keys; far below, nothing."""
+    loud = dict(layer, sinks=torch.full((HEADS,), 60.0))
+    assert attend(triton_ops, loud, 37, 6, "hca").abs().max().item() < 1e-6
+    quiet = dict(layer, sinks=torch.full((HEADS,), -60.0))
+    assert (attend(triton_ops, quiet, 37, 6, "hca") - attend(TORCH_OPS, quiet, 37, 6, "hca")).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("layer", [1, 2], ids=["csa", "hca"])  # each attends its window too
+def test_layer_on_the_kernels_gives_the_torch_layers_outputs(triton_ops, layer):
+    """The tiny V4 checkpoint's attention layers, fed a prompt in chunks then decodes through
+    their paged caches (compressors, indexer, window), on either backend: the same outputs."""
+    cfg = parse_config({**hf_config("deepseek_v4").to_dict(), "architectures": ["DeepseekV4ForCausalLM"]})
+    torch.manual_seed(layer)
+    layers = [CompressedAttention(cfg, layer, torch.float32, ops=ops) for ops in (TORCH_OPS, triton_ops)]
+    with torch.no_grad():
+        for p in layers[0].parameters():
+            p.normal_(0.0, 0.3)
+    layers[1].load_state_dict(layers[0].state_dict())
+    specs = layer_specs(cfg, layer, torch.float32)
+    groups = {s.group_key for s in specs if isinstance(s, PagedSpec)}
+    tables = {key: torch.randperm(24) for key in groups}
+    caches = [allocate(specs, dict.fromkeys(groups, 24), BLOCK_SIZE, 1) for _ in layers]
+    x = torch.randn(47, cfg.hidden_size)
+    for start, n in ((0, 16), (16, 16), (32, 13), (45, 1), (46, 1)):
+        seq = SequenceView(start, tables, 0, BLOCK_SIZE)
+        with torch.no_grad():
+            want, got = (m.forward_cached(x[start : start + n], c, seq) for m, c in zip(layers, caches))
+        assert (got - want).abs().max().item() < 1e-4 * want.abs().max().item(), (start, n)
