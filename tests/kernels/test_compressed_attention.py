@@ -1,5 +1,5 @@
 """DeepSeek-V4's attention kernels (`kernels.compressed_attention`, through `TritonOps`) against
-the torch reference (`TorchOps`, i.e. `ops.compressed_attention`), fp32 under the interpreter.
+the torch reference (`TorchOps`, i.e. `ops.compressed_attention`), fp32 under the interpreter (one case in fp16).
 
 Then the tiny V4 checkpoint's CSA and HCA layers over a prompt in chunks and decodes on either
 backend. Spans of one sequence over caches scattered in larger pools (block size 4, a window of 6 keys, so
@@ -95,6 +95,22 @@ def test_csa_indexer_choice_and_attention_match_the_reference(triton_ops, layer,
     assert (out - attend(TORCH_OPS, layer, start, n, "csa", want)).abs().max().item() < 1e-5
     if seen.max() < num_entries:  # some entry was left out: the choice changes the output
         assert (out - attend(TORCH_OPS, layer, start, n, "csa")).abs().max().item() > 1e-2
+
+
+def with_dtype(layer, dtype: torch.dtype):
+    """The layer with its queries and its window and HCA caches in `dtype`."""
+    paged = {name: PagedRows(layer[name].cache.to(dtype), layer[name].table, BLOCK_SIZE) for name in ("window", "hca")}
+    return dict(layer, q=layer["q"].to(dtype), **paged)
+
+
+def test_half_precision_stays_within_its_rounding(triton_ops, layer):
+    """fp16 queries and caches: the kernel (fp32 scores and sums, probabilities rounded to fp16
+    for the product) against the fp32 reference on the same fp16 values."""
+    half = with_dtype(layer, torch.float16)
+    got = attend(triton_ops, half, 37, 6, "hca")
+    assert got.dtype == torch.float16
+    error = (got.float() - attend(TORCH_OPS, with_dtype(half, torch.float32), 37, 6, "hca")).abs().max().item()
+    assert error < 1e-3  # fp16's rounding of outputs near 1
 
 
 def test_sinks_take_their_share(triton_ops, layer):
