@@ -381,6 +381,28 @@ def _sparse_mla() -> None:
             )
 
 
+def _compressed_attention() -> None:
+    """DeepSeek-V4-Flash's attention as its layers launch it (`TritonOps`, one sequence a call;
+    attention is replicated under TP, so all 64 heads of 512 on every rank), the runtime's block
+    size of 16: a window of 128 alone, with every closed entry of 128 tokens (HCA), and with the
+    indexer's top 512 of the entries of 4 (64 index heads of 128, CSA); a decode and a prefill
+    chunk, each deep enough that the indexer has more entries than its top-k."""
+    from moeserve.ops.compressed_attention import PagedRows, SequenceKeys
+    from moeserve.ops.triton_ops import TritonOps
+
+    ops, heads, head_dim, window, block_size, blocks = TritonOps(), 64, 512, 128, 16, 400
+    sinks = torch.empty(heads)
+    rows = PagedRows(torch.empty(blocks, block_size, head_dim, dtype=BF16), torch.arange(blocks), block_size)
+    index_keys = PagedRows(torch.empty(blocks, block_size, 128, dtype=BF16), torch.arange(blocks), block_size)
+    for start, n in ((5000, 1), (4100, 17)):
+        q = torch.empty(n, heads, head_dim, dtype=BF16)
+        ops.compressed_attention(q, sinks, head_dim**-0.5, SequenceKeys(start, rows, window), None)
+        ops.compressed_attention(q, sinks, head_dim**-0.5, SequenceKeys(start, rows, window, rows, 128), None)
+        index_q, weights = torch.empty(n, 64, 128, dtype=BF16), torch.empty(n, 64)
+        chosen = ops.compressed_select(index_q, weights, index_keys, start, 4, 512)
+        ops.compressed_attention(q, sinks, head_dim**-0.5, SequenceKeys(start, rows, window, rows, 4), chosen)
+
+
 CASES: list[Case] = [
     Case("norm", "RMSNorm and fused add+RMSNorm, DeepSeek-V3/Qwen3 widths", lambda: _compile_only(_norms)()),
     Case("rotary", "rotary q/k (neox) and DeepSeek's interleaved rope", lambda: _compile_only(_rotary)()),
@@ -398,6 +420,11 @@ CASES: list[Case] = [
         "sparse_mla",
         "DSA indexer scores and sparse MLA, DeepSeek-V3.2 and GLM-5 at TP 8",
         lambda: _compile_only(_sparse_mla)(),
+    ),
+    Case(
+        "compressed_attention",
+        "DeepSeek-V4-Flash attention (window, HCA, CSA with its indexer's top 512), 64 heads of 512",
+        lambda: _compile_only(_compressed_attention)(),
     ),
     Case(
         "gated_delta",

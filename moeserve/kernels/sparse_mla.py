@@ -194,32 +194,51 @@ def indexer_scores(
 ) -> torch.Tensor:
     """q `[T, Hi, Di]`, weights `[T, Hi]` float32 (scaled by Hi ** -0.5), key_cache `[num_blocks,
     block_size, Di]` -> scores `[T, max_context_len]` float32, -inf past each query's position."""
+    seq, pos = token_positions(inputs)
+    return paged_key_scores(
+        q, weights, key_cache, inputs.block_table, seq, pos, inputs.max_context_len, inputs.block_size
+    )
+
+
+def paged_key_scores(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    key_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq: torch.Tensor,
+    last_key: torch.Tensor,
+    num_keys: int,
+    block_size: int,
+) -> torch.Tensor:
+    """The indexer's scores of token t over keys 0 .. `last_key[t]` of its sequence `seq[t]` (a
+    row of `block_table [B, blocks]`; `seq`, `last_key` `[T]` int32) -> `[T, num_keys]` float32,
+    -inf past `last_key[t]`. DSA's keys are positions (the last a query sees is its own);
+    DeepSeek-V4's are compressed entries (the last closed at its position)."""
     num_tokens, num_heads, head_dim = q.shape
     if weights.shape != (num_tokens, num_heads) or key_cache.shape[2] != head_dim:
         raise ValueError(f"q {tuple(q.shape)}, weights {tuple(weights.shape)}, keys {tuple(key_cache.shape)} disagree")
     if q.dtype != key_cache.dtype:
         raise ValueError(f"q and the key cache must share a dtype, got {q.dtype}, {key_cache.dtype}")
-    out = torch.empty(num_tokens, inputs.max_context_len, dtype=torch.float32, device=q.device)
-    if num_tokens == 0:
+    out = torch.empty(num_tokens, num_keys, dtype=torch.float32, device=q.device)
+    if num_tokens == 0 or num_keys == 0:
         return out
-    seq, pos = token_positions(inputs)
-    _indexer_scores_kernel[(num_tokens, triton.cdiv(inputs.max_context_len, SCORE_BLOCK_N))](
+    _indexer_scores_kernel[(num_tokens, triton.cdiv(num_keys, SCORE_BLOCK_N))](
         q,
         weights,
         key_cache,
         out,
-        inputs.block_table,
+        block_table,
         seq,
-        pos,
+        last_key,
         head_dim**-0.5,
-        inputs.block_size,
+        block_size,
         num_heads,
-        inputs.max_context_len,
+        num_keys,
         *q.stride(),
         *weights.stride(),
         *key_cache.stride(),
         out.stride(0),
-        inputs.block_table.stride(0),
+        block_table.stride(0),
         HEAD_DIM=head_dim,
         BLOCK_H=max(16, triton.next_power_of_2(num_heads)),
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),

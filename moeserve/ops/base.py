@@ -20,6 +20,7 @@ from moeserve.dispatch.base import DispatchLayout
 from moeserve.dispatch.fp8 import FP8Rows
 from moeserve.fp8_format import BlockFP8Weight
 from moeserve.ops.attention import AttentionBatch, AttentionPlan, DecodeGraphInputs
+from moeserve.ops.compressed_attention import PagedRows, SequenceKeys
 from moeserve.ops.state_batch import StateStep
 from moeserve.packed_weight import PackedExperts
 
@@ -160,6 +161,25 @@ class LayerOps(ABC, Generic[PlanT]):
         selection: Any,
     ) -> torch.Tensor:
         """`mla_attention` where each query sees only the positions `selection` chose."""
+
+    @abstractmethod
+    def compressed_select(
+        self, q: torch.Tensor, weights: torch.Tensor, keys: PagedRows, start: int, ratio: int, top_k: int
+    ) -> Any:
+        """DeepSeek-V4's lightning indexer for one sequence's queries at positions `start ..`:
+        rotated queries `[S, Hi, Di]`, head weights `[S, Hi]` float32 (scaled by Hi ** -0.5) and
+        the sequence's indexer entries (one per `ratio` positions, this step's written) -> each
+        query's `top_k` best visible entries in the backend's own form, which only its
+        `compressed_attention` reads (`ops.compressed_attention.top_entries` defines them)."""
+
+    @abstractmethod
+    def compressed_attention(
+        self, q: torch.Tensor, sinks: torch.Tensor, scale: float, keys: SequenceKeys, selection: Any
+    ) -> torch.Tensor:
+        """DeepSeek-V4's shared-KV attention of one sequence's queries `[S, Hq, D]` over its
+        window's last keys and, on a compressed layer, its entries closed at each query: all of
+        them (`selection` None, HCA) or those `compressed_select` chose (CSA); `sinks [Hq]` join
+        each softmax -> `[S, Hq, D]` (`ops.compressed_attention.compressed_attention` defines it)."""
 
     @abstractmethod
     def route(

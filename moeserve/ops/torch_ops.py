@@ -11,6 +11,7 @@ from moeserve.config import MLAConfig, RouterConfig
 from moeserve.dispatch.base import DispatchLayout
 from moeserve.ops.attention import AttentionBatch, DecodeGraphInputs
 from moeserve.ops.base import LayerOps, Weight, dense_weight
+from moeserve.ops.compressed_attention import compressed_attention, compressed_select
 from moeserve.ops.gated_delta import gated_delta_net
 from moeserve.ops.grouped_mlp import grouped_mlp
 from moeserve.ops.rotary import apply_rotary
@@ -58,6 +59,8 @@ class TorchOps(LayerOps[TorchAttentionPlan]):
         return F.linear(x, dense_weight(weight, x.dtype), bias)
 
     gated_delta_net = staticmethod(gated_delta_net)
+    compressed_select = staticmethod(compressed_select)
+    compressed_attention = staticmethod(compressed_attention)
 
     def rotary_qk(
         self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool

@@ -17,6 +17,7 @@ from moeserve.config import BlockFP8Config, MLAConfig, ModelConfig, MXFP4Config,
 from moeserve.dispatch.base import DispatchLayout
 from moeserve.dispatch.fp8 import GROUP as FP8_ROW_GROUP
 from moeserve.fp8_format import BlockFP8Weight
+from moeserve.kernels import compressed_attention as v4_kernels
 from moeserve.kernels.fp8_gemm import w8a8_linear
 from moeserve.kernels.fp8_quant import group_problem
 from moeserve.kernels.fused_moe import fused_moe
@@ -33,6 +34,7 @@ from moeserve.kernels.routing import route
 from moeserve.kernels.sparse_mla import indexer_topk, sparse_mla
 from moeserve.ops.attention import AttentionBatch, AttentionPlan, DecodeGraphInputs
 from moeserve.ops.base import LayerOps, Weight
+from moeserve.ops.compressed_attention import PagedRows, SequenceKeys
 from moeserve.ops.gated_delta import split_heads
 from moeserve.ops.grouped_mlp import row_experts
 from moeserve.ops.state_batch import StateStep
@@ -62,16 +64,19 @@ class TritonOps(LayerOps[TritonAttentionPlan]):
     @classmethod
     def supports_model(cls, cfg: ModelConfig) -> str | None:
         """Block-quantized FP8 weights run as w8a8 when their K tile suits the kernels, INT4 and
-        NVFP4 experts as packed grouped GEMMs; MXFP4 weights (no FP4 x bf16 GEMM yet) and
-        gpt-oss's layer options have no kernel yet: sinks in
-        the attention kernels, biases and the clamped SwiGLU in `fused_moe`, its
-        top-k-then-softmax router in `route`."""
+        NVFP4 experts as packed grouped GEMMs; MXFP4 weights (no FP4 x bf16 GEMM yet),
+        gpt-oss's layer options (sinks in the paged attention kernels, biases and the clamped
+        SwiGLU in `fused_moe`, its top-k-then-softmax router in `route`) and DeepSeek-V4's MoE
+        (its sqrtsoftplus router, its clamped SiLU) have no kernel yet."""
         if isinstance(cfg.weight_quant, MXFP4Config):
             return "the Triton kernels have no MXFP4 (FP4 x bf16) expert GEMM yet; use kernels=torch for MXFP4 weights"
         if isinstance(cfg.weight_quant, BlockFP8Config) and group_problem(cfg.weight_quant.block[1]) is not None:
             return f"{group_problem(cfg.weight_quant.block[1])}; use kernels=torch"
         if cfg.compressed_attention is not None:
-            return "the Triton kernels have no DeepSeek-V4 compressed attention nor its routing yet; use kernels=torch"
+            return (
+                "the Triton kernels have DeepSeek-V4's attention but not yet its sqrtsoftplus routing nor its "
+                "clamped-SiLU experts; use kernels=torch"
+            )
         if cfg.attention_sinks:
             return "the Triton attention kernels have no attention sinks (gpt-oss); use kernels=torch"
         if cfg.expert_bias or cfg.expert_activation.kind != "silu":
@@ -205,6 +210,25 @@ class TritonOps(LayerOps[TritonAttentionPlan]):
             return self.mla_attention(q_nope, q_rope, kv_cache, plan, kv_b_weight, mla, scale)
         return sparse_mla(q_nope, q_rope, kv_cache, kv_b_weight, selection, plan.paged, scale, mla)
 
+    def compressed_select(
+        self, q: torch.Tensor, weights: torch.Tensor, keys: PagedRows, start: int, ratio: int, top_k: int
+    ) -> torch.Tensor:
+        """Each query's best entries `[S, min(top_k, E)]` int32 (-1: fewer visible), E the
+        entries closed by the sequence's last query."""
+        seq, pos = _sequence_tokens(start, q.shape[0], q.device)
+        num_entries = (start + q.shape[0]) // ratio
+        return v4_kernels.indexer_topk(
+            q.contiguous(), weights, keys.cache, keys.table[None], seq, pos, num_entries, ratio, top_k, keys.block_size
+        )
+
+    def compressed_attention(
+        self, q: torch.Tensor, sinks: torch.Tensor, scale: float, keys: SequenceKeys, selection: torch.Tensor | None
+    ) -> torch.Tensor:
+        seq, pos = _sequence_tokens(keys.start, q.shape[0], q.device)
+        window = (keys.window.cache, keys.window.table[None], keys.window_len)
+        entries = None if keys.entries is None else (keys.entries.cache, keys.entries.table[None], keys.ratio)
+        return v4_kernels.sink_attention(q, sinks, scale, seq, pos, *window, entries, selection, keys.window.block_size)
+
     def route(
         self, cfg: RouterConfig, logits: torch.Tensor, correction_bias: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -235,3 +259,10 @@ class TritonOps(LayerOps[TritonAttentionPlan]):
         if x_fp8 is not None and w13.block[1] == FP8_ROW_GROUP:
             quantized = (x_fp8.q, x_fp8.scales)
         return fused_moe_w8a8(x.contiguous(), w13, w2, aligned, top_k=top_k, hidden_fp8=quantized)
+
+
+def _sequence_tokens(start: int, count: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's `count` tokens from position `start` as the kernels take a step's tokens:
+    each one's row of the block tables (0: the sequence's table is the only row) and position."""
+    pos = torch.arange(start, start + count, dtype=torch.int32, device=device)
+    return torch.zeros_like(pos), pos

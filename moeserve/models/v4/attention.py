@@ -10,7 +10,8 @@ query's position; the heads are then projected per group (`o_a_proj`, block diag
 (`o_b_proj`).
 
 `forward_sequence` is the reference over one whole sequence from position 0; the served path
-feeds the same pieces from the cache.
+feeds the same pieces from the cache, its attention and its indexer's choice through the ops
+backend (`LayerOps.compressed_attention`, `compressed_select`: torch or the Triton kernels).
 """
 
 from __future__ import annotations
@@ -20,31 +21,18 @@ from torch import nn
 
 from moeserve.config import ModelConfig
 from moeserve.models.layers.linear import Linear
-from moeserve.models.v4.cache import LayerCache, SequenceView, read_rows, write_rows
-from moeserve.models.v4.compressor import Compressor, Indexer, visible_entries
+from moeserve.models.v4.cache import LayerCache, SequenceView, write_rows
+from moeserve.models.v4.compressor import Compressor, Indexer
 from moeserve.models.v4.norm import Float32RMSNorm, unweighted_rms_norm
 from moeserve.models.v4.rotary import TailRotary, rotate_tail
 from moeserve.ops import TORCH_OPS, LayerOps
-
-
-def sink_attention(
-    q: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, sinks: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """q `[S, Hq, D]`, keys (also the values) `[L, D]`, visible bool `[S, L]`, sinks `[Hq]` ->
-    `[S, Hq, D]`: softmax over the visible keys and the head's sink, the sink's share dropped."""
-    logits = torch.einsum("shd,ld->shl", q, keys) * scale
-    logits = logits.masked_fill(~visible[:, None, :], float("-inf"))
-    sink = sinks.to(logits.dtype)[None, :, None].expand(q.shape[0], -1, 1)
-    combined = torch.cat([logits, sink], dim=-1)
-    combined = combined - combined.amax(dim=-1, keepdim=True)
-    probs = torch.softmax(combined, dim=-1)[..., :-1]
-    return torch.einsum("shl,ld->shd", probs.to(keys.dtype), keys)
-
-
-def window_visible(query_positions: torch.Tensor, key_positions: torch.Tensor, window: int) -> torch.Tensor:
-    """bool `[S, L]`: keys at most `window - 1` tokens before the query, none after."""
-    distance = query_positions[:, None] - key_positions[None, :]
-    return (distance >= 0) & (distance < window)
+from moeserve.ops.compressed_attention import (
+    PagedRows,
+    SequenceKeys,
+    sink_attention,
+    visible_entries,
+    window_visible,
+)
 
 
 class GroupedLinear(nn.Module):
@@ -76,7 +64,7 @@ class CompressedAttention(nn.Module):
         assert ca is not None
         h, hd, heads = cfg.hidden_size, cfg.head_dim, cfg.num_heads
         self.num_heads, self.head_dim, self.window, self.eps = heads, hd, ca.window, cfg.rms_norm_eps
-        self.o_groups = ca.o_groups
+        self.o_groups, self.ops = ca.o_groups, ops
         self.ratio = ca.compress_ratios[layer]
         self.q_a_proj = Linear(h, ca.q_lora_rank, False, dtype, device, ops)
         self.q_a_norm = Float32RMSNorm(ca.q_lora_rank, cfg.rms_norm_eps, device)
@@ -147,26 +135,23 @@ class CompressedAttention(nn.Module):
     def forward_cached(self, x: torch.Tensor, cache: LayerCache, seq: SequenceView) -> torch.Tensor:
         """A sequence's next rows x `[n, H]` (a prompt chunk, a decode) -> `[n, H]`, reading and
         extending its cache: the window's keys, the entries, the open window's state."""
-        n, start, bs = x.shape[0], seq.start, seq.block_size
-        positions = torch.arange(start, start + n, device=x.device)
+        start, bs = seq.start, seq.block_size
+        positions = torch.arange(start, start + x.shape[0], device=x.device)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         q_residual, q = self.queries(x, cos, sin)
-        window_table = seq.table((1, self.window))
-        write_rows(cache.window, window_table, start, self.keys(x, cos, sin), bs)
-        first = max(0, start - self.window + 1)
-        keys = read_rows(cache.window, window_table, first, start + n, bs)
-        visible = window_visible(positions, torch.arange(first, start + n, device=x.device), self.window)
+        window = PagedRows(cache.window, seq.table((1, self.window)), bs)
+        write_rows(window.cache, window.table, start, self.keys(x, cos, sin), bs)
+        keys, selection = SequenceKeys(start, window, self.window), None
         if self.compressor is not None:
             table, state = seq.table((self.ratio, None)), cache.state
             assert cache.entries is not None
-            entries = self.compressor.extend(x, start, cache.entries, table, bs, state[:4], seq.slot)
+            keys = SequenceKeys(start, window, self.window, PagedRows(cache.entries, table, bs), self.ratio)
+            self.compressor.extend(x, start, keys.entries, state[:4], seq.slot)
             indexer = self.indexer
-            if indexer is None:
-                chosen = visible_entries(positions, entries.shape[0], self.ratio)
-            else:
+            if indexer is not None:
                 assert cache.index_keys is not None
-                index_keys = indexer.extend(x, start, cache.index_keys, table, bs, state[4:], seq.slot)
-                chosen = indexer.select(x, q_residual, positions, index_keys)
-            keys, visible = torch.cat([keys, entries]), torch.cat([visible, chosen], dim=1)
-        attended = sink_attention(q, keys, visible, self.sinks, self.head_dim**-0.5)
+                index_keys = PagedRows(cache.index_keys, table, bs)
+                indexer.extend(x, start, index_keys, state[4:], seq.slot)
+                selection = indexer.select_cached(x, q_residual, start, index_keys)
+        attended = self.ops.compressed_attention(q, self.sinks, self.head_dim**-0.5, keys, selection)
         return self.output(attended, cos, sin)

@@ -112,9 +112,3 @@ def write_rows(cache: torch.Tensor, table: torch.Tensor, first: int, rows: torch
     """Rows `first .. first + len(rows)` of a group's tensor `[N, B, D]` set to `rows`."""
     index = torch.arange(first, first + rows.shape[0])
     cache[table[index // block_size], index % block_size] = rows.to(cache.dtype)
-
-
-def read_rows(cache: torch.Tensor, table: torch.Tensor, first: int, end: int, block_size: int) -> torch.Tensor:
-    """Rows `first .. end - 1` of a group's tensor `[N, B, D]`."""
-    index = torch.arange(first, end)
-    return cache[table[index // block_size], index % block_size]

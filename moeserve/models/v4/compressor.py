@@ -15,16 +15,17 @@ query may see.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from moeserve.models.layers.linear import Linear
-from moeserve.models.v4.cache import read_rows, write_rows
+from moeserve.models.v4.cache import write_rows
 from moeserve.models.v4.norm import Float32RMSNorm
 from moeserve.models.v4.rotary import TailRotary, rotate_tail
 from moeserve.ops import TORCH_OPS, LayerOps
+from moeserve.ops.compressed_attention import PagedRows, top_entries
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,7 @@ class Compressor(nn.Module):
         ops: LayerOps = TORCH_OPS,
     ) -> None:
         super().__init__()
-        self.head_dim, self.ratio, self.overlap = head_dim, ratio, overlap
+        self.head_dim, self.ratio, self.overlap, self.ops = head_dim, ratio, overlap, ops
         width = 2 * head_dim if overlap else head_dim
         self.kv_proj = Linear(hidden, width, False, dtype, device, ops)
         self.gate_proj = Linear(hidden, width, False, dtype, device, ops)
@@ -85,19 +86,10 @@ class Compressor(nn.Module):
         cos, sin = self.rotary.cos_sin(positions, entries.dtype)
         return rotate_tail(entries, cos, sin), next_carry
 
-    def extend(
-        self,
-        x: torch.Tensor,
-        start: int,
-        cache: torch.Tensor,
-        table: torch.Tensor,
-        block_size: int,
-        state: tuple[torch.Tensor, ...],
-        slot: int,
-    ) -> torch.Tensor:
+    def extend(self, x: torch.Tensor, start: int, rows: PagedRows, state: tuple[torch.Tensor, ...], slot: int) -> None:
         """A sequence's next rows x `[n, H]` from position `start`: the windows they close pooled
-        (with the pending positions the state holds) and written to `cache` by `table`, the rest
-        left pending in `state`'s slot -> every entry of the sequence so far `[E, head_dim]`."""
+        (with the pending positions the state holds) and written to the sequence's entries
+        `rows`, the rest left pending in `state`'s slot."""
         kv, gate = self.project(x)
         pending, first_entry = start % self.ratio, start // self.ratio
         kv = torch.cat([state[0][slot, :pending], kv])
@@ -106,12 +98,11 @@ class Compressor(nn.Module):
         if usable:
             carry = Overlap(state[2][slot], state[3][slot]) if self.overlap and first_entry else None
             entries, carry = self.pool(kv[:usable], gate[:usable], first_entry, carry)
-            write_rows(cache, table, first_entry, entries, block_size)
+            write_rows(rows.cache, rows.table, first_entry, entries, rows.block_size)
             if carry is not None:
                 state[2][slot], state[3][slot] = carry.kv, carry.gate
         left = kv.shape[0] - usable
         state[0][slot, :left], state[1][slot, :left] = kv[usable:], gate[usable:]
-        return read_rows(cache, table, 0, (start + x.shape[0]) // self.ratio, block_size)
 
     def sequence_entries(self, x: torch.Tensor) -> torch.Tensor:
         """The entries of a whole sequence `[S, H]` from position 0: one per closed window."""
@@ -120,11 +111,6 @@ class Compressor(nn.Module):
         if not usable:
             return kv.new_zeros((0, self.head_dim))
         return self.pool(kv, gate, 0, None)[0]
-
-
-def visible_entries(positions: torch.Tensor, num_entries: int, ratio: int) -> torch.Tensor:
-    """bool `[S, E]`: which entries each query may see, those of windows closed at its position."""
-    return torch.arange(num_entries, device=positions.device)[None, :] < ((positions + 1) // ratio)[:, None]
 
 
 class IndexerScorer(nn.Module):
@@ -158,21 +144,25 @@ class Indexer(Compressor):
         self.q_b_proj = Linear(q_lora_rank, num_heads * head_dim, False, dtype, device, ops)
         self.scorer = IndexerScorer(hidden, num_heads, dtype, device, ops)
 
+    def scoring_inputs(
+        self, x: torch.Tensor, q_residual: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Queries' rows x `[S, H]` and q_residual `[S, q_lora]` at `positions [S]` -> (the
+        rotated index queries `[S, Hi, Di]`, their head weights `[S, Hi]` float32 by Hi ** -0.5)."""
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        q = rotate_tail(self.q_b_proj(q_residual).view(x.shape[0], self.num_heads, self.head_dim), cos, sin)
+        return q, self.scorer.weights_proj(x).float() * self.num_heads**-0.5
+
     def select(
         self, x: torch.Tensor, q_residual: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor
     ) -> torch.Tensor:
-        """Queries' rows x `[S, H]`, q_residual `[S, q_lora]` at `positions [S]`, the indexer's
-        entries `keys [E, Di]` -> bool `[S, E]`: the entries each query attends (its top_k best
-        scoring among those it may see)."""
-        num_tokens, num_entries = x.shape[0], keys.shape[0]
-        cos, sin = self.rotary.cos_sin(positions, x.dtype)
-        q = rotate_tail(self.q_b_proj(q_residual).view(num_tokens, self.num_heads, self.head_dim), cos, sin)
-        scores = F.relu(torch.einsum("shd,ed->she", q.float(), keys.float())) * self.head_dim**-0.5
-        weights = self.scorer.weights_proj(x).float() * self.num_heads**-0.5  # [S, Hi]
-        scores = (scores * weights.unsqueeze(-1)).sum(dim=1)  # [S, E]
-        visible = visible_entries(positions, num_entries, self.ratio)
-        chosen = torch.zeros_like(visible)
-        if num_entries:
-            top = scores.masked_fill(~visible, float("-inf")).topk(min(self.top_k, num_entries), dim=-1).indices
-            chosen.scatter_(1, top, True)
-        return chosen & visible
+        """The indexer's entries `keys [E, Di]` -> bool `[S, E]`: the entries each query attends
+        (its top_k best scoring among those it may see)."""
+        q, weights = self.scoring_inputs(x, q_residual, positions)
+        return top_entries(q, weights, keys, positions, self.ratio, self.top_k)
+
+    def select_cached(self, x: torch.Tensor, q_residual: torch.Tensor, start: int, keys: PagedRows) -> Any:
+        """`select` for a sequence's rows from position `start` over its key cache (extended
+        already), in the ops backend's form of a choice (`LayerOps.compressed_select`)."""
+        q, weights = self.scoring_inputs(x, q_residual, torch.arange(start, start + x.shape[0], device=x.device))
+        return self.ops.compressed_select(q, weights, keys, start, self.ratio, self.top_k)
