@@ -18,31 +18,13 @@ refuses them first). `group_block_counts` sizes each group's pool.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
+from moeserve.cache_spec import BlockGroup, GroupKey
 from moeserve.scheduler.request import Request
 from moeserve.scheduler.saved_states import SavedStates
 
 RELEASED = -1
 """The table entry of a window block given back: nothing reads it any more."""
-
-GroupKey = tuple[int, int | None]
-
-
-@dataclass(frozen=True)
-class Group:
-    tokens_per_entry: int
-    window: int | None
-
-    def blocks_for(self, num_tokens: int, block_size: int) -> int:
-        """Blocks holding the rows of a request's first `num_tokens` positions."""
-        return -(-(num_tokens // self.tokens_per_entry) // block_size)
-
-    def dead_blocks(self, start: int, block_size: int) -> int:
-        """Leading blocks no query from position `start` on reads: behind the window (0 without one)."""
-        if self.window is None:
-            return 0
-        return max(0, start - self.window + 1) // block_size
 
 
 class GroupedBlocks:
@@ -52,7 +34,7 @@ class GroupedBlocks:
         if len(groups) != len(num_blocks) or min(num_blocks, default=1) < 1 or block_size < 1:
             raise ValueError(f"one count of at least 1 per group and a block size of at least 1: {num_blocks}")
         self.block_size = block_size
-        self.groups = {key: Group(*key) for key in groups}
+        self.groups = {key: BlockGroup(*key) for key in groups}
         self._free = {key: list(range(n - 1, -1, -1)) for key, n in zip(groups, num_blocks, strict=True)}
         self._tables: dict[str, dict[GroupKey, list[int]]] = {}
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from helpers.scheduler import make_request, token_for
 
-from moeserve.cache_spec import CacheSpecs, PagedSpec
+from moeserve.cache_spec import BlockGroup, CacheSpecs, PagedSpec
 from moeserve.scheduler import Scheduler, SchedulerConfig
 from moeserve.scheduler.block_groups import RELEASED, GroupedBlocks, group_block_counts
 from moeserve.worker.kv_cache import context_blocks
@@ -30,6 +30,7 @@ def test_window_group_gives_back_blocks_behind_the_window():
     assert blocks.allocate("a", 16, 1)  # queries from 16 read from 9 on: blocks 0 and 1 go back
     assert blocks.tables("a")[WINDOW][:2] == [RELEASED, RELEASED]
     assert blocks.num_free(WINDOW) == 3
+    assert BlockGroup(*WINDOW).blocks_held(17, 4) == 3  # what the planner prices: the blocks still held
     blocks.free("a")
     assert blocks.num_free(WINDOW) == 6
 
