@@ -68,6 +68,14 @@ class BlockGroup:
     tokens_per_entry: int = 1
     window: int | None = None
 
+    @property
+    def name(self) -> str:
+        """Its name in /metrics (the `group` label): `full` (one entry per position, no window),
+        `window`, or `compressed_<tokens per entry>`."""
+        if self.window is not None:
+            return "window" if self.tokens_per_entry == 1 else f"compressed_{self.tokens_per_entry}_window"
+        return "full" if self.tokens_per_entry == 1 else f"compressed_{self.tokens_per_entry}"
+
     def blocks_for(self, num_tokens: int, block_size: int) -> int:
         """Blocks holding the rows of a request's first `num_tokens` positions."""
         return -(-(num_tokens // self.tokens_per_entry) // block_size)
@@ -82,6 +90,15 @@ class BlockGroup:
         """Blocks a request of `num_tokens` positions holds once its last one is computed (the
         step that computed it gave back what lies wholly behind its window)."""
         return self.blocks_for(num_tokens, block_size) - self.dead_blocks(num_tokens - 1, block_size)
+
+
+def group_names(keys: tuple[GroupKey, ...]) -> tuple[str, ...]:
+    """Each group's `BlockGroup.name`; ValueError when two share one (two windows), since the
+    names label /metrics series."""
+    names = tuple(BlockGroup(*key).name for key in keys)
+    if len(set(names)) != len(names):
+        raise ValueError(f"block-table groups {keys} do not have distinct names: {names}")
+    return names
 
 
 @dataclass(frozen=True)
