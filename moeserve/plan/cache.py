@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moeserve.cache_spec import BlockGroup
 from moeserve.config import ModelConfig
 from moeserve.models.decoder import cache_specs
 
@@ -28,7 +29,8 @@ class SequenceCache:
     bytes_per_token: float
     """What each further position of context adds (`CacheSpecs.bytes_per_context_token`)."""
     window_bytes: int
-    """The window groups' blocks a long sequence holds: its last `window` positions (0 without)."""
+    """The window groups' blocks a sequence holds at most: its last `window` positions, in the
+    blocks they span (0 without a window)."""
     state_bytes: int
     """A sequence's states, whatever its length (0 without state layers)."""
     saved_state_bytes: int
@@ -41,7 +43,7 @@ class SequenceCache:
 def sequence_cache(config: ModelConfig, name: str) -> SequenceCache:
     specs = cache_specs(config, torch.bfloat16)
     window = sum(
-        b * -(-key[1] // BLOCK_SIZE)
+        b * _most_blocks(BlockGroup(*key))
         for key, b in zip(specs.groups, specs.group_bytes_per_block(BLOCK_SIZE), strict=True)
         if key[1] is not None
     )
@@ -53,6 +55,13 @@ def sequence_cache(config: ModelConfig, name: str) -> SequenceCache:
         specs.state_bytes_per_sequence if len(specs.groups) == 1 else 0,
         tuple(specs.bytes_per_sequence(n, BLOCK_SIZE) for n in CONTEXTS),
     )
+
+
+def _most_blocks(group: BlockGroup) -> int:
+    """The most blocks a window group holds past its window: its last `window` positions, in the
+    blocks they span, which repeats every `BLOCK_SIZE` positions."""
+    assert group.window is not None
+    return max(group.blocks_held(n, BLOCK_SIZE) for n in range(group.window, group.window + BLOCK_SIZE))
 
 
 def _size(num_bytes: float) -> str:

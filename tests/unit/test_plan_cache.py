@@ -41,7 +41,7 @@ def test_deepseek_v4_flash_beside_v3_by_hand():
     v4, v3 = sequence_cache(config, "flash"), sequence_cache(*load_config("deepseek-v3"))
     row, index_key = 512 * 2, 128 * 2  # a position's (or an entry's) key, an indexer key
     assert v4.bytes_per_token == 21 * (row + index_key) / 4 + 20 * row / 128
-    assert v4.window_bytes == 43 * 128 * row
+    assert v4.window_bytes == 43 * (128 + 16) * row  # the last 128 positions span 9 blocks when they start mid-block
     csa_state = 2 * 3 * 1024 * 2 + 4 * 512 * (2 + 4)  # pending values, gates (2 x 512 wide); carried Ca, gates
     csa_state += 2 * 3 * 256 * 2 + 4 * 128 * (2 + 4)  # the indexer's compressor alike, 128 wide
     hca_state = 2 * 127 * 512 * 2  # pending values and gates of up to 127 positions
