@@ -15,6 +15,8 @@ A layer that keeps several tensors declares them as a tuple (a DSA layer: its ML
 indexer keys; a DeepSeek-V4 layer: its window, compressed entries, indexer keys and open window).
 
 `CacheSpecs` is the model's list, one entry per layer (the MTP layers' after the decoder's).
+`BlockGroup` is the rule of one block-table group, what the block manager hands out and the
+planner prices by the same count.
 """
 
 from __future__ import annotations
@@ -23,6 +25,9 @@ import math
 from dataclasses import dataclass
 
 ITEMSIZES = {"float32": 4, "bfloat16": 2, "float16": 2, "uint8": 1}  # uint8: packed bytes (FP8 indexer keys)
+
+GroupKey = tuple[int, int | None]
+"""A block-table group's (tokens per entry, window): `PagedSpec.group_key`."""
 
 
 @dataclass(frozen=True)
@@ -45,13 +50,55 @@ class PagedSpec:
         return (*self.leading, num_blocks, block_size, *self.per_token)
 
     @property
-    def group_key(self) -> tuple[int, int | None]:
+    def group_key(self) -> GroupKey:
         return self.tokens_per_entry, self.window
 
     @property
     def bytes_per_token(self) -> int:
         """Bytes of one entry (one position's when `tokens_per_entry` is 1)."""
         return math.prod(self.leading) * math.prod(self.per_token) * ITEMSIZES[self.dtype]
+
+
+@dataclass(frozen=True)
+class BlockGroup:
+    """What a request holds of one group's blocks. A table indexes absolute rows: block i holds
+    rows `i * block_size ..`, a row being one position or one closed window of
+    `tokens_per_entry` positions; a window group's blocks wholly behind the window go back."""
+
+    tokens_per_entry: int = 1
+    window: int | None = None
+
+    @property
+    def name(self) -> str:
+        """Its name in /metrics (the `group` label): `full` (one entry per position, no window),
+        `window`, or `compressed_<tokens per entry>`."""
+        if self.window is not None:
+            return "window" if self.tokens_per_entry == 1 else f"compressed_{self.tokens_per_entry}_window"
+        return "full" if self.tokens_per_entry == 1 else f"compressed_{self.tokens_per_entry}"
+
+    def blocks_for(self, num_tokens: int, block_size: int) -> int:
+        """Blocks holding the rows of a request's first `num_tokens` positions."""
+        return -(-(num_tokens // self.tokens_per_entry) // block_size)
+
+    def dead_blocks(self, start: int, block_size: int) -> int:
+        """Leading blocks no query from position `start` on reads: behind the window (0 without one)."""
+        if self.window is None:
+            return 0
+        return max(0, start - self.window + 1) // block_size
+
+    def blocks_held(self, num_tokens: int, block_size: int) -> int:
+        """Blocks a request of `num_tokens` positions holds once its last one is computed (the
+        step that computed it gave back what lies wholly behind its window)."""
+        return self.blocks_for(num_tokens, block_size) - self.dead_blocks(num_tokens - 1, block_size)
+
+
+def group_names(keys: tuple[GroupKey, ...]) -> tuple[str, ...]:
+    """Each group's `BlockGroup.name`; ValueError when two share one (two windows), since the
+    names label /metrics series."""
+    names = tuple(BlockGroup(*key).name for key in keys)
+    if len(set(names)) != len(names):
+        raise ValueError(f"block-table groups {keys} do not have distinct names: {names}")
+    return names
 
 
 @dataclass(frozen=True)
@@ -86,7 +133,7 @@ class CacheSpecs:
         return tuple(s for s in self.specs if isinstance(s, PagedSpec))
 
     @property
-    def groups(self) -> tuple[tuple[int, int | None], ...]:
+    def groups(self) -> tuple[GroupKey, ...]:
         """The block-table groups the paged specs form (`PagedSpec.group_key`), in first-seen order."""
         return tuple(dict.fromkeys(s.group_key for s in self.paged))
 
@@ -109,6 +156,16 @@ class CacheSpecs:
     def state_bytes_per_sequence(self) -> int:
         return sum(s.bytes_per_sequence for s in self.specs if isinstance(s, StateSpec))
 
+    @property
+    def bytes_per_context_token(self) -> float:
+        """What each further position of context adds, in the long run: every paged tensor
+        without a window, an entry's bytes per `tokens_per_entry` positions (a window's bytes
+        stop growing at the window)."""
+        return sum(s.bytes_per_token / s.tokens_per_entry for s in self.paged if s.window is None)
+
     def bytes_per_sequence(self, num_tokens: int, block_size: int) -> int:
-        """A sequence of `num_tokens` positions: its whole blocks and its state."""
-        return -(-num_tokens // block_size) * self.bytes_per_block(block_size) + self.state_bytes_per_sequence
+        """A sequence of `num_tokens` positions: the blocks it holds in each group
+        (`BlockGroup.blocks_held`) and its state."""
+        held = (BlockGroup(*key).blocks_held(num_tokens, block_size) for key in self.groups)
+        paged = sum(n * b for n, b in zip(held, self.group_bytes_per_block(block_size), strict=True))
+        return paged + self.state_bytes_per_sequence

@@ -23,6 +23,13 @@ Prefix caching, in tokens as vLLM counts them: `moeserve:prefix_cache_queries_to
 every sequence admitted, readmissions after preemption included) and of those
 `moeserve:prefix_cache_hits_total` (found cached, not computed); their ratio is the hit rate.
 
+KV blocks: `moeserve:kv_cache_blocks_used` and `_total` count every block-table group together;
+`moeserve:kv_cache_group_blocks_used{group}` and `_total{group}` each group (`group`:
+`cache_spec.BlockGroup.name`, `full` for a model with one table per request, DeepSeek-V4's
+`window`, `compressed_4` and `compressed_128`). A window group's use stays near the running
+sequences' windows whatever their length; a compressed group's grows a block per
+`block_size x ratio` tokens, so it is the one that fills.
+
 Speculative decoding (`--speculative-config`), as vLLM counts it: `moeserve:spec_decode_num_drafts_total`
 (sequence-steps that fed drafts), `moeserve:spec_decode_num_draft_tokens_total`,
 `moeserve:spec_decode_num_accepted_tokens_total` and, by draft position,
@@ -302,6 +309,19 @@ class ServerMetrics:
         )
         self.kv_used = gauge("moeserve:kv_cache_blocks_used", "Paged KV blocks held by sequences.")
         self.kv_total = gauge("moeserve:kv_cache_blocks_total", "Paged KV blocks in the cache.")
+        group = [*labels, "group"]  # a block-table group: full; DeepSeek-V4's window, compressed_4, compressed_128
+        self._group_used = Gauge(
+            "moeserve:kv_cache_group_blocks_used",
+            "Paged KV blocks held by sequences, by block-table group.",
+            group,
+            registry=r,
+        )
+        self._group_total = Gauge(
+            "moeserve:kv_cache_group_blocks_total",
+            "Paged KV blocks in each block-table group's pool.",
+            group,
+            registry=r,
+        )
         self.state_slots_used = gauge(
             "moeserve:state_slots_used", "State slots held by running sequences (models with state layers)."
         )
@@ -524,6 +544,9 @@ class ServerMetrics:
         self.waiting.set(stats.num_waiting)
         self.kv_used.set(stats.kv_blocks_used)
         self.kv_total.set(stats.kv_blocks_total)
+        for group, used, total in stats.group_blocks:
+            self._group_used.labels(self._model_name, group).set(used)
+            self._group_total.labels(self._model_name, group).set(total)
         self.state_slots_used.set(stats.state_slots_used)
         self.state_slots_total.set(stats.state_slots_total)
         self.saved_states_held.set(stats.saved_states_held)

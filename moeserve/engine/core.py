@@ -31,7 +31,7 @@ from moeserve.kv_transfer.coordinator import KvCoordinator
 from moeserve.models.decoder import cache_specs
 from moeserve.sampling_params import SamplingParams
 from moeserve.scheduler import DataParallelScheduler, QueueFullError, Request, SchedulerConfig, StepPlan
-from moeserve.scheduler.block_groups import group_block_counts
+from moeserve.scheduler.block_groups import GroupBlocks, group_block_counts
 from moeserve.spec_decode.stats import SpecDecodeStats
 from moeserve.structured import GrammarCompiler, StructuredOutputManager
 from moeserve.worker.kv_cache import num_blocks_for
@@ -83,6 +83,9 @@ class SchedulerStats:
     saved_states_held: int = 0
     """Prefix caching's saved states a hit can resume from (a model with state layers)."""
     saved_states_total: int = 0
+    group_blocks: tuple[GroupBlocks, ...] = ()
+    """Each block-table group's blocks held and pool (one `full` group for most models); the
+    `kv_blocks_*` above are their sums."""
 
 
 @dataclass
@@ -361,6 +364,7 @@ class EngineCore:
             s.admission.on_time,
             *s.num_state_slots,
             *s.num_saved_states,
+            s.group_blocks,
         )
 
     # ---- the step ---------------------------------------------------------------------------

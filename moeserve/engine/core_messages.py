@@ -24,6 +24,7 @@ from moeserve.eplb.rebalancer import RebalanceReport
 from moeserve.executor.healing import HealReport, RejoinReport
 from moeserve.sampling_params import SamplingParams
 from moeserve.scheduler import QueueFullError, SLORejectedError
+from moeserve.scheduler.block_groups import GroupBlocks
 from moeserve.spec_decode.stats import SpecDecodeStats
 from moeserve.worker.prompt_logprobs import PromptLogprobs
 from moeserve.worker.runner import SampledToken
@@ -213,6 +214,12 @@ def _unrejoin(entry: list[Any]) -> RejoinReport:
     return RejoinReport(tuple(entry[0]), *entry[1:])
 
 
+def _gauges(values: list[Any]) -> SchedulerStats:
+    """`SchedulerStats` from its msgpack array (its last field, the groups' usage, as arrays)."""
+    *counts, groups = values
+    return SchedulerStats(*counts, tuple(GroupBlocks(*g) for g in groups))
+
+
 def _step(s: CoreStep) -> list[Any]:
     routed = None
     if s.routed_tokens is not None:
@@ -267,7 +274,7 @@ def _unstep(entry: list[Any]) -> CoreStep:
         time=time,
         step_duration_s=duration,
         num_preemptions=preemptions,
-        scheduler=SchedulerStats(*gauges),
+        scheduler=_gauges(gauges),
         routed_tokens=routed_tokens,
         rebalances=[_unrebalance(r) for r in rebalances],
         prefix_cache_queries=queries,
@@ -301,7 +308,7 @@ def decode_outputs(data: bytes) -> CoreOutputs:
     frame = msgpack.unpackb(data, strict_map_key=False)
     gauges, accepted, refused, step, dead, stopped, retry_after_s, best_effort = frame
     return CoreOutputs(
-        gauges=SchedulerStats(*gauges),
+        gauges=_gauges(gauges),
         accepted=accepted,
         refused=[tuple(r) for r in refused],
         step=None if step is None else _unstep(step),

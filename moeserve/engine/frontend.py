@@ -147,6 +147,7 @@ class EngineFrontend:
         stats.state_slots_total = gauges.state_slots_total
         stats.saved_states_held = gauges.saved_states_held
         stats.saved_states_total = gauges.saved_states_total
+        stats.group_blocks = gauges.group_blocks
         stats.ttft_promised = gauges.ttft_promised
         stats.ttft_promises_kept = gauges.ttft_promises_kept
         for stat_logger in self.stat_loggers:

@@ -17,6 +17,7 @@ from typing import Protocol
 from moeserve.dispatch.expert_load import RoutedTokens
 from moeserve.eplb.rebalancer import RebalanceReport
 from moeserve.executor.healing import HealReport, RejoinReport
+from moeserve.scheduler.block_groups import GroupBlocks
 from moeserve.slo import DEFAULT_CLASS
 from moeserve.spec_decode.stats import SpecDecodeStats
 
@@ -75,6 +76,8 @@ class IterationStats:
     state_slots_total: int = 0
     saved_states_held: int = 0
     saved_states_total: int = 0
+    group_blocks: tuple[GroupBlocks, ...] = ()
+    """Each block-table group's (name, blocks held, pool); `kv_blocks_*` are their sums."""
     ttft_promised: int = 0
     """Requests admitted on a prediction of meeting their TTFT target, since the engine started
     (a running total, as the core keeps it: the metrics count its increase)."""

@@ -22,7 +22,7 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
         "--cache-per-sequence",
         nargs="+",
         metavar="MODEL",
-        help="only print these models' cache bytes per sequence at 1k, 32k and 128k tokens, side by side "
+        help="only print these models' cache bytes per sequence at 1k, 32k, 128k and 1M tokens, side by side "
         "(from their layers' cache specs), and each saved state's of prefix caching",
     )
     p.add_argument("--gpu", default="h100", choices=sorted(GPUS), help="GPU kind (default: h100)")

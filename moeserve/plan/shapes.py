@@ -95,6 +95,13 @@ def shape_of(config: ModelConfig, name: str) -> ModelShape:
             f"{name}: the planner does not model Gated DeltaNet layers yet ({config.architecture}); "
             "`moeserve plan --cache-per-sequence` gives its cache bytes per sequence"
         )
+    if config.compressed_attention is not None:  # the cost model has none of these terms
+        raise ValueError(
+            f"{name}: the planner does not model DeepSeek-V4 yet ({config.architecture}): its step cost has no "
+            "attention over a sliding window plus compressed entries (nor the CSA indexer), no hyper-connection "
+            "streams or grouped output projection, and its memory no block-table groups; "
+            "`moeserve plan --cache-per-sequence` gives its cache bytes per sequence"
+        )
     h = config.hidden_size
     if config.mla is not None:
         m = config.mla

@@ -18,31 +18,23 @@ refuses them first). `group_block_counts` sizes each group's pool.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
+from moeserve.cache_spec import BlockGroup, GroupKey, group_names
 from moeserve.scheduler.request import Request
 from moeserve.scheduler.saved_states import SavedStates
 
 RELEASED = -1
 """The table entry of a window block given back: nothing reads it any more."""
 
-GroupKey = tuple[int, int | None]
 
+class GroupBlocks(NamedTuple):
+    """One block-table group's usage, for /metrics: its name (`BlockGroup.name`: `full`,
+    `window`, `compressed_4` ...), the blocks requests hold, the blocks of its pool."""
 
-@dataclass(frozen=True)
-class Group:
-    tokens_per_entry: int
-    window: int | None
-
-    def blocks_for(self, num_tokens: int, block_size: int) -> int:
-        """Blocks holding the rows of a request's first `num_tokens` positions."""
-        return -(-(num_tokens // self.tokens_per_entry) // block_size)
-
-    def dead_blocks(self, start: int, block_size: int) -> int:
-        """Leading blocks no query from position `start` on reads: behind the window (0 without one)."""
-        if self.window is None:
-            return 0
-        return max(0, start - self.window + 1) // block_size
+    group: str
+    used: int
+    total: int
 
 
 class GroupedBlocks:
@@ -52,7 +44,7 @@ class GroupedBlocks:
         if len(groups) != len(num_blocks) or min(num_blocks, default=1) < 1 or block_size < 1:
             raise ValueError(f"one count of at least 1 per group and a block size of at least 1: {num_blocks}")
         self.block_size = block_size
-        self.groups = {key: Group(*key) for key in groups}
+        self.groups = {key: BlockGroup(*key) for key in groups}
         self._free = {key: list(range(n - 1, -1, -1)) for key, n in zip(groups, num_blocks, strict=True)}
         self._tables: dict[str, dict[GroupKey, list[int]]] = {}
 
@@ -109,7 +101,7 @@ def group_block_counts(
 class GroupedBlockManager:
     """`BlockManager`'s part the scheduler calls, over one `GroupedBlocks`: a request's table per
     group instead of `Request.block_ids`. Block counts (`num_blocks`, free, used) are the groups'
-    together, for the usage gauge and data-parallel routing."""
+    together, for the usage gauge and data-parallel routing; `group_blocks` each group's."""
 
     enable_caching = False
     has_state = True
@@ -118,6 +110,7 @@ class GroupedBlockManager:
         self.blocks = GroupedBlocks(groups, num_blocks, block_size)
         self.block_size = block_size
         self.num_blocks = sum(num_blocks)
+        self._pools = tuple(zip(group_names(tuple(groups)), groups, num_blocks, strict=True))
         self.num_cached_blocks = 0
         self.saved_states = SavedStates(0)
 
@@ -132,6 +125,11 @@ class GroupedBlockManager:
     @property
     def usage(self) -> float:
         return self.num_used_blocks / self.num_blocks
+
+    @property
+    def group_blocks(self) -> tuple[GroupBlocks, ...]:
+        """Each group's blocks held and pool, in the groups' order."""
+        return tuple(GroupBlocks(name, n - self.blocks.num_free(key), n) for name, key, n in self._pools)
 
     def group_tables(self, request: Request) -> dict[GroupKey, list[int]]:
         """A copy of `request`'s table per group, for the plan."""

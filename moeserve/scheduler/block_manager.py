@@ -24,6 +24,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from moeserve.cache_spec import BlockGroup
+from moeserve.scheduler.block_groups import GroupBlocks
 from moeserve.scheduler.block_hash import BlockHash, block_hashes
 from moeserve.scheduler.config import blocks_for_tokens
 from moeserve.scheduler.request import Request
@@ -73,6 +75,12 @@ class BlockManager:
     def usage(self) -> float:
         """Fraction of blocks in use, for the KV-usage gauge in /metrics."""
         return self.num_used_blocks / self.num_blocks
+
+    @property
+    def group_blocks(self) -> tuple[GroupBlocks, ...]:
+        """Its one group's usage, for /metrics: `full` (a block per `block_size` positions, none
+        given back behind a window; `BlockGroup.name`)."""
+        return (GroupBlocks(BlockGroup().name, self.num_used_blocks, self.num_blocks),)
 
     def blocks_needed(self, request: Request, num_new_tokens: int) -> int:
         """Blocks `request` lacks to hold positions `[0, num_computed_tokens + num_new_tokens)`."""

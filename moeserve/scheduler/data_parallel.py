@@ -16,6 +16,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from moeserve.scheduler.admission import AdmissionTally
+from moeserve.scheduler.block_groups import GroupBlocks
 from moeserve.scheduler.block_hash import block_hashes
 from moeserve.scheduler.config import SchedulerConfig
 from moeserve.scheduler.load_routing import TimeRouter
@@ -233,8 +234,19 @@ class DataParallelScheduler:
 
     @property
     def num_kv_blocks(self) -> int:
-        """Blocks of every group's cache together."""
-        return self.config.num_kv_blocks * len(self.groups)
+        """Blocks of every group's cache together (with several block-table groups, every
+        table group's pool: the blocks `num_used_blocks` counts from)."""
+        return sum(s.block_manager.num_blocks for s in self.groups)
+
+    @property
+    def group_blocks(self) -> tuple[GroupBlocks, ...]:
+        """Each block-table group's blocks held and pool, every data-parallel group's together
+        (theirs are the same groups, in the same order)."""
+        usage = [s.block_manager.group_blocks for s in self.groups]
+        return tuple(
+            GroupBlocks(mine.group, sum(u[i].used for u in usage), sum(u[i].total for u in usage))
+            for i, mine in enumerate(usage[0])
+        )
 
     @property
     def num_state_slots(self) -> tuple[int, int]:

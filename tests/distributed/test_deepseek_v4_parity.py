@@ -42,6 +42,10 @@ def _generate_without_leaks(llm: LLM, prompts: list[list[int]]) -> list[list[int
         window_pools = [n for (_, window), n in scheduler.config.block_groups if window is not None]
         assert window_pools and all(n * ENGINE["block_size"] < longest for n in window_pools)
         assert scheduler.block_manager.num_used_blocks == 0
+    usage = llm.engine.scheduler.group_blocks  # what /metrics labels by group: every data-parallel group's
+    assert [g.group for g in usage] == ["window", "compressed_4", "compressed_16"] and not any(g.used for g in usage)
+    pools = [n for scheduler in llm.engine.scheduler.groups for _, n in scheduler.config.block_groups]
+    assert sum(g.total for g in usage) == llm.engine.scheduler.num_kv_blocks == sum(pools)
     return [list(o.outputs[0].token_ids) for o in outputs]
 
 

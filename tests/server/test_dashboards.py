@@ -222,3 +222,12 @@ def test_server_exposition_is_the_registry_listing(exposition: str) -> None:
         sample.name for family in ServerMetrics("m", SLOConfig()).registry.collect() for sample in family.samples
     }
     assert listed_with_series <= moeserve, listed_with_series - moeserve  # the listing is what a server exports
+
+
+def test_a_one_group_model_labels_its_blocks_full(exposition: str) -> None:
+    """The per-group block gauges come through the core process's frames: one group, `full`,
+    holding every block of the unlabelled total."""
+    samples = [s for family in text_string_to_metric_families(exposition) for s in family.samples]
+    totals = {s.labels["group"]: s.value for s in samples if s.name == "moeserve:kv_cache_group_blocks_total"}
+    assert totals == {"full": next(s.value for s in samples if s.name == "moeserve:kv_cache_blocks_total")}
+    assert totals["full"] > 0

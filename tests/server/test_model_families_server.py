@@ -8,6 +8,7 @@ windows), is served by a real `moeserve launch --model DIR` (started in the back
 others run). A launch costs two fresh interpreters, so the other families are served in process:
 the server's own app (`build_app`) over the engine in a thread (`AsyncEngine`), the same handlers,
 tokenizer and chat template, without the process boundary that tests/server/ covers elsewhere.
+DeepSeek-V4 is served so too, its /metrics read for the block-table groups' usage.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pathlib import Path
 import openai
 import pytest
 from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
 from server_utils import MAX_MODEL_LEN
 
 from moeserve import LLM, CompletionOutput, SamplingParams
@@ -72,19 +74,26 @@ def greedy_answers(llm: LLM) -> Expected:
     return chat, llm.generate([PROMPT], GREEDY, use_tqdm=False)[0].outputs[0]
 
 
-def in_process(llm: LLM, folder: Path) -> Iterator[openai.OpenAI]:
-    """The server's app over `llm`'s engine in a thread of this process, reached through the
-    openai client (`llm` is not used directly from here on: the engine thread owns it)."""
+def in_process_http(llm: LLM, folder: Path) -> Iterator[TestClient]:
+    """The server's app over `llm`'s engine in a thread of this process, reached over HTTP in
+    process (`llm` is not used directly from here on: the engine thread owns it)."""
     state = ServingState(ServerSettings(served_model_name="tiny"), ServerMetrics("tiny", SLOConfig()))
+    llm.engine.stat_loggers.append(state.metrics)  # as the server's engine records into its /metrics
     engine = AsyncEngine(llm.engine)
     engine.start()
     tokenizers = load_tokenizer(folder), load_tokenizer(folder)
     state.set_ready(engine, ModelInfo(MAX_MODEL_LEN, tokenizers[0], str(folder), prompt_tokenizer=tokenizers[1]))
     try:
         with TestClient(build_app(state)) as http:
-            yield openai.OpenAI(base_url=f"{http.base_url}/v1", api_key="unused", max_retries=0, http_client=http)
+            yield http
     finally:
         engine.shutdown()
+
+
+def in_process(llm: LLM, folder: Path) -> Iterator[openai.OpenAI]:
+    """`in_process_http`'s server through the openai client."""
+    for http in in_process_http(llm, folder):
+        yield openai.OpenAI(base_url=f"{http.base_url}/v1", api_key="unused", max_retries=0, http_client=http)
 
 
 @pytest.fixture
@@ -114,6 +123,25 @@ def test_family_serves_chat_and_streamed_completions(served, family: str) -> Non
     assert "".join(c.choices[0].text for c in chunks if c.choices) == want_text.text
     finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     assert finish == [want_text.finish_reason]
+
+
+def test_deepseek_v4_serves_and_metrics_count_its_blocks_per_group(make_checkpoint) -> None:
+    """A DeepSeek-V4 checkpoint (a window of 8, entries per 4 and per 16 positions) answers a
+    completion (its tokens are checked against transformers in tests/distributed), and /metrics
+    labels its blocks by block-table group: each group's pool, adding up to the unlabelled total,
+    none held once the answer is done."""
+    folder = make_checkpoint("deepseek_v4")
+    for http in in_process_http(LLM(str(folder), **ENGINE), folder):
+        body = dict(model="tiny", prompt=PROMPT, max_tokens=4, temperature=0.0)
+        assert http.post("/v1/completions", json=body).json()["usage"]["prompt_tokens"] > 0
+        samples = [s for f in text_string_to_metric_families(http.get("/metrics").text) for s in f.samples]
+    by_group = {(s.name, s.labels["group"]): s.value for s in samples if "group" in s.labels}
+    total = next(s.value for s in samples if s.name == "moeserve:kv_cache_blocks_total")
+    groups = ("window", "compressed_4", "compressed_16")
+    assert {group for _, group in by_group} == set(groups)
+    assert all(by_group["moeserve:kv_cache_group_blocks_total", g] > 0 for g in groups)
+    assert sum(by_group["moeserve:kv_cache_group_blocks_total", g] for g in groups) == total
+    assert all(by_group["moeserve:kv_cache_group_blocks_used", g] == 0 for g in groups)
 
 
 def test_kimi_tiktoken_tokenizer_serves_chat_through_its_template(make_checkpoint, tmp_path) -> None:

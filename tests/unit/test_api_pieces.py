@@ -17,6 +17,7 @@ from moeserve.engine.stats import IterationStats, RequestMetrics
 from moeserve.engine_config import parse_bytes
 from moeserve.eplb import RebalanceReport
 from moeserve.sampling_params import SamplingParams
+from moeserve.scheduler.block_groups import GroupBlocks
 
 
 def sample(text: str, tokens: int, finish: str | None = None) -> CompletionOutput:
@@ -63,6 +64,7 @@ def test_metrics_record_and_expose() -> None:
             state_slots_total=4,
             saved_states_held=3,
             saved_states_total=6,
+            group_blocks=(GroupBlocks("window", 1, 4), GroupBlocks("compressed_4", 4, 5)),
         )
     )
     samples = {
@@ -82,6 +84,19 @@ def test_metrics_record_and_expose() -> None:
     assert [samples[f"moeserve:{name}", None, None] for name in ("state_slots_used", "state_slots_total")] == [2, 4]
     assert [samples[f"moeserve:{name}", None, None] for name in ("saved_states_held", "saved_states_total")] == [3, 6]
     assert samples["moeserve:num_preemptions_total", None, None] == 1
+    by_group = {
+        (name, group): metrics.registry.get_sample_value(
+            f"moeserve:kv_cache_group_blocks_{name}", {"model_name": "m", "group": group}
+        )
+        for name in ("used", "total")
+        for group in ("window", "compressed_4")
+    }
+    assert by_group == {
+        ("used", "window"): 1,
+        ("total", "window"): 4,
+        ("used", "compressed_4"): 4,
+        ("total", "compressed_4"): 5,
+    }
 
 
 def test_admission_promises_count_the_core_s_running_totals_once() -> None:

@@ -3,14 +3,33 @@ positions, a window group gives back what falls behind its window, growth is all
 
 from __future__ import annotations
 
+import pytest
 from helpers.scheduler import make_request, token_for
 
-from moeserve.cache_spec import CacheSpecs, PagedSpec
-from moeserve.scheduler import Scheduler, SchedulerConfig
-from moeserve.scheduler.block_groups import RELEASED, GroupedBlocks, group_block_counts
+from moeserve.cache_spec import BlockGroup, CacheSpecs, PagedSpec
+from moeserve.scheduler import DataParallelScheduler, Scheduler, SchedulerConfig
+from moeserve.scheduler.block_groups import (
+    RELEASED,
+    GroupBlocks,
+    GroupedBlockManager,
+    GroupedBlocks,
+    group_block_counts,
+)
 from moeserve.worker.kv_cache import context_blocks
 
 WINDOW, COMPRESSED = (1, 8), (4, None)
+
+
+def grouped_config(window_blocks: int, compressed_blocks: int, context_blocks: int) -> SchedulerConfig:
+    """Two sequences at most, in steps of 8 tokens, blocks of 4, a WINDOW and a COMPRESSED pool."""
+    return SchedulerConfig(
+        max_num_seqs=2,
+        max_num_batched_tokens=8,
+        max_model_len=64,
+        block_size=4,
+        num_kv_blocks=context_blocks,
+        block_groups=((WINDOW, window_blocks), (COMPRESSED, compressed_blocks)),
+    )
 
 
 def test_compressed_group_takes_a_block_per_block_size_times_ratio():
@@ -30,8 +49,28 @@ def test_window_group_gives_back_blocks_behind_the_window():
     assert blocks.allocate("a", 16, 1)  # queries from 16 read from 9 on: blocks 0 and 1 go back
     assert blocks.tables("a")[WINDOW][:2] == [RELEASED, RELEASED]
     assert blocks.num_free(WINDOW) == 3
+    assert BlockGroup(*WINDOW).blocks_held(17, 4) == 3  # what the planner prices: the blocks still held
     blocks.free("a")
     assert blocks.num_free(WINDOW) == 6
+
+
+def test_usage_per_group_after_allocate_and_free_and_over_data_parallel_groups():
+    """What /metrics labels by group: each group's blocks held and pool, as the request grows
+    (window blocks going back) and frees; data-parallel groups' pools add up."""
+    manager = GroupedBlockManager([WINDOW, COMPRESSED], [6, 3], block_size=4)
+    request = make_request("a", prompt_len=20)
+    assert manager.allocate(request, 16)  # 16 positions: 4 window blocks, 4 entries in one block
+    assert manager.group_blocks == (GroupBlocks("window", 4, 6), GroupBlocks("compressed_4", 1, 3))
+    request.num_computed_tokens = 16
+    assert manager.allocate(request, 4)  # from 16 on, blocks 0 and 1 lie behind the window; 5 entries
+    assert manager.group_blocks == (("window", 3, 6), ("compressed_4", 2, 3))
+    assert manager.num_used_blocks == 5 and manager.num_blocks == 9  # the unlabelled gauges: the sums
+    manager.free(request)
+    assert manager.group_blocks == (("window", 0, 6), ("compressed_4", 0, 3))
+    dp = DataParallelScheduler(grouped_config(window_blocks=6, compressed_blocks=3, context_blocks=16), 2)
+    assert dp.group_blocks == (("window", 0, 12), ("compressed_4", 0, 6)) and dp.num_kv_blocks == 18
+    with pytest.raises(ValueError, match="distinct names"):  # they label /metrics series
+        GroupedBlockManager([(1, 8), (1, 16)], [4, 4], block_size=4)
 
 
 def test_growth_is_all_or_nothing_across_groups():
@@ -47,14 +86,7 @@ def test_scheduler_hands_out_a_table_per_group_and_preemption_returns_every_grou
     """Two requests of 40 positions in chunks of 8: each needs 3 compressed blocks of the 4, so the
     newer is preempted and recomputes; the window pool (8 blocks, a request's 40 positions being
     10) lasts only because blocks behind the window go back. Everything is free at the end."""
-    config = SchedulerConfig(
-        max_num_seqs=2,
-        max_num_batched_tokens=8,
-        max_model_len=64,
-        block_size=4,
-        num_kv_blocks=16,
-        block_groups=((WINDOW, 8), (COMPRESSED, 4)),
-    )
+    config = grouped_config(window_blocks=8, compressed_blocks=4, context_blocks=16)
     scheduler = Scheduler(config)
     for request_id in "ab":
         scheduler.add_request(make_request(request_id, prompt_len=30, max_tokens=10))

@@ -31,9 +31,12 @@ from moeserve.eplb import RebalanceReport
 from moeserve.executor import HealReport, RejoinReport
 from moeserve.sampling_params import SamplingParams
 from moeserve.scheduler import QueueFullError
+from moeserve.scheduler.block_groups import GroupBlocks
 from moeserve.spec_decode.stats import SpecDecodeStats
 from moeserve.worker.prompt_logprobs import PromptLogprobs
 from moeserve.worker.runner import SampledToken
+
+GROUPS = (GroupBlocks("window", 3, 40), GroupBlocks("compressed_4", 4, 24))  # named tuples, msgpack'd as arrays
 
 
 def test_inputs_round_trip_in_order() -> None:
@@ -63,7 +66,7 @@ def test_outputs_round_trip() -> None:
         time=101.0,
         step_duration_s=0.015,
         num_preemptions=1,
-        scheduler=SchedulerStats(2, 1, 7, 64),
+        scheduler=SchedulerStats(2, 1, 7, 64, group_blocks=GROUPS),
         routed_tokens=routed,
         rebalances=[
             RebalanceReport(12, (1.5, 2.0), (1.03, 1.1), 45, 1_100_000, 0.004, 0.028),
@@ -73,9 +76,12 @@ def test_outputs_round_trip() -> None:
         prefix_cache_hits=32,
         spec_decode=SpecDecodeStats(2, 5, 3, [2, 1, 0]),
     )
-    out = CoreOutputs(SchedulerStats(2, 1, 7, 64), ["r1"], [("r2", "QueueFullError", "full")], step)
+    out = CoreOutputs(
+        SchedulerStats(2, 1, 7, 64, group_blocks=GROUPS), ["r1"], [("r2", "QueueFullError", "full")], step
+    )
     back = decode_outputs(encode_outputs(out))
     assert back == out
+    assert back.gauges.group_blocks[1].group == back.step.scheduler.group_blocks[1].group == "compressed_4"
     assert back.step.routed_tokens.per_rank(1) == routed.per_rank(1) == [0, 10]
     assert back.step.rebalances == step.rebalances  # tuples stay tuples: msgpack sent lists
     assert isinstance(back.step.rebalances[0].imbalance_before, tuple)

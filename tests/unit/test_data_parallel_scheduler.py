@@ -44,6 +44,7 @@ def test_requests_are_balanced_and_every_group_gets_its_own_plan():
         assert {s.request_id for s in group_plan.scheduled} == {f"r{i}" for i in range(10) if dp.group_of(f"r{i}") == g}
     assert dp.num_kv_blocks == 4 * 32
     assert dp.num_used_blocks == 10  # one 4-token block per prompt, in its own group's pool
+    assert dp.group_blocks == (("full", 10, 4 * 32),)  # /metrics' one group, the four pools together
     dp.update(plan, {s.request_id: 7 for s in plan.scheduled})
     assert sorted(run_to_completion(dp)) == sorted(f"r{i}" for i in range(10))
     assert dp.num_used_blocks == 0 and dp.group_of("r0") is None
