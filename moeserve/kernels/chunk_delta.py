@@ -9,7 +9,7 @@ chunk, with d the cumulative log decay and L the strictly lower `beta_i (k_i . k
 
     T = (I + L)^-1                        forward substitution, one row at a time
     w = T (beta k exp(d)),  u = T (beta v) the WY / UT representation
-    v' = u - w S                          the chunk's values against the state it starts from
+    v' = u - w S = T (beta (v - exp(d) k S))  the chunk's values against the state it starts from
     o = (q exp(d)) S + causal(q k^T exp(d_i - d_j)) v'
     S = exp(d_last) S + (k exp(d_last - d))^T v'
 
@@ -20,14 +20,21 @@ sequence's path through its chunks:
   forward substitution (a row per step, for the chunk's real rows only: a padding row of T is
   the identity's) and stores it, float32 `[chunks, Hv, C, C]`. Every chunk at once.
 - `_chunk_state_kernel`: one program per (sequence, value head, Dv block) keeps its `[Dk, BV]`
-  float32 state slice in registers and walks the sequence's chunks: w, u, v', o and the state
-  update above, all matmuls on tensor cores.
+  float32 state slice in registers and walks the sequence's chunks: v' (by its second form, so
+  that the `[C, Dk]` w is never held beside q and k), o and the state update, all matmuls on
+  tensor cores.
 
-Every product accumulates in float32 and takes float32 inputs at `PRECISION` (tf32x3: three
-tensor-core passes that keep float32's mantissa, where tf32's 10 bits would drift from the
-reference over a long prompt). q and k are l2-normalised (eps 1e-6) and q scaled by Dk ** -0.5
-in both kernels, as the reference does. Rows past a sequence's end load as zeros with g = 0: no
-decay, no key, no effect on the state.
+Every product accumulates in float32; its float32 inputs go to the tensor cores as tf32 (10
+mantissa bits, above the bf16 that q, k and v arrive in; the state itself stays float32 in
+registers). tf32x3, which would keep float32's mantissa, triples the operands and spills the
+state kernel at every tile tried (compile check, sm_90a and sm_100a). q and k are l2-normalised
+(eps 1e-6) and q scaled by Dk ** -0.5 in both kernels, as the reference does. Rows past a
+sequence's end load as zeros with g = 0: no decay, no key, no effect on the state.
+
+The launch is sized by the compile check's registers at Qwen3-Next's and Qwen3.5's 128-dim heads:
+chunks of 32 (at 64, `[64, 128]` q and k tiles spill at any warp count), 32 value dims per program
+(4 per head, so that a single prompt still fills a GPU's SMs), 4 warps, one stage (software
+pipelining buffers a chunk's loads twice over in shared memory for a loop that is not load-bound).
 """
 
 from __future__ import annotations
@@ -38,14 +45,15 @@ import torch
 import triton
 import triton.language as tl
 
-from moeserve.kernels.gated_delta import state_slice, varlen_spans
+from moeserve.kernels.gated_delta import load_state_slice, store_state_slice, varlen_spans
 from moeserve.kernels.targets import require_launchable
 
-CHUNK = 64  # tokens per chunk, as the torch reference and flash-linear-attention
-BLOCK_V = 64  # value dims per program: 2 programs per Qwen3-Next head of 128
-INVERSE_WARPS = 4  # a [C, C] tile and a chunk's [C, Dk] keys
-STATE_WARPS = 8  # a chunk's [C, Dk] key, query and w tiles beside the [Dk, BV] state
-PRECISION = "tf32x3"
+CHUNK = 32  # tokens per chunk
+BLOCK_V = 32  # value dims per program
+INVERSE_WARPS = 4
+STATE_WARPS = 4
+STATE_STAGES = 1
+PRECISION = "tf32"
 
 
 @triton.jit
@@ -152,37 +160,39 @@ def _chunk_state_kernel(
     col0 = (hv // RATIO) * DK
     start = tl.load(starts_ptr + seq)
     end = tl.load(ends_ptr + seq)
-    s, s_ptrs, s_mask = state_slice(state_ptr, slots_ptr, resumes_ptr, seq, hv, ks, vs, stride_state_slot, DK, DV)
+    s = load_state_slice(state_ptr, slots_ptr, resumes_ptr, seq, hv, ks, vs, stride_state_slot, DK, DV)
     inverse = inverse_ptr + (tl.load(first_chunk_ptr + seq).to(tl.int64) * HV + hv) * C * C
     for first in range(start, end, C):
         rows64 = (first + idx).to(tl.int64)
         live = first + idx < end
         beta, decay, causal, pairwise = _chunk_decay(g_ptr, beta_ptr, rows64, live, hv, stride_g, stride_beta, idx, C)
         last = tl.sum(tl.where(idx == C - 1, decay, 0.0), axis=0)  # padding has g = 0: the last real d
-        # Queries first, so that they are dead before w and v' need the registers.
+        # Each [C, Dk] tile lives only as long as it must: q to its two products, k to the
+        # products with q and with the state, then read again (from L2) for the state's update.
         k = _unit_rows(k_ptr, rows64, live, stride_k, col0, ks, k_mask, 1.0)
         q = _unit_rows(q_ptr, rows64, live, stride_q, col0, ks, k_mask, scale)
         attn = tl.where(causal, tl.dot(q, tl.trans(k), input_precision=PRECISION) * pairwise, 0.0)
         o = tl.dot(q * tl.exp(decay)[:, None], s, input_precision=PRECISION)  # [C, BV]
-        t = tl.load(inverse + idx[:, None] * C + idx[None, :])
-        w = tl.dot(t, k * (beta * tl.exp(decay))[:, None], input_precision=PRECISION)  # [C, BK]
+        ks_state = tl.dot(k, s, input_precision=PRECISION)  # [C, BV]
         v = tl.load(
             v_ptr + rows64[:, None] * stride_v + hv * DV + vs[None, :],
             mask=live[:, None] & v_mask[None, :],
             other=0.0,
         ).to(tl.float32)
-        new_v = tl.dot(t, v * beta[:, None], input_precision=PRECISION)
-        new_v -= tl.dot(w, s, input_precision=PRECISION)  # [C, BV]
+        # v' = u - w S = T (beta (v - exp(d) k S)): w itself is never formed.
+        v = beta[:, None] * (v - tl.exp(decay)[:, None] * ks_state)
+        t = tl.load(inverse + idx[:, None] * C + idx[None, :])
+        new_v = tl.dot(t, v, input_precision=PRECISION)  # [C, BV]
         o += tl.dot(attn, new_v, input_precision=PRECISION)
         tl.store(
             out_ptr + rows64[:, None] * stride_out + hv * DV + vs[None, :],
             o.to(out_ptr.dtype.element_ty),
             mask=live[:, None] & v_mask[None, :],
         )
-        k_last = k * tl.exp(last - decay)[:, None]
-        s = s * tl.exp(last) + tl.dot(tl.trans(k_last), new_v, input_precision=PRECISION)
+        k = _unit_rows(k_ptr, rows64, live, stride_k, col0, ks, k_mask, 1.0) * tl.exp(last - decay)[:, None]
+        s = s * tl.exp(last) + tl.dot(tl.trans(k), new_v, input_precision=PRECISION)
         inverse += HV * C * C
-    tl.store(s_ptrs, s, mask=s_mask)
+    store_state_slice(state_ptr, slots_ptr, seq, hv, ks, vs, stride_state_slot, s, DK, DV)
 
 
 def _chunk_table(
@@ -242,6 +252,6 @@ def chunk_gated_delta_rule_varlen(
         spans.starts, spans.ends, first_chunk, spans.slots, spans.resumes,
         q.stride(0), k.stride(0), v.stride(0), g.stride(0), beta.stride(0), out.stride(0), state.stride(0),
         dk**-0.5,
-        **shape, DV=dv, BV=bv, C=chunk, PRECISION=PRECISION, num_warps=STATE_WARPS,
+        **shape, DV=dv, BV=bv, C=chunk, PRECISION=PRECISION, num_warps=STATE_WARPS, num_stages=STATE_STAGES,
     )  # fmt: skip
     return out

@@ -116,16 +116,28 @@ def _conv_state_kernel(
 
 
 @triton.jit
-def state_slice(
+def _slice_ptrs(state_ptr, slots_ptr, seq, hv, ks, vs, stride_state_slot, DK: tl.constexpr, DV: tl.constexpr):
+    """A program's `[BK, BV]` slice of its sequence's state for value head `hv`: pointers, mask."""
+    ptrs = state_ptr + tl.load(slots_ptr + seq) * stride_state_slot + hv * DK * DV + ks[:, None] * DV + vs[None, :]
+    return ptrs, (ks < DK)[:, None] & (vs < DV)[None, :]
+
+
+@triton.jit
+def load_state_slice(
     state_ptr, slots_ptr, resumes_ptr, seq, hv, ks, vs, stride_state_slot, DK: tl.constexpr, DV: tl.constexpr
 ):
-    """A program's `[BK, BV]` float32 slice of its sequence's state for value head `hv` (zeros for
-    a sequence that starts afresh), with the pointers and mask to store it back."""
+    """The slice in float32, zeros for a sequence that starts afresh."""
+    ptrs, mask = _slice_ptrs(state_ptr, slots_ptr, seq, hv, ks, vs, stride_state_slot, DK, DV)
     resumes = tl.load(resumes_ptr + seq)
-    s_ptrs = state_ptr + tl.load(slots_ptr + seq) * stride_state_slot + hv * DK * DV + ks[:, None] * DV + vs[None, :]
-    s_mask = (ks < DK)[:, None] & (vs < DV)[None, :]
-    s = tl.load(s_ptrs, mask=s_mask & ((ks * 0 + resumes) != 0)[:, None], other=0.0)
-    return s, s_ptrs, s_mask
+    return tl.load(ptrs, mask=mask & ((ks * 0 + resumes) != 0)[:, None], other=0.0)
+
+
+@triton.jit
+def store_state_slice(state_ptr, slots_ptr, seq, hv, ks, vs, stride_state_slot, s, DK: tl.constexpr, DV: tl.constexpr):
+    """Back to the slot, its pointers made again here: a `[BK, BV]` tile of 64-bit pointers held
+    across a program's loop would cost as many registers as the state itself."""
+    ptrs, mask = _slice_ptrs(state_ptr, slots_ptr, seq, hv, ks, vs, stride_state_slot, DK, DV)
+    tl.store(ptrs, s, mask=mask)
 
 
 @triton.jit
@@ -164,7 +176,7 @@ def _delta_rule_kernel(
     hk = hv // RATIO
     start = tl.load(starts_ptr + seq)
     end = tl.load(ends_ptr + seq)
-    s, s_ptrs, s_mask = state_slice(state_ptr, slots_ptr, resumes_ptr, seq, hv, ks, vs, stride_state_slot, DK, DV)
+    s = load_state_slice(state_ptr, slots_ptr, resumes_ptr, seq, hv, ks, vs, stride_state_slot, DK, DV)
     for i in range(0, end - start):
         row = (start + i).to(tl.int64)
         q = tl.load(q_ptr + row * stride_q + hk * DK + ks, mask=k_mask, other=0.0).to(tl.float32)
@@ -179,7 +191,7 @@ def _delta_rule_kernel(
         s = s + k[:, None] * delta[None, :]
         o = tl.sum(s * q[:, None], axis=0)
         tl.store(out_ptr + row * stride_out + hv * DV + vs, o.to(out_ptr.dtype.element_ty), mask=v_mask)
-    tl.store(s_ptrs, s, mask=s_mask)
+    store_state_slice(state_ptr, slots_ptr, seq, hv, ks, vs, stride_state_slot, s, DK, DV)
 
 
 @dataclass(frozen=True)
