@@ -217,8 +217,9 @@ def _delta_rule_args(conv: torch.Tensor, query_lens: tuple[int, ...], hk: int, h
 
 def _gated_delta() -> None:
     """Qwen3.5-35B-A3B's Gated DeltaNet at TP 1 (16 key heads, 32 value heads, 128 dims, a conv of 4
-    taps): decode steps of 1, 16 and 17 sequences, and prompt chunks (one sequence, and a chunk
-    beside two decodes)."""
+    taps): decode steps of 1, 16 and 17 sequences, and longer spans (one sequence, and a span
+    beside two decodes: the kernel takes any length, though the Triton backend sends it spans of
+    up to `RECURRENT_MAX_TOKENS` only; lengths are device data, so they change no specialization)."""
     from moeserve.kernels.gated_delta import causal_conv1d_varlen, gated_delta_rule_varlen
 
     hk, hv, dim = 16, 32, 128
