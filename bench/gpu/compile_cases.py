@@ -196,10 +196,30 @@ def _routing() -> None:
         )
 
 
+def _delta_rule_args(conv: torch.Tensor, query_lens: tuple[int, ...], hk: int, hv: int, dim: int) -> tuple:
+    """A delta-rule launch's arguments as the Triton backend passes them: q, k and v split from
+    the conv's output `[T, C]` (strided views), g float32, beta and the state slots, each sequence
+    resuming from slot i."""
+    tokens, seqs = conv.shape[0], len(query_lens)
+    q, k, v = conv.split([hk * dim, hk * dim, hv * dim], dim=-1)
+    return (
+        q.reshape(tokens, hk, dim),
+        k.reshape(tokens, hk, dim),
+        v.reshape(tokens, hv, dim),
+        torch.empty(tokens, hv),
+        torch.empty(tokens, hv, dtype=BF16),
+        torch.empty(seqs, hv, dim, dim),
+        query_lens,
+        tuple(range(seqs)),
+        (True,) * seqs,
+    )
+
+
 def _gated_delta() -> None:
     """Qwen3.5-35B-A3B's Gated DeltaNet at TP 1 (16 key heads, 32 value heads, 128 dims, a conv of 4
-    taps): decode steps of 1, 16 and 17 sequences, and prompt chunks (one sequence, and a chunk
-    beside two decodes)."""
+    taps): decode steps of 1, 16 and 17 sequences, and longer spans (one sequence, and a span
+    beside two decodes: the kernel takes any length, though the Triton backend sends it spans of
+    up to `RECURRENT_MAX_TOKENS` only; lengths are device data, so they change no specialization)."""
     from moeserve.kernels.gated_delta import causal_conv1d_varlen, gated_delta_rule_varlen
 
     hk, hv, dim = 16, 32, 128
@@ -214,16 +234,24 @@ def _gated_delta() -> None:
             torch.empty(seqs, channels, 3, dtype=BF16),
             *spans,
         )
-        q, k, v = conv.split([hk * dim, hk * dim, hv * dim], dim=-1)
-        gated_delta_rule_varlen(
-            q.reshape(tokens, hk, dim),
-            k.reshape(tokens, hk, dim),
-            v.reshape(tokens, hv, dim),
-            torch.empty(tokens, hv),
-            torch.empty(tokens, hv, dtype=BF16),
-            torch.empty(seqs, hv, dim, dim),
-            *spans,
-        )
+        gated_delta_rule_varlen(*_delta_rule_args(conv, query_lens, hk, hv, dim))
+
+
+def _chunk_delta() -> None:
+    """The chunked delta rule at Qwen3-Next's and Qwen3.5-35B-A3B's DeltaNet shape (the same: 16
+    key heads, 32 value heads of 128 dims) at TP 1 and TP 4 (4 and 8 heads), as the Triton backend
+    launches it: prompt spans past `RECURRENT_MAX_TOKENS` (one of 9, one of 17, a long chunk, and
+    a step whose decodes go to the recurrent kernel beside two prompt spans)."""
+    from moeserve.kernels.chunk_delta import chunk_gated_delta_rule_varlen
+    from moeserve.ops.triton_ops import RECURRENT_MAX_TOKENS
+
+    dim = 128
+    steps = [(RECURRENT_MAX_TOKENS + 1,), (17,), (2048,), (1, 200, 1, 64)]
+    for hk, hv in ((16, 32), (4, 8)):
+        for query_lens in steps:
+            chosen = tuple(i for i, n in enumerate(query_lens) if n > RECURRENT_MAX_TOKENS)
+            conv = torch.empty(sum(query_lens), (2 * hk + hv) * dim, dtype=BF16)
+            chunk_gated_delta_rule_varlen(*_delta_rule_args(conv, query_lens, hk, hv, dim), chosen=chosen)
 
 
 def _local_ids(tokens: int, top_k: int, experts: int) -> torch.Tensor:
@@ -430,6 +458,11 @@ CASES: list[Case] = [
         "gated_delta",
         "Gated DeltaNet conv and delta rule, Qwen3.5-35B-A3B: decodes and prompt chunks",
         lambda: _compile_only(_gated_delta)(),
+    ),
+    Case(
+        "chunk_delta",
+        "chunked gated delta rule, Qwen3-Next / Qwen3.5-35B-A3B at TP 1 and 4: prompt spans",
+        lambda: _compile_only(_chunk_delta)(),
     ),
     Case(
         "peer_copy",

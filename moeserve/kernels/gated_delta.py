@@ -14,11 +14,13 @@ Against the torch reference (`ops/gated_delta.py`), each within float32 rounding
 - `_delta_rule_kernel`: one program per (sequence, value head, Dv block) holds its `[Dk, BV]`
   slice of the float32 recurrent state in registers and walks the sequence's tokens: decay by
   exp(g), the delta update with beta, the output read with q (q and k l2-normalised, q scaled by
-  Dk ** -0.5), then stores the state. This is the recurrent form for every sequence; the chunked
-  form (WY, per-chunk matmuls) is what a long prompt wants on a GPU and is not built yet.
+  Dk ** -0.5), then stores the state. The recurrent form: what a decode takes (and a span of a
+  few tokens); longer prompt spans go to the chunked form in `chunk_delta`.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -114,6 +116,31 @@ def _conv_state_kernel(
 
 
 @triton.jit
+def _slice_ptrs(state_ptr, slots_ptr, seq, hv, ks, vs, stride_state_slot, DK: tl.constexpr, DV: tl.constexpr):
+    """A program's `[BK, BV]` slice of its sequence's state for value head `hv`: pointers, mask."""
+    ptrs = state_ptr + tl.load(slots_ptr + seq) * stride_state_slot + hv * DK * DV + ks[:, None] * DV + vs[None, :]
+    return ptrs, (ks < DK)[:, None] & (vs < DV)[None, :]
+
+
+@triton.jit
+def load_state_slice(
+    state_ptr, slots_ptr, resumes_ptr, seq, hv, ks, vs, stride_state_slot, DK: tl.constexpr, DV: tl.constexpr
+):
+    """The slice in float32, zeros for a sequence that starts afresh."""
+    ptrs, mask = _slice_ptrs(state_ptr, slots_ptr, seq, hv, ks, vs, stride_state_slot, DK, DV)
+    resumes = tl.load(resumes_ptr + seq)
+    return tl.load(ptrs, mask=mask & ((ks * 0 + resumes) != 0)[:, None], other=0.0)
+
+
+@triton.jit
+def store_state_slice(state_ptr, slots_ptr, seq, hv, ks, vs, stride_state_slot, s, DK: tl.constexpr, DV: tl.constexpr):
+    """Back to the slot, its pointers made again here: a `[BK, BV]` tile of 64-bit pointers held
+    across a program's loop would cost as many registers as the state itself."""
+    ptrs, mask = _slice_ptrs(state_ptr, slots_ptr, seq, hv, ks, vs, stride_state_slot, DK, DV)
+    tl.store(ptrs, s, mask=mask)
+
+
+@triton.jit
 def _delta_rule_kernel(
     q_ptr,  # [T, Hk, Dk]
     k_ptr,  # [T, Hk, Dk]
@@ -149,11 +176,7 @@ def _delta_rule_kernel(
     hk = hv // RATIO
     start = tl.load(starts_ptr + seq)
     end = tl.load(ends_ptr + seq)
-    slot = tl.load(slots_ptr + seq)
-    resumes = tl.load(resumes_ptr + seq)
-    s_ptrs = state_ptr + slot * stride_state_slot + hv * DK * DV + ks[:, None] * DV + vs[None, :]
-    s_mask = k_mask[:, None] & v_mask[None, :] & ((ks * 0 + resumes) != 0)[:, None]
-    s = tl.load(s_ptrs, mask=s_mask, other=0.0)  # [BK, BV] float32
+    s = load_state_slice(state_ptr, slots_ptr, resumes_ptr, seq, hv, ks, vs, stride_state_slot, DK, DV)
     for i in range(0, end - start):
         row = (start + i).to(tl.int64)
         q = tl.load(q_ptr + row * stride_q + hk * DK + ks, mask=k_mask, other=0.0).to(tl.float32)
@@ -168,26 +191,41 @@ def _delta_rule_kernel(
         s = s + k[:, None] * delta[None, :]
         o = tl.sum(s * q[:, None], axis=0)
         tl.store(out_ptr + row * stride_out + hv * DV + vs, o.to(out_ptr.dtype.element_ty), mask=v_mask)
-    tl.store(s_ptrs, s, mask=k_mask[:, None] & v_mask[None, :])
+    store_state_slice(state_ptr, slots_ptr, seq, hv, ks, vs, stride_state_slot, s, DK, DV)
 
 
-def _spans(
-    query_lens: tuple[int, ...], slots: tuple[int, ...], resumes: tuple[bool, ...], device: torch.device
-) -> tuple[torch.Tensor, ...]:
-    """Per sequence its first and past-last packed row, slot and resume flag; per token its sequence."""
+@dataclass(frozen=True)
+class VarlenSpans:
+    """Device tensors, per sequence run: its first and past-last packed row, its slot and resume
+    flag; per packed token its sequence (for the conv, which runs every sequence)."""
+
+    starts: torch.Tensor  # int32
+    ends: torch.Tensor  # int32
+    slots: torch.Tensor  # int64
+    resumes: torch.Tensor  # int32
+    token_seq: torch.Tensor  # int32
+
+
+def varlen_spans(
+    query_lens: tuple[int, ...],
+    slots: tuple[int, ...],
+    resumes: tuple[bool, ...],
+    device: torch.device,
+    chosen: tuple[int, ...] | None = None,
+) -> VarlenSpans:
+    """The spans of the sequences in `chosen` (default all), rows counted over all of them, so
+    that two kernels can each take a share of one step's packed tokens."""
     lens = torch.tensor(query_lens, dtype=torch.int32)
     ends = torch.cumsum(lens, 0, dtype=torch.int32)
     starts = ends - lens
     token_seq = torch.repeat_interleave(torch.arange(len(query_lens), dtype=torch.int32), lens)
-    return tuple(
-        t.to(device)
-        for t in (
-            starts,
-            ends,
-            torch.tensor(slots, dtype=torch.int64),
-            torch.tensor(resumes, dtype=torch.int32),
-            token_seq,
-        )
+    picked = slice(None) if chosen is None else torch.tensor(chosen, dtype=torch.int64)
+    return VarlenSpans(
+        starts[picked].to(device),
+        ends[picked].to(device),
+        torch.tensor(slots, dtype=torch.int64)[picked].to(device),
+        torch.tensor(resumes, dtype=torch.int32)[picked].to(device),
+        token_seq.to(device),
     )
 
 
@@ -207,17 +245,17 @@ def causal_conv1d_varlen(
     out = torch.empty_like(x)
     if num_tokens == 0:
         return out
-    starts, ends, slot_t, resume_t, token_seq = _spans(query_lens, slots, resumes, x.device)
+    spans = varlen_spans(query_lens, slots, resumes, x.device)
     weight = weight.contiguous()
     blocks = triton.cdiv(channels, CONV_BLOCK)
     k_pow2 = triton.next_power_of_2(width)
     _conv_out_kernel[(num_tokens, blocks)](
-        x, weight, conv_state, out, token_seq, starts, slot_t, resume_t,
+        x, weight, conv_state, out, spans.token_seq, spans.starts, spans.slots, spans.resumes,
         channels, x.stride(0), out.stride(0), conv_state.stride(0),
         K=width, K_POW2=k_pow2, BLOCK_C=CONV_BLOCK,
     )  # fmt: skip
     _conv_state_kernel[(len(query_lens), blocks)](
-        x, conv_state, starts, ends, slot_t, resume_t,
+        x, conv_state, spans.starts, spans.ends, spans.slots, spans.resumes,
         channels, x.stride(0), conv_state.stride(0),
         K=width, K_POW2=k_pow2, BLOCK_C=CONV_BLOCK,
     )  # fmt: skip
@@ -234,21 +272,26 @@ def gated_delta_rule_varlen(
     query_lens: tuple[int, ...],
     slots: tuple[int, ...],
     resumes: tuple[bool, ...],
+    chosen: tuple[int, ...] | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q, k `[T, Hk, Dk]`, v `[T, Hv, Dv]`, g (float32) and beta `[T, Hv]`, state `[N, Hv, Dk, Dv]`
-    float32 (each sequence's slot read unless it starts afresh, and rewritten) -> `[T, Hv, Dv]`."""
+    float32 (each sequence's slot read unless it starts afresh, and rewritten) -> `[T, Hv, Dv]`.
+    chosen: the sequences to run (default all), the rest of `out` left as it is (see
+    `chunk_delta.chunk_gated_delta_rule_varlen`, which takes the prompt spans)."""
     require_launchable(q, "gated_delta_rule_varlen")
     num_tokens, num_k_heads, dk = k.shape
     num_v_heads, dv = v.shape[1:]
-    out = torch.empty(num_tokens, num_v_heads, dv, dtype=q.dtype, device=q.device)
-    if not query_lens:
+    if out is None:
+        out = torch.empty(num_tokens, num_v_heads, dv, dtype=q.dtype, device=q.device)
+    spans = varlen_spans(query_lens, slots, resumes, q.device, chosen)
+    if not len(spans.starts):
         return out
     q, k, v = (t.contiguous() for t in (q, k, v))
-    starts, ends, slot_t, resume_t, _ = _spans(query_lens, slots, resumes, q.device)
     bv = min(triton.next_power_of_2(dv), 64)
-    grid = (len(query_lens), num_v_heads, triton.cdiv(dv, bv))
+    grid = (len(spans.starts), num_v_heads, triton.cdiv(dv, bv))
     _delta_rule_kernel[grid](
-        q, k, v, g, beta, state, out, starts, ends, slot_t, resume_t,
+        q, k, v, g, beta, state, out, spans.starts, spans.ends, spans.slots, spans.resumes,
         q.stride(0), k.stride(0), v.stride(0), g.stride(0), beta.stride(0), out.stride(0), state.stride(0),
         dk**-0.5,
         HV=num_v_heads, RATIO=num_v_heads // num_k_heads, DK=dk, DV=dv,

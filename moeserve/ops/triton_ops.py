@@ -18,6 +18,7 @@ from moeserve.dispatch.base import DispatchLayout
 from moeserve.dispatch.fp8 import GROUP as FP8_ROW_GROUP
 from moeserve.fp8_format import BlockFP8Weight
 from moeserve.kernels import compressed_attention as v4_kernels
+from moeserve.kernels.chunk_delta import chunk_gated_delta_rule_varlen
 from moeserve.kernels.fp8_gemm import w8a8_linear
 from moeserve.kernels.fp8_quant import group_problem
 from moeserve.kernels.fused_moe import fused_moe
@@ -39,6 +40,14 @@ from moeserve.ops.gated_delta import split_heads
 from moeserve.ops.grouped_mlp import row_experts
 from moeserve.ops.state_batch import StateStep
 from moeserve.packed_weight import PackedExperts
+
+# A span of up to this many tokens takes the recurrent delta-rule kernel: there a token costs one
+# dependent `[Dk, BV]` update, where the chunked form pays a second launch, a `[C, C]` inverse
+# written and read back and a chunk's worth of matmuls whatever the span's length, and its
+# forward substitution is as serial as the walk for the span's rows. Past a few tokens the
+# chunked form's matmuls win; 8 is that estimate (decodes are 1, drafts' verifies 1 + k), not yet
+# a GPU measurement.
+RECURRENT_MAX_TOKENS = 8
 
 
 @dataclass(frozen=True)
@@ -119,7 +128,9 @@ class TritonOps(LayerOps[TritonAttentionPlan]):
         step: StateStep,
         head_dims: tuple[int, int],
     ) -> torch.Tensor:
-        """Every sequence, prompt chunk or decode, through the same two varlen launches."""
+        """The conv for every sequence in one varlen launch; the delta rule in its recurrent form
+        for decodes and spans of up to `RECURRENT_MAX_TOKENS`, in its chunked form for longer
+        prompt spans, each kernel over its share of the step's sequences."""
         state, batch = step.state, step.batch
         if any(batch.drafts):
             raise ValueError(
@@ -128,7 +139,14 @@ class TritonOps(LayerOps[TritonAttentionPlan]):
         spans = (batch.query_lens, batch.slots, batch.resumes)
         conv = causal_conv1d_varlen(mixed, conv_weight, state.conv, *spans)
         q, k, v = split_heads(conv, head_dims, g.shape[1])
-        return gated_delta_rule_varlen(q, k, v, g, beta, state.recurrent, *spans)
+        out = q.new_empty(q.shape[0], g.shape[1], head_dims[1])
+        long = tuple(i for i, n in enumerate(batch.query_lens) if n > RECURRENT_MAX_TOKENS)
+        short = tuple(i for i, n in enumerate(batch.query_lens) if 0 < n <= RECURRENT_MAX_TOKENS)
+        if short:
+            gated_delta_rule_varlen(q, k, v, g, beta, state.recurrent, *spans, chosen=short, out=out)
+        if long:
+            chunk_gated_delta_rule_varlen(q, k, v, g, beta, state.recurrent, *spans, chosen=long, out=out)
+        return out
 
     # The kernels take strided views and empty steps as they are: no copies on the way in.
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -72,8 +72,9 @@ def test_delta_rule_matches_reference(dtype):
 
 
 def test_backends_agree_through_layer_ops():
-    """`LayerOps.gated_delta_net`, as the layer calls it: the Triton backend's two varlen launches
-    against the torch backend's per-sequence forms, outputs and both states."""
+    """`LayerOps.gated_delta_net`, as the layer calls it: the Triton backend's varlen launches (the
+    20-token prompt chunk through the chunked kernel, the rest through the recurrent one) against
+    the torch backend's per-sequence forms, outputs and both states."""
     from moeserve.ops import TORCH_OPS
     from moeserve.ops.state_batch import LinearState, StateBatch, StateStep
     from moeserve.ops.triton_ops import TritonOps

@@ -60,20 +60,44 @@ def test_cache_specs_declare_states_for_deltanets_only(make_checkpoint):
     assert specs.bytes_per_sequence(1000, 16) - specs.bytes_per_sequence(16, 16) == 62 * specs.bytes_per_block(16)
 
 
-@pytest.mark.parametrize("arch", ["qwen3_5_moe", "qwen3_next"])
-def test_greedy_generation_in_chunks_of_16_matches(make_checkpoint, arch):
+@pytest.mark.parametrize(
+    "arch,kernels,lengths,num_tokens",
+    [
+        ("qwen3_5_moe", "torch", PROMPT_LENGTHS, 32),
+        ("qwen3_next", "torch", PROMPT_LENGTHS, 32),
+        ("qwen3_next", "triton", (25,), 2),
+    ],
+    ids=["qwen3_5_moe", "qwen3_next", "qwen3_next-triton"],
+)
+def test_greedy_generation_in_chunks_of_16_matches(make_checkpoint, monkeypatch, arch, kernels, lengths, num_tokens):
     """Prompts of 40 to 200 tokens prefilled 16 tokens a step, each chunk resuming the state the
     last left. A prompt in one step is compared with transformers by the prefill-logits test and
-    by the EP layouts' runs (whose 64-token chunks hold the 40-token prompt whole)."""
+    by the EP layouts' runs (whose 64-token chunks hold the 40-token prompt whole). On the Triton
+    kernels (under the interpreter, so one short prompt and two tokens) both chunks, of 16 and 9
+    tokens, take the chunked delta-rule kernel, the second from the state the first left, and the
+    decode the recurrent one."""
+    from moeserve.ops import triton_ops
+
+    chunked = []  # per launch of the chunked kernel, the lengths of the sequences it ran
+    launch = triton_ops.chunk_gated_delta_rule_varlen
+
+    def counted(*args, chosen, **kwargs):
+        chunked.append([args[6][i] for i in chosen])  # args[6]: the step's query lengths
+        return launch(*args, chosen=chosen, **kwargs)
+
+    monkeypatch.setattr(triton_ops, "chunk_gated_delta_rule_varlen", counted)
     folder = make_checkpoint(arch)
     ref = hf_model(folder)
-    prompts = prompts_for(1)
-    options = {"max_num_seqs": 4, "max_num_batched_tokens": 16}
+    prompts = prompts_for(1, lengths)
+    options = {"max_num_seqs": 4, "max_num_batched_tokens": 16, "kernels": kernels}
+    params = SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True)
     outputs = LLM(str(folder), dtype="float32", **options).generate(
-        [{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False
+        [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False
     )
     for prompt, output in zip(prompts, outputs):
-        assert list(output.outputs[0].token_ids) == hf_greedy_tokens(ref, prompt, 32)
+        assert list(output.outputs[0].token_ids) == hf_greedy_tokens(ref, prompt, num_tokens)
+    if kernels == "triton":  # two DeltaNet layers, each launching it once per chunk
+        assert chunked == [[16], [16], [9], [9]]
 
 
 def test_stacked_experts_as_released(make_checkpoint, tmp_path):
