@@ -222,9 +222,15 @@ class BlockFP8Config:
     weight `[out, in]` is float8_e4m3fn with `weight_scale_inv [ceil(out/bo), ceil(in/bi)]` (stored
     float32, bfloat16 or float16, held float32); its value is `weight.float() * scale_inv` over each
     `block = (bo, bi)` tile. Activations
-    are quantized dynamically by kernels that have a w8a8 GEMM (the torch path dequantizes)."""
+    are quantized dynamically by kernels that have a w8a8 GEMM (the torch path dequantizes).
+
+    DeepSeek-V4's releases add two settings: `scale_fmt: ue8m0` (every scale a power of two,
+    stored as float32 or as e8m0 exponent bytes; `ue8m0`), and `expert_dtype: fp4` (the routed
+    experts as e2m1 codes with an e8m0 scale per 32 inputs, the MXFP4 layout; `fp4_experts`)."""
 
     block: tuple[int, int] = (128, 128)
+    ue8m0: bool = False
+    fp4_experts: bool = False
 
 
 @dataclass(frozen=True)
