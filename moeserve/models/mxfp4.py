@@ -24,6 +24,7 @@ import torch
 from moeserve.models.checkpoint import CheckpointError, CheckpointReader
 from moeserve.models.packed import PackedFormat, PerModuleFormat, Storage, expect
 from moeserve.mxfp4_format import BYTES_PER_BLOCK, VALUES_PER_BLOCK, blocks_shape, dequantize, scales_shape
+from moeserve.packed_weight import PackedExperts
 
 E8M0_NAN = 0xFF  # the one e8m0 byte that is no power of two
 
@@ -106,8 +107,9 @@ class V4FP4Format(PerModuleFormat):
     def dequantize(self, codes: torch.Tensor, held: tuple[torch.Tensor, ...], dtype: torch.dtype) -> torch.Tensor:
         return dequantize(codes, held[0], dtype)
 
-    def packed_experts(self, codes: torch.Tensor, held: tuple[torch.Tensor, ...]) -> None:
-        return None  # as MXFP4Format: the packed grouped GEMM takes INT4 and NVFP4 only
+    def packed_experts(self, codes: torch.Tensor, held: tuple[torch.Tensor, ...]) -> PackedExperts:
+        """The codes as the packed grouped GEMM reads FP4 bytes, `[E, N, K / 2]` (a view)."""
+        return PackedExperts(codes.flatten(-2), held[0])
 
     def check(self, reader: CheckpointReader, module: str, rows: int, cols: int) -> None:
         if cols % VALUES_PER_BLOCK:

@@ -24,7 +24,7 @@ from moeserve import LLM, SamplingParams
 from moeserve.checkpoints.quantize_v4 import quantize_checkpoint, write_dequantized_twin
 from moeserve.models import load_model
 from moeserve.models.checkpoint import CheckpointError
-from moeserve.models.fp8 import BlockFP8
+from moeserve.models.fp8 import BlockFP8, stored_weight
 from moeserve.models.packed import PackedWeight
 
 PROMPT_LENGTHS = (40, 200)
@@ -110,8 +110,9 @@ def test_features_not_built_for_several_groups_are_refused(checkpoint):
 
 
 def test_released_quantized_checkpoint_keeps_its_formats(released):
-    """Routed experts held as their FP4 codes and e8m0 scales, the linears that compute through
-    the ops backend as FP8, the grouped output projection dequantized at load."""
+    """Routed experts held as their FP4 codes and e8m0 scales (handed to the ops backend packed),
+    the linears that compute through the ops backend as FP8, the grouped output projection
+    dequantized at load."""
     folder, _ = released
     with safe_open(folder / "model.safetensors", framework="pt") as f:
         assert f.get_slice("layers.0.ffn.experts.0.w1.weight").get_dtype() == "I8"
@@ -121,7 +122,7 @@ def test_released_quantized_checkpoint_keeps_its_formats(released):
     model = load_model(folder)
     layer = model.layers[1]
     assert isinstance(layer.mlp.experts.parametrizations.w13[0], PackedWeight)
-    assert layer.mlp.experts.parametrizations.w13.original.dtype == torch.uint8
+    assert stored_weight(layer.mlp.experts, "w2").mxfp4  # what the packed grouped GEMM takes
     assert isinstance(layer.attn.q_a_proj.parametrizations.weight[0], BlockFP8)
     assert layer.attn.o_a_proj.weight.dtype == torch.float32 and "parametrizations" not in layer.attn.o_a_proj._modules
 
