@@ -11,6 +11,7 @@ FP4 experts) is served against transformers on its dequantized twin."""
 
 from __future__ import annotations
 
+import re
 import shutil
 
 import pytest
@@ -136,14 +137,29 @@ def test_released_quantized_greedy_tokens_match_dequantized_twin(released, ep):
     assert [list(o.outputs[0].token_ids) for o in outputs] == want
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float8_e8m0fnu])
-def test_scale_not_a_power_of_two_is_refused_by_name(released, tmp_path, dtype):
-    """`scale_fmt: ue8m0` promises powers of two: a float32 scale of 0.3, or the e8m0 NaN byte."""
+NAN_E8M0 = 255  # the one e8m0 byte that is no power of two
+
+
+@pytest.mark.parametrize(
+    "tensor,bad",
+    [
+        ("layers.3.attn.wo_b.scale", torch.full((1, 1), 0.3)),  # a float32 scale of another value
+        ("layers.3.attn.wo_b.scale", torch.full((1, 1), NAN_E8M0, dtype=torch.uint8).view(torch.float8_e8m0fnu)),
+        (
+            "layers.1.ffn.experts.6.w2.scale",
+            torch.full((64, 1), NAN_E8M0, dtype=torch.uint8).view(torch.float8_e8m0fnu),
+        ),
+    ],
+    ids=["fp8-float32", "fp8-e8m0", "fp4-expert"],
+)
+def test_scale_not_a_power_of_two_is_refused_by_name(released, tmp_path, tensor, bad):
+    """`scale_fmt: ue8m0` promises powers of two, and e8m0 has no other value but its NaN byte."""
     folder = shutil.copytree(released[0], tmp_path / "bad")
     with safe_open(folder / "model.safetensors", framework="pt") as f:
         tensors = {n: f.get_tensor(n) for n in f.keys()}
-    bad = torch.full((1, 1), 0.3) if dtype == torch.float32 else torch.full((1, 1), 255, dtype=torch.uint8).view(dtype)
-    tensors["layers.3.attn.wo_b.scale"] = bad
+    tensors[tensor] = bad
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(CheckpointError, match=r"tensor layers\.3\.attn\.wo_b\.scale holds .* 'ue8m0'"):
+    with pytest.raises(
+        CheckpointError, match=rf"tensor {re.escape(tensor)} holds (0\.3\d*|nan|the e8m0 NaN byte) at \[0, 0\]"
+    ):
         load_model(folder)
