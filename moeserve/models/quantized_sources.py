@@ -37,9 +37,11 @@ from moeserve.models.weight_sources import FusedExpertsSource, RowsSource, Weigh
 
 FP8_TENSOR = "F8_E4M3"
 """safetensors' name of float8_e4m3fn."""
-FP8_SCALE_TENSORS = ("F32", "BF16", "F16", "F8_E8M0")
+FP8_SCALE_TENSORS = ("F32", "BF16", "F16")
 """safetensors' names of the dtypes FP8 releases store their scales in (DeepSeek-V3: float32;
-Qwen3-FP8: bfloat16 or float16; DeepSeek-V4: e8m0 exponent bytes); each widens exactly to float32."""
+Qwen3-FP8: bfloat16 or float16); each widens exactly to float32."""
+UE8M0_SCALE_TENSORS = (*FP8_SCALE_TENSORS, "F8_E8M0")
+"""Under `scale_fmt: ue8m0`, e8m0 exponent bytes too (DeepSeek-V4's FP4-expert releases)."""
 
 
 def fp8_scale_name(reader: CheckpointReader, weight: str) -> str:
@@ -85,15 +87,16 @@ def fp8_sources(
         raise CheckpointError(
             f"config.json says quant_method 'fp8' but no weight tensor of {reader.folder} is float8_e4m3fn"
         )
+    dtypes = UE8M0_SCALE_TENSORS if quant is not None and quant.ue8m0 else FP8_SCALE_TENSORS
     for source in found.values():
         for tensor in source.names:
             scales, want = fp8_scale_name(reader, tensor), scale_shape(reader.shape(tensor), quant.block)
             if scales not in reader:
                 raise CheckpointError(f"FP8 tensor {tensor} has no {scales} in the checkpoint")
-            if reader.shape(scales) != want or reader.dtype(scales) not in FP8_SCALE_TENSORS:
+            if reader.shape(scales) != want or reader.dtype(scales) not in dtypes:
                 raise CheckpointError(
                     f"tensor {scales} is {reader.dtype(scales)} {list(reader.shape(scales))}, "
-                    f"expected {', '.join(FP8_SCALE_TENSORS[:-1])} or {FP8_SCALE_TENSORS[-1]} {list(want)}: "
+                    f"expected {', '.join(dtypes[:-1])} or {dtypes[-1]} {list(want)}: "
                     f"one scale per {quant.block[0]}x{quant.block[1]} block of {tensor} {list(reader.shape(tensor))}"
                 )
             if quant.ue8m0:
