@@ -10,6 +10,8 @@ final norm and hyper head, under their module names). The release (V4-Flash, V4-
   it keeps unquantized, as it keeps the norms and hyper-connections;
 - the routed experts' w1/w2/w3 as FP4 (`expert_dtype: fp4`): e2m1 codes two per int8, the
   first input in the low nibble, with one e8m0 scale per 32 inputs of a row (`<module>.scale`).
+The base models' release (V4-Flash-Base, `expert_dtype: fp8`) has FP8 experts like its other
+linears, and every FP8 scale float32 (still powers of two).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from moeserve import fp8_format, mxfp4_format
-from moeserve.checkpoints.rewrite import INDEX_FILE, rewrite_checkpoint
+from moeserve.checkpoints.rewrite import INDEX_FILE, Rewrite, rewrite_checkpoint
 
 BLOCK = (128, 128)
 QUANTIZATION_CONFIG = {
@@ -52,23 +54,32 @@ def released_name(name: str) -> str:
     return _TOP.get(name, name.removeprefix("model."))
 
 
-def _rewrite(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
-    name = released_name(name)
-    module = name.removesuffix(".weight")
-    if _ROUTED.fullmatch(name):
-        blocks, scales = mxfp4_format.quantize(tensor)
-        return {name: blocks.flatten(-2).view(torch.int8), f"{module}.scale": scales.view(E8M0)}
-    if name.startswith("layers.") and tensor.dim() == 2 and name.endswith(".weight") and not _KEPT.fullmatch(name):
-        weight, scale_inv = fp8_format.quantize(tensor, BLOCK, ue8m0=True)
-        return {name: weight, fp8_format.released_v4_scale_name(name): scale_inv.to(E8M0)}
-    return {name: tensor}
+def _rewriter(expert_dtype: str) -> Rewrite:
+    fp4 = expert_dtype == "fp4"
+    scale_dtype = E8M0 if fp4 else torch.float32
+
+    def rewrite(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+        name = released_name(name)
+        scale = fp8_format.released_v4_scale_name(name)
+        if fp4 and _ROUTED.fullmatch(name):
+            blocks, scales = mxfp4_format.quantize(tensor)
+            return {name: blocks.flatten(-2).view(torch.int8), scale: scales.view(E8M0)}
+        if name.startswith("layers.") and tensor.dim() == 2 and name.endswith(".weight") and not _KEPT.fullmatch(name):
+            weight, scale_inv = fp8_format.quantize(tensor, BLOCK, ue8m0=True)
+            return {name: weight, scale: scale_inv.to(scale_dtype)}
+        return {name: tensor}
+
+    return rewrite
 
 
-def quantize_checkpoint(folder: str | Path) -> None:
+def quantize_checkpoint(folder: str | Path, expert_dtype: str = "fp4") -> None:
     """Rewrite `folder` (a V4 checkpoint in transformers' layout) in place in the release's
-    layout and quantization, and declare it in config.json as the release does."""
-    fields = {"quantization_config": dict(QUANTIZATION_CONFIG), "expert_dtype": "fp4"}
-    rewrite_checkpoint(Path(folder), "DeepseekV4ForCausalLM", "FP8 + FP4 experts", _rewrite, fields)
+    layout and quantization, its routed experts in `expert_dtype` (fp4, or fp8 as the base
+    models' release), and declare it in config.json as the release does."""
+    if expert_dtype not in ("fp4", "fp8"):
+        raise ValueError(f"expert_dtype {expert_dtype!r}: DeepSeek-V4 releases fp4 or fp8 experts")
+    fields = {"quantization_config": dict(QUANTIZATION_CONFIG), "expert_dtype": expert_dtype}
+    rewrite_checkpoint(Path(folder), "DeepseekV4ForCausalLM", "V4's FP8 release", _rewriter(expert_dtype), fields)
 
 
 def write_dequantized_twin(quantized: str | Path, out: str | Path, dtype: torch.dtype = torch.float32) -> Path:

@@ -163,3 +163,20 @@ def test_scale_not_a_power_of_two_is_refused_by_name(released, tmp_path, tensor,
         CheckpointError, match=rf"tensor {re.escape(tensor)} holds (0\.3\d*|nan|the e8m0 NaN byte) at \[0, 0\]"
     ):
         load_model(folder)
+
+
+def test_base_release_fp8_experts_run_the_fp8_expert_path(checkpoint, tmp_path):
+    """The base models' release (`expert_dtype: fp8`, float32 power-of-two scales): experts held
+    FP8 as DeepSeek-V3's are, each MoE block and FP8 projection computing what its dequantized
+    twin's does."""
+    folder = shutil.copytree(checkpoint, tmp_path / "base")
+    quantize_checkpoint(folder, expert_dtype="fp8")
+    with safe_open(folder / "model.safetensors", framework="pt") as f:
+        assert f.get_slice("layers.0.ffn.experts.0.w1.scale").get_dtype() == "F32"
+    model, twin = load_model(folder), load_model(write_dequantized_twin(folder, tmp_path / "dequantized"))
+    x, ids = torch.randn(6, model.cfg.hidden_size), torch.tensor([5, 9, 11, 13, 300, 7])
+    for layer, reference in zip(model.layers, twin.layers, strict=True):  # hash-routed and learned
+        assert isinstance(layer.mlp.experts.parametrizations.w13[0], BlockFP8)
+        torch.testing.assert_close(layer.mlp(x, None, ids), reference.mlp(x, None, ids), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(layer.attn.q_a_proj(x), reference.attn.q_a_proj(x), rtol=1e-5, atol=1e-6)
+        assert torch.equal(layer.attn.o_a_proj.weight, reference.attn.o_a_proj.weight)
