@@ -225,10 +225,16 @@ class BlockFP8Config:
     are quantized dynamically by kernels that have a w8a8 GEMM (the torch path dequantizes).
     `not_converted`: the release's `modules_to_not_convert` (Qwen3-Next's and Qwen3.5's list the
     modules they keep unquantized), names matched as transformers matches them; a tensor of one
-    stored FP8 contradicts the config and is refused."""
+    stored FP8 contradicts the config and is refused.
+
+    DeepSeek-V4's releases add two settings: `scale_fmt: ue8m0` (every scale a power of two,
+    stored as float32 or as e8m0 exponent bytes; `ue8m0`), and `expert_dtype: fp4` (the routed
+    experts as e2m1 codes with an e8m0 scale per 32 inputs, the MXFP4 layout; `fp4_experts`)."""
 
     block: tuple[int, int] = (128, 128)
     not_converted: tuple[str, ...] = ()
+    ue8m0: bool = False
+    fp4_experts: bool = False
 
     def converts(self, module: str) -> bool:
         """Whether `module` (a checkpoint name without `.weight`) may be stored FP8: not listed,

@@ -2,7 +2,8 @@
 with one inverse scale per 128x128 tile (`<weight>_scale_inv`), partial edge tiles included. The
 scales are stored float32 (DeepSeek-V3), bfloat16 (Qwen3-1.7B-FP8, Qwen3-32B-FP8) or float16
 (Qwen3-4B-Instruct-2507-FP8); every one of those is exact in float32, the one dtype they are held
-in once read.
+in once read. DeepSeek-V3.1 and V4 declare `scale_fmt: ue8m0`: every scale a power of two, which
+V4's FP4-expert releases store as e8m0 exponent bytes (float8_e8m0fnu) under `<module>.scale`.
 
 Its own module because both sides of the format need it and neither may import the other: the
 loader's in-memory form (`models/fp8.py`) and the tiny-checkpoint writer (`checkpoints/`).
@@ -17,12 +18,24 @@ import torch
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
 SCALE_SUFFIX = "_scale_inv"  # `x.weight` -> `x.weight_scale_inv`
+RELEASED_V4_SCALE = ".scale"  # DeepSeek-V4's release names them by module: `x.weight` -> `x.scale`
 SCALE_DTYPE = torch.float32  # scales in memory, whatever float dtype the checkpoint stored
 
 
 def scale_name(weight_name: str) -> str:
     """The checkpoint name of a quantized weight's inverse scales."""
     return weight_name + SCALE_SUFFIX
+
+
+def released_v4_scale_name(weight_name: str) -> str:
+    """The name DeepSeek-V4's release gives a weight's scales (the same values as `scale_name`'s)."""
+    return weight_name.removesuffix(".weight") + RELEASED_V4_SCALE
+
+
+def is_power_of_two(scales: torch.Tensor) -> torch.Tensor:
+    """bool, per entry: a positive finite power of two (what a `ue8m0` scale must be)."""
+    mantissa, _ = torch.frexp(scales.float())
+    return torch.isfinite(scales.float()) & (mantissa == 0.5)
 
 
 def scale_shape(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, ...]:
@@ -32,12 +45,13 @@ def scale_shape(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, ..
 
 
 def quantize(
-    weight: torch.Tensor, block: tuple[int, int], scale_dtype: torch.dtype = SCALE_DTYPE
+    weight: torch.Tensor, block: tuple[int, int], scale_dtype: torch.dtype = SCALE_DTYPE, ue8m0: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`weight [out, in]` -> (float8_e4m3fn `[out, in]`, scale_inv grid in `scale_dtype`): each
     tile's largest magnitude maps to the format's largest value, as the published checkpoints do.
     A narrower `scale_dtype` rounds the scale first and the tile is divided by the rounded one,
-    so that the stored pair means what was quantized, as a bf16-scaled release's does."""
+    so that the stored pair means what was quantized, as a bf16-scaled release's does. With
+    `ue8m0` each scale rounds up to a power of two (nothing saturates), as V3.1's and V4's do."""
     rows, cols = weight.shape
     grid_rows, grid_cols = scale_shape(weight.shape, block)
     padded = weight.new_zeros(grid_rows * block[0], grid_cols * block[1], dtype=torch.float32)
@@ -45,7 +59,10 @@ def quantize(
     tiles = padded.reshape(grid_rows, block[0], grid_cols, block[1])
     amax = tiles.abs().amax(dim=(1, 3)).clamp(min=1e-12)
     # Clamped to the dtype's smallest normal: an all-zero tile's scale must stay nonzero in fp16 too.
-    scale_inv = (amax / FP8_MAX).to(scale_dtype).clamp(min=torch.finfo(scale_dtype).tiny)
+    scale_inv = amax / FP8_MAX
+    if ue8m0:
+        scale_inv = torch.exp2(torch.ceil(torch.log2(scale_inv)))
+    scale_inv = scale_inv.to(scale_dtype).clamp(min=torch.finfo(scale_dtype).tiny)
     q = (tiles / scale_inv.float()[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q.reshape(padded.shape)[:rows, :cols].contiguous(), scale_inv
 

@@ -309,8 +309,8 @@ def _fp8() -> None:
 
 
 def _packed_moe() -> None:
-    """Packed 4-bit experts at DeepSeek-V3's shape: INT4 in groups of 32 (Kimi-K2.5's release) and
-    NVFP4 (DeepSeek-R1-FP4), decode and prefill token counts."""
+    """Packed 4-bit experts at DeepSeek-V3's shape: INT4 in groups of 32 (Kimi-K2.5's release),
+    NVFP4 (DeepSeek-R1-FP4) and MXFP4 (DeepSeek-V4's FP4 experts), decode and prefill token counts."""
     from moeserve.kernels.launch_config import block_m_for
     from moeserve.kernels.moe_align import moe_align_reference
     from moeserve.kernels.packed_moe import PackedExperts, packed_moe
@@ -329,7 +329,13 @@ def _packed_moe() -> None:
             torch.zeros(local, parts * rows, cols // 2, dtype=torch.uint8), scales, torch.ones(local, parts)
         )
 
-    for make in (int4, nvfp4):
+    def mxfp4(parts: int, rows: int, cols: int) -> PackedExperts:
+        return PackedExperts(
+            torch.zeros(local, parts * rows, cols // 2, dtype=torch.uint8),
+            torch.full((local, parts * rows, cols // 32), 127, dtype=torch.uint8),
+        )
+
+    for make in (int4, nvfp4, mxfp4):
         w13, w2 = make(2, shape.intermediate, shape.hidden), make(1, shape.hidden, shape.intermediate)
         for tokens in (1, 17, 300):
             aligned = moe_align_reference(_local_ids(tokens, 2, local), local, block_m_for(tokens, 2, local))
@@ -437,7 +443,11 @@ CASES: list[Case] = [
     Case("routing", "softmax top-k and DeepSeek's grouped sigmoid top-k", lambda: _compile_only(_routing)()),
     Case("fused_moe", "moe_align + bf16 fused MoE, three models x five token counts", lambda: _compile_only(_moe)()),
     Case("fp8", "FP8 group quant, w8a8 linear and w8a8 fused MoE, DeepSeek-V3", lambda: _compile_only(_fp8)()),
-    Case("packed_moe", "INT4 (W4A16) and NVFP4 packed-expert GEMMs, DeepSeek-V3", lambda: _compile_only(_packed_moe)()),
+    Case(
+        "packed_moe",
+        "INT4 (W4A16), NVFP4 and MXFP4 packed-expert GEMMs, DeepSeek-V3",
+        lambda: _compile_only(_packed_moe)(),
+    ),
     Case(
         "paged_attention",
         "paged attention: decode split-KV and prefill, GQA",

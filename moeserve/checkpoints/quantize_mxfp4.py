@@ -12,12 +12,11 @@ was, and config.json gets the published `quantization_config`.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 
-from moeserve.checkpoints.rewrite import rewrite_tensors
+from moeserve.checkpoints.rewrite import rewrite_checkpoint
 from moeserve.mxfp4_format import quantize
 
 _PROJECTIONS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
@@ -38,11 +37,5 @@ def _rewrite(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
 def quantize_checkpoint(folder: str | Path) -> None:
     """Quantize `folder`'s gpt-oss experts in place (each file keeps its other tensors; the
     index, if any, lists the new names) and declare it in config.json."""
-    folder = Path(folder)
-    config_path = folder / "config.json"
-    config = json.loads(config_path.read_text())
-    if config.get("architectures") != ["GptOssForCausalLM"]:
-        raise ValueError(f"MXFP4 is gpt-oss's expert format; {folder} holds {config.get('architectures')}")
-    rewrite_tensors(folder, _rewrite)
-    config["quantization_config"] = {"modules_to_not_convert": MODULES_NOT_CONVERTED, "quant_method": "mxfp4"}
-    config_path.write_text(json.dumps(config, indent=2) + "\n")
+    quant = {"modules_to_not_convert": MODULES_NOT_CONVERTED, "quant_method": "mxfp4"}
+    rewrite_checkpoint(Path(folder), "GptOssForCausalLM", "MXFP4", _rewrite, {"quantization_config": quant})

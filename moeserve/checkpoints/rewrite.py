@@ -1,4 +1,4 @@
-"""Rewriting a checkpoint folder's tensors in place: what the FP8 and MXFP4 quantizers share.
+"""Rewriting a checkpoint folder's tensors in place: what the FP8, MXFP4 and DeepSeek-V4 quantizers share.
 
 Each safetensors file keeps its metadata and is rewritten with what `rewrite` makes of each of its
 tensors (the same name, or new names such as a weight and its scales); the index of a sharded
@@ -40,3 +40,17 @@ def rewrite_tensors(folder: Path, rewrite: Rewrite) -> None:
         data = json.loads(index.read_text())
         data["weight_map"] = {new: f for old in data["weight_map"] for new, f in renamed[old].items()}
         index.write_text(json.dumps(data, indent=2) + "\n")
+
+
+def rewrite_checkpoint(
+    folder: Path, architecture: str, fmt: str, rewrite: Rewrite, config_fields: dict[str, object]
+) -> None:
+    """Rewrite `folder`, which must hold `architecture` (the one `fmt` is published for), with
+    `rewrite`, and add `config_fields` to its config.json (the release's declaration)."""
+    config_path = folder / "config.json"
+    config = json.loads(config_path.read_text())
+    if config.get("architectures") != [architecture]:
+        raise ValueError(f"{fmt} is {architecture}'s format; {folder} holds {config.get('architectures')}")
+    rewrite_tensors(folder, rewrite)
+    config.update(config_fields)
+    config_path.write_text(json.dumps(config, indent=2) + "\n")

@@ -1,15 +1,16 @@
-"""Grouped GEMMs over packed 4-bit experts: compressed-tensors INT4 (W4A16) and ModelOpt NVFP4,
-each weight tile dequantized in registers from the stored bytes (the experts stay packed in
-memory: a tile of codes and its scales is all a GEMM reads of them).
+"""Grouped GEMMs over packed 4-bit experts: compressed-tensors INT4 (W4A16), ModelOpt NVFP4 and
+MXFP4 (DeepSeek-V4's FP4 experts), each weight tile dequantized in registers from the stored
+bytes (the experts stay packed in memory: a tile of codes and its scales is all a GEMM reads of
+them).
 
 The pairs arrive aligned as for `fused_moe` (`AlignedPairs`): every BLOCK_M rows of the sorted
 order belong to one expert. The activations stay in the compute dtype (bf16 rows, as a dispatch
-delivers them), so NVFP4 runs as weight-only too: Hopper has no FP4 units at all, and Blackwell's
-take FP4 activations, which a bf16 dispatch does not carry. Per K tile the kernel loads the codes
-(INT4: the int32 word holding each column's nibble; NVFP4: its byte), the group scales of those
-columns and, for NVFP4, the part's global scale (gate and up have their own), turns them into
-values in float32, rounds them to the rows' dtype and runs the tile's dot with float32
-accumulation.
+delivers them), so NVFP4 and MXFP4 run as weight-only too: Hopper has no FP4 units at all, and
+Blackwell's take FP4 activations, which a bf16 dispatch does not carry. Per K tile the kernel
+loads the codes (INT4: the int32 word holding each column's nibble; NVFP4, MXFP4: its byte), the
+group scales of those columns (MXFP4's e8m0 bytes become `2 ** (byte - 127)`) and, for NVFP4,
+the part's global scale (gate and up have their own), turns them into values in float32, rounds
+them to the rows' dtype and runs the tile's dot with float32 accumulation.
 
 Two launches make the MoE: gate/up (rows gathered from hidden by pair // top_k, outputs stored by
 sorted position), SiLU-and-multiply, then down (rows by sorted position, each output scaled by its
@@ -84,6 +85,7 @@ def _packed_gemm_kernel(
     GROUP_M: tl.constexpr,
     GROUP: tl.constexpr,
     NVFP4: tl.constexpr,
+    MXFP4: tl.constexpr,
     DOWN: tl.constexpr,
     HAS_WEIGHTS: tl.constexpr,
     PRECISION: tl.constexpr,
@@ -117,10 +119,16 @@ def _packed_gemm_kernel(
                 other=0.0,
             )
             w_ok = n_ok[:, None] & k_ok[None, :]
-            w = tl.load(scales_rows + (offs_k // GROUP)[None, :] * stride_sk, mask=w_ok, other=0.0).to(tl.float32)
-            if NVFP4:
+            scale_ptrs = scales_rows + (offs_k // GROUP)[None, :] * stride_sk
+            if MXFP4:  # e8m0: the byte is the exponent, biased by 127
+                w = tl.exp2(tl.load(scale_ptrs, mask=w_ok, other=0).to(tl.float32) - 127.0)
+            else:
+                w = tl.load(scale_ptrs, mask=w_ok, other=0.0).to(tl.float32)
+            if NVFP4 or MXFP4:
                 byte = tl.load(codes_rows + (offs_k // 2)[None, :] * stride_ck, mask=w_ok, other=0).to(tl.int32)
-                w = w * _e2m1((byte >> ((offs_k % 2) * 4)[None, :]) & 15) * part_scale[:, None]
+                w = w * _e2m1((byte >> ((offs_k % 2) * 4)[None, :]) & 15)
+                if NVFP4:
+                    w = w * part_scale[:, None]
             else:
                 word = tl.load(codes_rows + (offs_k // 8)[None, :] * stride_ck, mask=w_ok, other=0)
                 w = w * ((((word >> ((offs_k % 8) * 4)[None, :]) & 15) - 8).to(tl.float32))
@@ -155,7 +163,7 @@ def _launch(
         x.stride(0), x.stride(1), *weights.codes.stride(), *weights.scales.stride(),
         global_scales.stride(0), global_scales.stride(1), out.stride(0), out.stride(1),
         BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, GROUP_M=GROUP_M, GROUP=weights.group,
-        NVFP4=weights.nvfp4, DOWN=down, HAS_WEIGHTS=pair_weights is not None,
+        NVFP4=weights.nvfp4, MXFP4=weights.mxfp4, DOWN=down, HAS_WEIGHTS=pair_weights is not None,
         # fp32 stays exact (no tf32), like torch's default matmul: a checking dtype, not a serving one.
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=NUM_WARPS,
@@ -166,7 +174,7 @@ def _check(hidden: torch.Tensor, w13: PackedExperts, w2: PackedExperts, pair_wei
     experts, two_inter, hidden_size = w13.shape
     if hidden.dim() != 2 or hidden.shape[1] != hidden_size or w2.shape != (experts, hidden_size, two_inter // 2):
         raise ValueError(f"inconsistent shapes: hidden {tuple(hidden.shape)}, w13 {w13.shape}, w2 {w2.shape}")
-    if w13.nvfp4 != w2.nvfp4:
+    if (w13.nvfp4, w13.mxfp4) != (w2.nvfp4, w2.mxfp4):
         raise ValueError("w13 and w2 must be stored in one format")
     if pair_weights is not None and pair_weights.dtype != torch.float32:
         raise ValueError(f"pair_weights must be float32, got {pair_weights.dtype}")

@@ -26,10 +26,11 @@ from moeserve.models.decoder import MoECausalLM
 from moeserve.models.fp8 import BlockFP8, quantize_parameter
 from moeserve.models.layers.norm import RMSNorm
 from moeserve.models.mxfp4 import MXFP4ExpertsSource, MXFP4Format
-from moeserve.models.packed import DequantizedSource, PackedExpertsSource, PackedWeight, pack_parameter
+from moeserve.models.packed import PackedExpertsSource, PackedWeight, pack_parameter
 from moeserve.models.quantized_sources import (
     FP8_TENSOR,
-    FP8RowsSource,
+    FP8DequantizedSource,
+    fp4_expert_sources,
     fp8_parts,
     fp8_sources,
     mxfp4_sources,
@@ -108,10 +109,12 @@ def load_model(
     packed, dequantized = {}, {}
     if isinstance(cfg.weight_quant, PackedInt4Config | NVFP4Config):
         packed, dequantized = packed_sources(cfg.weight_quant, sources, reader)
-        for name, source in packed.items():
-            source.check(reader, targets[name].shape)
         for name, source in dequantized.items():
             source.check(reader, checkpoint_shape(targets[name]))
+    elif isinstance(cfg.weight_quant, BlockFP8Config) and cfg.weight_quant.fp4_experts:
+        packed = fp4_expert_sources(sources)
+    for name, source in packed.items():
+        source.check(reader, targets[name].shape)
     plain = {
         name: s for name, s in sources.items() if name not in mxfp4 and name not in packed and name not in dequantized
     }
@@ -120,6 +123,8 @@ def load_model(
     fp8, fp8_dequantized = fp8_sources(plain, reader, fp8_quant)
     dequantized.update(fp8_dequantized)
     block = fp8_quant.block if fp8_quant is not None else (0, 0)
+    for name in [n for n in fp8 if _fp8_dequantized_at_load(model, n)]:
+        dequantized[name] = FP8DequantizedSource(fp8.pop(name), block)
     storage = {}
     for name in mxfp4:
         module, attr = name.rsplit(".", 1)
@@ -161,21 +166,21 @@ def load_model(
     return model
 
 
-def _quantized_note(
-    fp8: dict,
-    mxfp4: dict,
-    packed: dict[str, PackedExpertsSource],
-    dequantized: dict[str, DequantizedSource | FP8RowsSource],
-) -> str:
+def _fp8_dequantized_at_load(model: nn.Module, name: str) -> bool:
+    """Whether FP8 parameter `name` is read dequantized: its layer has no FP8 product."""
+    return getattr(model.get_submodule(name.rsplit(".", 1)[0]), "fp8_dequantized_at_load", False)
+
+
+def _quantized_note(fp8: dict, mxfp4: dict, packed: dict[str, PackedExpertsSource], dequantized: dict) -> str:
     """What the load log says of the quantized parameters."""
-    also = f", {len(dequantized)} more dequantized at load" if dequantized else ""
-    if fp8:
-        return f", {len(fp8)} parameters in FP8{also}"
+    kept = [f"{len(fp8)} parameters in FP8"] if fp8 else []
     if mxfp4:
-        return f", {len(mxfp4)} parameters in MXFP4"
+        kept.append(f"{len(mxfp4)} parameters in MXFP4")
     if packed:
-        return f", {len(packed)} parameters in {next(iter(packed.values())).fmt.name}{also}"
-    return ""
+        kept.append(f"{len(packed)} parameters in {next(iter(packed.values())).fmt.name}")
+    if dequantized:
+        kept.append(f"{len(dequantized)} more dequantized at load")
+    return "".join(f", {k}" for k in kept)
 
 
 def checkpoint_names(names: CheckpointNames, cfg: ModelConfig, reader: CheckpointReader) -> CheckpointNames:

@@ -1,5 +1,5 @@
 """gpt-oss's MXFP4 experts as a `PackedFormat` backend (`models/packed.py`), and read from the
-published checkpoint.
+published checkpoint; DeepSeek-V4's FP4 experts, the same format stored per expert (`V4FP4Format`).
 
 A layer's `w13` `[E_local, 2I, H]` and `w2` `[E_local, H, I]` are stored as the checkpoint's
 bytes, outputs first as ours are: codes `[E_local, rows, cols/32, 16]` and e8m0 scales
@@ -22,8 +22,11 @@ from typing import Literal
 import torch
 
 from moeserve.models.checkpoint import CheckpointError, CheckpointReader
-from moeserve.models.packed import PackedFormat, Storage
-from moeserve.mxfp4_format import VALUES_PER_BLOCK, blocks_shape, dequantize, scales_shape
+from moeserve.models.packed import PackedFormat, PerModuleFormat, Storage, expect
+from moeserve.mxfp4_format import BYTES_PER_BLOCK, VALUES_PER_BLOCK, blocks_shape, dequantize, scales_shape
+from moeserve.packed_weight import PackedExperts
+
+E8M0_NAN = 0xFF  # the one e8m0 byte that is no power of two
 
 
 @dataclass(frozen=True)
@@ -84,3 +87,49 @@ class MXFP4ExpertsSource:
 
     def _ours(self, t: torch.Tensor) -> torch.Tensor:
         return torch.cat((t[0::2], t[1::2])) if self.layout == "gate_up" else t
+
+
+@dataclass(frozen=True)
+class V4FP4Format(PerModuleFormat):
+    """DeepSeek-V4's FP4 experts (`expert_dtype: fp4`), held as MXFP4 is: the same e2m1 codes,
+    two per byte with the first input in the low nibble, and the same e8m0 scale byte per 32
+    inputs of a row, stored one module per expert and projection: `<module>.weight` int8
+    `[rows, cols / 2]` and `<module>.scale` float8_e8m0fnu `[rows, cols / 32]`. Reading them is a
+    reshape and a reinterpretation of the bytes, so the experts stay packed as gpt-oss's do."""
+
+    name = "MXFP4 (DeepSeek-V4 FP4 experts)"
+    held = ("scales",)
+    suffixes = ("weight", "scale")
+
+    def storage(self, shape: tuple[int, ...], parts: int) -> Storage:
+        return MXFP4Format().storage(shape, parts)
+
+    def dequantize(self, codes: torch.Tensor, held: tuple[torch.Tensor, ...], dtype: torch.dtype) -> torch.Tensor:
+        return dequantize(codes, held[0], dtype)
+
+    def packed_experts(self, codes: torch.Tensor, held: tuple[torch.Tensor, ...]) -> PackedExperts:
+        """The codes as the packed grouped GEMM reads FP4 bytes, `[E, N, K / 2]` (a view)."""
+        return PackedExperts(codes.flatten(-2), held[0])
+
+    def check(self, reader: CheckpointReader, module: str, rows: int, cols: int) -> None:
+        if cols % VALUES_PER_BLOCK:
+            raise CheckpointError(
+                f"{module}: FP4 scales cover {VALUES_PER_BLOCK} inputs each and cannot cut {cols} (config.json)"
+            )
+        what = "FP4 expert, from config.json expert_dtype"
+        expect(reader, f"{module}.weight", ("I8", "U8"), (rows, cols // 2), f"{what}: two e2m1 codes per byte")
+        expect(reader, f"{module}.scale", ("F8_E8M0", "U8"), (rows, cols // VALUES_PER_BLOCK), f"{what}: e8m0 scales")
+
+    def read(self, reader: CheckpointReader, modules: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        codes, scales = [], []
+        for module in modules:
+            packed = reader.get(f"{module}.weight").view(torch.uint8)
+            codes.append(packed.reshape(packed.shape[0], -1, BYTES_PER_BLOCK))
+            scale = reader.get(f"{module}.scale").view(torch.uint8)
+            if (scale == E8M0_NAN).any():
+                where = [int(i) for i in (scale == E8M0_NAN).nonzero()[0]]
+                raise CheckpointError(
+                    f"tensor {module}.scale holds the e8m0 NaN byte at {where}: scales must be finite"
+                )
+            scales.append(scale)
+        return torch.cat(codes), torch.cat(scales)

@@ -20,10 +20,18 @@ from dataclasses import dataclass
 import torch
 
 from moeserve.config import BlockFP8Config, MXFP4Config, NVFP4Config, PackedInt4Config, WeightQuant
-from moeserve.fp8_format import FP8_DTYPE, SCALE_DTYPE, dequantize, scale_name, scale_shape
+from moeserve.fp8_format import (
+    FP8_DTYPE,
+    SCALE_DTYPE,
+    dequantize,
+    is_power_of_two,
+    released_v4_scale_name,
+    scale_name,
+    scale_shape,
+)
 from moeserve.models.checkpoint import CheckpointError, CheckpointReader
 from moeserve.models.int4 import Int4Format
-from moeserve.models.mxfp4 import MXFP4ExpertsSource
+from moeserve.models.mxfp4 import MXFP4ExpertsSource, V4FP4Format
 from moeserve.models.nvfp4 import NVFP4Format
 from moeserve.models.packed import DequantizedSource, PackedExpertsSource, PerModuleFormat
 from moeserve.models.tensor_parallel import Shard
@@ -34,6 +42,28 @@ FP8_TENSOR = "F8_E4M3"
 FP8_SCALE_TENSORS = ("F32", "BF16", "F16")
 """safetensors' names of the dtypes FP8 releases store their scales in (DeepSeek-V3: float32;
 Qwen3-FP8: bfloat16 or float16); each widens exactly to float32."""
+UE8M0_SCALE_TENSORS = (*FP8_SCALE_TENSORS, "F8_E8M0")
+"""Under `scale_fmt: ue8m0`, e8m0 exponent bytes too (DeepSeek-V4's FP4-expert releases)."""
+
+
+def fp8_scale_name(reader: CheckpointReader, weight: str) -> str:
+    """The checkpoint's name of FP8 `weight`'s scales: `<weight>_scale_inv` (DeepSeek-V3, Qwen3,
+    transformers), or DeepSeek-V4's released `<module>.scale` where the checkpoint has that one."""
+    released = released_v4_scale_name(weight)
+    return released if scale_name(weight) not in reader and released in reader else scale_name(weight)
+
+
+def _check_ue8m0(reader: CheckpointReader, tensor: str) -> None:
+    """`scale_fmt: ue8m0` promises powers of two: a scale that is not one (a float32 scale of
+    another value, or the e8m0 NaN byte) is refused by the tensor's name and its first bad entry."""
+    scales = reader.get(tensor).float()
+    bad = ~is_power_of_two(scales)
+    if bad.any():
+        where = tuple(int(i) for i in bad.nonzero()[0])
+        raise CheckpointError(
+            f"tensor {tensor} holds {scales[where].item()} at {list(where)}: quantization_config scale_fmt "
+            f"'ue8m0' says every FP8 scale is a power of two"
+        )
 
 
 def fp8_sources(
@@ -78,18 +108,21 @@ def fp8_sources(
         raise CheckpointError(
             f"config.json says quant_method 'fp8' but no weight tensor of {reader.folder} is float8_e4m3fn"
         )
+    dtypes = UE8M0_SCALE_TENSORS if quant is not None and quant.ue8m0 else FP8_SCALE_TENSORS
     for source in [*kept.values(), *(d.rows for d in dequantized.values())]:
         for tensor in source.names:
-            scales, want = scale_name(tensor), _stored_scales(source, reader, tensor, quant.block)
+            scales, want = fp8_scale_name(reader, tensor), _stored_scales(source, reader, tensor, quant.block)
             if scales not in reader:
                 raise CheckpointError(f"FP8 tensor {tensor} has no {scales} in the checkpoint")
-            if reader.shape(scales) != want or reader.dtype(scales) not in FP8_SCALE_TENSORS:
+            if reader.shape(scales) != want or reader.dtype(scales) not in dtypes:
                 raise CheckpointError(
                     f"tensor {scales} is {reader.dtype(scales)} {list(reader.shape(scales))}, "
-                    f"expected {', '.join(FP8_SCALE_TENSORS[:-1])} or {FP8_SCALE_TENSORS[-1]} {list(want)}: "
+                    f"expected {', '.join(dtypes[:-1])} or {dtypes[-1]} {list(want)}: "
                     f"one scale per {quant.block[0]}x{quant.block[1]} block of {tensor} {list(reader.shape(tensor))}"
                     + (f", {fp8_parts(source)} parts per expert" if isinstance(source, FusedExpertsSource) else "")
                 )
+            if quant.ue8m0:
+                _check_ue8m0(reader, scales)
     return kept, dequantized
 
 
@@ -169,6 +202,37 @@ def mxfp4_sources(
             "(mlp.experts.gate_up_proj, mlp.experts.down_proj) are read in that format"
         )
     return found
+
+
+def fp4_expert_sources(sources: dict[str, WeightSource | FusedExpertsSource]) -> dict[str, PackedExpertsSource]:
+    """DeepSeek-V4's FP4 routed experts (`expert_dtype: fp4`): every stacked expert parameter,
+    read packed per expert and projection (`mxfp4.V4FP4Format`); the rest of the checkpoint
+    stays FP8 or unquantized."""
+    return {
+        name: PackedExpertsSource(
+            tuple(tuple(n.removesuffix(".weight") for n in part) for part in source.parts), V4FP4Format()
+        )
+        for name, source in sources.items()
+        if isinstance(source, WeightSource) and source.stacked
+    }
+
+
+@dataclass(frozen=True)
+class FP8DequantizedSource:
+    """An FP8 parameter whose layer has no FP8 product (it reads its weight rather than handing
+    it to the ops backend as stored, as DeepSeek-V4's grouped output projection does): read
+    with its scales and dequantized at load, so no step pays for dequantizing it again."""
+
+    source: WeightSource
+    block: tuple[int, int]
+
+    @property
+    def names(self) -> list[str]:
+        return self.source.names
+
+    def read(self, reader: CheckpointReader, dtype: torch.dtype, shard: Shard | None) -> torch.Tensor:
+        weight = read_source(self.source, reader, FP8_DTYPE, shard)
+        return dequantize(weight, read_scales(self.source, reader, self.block, shard), self.block, dtype)
 
 
 _NOT_LINEAR = ("embed_tokens", "norm", "router", "shared_gate", "sinks", "bias")
@@ -259,8 +323,10 @@ def read_scales(
     if shard is not None:
         (name,) = source.names
         rows = scale_shard(shard, block, name)
-        return reader.get_part(scale_name(name), rows.dim, rows.start, rows.length)[None].to(SCALE_DTYPE)
-    parts = [torch.stack([reader.get(scale_name(n)).to(SCALE_DTYPE) for n in part]) for part in source.parts]
+        return reader.get_part(fp8_scale_name(reader, name), rows.dim, rows.start, rows.length)[None].to(SCALE_DTYPE)
+    parts = [
+        torch.stack([reader.get(fp8_scale_name(reader, n)).to(SCALE_DTYPE) for n in part]) for part in source.parts
+    ]
     return torch.stack(parts) if source.stacked else parts[0]
 
 
@@ -270,7 +336,8 @@ def read_held(
     | MXFP4ExpertsSource
     | PackedExpertsSource
     | DequantizedSource
-    | FP8RowsSource,
+    | FP8RowsSource
+    | FP8DequantizedSource,
     reader: CheckpointReader,
     dtype: torch.dtype,
     fp8_block: tuple[int, int] | None,
@@ -281,7 +348,7 @@ def read_held(
     place a checkpoint tensor takes its in-memory layout, for a load and for a heal alike."""
     if isinstance(source, MXFP4ExpertsSource | PackedExpertsSource):
         return source.read(reader)
-    if isinstance(source, DequantizedSource):
+    if isinstance(source, DequantizedSource | FP8DequantizedSource):
         return (source.read(reader, dtype, shard),)
     if isinstance(source, FP8RowsSource):
         return (source.read(reader, dtype),)

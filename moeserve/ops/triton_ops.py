@@ -72,13 +72,14 @@ class TritonOps(LayerOps[TritonAttentionPlan]):
 
     @classmethod
     def supports_model(cls, cfg: ModelConfig) -> str | None:
-        """Block-quantized FP8 weights run as w8a8 when their K tile suits the kernels, INT4 and
-        NVFP4 experts as packed grouped GEMMs; MXFP4 weights (no FP4 x bf16 GEMM yet),
-        gpt-oss's layer options (sinks in the paged attention kernels, biases and the clamped
-        SwiGLU in `fused_moe`, its top-k-then-softmax router in `route`) and DeepSeek-V4's MoE
-        (its sqrtsoftplus router, its clamped SiLU) have no kernel yet."""
+        """Block-quantized FP8 weights run as w8a8 when their K tile suits the kernels, INT4,
+        NVFP4 and DeepSeek-V4's MXFP4 experts as packed grouped GEMMs; gpt-oss's MXFP4 experts
+        (stacked, biased, handed over dequantized) and its layer options have no kernel yet: sinks in
+        the attention kernels, biases and the clamped SwiGLU in `fused_moe`, its
+        top-k-then-softmax router in `route`; nor has DeepSeek-V4's MoE (its sqrtsoftplus router,
+        its clamped SiLU)."""
         if isinstance(cfg.weight_quant, MXFP4Config):
-            return "the Triton kernels have no MXFP4 (FP4 x bf16) expert GEMM yet; use kernels=torch for MXFP4 weights"
+            return "the Triton kernels have no gpt-oss MXFP4 expert GEMM (biased experts) yet; use kernels=torch for it"
         if isinstance(cfg.weight_quant, BlockFP8Config) and group_problem(cfg.weight_quant.block[1]) is not None:
             return f"{group_problem(cfg.weight_quant.block[1])}; use kernels=torch"
         if cfg.compressed_attention is not None:

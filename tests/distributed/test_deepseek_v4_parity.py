@@ -4,15 +4,29 @@ entries per query) and an HCA layer (16 per entry), hash-routed and learned MoE 
 of 8. Prompts of 40 and 200 tokens, prefilled in chunks of 16 then decoded, each request's block
 tables per group handed out by the scheduler (`block_groups`), the window group's pool too small
 for the prompts unless blocks behind the window go back; no block is held at the end. On one
-rank, then over `--ep 4` (and `--tp 2`, attention replicated on each pair of ranks)."""
+rank, then over `--ep 4` (and `--tp 2`, attention replicated on each pair of ranks).
+
+The same checkpoint rewritten as DeepSeek's release lays it out (FP8 linears with e8m0 scales,
+FP4 experts) is served against transformers on its dequantized twin."""
 
 from __future__ import annotations
+
+import re
+import shutil
 
 import pytest
 import torch
 from helpers.reference import hf_greedy_tokens, hf_model
+from safetensors import safe_open
+from safetensors.torch import save_file
+from transformers.integrations.finegrained_fp8 import Fp8Dequantize
 
 from moeserve import LLM, SamplingParams
+from moeserve.checkpoints.quantize_v4 import quantize_checkpoint, write_dequantized_twin
+from moeserve.models import load_model
+from moeserve.models.checkpoint import CheckpointError
+from moeserve.models.fp8 import BlockFP8, stored_weight
+from moeserve.models.packed import PackedWeight
 
 PROMPT_LENGTHS = (40, 200)
 NEW_TOKENS = 32
@@ -25,12 +39,38 @@ def checkpoint(make_checkpoint):
     return make_checkpoint("deepseek_v4")
 
 
+def _prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(44)
+    return [torch.randint(3, 320, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
+
+
 @pytest.fixture(scope="module")
 def prompts_and_tokens(checkpoint):
-    g = torch.Generator().manual_seed(44)
-    prompts = [torch.randint(3, 320, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
     reference = hf_model(checkpoint)
-    return prompts, [hf_greedy_tokens(reference, p, NEW_TOKENS) for p in prompts]
+    return _prompts(), [hf_greedy_tokens(reference, p, NEW_TOKENS) for p in _prompts()]
+
+
+@pytest.fixture(scope="module")
+def released(checkpoint, tmp_path_factory):
+    """(the checkpoint in the released FP8 + FP4-experts layout, its dequantized twin's greedy tokens)."""
+    root = tmp_path_factory.mktemp("v4-released")
+    folder = shutil.copytree(checkpoint, root / "released")
+    quantize_checkpoint(folder)
+    twin = hf_model(write_dequantized_twin(folder, root / "dequantized"))
+    with safe_open(folder / "model.safetensors", framework="pt") as f:
+        stored = {n: f.get_tensor(n) for n in f.keys()}
+    # The twin's values are what transformers itself decodes from the stored bytes and scales.
+    decode = Fp8Dequantize(None)._dequantize_one
+    for name, param in (
+        ("layers.2.attn.wq_a", "model.layers.2.self_attn.q_a_proj"),
+        ("layers.2.ffn.experts.5.w2", None),
+    ):
+        value = decode(stored[f"{name}.weight"], stored[f"{name}.scale"], torch.float32)
+        if param is not None:
+            assert torch.equal(twin.get_parameter(f"{param}.weight"), value)
+        else:  # the experts fused: expert 5's down projection
+            assert torch.equal(twin.model.layers[2].mlp.experts.down_proj[5], value)
+    return folder, [hf_greedy_tokens(twin, p, NEW_TOKENS) for p in _prompts()]
 
 
 def _generate_without_leaks(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
@@ -72,3 +112,75 @@ def test_features_not_built_for_several_groups_are_refused(checkpoint):
         LLM(str(checkpoint), two_batch_overlap=True)
     with pytest.raises(ValueError, match="disaggregation .kv_transfer. is not built for caches in several"):
         LLM(str(checkpoint), role="decode", kv_transfer="nixl")
+
+
+def test_released_quantized_checkpoint_keeps_its_formats(released):
+    """Routed experts held as their FP4 codes and e8m0 scales (handed to the ops backend packed),
+    the linears that compute through the ops backend as FP8, the grouped output projection
+    dequantized at load."""
+    folder, _ = released
+    with safe_open(folder / "model.safetensors", framework="pt") as f:
+        assert f.get_slice("layers.0.ffn.experts.0.w1.weight").get_dtype() == "I8"
+        assert f.get_slice("layers.0.ffn.experts.0.w1.scale").get_dtype() == "F8_E8M0"
+        assert f.get_slice("layers.0.attn.wq_a.scale").get_dtype() == "F8_E8M0"
+        assert f.get_slice("layers.0.attn.wq_a.weight").get_dtype() == "F8_E4M3"
+    model = load_model(folder)
+    layer = model.layers[1]
+    assert isinstance(layer.mlp.experts.parametrizations.w13[0], PackedWeight)
+    assert stored_weight(layer.mlp.experts, "w2").mxfp4  # what the packed grouped GEMM takes
+    assert isinstance(layer.attn.q_a_proj.parametrizations.weight[0], BlockFP8)
+    assert layer.attn.o_a_proj.weight.dtype == torch.float32 and "parametrizations" not in layer.attn.o_a_proj._modules
+
+
+@pytest.mark.parametrize("ep", [1, 4])
+def test_released_quantized_greedy_tokens_match_dequantized_twin(released, ep):
+    """Both prompts prefilled in one step (chunking is the tests above's subject)."""
+    folder, want = released
+    with LLM(str(folder), ep=ep, **dict(ENGINE, max_num_batched_tokens=256)) as llm:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in _prompts()], GREEDY, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == want
+
+
+NAN_E8M0 = 255  # the one e8m0 byte that is no power of two
+
+
+@pytest.mark.parametrize(
+    "tensor,bad",
+    [
+        ("layers.3.attn.wo_b.scale", torch.full((1, 1), 0.3)),  # a float32 scale of another value
+        ("layers.3.attn.wo_b.scale", torch.full((1, 1), NAN_E8M0, dtype=torch.uint8).view(torch.float8_e8m0fnu)),
+        (
+            "layers.1.ffn.experts.6.w2.scale",
+            torch.full((64, 1), NAN_E8M0, dtype=torch.uint8).view(torch.float8_e8m0fnu),
+        ),
+    ],
+    ids=["fp8-float32", "fp8-e8m0", "fp4-expert"],
+)
+def test_scale_not_a_power_of_two_is_refused_by_name(released, tmp_path, tensor, bad):
+    """`scale_fmt: ue8m0` promises powers of two, and e8m0 has no other value but its NaN byte."""
+    folder = shutil.copytree(released[0], tmp_path / "bad")
+    with safe_open(folder / "model.safetensors", framework="pt") as f:
+        tensors = {n: f.get_tensor(n) for n in f.keys()}
+    tensors[tensor] = bad
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(
+        CheckpointError, match=rf"tensor {re.escape(tensor)} holds (0\.3\d*|nan|the e8m0 NaN byte) at \[0, 0\]"
+    ):
+        load_model(folder)
+
+
+def test_base_release_fp8_experts_run_the_fp8_expert_path(checkpoint, tmp_path):
+    """The base models' release (`expert_dtype: fp8`, float32 power-of-two scales): experts held
+    FP8 as DeepSeek-V3's are, each MoE block and FP8 projection computing what its dequantized
+    twin's does."""
+    folder = shutil.copytree(checkpoint, tmp_path / "base")
+    quantize_checkpoint(folder, expert_dtype="fp8")
+    with safe_open(folder / "model.safetensors", framework="pt") as f:
+        assert f.get_slice("layers.0.ffn.experts.0.w1.scale").get_dtype() == "F32"
+    model, twin = load_model(folder), load_model(write_dequantized_twin(folder, tmp_path / "dequantized"))
+    x, ids = torch.randn(6, model.cfg.hidden_size), torch.tensor([5, 9, 11, 13, 300, 7])
+    for layer, reference in zip(model.layers, twin.layers, strict=True):  # hash-routed and learned
+        assert isinstance(layer.mlp.experts.parametrizations.w13[0], BlockFP8)
+        torch.testing.assert_close(layer.mlp(x, None, ids), reference.mlp(x, None, ids), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(layer.attn.q_a_proj(x), reference.attn.q_a_proj(x), rtol=1e-5, atol=1e-6)
+        assert torch.equal(layer.attn.o_a_proj.weight, reference.attn.o_a_proj.weight)

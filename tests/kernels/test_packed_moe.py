@@ -1,6 +1,7 @@
-"""The packed-expert grouped GEMMs (INT4 W4A16, NVFP4 dequantized in the kernel) against their
-torch reference, which dequantizes with the formats' own code (`int4_format`, `nvfp4_format`,
-themselves checked against compressed-tensors and the ModelOpt rule in the parity tests).
+"""The packed-expert grouped GEMMs (INT4 W4A16, NVFP4 and MXFP4 dequantized in the kernel) against
+their torch reference, which dequantizes with the formats' own code (`int4_format`,
+`nvfp4_format`, `mxfp4_format`, themselves checked against compressed-tensors, the ModelOpt
+rule and transformers' FP4 decode in the parity tests).
 
 Both sides round the weight values to hidden's dtype and accumulate in fp32; in fp32 they differ
 by summation order only, fp16 adds its own rounding of the stored intermediates.
@@ -13,7 +14,7 @@ import shutil
 import pytest
 import torch
 
-from moeserve import int4_format, nvfp4_format
+from moeserve import int4_format, mxfp4_format, nvfp4_format
 from moeserve.kernels.moe_align import moe_align_block_size
 from moeserve.kernels.packed_moe import PackedExperts, packed_moe, packed_moe_reference
 
@@ -21,7 +22,7 @@ E, K = 4, 2
 # (hidden, expert width) per format: several K tiles (BLOCK_K 32) in both GEMMs, the last one
 # partial where the format's group allows it (NVFP4: 16), gate and up meeting inside an N tile
 # (BLOCK_N 64).
-SHAPES = {"int4": (96, 96), "nvfp4": (80, 48)}
+SHAPES = {"int4": (96, 96), "nvfp4": (80, 48), "mxfp4": (96, 64)}
 H, I = SHAPES["nvfp4"]
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
 
@@ -47,7 +48,15 @@ def nvfp4_experts(parts: int, rows: int, cols: int, seed: int) -> PackedExperts:
     return PackedExperts(torch.stack(codes), torch.stack(scales), torch.stack(globals_))
 
 
-MAKERS = {"int4": int4_experts, "nvfp4": nvfp4_experts}
+def mxfp4_experts(parts: int, rows: int, cols: int, seed: int) -> PackedExperts:
+    """DeepSeek-V4's FP4 experts as the model holds them: codes `[E, N, K / 2]`, e8m0 bytes."""
+    g = torch.Generator().manual_seed(seed)
+    weights = [torch.randn(parts * rows, cols, generator=g) * (e + 1) / cols**0.5 for e in range(E)]
+    packed = [mxfp4_format.quantize(w) for w in weights]
+    return PackedExperts(torch.stack([c.flatten(-2) for c, _ in packed]), torch.stack([s for _, s in packed]))
+
+
+MAKERS = {"int4": int4_experts, "nvfp4": nvfp4_experts, "mxfp4": mxfp4_experts}
 
 
 def on(w: PackedExperts, device) -> PackedExperts:
@@ -86,6 +95,9 @@ def test_global_scales_apply_per_part_and_shapes_are_checked():
         PackedExperts(w.codes, w.scales[..., :3], w.global_scales)
     with pytest.raises(ValueError, match="need torch.int32 codes"):
         PackedExperts(w.codes, w.scales.float())
+    mx = mxfp4_experts(1, I, 96, seed=4)  # 96 inputs under 2 scales: groups of 48, not 32
+    with pytest.raises(ValueError, match="do not cut 96 inputs into whole groups"):
+        PackedExperts(mx.codes[..., :48], mx.scales[..., :2])
 
 
 @pytest.mark.parametrize("arch,fmt", [("deepseek_v3", "int4"), ("qwen3_moe", "nvfp4")])

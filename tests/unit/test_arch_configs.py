@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from helpers.hf_configs import hf_config
 
-from moeserve.config import MXFP4Config
+from moeserve.config import BlockFP8Config, MXFP4Config
 from moeserve.models import CheckpointError
 from moeserve.models.architectures import SUPPORTED_QUANT_METHODS, resolve_architecture
 from moeserve.ops.triton_ops import TritonOps
@@ -137,9 +137,21 @@ def test_fp8_block_config_is_read_and_its_other_forms_refused():
         ({"activation_scheme": "static"}, "only dynamic activation scales"),
         ({"fmt": "e5m2"}, "only e4m3 weights"),
         ({"weight_block_size": [128]}, "two positive ints"),
+        ({"scale_fmt": "e5m2"}, "scale_fmt 'e5m2': only 'float' and 'ue8m0'"),
+        ({"expert_dtype": "int4"}, "expert_dtype 'int4': only 'fp8' and 'fp4'"),
     ]:
         with pytest.raises(CheckpointError, match=message):
             resolve_architecture(raw_config("qwen3_moe", quantization_config={**FP8, **change}))
+
+
+def test_fp8_ue8m0_scales_and_fp4_experts_are_read_where_v4_and_v41_declare_them():
+    """DeepSeek-V4 says `expert_dtype` at the top level, V4.1 inside quantization_config."""
+    ue8m0 = {**FP8, "scale_fmt": "ue8m0"}
+    top = resolve_architecture(raw_config("qwen3_moe", quantization_config=ue8m0, expert_dtype="fp4"))[1]
+    inside = resolve_architecture(raw_config("qwen3_moe", quantization_config={**ue8m0, "expert_dtype": "fp4"}))[1]
+    assert top.weight_quant == inside.weight_quant == BlockFP8Config((128, 64), ue8m0=True, fp4_experts=True)
+    plain = resolve_architecture(raw_config("qwen3_moe", quantization_config=FP8))[1].weight_quant
+    assert not plain.ue8m0 and not plain.fp4_experts
 
 
 def test_triton_backend_takes_fp8_weights_whose_k_block_its_w8a8_kernels_tile():

@@ -26,6 +26,10 @@ INT4_WEIGHTS = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "gr
 """The one compressed-tensors weight scheme read: what Kimi-K2's INT4 releases declare."""
 NVFP4_ALGO, NVFP4_GROUP = "NVFP4", 16
 MXFP4_ARCHITECTURES = ("GptOssForCausalLM",)  # what transformers reads MXFP4 experts for
+SCALE_FORMATS = ("float", "ue8m0")
+"""FP8 `scale_fmt`s: any float scale (DeepSeek-V3), or powers of two only (DeepSeek-V3.1, V4)."""
+EXPERT_DTYPES = ("fp8", "fp4")
+"""FP8 releases' `expert_dtype`s: FP8 experts like every other linear, or DeepSeek-V4's FP4 experts."""
 
 
 def check_quantization(raw_config: dict[str, Any]) -> WeightQuant | None:
@@ -47,7 +51,7 @@ def check_quantization(raw_config: dict[str, Any]) -> WeightQuant | None:
         return _int4_config(quant)
     if method == "modelopt":
         return _nvfp4_config(quant)
-    return _fp8_config(quant)
+    return _fp8_config(quant, raw_config)
 
 
 def _names(value: Any, field: str) -> tuple[str, ...]:
@@ -128,7 +132,7 @@ def _mxfp4_config(quant: dict[str, Any], architectures: list[str]) -> MXFP4Confi
     return MXFP4Config()
 
 
-def _fp8_config(quant: dict[str, Any]) -> BlockFP8Config:
+def _fp8_config(quant: dict[str, Any], raw_config: dict[str, Any]) -> BlockFP8Config:
     fmt = quant.get("fmt", "e4m3")
     if fmt != "e4m3":
         raise CheckpointError(f"quant_method 'fp8' with fmt {fmt!r}: only e4m3 weights are supported")
@@ -148,5 +152,20 @@ def _fp8_config(quant: dict[str, Any]) -> BlockFP8Config:
         or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)
     ):
         raise CheckpointError(f"quantization_config.weight_block_size should be two positive ints, got {block!r}")
+    scale_fmt = quant.get("scale_fmt") or "float"
+    if scale_fmt not in SCALE_FORMATS:
+        raise CheckpointError(
+            f"quant_method 'fp8' with scale_fmt {scale_fmt!r}: only {' and '.join(map(repr, SCALE_FORMATS))} "
+            "are supported"
+        )
+    # DeepSeek-V4 says it at the top level, V4.1 in quantization_config (where transformers moves it).
+    experts = quant.get("expert_dtype", raw_config.get("expert_dtype")) or "fp8"
+    if experts not in EXPERT_DTYPES:
+        raise CheckpointError(
+            f"quant_method 'fp8' with expert_dtype {experts!r}: only {' and '.join(map(repr, EXPERT_DTYPES))} "
+            "are supported"
+        )
     kept = _names(quant.get("modules_to_not_convert") or [], "modules_to_not_convert")
-    return BlockFP8Config(block=(block[0], block[1]), not_converted=kept)
+    return BlockFP8Config(
+        block=(block[0], block[1]), not_converted=kept, ue8m0=scale_fmt == "ue8m0", fp4_experts=experts == "fp4"
+    )

@@ -39,6 +39,10 @@ class GroupedLinear(nn.Module):
     """A block-diagonal projection: group g of `[S, G, in]` by rows `g * out : (g + 1) * out` of
     the `[G * out, in]` weight (the checkpoint's `o_a_proj.weight`) -> `[S, G, out]`."""
 
+    fp8_dequantized_at_load = True
+    """Its einsum reads `weight` (no ops-backend FP8 product): an FP8 release's is dequantized at
+    load (`quantized_sources.FP8DequantizedSource`), not at every read of every step."""
+
     def __init__(self, in_dim: int, out_dim: int, groups: int, dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__()
         self.groups = groups

@@ -105,11 +105,6 @@ class DeepseekV4CausalLM(nn.Module):
         super().__init__()
         if with_mtp:
             raise ValueError("DeepSeek-V4's MTP layers are not built yet; serve it without mtp drafts")
-        if cfg.weight_quant is not None:
-            raise ValueError(
-                "DeepSeek-V4's quantized checkpoints (FP8 with ue8m0 scales, FP4 experts) are not built yet; "
-                "use a bfloat16 or float32 one"
-            )
         hc = cfg.hyper_connections
         assert hc is not None
         self.cfg, self.dtype, self.tp, self.ops = cfg, dtype, tp, ops
