@@ -1,16 +1,32 @@
 """Block tables per group of paged specs: a compressed group takes a block per block_size x ratio
-positions, a window group gives back what falls behind its window, growth is all or nothing."""
+positions, a window group gives back what falls behind its window, growth is all or nothing;
+prefix caching across the groups (hits at block boundaries of every group with a saved state)."""
 
 from __future__ import annotations
 
 from helpers.scheduler import make_request, token_for
 
 from moeserve.cache_spec import CacheSpecs, PagedSpec
+from moeserve.sampling_params import SamplingParams
 from moeserve.scheduler import Scheduler, SchedulerConfig
-from moeserve.scheduler.block_groups import RELEASED, GroupedBlocks, group_block_counts
+from moeserve.scheduler.block_groups import RELEASED, GroupedBlockManager, GroupedBlocks, group_block_counts
+from moeserve.scheduler.request import Request
 from moeserve.worker.kv_cache import context_blocks
 
 WINDOW, COMPRESSED = (1, 8), (4, None)
+COARSE = (16, None)  # with block 4: a block of every group ends every 64 positions
+PROMPT = [3 + (7 * i) % 290 for i in range(200)]
+
+
+def _grouped_scheduler(block_groups, **limits) -> Scheduler:
+    """Two sequences in blocks of 4 over these groups' pools (64 blocks of context)."""
+    return Scheduler(
+        SchedulerConfig(max_num_seqs=2, block_size=4, num_kv_blocks=64, block_groups=block_groups, **limits)
+    )
+
+
+def _request(request_id: str, num_tokens: int, max_tokens: int = 4) -> Request:
+    return Request(request_id, PROMPT[:num_tokens], SamplingParams(max_tokens=max_tokens), (0,), arrival_time=0.0)
 
 
 def test_compressed_group_takes_a_block_per_block_size_times_ratio():
@@ -47,15 +63,7 @@ def test_scheduler_hands_out_a_table_per_group_and_preemption_returns_every_grou
     """Two requests of 40 positions in chunks of 8: each needs 3 compressed blocks of the 4, so the
     newer is preempted and recomputes; the window pool (8 blocks, a request's 40 positions being
     10) lasts only because blocks behind the window go back. Everything is free at the end."""
-    config = SchedulerConfig(
-        max_num_seqs=2,
-        max_num_batched_tokens=8,
-        max_model_len=64,
-        block_size=4,
-        num_kv_blocks=16,
-        block_groups=((WINDOW, 8), (COMPRESSED, 4)),
-    )
-    scheduler = Scheduler(config)
+    scheduler = _grouped_scheduler(((WINDOW, 8), (COMPRESSED, 4)), max_num_batched_tokens=8, max_model_len=64)
     for request_id in "ab":
         scheduler.add_request(make_request(request_id, prompt_len=30, max_tokens=10))
     released, preempted = False, []
@@ -88,3 +96,68 @@ def test_budget_buys_window_pools_first_then_context_by_bytes_per_position():
         used = sum(c * s for c, s in zip(group_block_counts(specs.groups, n, 4, 2, 8), sizes))
         assert used <= budget < used + 4 * sizes[1]  # the rest buys compressed entries, to within a block of context
     assert context_blocks(specs, 10**9, 4, 2, 8, most=100) == 100
+
+
+def test_a_hit_resumes_at_a_boundary_of_every_group_from_a_saved_state_and_given_back_window_blocks():
+    """A 150-token prompt saves its open windows at its mark, 128 (a multiple of 4 x 16); a later
+    200-token prompt sharing it resumes there: its compressed tables begin with the first one's
+    blocks, its window table with the two blocks the first one gave back as its window moved on
+    (positions 120 to 127; nothing before them: `RELEASED`), and it starts from the saved state."""
+    pools = ((WINDOW, 12), (COMPRESSED, 20), (COARSE, 8))
+    scheduler = _grouped_scheduler(pools, max_num_batched_tokens=16, max_model_len=256, num_saved_states=2)
+    plans = {}
+
+    def run(request):
+        scheduler.add_request(request)
+        while scheduler.has_unfinished_requests():
+            output = scheduler.schedule()
+            for s in output.scheduled:
+                plans[s.request_id, s.start_position + len(s.token_ids)] = (s, output.prefix_cache_hits)
+            sampled = {s.request_id: token_for(s.request_id, 0) for s in output.scheduled if s.sample}
+            scheduler.update(output, sampled)
+
+    run(_request("first", 150))
+    saved_at_mark, _ = plans["first", 128]
+    assert saved_at_mark.save_state >= 0
+    run(_request("second", 200))
+    resumed, hits = plans["second", 144]
+    assert (resumed.start_position, hits, resumed.load_state) == (128, 128, saved_at_mark.save_state)
+    held = saved_at_mark.group_tables
+    assert resumed.group_tables[WINDOW][:32] == [RELEASED] * 30 + held[WINDOW][30:32]
+    assert resumed.group_tables[COMPRESSED][:8] == held[COMPRESSED][:8]
+    assert resumed.group_tables[COARSE][:2] == held[COARSE][:2]
+    assert scheduler.block_manager.num_used_blocks == 0
+
+
+def _compute(manager: GroupedBlockManager, request: Request, upto: int) -> None:
+    """Run `request` to `upto` positions in steps ending at multiples of 64, as the scheduler's
+    chunks cut at its marks: grow, compute, register the full blocks, save the state there."""
+    while request.num_computed_tokens < upto:
+        before = request.num_computed_tokens
+        assert manager.allocate(request, min(upto, (before // 64 + 1) * 64) - before)
+        request.num_computed_tokens = min(upto, (before // 64 + 1) * 64)
+        manager.cache_full_blocks(request, before)
+        manager.save_state(request, request.num_computed_tokens)
+        manager.commit_saved_states()
+
+
+def test_a_hit_whose_window_block_was_evicted_falls_back_to_a_shorter_one_and_nothing_leaks():
+    manager = GroupedBlockManager([WINDOW, COMPRESSED, COARSE], [40, 40, 10], 4, True, 4)
+    first = _request("first", 150)
+    _compute(manager, first, 150)
+    manager.free(first)  # states saved at 64 and 128; window blocks 14-15 and 30-31 kept, given back in that order
+    assert manager.lookup(_request("probe", 200)).num_tokens == 128
+    reader = _request("reader", 100)
+    hit = manager.lookup(reader)
+    assert hit.num_tokens == 64 and hit.tables[WINDOW] == (RELEASED,) * 14 + hit.tables[WINDOW][14:16]
+    assert manager.allocate(reader, 36, hit)
+    reader.num_computed_tokens = 100
+    assert manager.allocate(reader, 1)  # its window moves past 64: blocks 14-15 given back again, last
+    manager.free(reader)
+    cached = manager.num_cached_blocks
+    unrelated = Request("unrelated", [1] * 148, SamplingParams(max_tokens=1), (0,), arrival_time=0.0)
+    assert manager.allocate(unrelated, 148)  # 37 window blocks: every uncached free one and the oldest cached
+    assert manager.num_cached_blocks == cached - 1
+    assert manager.lookup(_request("probe", 200)).num_tokens == 64
+    manager.free(unrelated)
+    assert manager.num_used_blocks == 0 and manager.num_free_blocks == 90
