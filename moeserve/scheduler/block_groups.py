@@ -48,14 +48,15 @@ class Group:
             return 0
         return max(0, start - self.window + 1) // block_size
 
-    def read_at_hits(self, index: int, block_size: int, step: int) -> bool:
-        """Whether a sequence resuming at a multiple of `step` (a prefix-cache hit) may read block
-        `index`: every block without a window; with one, only those in the window before such a
-        position (what a hit there takes from the cache: the rest are never worth keeping)."""
-        if self.window is None:
-            return True
-        hit = -(-(index + 1) * block_size // step) * step  # the first such position after the block
-        return self.dead_blocks(hit, block_size) <= index
+
+def read_at_hits(group: Group, index: int, block_size: int, step: int) -> bool:
+    """Whether a sequence resuming at a multiple of `step` (a prefix-cache hit) may read block
+    `index` of `group`: every block without a window; with one, only those in the window before
+    such a position (what a hit there takes from the cache: the rest are never worth keeping)."""
+    if group.window is None:
+        return True
+    hit = -(-(index + 1) * block_size // step) * step  # the first such position after the block
+    return group.dead_blocks(hit, block_size) <= index
 
 
 class GroupedBlocks:
@@ -299,7 +300,7 @@ class GroupedBlockManager:
     def cache_full_blocks(self, request: Request, num_computed_before: int) -> None:
         """Register the blocks of every group a step completed: those full at
         `request.num_computed_tokens` that were not at `num_computed_before`, but of a window
-        group only those a hit reads (`Group.read_at_hits`): the others, given back as the window
+        group only those a hit reads (`read_at_hits`): the others, given back as the window
         moves, are taken first, so the few a hit needs outlast them in the small window pool."""
         if not self.enable_caching:
             return
@@ -309,7 +310,7 @@ class GroupedBlockManager:
             group = self.blocks.groups[key]
             per_block = group.tokens_per_entry
             for i in range(num_computed_before // (size * per_block), num_computed // (size * per_block)):
-                if table[i] != RELEASED and group.read_at_hits(i, size, self.hit_alignment):
+                if table[i] != RELEASED and read_at_hits(group, i, size, self.hit_alignment):
                     self.blocks.register(key, table[i], hashes[(i + 1) * per_block - 1])
 
     def saved_state(self, request: Request, num_blocks: int) -> int:
