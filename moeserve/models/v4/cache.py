@@ -85,6 +85,7 @@ class LayerCache:
 
 
 def _index(slots: Sequence[int], like: torch.Tensor) -> torch.Tensor:
+    """Slot numbers as an index tensor on `like`'s device."""
     return torch.tensor(slots, dtype=torch.int64, device=like.device)
 
 
