@@ -4,6 +4,8 @@ prefix caching across the groups (hits at block boundaries of every group with a
 
 from __future__ import annotations
 
+import random
+
 from helpers.scheduler import make_request, token_for
 
 from moeserve.cache_spec import CacheSpecs, PagedSpec
@@ -161,3 +163,65 @@ def test_a_hit_whose_window_block_was_evicted_falls_back_to_a_shorter_one_and_no
     assert manager.lookup(_request("probe", 200)).num_tokens == 64
     manager.free(unrelated)
     assert manager.num_used_blocks == 0 and manager.num_free_blocks == 90
+
+
+class _RowsPool:
+    """A fake V4 cache: each row a step writes holds the tokens it was computed from (the prefix up
+    to its last position), each saved state the prefix at its mark; every row and state a step
+    reads is checked to hold its own sequence's prefix, so a block shared, given back or evicted
+    wrongly shows up as another prefix's row."""
+
+    def __init__(self, block_size: int, alignment: int) -> None:
+        self.block_size, self.alignment = block_size, alignment
+        self.rows: dict[tuple, tuple[int, ...]] = {}
+        self.saved: dict[int, tuple[int, ...]] = {}
+
+    def run(self, scheduler: Scheduler, output, requests: dict[str, Request]) -> None:
+        for s in output.scheduled:
+            start, end = s.start_position, s.start_position + len(s.token_ids)
+            tokens = tuple(requests[s.request_id].token_ids_between(0, end))
+            if s.load_state >= 0:
+                assert self.saved[s.load_state] == tokens[:start]
+            for (per_entry, window), table in s.group_tables.items():
+                first = 0 if window is None else max(0, start - window + 1)
+                for row in range(-(-first // per_entry), end // per_entry):
+                    where = ((per_entry, window), table[row // self.block_size], row % self.block_size)
+                    if row < start // per_entry:
+                        assert self.rows[where] == tokens[: (row + 1) * per_entry]
+                    else:
+                        self.rows[where] = tokens[: (row + 1) * per_entry]
+            if s.save_state >= 0:
+                assert end % self.alignment == 0
+                self.saved[s.save_state] = tokens
+
+
+def test_random_shared_prefixes_read_only_their_own_rows_through_hits_eviction_and_preemption():
+    """Requests on two long shared prefixes, in pools too small for two of them at once: hits,
+    evictions and preemptions all happen, every row a step reads holds its own prefix, and
+    every block is free at the end."""
+    pools = ((WINDOW, 12), (COMPRESSED, 14), (COARSE, 5))
+    scheduler = _grouped_scheduler(
+        pools, max_num_batched_tokens=16, max_model_len=256, num_saved_states=3, state_save_interval=16
+    )
+    pool, rng, requests = _RowsPool(4, 64), random.Random(44), {}
+    prefixes = [[rng.randint(3, 300) for _ in range(rng.randint(100, 130))] for _ in range(2)]
+    hits = preemptions = evictions = 0
+    for index in range(600):
+        if index < 200 and rng.random() < 0.1:
+            tokens = rng.choice(prefixes) + [rng.randint(3, 300) for _ in range(rng.randint(0, 30))]
+            request = Request(f"r{index}", tokens, SamplingParams(max_tokens=rng.randint(1, 8)), (0,), 0.0)
+            scheduler.add_request(request)
+            requests[request.request_id] = request
+        cached = scheduler.block_manager.num_cached_blocks
+        output = scheduler.schedule()
+        evictions += max(0, cached - scheduler.block_manager.num_cached_blocks)  # only eviction forgets
+        pool.run(scheduler, output, requests)
+        hits += output.prefix_cache_hits
+        preemptions += len(output.preempted_request_ids)
+        sampled = {s.request_id: token_for(s.request_id, 0) for s in output.scheduled if s.sample}
+        scheduler.update(output, sampled)
+        if index >= 200 and not scheduler.has_unfinished_requests():
+            break
+    assert not scheduler.has_unfinished_requests()
+    assert hits > 0 and preemptions > 0 and evictions > 0
+    assert scheduler.block_manager.num_used_blocks == 0
