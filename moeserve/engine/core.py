@@ -177,19 +177,12 @@ def build_scheduler(config: EngineConfig, model_config: ModelConfig, dtype: torc
         saved_states,
         config.max_num_batched_tokens,
     )
-    caching = cache.enable_prefix_caching
     block_groups: tuple = ()
     if grouped:
         counts = group_block_counts(
             specs.groups, num_blocks, cache.block_size, config.max_num_seqs, config.max_num_batched_tokens
         )
         block_groups = tuple(zip(specs.groups, counts, strict=True))
-        if caching:
-            logger.warning(
-                "%s: prefix caching is turned off: it is not built for caches in several block-table groups",
-                model_config.architecture,
-            )
-            caching = False
     return DataParallelScheduler(
         SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
@@ -197,7 +190,7 @@ def build_scheduler(config: EngineConfig, model_config: ModelConfig, dtype: torc
             max_model_len=max_model_len,
             block_size=cache.block_size,
             num_kv_blocks=num_blocks,
-            enable_prefix_caching=caching,
+            enable_prefix_caching=cache.enable_prefix_caching,
             has_state=specs.has_state,
             block_groups=block_groups,
             num_saved_states=saved_states,

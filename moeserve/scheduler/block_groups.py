@@ -10,17 +10,22 @@ it held. A window group gives back the blocks wholly behind the window as the re
 their table entries become `RELEASED` (never read again).
 
 `GroupedBlockManager` is what `Scheduler` holds in place of `BlockManager` for such a model: the
-same calls, each request's tables per group in the plan (`ScheduledRequest.group_tables`). Prefix
-caching, draft trimming and pinning for transfers are not built for several groups (the engine
-refuses them first). `group_block_counts` sizes each group's pool.
+same calls, each request's tables per group in the plan (`ScheduledRequest.group_tables`), prefix
+caching included (hits at block boundaries of every group, from saved open-window states). Draft
+trimming and pinning for transfers are not built for several groups (the engine refuses them
+first). `group_block_counts` sizes each group's pool.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from math import lcm
 from typing import NamedTuple
 
 from moeserve.cache_spec import BlockGroup, GroupKey, group_names
+from moeserve.scheduler.block_hash import BlockHash, block_hashes
 from moeserve.scheduler.request import Request
 from moeserve.scheduler.saved_states import SavedStates
 
@@ -37,48 +42,125 @@ class GroupBlocks(NamedTuple):
     total: int
 
 
+def read_at_hits(group: BlockGroup, index: int, block_size: int, step: int) -> bool:
+    """Whether a sequence resuming at a multiple of `step` (a prefix-cache hit) may read block
+    `index` of `group`: every block without a window; with one, only those in the window before
+    such a position (what a hit there takes from the cache: the rest are never worth keeping)."""
+    if group.window is None:
+        return True
+    hit = -(-(index + 1) * block_size // step) * step  # the first such position after the block
+    return group.dead_blocks(hit, block_size) <= index
+
+
 class GroupedBlocks:
-    """`num_blocks[g]` blocks of `block_size` rows for each group `groups[g]`."""
+    """`num_blocks[g]` blocks of `block_size` rows for each group `groups[g]`.
+
+    With prefix caching a block may also be registered under a content hash (`register`) and
+    shared by several tables (a reference count per block). A block no table holds goes back to
+    its group's free list, which is the eviction order, as in `BlockManager`: blocks holding
+    nothing findable first, then cached ones least recently given back first; a cached one stays
+    findable (`find`) until it is taken for something else. A window block given back as its
+    request advances counts as given back too, so a later request sharing the prefix finds it."""
 
     def __init__(self, groups: Sequence[GroupKey], num_blocks: Sequence[int], block_size: int) -> None:
         if len(groups) != len(num_blocks) or min(num_blocks, default=1) < 1 or block_size < 1:
             raise ValueError(f"one count of at least 1 per group and a block size of at least 1: {num_blocks}")
         self.block_size = block_size
         self.groups = {key: BlockGroup(*key) for key in groups}
-        self._free = {key: list(range(n - 1, -1, -1)) for key, n in zip(groups, num_blocks, strict=True)}
+        self._free = {key: OrderedDict.fromkeys(range(n)) for key, n in zip(groups, num_blocks, strict=True)}
+        self._refs = {key: [0] * n for key, n in zip(groups, num_blocks, strict=True)}
+        self._by_hash: dict[GroupKey, dict[BlockHash, int]] = {key: {} for key in groups}
+        self._hash_of: dict[GroupKey, dict[int, BlockHash]] = {key: {} for key in groups}
         self._tables: dict[str, dict[GroupKey, list[int]]] = {}
 
     def num_free(self, key: GroupKey) -> int:
         return len(self._free[key])
 
+    @property
+    def num_cached(self) -> int:
+        """Blocks findable by their content, every group's, in use or not."""
+        return sum(map(len, self._by_hash.values()))
+
     def tables(self, request_id: str) -> dict[GroupKey, list[int]]:
         return self._tables.get(request_id, {key: [] for key in self.groups})
 
-    def allocate(self, request_id: str, start: int, num_new_tokens: int) -> bool:
+    def find(self, key: GroupKey, block_hash: BlockHash) -> int | None:
+        """Group `key`'s block registered under `block_hash`, if it is still held or not yet evicted."""
+        return self._by_hash[key].get(block_hash)
+
+    def register(self, key: GroupKey, block_id: int, block_hash: BlockHash) -> None:
+        """Make a full block findable by its content; one whose content another block already
+        holds (computed alongside) stays private, and is taken first once given back."""
+        if block_hash not in self._by_hash[key] and block_id not in self._hash_of[key]:
+            self._by_hash[key][block_hash] = block_id
+            self._hash_of[key][block_id] = block_hash
+
+    def allocate(
+        self,
+        request_id: str,
+        start: int,
+        num_new_tokens: int,
+        cached: Mapping[GroupKey, Sequence[int]] | None = None,
+    ) -> bool:
         """Tables covering positions `[0, start + num_new_tokens)` of a request whose queries now
         begin at `start` (window blocks behind it given back); False, taking nothing, when any
-        group's free list is too short."""
-        tables = self.tables(request_id)
+        group's free list is too short. `cached`: for a request holding nothing yet, the tables
+        of a prefix-cache hit at `start` (`RELEASED` where the window needs nothing), which its
+        tables then begin with."""
+        if cached is not None and request_id in self._tables:
+            raise ValueError(f"request {request_id!r} already holds blocks; cached ones are for admission")
+        tables = {key: list(table) for key, table in cached.items()} if cached else self.tables(request_id)
         end = start + num_new_tokens
         needed = {key: max(0, g.blocks_for(end, self.block_size) - len(tables[key])) for key, g in self.groups.items()}
         dead = {
             key: [i for i in range(g.dead_blocks(start, self.block_size)) if tables[key][i] != RELEASED]
             for key, g in self.groups.items()
         }
-        if any(n > len(self._free[key]) + len(dead[key]) for key, n in needed.items()):
-            return False
+        shared = {key: [b for b in table if b != RELEASED] for key, table in cached.items()} if cached else {}
         for key, n in needed.items():
-            for i in dead[key]:  # behind the window first, so that growth can reuse them
-                self._free[key].append(tables[key][i])
+            refs = self._refs[key]
+            revived = sum(1 for b in shared.get(key, ()) if not refs[b])  # cached, nobody holds it
+            freed = sum(1 for i in dead[key] if refs[tables[key][i]] == 1)
+            if n + revived > len(self._free[key]) + freed:
+                return False
+        for key, n in needed.items():
+            for block_id in shared.get(key, ()):
+                if not self._refs[key][block_id]:
+                    del self._free[key][block_id]
+                self._refs[key][block_id] += 1
+            for i in dead[key]:  # before growing, which can take them (last, if they are cached)
+                self._release(key, tables[key][i])
                 tables[key][i] = RELEASED
-            tables[key].extend(self._free[key].pop() for _ in range(n))
+            tables[key].extend(self._take(key) for _ in range(n))
         self._tables[request_id] = tables
         return True
 
     def free(self, request_id: str) -> None:
-        """Give back every block the request holds; a second call is a no-op."""
+        """Give back every block the request holds, tail first (a shared head is evicted last); a
+        second call is a no-op."""
         for key, table in self._tables.pop(request_id, {}).items():
-            self._free[key].extend(b for b in reversed(table) if b != RELEASED)
+            for block_id in reversed(table):
+                if block_id != RELEASED:
+                    self._release(key, block_id)
+
+    def _take(self, key: GroupKey) -> int:
+        """The first block of group `key`'s eviction order, its cached content forgotten."""
+        block_id, _ = self._free[key].popitem(last=False)
+        block_hash = self._hash_of[key].pop(block_id, None)
+        if block_hash is not None:
+            del self._by_hash[key][block_hash]
+        self._refs[key][block_id] = 1
+        return block_id
+
+    def _release(self, key: GroupKey, block_id: int) -> None:
+        refs = self._refs[key]
+        if refs[block_id] < 1:
+            raise RuntimeError(f"block {block_id} of group {key} given back but not in use (double free)")
+        refs[block_id] -= 1
+        if not refs[block_id]:
+            self._free[key][block_id] = None
+            if block_id not in self._hash_of[key]:
+                self._free[key].move_to_end(block_id, last=False)  # holds nothing findable: reuse it first
 
 
 def group_block_counts(
@@ -98,21 +180,52 @@ def group_block_counts(
     return tuple(counts)
 
 
+@dataclass(frozen=True)
+class PrefixHit:
+    """A prefix-cache hit of a model with several groups: the request resumes at position
+    `num_tokens` with these tables (`RELEASED` where its window needs nothing). Its length is the
+    token blocks it covers, as `BlockManager.lookup`'s list of blocks, so the scheduler counts
+    both alike (cached tokens, the saved state at its end, data-parallel routing)."""
+
+    num_tokens: int = 0
+    block_size: int = 1
+    tables: Mapping[GroupKey, tuple[int, ...]] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return self.num_tokens // self.block_size
+
+
 class GroupedBlockManager:
     """`BlockManager`'s part the scheduler calls, over one `GroupedBlocks`: a request's table per
     group instead of `Request.block_ids`. Block counts (`num_blocks`, free, used) are the groups'
-    together, for the usage gauge and data-parallel routing; `group_blocks` each group's."""
+    together, for the usage gauge and data-parallel routing; `group_blocks` each group's.
 
-    enable_caching = False
+    Prefix caching: block i of a group is registered under the token hash chain's (`block_hash`)
+    hash at the position where it ends, `(i + 1) x block_size x tokens_per_entry`, keyed by group.
+    A hit resumes at a position P that ends a block of every group (a multiple of
+    `hit_alignment`), so every block before P is full and shared as it is, and where the open
+    compression windows' states were saved (`SavedStates`, addressed by the hash at P, as for Gated
+    DeltaNets): each compressed group needs its blocks before P, the window group only those its
+    window reads from P. The longest such P before the prompt's last token wins."""
+
     has_state = True
 
-    def __init__(self, groups: Sequence[GroupKey], num_blocks: Sequence[int], block_size: int) -> None:
+    def __init__(
+        self,
+        groups: Sequence[GroupKey],
+        num_blocks: Sequence[int],
+        block_size: int,
+        enable_caching: bool = False,
+        num_saved_states: int = 0,
+    ) -> None:
         self.blocks = GroupedBlocks(groups, num_blocks, block_size)
         self.block_size = block_size
         self.num_blocks = sum(num_blocks)
         self._pools = tuple(zip(group_names(tuple(groups)), groups, num_blocks, strict=True))
-        self.num_cached_blocks = 0
-        self.saved_states = SavedStates(0)
+        self.enable_caching = enable_caching
+        self.saved_states = SavedStates(num_saved_states if enable_caching else 0)
+        self.hit_alignment = block_size * lcm(*(tokens_per_entry for tokens_per_entry, _ in groups))
+        """Where a hit may resume: a block boundary of every group."""
 
     @property
     def num_free_blocks(self) -> int:
@@ -121,6 +234,10 @@ class GroupedBlockManager:
     @property
     def num_used_blocks(self) -> int:
         return self.num_blocks - self.num_free_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return self.blocks.num_cached
 
     @property
     def usage(self) -> float:
@@ -135,26 +252,87 @@ class GroupedBlockManager:
         """A copy of `request`'s table per group, for the plan."""
         return {key: list(table) for key, table in self.blocks.tables(request.request_id).items()}
 
-    def lookup(self, request: Request) -> list[int]:
-        return []
+    def lookup(self, request: Request) -> PrefixHit:
+        """The longest hit for a request about to be admitted (empty without one), never reaching
+        its last token; takes nothing: pass it to `allocate` before any other block is taken.
+        A request asking for prompt logprobs takes none, as with one group."""
+        if not self.saved_states.num_slots or request.sampling_params.prompt_logprobs is not None:
+            return PrefixHit()
+        size, step = self.block_size, self.hit_alignment
+        hashes = block_hashes(request, size, (request.num_tokens - 1) // step * step // size)
+        for end in range(len(hashes) * size // step * step, 0, -step):
+            if hashes[end // size - 1] in self.saved_states:
+                tables = self._cached_tables(hashes, end)
+                if tables is not None:
+                    return PrefixHit(end, size, tables)
+        return PrefixHit()
 
-    def allocate(self, request: Request, num_new_tokens: int, cached_blocks: Sequence[int] = ()) -> bool:
-        """Every group's table covering the request's next `num_new_tokens` positions, all or nothing."""
-        if cached_blocks:
-            raise ValueError("prefix caching is not built for several block-table groups")
-        return self.blocks.allocate(request.request_id, request.num_computed_tokens, num_new_tokens)
+    def _cached_tables(self, hashes: Sequence[BlockHash], end: int) -> dict[GroupKey, tuple[int, ...]] | None:
+        """Every group's cached blocks a sequence resuming at `end` reads (`RELEASED` before its
+        window), or None when any is missing. `hashes`: the token blocks' chain up to `end`."""
+        tables = {}
+        for key, group in self.blocks.groups.items():
+            first, per_block = group.dead_blocks(end, self.block_size), group.tokens_per_entry
+            found = [
+                self.blocks.find(key, hashes[(i + 1) * per_block - 1])
+                for i in range(first, end // (self.block_size * per_block))
+            ]
+            if None in found:
+                return None
+            tables[key] = (RELEASED,) * first + tuple(found)
+        return tables
+
+    def allocate(self, request: Request, num_new_tokens: int, cached_blocks: PrefixHit | Sequence[int] = ()) -> bool:
+        """Every group's table covering the request's next `num_new_tokens` positions, all or
+        nothing; with a hit from `lookup` (admission), after the hit's tables (the caller sets
+        `num_computed_tokens` to its end)."""
+        if not cached_blocks:
+            return self.blocks.allocate(request.request_id, request.num_computed_tokens, num_new_tokens)
+        if not isinstance(cached_blocks, PrefixHit) or request.num_computed_tokens:
+            raise ValueError(f"request {request.request_id!r}: a hit from lookup is for admission only")
+        return self.blocks.allocate(request.request_id, cached_blocks.num_tokens, num_new_tokens, cached_blocks.tables)
 
     def free(self, request: Request) -> None:
+        """Every group's blocks back, the cached ones still findable."""
         self.blocks.free(request.request_id)
 
     def cache_full_blocks(self, request: Request, num_computed_before: int) -> None:
-        """Nothing is registered: no prefix caching."""
+        """Register the blocks of every group a step completed: those full at
+        `request.num_computed_tokens` that were not at `num_computed_before`, but of a window
+        group only those a hit reads (`read_at_hits`): the others, given back as the window
+        moves, are taken first, so the few a hit needs outlast them in the small window pool."""
+        if not self.enable_caching:
+            return
+        size, num_computed = self.block_size, request.num_computed_tokens
+        hashes = block_hashes(request, size, num_computed // size)
+        for key, table in self.blocks.tables(request.request_id).items():
+            group = self.blocks.groups[key]
+            per_block = group.tokens_per_entry
+            for i in range(num_computed_before // (size * per_block), num_computed // (size * per_block)):
+                if table[i] != RELEASED and read_at_hits(group, i, size, self.hit_alignment):
+                    self.blocks.register(key, table[i], hashes[(i + 1) * per_block - 1])
+
+    def saved_state(self, request: Request, num_blocks: int) -> int:
+        """The saved-state slot of the hit `lookup` found, ending `num_blocks` token blocks in
+        (made the most recently used)."""
+        return self.saved_states.use(block_hashes(request, self.block_size, num_blocks)[num_blocks - 1])
+
+    def save_state(self, request: Request, num_tokens: int) -> int | None:
+        """A saved-state slot for `request`'s open windows after its first `num_tokens` positions,
+        which the planned step computes; None where no hit can resume (not a multiple of
+        `hit_alignment`), where that state is saved already or no slot can take it."""
+        if not self.saved_states.num_slots or not num_tokens or num_tokens % self.hit_alignment:
+            return None
+        num_blocks = num_tokens // self.block_size
+        return self.saved_states.reserve(block_hashes(request, self.block_size, num_blocks)[num_blocks - 1])
 
     def commit_saved_states(self) -> None:
-        """No saved states: nothing to commit."""
+        """The planned step ran: the states it saved are findable."""
+        self.saved_states.commit()
 
     def drop_pending_states(self) -> None:
-        """No saved states: nothing pending."""
+        """The planned step was lost: the slots reserved for its saves go back."""
+        self.saved_states.drop_pending()
 
     def trim(self, request: Request, num_tokens: int) -> None:
         raise NotImplementedError("speculative decoding is not built for several block-table groups")

@@ -56,6 +56,8 @@ class BlockManager:
         self._hash_by_block: dict[int, BlockHash] = {}
         self.has_state = has_state
         self.saved_states = SavedStates(num_saved_states if has_state and enable_caching else 0)
+        self.hit_alignment = block_size
+        """Where a hit may resume: any block boundary (`GroupedBlockManager` has a coarser one)."""
 
     @property
     def num_free_blocks(self) -> int:

@@ -29,8 +29,9 @@ Mechanics shared by both policies: iteration-level batching, preemption by recom
   computed in this very step waits for the next one, which finds it cached.
   A model whose layers keep a state per sequence (`has_state`) resumes a hit from a saved state
   (`saved_states.py`): the plan marks the steps that end where a state is saved (every
-  `state_save_interval` blocks, and the last block boundary before a prompt's last token; a
-  prompt chunk crossing one is cut there) with the slot to write (`ScheduledRequest.save_state`),
+  `state_save_interval` blocks, and the last block boundary before a prompt's last token; with
+  several block-table groups only a boundary of every group, `hit_alignment`; a prompt chunk
+  crossing one is cut there) with the slot to write (`ScheduledRequest.save_state`),
   `update` makes it findable, and a hit names the slot its sequence starts from (`load_state`).
 
 - KV loaded from another instance (a decode instance of prefill/decode disaggregation): a request
@@ -266,7 +267,9 @@ class Scheduler:
         self.block_manager: BlockManager | GroupedBlockManager
         if config.block_groups:
             keys, counts = zip(*config.block_groups)
-            self.block_manager = GroupedBlockManager(keys, counts, config.block_size)
+            self.block_manager = GroupedBlockManager(
+                keys, counts, config.block_size, config.enable_prefix_caching, config.num_saved_states
+            )
         else:
             self.block_manager = BlockManager(
                 config.num_kv_blocks,
@@ -809,10 +812,13 @@ class Scheduler:
         return self.block_manager.saved_states.num_slots > 0
 
     def _state_marks(self, request: Request) -> tuple[int, int]:
-        """(every how many positions `request`'s state is saved, the prompt's mark: its last block
-        boundary before its last token, where a repeat of the prompt or a later turn resumes)."""
-        block_size = self.config.block_size
-        return self.config.state_save_interval * block_size, (request.num_prompt_tokens - 1) // block_size * block_size
+        """(every how many positions `request`'s state is saved, the prompt's mark: its last
+        position where a hit may resume (`hit_alignment`) before its last token, where a repeat
+        of the prompt or a later turn resumes). With several groups the interval is rounded up
+        to that alignment."""
+        step = self.block_manager.hit_alignment
+        interval = -(-self.config.state_save_interval * self.config.block_size // step) * step
+        return interval, (request.num_prompt_tokens - 1) // step * step
 
     def _next_state_save(self, request: Request, num_computed: int) -> int:
         """The first position past `num_computed` where `request`'s state is saved."""

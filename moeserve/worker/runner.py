@@ -392,6 +392,11 @@ class ModelRunner:
         """A model with several block-table groups: token ids `[T]`, each sequence's view (its
         first position, its table per group, its state slot) and the layers' caches."""
         slots = self.states.batch(scheduled).slots if self.states is not None else (-1,) * len(scheduled)
+        loads = [(slot, s.load_state) for slot, s in zip(slots, scheduled) if s.load_state >= 0]
+        if loads:
+            for cache in self.kv_caches:
+                if cache.saved:
+                    cache.load_saved(*zip(*loads))
         views = tuple(
             SequenceView(
                 s.start_position,
@@ -410,7 +415,7 @@ class ModelRunner:
         saves = [(self.states.slot(s.request_id), s.save_state) for s in scheduled if s.save_state >= 0]
         if saves:
             for cache in self.kv_caches:
-                if isinstance(cache, LinearState):
+                if isinstance(cache, LinearState) or isinstance(cache, GroupedLayerCache) and cache.saved:
                     cache.save(*zip(*saves))
 
     def _sampled_rows(self, hidden: torch.Tensor, scheduled: Sequence[ScheduledRequest]) -> torch.Tensor:

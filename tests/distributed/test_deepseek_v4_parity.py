@@ -17,6 +17,7 @@ import shutil
 import pytest
 import torch
 from helpers.reference import hf_greedy_tokens, hf_model
+from helpers.stats import CountingStatLogger
 from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers.integrations.finegrained_fp8 import Fp8Dequantize
@@ -89,11 +90,22 @@ def _generate_without_leaks(llm: LLM, prompts: list[list[int]]) -> list[list[int
     return [list(o.outputs[0].token_ids) for o in outputs]
 
 
-def test_greedy_tokens_match_transformers_in_chunks(checkpoint, prompts_and_tokens):
+def test_greedy_tokens_match_transformers_in_chunks_and_from_the_prefix_cache(checkpoint, prompts_and_tokens):
+    """The 40-token prompt beside a first request holding the 200-token prompt's first 150 tokens,
+    then the 200-token prompt: a hit resumes only at a block boundary of every group (block 4 x 16
+    positions per entry: every 64 positions) where the open windows' states were saved (the first
+    request's prompt mark), so it resumes at 128 from that request's entries, the window blocks it
+    gave back as its window moved, and its saved states."""
     prompts, want = prompts_and_tokens
-    with LLM(str(checkpoint), enable_prefix_caching=True, **ENGINE) as llm:  # turned off: several groups
-        assert not llm.engine.scheduler.groups[0].config.enable_prefix_caching
-        assert _generate_without_leaks(llm, prompts) == want
+    counts = CountingStatLogger()
+    with LLM(str(checkpoint), enable_prefix_caching=True, stat_loggers=[counts], **ENGINE) as llm:
+        assert _generate_without_leaks(llm, [prompts[0], prompts[1][:150]])[0] == want[0]
+        assert counts.prefix_cache_hits == 0
+        assert _generate_without_leaks(llm, [prompts[1]]) == [want[1]]
+        assert counts.prefix_cache_hits == 128
+        states, saved = llm.engine.executor.runner.states, llm.engine.scheduler.groups[0].block_manager.saved_states
+        assert states.num_free >= states.num_slots - 1  # the last to finish gives its slot back at the next plan
+        assert saved.num_pending == 0 and saved.num_held > 0
 
 
 @pytest.mark.parametrize("tp", [1, 2], ids=["ep4", "ep4-tp2"])

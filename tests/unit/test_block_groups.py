@@ -1,12 +1,16 @@
 """Block tables per group of paged specs: a compressed group takes a block per block_size x ratio
-positions, a window group gives back what falls behind its window, growth is all or nothing."""
+positions, a window group gives back what falls behind its window, growth is all or nothing;
+prefix caching across the groups (hits at block boundaries of every group with a saved state)."""
 
 from __future__ import annotations
+
+import random
 
 import pytest
 from helpers.scheduler import make_request, token_for
 
 from moeserve.cache_spec import BlockGroup, CacheSpecs, PagedSpec
+from moeserve.sampling_params import SamplingParams
 from moeserve.scheduler import DataParallelScheduler, Scheduler, SchedulerConfig
 from moeserve.scheduler.block_groups import (
     RELEASED,
@@ -15,9 +19,23 @@ from moeserve.scheduler.block_groups import (
     GroupedBlocks,
     group_block_counts,
 )
+from moeserve.scheduler.request import Request
 from moeserve.worker.kv_cache import context_blocks
 
 WINDOW, COMPRESSED = (1, 8), (4, None)
+COARSE = (16, None)  # with block 4: a block of every group ends every 64 positions
+PROMPT = [3 + (7 * i) % 290 for i in range(200)]
+
+
+def _grouped_scheduler(block_groups, **limits) -> Scheduler:
+    """Two sequences in blocks of 4 over these groups' pools (64 blocks of context)."""
+    return Scheduler(
+        SchedulerConfig(max_num_seqs=2, block_size=4, num_kv_blocks=64, block_groups=block_groups, **limits)
+    )
+
+
+def _request(request_id: str, num_tokens: int, max_tokens: int = 4) -> Request:
+    return Request(request_id, PROMPT[:num_tokens], SamplingParams(max_tokens=max_tokens), (0,), arrival_time=0.0)
 
 
 def grouped_config(window_blocks: int, compressed_blocks: int, context_blocks: int) -> SchedulerConfig:
@@ -120,3 +138,130 @@ def test_budget_buys_window_pools_first_then_context_by_bytes_per_position():
         used = sum(c * s for c, s in zip(group_block_counts(specs.groups, n, 4, 2, 8), sizes))
         assert used <= budget < used + 4 * sizes[1]  # the rest buys compressed entries, to within a block of context
     assert context_blocks(specs, 10**9, 4, 2, 8, most=100) == 100
+
+
+def test_a_hit_resumes_at_a_boundary_of_every_group_from_a_saved_state_and_given_back_window_blocks():
+    """A 150-token prompt saves its open windows at its mark, 128 (a multiple of 4 x 16); a later
+    200-token prompt sharing it resumes there: its compressed tables begin with the first one's
+    blocks, its window table with the two blocks the first one gave back as its window moved on
+    (positions 120 to 127; nothing before them: `RELEASED`), and it starts from the saved state."""
+    pools = ((WINDOW, 12), (COMPRESSED, 20), (COARSE, 8))
+    scheduler = _grouped_scheduler(pools, max_num_batched_tokens=16, max_model_len=256, num_saved_states=2)
+    plans = {}
+
+    def run(request):
+        scheduler.add_request(request)
+        while scheduler.has_unfinished_requests():
+            output = scheduler.schedule()
+            for s in output.scheduled:
+                plans[s.request_id, s.start_position + len(s.token_ids)] = (s, output.prefix_cache_hits)
+            sampled = {s.request_id: token_for(s.request_id, 0) for s in output.scheduled if s.sample}
+            scheduler.update(output, sampled)
+
+    run(_request("first", 150))
+    saved_at_mark, _ = plans["first", 128]
+    assert saved_at_mark.save_state >= 0
+    run(_request("second", 200))
+    resumed, hits = plans["second", 144]
+    assert (resumed.start_position, hits, resumed.load_state) == (128, 128, saved_at_mark.save_state)
+    held = saved_at_mark.group_tables
+    assert resumed.group_tables[WINDOW][:32] == [RELEASED] * 30 + held[WINDOW][30:32]
+    assert resumed.group_tables[COMPRESSED][:8] == held[COMPRESSED][:8]
+    assert resumed.group_tables[COARSE][:2] == held[COARSE][:2]
+    assert scheduler.block_manager.num_used_blocks == 0
+
+
+def _compute(manager: GroupedBlockManager, request: Request, upto: int) -> None:
+    """Run `request` to `upto` positions in steps ending at multiples of 64, as the scheduler's
+    chunks cut at its marks: grow, compute, register the full blocks, save the state there."""
+    while request.num_computed_tokens < upto:
+        before = request.num_computed_tokens
+        assert manager.allocate(request, min(upto, (before // 64 + 1) * 64) - before)
+        request.num_computed_tokens = min(upto, (before // 64 + 1) * 64)
+        manager.cache_full_blocks(request, before)
+        manager.save_state(request, request.num_computed_tokens)
+        manager.commit_saved_states()
+
+
+def test_a_hit_whose_window_block_was_evicted_falls_back_to_a_shorter_one_and_nothing_leaks():
+    manager = GroupedBlockManager([WINDOW, COMPRESSED, COARSE], [40, 40, 10], 4, True, 4)
+    first = _request("first", 150)
+    _compute(manager, first, 150)
+    manager.free(first)  # states saved at 64 and 128; window blocks 14-15 and 30-31 kept, given back in that order
+    assert manager.lookup(_request("probe", 200)).num_tokens == 128
+    reader = _request("reader", 100)
+    hit = manager.lookup(reader)
+    assert hit.num_tokens == 64 and hit.tables[WINDOW] == (RELEASED,) * 14 + hit.tables[WINDOW][14:16]
+    assert manager.allocate(reader, 36, hit)
+    reader.num_computed_tokens = 100
+    assert manager.allocate(reader, 1)  # its window moves past 64: blocks 14-15 given back again, last
+    manager.free(reader)
+    cached = manager.num_cached_blocks
+    unrelated = Request("unrelated", [1] * 148, SamplingParams(max_tokens=1), (0,), arrival_time=0.0)
+    assert manager.allocate(unrelated, 148)  # 37 window blocks: every uncached free one and the oldest cached
+    assert manager.num_cached_blocks == cached - 1
+    assert manager.lookup(_request("probe", 200)).num_tokens == 64
+    manager.free(unrelated)
+    assert manager.num_used_blocks == 0 and manager.num_free_blocks == 90
+
+
+class _RowsPool:
+    """A fake V4 cache: each row a step writes holds the tokens it was computed from (the prefix up
+    to its last position), each saved state the prefix at its mark; every row and state a step
+    reads is checked to hold its own sequence's prefix, so a block shared, given back or evicted
+    wrongly shows up as another prefix's row."""
+
+    def __init__(self, block_size: int, alignment: int) -> None:
+        self.block_size, self.alignment = block_size, alignment
+        self.rows: dict[tuple, tuple[int, ...]] = {}
+        self.saved: dict[int, tuple[int, ...]] = {}
+
+    def run(self, scheduler: Scheduler, output, requests: dict[str, Request]) -> None:
+        for s in output.scheduled:
+            start, end = s.start_position, s.start_position + len(s.token_ids)
+            tokens = tuple(requests[s.request_id].token_ids_between(0, end))
+            if s.load_state >= 0:
+                assert self.saved[s.load_state] == tokens[:start]
+            for (per_entry, window), table in s.group_tables.items():
+                first = 0 if window is None else max(0, start - window + 1)
+                for row in range(-(-first // per_entry), end // per_entry):
+                    where = ((per_entry, window), table[row // self.block_size], row % self.block_size)
+                    if row < start // per_entry:
+                        assert self.rows[where] == tokens[: (row + 1) * per_entry]
+                    else:
+                        self.rows[where] = tokens[: (row + 1) * per_entry]
+            if s.save_state >= 0:
+                assert end % self.alignment == 0
+                self.saved[s.save_state] = tokens
+
+
+def test_random_shared_prefixes_read_only_their_own_rows_through_hits_eviction_and_preemption():
+    """Requests on two long shared prefixes, in pools too small for two of them at once: hits,
+    evictions and preemptions all happen, every row a step reads holds its own prefix, and
+    every block is free at the end."""
+    pools = ((WINDOW, 12), (COMPRESSED, 14), (COARSE, 5))
+    scheduler = _grouped_scheduler(
+        pools, max_num_batched_tokens=16, max_model_len=256, num_saved_states=3, state_save_interval=16
+    )
+    pool, rng, requests = _RowsPool(4, 64), random.Random(44), {}
+    prefixes = [[rng.randint(3, 300) for _ in range(rng.randint(100, 130))] for _ in range(2)]
+    hits = preemptions = evictions = 0
+    for index in range(600):
+        if index < 200 and rng.random() < 0.1:
+            tokens = rng.choice(prefixes) + [rng.randint(3, 300) for _ in range(rng.randint(0, 30))]
+            request = Request(f"r{index}", tokens, SamplingParams(max_tokens=rng.randint(1, 8)), (0,), 0.0)
+            scheduler.add_request(request)
+            requests[request.request_id] = request
+        cached = scheduler.block_manager.num_cached_blocks
+        output = scheduler.schedule()
+        evictions += max(0, cached - scheduler.block_manager.num_cached_blocks)  # only eviction forgets
+        pool.run(scheduler, output, requests)
+        hits += output.prefix_cache_hits
+        preemptions += len(output.preempted_request_ids)
+        sampled = {s.request_id: token_for(s.request_id, 0) for s in output.scheduled if s.sample}
+        scheduler.update(output, sampled)
+        if index >= 200 and not scheduler.has_unfinished_requests():
+            break
+    assert not scheduler.has_unfinished_requests()
+    assert hits > 0 and preemptions > 0 and evictions > 0
+    assert scheduler.block_manager.num_used_blocks == 0

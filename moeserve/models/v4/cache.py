@@ -14,7 +14,7 @@ state slot (`SequenceView`); the tables index absolute rows: row i of a group li
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -59,17 +59,34 @@ def _open_window(ratio: int, head_dim: int, overlap: bool, dtype: str) -> StateS
 @dataclass(frozen=True)
 class LayerCache:
     """One layer's tensors, allocated from `layer_specs`: the window `[N, B, D]`, the entries and
-    indexer keys (None where the layer has none), the open-window state's tensors (slot-major)."""
+    indexer keys (None where the layer has none), the open-window state's tensors (slot-major),
+    and as many again for prefix caching's saved states (`saved`, saved-slot-major)."""
 
     window: torch.Tensor
     entries: torch.Tensor | None = None
     index_keys: torch.Tensor | None = None
     state: tuple[torch.Tensor, ...] = ()
+    saved: tuple[torch.Tensor, ...] = ()
+
+    def load_saved(self, slots: Sequence[int], saved: Sequence[int]) -> None:
+        """Sequence slots `slots` start from the saved states `saved` (a prefix-cache hit)."""
+        for live, kept in zip(self.state, self.saved, strict=True):
+            live[_index(slots, live)] = kept[_index(saved, live)]
+
+    def save(self, slots: Sequence[int], saved: Sequence[int]) -> None:
+        """Copy the states of sequence slots `slots` into saved-state slots `saved`."""
+        for live, kept in zip(self.state, self.saved, strict=True):
+            kept[_index(saved, live)] = live[_index(slots, live)]
 
     @property
     def tensors(self) -> tuple[torch.Tensor, ...]:
         """Every tensor the layer holds (its paged ones, then its state's)."""
         return tuple(t for t in (self.window, self.entries, self.index_keys) if t is not None) + self.state
+
+
+def _index(slots: Sequence[int], like: torch.Tensor) -> torch.Tensor:
+    """Slot numbers as an index tensor on `like`'s device."""
+    return torch.tensor(slots, dtype=torch.int64, device=like.device)
 
 
 def allocate(
@@ -78,21 +95,26 @@ def allocate(
     block_size: int,
     num_slots: int,
     device: torch.device | str = "cpu",
+    num_saved: int = 0,
 ) -> LayerCache:
-    """Zeroed tensors for one layer's specs, each paged one with its group's `num_blocks[group_key]`."""
+    """Zeroed tensors for one layer's specs, each paged one with its group's `num_blocks[group_key]`,
+    its state for `num_slots` sequences and `num_saved` saved states."""
     paged = [
         torch.zeros(s.shape(num_blocks[s.group_key], block_size), dtype=DTYPES[s.dtype], device=device)
         for s in specs
         if isinstance(s, PagedSpec)
     ]
     state = next((s for s in specs if isinstance(s, StateSpec)), None)
-    tensors = ()
-    if state is not None:
-        tensors = tuple(
-            torch.zeros((num_slots, *shape), dtype=DTYPES[d], device=device)
+
+    def states(count: int) -> tuple[torch.Tensor, ...]:
+        if state is None or not count:
+            return ()
+        return tuple(
+            torch.zeros((count, *shape), dtype=DTYPES[d], device=device)
             for shape, d in zip(state.shapes, state.dtypes, strict=True)
         )
-    return LayerCache(*paged, *([None] * (3 - len(paged))), state=tensors)
+
+    return LayerCache(*paged, *([None] * (3 - len(paged))), state=states(num_slots), saved=states(num_saved))
 
 
 @dataclass(frozen=True)
