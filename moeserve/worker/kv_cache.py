@@ -134,7 +134,9 @@ def allocate_kv_caches(
             block_size,
             ", ".join(f"{key}: {n} blocks" for key, n in pools.items()),
         )
-        return [allocate_v4_layer(spec, pools, block_size, num_state_slots, device) for spec in specs.layers]
+        return [
+            allocate_v4_layer(spec, pools, block_size, num_state_slots, device, draft_states) for spec in specs.layers
+        ]
     caches: list[torch.Tensor | tuple[torch.Tensor, ...] | LinearState] = []
 
     def paged(spec: PagedSpec) -> torch.Tensor:

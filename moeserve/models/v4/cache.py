@@ -7,6 +7,14 @@ too (the same group); and the open compression window as a state (`StateSpec`): 
 values and raw gates of the up to `ratio - 1` positions not yet pooled, and on a CSA layer the
 last closed window's Ca values and biased gates its next entry pools with (the indexer's alike).
 
+Drafts: a verify step feeds 1 + k tokens, and a window it closes may hold rejected ones. Rather
+than keep the open window after each fed position (1 + k states per sequence), each compressor
+keeps the step's inputs (`LayerCache.kept`): the values and gates of the window's positions
+before the step and of the fed ones, and its carry before the step. The next step rebuilds the
+open window after the last accepted token from them (`Compressor.step_back`); an entry pooled
+from rejected tokens is rewritten, before any query reads it, when the right tokens close its
+window.
+
 A step hands each sequence's block table per group (keyed by `PagedSpec.group_key`) and its
 state slot (`SequenceView`); the tables index absolute rows: row i of a group lies in block
 `table[i // block_size]` at `i % block_size`.
@@ -59,12 +67,15 @@ def _open_window(ratio: int, head_dim: int, overlap: bool, dtype: str) -> StateS
 @dataclass(frozen=True)
 class LayerCache:
     """One layer's tensors, allocated from `layer_specs`: the window `[N, B, D]`, the entries and
-    indexer keys (None where the layer has none), the open-window state's tensors (slot-major)."""
+    indexer keys (None where the layer has none), the open-window state's tensors (slot-major)
+    and, with drafts, what a verify step keeps to step back (`kept`: the state's tensors, the
+    pending ones with room for the step's 1 + k positions besides)."""
 
     window: torch.Tensor
     entries: torch.Tensor | None = None
     index_keys: torch.Tensor | None = None
     state: tuple[torch.Tensor, ...] = ()
+    kept: tuple[torch.Tensor, ...] = ()
 
     @property
     def tensors(self) -> tuple[torch.Tensor, ...]:
@@ -78,31 +89,45 @@ def allocate(
     block_size: int,
     num_slots: int,
     device: torch.device | str = "cpu",
+    draft_states: int = 0,
 ) -> LayerCache:
-    """Zeroed tensors for one layer's specs, each paged one with its group's `num_blocks[group_key]`."""
+    """Zeroed tensors for one layer's specs, each paged one with its group's `num_blocks[group_key]`;
+    with `draft_states` (1 + k drafts: the tokens of a verify step), the `kept` tensors too."""
     paged = [
         torch.zeros(s.shape(num_blocks[s.group_key], block_size), dtype=DTYPES[s.dtype], device=device)
         for s in specs
         if isinstance(s, PagedSpec)
     ]
     state = next((s for s in specs if isinstance(s, StateSpec)), None)
-    tensors = ()
-    if state is not None:
-        tensors = tuple(
+    if state is None:
+        return LayerCache(*paged, *([None] * (3 - len(paged))))
+
+    def zeros(shapes: tuple[tuple[int, ...], ...]) -> tuple[torch.Tensor, ...]:
+        return tuple(
             torch.zeros((num_slots, *shape), dtype=DTYPES[d], device=device)
-            for shape, d in zip(state.shapes, state.dtypes, strict=True)
+            for shape, d in zip(shapes, state.dtypes, strict=True)
         )
-    return LayerCache(*paged, *([None] * (3 - len(paged))), state=tensors)
+
+    # Each compressor's tensors come in fours (pending values, gates, then the carry's two) or,
+    # without overlap, twos: the pending ones are those at an index below 2 modulo 4.
+    kept = tuple((n + draft_states * (i % 4 < 2), *rest) for i, (n, *rest) in enumerate(state.shapes))
+    return LayerCache(
+        *paged, *([None] * (3 - len(paged))), state=zeros(state.shapes), kept=zeros(kept) if draft_states else ()
+    )
 
 
 @dataclass(frozen=True)
 class SequenceView:
-    """One sequence of the step: its first position, its block table per group, its state slot."""
+    """One sequence of the step: its first position, its block table per group, its state slot;
+    the drafts it verifies (its last tokens) and `restore` (`StateBatch.restores`: -1, or the
+    drafts the previous step accepted, fewer than it fed)."""
 
     start: int
     tables: dict[tuple[int, int | None], torch.Tensor]
     slot: int
     block_size: int
+    drafts: int = 0
+    restore: int = -1
 
     def table(self, spec_key: tuple[int, int | None]) -> torch.Tensor:
         return self.tables[spec_key]
