@@ -16,6 +16,7 @@ from helpers.stats import CountingStatLogger
 from moeserve import LLM, SamplingParams
 from moeserve.models.v4.compressor import Compressor
 from moeserve.spec_decode.ngram import NgramProposer
+from moeserve.spec_decode.stats import SpecDecodeStats
 
 PROMPT_LENGTHS = (40, 200)
 NEW_TOKENS = 32
@@ -68,19 +69,32 @@ def test_expert_parallel_greedy_tokens_match_transformers(checkpoint, prompts_an
         assert _generate_without_leaks(llm, prompts) == want
 
 
-def test_drafts_step_the_open_windows_back(checkpoint, prompts_and_tokens, monkeypatch):
-    """n-gram drafts (3 a step) verified through every cache group. The proposer drafts the
-    40-token prompt's greedy tokens, every fifth one wrong (a random model's output seldom
-    repeats itself), so drafts are kept and rejected at every offset in the compressors' windows
-    (4 and 16 tokens): the tokens stay transformers', rejections came after a window closed on a
-    rejected draft (the open window and carry then step back to the last kept token, its entry
-    rewritten when the right tokens close it), and no block or state slot is left held."""
+def _generate_with_drafts(
+    monkeypatch, checkpoint, prompts_and_tokens, **layout
+) -> tuple[LLM, list[int], SpecDecodeStats]:
+    """The 40-token prompt's greedy tokens with n-gram drafts (3 a step), no block left held, and
+    the drafts counted. The proposer drafts transformers' greedy tokens, every fifth one wrong (a
+    random model's output seldom repeats itself), so drafts are kept and rejected at every offset
+    in the compressors' windows (4 and 16 tokens)."""
     (prompt, _), (want, _) = prompts_and_tokens
 
     def oracle(self, num_tokens):
         first = self.num_tokens - len(prompt)  # the output index of the token after the sequence's last
         return [t + (i % 5 == 2) for i, t in enumerate(want[first : first + num_tokens], first)]
 
+    monkeypatch.setattr(NgramProposer, "propose", oracle)
+    counts = CountingStatLogger()
+    ngram = {"method": "ngram", "num_speculative_tokens": DRAFTS}
+    with LLM(str(checkpoint), speculative_config=ngram, stat_loggers=[counts], **layout, **ENGINE) as llm:
+        tokens = _generate_without_leaks(llm, [prompt])[0]
+    return llm, tokens, counts.spec_decode
+
+
+def test_drafts_step_the_open_windows_back(checkpoint, prompts_and_tokens, monkeypatch):
+    """n-gram drafts verified through every cache group: the tokens stay transformers', some
+    rejection came after a window closed on a rejected draft (the open window and carry then step
+    back to the last kept token, its entry rewritten when the right tokens close it), and neither
+    a block nor a state slot is left held."""
     step_back, stepped = Compressor.step_back, []
 
     def spy(self, start, accepted, *args):
@@ -88,15 +102,19 @@ def test_drafts_step_the_open_windows_back(checkpoint, prompts_and_tokens, monke
         stepped.append(start // self.ratio < (verified + 1 + DRAFTS) // self.ratio)  # the window `start` is in closed
         step_back(self, start, accepted, *args)
 
-    monkeypatch.setattr(NgramProposer, "propose", oracle)
     monkeypatch.setattr(Compressor, "step_back", spy)
-    counts = CountingStatLogger()
-    ngram = {"method": "ngram", "num_speculative_tokens": DRAFTS}
-    with LLM(str(checkpoint), speculative_config=ngram, stat_loggers=[counts], **ENGINE) as llm:
-        assert _generate_without_leaks(llm, [prompt]) == [want]
-        assert len(llm.engine.executor.runner.states.request_ids) <= 1  # a slot goes back with the next plan
-    drafted = counts.spec_decode
+    llm, tokens, drafted = _generate_with_drafts(monkeypatch, checkpoint, prompts_and_tokens)
+    assert tokens == prompts_and_tokens[1][0]
     assert 0 < drafted.num_accepted_tokens < drafted.num_draft_tokens and any(stepped)
+    assert len(llm.engine.executor.runner.states.request_ids) <= 1  # a slot goes back with the next plan
+
+
+def test_drafts_over_expert_and_tensor_parallel_ranks(checkpoint, prompts_and_tokens, monkeypatch):
+    """`--ep 4 --tp 2`: the group's first rank judges the drafts, every rank steps its open windows
+    back from the next step's start positions alone, to transformers' tokens."""
+    _, tokens, drafted = _generate_with_drafts(monkeypatch, checkpoint, prompts_and_tokens, ep=4, tp=2)
+    assert tokens == prompts_and_tokens[1][0]
+    assert 0 < drafted.num_accepted_tokens < drafted.num_draft_tokens
 
 
 def test_features_not_built_for_several_groups_are_refused(checkpoint):
