@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moeserve.cache_spec import PagedSpec, Spec, StateSpec
+from moeserve.cache_spec import CacheSpecs, PagedSpec, Spec, StateSpec
 from moeserve.config import DTYPES, ModelConfig
 from moeserve.engine_config import dtype_name
 
@@ -108,12 +108,25 @@ def allocate(
             for shape, d in zip(shapes, state.dtypes, strict=True)
         )
 
-    # Each compressor's tensors come in fours (pending values, gates, then the carry's two) or,
-    # without overlap, twos: the pending ones are those at an index below 2 modulo 4.
-    kept = tuple((n + draft_states * (i % 4 < 2), *rest) for i, (n, *rest) in enumerate(state.shapes))
-    return LayerCache(
-        *paged, *([None] * (3 - len(paged))), state=zeros(state.shapes), kept=zeros(kept) if draft_states else ()
-    )
+    kept = zeros(kept_spec(state, draft_states).shapes) if draft_states else ()
+    return LayerCache(*paged, *([None] * (3 - len(paged))), state=zeros(state.shapes), kept=kept)
+
+
+def kept_spec(state: StateSpec, draft_states: int) -> StateSpec:
+    """What a compressed layer keeps of a verify step of `draft_states` (1 + k) tokens to step
+    back (`LayerCache.kept`): its state's tensors, the pending ones with room for the step's
+    positions besides. Each compressor's tensors come in fours (pending values, gates, then the
+    carry's two) or, without overlap, twos: the pending ones are those at an index below 2 mod 4."""
+    shapes = tuple((n + draft_states * (i % 4 < 2), *rest) for i, (n, *rest) in enumerate(state.shapes))
+    return StateSpec(shapes, state.dtypes)
+
+
+def kept_bytes_per_sequence(specs: CacheSpecs, draft_states: int) -> int:
+    """Bytes a sequence's `kept` tensors take over every layer of `specs` (0 without drafts):
+    about one open-window state, where a state after each fed token would take `draft_states`."""
+    if not draft_states:
+        return 0
+    return sum(kept_spec(s, draft_states).bytes_per_sequence for s in specs.specs if isinstance(s, StateSpec))
 
 
 @dataclass(frozen=True)
