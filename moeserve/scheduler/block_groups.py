@@ -11,9 +11,10 @@ their table entries become `RELEASED` (never read again).
 
 `GroupedBlockManager` is what `Scheduler` holds in place of `BlockManager` for such a model: the
 same calls, each request's tables per group in the plan (`ScheduledRequest.group_tables`), prefix
-caching included (hits at block boundaries of every group, from saved open-window states). Draft
-trimming and pinning for transfers are not built for several groups (the engine refuses them
-first). `group_block_counts` sizes each group's pool.
+caching included (hits at block boundaries of every group, from saved open-window states); after
+a verify step every group gives back the blocks past the kept tokens (`trim`). Pinning for
+transfers is not built for several groups (the engine refuses it first). `group_block_counts`
+sizes each group's pool.
 """
 
 from __future__ import annotations
@@ -134,6 +135,17 @@ class GroupedBlocks:
             tables[key].extend(self._take(key) for _ in range(n))
         self._tables[request_id] = tables
         return True
+
+    def trim(self, request_id: str, num_tokens: int) -> None:
+        """Give back, tail first, the blocks of the request's tables past its first `num_tokens`
+        positions: those a verify step took for drafts the target rejected. Only the tail goes,
+        so every block a later query reads (the window's included) stays."""
+        for key, table in self._tables.get(request_id, {}).items():
+            keep = self.groups[key].blocks_for(num_tokens, self.block_size)
+            while len(table) > keep:
+                block = table.pop()
+                if block != RELEASED:
+                    self._release(key, block)
 
     def free(self, request_id: str) -> None:
         """Give back every block the request holds, tail first (a shared head is evicted last); a
@@ -335,7 +347,8 @@ class GroupedBlockManager:
         self.saved_states.drop_pending()
 
     def trim(self, request: Request, num_tokens: int) -> None:
-        raise NotImplementedError("speculative decoding is not built for several block-table groups")
+        """Every group's blocks past the request's first `num_tokens` positions given back (rejected drafts')."""
+        self.blocks.trim(request.request_id, num_tokens)
 
     def pin(self, block_ids: Sequence[int]) -> None:
         raise NotImplementedError("KV transfers are not built for several block-table groups")

@@ -22,6 +22,7 @@ from moeserve.config import DTYPES, CacheConfig, ModelConfig
 from moeserve.models.decoder import cache_specs
 from moeserve.models.v4.cache import LayerCache as V4LayerCache
 from moeserve.models.v4.cache import allocate as allocate_v4_layer
+from moeserve.models.v4.cache import kept_bytes_per_sequence
 from moeserve.ops.state_batch import LinearState
 from moeserve.scheduler.block_groups import group_block_counts
 
@@ -45,9 +46,14 @@ def state_bytes(
     saved_states: int = 0,
 ) -> int:
     """Bytes of `num_slots` sequences' states on one rank, with the `draft_states` each keeps to step
-    back past rejected drafts, and prefix caching's `saved_states` (0 for a model without state layers)."""
-    num_states = num_slots * (1 + draft_states) + saved_states
-    return num_states * cache_specs(cfg, dtype, tp_size).state_bytes_per_sequence
+    back past rejected drafts (DeepSeek-V4: its verify step's inputs instead, about one state),
+    and prefix caching's `saved_states` (0 for a model without state layers)."""
+    specs = cache_specs(cfg, dtype, tp_size)
+    if cfg.compressed_attention is not None:
+        drafts = kept_bytes_per_sequence(specs, draft_states)
+    else:
+        drafts = draft_states * specs.state_bytes_per_sequence
+    return (num_slots + saved_states) * specs.state_bytes_per_sequence + num_slots * drafts
 
 
 def num_blocks_for(
@@ -135,7 +141,7 @@ def allocate_kv_caches(
             ", ".join(f"{key}: {n} blocks" for key, n in pools.items()),
         )
         return [
-            allocate_v4_layer(spec, pools, block_size, num_state_slots, device, num_saved_states)
+            allocate_v4_layer(spec, pools, block_size, num_state_slots, device, num_saved_states, draft_states)
             for spec in specs.layers
         ]
     caches: list[torch.Tensor | tuple[torch.Tensor, ...] | LinearState] = []

@@ -391,7 +391,10 @@ class ModelRunner:
     def _grouped_inputs(self, scheduled: Sequence[ScheduledRequest]) -> tuple[torch.Tensor, V4Batch, list]:
         """A model with several block-table groups: token ids `[T]`, each sequence's view (its
         first position, its table per group, its state slot) and the layers' caches."""
-        slots = self.states.batch(scheduled).slots if self.states is not None else (-1,) * len(scheduled)
+        slots = restores = (-1,) * len(scheduled)  # a model of window layers only keeps no state
+        if self.states is not None:
+            states = self.states.batch(scheduled)
+            slots, restores = states.slots, states.restores
         loads = [(slot, s.load_state) for slot, s in zip(slots, scheduled) if s.load_state >= 0]
         if loads:
             for cache in self.kv_caches:
@@ -403,8 +406,10 @@ class ModelRunner:
                 {key: int64_tensor(table).to(self.device) for key, table in s.group_tables.items()},
                 slot,
                 self.block_size,
+                s.num_draft_tokens,
+                restore,
             )
-            for s, slot in zip(scheduled, slots, strict=True)
+            for s, slot, restore in zip(scheduled, slots, restores, strict=True)
         )
         input_ids = int64_tensor(itertools.chain.from_iterable(s.token_ids for s in scheduled))
         return input_ids.to(self.device), V4Batch(tuple(len(s.token_ids) for s in scheduled), views), self.kv_caches

@@ -28,11 +28,15 @@ from moeserve.models import load_model
 from moeserve.models.checkpoint import CheckpointError
 from moeserve.models.fp8 import BlockFP8, stored_weight
 from moeserve.models.packed import PackedWeight
+from moeserve.models.v4.compressor import Compressor
+from moeserve.spec_decode.ngram import NgramProposer
+from moeserve.spec_decode.stats import SpecDecodeStats
 
 PROMPT_LENGTHS = (40, 200)
 NEW_TOKENS = 32
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
 ENGINE = dict(max_num_seqs=2, max_num_batched_tokens=16, max_model_len=256, block_size=4)
+DRAFTS = 3
 
 
 @pytest.fixture(scope="module")
@@ -116,10 +120,58 @@ def test_expert_parallel_greedy_tokens_match_transformers(checkpoint, prompts_an
         assert _generate_without_leaks(llm, prompts) == want
 
 
+def _generate_with_drafts(
+    monkeypatch, checkpoint, prompts_and_tokens, **layout
+) -> tuple[LLM, list[int], SpecDecodeStats]:
+    """The 40-token prompt's greedy tokens with n-gram drafts (3 a step), no block left held, and
+    the drafts counted. The proposer drafts transformers' greedy tokens, every fifth one wrong (a
+    random model's output seldom repeats itself), so drafts are kept and rejected at every offset
+    in the compressors' windows (4 and 16 tokens)."""
+    (prompt, _), (want, _) = prompts_and_tokens
+
+    def oracle(self, num_tokens):
+        first = self.num_tokens - len(prompt)  # the output index of the token after the sequence's last
+        return [t + (i % 5 == 2) for i, t in enumerate(want[first : first + num_tokens], first)]
+
+    monkeypatch.setattr(NgramProposer, "propose", oracle)
+    counts = CountingStatLogger()
+    ngram = {"method": "ngram", "num_speculative_tokens": DRAFTS}
+    with LLM(str(checkpoint), speculative_config=ngram, stat_loggers=[counts], **layout, **ENGINE) as llm:
+        tokens = _generate_without_leaks(llm, [prompt])[0]
+    return llm, tokens, counts.spec_decode
+
+
+def test_drafts_step_the_open_windows_back(checkpoint, prompts_and_tokens, monkeypatch):
+    """n-gram drafts verified through every cache group: the tokens stay transformers', some
+    rejection came after a window closed on a rejected draft (the open window and carry then step
+    back to the last kept token, its entry rewritten when the right tokens close it), and neither
+    a block nor a state slot is left held."""
+    step_back, stepped = Compressor.step_back, []
+
+    def spy(self, start, accepted, *args):
+        verified = start - 1 - accepted  # the verify step's first position
+        stepped.append(start // self.ratio < (verified + 1 + DRAFTS) // self.ratio)  # the window `start` is in closed
+        step_back(self, start, accepted, *args)
+
+    monkeypatch.setattr(Compressor, "step_back", spy)
+    llm, tokens, drafted = _generate_with_drafts(monkeypatch, checkpoint, prompts_and_tokens)
+    assert tokens == prompts_and_tokens[1][0]
+    assert 0 < drafted.num_accepted_tokens < drafted.num_draft_tokens and any(stepped)
+    assert len(llm.engine.executor.runner.states.request_ids) <= 1  # a slot goes back with the next plan
+
+
+def test_drafts_over_expert_and_tensor_parallel_ranks(checkpoint, prompts_and_tokens, monkeypatch):
+    """`--ep 4 --tp 2`: the group's first rank judges the drafts, every rank steps its open windows
+    back from the next step's start positions alone, to transformers' tokens."""
+    _, tokens, drafted = _generate_with_drafts(monkeypatch, checkpoint, prompts_and_tokens, ep=4, tp=2)
+    assert tokens == prompts_and_tokens[1][0]
+    assert 0 < drafted.num_accepted_tokens < drafted.num_draft_tokens
+
+
 def test_features_not_built_for_several_groups_are_refused(checkpoint):
-    ngram = {"method": "ngram", "num_speculative_tokens": 2}
-    with pytest.raises(ValueError, match="speculative decoding is not built for caches in several block-table"):
-        LLM(str(checkpoint), speculative_config=ngram)
+    mtp = {"method": "mtp", "num_speculative_tokens": 2}
+    with pytest.raises(ValueError, match="MTP drafts are not built for caches in several block-table"):
+        LLM(str(checkpoint), speculative_config=mtp)
     with pytest.raises(ValueError, match="two-batch overlap is not built for caches in several block-table"):
         LLM(str(checkpoint), two_batch_overlap=True)
     with pytest.raises(ValueError, match="disaggregation .kv_transfer. is not built for caches in several"):

@@ -91,6 +91,22 @@ def test_usage_per_group_after_allocate_and_free_and_over_data_parallel_groups()
         GroupedBlockManager([(1, 8), (1, 16)], [4, 4], block_size=4)
 
 
+def test_trim_gives_back_every_group_s_blocks_past_the_kept_tokens():
+    """A verify step from 17 with 3 drafts (21 positions) keeps none (19 tokens, the sampled one's
+    included): the window's sixth block and the second compressed block, taken for the rejected
+    ones, go back; the window's blocks behind it stay given back, those the next queries read stay."""
+    blocks = GroupedBlocks([WINDOW, COMPRESSED], [8, 3], block_size=4)
+    assert blocks.allocate("a", 0, 17) and blocks.allocate("a", 17, 4)
+    window, compressed = (list(blocks.tables("a")[key]) for key in (WINDOW, COMPRESSED))
+    assert window[:2] == [RELEASED, RELEASED] and len(window) == 6 and len(compressed) == 2
+    blocks.trim("a", 19)
+    assert blocks.tables("a") == {WINDOW: window[:5], COMPRESSED: compressed[:1]}
+    assert (blocks.num_free(WINDOW), blocks.num_free(COMPRESSED)) == (5, 2)
+    blocks.trim("b", 4)  # a request holding nothing: nothing to give back
+    blocks.free("a")
+    assert (blocks.num_free(WINDOW), blocks.num_free(COMPRESSED)) == (8, 3)
+
+
 def test_growth_is_all_or_nothing_across_groups():
     blocks = GroupedBlocks([WINDOW, COMPRESSED], [8, 1], block_size=4)
     assert blocks.allocate("a", 0, 16)

@@ -15,6 +15,7 @@ from moeserve.models.layers.moe import MoEBlock
 from moeserve.models.v4.attention import CompressedAttention
 from moeserve.models.v4.hyper import HyperConnection, HyperHead, merge
 from moeserve.models.v4.model import DeepseekV4CausalLM
+from moeserve.worker.kv_cache import allocate_kv_caches, state_bytes
 
 SEQ = 45  # several closed windows of both ratios, a few past the CSA top-k, an open one at the end
 
@@ -157,3 +158,16 @@ def test_released_tensor_names_load_alike(make_checkpoint, tmp_path):
     ours, theirs = load_model(folder), load_model(tmp_path)
     for (name, a), (_, b) in zip(ours.state_dict().items(), theirs.state_dict().items(), strict=True):
         assert torch.equal(a, b), name
+
+
+def test_verify_steps_keep_about_one_state_which_the_budget_sets_aside():
+    """With 3 drafts (4 tokens a verify step) each slot keeps its compressors' pending rows and
+    the step's 4, and their carries (`LayerCache.kept`): the budget sets aside exactly what is
+    allocated, less than the 4 states kept after each token would take."""
+    config = hf_config("deepseek_v4")
+    cfg = parse_config({**config.to_dict(), "architectures": ["DeepseekV4ForCausalLM"]})
+    caches = allocate_kv_caches(cfg, 8, 4, torch.float32, "cpu", num_state_slots=2, draft_states=4)
+    kept = sum(t.numel() * t.element_size() for cache in caches for t in cache.kept)
+    states = state_bytes(cfg, torch.float32, 2)
+    assert state_bytes(cfg, torch.float32, 2, draft_states=4) == states + kept
+    assert states < kept < 2 * states

@@ -22,7 +22,7 @@ from torch import nn
 from moeserve.config import ModelConfig
 from moeserve.models.layers.linear import Linear
 from moeserve.models.v4.cache import LayerCache, SequenceView, write_rows
-from moeserve.models.v4.compressor import Compressor, Indexer
+from moeserve.models.v4.compressor import Compressor, Drafts, Indexer
 from moeserve.models.v4.norm import Float32RMSNorm, unweighted_rms_norm
 from moeserve.models.v4.rotary import TailRotary, rotate_tail
 from moeserve.ops import TORCH_OPS, LayerOps
@@ -150,12 +150,13 @@ class CompressedAttention(nn.Module):
             table, state = seq.table((self.ratio, None)), cache.state
             assert cache.entries is not None
             keys = SequenceKeys(start, window, self.window, PagedRows(cache.entries, table, bs), self.ratio)
-            self.compressor.extend(x, start, keys.entries, state[:4], seq.slot)
+            verifies, kept = seq.drafts > 0, cache.kept
+            self.compressor.extend(x, start, keys.entries, state[:4], seq.slot, Drafts(kept[:4], verifies, seq.restore))
             indexer = self.indexer
             if indexer is not None:
                 assert cache.index_keys is not None
                 index_keys = PagedRows(cache.index_keys, table, bs)
-                indexer.extend(x, start, index_keys, state[4:], seq.slot)
+                indexer.extend(x, start, index_keys, state[4:], seq.slot, Drafts(kept[4:], verifies, seq.restore))
                 selection = indexer.select_cached(x, q_residual, start, index_keys)
         attended = self.ops.compressed_attention(q, self.sinks, self.head_dim**-0.5, keys, selection)
         return self.output(attended, cos, sin)

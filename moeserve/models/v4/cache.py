@@ -7,6 +7,14 @@ too (the same group); and the open compression window as a state (`StateSpec`): 
 values and raw gates of the up to `ratio - 1` positions not yet pooled, and on a CSA layer the
 last closed window's Ca values and biased gates its next entry pools with (the indexer's alike).
 
+Drafts: a verify step feeds 1 + k tokens, and a window it closes may hold rejected ones. Rather
+than keep the open window after each fed position (1 + k states per sequence), each compressor
+keeps the step's inputs (`LayerCache.kept`): the values and gates of the window's positions
+before the step and of the fed ones, and its carry before the step. The next step rebuilds the
+open window after the last accepted token from them (`Compressor.step_back`); an entry pooled
+from rejected tokens is rewritten, before any query reads it, when the right tokens close its
+window.
+
 A step hands each sequence's block table per group (keyed by `PagedSpec.group_key`) and its
 state slot (`SequenceView`); the tables index absolute rows: row i of a group lies in block
 `table[i // block_size]` at `i % block_size`.
@@ -19,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moeserve.cache_spec import PagedSpec, Spec, StateSpec
+from moeserve.cache_spec import CacheSpecs, PagedSpec, Spec, StateSpec
 from moeserve.config import DTYPES, ModelConfig
 from moeserve.engine_config import dtype_name
 
@@ -60,13 +68,16 @@ def _open_window(ratio: int, head_dim: int, overlap: bool, dtype: str) -> StateS
 class LayerCache:
     """One layer's tensors, allocated from `layer_specs`: the window `[N, B, D]`, the entries and
     indexer keys (None where the layer has none), the open-window state's tensors (slot-major),
-    and as many again for prefix caching's saved states (`saved`, saved-slot-major)."""
+    as many again for prefix caching's saved states (`saved`, saved-slot-major) and, with drafts,
+    what a verify step keeps to step back (`kept`: the state's tensors, the pending ones with room
+    for the step's 1 + k positions besides)."""
 
     window: torch.Tensor
     entries: torch.Tensor | None = None
     index_keys: torch.Tensor | None = None
     state: tuple[torch.Tensor, ...] = ()
     saved: tuple[torch.Tensor, ...] = ()
+    kept: tuple[torch.Tensor, ...] = ()
 
     def load_saved(self, slots: Sequence[int], saved: Sequence[int]) -> None:
         """Sequence slots `slots` start from the saved states `saved` (a prefix-cache hit)."""
@@ -96,9 +107,11 @@ def allocate(
     num_slots: int,
     device: torch.device | str = "cpu",
     num_saved: int = 0,
+    draft_states: int = 0,
 ) -> LayerCache:
     """Zeroed tensors for one layer's specs, each paged one with its group's `num_blocks[group_key]`,
-    its state for `num_slots` sequences and `num_saved` saved states."""
+    its state for `num_slots` sequences and `num_saved` saved states; with `draft_states` (1 + k
+    drafts: the tokens of a verify step), the `kept` tensors too."""
     paged = [
         torch.zeros(s.shape(num_blocks[s.group_key], block_size), dtype=DTYPES[s.dtype], device=device)
         for s in specs
@@ -106,25 +119,55 @@ def allocate(
     ]
     state = next((s for s in specs if isinstance(s, StateSpec)), None)
 
-    def states(count: int) -> tuple[torch.Tensor, ...]:
+    def states(count: int, shapes: tuple[tuple[int, ...], ...]) -> tuple[torch.Tensor, ...]:
         if state is None or not count:
             return ()
         return tuple(
             torch.zeros((count, *shape), dtype=DTYPES[d], device=device)
-            for shape, d in zip(state.shapes, state.dtypes, strict=True)
+            for shape, d in zip(shapes, state.dtypes, strict=True)
         )
 
-    return LayerCache(*paged, *([None] * (3 - len(paged))), state=states(num_slots), saved=states(num_saved))
+    if state is None:
+        return LayerCache(*paged, *([None] * (3 - len(paged))))
+    kept = states(num_slots, kept_spec(state, draft_states).shapes) if draft_states else ()
+    return LayerCache(
+        *paged,
+        *([None] * (3 - len(paged))),
+        state=states(num_slots, state.shapes),
+        saved=states(num_saved, state.shapes),
+        kept=kept,
+    )
+
+
+def kept_spec(state: StateSpec, draft_states: int) -> StateSpec:
+    """What a compressed layer keeps of a verify step of `draft_states` (1 + k) tokens to step
+    back (`LayerCache.kept`): its state's tensors, the pending ones with room for the step's
+    positions besides. Each compressor's tensors come in fours (pending values, gates, then the
+    carry's two) or, without overlap, twos: the pending ones are those at an index below 2 mod 4."""
+    shapes = tuple((n + draft_states * (i % 4 < 2), *rest) for i, (n, *rest) in enumerate(state.shapes))
+    return StateSpec(shapes, state.dtypes)
+
+
+def kept_bytes_per_sequence(specs: CacheSpecs, draft_states: int) -> int:
+    """Bytes a sequence's `kept` tensors take over every layer of `specs` (0 without drafts):
+    about one open-window state, where a state after each fed token would take `draft_states`."""
+    if not draft_states:
+        return 0
+    return sum(kept_spec(s, draft_states).bytes_per_sequence for s in specs.specs if isinstance(s, StateSpec))
 
 
 @dataclass(frozen=True)
 class SequenceView:
-    """One sequence of the step: its first position, its block table per group, its state slot."""
+    """One sequence of the step: its first position, its block table per group, its state slot;
+    the drafts it verifies (its last tokens) and `restore` (`StateBatch.restores`: -1, or the
+    drafts the previous step accepted, fewer than it fed)."""
 
     start: int
     tables: dict[tuple[int, int | None], torch.Tensor]
     slot: int
     block_size: int
+    drafts: int = 0
+    restore: int = -1
 
     def table(self, spec_key: tuple[int, int | None]) -> torch.Tensor:
         return self.tables[spec_key]

@@ -36,6 +36,18 @@ class Overlap:
     gate: torch.Tensor
 
 
+@dataclass(frozen=True)
+class Drafts:
+    """A sequence's drafts as its compressors see them: `kept` (`LayerCache.kept`, the
+    compressor's part), whether this step verifies drafts (its inputs are kept), and `restore`:
+    -1, or how many drafts the previous step accepted, fewer than it fed (the open window steps
+    back)."""
+
+    kept: tuple[torch.Tensor, ...] = ()
+    verifies: bool = False
+    restore: int = -1
+
+
 class Compressor(nn.Module):
     def __init__(
         self,
@@ -86,14 +98,30 @@ class Compressor(nn.Module):
         cos, sin = self.rotary.cos_sin(positions, entries.dtype)
         return rotate_tail(entries, cos, sin), next_carry
 
-    def extend(self, x: torch.Tensor, start: int, rows: PagedRows, state: tuple[torch.Tensor, ...], slot: int) -> None:
+    def extend(
+        self,
+        x: torch.Tensor,
+        start: int,
+        rows: PagedRows,
+        state: tuple[torch.Tensor, ...],
+        slot: int,
+        drafts: Drafts = Drafts(),
+    ) -> None:
         """A sequence's next rows x `[n, H]` from position `start`: the windows they close pooled
         (with the pending positions the state holds) and written to the sequence's entries
-        `rows`, the rest left pending in `state`'s slot."""
+        `rows`, the rest left pending in `state`'s slot. With `drafts`: first the open window
+        stepped back past the previous step's rejected drafts, and a verify step's inputs kept."""
+        if drafts.restore >= 0:
+            self.step_back(start, drafts.restore, state, drafts.kept, slot)
         kv, gate = self.project(x)
         pending, first_entry = start % self.ratio, start // self.ratio
         kv = torch.cat([state[0][slot, :pending], kv])
         gate = torch.cat([state[1][slot, :pending], gate])
+        if drafts.verifies:
+            kept = drafts.kept
+            kept[0][slot, : kv.shape[0]], kept[1][slot, : kv.shape[0]] = kv, gate
+            if self.overlap:
+                kept[2][slot], kept[3][slot] = state[2][slot], state[3][slot]
         usable = kv.shape[0] // self.ratio * self.ratio
         if usable:
             carry = Overlap(state[2][slot], state[3][slot]) if self.overlap and first_entry else None
@@ -103,6 +131,27 @@ class Compressor(nn.Module):
                 state[2][slot], state[3][slot] = carry.kv, carry.gate
         left = kv.shape[0] - usable
         state[0][slot, :left], state[1][slot, :left] = kv[usable:], gate[usable:]
+
+    def step_back(
+        self, start: int, accepted: int, state: tuple[torch.Tensor, ...], kept: tuple[torch.Tensor, ...], slot: int
+    ) -> None:
+        """The open window (and carry) of `state`'s slot set to what it was after position
+        `start - 1`, from what the previous step kept: it verified drafts from `start - 1 -
+        accepted`, and `accepted` of them were. The windows its kept positions close before
+        `start` pooled accepted tokens only, so their entries stand; the last of them is the carry."""
+        r, d = self.ratio, self.head_dim
+        first = start - 1 - accepted
+        held = start - (first - first % r)  # kept rows up to `start`, from the open window's first
+        closed = held // r * r
+        if self.overlap and closed:
+            state[2][slot] = kept[0][slot, closed - r : closed, :d]
+            state[3][slot] = kept[1][slot, closed - r : closed, :d] + self.position_bias[:, :d]
+        elif self.overlap:
+            state[2][slot], state[3][slot] = kept[2][slot], kept[3][slot]
+        state[0][slot, : held - closed], state[1][slot, : held - closed] = (
+            kept[0][slot, closed:held],
+            kept[1][slot, closed:held],
+        )
 
     def sequence_entries(self, x: torch.Tensor) -> torch.Tensor:
         """The entries of a whole sequence `[S, H]` from position 0: one per closed window."""
