@@ -4,10 +4,11 @@ The (token, k) pairs arrive sorted by expert and padded per expert to a multiple
 (`AlignedPairs`, made by `moeserve.kernels.moe_align`), so every BLOCK_M rows of the sorted order
 belong to one expert and a tile of rows is an ordinary GEMM against that expert's weights:
 
-1. gate/up: `act[s] = silu(x w_gate^T) * (x w_up^T)` for sorted position s, x = hidden[pair // top_k].
-   Rows are gathered from `hidden` on the fly (no permuted copy of the activations) and SiLU-and-
-   multiply runs in the epilogue, so the `[P_max, 2I]` gate/up product never reaches memory. The
-   activation `[P_max, I]` is indexed by sorted position: a plain store, no scatter.
+1. gate/up: `act[s] = silu(x w_gate^T) * (x w_up^T)` for sorted position s, x = hidden[pair // top_k]
+   (or a clamped kind, `kernels.activation`: DeepSeek-V4's, gpt-oss's). Rows are gathered from
+   `hidden` on the fly (no permuted copy of the activations) and the activation runs in the
+   epilogue, so the `[P_max, 2I]` gate/up product never reaches memory. The activation
+   `[P_max, I]` is indexed by sorted position: a plain store, no scatter.
 2. down: `out[pair] = act[s] w2^T * pair_weights[pair]`: the combine weight is applied in the
    epilogue and each row is scattered to its pair's row of the output.
 
@@ -47,6 +48,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from moeserve.config import GatedActivation
+from moeserve.kernels.activation import activation_constants, gated_activation
 from moeserve.kernels.fp8_quant import per_token_group_quant
 from moeserve.kernels.gemm_tiles import tile_coords, weight_scale_offsets
 from moeserve.kernels.launch_config import (
@@ -58,6 +61,7 @@ from moeserve.kernels.launch_config import (
     shared_memory_budget,
 )
 from moeserve.kernels.targets import require_launchable
+from moeserve.ops.grouped_mlp import gated
 
 if TYPE_CHECKING:
     from moeserve.kernels.moe_align import AlignedPairs
@@ -102,8 +106,12 @@ def _gate_up_kernel(
     W8A8: tl.constexpr,
     SCALE_N: tl.constexpr,
     SCALE_K: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+    ALPHA: tl.constexpr,
+    LIMIT: tl.constexpr,
 ):
-    """act[s, n] = silu(hidden[pair_s // top_k] . w_gate[n]) * (hidden[pair_s // top_k] . w_up[n]).
+    """act[s, n] = silu(hidden[pair_s // top_k] . w_gate[n]) * (hidden[pair_s // top_k] . w_up[n]),
+    or ACTIVATION's clamped form of it (`gated_activation`).
 
     W8A8: hidden and w13 are FP8; hidden's scales `[T, K / SCALE_K]` are read at the token's row,
     w13's `[E, parts, ...]` at each column (gate n and up I + n may sit in different parts)."""
@@ -156,7 +164,7 @@ def _gate_up_kernel(
             a_ptrs += BLOCK_K * stride_hk
             gate_ptrs += BLOCK_K * stride_wk
             up_ptrs += BLOCK_K * stride_wk
-        act = acc_gate * tl.sigmoid(acc_gate) * acc_up
+        act = gated_activation(acc_gate, acc_up, ACTIVATION, ALPHA, LIMIT)
         act_ptrs = act_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_n[None, :] * stride_an
         tl.store(act_ptrs, act.to(act_ptr.dtype.element_ty), mask=offs_n[None, :] < inter_size)
 
@@ -353,6 +361,7 @@ def fused_moe(
     top_k: int,
     pair_weights: torch.Tensor | None = None,
     max_programs: int | None = None,
+    activation: GatedActivation | None = None,
 ) -> torch.Tensor:
     """Expert outputs of every (row, k) pair: `[T_rows * top_k, H]` in hidden's dtype.
 
@@ -363,10 +372,13 @@ def fused_moe(
     token's output is `out.view(T, K, H).sum(1)`; after an EP dispatch (top_k = 1) row p is
     dispatched row p's output. Accumulates in fp32 (exact fp32 dots for fp32 inputs, no tf32); the
     activation between the GEMMs is rounded to hidden's dtype. `max_programs` caps each kernel's
-    persistent grid (default: one program per SM) so the other SMs stay free.
+    persistent grid (default: one program per SM) so the other SMs stay free. `activation`: the
+    gated activation between the GEMMs (None: silu(gate) * up).
     """
     block_m = check_moe_call(hidden, w13, w2, aligned, top_k, pair_weights, max_programs)
-    return launch_fused_moe(hidden, w13, w2, aligned, top_k, block_m, hidden.dtype, pair_weights, max_programs)
+    return launch_fused_moe(
+        hidden, w13, w2, aligned, top_k, block_m, hidden.dtype, pair_weights, max_programs, activation=activation
+    )
 
 
 def launch_fused_moe(
@@ -380,6 +392,7 @@ def launch_fused_moe(
     pair_weights: torch.Tensor | None = None,
     max_programs: int | None = None,
     w8a8: W8A8Scales | None = None,
+    activation: GatedActivation | None = None,
 ) -> torch.Tensor:
     """Both kernels on arguments `check_moe_call` has passed; the activation between them is
     `out_dtype`. With `w8a8` it is then quantized per token group (its live rows only, bounded
@@ -436,6 +449,7 @@ def launch_fused_moe(
         *(_no_scale_args(hidden) if w8a8 is None else _scale_args(w8a8.hidden, w8a8.w13, w13)),
         EVEN_K=hidden_size % cfg.block_k == 0,
         num_stages=fit_num_stages(cfg, hidden.element_size(), 2, budget),
+        **activation_constants(activation),
         **launch,
     )
     down_scales = _no_scale_args(act)
@@ -489,10 +503,12 @@ def fused_moe_reference(
     top_k: int,
     pair_weights: torch.Tensor | None = None,
     max_programs: int | None = None,
+    activation: GatedActivation | None = None,
 ) -> torch.Tensor:
     """Torch version of `fused_moe`, one expert at a time, what the kernels are tested against.
 
-    Computes in fp32 and rounds the activation to hidden's dtype as the kernel stores it.
+    Computes in fp32 and rounds the activation (the torch path's `gated`) to hidden's dtype as
+    the kernel stores it.
     `max_programs` only exists for signature parity: there is no grid here.
     """
     check_moe_call(hidden, w13, w2, aligned, top_k, pair_weights, max_programs)
@@ -503,7 +519,7 @@ def fused_moe_reference(
     for expert, pairs in pairs_by_expert(aligned, num_pairs):
         x = hidden[pairs // top_k].float()
         gate, up = F.linear(x, w13[expert].float()).chunk(2, dim=-1)
-        act = (F.silu(gate) * up).to(hidden.dtype).float()
+        act = gated(gate, up, activation).to(hidden.dtype).float()
         y = F.linear(act, w2[expert].float())
         if pair_weights is not None:
             y = y * pair_weights[pairs, None]

@@ -17,7 +17,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moeserve.dispatch import DispatchLayout
+from moeserve.config import GatedActivation
+from moeserve.dispatch import DispatchLayout, DispatchOutput
 from moeserve.kernels.fused_moe import fused_moe, fused_moe_reference
 from moeserve.kernels.launch_config import KERNEL_CONFIGS, SM90_SHARED_MEMORY, block_m_for, config_for, fit_num_stages
 from moeserve.models.layers.experts import Experts
@@ -178,6 +179,31 @@ def test_pre_grouped_rows_top1(device, dtype):
     want = (grouped.float() * weights[:, None]).to(dtype)
     tol = TOL[dtype] if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-3)
     torch.testing.assert_close(got, want, **tol)
+
+
+CLAMPED = [GatedActivation("clamped_silu", limit=1.0), GatedActivation("clamped_swiglu", alpha=1.702, limit=1.0)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("activation", CLAMPED, ids=[a.kind for a in CLAMPED])
+def test_clamped_activations_equal_the_torch_experts(device, dtype, activation):
+    """DeepSeek-V4's and gpt-oss's clamped activations in the epilogue: the model's torch Experts
+    with that activation on the same rows (weights tripled so that the clamp at 1 bites on many
+    gate and up values, which the plain SiLU kernel's different result confirms)."""
+    counts = [3, 0, 7, 1, 0, 0, 12, 2]
+    experts = Experts(E, H, I, dtype, device, activation=activation)
+    w13, w2 = make_weights(E, H, I, torch.float32, device, seed=4)
+    experts.w13.data, experts.w2.data = (3 * w13).to(dtype), w2.to(dtype)
+    rows = torch.randn(sum(counts), H, device=device).to(dtype)
+    topk_ids = torch.repeat_interleave(torch.arange(E, dtype=torch.int32), torch.tensor(counts))[:, None].to(device)
+    aligned = align_reference(topk_ids, E, block_m_for(sum(counts), 1, E))
+    got = fused_moe(rows, experts.w13, experts.w2, aligned, 1, activation=activation)
+    counts_tensor = torch.tensor(counts, device=device)
+    want = experts(DispatchOutput(rows, counts_tensor, DispatchLayout.EXPERT_MAJOR, None))
+    tol = TOL[dtype] if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-3)
+    torch.testing.assert_close(got, want, **tol)
+    plain = fused_moe(rows, experts.w13, experts.w2, aligned, 1)
+    assert (plain.float() - got.float()).abs().max().item() > 0.1
 
 
 @pytest.mark.parametrize("block_m", sorted({cfg.block_m for _, cfg in KERNEL_CONFIGS}))
