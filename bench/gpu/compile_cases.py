@@ -41,6 +41,8 @@ class MoEShape:
 DEEPSEEK_V3 = MoEShape("DeepSeek-V3", hidden=7168, intermediate=2048, experts=256, top_k=8, ep=8)
 QWEN3_235B = MoEShape("Qwen3-235B-A22B", hidden=4096, intermediate=1536, experts=128, top_k=8, ep=4)
 MIXTRAL = MoEShape("Mixtral-8x7B", hidden=4096, intermediate=14336, experts=8, top_k=2, ep=2)
+# transformers' DeepseekV4Config defaults (swiglu_limit 10, routed_scaling_factor 1.5)
+DEEPSEEK_V4_FLASH = MoEShape("DeepSeek-V4-Flash", hidden=4096, intermediate=2048, experts=256, top_k=6, ep=8)
 EDGE_TOKENS = (1, 16, 17)  # Triton makes an int of 1 a constant and marks multiples of 16
 
 
@@ -196,6 +198,19 @@ def _routing() -> None:
         )
 
 
+def _v4_routing() -> None:
+    from moeserve.kernels.routing import sqrtsoftplus_topk
+
+    shape = DEEPSEEK_V4_FLASH
+    for tokens in EDGE_TOKENS:
+        sqrtsoftplus_topk(
+            torch.empty(tokens, shape.experts, dtype=BF16),
+            shape.top_k,
+            correction_bias=torch.zeros(shape.experts),
+            routed_scaling_factor=1.5,
+        )
+
+
 def _gated_delta() -> None:
     """Qwen3.5-35B-A3B's Gated DeltaNet at TP 1 (16 key heads, 32 value heads, 128 dims, a conv of 4
     taps): decode steps of 1, 16 and 17 sequences, and prompt chunks (one sequence, and a chunk
@@ -247,6 +262,32 @@ def _moe() -> None:
             moe_align_block_size(ids, local, block_m)
             aligned = moe_align_reference(ids, local, block_m)
             fused_moe(torch.empty(tokens, shape.hidden, dtype=BF16), w13, w2, aligned, top_k)
+
+
+def _v4_moe() -> None:
+    """DeepSeek-V4-Flash's clamped-SiLU experts on one EP 8 rank's share: bf16 at every config
+    row of `KERNEL_CONFIGS`, and block-scaled FP8 (w8a8) at decode and prefill counts. (Its FP4
+    release runs the packed GEMMs, whose kernels the activation between them leaves unchanged.)"""
+    from moeserve.config import GatedActivation
+    from moeserve.kernels.fused_moe import fused_moe
+    from moeserve.kernels.fused_moe_fp8 import fused_moe_w8a8
+    from moeserve.kernels.launch_config import block_m_for
+    from moeserve.kernels.moe_align import moe_align_reference
+
+    shape, clamped = DEEPSEEK_V4_FLASH, GatedActivation("clamped_silu", limit=10.0)
+    local = shape.experts // shape.ep // 8
+    top_k = min(shape.top_k, local)
+    w13 = torch.empty(local, 2 * shape.intermediate, shape.hidden, dtype=BF16)
+    w2 = torch.empty(local, shape.hidden, shape.intermediate, dtype=BF16)
+    for tokens in (1, 16, 17, 130, 600):
+        aligned = moe_align_reference(_local_ids(tokens, top_k, local), local, block_m_for(tokens, top_k, local))
+        fused_moe(torch.empty(tokens, shape.hidden, dtype=BF16), w13, w2, aligned, top_k, activation=clamped)
+    w13_fp8 = _fp8_weight(local, 2, shape.intermediate, shape.hidden)
+    w2_fp8 = _fp8_weight(local, 1, shape.hidden, shape.intermediate)
+    for tokens in (1, 17, 300):
+        aligned = moe_align_reference(_local_ids(tokens, top_k, local), local, block_m_for(tokens, top_k, local))
+        hidden = torch.empty(tokens, shape.hidden, dtype=BF16)
+        fused_moe_w8a8(hidden, w13_fp8, w2_fp8, aligned, top_k, activation=clamped)
 
 
 def _fp8_weight(experts: int, parts: int, rows: int, cols: int) -> BlockFP8Weight:
@@ -407,7 +448,13 @@ CASES: list[Case] = [
     Case("norm", "RMSNorm and fused add+RMSNorm, DeepSeek-V3/Qwen3 widths", lambda: _compile_only(_norms)()),
     Case("rotary", "rotary q/k (neox) and DeepSeek's interleaved rope", lambda: _compile_only(_rotary)()),
     Case("routing", "softmax top-k and DeepSeek's grouped sigmoid top-k", lambda: _compile_only(_routing)()),
+    Case("routing", "DeepSeek-V4-Flash sqrtsoftplus top-6 of 256", lambda: _compile_only(_v4_routing)()),
     Case("fused_moe", "moe_align + bf16 fused MoE, three models x five token counts", lambda: _compile_only(_moe)()),
+    Case(
+        "fused_moe",
+        "DeepSeek-V4-Flash clamped-SiLU fused MoE at EP 8: bf16 x five token counts, w8a8 x three",
+        lambda: _compile_only(_v4_moe)(),
+    ),
     Case("fp8", "FP8 group quant, w8a8 linear and w8a8 fused MoE, DeepSeek-V3", lambda: _compile_only(_fp8)()),
     Case("packed_moe", "INT4 (W4A16) and NVFP4 packed-expert GEMMs, DeepSeek-V3", lambda: _compile_only(_packed_moe)()),
     Case(

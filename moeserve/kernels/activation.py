@@ -35,4 +35,5 @@ def activation_constants(activation: GatedActivation | None) -> dict[str, str | 
     whatever a config's unused alpha and limit are, a SiLU model gets the one plain kernel."""
     if activation is None or activation.kind == "silu":
         return {"ACTIVATION": "silu", "ALPHA": 0.0, "LIMIT": 0.0}
-    return {"ACTIVATION": activation.kind, "ALPHA": float(activation.alpha), "LIMIT": float(activation.limit)}
+    alpha = float(activation.alpha) if activation.kind == "clamped_swiglu" else 0.0  # clamped SiLU has none
+    return {"ACTIVATION": activation.kind, "ALPHA": alpha, "LIMIT": float(activation.limit)}
