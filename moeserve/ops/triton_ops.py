@@ -66,18 +66,18 @@ class TritonOps(LayerOps[TritonAttentionPlan]):
         """Block-quantized FP8 weights run as w8a8 when their K tile suits the kernels, INT4 and
         NVFP4 experts as packed grouped GEMMs; DeepSeek-V4 runs whole (its attention and indexer,
         its sqrtsoftplus router, its clamped SiLU experts; its hash-routed layers and mHC are torch
-        arithmetic, no choice to make). MXFP4 weights (no FP4 x bf16 GEMM yet) and gpt-oss's layer
-        options (sinks in the paged attention kernels, expert biases in `fused_moe`, its
-        top-k-then-softmax router with a bias in `route`) have no kernel yet; its clamped SwiGLU
-        has one."""
+        arithmetic, no choice to make). MXFP4 weights (no FP4 x bf16 GEMM yet) and gpt-oss's
+        attention sinks (paged attention kernels) and top-k-then-softmax router with a bias
+        (`route`) have no kernel yet; its experts do (`fused_moe`: biases, clamped SwiGLU), in
+        the compute dtype only."""
         if isinstance(cfg.weight_quant, MXFP4Config):
             return "the Triton kernels have no MXFP4 (FP4 x bf16) expert GEMM yet; use kernels=torch for MXFP4 weights"
         if isinstance(cfg.weight_quant, BlockFP8Config) and group_problem(cfg.weight_quant.block[1]) is not None:
             return f"{group_problem(cfg.weight_quant.block[1])}; use kernels=torch"
         if cfg.attention_sinks:
             return "the Triton attention kernels have no attention sinks (gpt-oss); use kernels=torch"
-        if cfg.expert_bias:
-            return "the Triton fused MoE kernel has no expert biases (gpt-oss); use kernels=torch"
+        if cfg.expert_bias and cfg.weight_quant is not None:
+            return "the Triton fused MoE takes expert biases (gpt-oss) with unquantized experts only; use kernels=torch"
         if cfg.router.kind == "topk_softmax" or cfg.router.has_bias:
             return "the Triton routing kernel has no top-k-then-softmax router with a bias (gpt-oss); use kernels=torch"
         if cfg.dsa is not None and cfg.dsa.fp8_keys:
@@ -239,9 +239,11 @@ class TritonOps(LayerOps[TritonAttentionPlan]):
         the dispatch delivered when their groups are the weights' K blocks (128 channels, as
         DeepSeek-V3's): no quantization of the rows' dequantised values again. INT4 and NVFP4
         experts run the packed grouped GEMMs on their stored codes and scales (W4A16). Each takes
-        the experts' activation (SiLU, or a clamped kind) as a compile-time choice."""
-        if b13 is not None or b2 is not None:
-            raise ValueError("kernels=triton: fused_moe has no expert biases (see supports_model)")
+        the experts' activation (SiLU, or a clamped kind) as a compile-time choice; biases (b13
+        and b2 together, gpt-oss) go with unquantized experts only."""
+        biases = None if b13 is None and b2 is None else (b13, b2)
+        if biases is not None and (b13 is None or b2 is None or not isinstance(w13, torch.Tensor)):
+            raise ValueError("kernels=triton: expert biases need both b13 and b2 and unquantized experts")
         if type(w13) is not type(w2):
             raise ValueError("kernels=triton: w13 and w2 must be stored alike (FP8, packed or unquantized)")
         num_experts = w13.shape[0]
@@ -252,7 +254,7 @@ class TritonOps(LayerOps[TritonAttentionPlan]):
         if isinstance(w13, PackedExperts):
             return packed_moe(x.contiguous(), w13, w2, aligned, top_k=top_k, activation=activation)
         if not isinstance(w13, BlockFP8Weight):
-            return fused_moe(x.contiguous(), w13, w2, aligned, top_k=top_k, activation=activation)
+            return fused_moe(x.contiguous(), w13, w2, aligned, top_k=top_k, activation=activation, biases=biases)
         quantized = None
         if x_fp8 is not None and w13.block[1] == FP8_ROW_GROUP:
             quantized = (x_fp8.q, x_fp8.scales)
