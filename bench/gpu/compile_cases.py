@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from moeserve.config import GatedActivation
 from moeserve.fp8_format import FP8_DTYPE, BlockFP8Weight
 from moeserve.kernels.targets import compile_only
 
@@ -41,6 +42,9 @@ class MoEShape:
 DEEPSEEK_V3 = MoEShape("DeepSeek-V3", hidden=7168, intermediate=2048, experts=256, top_k=8, ep=8)
 QWEN3_235B = MoEShape("Qwen3-235B-A22B", hidden=4096, intermediate=1536, experts=128, top_k=8, ep=4)
 MIXTRAL = MoEShape("Mixtral-8x7B", hidden=4096, intermediate=14336, experts=8, top_k=2, ep=2)
+# transformers' DeepseekV4Config defaults (swiglu_limit 10, routed_scaling_factor 1.5)
+DEEPSEEK_V4_FLASH = MoEShape("DeepSeek-V4-Flash", hidden=4096, intermediate=2048, experts=256, top_k=6, ep=8)
+GPT_OSS_120B = MoEShape("gpt-oss-120b", hidden=2880, intermediate=2880, experts=128, top_k=4, ep=4)
 EDGE_TOKENS = (1, 16, 17)  # Triton makes an int of 1 a constant and marks multiples of 16
 
 
@@ -215,6 +219,19 @@ def _delta_rule_args(conv: torch.Tensor, query_lens: tuple[int, ...], hk: int, h
     )
 
 
+def _v4_routing() -> None:
+    from moeserve.kernels.routing import sqrtsoftplus_topk
+
+    shape = DEEPSEEK_V4_FLASH
+    for tokens in EDGE_TOKENS:
+        sqrtsoftplus_topk(
+            torch.empty(tokens, shape.experts, dtype=BF16),
+            shape.top_k,
+            correction_bias=torch.zeros(shape.experts),
+            routed_scaling_factor=1.5,
+        )
+
+
 def _gated_delta() -> None:
     """Qwen3.5-35B-A3B's Gated DeltaNet at TP 1 (16 key heads, 32 value heads, 128 dims, a conv of 4
     taps): decode steps of 1, 16 and 17 sequences, and longer spans (one sequence, and a span
@@ -258,23 +275,57 @@ def _local_ids(tokens: int, top_k: int, experts: int) -> torch.Tensor:
     return torch.stack([torch.randperm(experts)[:top_k] for _ in range(tokens)])
 
 
-def _moe() -> None:
-    """bf16 experts of each shape on one rank's share, at every config row of `KERNEL_CONFIGS`."""
+def _bf16_moe(shape: MoEShape, activation: GatedActivation | None = None, bias: bool = False) -> None:
+    """bf16 experts of `shape` on one rank's share, at every config row of `KERNEL_CONFIGS`."""
     from moeserve.kernels.fused_moe import fused_moe
     from moeserve.kernels.launch_config import block_m_for
     from moeserve.kernels.moe_align import moe_align_block_size, moe_align_reference
 
+    local = max(2, shape.experts // shape.ep // 8)  # a few local experts: the count is no constant
+    top_k = min(shape.top_k, local)
+    w13 = torch.empty(local, 2 * shape.intermediate, shape.hidden, dtype=BF16)
+    w2 = torch.empty(local, shape.hidden, shape.intermediate, dtype=BF16)
+    biases = None
+    if bias:
+        biases = (torch.empty(local, 2 * shape.intermediate, dtype=BF16), torch.empty(local, shape.hidden, dtype=BF16))
+    for tokens in (1, 16, 17, 130, 600):  # tokens per expert 1 .. 300: each config row
+        ids = _local_ids(tokens, top_k, local)
+        block_m = block_m_for(tokens, top_k, local)
+        moe_align_block_size(ids, local, block_m)
+        aligned = moe_align_reference(ids, local, block_m)
+        hidden = torch.empty(tokens, shape.hidden, dtype=BF16)
+        fused_moe(hidden, w13, w2, aligned, top_k, activation=activation, biases=biases)
+
+
+def _moe() -> None:
     for shape in (DEEPSEEK_V3, QWEN3_235B, MIXTRAL):
-        local = max(2, shape.experts // shape.ep // 8)  # a few local experts: the count is no constant
-        top_k = min(shape.top_k, local)
-        w13 = torch.empty(local, 2 * shape.intermediate, shape.hidden, dtype=BF16)
-        w2 = torch.empty(local, shape.hidden, shape.intermediate, dtype=BF16)
-        for tokens in (1, 16, 17, 130, 600):  # tokens per expert 1 .. 300: each config row
-            ids = _local_ids(tokens, top_k, local)
-            block_m = block_m_for(tokens, top_k, local)
-            moe_align_block_size(ids, local, block_m)
-            aligned = moe_align_reference(ids, local, block_m)
-            fused_moe(torch.empty(tokens, shape.hidden, dtype=BF16), w13, w2, aligned, top_k)
+        _bf16_moe(shape)
+
+
+def _v4_moe() -> None:
+    """DeepSeek-V4-Flash's clamped-SiLU experts on one EP 8 rank's share: bf16 at every config
+    row of `KERNEL_CONFIGS`, and block-scaled FP8 (w8a8) at decode and prefill counts. (Its FP4
+    release runs the packed GEMMs, whose kernels the activation between them leaves unchanged.)"""
+    from moeserve.kernels.fused_moe_fp8 import fused_moe_w8a8
+    from moeserve.kernels.launch_config import block_m_for
+    from moeserve.kernels.moe_align import moe_align_reference
+
+    shape, clamped = DEEPSEEK_V4_FLASH, GatedActivation("clamped_silu", limit=10.0)
+    _bf16_moe(shape, clamped)
+    local = shape.experts // shape.ep // 8
+    top_k = min(shape.top_k, local)
+    w13_fp8 = _fp8_weight(local, 2, shape.intermediate, shape.hidden)
+    w2_fp8 = _fp8_weight(local, 1, shape.hidden, shape.intermediate)
+    for tokens in (1, 17, 300):
+        aligned = moe_align_reference(_local_ids(tokens, top_k, local), local, block_m_for(tokens, top_k, local))
+        hidden = torch.empty(tokens, shape.hidden, dtype=BF16)
+        fused_moe_w8a8(hidden, w13_fp8, w2_fp8, aligned, top_k, activation=clamped)
+
+
+def _gpt_oss_moe() -> None:
+    """gpt-oss-120b's experts as bf16 weights: biases around the clamped SwiGLU (alpha 1.702,
+    limit 7). (Its MXFP4 release has no Triton GEMM; its sinks and router keep it on torch.)"""
+    _bf16_moe(GPT_OSS_120B, GatedActivation("clamped_swiglu", alpha=1.702, limit=7.0), bias=True)
 
 
 def _fp8_weight(experts: int, parts: int, rows: int, cols: int) -> BlockFP8Weight:
@@ -441,7 +492,18 @@ CASES: list[Case] = [
     Case("norm", "RMSNorm and fused add+RMSNorm, DeepSeek-V3/Qwen3 widths", lambda: _compile_only(_norms)()),
     Case("rotary", "rotary q/k (neox) and DeepSeek's interleaved rope", lambda: _compile_only(_rotary)()),
     Case("routing", "softmax top-k and DeepSeek's grouped sigmoid top-k", lambda: _compile_only(_routing)()),
+    Case("routing", "DeepSeek-V4-Flash sqrtsoftplus top-6 of 256", lambda: _compile_only(_v4_routing)()),
     Case("fused_moe", "moe_align + bf16 fused MoE, three models x five token counts", lambda: _compile_only(_moe)()),
+    Case(
+        "fused_moe",
+        "DeepSeek-V4-Flash clamped-SiLU fused MoE at EP 8: bf16 x five token counts, w8a8 x three",
+        lambda: _compile_only(_v4_moe)(),
+    ),
+    Case(
+        "fused_moe",
+        "gpt-oss-120b biased clamped-SwiGLU fused MoE at EP 4, bf16 x five token counts",
+        lambda: _compile_only(_gpt_oss_moe)(),
+    ),
     Case("fp8", "FP8 group quant, w8a8 linear and w8a8 fused MoE, DeepSeek-V3", lambda: _compile_only(_fp8)()),
     Case(
         "packed_moe",

@@ -4,10 +4,11 @@ The (token, k) pairs arrive sorted by expert and padded per expert to a multiple
 (`AlignedPairs`, made by `moeserve.kernels.moe_align`), so every BLOCK_M rows of the sorted order
 belong to one expert and a tile of rows is an ordinary GEMM against that expert's weights:
 
-1. gate/up: `act[s] = silu(x w_gate^T) * (x w_up^T)` for sorted position s, x = hidden[pair // top_k].
-   Rows are gathered from `hidden` on the fly (no permuted copy of the activations) and SiLU-and-
-   multiply runs in the epilogue, so the `[P_max, 2I]` gate/up product never reaches memory. The
-   activation `[P_max, I]` is indexed by sorted position: a plain store, no scatter.
+1. gate/up: `act[s] = silu(x w_gate^T) * (x w_up^T)` for sorted position s, x = hidden[pair // top_k]
+   (or a clamped kind, `kernels.activation`: DeepSeek-V4's, gpt-oss's). Rows are gathered from
+   `hidden` on the fly (no permuted copy of the activations) and the activation runs in the
+   epilogue, so the `[P_max, 2I]` gate/up product never reaches memory. The activation
+   `[P_max, I]` is indexed by sorted position: a plain store, no scatter.
 2. down: `out[pair] = act[s] w2^T * pair_weights[pair]`: the combine weight is applied in the
    epilogue and each row is scattered to its pair's row of the output.
 
@@ -47,6 +48,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from moeserve.config import GatedActivation
+from moeserve.kernels.activation import activation_constants, gated_activation
 from moeserve.kernels.fp8_quant import per_token_group_quant
 from moeserve.kernels.gemm_tiles import tile_coords, weight_scale_offsets
 from moeserve.kernels.launch_config import (
@@ -58,6 +61,7 @@ from moeserve.kernels.launch_config import (
     shared_memory_budget,
 )
 from moeserve.kernels.targets import require_launchable
+from moeserve.ops.grouped_mlp import gated
 
 if TYPE_CHECKING:
     from moeserve.kernels.moe_align import AlignedPairs
@@ -84,6 +88,9 @@ def _gate_up_kernel(
     stride_wk,
     stride_am,
     stride_an,
+    bias_ptr,
+    stride_be,
+    stride_bn,
     x_scale_ptr,
     w_scale_ptr,
     stride_xsm,
@@ -102,8 +109,14 @@ def _gate_up_kernel(
     W8A8: tl.constexpr,
     SCALE_N: tl.constexpr,
     SCALE_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+    ALPHA: tl.constexpr,
+    LIMIT: tl.constexpr,
 ):
-    """act[s, n] = silu(hidden[pair_s // top_k] . w_gate[n]) * (hidden[pair_s // top_k] . w_up[n]).
+    """act[s, n] = silu(hidden[pair_s // top_k] . w_gate[n]) * (hidden[pair_s // top_k] . w_up[n]),
+    or ACTIVATION's clamped form of it (`gated_activation`); with HAS_BIAS each product plus its
+    expert's bias `[E, 2I]` (gpt-oss) first.
 
     W8A8: hidden and w13 are FP8; hidden's scales `[T, K / SCALE_K]` are read at the token's row,
     w13's `[E, parts, ...]` at each column (gate n and up I + n may sit in different parts)."""
@@ -156,7 +169,11 @@ def _gate_up_kernel(
             a_ptrs += BLOCK_K * stride_hk
             gate_ptrs += BLOCK_K * stride_wk
             up_ptrs += BLOCK_K * stride_wk
-        act = acc_gate * tl.sigmoid(acc_gate) * acc_up
+        if HAS_BIAS:
+            bias = bias_ptr + expert * stride_be + offs_wn * stride_bn
+            acc_gate += tl.load(bias).to(tl.float32)[None, :]
+            acc_up += tl.load(bias + inter_size * stride_bn).to(tl.float32)[None, :]
+        act = gated_activation(acc_gate, acc_up, ACTIVATION, ALPHA, LIMIT)
         act_ptrs = act_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_n[None, :] * stride_an
         tl.store(act_ptrs, act.to(act_ptr.dtype.element_ty), mask=offs_n[None, :] < inter_size)
 
@@ -180,6 +197,9 @@ def _down_kernel(
     stride_wk,
     stride_om,
     stride_on,
+    bias_ptr,
+    stride_be,
+    stride_bn,
     x_scale_ptr,
     w_scale_ptr,
     stride_xsm,
@@ -199,8 +219,10 @@ def _down_kernel(
     W8A8: tl.constexpr,
     SCALE_N: tl.constexpr,
     SCALE_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
 ):
-    """out[pair_s, n] = (act[s] . w2[n]) * pair_weights[pair_s], for real (non-padding) pairs.
+    """out[pair_s, n] = (act[s] . w2[n] (+ the expert's bias `[E, H]` with HAS_BIAS)) *
+    pair_weights[pair_s], for real (non-padding) pairs.
 
     W8A8: act and w2 are FP8, act's scales `[slots, I / SCALE_K]` read at row s."""
     pid = tl.program_id(0)
@@ -245,6 +267,8 @@ def _down_kernel(
                 acc += tl.dot(a, w, input_precision=PRECISION)
             a_ptrs += BLOCK_K * stride_ak
             w_ptrs += BLOCK_K * stride_wk
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + expert * stride_be + offs_wn * stride_bn).to(tl.float32)[None, :]
         if HAS_WEIGHTS:
             acc *= tl.load(weights_ptr + pair, mask=row_ok, other=0.0)[:, None]
         out_ptrs = out_ptr + pair[:, None].to(tl.int64) * stride_om + offs_n[None, :] * stride_on
@@ -340,6 +364,26 @@ def _scale_args(rows: torch.Tensor, weight_scales: torch.Tensor, weight: torch.T
     return (rows, weight_scales, *rows.stride(), *weight_scales.stride(), weight.shape[1] // weight_scales.shape[1])
 
 
+def _bias_args(bias: torch.Tensor | None, dummy: torch.Tensor) -> tuple:
+    """A kernel's bias arguments: pointer and strides, never read without one (HAS_BIAS off)."""
+    return (dummy, 0, 0) if bias is None else (bias, *bias.stride())
+
+
+def check_biases(hidden: torch.Tensor, w13: torch.Tensor, biases: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+    """gpt-oss's expert biases: b13 `[E, 2I]` and b2 `[E, H]` in hidden's dtype, on its device."""
+    if biases is None:
+        return
+    (num_experts, two_inter, hidden_size), (b13, b2) = w13.shape, biases
+    if b13.shape != (num_experts, two_inter) or b2.shape != (num_experts, hidden_size):
+        raise ValueError(
+            f"biases must be b13 [{num_experts}, {two_inter}] and b2 [{num_experts}, {hidden_size}]; got "
+            f"{list(b13.shape)} and {list(b2.shape)}"
+        )
+    for name, b in (("b13", b13), ("b2", b2)):
+        if b.dtype != hidden.dtype or b.device != hidden.device:
+            raise ValueError(f"{name} must be {hidden.dtype} on {hidden.device}, got {b.dtype} on {b.device}")
+
+
 def _no_scale_args(dummy: torch.Tensor) -> tuple:
     """The scale arguments of a dense launch: never read (W8A8 is off)."""
     return (dummy, dummy, 0, 0, 0, 0, 0, 0, 1)
@@ -353,6 +397,8 @@ def fused_moe(
     top_k: int,
     pair_weights: torch.Tensor | None = None,
     max_programs: int | None = None,
+    activation: GatedActivation | None = None,
+    biases: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Expert outputs of every (row, k) pair: `[T_rows * top_k, H]` in hidden's dtype.
 
@@ -363,10 +409,16 @@ def fused_moe(
     token's output is `out.view(T, K, H).sum(1)`; after an EP dispatch (top_k = 1) row p is
     dispatched row p's output. Accumulates in fp32 (exact fp32 dots for fp32 inputs, no tf32); the
     activation between the GEMMs is rounded to hidden's dtype. `max_programs` caps each kernel's
-    persistent grid (default: one program per SM) so the other SMs stay free.
+    persistent grid (default: one program per SM) so the other SMs stay free. `activation`: the
+    gated activation between the GEMMs (None: silu(gate) * up). `biases`: (b13 `[E, 2I]`,
+    b2 `[E, H]`), each expert's biases of its gate/up and down products (gpt-oss), the down
+    bias added before the pair's weight.
     """
     block_m = check_moe_call(hidden, w13, w2, aligned, top_k, pair_weights, max_programs)
-    return launch_fused_moe(hidden, w13, w2, aligned, top_k, block_m, hidden.dtype, pair_weights, max_programs)
+    check_biases(hidden, w13, biases)
+    return launch_fused_moe(
+        hidden, w13, w2, aligned, top_k, block_m, hidden.dtype, pair_weights, max_programs, None, activation, biases
+    )
 
 
 def launch_fused_moe(
@@ -380,6 +432,8 @@ def launch_fused_moe(
     pair_weights: torch.Tensor | None = None,
     max_programs: int | None = None,
     w8a8: W8A8Scales | None = None,
+    activation: GatedActivation | None = None,
+    biases: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Both kernels on arguments `check_moe_call` has passed; the activation between them is
     `out_dtype`. With `w8a8` it is then quantized per token group (its live rows only, bounded
@@ -409,6 +463,7 @@ def launch_fused_moe(
         W8A8=w8a8 is not None,
         SCALE_N=1 if w8a8 is None else w8a8.block[0],
         SCALE_K=1 if w8a8 is None else w8a8.block[1],
+        HAS_BIAS=biases is not None,
         num_warps=cfg.num_warps,
     )
     budget = shared_memory_budget(device_index(hidden.device)) if hidden.device.type == "cuda" else SM90_SHARED_MEMORY
@@ -433,9 +488,11 @@ def launch_fused_moe(
         w13.stride(2),
         act.stride(0),
         act.stride(1),
+        *_bias_args(None if biases is None else biases[0], hidden),
         *(_no_scale_args(hidden) if w8a8 is None else _scale_args(w8a8.hidden, w8a8.w13, w13)),
         EVEN_K=hidden_size % cfg.block_k == 0,
         num_stages=fit_num_stages(cfg, hidden.element_size(), 2, budget),
+        **activation_constants(activation),
         **launch,
     )
     down_scales = _no_scale_args(act)
@@ -461,6 +518,7 @@ def launch_fused_moe(
         w2.stride(2),
         out.stride(0),
         out.stride(1),
+        *_bias_args(None if biases is None else biases[1], out),
         *down_scales,
         EVEN_K=inter_size % cfg.block_k == 0,
         HAS_WEIGHTS=pair_weights is not None,
@@ -489,22 +547,27 @@ def fused_moe_reference(
     top_k: int,
     pair_weights: torch.Tensor | None = None,
     max_programs: int | None = None,
+    activation: GatedActivation | None = None,
+    biases: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Torch version of `fused_moe`, one expert at a time, what the kernels are tested against.
 
-    Computes in fp32 and rounds the activation to hidden's dtype as the kernel stores it.
+    Computes in fp32 and rounds the activation (the torch path's `gated`) to hidden's dtype as
+    the kernel stores it.
     `max_programs` only exists for signature parity: there is no grid here.
     """
     check_moe_call(hidden, w13, w2, aligned, top_k, pair_weights, max_programs)
+    check_biases(hidden, w13, biases)
     num_pairs = hidden.shape[0] * top_k
     out = torch.zeros(num_pairs, w13.shape[2], dtype=hidden.dtype, device=hidden.device)
     if num_pairs == 0:
         return out
     for expert, pairs in pairs_by_expert(aligned, num_pairs):
+        b13, b2 = (None, None) if biases is None else (b[expert].float() for b in biases)
         x = hidden[pairs // top_k].float()
-        gate, up = F.linear(x, w13[expert].float()).chunk(2, dim=-1)
-        act = (F.silu(gate) * up).to(hidden.dtype).float()
-        y = F.linear(act, w2[expert].float())
+        gate, up = F.linear(x, w13[expert].float(), b13).chunk(2, dim=-1)
+        act = gated(gate, up, activation).to(hidden.dtype).float()
+        y = F.linear(act, w2[expert].float(), b2)
         if pair_weights is not None:
             y = y * pair_weights[pairs, None]
         out[pairs] = y.to(hidden.dtype)

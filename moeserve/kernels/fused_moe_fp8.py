@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from moeserve.config import GatedActivation
 from moeserve.fp8_format import FP8_DTYPE, BlockFP8Weight
 from moeserve.kernels.fp8_quant import (
     check_group,
@@ -22,6 +23,7 @@ from moeserve.kernels.fp8_quant import (
     per_token_group_quant_reference,
 )
 from moeserve.kernels.fused_moe import W8A8Scales, check_moe_call, launch_fused_moe, pairs_by_expert
+from moeserve.ops.grouped_mlp import gated
 
 if TYPE_CHECKING:
     from moeserve.kernels.moe_align import AlignedPairs
@@ -44,6 +46,7 @@ def fused_moe_w8a8(
     pair_weights: torch.Tensor | None = None,
     max_programs: int | None = None,
     hidden_fp8: tuple[torch.Tensor, torch.Tensor] | None = None,
+    activation: GatedActivation | None = None,
 ) -> torch.Tensor:
     """`fused_moe` with FP8 experts: `[T_rows * top_k, H]` in hidden's dtype.
 
@@ -51,8 +54,8 @@ def fused_moe_w8a8(
     `hidden_fp8` gives it quantized already: (float8_e4m3fn `[T_rows, H]`, float32 scales
     `[T_rows, ceil(H / block_k)]`), groups of the weights' K block (an FP8 dispatch's rows);
     w13 data `[E, 2I, H]` with scales `[E, parts, ...]`, w2 data `[E, H, I]` with scales
-    `[E, 1, ...]` (`BlockFP8Weight`); `aligned`, `top_k`, `pair_weights`, `max_programs` as for
-    `fused_moe`.
+    `[E, 1, ...]` (`BlockFP8Weight`); `aligned`, `top_k`, `pair_weights`, `max_programs`,
+    `activation` as for `fused_moe`.
     """
     _check_weights(w13, w2)
     block_m = check_moe_call(
@@ -64,7 +67,17 @@ def fused_moe_w8a8(
         hidden_q, hidden_scales = _check_quantized(hidden, hidden_fp8, w13.block[1])
     scales = W8A8Scales(hidden_scales, w13.scale_inv, w2.scale_inv, w13.block)
     return launch_fused_moe(
-        hidden_q, w13.data, w2.data, aligned, top_k, block_m, hidden.dtype, pair_weights, max_programs, scales
+        hidden_q,
+        w13.data,
+        w2.data,
+        aligned,
+        top_k,
+        block_m,
+        hidden.dtype,
+        pair_weights,
+        max_programs,
+        scales,
+        activation,
     )
 
 
@@ -98,6 +111,7 @@ def fused_moe_w8a8_reference(
     top_k: int,
     pair_weights: torch.Tensor | None = None,
     hidden_fp8: tuple[torch.Tensor, torch.Tensor] | None = None,
+    activation: GatedActivation | None = None,
 ) -> torch.Tensor:
     """Torch version of `fused_moe_w8a8`, one expert at a time, what the kernels are tested
     against: the rows quantized per token group exactly as the kernel does (or `hidden_fp8`'s),
@@ -117,7 +131,7 @@ def fused_moe_w8a8_reference(
     w13_values, w2_values = w13.dequantize(torch.float32), w2.dequantize(torch.float32)
     for expert, pairs in pairs_by_expert(aligned, num_pairs):
         gate, up = F.linear(x_all[pairs // top_k], w13_values[expert]).chunk(2, dim=-1)
-        act = _fake_quant((F.silu(gate) * up).to(hidden.dtype), group)
+        act = _fake_quant(gated(gate, up, activation).to(hidden.dtype), group)
         y = F.linear(act, w2_values[expert])
         if pair_weights is not None:
             y = y * pair_weights[pairs, None]

@@ -15,6 +15,8 @@ them to the rows' dtype and runs the tile's dot with float32 accumulation.
 Two launches make the MoE: gate/up (rows gathered from hidden by pair // top_k, outputs stored by
 sorted position), SiLU-and-multiply, then down (rows by sorted position, each output scaled by its
 pair's combine weight and scattered to the pair's row), as `fused_moe_reference` computes it.
+The activation (SiLU or a clamped kind, the torch path's `gated`) runs between the launches,
+on the gate/up outputs in float32.
 """
 
 from __future__ import annotations
@@ -26,10 +28,12 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from moeserve.config import GatedActivation
 from moeserve.kernels.fused_moe import pairs_by_expert
 from moeserve.kernels.gemm_tiles import aligned_tile
 from moeserve.kernels.launch_config import default_max_programs
 from moeserve.kernels.targets import require_launchable
+from moeserve.ops.grouped_mlp import gated
 from moeserve.packed_weight import PackedExperts
 
 if TYPE_CHECKING:
@@ -188,6 +192,7 @@ def packed_moe(
     top_k: int,
     pair_weights: torch.Tensor | None = None,
     max_programs: int | None = None,
+    activation: GatedActivation | None = None,
 ) -> torch.Tensor:
     """Every routed expert's gated MLP over packed experts: `[T_rows * top_k, H]` in hidden's
     dtype; arguments as for `fused_moe`, w13 `[E, 2I, H]` and w2 `[E, H, I]` packed."""
@@ -202,7 +207,7 @@ def packed_moe(
     gate_up = torch.empty(aligned.sorted_pair_ids.numel(), w13.shape[1], dtype=hidden.dtype, device=hidden.device)
     _launch(hidden, w13, gate_up, aligned, num_pairs, top_k, False, None, programs)
     gate, up = gate_up.chunk(2, dim=-1)
-    act = (F.silu(gate.float()) * up.float()).to(hidden.dtype)
+    act = gated(gate.float(), up.float(), activation).to(hidden.dtype)
     _launch(act, w2, out, aligned, num_pairs, top_k, True, pair_weights, programs)
     return out
 
@@ -214,6 +219,7 @@ def packed_moe_reference(
     aligned: AlignedPairs,
     top_k: int,
     pair_weights: torch.Tensor | None = None,
+    activation: GatedActivation | None = None,
 ) -> torch.Tensor:
     """Torch version of `packed_moe`, one expert at a time, what the kernels are tested against:
     the weights dequantized by the formats' own code and rounded to hidden's dtype as the kernel
@@ -226,7 +232,7 @@ def packed_moe_reference(
     for expert, pairs in pairs_by_expert(aligned, num_pairs):
         gate_up = F.linear(hidden[pairs // top_k].float(), w13_values[expert]).to(hidden.dtype).float()
         gate, up = gate_up.chunk(2, dim=-1)
-        y = F.linear((F.silu(gate) * up).to(hidden.dtype).float(), w2_values[expert])
+        y = F.linear(gated(gate, up, activation).to(hidden.dtype).float(), w2_values[expert])
         if pair_weights is not None:
             y = y * pair_weights[pairs, None]
         out[pairs] = y.to(hidden.dtype)

@@ -2,7 +2,8 @@
 
 One Triton program per token holds the whole row of E <= 1024 logits in registers as a
 `[groups, experts per group]` tile, so group-limited selection is a reduction over the tile's
-second axis and needs no reshape. Both routers of `moeserve.models.layers.router.Router`:
+second axis and needs no reshape. The routers of `moeserve.models.layers.router.Router` but
+gpt-oss's (`SCORING` picks one at compile time):
 
 * softmax (Mixtral, Qwen, DeepSeek-V2): softmax over all experts in float32; with `num_groups > 1`
   (DeepSeek-V2's group_limited_greedy) only experts of the `topk_groups` groups holding the best
@@ -12,6 +13,10 @@ second axis and needs no reshape. Both routers of `moeserve.models.layers.router
   choosing only; a group scores the sum of its two best biased scores; the top `topk_groups`
   groups stay; the top-k biased scores inside them pick the experts, whose unbiased scores,
   optionally renormalised (+1e-20), times the scale, are the weights.
+* sqrtsoftplus (DeepSeek-V4's learned layers): scores sqrt(softplus(logit)), softplus as torch's
+  (the logit itself past 20, else log1p(exp(logit))); the correction bias shifts them for
+  choosing only; no groups; the chosen experts' unbiased scores, always renormalised (+1e-20),
+  times the scale. (Its hash-routed layers choose by a table, not here: `HashRouter`.)
 
 Top-k is K rounds of arg-max over the tile; ties go to the lowest expert id. The K entries of a
 row come in descending order of the choosing score, which the MoE result does not depend on.
@@ -32,6 +37,19 @@ MAX_EXPERTS = 1024  # the row lives in one program's registers
 
 
 @triton.jit
+def _softplus(x):
+    """torch's softplus (beta 1, threshold 20) in float32: x past 20, else log1p(exp(x)), log1p by
+    Goldberg's correction: log(1 + exp(x)) loses exp(x)'s digits as it gets small and is 0 below
+    x = -17, where log1p gives exp(x), whose square root still weighs an expert. The exponent is
+    capped at 20 so that no lane overflows (a logit past 88 would make inf / inf)."""
+    e = tl.exp(tl.minimum(x, 20.0))
+    one = 1.0 + e
+    grown = one - 1.0  # 0 exactly when e is lost in 1 + e
+    log1p = tl.where(grown == 0.0, e, tl.log(one) * (e / tl.where(grown == 0.0, 1.0, grown)))
+    return tl.where(x > 20.0, x, log1p)
+
+
+@triton.jit
 def _route_kernel(
     logits_ptr,
     bias_ptr,
@@ -46,7 +64,7 @@ def _route_kernel(
     TOP_K: tl.constexpr,
     K_PAD: tl.constexpr,
     TOPK_GROUPS: tl.constexpr,
-    SIGMOID: tl.constexpr,
+    SCORING: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     RENORMALIZE: tl.constexpr,
 ):
@@ -57,8 +75,11 @@ def _route_kernel(
     expert = group * GROUP_SIZE + member
     x = tl.load(logits_ptr + token * stride_logits + expert, mask=valid, other=0.0).to(tl.float32)
 
-    if SIGMOID:
-        scores = tl.sigmoid(x)
+    if SCORING != "softmax":
+        if SCORING == "sigmoid":
+            scores = tl.sigmoid(x)
+        else:
+            scores = tl.sqrt(_softplus(x))
         choice = scores
         if HAS_BIAS:
             choice = scores + tl.load(bias_ptr + expert, mask=valid, other=0.0).to(tl.float32)
@@ -73,7 +94,7 @@ def _route_kernel(
     if NUM_GROUPS > 1:
         group_ids = tl.arange(0, G_PAD)
         best = tl.max(choice, axis=1)
-        if SIGMOID:
+        if SCORING == "sigmoid":
             # The sum of the group's two best: drop one occurrence of the best (ties count twice).
             if GROUP_SIZE > 1:
                 first = tl.min(tl.where(choice == best[:, None], member, GS_PAD), axis=1)
@@ -88,7 +109,7 @@ def _route_kernel(
         # As in the torch router: dropped experts become -inf (sigmoid, choosing only) or
         # probability 0 (softmax, which also weighs with these masked probabilities).
         dropped = valid & ~keep[:, None]
-        if SIGMOID:
+        if SCORING == "sigmoid":
             choice = tl.where(dropped, float("-inf"), choice)
         else:
             choice = tl.where(dropped, 0.0, choice)
@@ -112,7 +133,7 @@ def _route_kernel(
 
     if RENORMALIZE:
         total = tl.sum(top_weights, axis=0)
-        if SIGMOID:
+        if SCORING != "softmax":
             total = total + 1e-20
         top_weights = top_weights / total
     top_weights = top_weights * scaling
@@ -145,7 +166,7 @@ def _launch(
     top_k: int,
     num_groups: int,
     topk_groups: int,
-    sigmoid: bool,
+    scoring: str,
     renormalize: bool,
     routed_scaling_factor: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -170,7 +191,7 @@ def _launch(
         TOP_K=top_k,
         K_PAD=triton.next_power_of_2(top_k),
         TOPK_GROUPS=topk_groups,
-        SIGMOID=sigmoid,
+        SCORING=scoring,
         HAS_BIAS=bias is not None,
         RENORMALIZE=renormalize,
         num_warps=1 if g_pad * gs_pad <= 256 else 4,
@@ -192,7 +213,7 @@ def softmax_topk(
     logits `[T, E]` -> (topk_ids `[T, K]` int64, topk_weights `[T, K]` float32).
     """
     _check_logits(logits, top_k, num_groups, topk_groups)
-    return _launch(logits, None, top_k, num_groups, topk_groups, False, renormalize, routed_scaling_factor)
+    return _launch(logits, None, top_k, num_groups, topk_groups, "softmax", renormalize, routed_scaling_factor)
 
 
 def grouped_sigmoid_topk(
@@ -210,17 +231,41 @@ def grouped_sigmoid_topk(
     logits `[T, E]` -> (topk_ids `[T, K]` int64, topk_weights `[T, K]` float32).
     """
     _check_logits(logits, top_k, num_groups, topk_groups)
-    if correction_bias is not None:
-        if correction_bias.shape != (logits.shape[1],) or correction_bias.dtype != torch.float32:
-            raise ValueError(
-                f"correction_bias must be float32 [{logits.shape[1]}], got {correction_bias.dtype} "
-                f"{tuple(correction_bias.shape)}"
-            )
-        if correction_bias.device != logits.device:
-            raise ValueError(f"correction_bias is on {correction_bias.device}, logits on {logits.device}")
-        if not correction_bias.is_contiguous():
-            raise ValueError("correction_bias must be contiguous")
-    return _launch(logits, correction_bias, top_k, num_groups, topk_groups, True, renormalize, routed_scaling_factor)
+    _check_bias(logits, correction_bias)
+    return _launch(
+        logits, correction_bias, top_k, num_groups, topk_groups, "sigmoid", renormalize, routed_scaling_factor
+    )
+
+
+def sqrtsoftplus_topk(
+    logits: torch.Tensor,
+    top_k: int,
+    *,
+    correction_bias: torch.Tensor | None = None,
+    routed_scaling_factor: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V4's learned routing: sqrt(softplus) scores, the bias (float32 `[E]`) steers the
+    choice, the chosen unbiased scores renormalised (always, as transformers does) weigh it.
+
+    logits `[T, E]` -> (topk_ids `[T, K]` int64, topk_weights `[T, K]` float32).
+    """
+    _check_logits(logits, top_k, 1, 1)
+    _check_bias(logits, correction_bias)
+    return _launch(logits, correction_bias, top_k, 1, 1, "sqrtsoftplus", True, routed_scaling_factor)
+
+
+def _check_bias(logits: torch.Tensor, correction_bias: torch.Tensor | None) -> None:
+    if correction_bias is None:
+        return
+    if correction_bias.shape != (logits.shape[1],) or correction_bias.dtype != torch.float32:
+        raise ValueError(
+            f"correction_bias must be float32 [{logits.shape[1]}], got {correction_bias.dtype} "
+            f"{tuple(correction_bias.shape)}"
+        )
+    if correction_bias.device != logits.device:
+        raise ValueError(f"correction_bias is on {correction_bias.device}, logits on {logits.device}")
+    if not correction_bias.is_contiguous():
+        raise ValueError("correction_bias must be contiguous")
 
 
 def route(
@@ -239,8 +284,12 @@ def route(
             f"config has_correction_bias={cfg.has_correction_bias} but correction_bias is "
             f"{'missing' if correction_bias is None else 'given'}"
         )
-    if cfg.kind not in ("softmax", "grouped_sigmoid"):
-        raise ValueError(f"router kind {cfg.kind!r} has no Triton kernel (softmax, grouped_sigmoid)")
+    if cfg.kind not in ("softmax", "grouped_sigmoid", "sqrtsoftplus"):
+        raise ValueError(f"router kind {cfg.kind!r} has no Triton kernel (softmax, grouped_sigmoid, sqrtsoftplus)")
+    if cfg.kind == "sqrtsoftplus":
+        return sqrtsoftplus_topk(
+            logits, cfg.top_k, correction_bias=correction_bias, routed_scaling_factor=cfg.routed_scaling_factor
+        )
     if cfg.kind == "grouped_sigmoid":
         return grouped_sigmoid_topk(
             logits,

@@ -73,24 +73,20 @@ class TritonOps(LayerOps[TritonAttentionPlan]):
     @classmethod
     def supports_model(cls, cfg: ModelConfig) -> str | None:
         """Block-quantized FP8 weights run as w8a8 when their K tile suits the kernels, INT4,
-        NVFP4 and DeepSeek-V4's MXFP4 experts as packed grouped GEMMs; gpt-oss's MXFP4 experts
-        (stacked, biased, handed over dequantized) and its layer options have no kernel yet: sinks in
-        the attention kernels, biases and the clamped SwiGLU in `fused_moe`, its
-        top-k-then-softmax router in `route`; nor has DeepSeek-V4's MoE (its sqrtsoftplus router,
-        its clamped SiLU)."""
+        NVFP4 and DeepSeek-V4's MXFP4 experts as packed grouped GEMMs; DeepSeek-V4 runs whole (its
+        attention and indexer, its sqrtsoftplus router, its clamped SiLU experts; its hash-routed
+        layers and mHC are torch arithmetic, no choice to make). gpt-oss's MXFP4 experts (stacked,
+        biased, handed over dequantized), its attention sinks (paged attention kernels) and its
+        top-k-then-softmax router with a bias (`route`) have no kernel yet; its experts in the
+        compute dtype do (`fused_moe`: biases, clamped SwiGLU)."""
         if isinstance(cfg.weight_quant, MXFP4Config):
             return "the Triton kernels have no gpt-oss MXFP4 expert GEMM (biased experts) yet; use kernels=torch for it"
         if isinstance(cfg.weight_quant, BlockFP8Config) and group_problem(cfg.weight_quant.block[1]) is not None:
             return f"{group_problem(cfg.weight_quant.block[1])}; use kernels=torch"
-        if cfg.compressed_attention is not None:
-            return (
-                "the Triton kernels have DeepSeek-V4's attention but not yet its sqrtsoftplus routing nor its "
-                "clamped-SiLU experts; use kernels=torch"
-            )
         if cfg.attention_sinks:
             return "the Triton attention kernels have no attention sinks (gpt-oss); use kernels=torch"
-        if cfg.expert_bias or cfg.expert_activation.kind != "silu":
-            return "the Triton fused MoE kernel has no expert biases nor clamped SwiGLU (gpt-oss); use kernels=torch"
+        if cfg.expert_bias and cfg.weight_quant is not None:
+            return "the Triton fused MoE takes expert biases (gpt-oss) with unquantized experts only; use kernels=torch"
         if cfg.router.kind == "topk_softmax" or cfg.router.has_bias:
             return "the Triton routing kernel has no top-k-then-softmax router with a bias (gpt-oss); use kernels=torch"
         if cfg.dsa is not None and cfg.dsa.fp8_keys:
@@ -260,9 +256,12 @@ class TritonOps(LayerOps[TritonAttentionPlan]):
         FP8 experts run the w8a8 fused MoE on their stored bytes and scales, and on the FP8 rows
         the dispatch delivered when their groups are the weights' K blocks (128 channels, as
         DeepSeek-V3's): no quantization of the rows' dequantised values again. INT4 and NVFP4
-        experts run the packed grouped GEMMs on their stored codes and scales (W4A16)."""
-        if b13 is not None or b2 is not None or (activation is not None and activation.kind != "silu"):
-            raise ValueError("kernels=triton: fused_moe has no expert biases nor clamped SwiGLU (see supports_model)")
+        experts run the packed grouped GEMMs on their stored codes and scales (W4A16). Each takes
+        the experts' activation (SiLU, or a clamped kind) as a compile-time choice; biases (b13
+        and b2 together, gpt-oss) go with unquantized experts only."""
+        biases = None if b13 is None and b2 is None else (b13, b2)
+        if biases is not None and (b13 is None or b2 is None or not isinstance(w13, torch.Tensor)):
+            raise ValueError("kernels=triton: expert biases need both b13 and b2 and unquantized experts")
         if type(w13) is not type(w2):
             raise ValueError("kernels=triton: w13 and w2 must be stored alike (FP8, packed or unquantized)")
         num_experts = w13.shape[0]
@@ -271,13 +270,15 @@ class TritonOps(LayerOps[TritonAttentionPlan]):
         num_rows, top_k = topk_ids.shape
         aligned = moe_align_block_size(topk_ids, num_experts, block_m_for(num_rows, top_k, num_experts))
         if isinstance(w13, PackedExperts):
-            return packed_moe(x.contiguous(), w13, w2, aligned, top_k=top_k)
+            return packed_moe(x.contiguous(), w13, w2, aligned, top_k=top_k, activation=activation)
         if not isinstance(w13, BlockFP8Weight):
-            return fused_moe(x.contiguous(), w13, w2, aligned, top_k=top_k)
+            return fused_moe(x.contiguous(), w13, w2, aligned, top_k=top_k, activation=activation, biases=biases)
         quantized = None
         if x_fp8 is not None and w13.block[1] == FP8_ROW_GROUP:
             quantized = (x_fp8.q, x_fp8.scales)
-        return fused_moe_w8a8(x.contiguous(), w13, w2, aligned, top_k=top_k, hidden_fp8=quantized)
+        return fused_moe_w8a8(
+            x.contiguous(), w13, w2, aligned, top_k=top_k, hidden_fp8=quantized, activation=activation
+        )
 
 
 def _sequence_tokens(start: int, count: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -5,8 +5,8 @@ Spans of one sequence over caches scattered in larger pools (block size 4, a win
 the window straddles blocks): a prompt from position 0 (its first queries see no closed entry;
 CSA ones see fewer entries than the top-k), a prompt of 6 tokens (fewer entries in all than the
 top-k), a chunk mid-sequence and a decode. Window-only, HCA (16 tokens per entry, all visible)
-and CSA (4 per entry, the indexer's top 3) layers. Then the tiny V4 checkpoint's greedy tokens
-with its attention on the kernels.
+and CSA (4 per entry, the indexer's top 3) layers.
+(The tiny V4 checkpoint served whole on the kernels: tests/kernels/test_model_kernels.py.)
 """
 
 from __future__ import annotations
@@ -14,11 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moeserve.cache_spec import PagedSpec
-from moeserve.models.loader import load_model
-from moeserve.models.v4.cache import SequenceView, allocate, layer_specs
-from moeserve.models.v4.model import V4Batch
-from moeserve.ops import TORCH_OPS, TorchOps
+from moeserve.ops import TORCH_OPS
 from moeserve.ops.compressed_attention import PagedRows, SequenceKeys
 from moeserve.ops.triton_ops import TritonOps
 
@@ -118,43 +114,3 @@ def test_sinks_take_their_share(triton_ops, layer):
     assert attend(triton_ops, loud, 37, 6, "hca").abs().max().item() < 1e-6
     quiet = dict(layer, sinks=torch.full((HEADS,), -60.0))
     assert (attend(triton_ops, quiet, 37, 6, "hca") - attend(TORCH_OPS, quiet, 37, 6, "hca")).abs().max().item() < 1e-5
-
-
-class TritonAttentionOps(TorchOps):
-    """The torch backend but for DeepSeek-V4's attention and indexer choice, run on the kernels:
-    the rest of V4 (its sqrtsoftplus router, its clamped experts) has no kernel yet, so
-    `--kernels triton` refuses the model."""
-
-    compressed_select = TritonOps.compressed_select
-    compressed_attention = TritonOps.compressed_attention
-
-
-def greedy_tokens(model, prompt: list[int], new_tokens: int) -> list[int]:
-    """The prompt prefilled in chunks of 16, then `new_tokens` greedy decodes, over caches of
-    scattered blocks (one slot, one table per group)."""
-    specs = [layer_specs(model.cfg, i, torch.float32) for i in range(model.cfg.num_layers)]
-    groups = {s.group_key for layer in specs for s in layer if isinstance(s, PagedSpec)}
-    tables = {key: torch.randperm(32, generator=torch.Generator().manual_seed(7)) for key in groups}
-    caches = [allocate(layer, dict.fromkeys(groups, 32), BLOCK_SIZE, 1) for layer in specs]
-    tokens, start, out = list(prompt), 0, []
-    while len(out) < new_tokens:
-        chunk = tokens[start : start + 16]
-        batch = V4Batch((len(chunk),), (SequenceView(start, tables, 0, BLOCK_SIZE),))
-        with torch.no_grad():
-            hidden = model(torch.tensor(chunk), batch, caches)
-        start += len(chunk)
-        if start == len(tokens):
-            out.append(int(model.compute_logits(hidden[-1:]).argmax()))
-            tokens.append(out[-1])
-    return out
-
-
-def test_v4_greedy_tokens_with_the_attention_kernels(make_checkpoint):
-    """The tiny V4 checkpoint (a window of 8, CSA layers keeping 3 of up to 6 entries, an HCA
-    layer; hash and learned MoE): a 24-token prompt then 3 tokens, its attention on the kernels,
-    gives the torch path's tokens. (The interpreter is slow: the engine-level runs of the parity
-    tests stay on torch.)"""
-    folder = make_checkpoint("deepseek_v4")
-    prompt = torch.randint(3, 320, (24,), generator=torch.Generator().manual_seed(44)).tolist()
-    want = greedy_tokens(load_model(folder, ops=TORCH_OPS), prompt, 3)
-    assert greedy_tokens(load_model(folder, ops=TritonAttentionOps()), prompt, 3) == want

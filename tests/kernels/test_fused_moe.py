@@ -17,7 +17,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moeserve.dispatch import DispatchLayout
+from moeserve.config import GatedActivation
+from moeserve.dispatch import DispatchLayout, DispatchOutput
 from moeserve.kernels.fused_moe import fused_moe, fused_moe_reference
 from moeserve.kernels.launch_config import KERNEL_CONFIGS, SM90_SHARED_MEMORY, block_m_for, config_for, fit_num_stages
 from moeserve.models.layers.experts import Experts
@@ -180,6 +181,58 @@ def test_pre_grouped_rows_top1(device, dtype):
     torch.testing.assert_close(got, want, **tol)
 
 
+CLAMPED = [GatedActivation("clamped_silu", limit=1.0), GatedActivation("clamped_swiglu", alpha=1.702, limit=1.0)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("activation", CLAMPED, ids=[a.kind for a in CLAMPED])
+def test_clamped_activations_equal_the_torch_experts(device, dtype, activation):
+    """DeepSeek-V4's and gpt-oss's clamped activations in the epilogue: the model's torch Experts
+    with that activation on the same rows (weights tripled so that the clamp at 1 bites on many
+    gate and up values, which the plain SiLU kernel's different result confirms)."""
+    counts = [3, 0, 7, 1, 0, 0, 12, 2]
+    experts = Experts(E, H, I, dtype, device, activation=activation)
+    w13, w2 = make_weights(E, H, I, torch.float32, device, seed=4)
+    experts.w13.data, experts.w2.data = (3 * w13).to(dtype), w2.to(dtype)
+    rows = torch.randn(sum(counts), H, device=device).to(dtype)
+    topk_ids = torch.repeat_interleave(torch.arange(E, dtype=torch.int32), torch.tensor(counts))[:, None].to(device)
+    aligned = align_reference(topk_ids, E, block_m_for(sum(counts), 1, E))
+    got = fused_moe(rows, experts.w13, experts.w2, aligned, 1, activation=activation)
+    counts_tensor = torch.tensor(counts, device=device)
+    want = experts(DispatchOutput(rows, counts_tensor, DispatchLayout.EXPERT_MAJOR, None))
+    tol = TOL[dtype] if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-3)
+    torch.testing.assert_close(got, want, **tol)
+    plain = fused_moe(rows, experts.w13, experts.w2, aligned, 1)
+    assert (plain.float() - got.float()).abs().max().item() > 0.1
+
+
+def test_gpt_oss_experts_with_biases_equal_the_torch_experts(device):
+    """gpt-oss's experts whole: gate/up and down biases around its clamped SwiGLU, the down bias
+    inside the pair's weight, as the torch Experts (bias=True) and the combine compute them."""
+    counts = [3, 0, 7, 1, 0, 0, 12, 2]
+    activation = CLAMPED[1]
+    experts = Experts(E, H, I, torch.float32, device, bias=True, activation=activation)
+    w13, w2 = make_weights(E, H, I, torch.float32, device, seed=5)
+    experts.w13.data, experts.w2.data = 3 * w13, w2
+    g = torch.Generator(device="cpu").manual_seed(5)
+    experts.b13.data, experts.b2.data = (
+        torch.randn(b.shape, generator=g).to(device) for b in (experts.b13, experts.b2)
+    )
+    rows = torch.randn(sum(counts), H, device=device)
+    topk_ids = torch.repeat_interleave(torch.arange(E, dtype=torch.int32), torch.tensor(counts))[:, None].to(device)
+    weights = torch.rand(sum(counts), device=device)
+    aligned = align_reference(topk_ids, E, block_m_for(sum(counts), 1, E))
+    biases = (experts.b13.data, experts.b2.data)
+    got = fused_moe(rows, experts.w13, experts.w2, aligned, 1, weights, activation=activation, biases=biases)
+    want = experts(DispatchOutput(rows, torch.tensor(counts, device=device), DispatchLayout.EXPERT_MAJOR, None))
+    torch.testing.assert_close(got, want * weights[:, None], **TOL[torch.float32])
+    torch.testing.assert_close(
+        got, fused_moe_reference(rows, experts.w13, experts.w2, aligned, 1, weights, None, activation, biases)
+    )
+    unbiased = fused_moe(rows, experts.w13, experts.w2, aligned, 1, weights, activation=activation)
+    assert (unbiased - got).abs().max().item() > 0.1
+
+
 @pytest.mark.parametrize("block_m", sorted({cfg.block_m for _, cfg in KERNEL_CONFIGS}))
 @pytest.mark.parametrize("shape", [(64, 32), (80, 48)], ids=["even", "ragged"])
 def test_every_config_row(device, block_m, shape):
@@ -249,6 +302,11 @@ def test_validation(device):
         fused_moe(hidden, w13, w2[:, :, :-1], aligned, K)
     with pytest.raises(ValueError, match="pair_weights"):
         fused_moe(hidden, w13, w2, aligned, K, weights.double())
+    b13, b2 = torch.zeros(E, 2 * I, device=device), torch.zeros(E, H, device=device)
+    with pytest.raises(ValueError, match="biases must be"):
+        fused_moe(hidden, w13, w2, aligned, K, biases=(b13, b2[:, :-1]))
+    with pytest.raises(ValueError, match="b13 must be"):
+        fused_moe(hidden, w13, w2, aligned, K, biases=(b13.half(), b2))
     with pytest.raises(ValueError, match="int32"):
         fused_moe(
             hidden, w13, w2, type(aligned)(aligned.sorted_pair_ids.long(), aligned.block_experts, aligned.num_padded), K

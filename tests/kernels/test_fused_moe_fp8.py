@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from moeserve.config import GatedActivation
 from moeserve.dispatch.base import DispatchLayout
 from moeserve.dispatch.fp8 import local_rows
 from moeserve.fp8_format import BlockFP8Weight, quantize
@@ -71,6 +72,19 @@ def test_matches_reference(device, weights, num_tokens, dtype, weighted):
     got = fused_moe_w8a8(*args)
     assert got.shape == (num_tokens * K, H) and got.dtype == dtype
     assert_close(got, fused_moe_w8a8_reference(*args))
+
+
+def test_clamped_silu_matches_reference(device, weights):
+    """DeepSeek-V4's clamped SiLU in the w8a8 kernel's epilogue (the clamp at 1 bites: the plain
+    SiLU kernel's result differs)."""
+    w13, w2 = weights
+    hidden, topk_ids, pair_weights = moe_inputs(5, torch.float32, device, seed=3)
+    aligned = moe_align_block_size(topk_ids, E, block_m_for(5, K, E))
+    args = (hidden, w13, w2, aligned, K, pair_weights)
+    clamped = GatedActivation("clamped_silu", limit=1.0)
+    got = fused_moe_w8a8(*args, activation=clamped)
+    assert_close(got, fused_moe_w8a8_reference(*args, activation=clamped))
+    assert (got - fused_moe_w8a8(*args)).abs().max().item() > 1e-2 * got.abs().max().item()
 
 
 def test_expert_major_rows_with_padding(device, weights):

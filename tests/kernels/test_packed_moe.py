@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from moeserve import int4_format, mxfp4_format, nvfp4_format
+from moeserve.config import GatedActivation
 from moeserve.kernels.moe_align import moe_align_block_size
 from moeserve.kernels.packed_moe import PackedExperts, packed_moe, packed_moe_reference
 
@@ -83,6 +84,21 @@ def test_packed_moe_matches_reference(fmt, dtype, num_tokens, device):
     assert got.dtype == dtype and got.shape == (num_tokens * K, hidden_size)
     assert (got.float() - want.float()).abs().max().item() <= TOL[dtype] * want.float().abs().max().item()
     assert want.abs().max() > 0
+
+
+def test_clamped_silu_between_the_launches(device):
+    """DeepSeek-V4's clamped SiLU (its released experts are FP4) between the packed GEMMs: the
+    reference's, and the clamp at 1 bites (the plain SiLU result differs)."""
+    w13, w2 = on(nvfp4_experts(2, I, H, seed=1), device), on(nvfp4_experts(1, H, I, seed=2), device)
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(5, H, generator=g).to(device)
+    topk_ids = torch.rand(5, E, generator=g).topk(K, dim=-1).indices.to(torch.int32).to(device)
+    aligned = moe_align_block_size(topk_ids, E, 16)
+    clamped = GatedActivation("clamped_silu", limit=1.0)
+    got = packed_moe(hidden, w13, w2, aligned, K, activation=clamped)
+    want = packed_moe_reference(hidden, w13, w2, aligned, K, activation=clamped)
+    assert (got - want).abs().max().item() <= TOL[torch.float32] * want.abs().max().item()
+    assert (got - packed_moe(hidden, w13, w2, aligned, K)).abs().max().item() > 1e-2 * got.abs().max().item()
 
 
 def test_global_scales_apply_per_part_and_shapes_are_checked():

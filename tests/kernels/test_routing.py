@@ -48,6 +48,10 @@ SIGMOID_PLAIN = RouterConfig("grouped_sigmoid", top_k=4, renormalize=False, num_
 SINGLETON_GROUPS = RouterConfig(
     "grouped_sigmoid", top_k=2, renormalize=True, num_groups=8, topk_groups=3, has_correction_bias=True
 )
+DEEPSEEK_V4 = RouterConfig(
+    "sqrtsoftplus", top_k=6, renormalize=True, routed_scaling_factor=1.5, has_correction_bias=True
+)
+SQRTSOFTPLUS_PLAIN = RouterConfig("sqrtsoftplus", top_k=3, renormalize=True)
 
 # (config, num_experts): E = 60 and 160 (groups of 20) exercise padded tiles.
 CPU_CASES = {
@@ -59,6 +63,8 @@ CPU_CASES = {
     "tiny_v3": (TINY_V3, 8),
     "sigmoid_plain": (SIGMOID_PLAIN, 24),
     "singleton_groups": (SINGLETON_GROUPS, 8),
+    "deepseek_v4": (DEEPSEEK_V4, 256),
+    "sqrtsoftplus_plain": (SQRTSOFTPLUS_PLAIN, 12),
 }
 
 
@@ -76,8 +82,8 @@ def _near_ties(cfg: RouterConfig, logits: torch.Tensor, bias: torch.Tensor | Non
     """Rows whose expert or group choice has two candidates within NEAR_TIE (float64)."""
     x = logits.double()
     num_tokens, num_experts = x.shape
-    if cfg.kind == "grouped_sigmoid":
-        scores = x.sigmoid()
+    if cfg.kind != "softmax":
+        scores = _scores(cfg, x)
         choice = scores + bias.double() if bias is not None else scores
         grouped = choice.view(num_tokens, cfg.num_groups, num_experts // cfg.num_groups)
         group_score = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)
@@ -102,13 +108,20 @@ def _near_ties(cfg: RouterConfig, logits: torch.Tensor, bias: torch.Tensor | Non
     return near
 
 
+def _scores(cfg: RouterConfig, x: torch.Tensor) -> torch.Tensor:
+    """The Router's scores of logits `x` (float64)."""
+    if cfg.kind == "grouped_sigmoid":
+        return x.sigmoid()
+    if cfg.kind == "sqrtsoftplus":
+        return torch.nn.functional.softplus(x).sqrt()
+    return x.softmax(-1)
+
+
 def _weights_for(cfg: RouterConfig, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """The weights the Router's math gives a row for the chosen `ids` (float64)."""
-    x = logits.double()
-    scores = x.sigmoid() if cfg.kind == "grouped_sigmoid" else x.softmax(-1)
-    w = scores.gather(1, ids)
+    w = _scores(cfg, logits.double()).gather(1, ids)
     if cfg.renormalize:
-        w = w / (w.sum(-1, keepdim=True) + (1e-20 if cfg.kind == "grouped_sigmoid" else 0.0))
+        w = w / (w.sum(-1, keepdim=True) + (0.0 if cfg.kind == "softmax" else 1e-20))
     return w * cfg.routed_scaling_factor
 
 
@@ -174,6 +187,20 @@ def test_bias_steers_choice_but_not_weights(device: torch.device) -> None:
     torch.testing.assert_close(weights.cpu()[:, 0], logits.cpu()[:, 5].sigmoid(), rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("low,high", [(-30.0, -18.0), (15.0, 120.0)], ids=["log1p", "threshold"])
+def test_sqrtsoftplus_tails(low: float, high: float, device: torch.device) -> None:
+    """Logits where softplus is exp(x) (log(1 + exp(x)) would give 0 and every weight 0) and
+    where it passes 20 and becomes x itself (past 88 exp(x) overflows): the weights of torch's
+    softplus."""
+    logits = torch.linspace(low, high, 40).view(4, 10)[
+        :, torch.randperm(10, generator=torch.Generator().manual_seed(5))
+    ]
+    ids, weights = route(SQRTSOFTPLUS_PLAIN, logits.to(device))
+    want = torch.nn.functional.softplus(logits).sqrt().topk(3, dim=-1)
+    assert ids.cpu().tolist() == want.indices.tolist()
+    torch.testing.assert_close(weights.cpu(), want.values / want.values.sum(-1, keepdim=True), rtol=1e-6, atol=0)
+
+
 def test_ties_pick_lowest_expert(device: torch.device) -> None:
     logits = torch.zeros(2, 16, device=device)
     ids, weights = softmax_topk(logits, 3, renormalize=True)
@@ -215,6 +242,7 @@ def test_validation(device: torch.device) -> None:
 
 GPU_CASES = {
     "deepseek_v3": (DEEPSEEK_V3, 256),
+    "deepseek_v4": (DEEPSEEK_V4, 256),
     "qwen3": (QWEN3, 128),
     "mixtral": (MIXTRAL, 8),
     "deepseek_v2": (DEEPSEEK_V2, 160),
