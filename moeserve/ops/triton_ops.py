@@ -140,8 +140,9 @@ class TritonOps(LayerOps[TritonAttentionPlan]):
         conv = causal_conv1d_varlen(mixed, conv_weight, state.conv, *spans, drafts, state.draft_conv)
         q, k, v = split_heads(conv, head_dims, g.shape[1])
         out = q.new_empty(q.shape[0], g.shape[1], head_dims[1])
-        recurrent = tuple(i for i, n in enumerate(batch.query_lens) if n and (drafts[i] or n <= RECURRENT_MAX_TOKENS))
-        long = tuple(i for i, n in enumerate(batch.query_lens) if n and i not in recurrent)
+        walks = [bool(d) or n <= RECURRENT_MAX_TOKENS for n, d in zip(batch.query_lens, drafts)]
+        recurrent = tuple(i for i, n in enumerate(batch.query_lens) if n and walks[i])
+        long = tuple(i for i, n in enumerate(batch.query_lens) if n and not walks[i])
         if recurrent:
             gated_delta_rule_varlen(
                 q, k, v, g, beta, state.recurrent, *spans, recurrent, out, drafts, state.draft_recurrent
