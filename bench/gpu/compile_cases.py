@@ -236,22 +236,31 @@ def _gated_delta() -> None:
     """Qwen3.5-35B-A3B's Gated DeltaNet at TP 1 (16 key heads, 32 value heads, 128 dims, a conv of 4
     taps): decode steps of 1, 16 and 17 sequences, and longer spans (one sequence, and a span
     beside two decodes: the kernel takes any length, though the Triton backend sends it spans of
-    up to `RECURRENT_MAX_TOKENS` only; lengths are device data, so they change no specialization)."""
+    up to `RECURRENT_MAX_TOKENS` and drafts' verify spans only; lengths are device data, so they
+    change no specialization). Then the variants that keep per-draft states (`DRAFTS`): verify
+    spans of 1 + 3 tokens beside a decode without drafts, 3 drafts a step."""
     from moeserve.kernels.gated_delta import causal_conv1d_varlen, gated_delta_rule_varlen
 
     hk, hv, dim = 16, 32, 128
     channels = (2 * hk + hv) * dim
-    steps = [(1,) * n for n in EDGE_TOKENS] + [(17,), (16, 1, 1)]
-    for query_lens in steps:
+    steps = [((1,) * n, (0,) * n) for n in EDGE_TOKENS] + [((17,), (0,)), ((16, 1, 1), (0, 0, 0))]
+    steps += [((4, 4, 1), (3, 3, 0)), ((4,) * 16, (3,) * 16)]
+    for query_lens, drafts in steps:
         tokens, seqs = sum(query_lens), len(query_lens)
         spans = (query_lens, tuple(range(seqs)), (True,) * seqs)
+        kept = 1 + max(drafts)  # the draft states' positions, as the runtime allocates them (1 + k)
         conv = causal_conv1d_varlen(
             torch.empty(tokens, channels, dtype=BF16),
             torch.empty(channels, 4, dtype=BF16),
             torch.empty(seqs, channels, 3, dtype=BF16),
             *spans,
+            drafts,
+            torch.empty(seqs, kept, channels, 3, dtype=BF16),
         )
-        gated_delta_rule_varlen(*_delta_rule_args(conv, query_lens, hk, hv, dim))
+        draft_states = torch.empty(seqs, kept, hv, dim, dim)
+        gated_delta_rule_varlen(
+            *_delta_rule_args(conv, query_lens, hk, hv, dim), drafts=drafts, draft_states=draft_states
+        )
 
 
 def _chunk_delta() -> None:
@@ -528,7 +537,7 @@ CASES: list[Case] = [
     ),
     Case(
         "gated_delta",
-        "Gated DeltaNet conv and delta rule, Qwen3.5-35B-A3B: decodes and prompt chunks",
+        "Gated DeltaNet conv and delta rule, Qwen3.5-35B-A3B: decodes, prompt chunks, drafts' verify spans",
         lambda: _compile_only(_gated_delta)(),
     ),
     Case(

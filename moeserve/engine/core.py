@@ -123,11 +123,9 @@ class CoreStep:
 
 def state_refusal(config: EngineConfig) -> str | None:
     """Why `config` cannot serve a model whose layers keep a state per sequence (Gated DeltaNet),
-    or None. Drafts (n-gram or MTP) are verified with the state after each token kept (torch
-    kernels). Disaggregation moves a prompt's state as a saved state of
+    or None. Drafts (n-gram or MTP) are verified with the state after each token kept, on either
+    backend's kernels. Disaggregation moves a prompt's state as a saved state of
     prefix caching (`kv_transfer.layout`), so it needs prefix caching on."""
-    if config.speculative_config is not None and config.kernels == "triton":
-        return "the Triton Gated DeltaNet kernels keep no per-draft states yet: verify drafts with --kernels torch"
     if config.kv_transfer.enabled and not config.num_saved_states:
         return (
             "prefill/decode disaggregation (kv_transfer) moves Gated DeltaNet states as prefix "

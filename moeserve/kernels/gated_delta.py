@@ -7,7 +7,9 @@ Against the torch reference (`ops/gated_delta.py`), each within float32 rounding
 - `_conv_out_kernel`: one program per (token, channel block). Token t of a sequence starting at
   packed row `start` reads inputs t-K+1..t: rows of this step where they are in the sequence, the
   slot's conv state (the K - 1 inputs before the step) for the positions before `start` (zeros
-  for a sequence that starts afresh). Then silu. Every output is independent: one launch.
+  for a sequence that starts afresh). Then silu. Every output is independent: one launch. With
+  drafts (`DRAFTS`), a token of a verifying sequence also stores its last K - 1 inputs, the conv
+  state after it, at its position of the slot's draft states.
 - `_conv_state_kernel`: one program per (sequence, channel block), after the outputs: the last
   K - 1 inputs (old state and new rows mixed when the sequence brought fewer than K - 1) are
   loaded whole, then stored, so the slot is rewritten in place.
@@ -15,7 +17,13 @@ Against the torch reference (`ops/gated_delta.py`), each within float32 rounding
   slice of the float32 recurrent state in registers and walks the sequence's tokens: decay by
   exp(g), the delta update with beta, the output read with q (q and k l2-normalised, q scaled by
   Dk ** -0.5), then stores the state. The recurrent form: what a decode takes (and a span of a
-  few tokens); longer prompt spans go to the chunked form in `chunk_delta`.
+  few tokens, and every verify span of drafts, keeping the state after each token under
+  `DRAFTS`); longer prompt spans go to the chunked form in `chunk_delta`.
+
+Drafts: a sequence verifying k drafts keeps the state after each of its 1 + k tokens in
+`LinearState.draft_conv` / `draft_recurrent` (`[N, 1 + k, ...]`), where the torch path keeps
+them, so the next step's restore (`LinearState.restore`) reads either backend's. `DRAFTS` is a
+constexpr: steps without drafts run the kernels compiled as they were before drafts.
 """
 
 from __future__ import annotations
@@ -61,26 +69,39 @@ def _conv_out_kernel(
     starts_ptr,  # [B] int32: the sequence's first packed row
     slots_ptr,  # [B] int64
     resumes_ptr,  # [B] int32
+    draft_ptr,  # [N, 1 + k, C, K - 1] (DRAFTS)
+    drafts_ptr,  # [B] int32: the drafts each sequence verifies (DRAFTS)
     C,
     stride_x,
     stride_out,
     stride_state_slot,
+    stride_draft_slot,
+    stride_draft_pos,
     K: tl.constexpr,
     K_POW2: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    DRAFTS: tl.constexpr,
 ):
     t = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     col_mask = cols < C
     seq = tl.load(token_seq_ptr + t)
     start = tl.load(starts_ptr + seq)
-    state_row = state_ptr + tl.load(slots_ptr + seq) * stride_state_slot
+    slot = tl.load(slots_ptr + seq)
+    state_row = state_ptr + slot * stride_state_slot
     taps = tl.arange(0, K_POW2)
     tap_mask = taps < K
     pos = t - (K - 1) + taps  # [K_POW2] packed rows read
-    inputs = _inputs_at(
-        x_ptr, state_row, pos, tap_mask, cols, col_mask, start, tl.load(resumes_ptr + seq), stride_x, K
-    ).to(tl.float32)
+    window = _inputs_at(x_ptr, state_row, pos, tap_mask, cols, col_mask, start, tl.load(resumes_ptr + seq), stride_x, K)
+    if DRAFTS:  # the state after token t: its last K - 1 inputs, taps 1..K-1 of its window
+        kept = tap_mask & (taps >= 1) & ((taps * 0 + tl.load(drafts_ptr + seq)) != 0)
+        draft_row = draft_ptr + slot * stride_draft_slot + (t - start) * stride_draft_pos
+        tl.store(
+            draft_row + cols[:, None] * (K - 1) + (taps - 1)[None, :],
+            window.to(draft_ptr.dtype.element_ty),
+            mask=col_mask[:, None] & kept[None, :],
+        )
+    inputs = window.to(tl.float32)
     w = tl.load(w_ptr + cols[:, None] * K + taps[None, :], mask=col_mask[:, None] & tap_mask[None, :], other=0.0)
     acc = tl.sum(inputs * w.to(tl.float32), axis=1)
     out = acc * tl.sigmoid(acc)
@@ -153,6 +174,8 @@ def _delta_rule_kernel(
     ends_ptr,
     slots_ptr,
     resumes_ptr,
+    draft_ptr,  # [N, 1 + k, Hv, Dk, Dv] float32 (DRAFTS)
+    drafts_ptr,  # [B] int32 (DRAFTS)
     stride_q,
     stride_k,
     stride_v,
@@ -160,6 +183,8 @@ def _delta_rule_kernel(
     stride_beta,
     stride_out,
     stride_state_slot,
+    stride_draft_slot,
+    stride_draft_pos,
     scale,
     HV: tl.constexpr,
     RATIO: tl.constexpr,
@@ -167,6 +192,7 @@ def _delta_rule_kernel(
     DV: tl.constexpr,
     BK: tl.constexpr,
     BV: tl.constexpr,
+    DRAFTS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     hv = tl.program_id(1)
@@ -177,6 +203,9 @@ def _delta_rule_kernel(
     start = tl.load(starts_ptr + seq)
     end = tl.load(ends_ptr + seq)
     s = load_state_slice(state_ptr, slots_ptr, resumes_ptr, seq, hv, ks, vs, stride_state_slot, DK, DV)
+    verifies = False
+    if DRAFTS:
+        verifies = tl.load(drafts_ptr + seq) > 0
     for i in range(0, end - start):
         row = (start + i).to(tl.int64)
         q = tl.load(q_ptr + row * stride_q + hk * DK + ks, mask=k_mask, other=0.0).to(tl.float32)
@@ -191,19 +220,24 @@ def _delta_rule_kernel(
         s = s + k[:, None] * delta[None, :]
         o = tl.sum(s * q[:, None], axis=0)
         tl.store(out_ptr + row * stride_out + hv * DV + vs, o.to(out_ptr.dtype.element_ty), mask=v_mask)
+        if verifies:  # the state after token i, at position i of the slot's draft states
+            draft_pos = draft_ptr + i * stride_draft_pos
+            store_state_slice(draft_pos, slots_ptr, seq, hv, ks, vs, stride_draft_slot, s, DK, DV)
     store_state_slice(state_ptr, slots_ptr, seq, hv, ks, vs, stride_state_slot, s, DK, DV)
 
 
 @dataclass(frozen=True)
 class VarlenSpans:
-    """Device tensors, per sequence run: its first and past-last packed row, its slot and resume
-    flag; per packed token its sequence (for the conv, which runs every sequence)."""
+    """Device tensors, per sequence run: its first and past-last packed row, its slot, resume
+    flag and drafts verified (None when no sequence of the step verifies any); per packed token
+    its sequence (for the conv, which runs every sequence)."""
 
     starts: torch.Tensor  # int32
     ends: torch.Tensor  # int32
     slots: torch.Tensor  # int64
     resumes: torch.Tensor  # int32
     token_seq: torch.Tensor  # int32
+    drafts: torch.Tensor | None  # int32
 
 
 def varlen_spans(
@@ -212,9 +246,11 @@ def varlen_spans(
     resumes: tuple[bool, ...],
     device: torch.device,
     chosen: tuple[int, ...] | None = None,
+    drafts: tuple[int, ...] = (),
 ) -> VarlenSpans:
     """The spans of the sequences in `chosen` (default all), rows counted over all of them, so
-    that two kernels can each take a share of one step's packed tokens."""
+    that two kernels can each take a share of one step's packed tokens; `drafts` per sequence
+    (default none)."""
     lens = torch.tensor(query_lens, dtype=torch.int32)
     ends = torch.cumsum(lens, 0, dtype=torch.int32)
     starts = ends - lens
@@ -226,7 +262,19 @@ def varlen_spans(
         torch.tensor(slots, dtype=torch.int64)[picked].to(device),
         torch.tensor(resumes, dtype=torch.int32)[picked].to(device),
         token_seq.to(device),
+        torch.tensor(drafts, dtype=torch.int32)[picked].to(device) if any(drafts) else None,
     )
+
+
+def draft_launch(spans: VarlenSpans, draft_states: torch.Tensor | None, state: torch.Tensor) -> tuple:
+    """A kernel's draft arguments: the draft states and the drafts per sequence, the states' slot
+    and position strides, and `DRAFTS` (whether any sequence verifies drafts). Without, the slot
+    states and slots stand in: the kernels compiled without drafts never read them."""
+    if spans.drafts is None:
+        return state, spans.slots, 0, 0, False
+    if draft_states is None:
+        raise ValueError("sequences verify drafts but the layer keeps no draft states (no speculative config)")
+    return draft_states, spans.drafts, draft_states.stride(0), draft_states.stride(1), True
 
 
 def causal_conv1d_varlen(
@@ -236,23 +284,31 @@ def causal_conv1d_varlen(
     query_lens: tuple[int, ...],
     slots: tuple[int, ...],
     resumes: tuple[bool, ...],
+    drafts: tuple[int, ...] = (),
+    draft_states: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x `[T, C]` (the step's sequences packed), weight `[C, K]`, conv_state `[N, C, K - 1]`
-    (updated in place for each sequence's slot) -> silu(conv) `[T, C]` in x's dtype."""
+    (updated in place for each sequence's slot) -> silu(conv) `[T, C]` in x's dtype. A sequence
+    verifying drafts (`drafts`, per sequence) also leaves the state after each of its tokens in
+    `draft_states` `[N, 1 + k, C, K - 1]`."""
     require_launchable(x, "causal_conv1d_varlen")
     num_tokens, channels = x.shape
     width = weight.shape[1]
     out = torch.empty_like(x)
     if num_tokens == 0:
         return out
-    spans = varlen_spans(query_lens, slots, resumes, x.device)
+    spans = varlen_spans(query_lens, slots, resumes, x.device, drafts=drafts)
+    draft_ptr, drafts_ptr, stride_draft_slot, stride_draft_pos, with_drafts = draft_launch(
+        spans, draft_states, conv_state
+    )
     weight = weight.contiguous()
     blocks = triton.cdiv(channels, CONV_BLOCK)
     k_pow2 = triton.next_power_of_2(width)
     _conv_out_kernel[(num_tokens, blocks)](
         x, weight, conv_state, out, spans.token_seq, spans.starts, spans.slots, spans.resumes,
-        channels, x.stride(0), out.stride(0), conv_state.stride(0),
-        K=width, K_POW2=k_pow2, BLOCK_C=CONV_BLOCK,
+        draft_ptr, drafts_ptr,
+        channels, x.stride(0), out.stride(0), conv_state.stride(0), stride_draft_slot, stride_draft_pos,
+        K=width, K_POW2=k_pow2, BLOCK_C=CONV_BLOCK, DRAFTS=with_drafts,
     )  # fmt: skip
     _conv_state_kernel[(len(query_lens), blocks)](
         x, conv_state, spans.starts, spans.ends, spans.slots, spans.resumes,
@@ -274,27 +330,32 @@ def gated_delta_rule_varlen(
     resumes: tuple[bool, ...],
     chosen: tuple[int, ...] | None = None,
     out: torch.Tensor | None = None,
+    drafts: tuple[int, ...] = (),
+    draft_states: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q, k `[T, Hk, Dk]`, v `[T, Hv, Dv]`, g (float32) and beta `[T, Hv]`, state `[N, Hv, Dk, Dv]`
     float32 (each sequence's slot read unless it starts afresh, and rewritten) -> `[T, Hv, Dv]`.
     chosen: the sequences to run (default all), the rest of `out` left as it is (see
-    `chunk_delta.chunk_gated_delta_rule_varlen`, which takes the prompt spans)."""
+    `chunk_delta.chunk_gated_delta_rule_varlen`, which takes the prompt spans). A sequence
+    verifying drafts (`drafts`, per sequence of the step) also leaves the state after each of its
+    tokens in `draft_states` `[N, 1 + k, Hv, Dk, Dv]`."""
     require_launchable(q, "gated_delta_rule_varlen")
     num_tokens, num_k_heads, dk = k.shape
     num_v_heads, dv = v.shape[1:]
     if out is None:
         out = torch.empty(num_tokens, num_v_heads, dv, dtype=q.dtype, device=q.device)
-    spans = varlen_spans(query_lens, slots, resumes, q.device, chosen)
+    spans = varlen_spans(query_lens, slots, resumes, q.device, chosen, drafts)
     if not len(spans.starts):
         return out
+    draft_ptr, drafts_ptr, stride_draft_slot, stride_draft_pos, with_drafts = draft_launch(spans, draft_states, state)
     q, k, v = (t.contiguous() for t in (q, k, v))
     bv = min(triton.next_power_of_2(dv), 64)
     grid = (len(spans.starts), num_v_heads, triton.cdiv(dv, bv))
     _delta_rule_kernel[grid](
-        q, k, v, g, beta, state, out, spans.starts, spans.ends, spans.slots, spans.resumes,
+        q, k, v, g, beta, state, out, spans.starts, spans.ends, spans.slots, spans.resumes, draft_ptr, drafts_ptr,
         q.stride(0), k.stride(0), v.stride(0), g.stride(0), beta.stride(0), out.stride(0), state.stride(0),
-        dk**-0.5,
+        stride_draft_slot, stride_draft_pos, dk**-0.5,
         HV=num_v_heads, RATIO=num_v_heads // num_k_heads, DK=dk, DV=dv,
-        BK=triton.next_power_of_2(dk), BV=bv,
+        BK=triton.next_power_of_2(dk), BV=bv, DRAFTS=with_drafts,
     )  # fmt: skip
     return out

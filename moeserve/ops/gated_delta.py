@@ -131,10 +131,7 @@ def gated_delta_net(
     chunk of one) through the conv and the chunked rule on its own."""
     state, batch = step.state, step.batch
     num_v_heads = g.shape[1]
-    for slot, index in zip(batch.slots, batch.restores):
-        if index >= 0:  # back to the state after the last accepted draft
-            state.conv[slot] = state.draft_conv[slot, index]
-            state.recurrent[slot] = state.draft_recurrent[slot, index]
+    state.restore(batch.slots, batch.restores)
     core = mixed.new_empty(mixed.shape[0], num_v_heads, head_dims[1])
     first = 0
     decodes: list[tuple[int, int]] = []  # (row, slot) of sequences stepping one token from a state

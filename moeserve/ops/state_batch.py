@@ -50,6 +50,16 @@ class LinearState:
     saved_conv: torch.Tensor | None = None
     saved_recurrent: torch.Tensor | None = None
 
+    def restore(self, slots: Sequence[int], restores: Sequence[int]) -> None:
+        """Each sequence whose restore index is not -1 continues from the state after its last
+        accepted draft (kept by the previous step's verify, whichever backend ran it)."""
+        picked = [(slot, index) for slot, index in zip(slots, restores) if index >= 0]
+        if not picked:
+            return
+        dst, index = (torch.tensor(column, dtype=torch.int64, device=self.conv.device) for column in zip(*picked))
+        self.conv[dst] = self.draft_conv[dst, index]
+        self.recurrent[dst] = self.draft_recurrent[dst, index]
+
     def load_saved(self, slots: Sequence[int], saved: Sequence[int]) -> None:
         """Sequence slots `slots` start from the saved states `saved` (a prefix-cache hit)."""
         dst, src = (torch.tensor(i, dtype=torch.int64, device=self.conv.device) for i in (slots, saved))

@@ -126,21 +126,24 @@ class TritonOps(LayerOps[TritonAttentionPlan]):
         head_dims: tuple[int, int],
     ) -> torch.Tensor:
         """The conv for every sequence in one varlen launch; the delta rule in its recurrent form
-        for decodes and spans of up to `RECURRENT_MAX_TOKENS`, in its chunked form for longer
-        prompt spans, each kernel over its share of the step's sequences."""
+        for decodes, spans of up to `RECURRENT_MAX_TOKENS` and drafts' verify spans (whatever
+        their length: the states after each token are kept there), in its chunked form for
+        longer prompt spans, each kernel over its share of the step's sequences. Sequences
+        whose drafts were not all accepted first step back, as on the torch path."""
         state, batch = step.state, step.batch
-        if any(batch.drafts):
-            raise ValueError(
-                "the Triton Gated DeltaNet kernels keep no per-draft states yet (drafts need --kernels torch)"
-            )
+        state.restore(batch.slots, batch.restores)
+        drafts = batch.drafts or (0,) * len(batch.slots)
         spans = (batch.query_lens, batch.slots, batch.resumes)
-        conv = causal_conv1d_varlen(mixed, conv_weight, state.conv, *spans)
+        conv = causal_conv1d_varlen(mixed, conv_weight, state.conv, *spans, drafts, state.draft_conv)
         q, k, v = split_heads(conv, head_dims, g.shape[1])
         out = q.new_empty(q.shape[0], g.shape[1], head_dims[1])
-        long = tuple(i for i, n in enumerate(batch.query_lens) if n > RECURRENT_MAX_TOKENS)
-        short = tuple(i for i, n in enumerate(batch.query_lens) if 0 < n <= RECURRENT_MAX_TOKENS)
-        if short:
-            gated_delta_rule_varlen(q, k, v, g, beta, state.recurrent, *spans, chosen=short, out=out)
+        walks = [bool(d) or n <= RECURRENT_MAX_TOKENS for n, d in zip(batch.query_lens, drafts)]
+        recurrent = tuple(i for i, n in enumerate(batch.query_lens) if n and walks[i])
+        long = tuple(i for i, n in enumerate(batch.query_lens) if n and not walks[i])
+        if recurrent:
+            gated_delta_rule_varlen(
+                q, k, v, g, beta, state.recurrent, *spans, recurrent, out, drafts, state.draft_recurrent
+            )
         if long:
             chunk_gated_delta_rule_varlen(q, k, v, g, beta, state.recurrent, *spans, chosen=long, out=out)
         return out

@@ -95,3 +95,37 @@ def test_backends_agree_through_layer_ops():
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(states[1].conv, states[0].conv)
     torch.testing.assert_close(states[1].recurrent, states[0].recurrent, rtol=1e-4, atol=1e-4)
+
+
+def test_backends_keep_the_same_draft_states_and_restore_from_them():
+    """Two steps of verifying drafts through `LayerOps.gated_delta_net`: spans of 1 + 3 tokens
+    beside a decode and prompt chunks that draft nothing (one of 20 tokens through the chunked
+    kernel), then a step where one sequence steps back to the state after its first draft and
+    verifies again. The Triton kernels leave what the torch path leaves: outputs, slot states and
+    every draft state (those of the sequences without drafts untouched)."""
+    from moeserve.ops import TORCH_OPS
+    from moeserve.ops.state_batch import LinearState, StateBatch, StateStep
+    from moeserve.ops.triton_ops import TritonOps
+
+    g = torch.Generator().manual_seed(3)
+    hk, hv, dk, dv, kept = 2, 4, 16, 24, 4
+    channels = 2 * hk * dk + hv * dv
+    weight = torch.randn(channels, 4, generator=g)
+    shapes = ((6, channels, 3), (6, hv, dk, dv), (6, kept, channels, 3), (6, kept, hv, dk, dv))
+    initial = [torch.randn(*shape, generator=g) for shape in shapes]  # conv, recurrent, their draft states
+    torch_state, triton_state = LinearState(*initial), LinearState(*(t.clone() for t in initial))
+    steps = [
+        StateBatch((3, 0, 5, 2, 1), (4, 1, 4, 20, 2), (True, True, True, True, False), (3, 0, 3, 0, 0), (-1,) * 5),
+        StateBatch((5, 3, 0), (1, 4, 1), (True,) * 3, (0, 3, 0), (-1, 1, 2)),
+    ]
+    for batch in steps:
+        num_tokens = sum(batch.query_lens)
+        mixed = torch.randn(num_tokens, channels, generator=g)
+        decay, beta = -torch.rand(num_tokens, hv, generator=g), torch.rand(num_tokens, hv, generator=g)
+        want, got = (
+            ops.gated_delta_net(mixed, decay, beta, weight, StateStep(state, batch), (dk, dv))
+            for ops, state in ((TORCH_OPS, torch_state), (TritonOps(), triton_state))
+        )
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        for name in ("conv", "recurrent", "draft_conv", "draft_recurrent"):
+            torch.testing.assert_close(getattr(triton_state, name), getattr(torch_state, name), rtol=1e-4, atol=1e-4)

@@ -146,17 +146,29 @@ def test_no_state_slot_or_block_leaks_after_preemption_aborts_and_prefix_hits(ma
     assert saved.num_pending == 0 and 0 < saved.num_held <= 2
 
 
-@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5_moe"])
-def test_ngram_drafts_give_the_greedy_tokens(make_checkpoint, monkeypatch, arch):
+@pytest.mark.parametrize(
+    "arch,kernels,lengths,num_tokens",
+    [
+        ("qwen3_next", "torch", (20, 45), 32),
+        ("qwen3_5_moe", "torch", (20, 45), 32),
+        ("qwen3_next", "triton", (3, 5), 8),
+    ],
+    ids=["qwen3_next", "qwen3_5_moe", "qwen3_next-triton"],
+)
+def test_ngram_drafts_give_the_greedy_tokens(make_checkpoint, monkeypatch, arch, kernels, lengths, num_tokens):
     """n-gram drafts verified through the DeltaNets: each verify step keeps the state after every
     token, and the next step continues from the last accepted one. Prompts that repeat themselves,
     so drafts are made, some accepted, most rejected: the tokens equal plain greedy decoding's,
-    and steps did step back (without the restore they do not: the tokens change)."""
+    and steps did step back (without the restore they do not: the tokens change). On the Triton
+    kernels (under the interpreter: short prompts, few tokens) the verify spans' states are the
+    kernels' and plain decoding is the torch path's, in float32."""
     folder = str(make_checkpoint(arch))
     g = torch.Generator().manual_seed(7)
-    base = torch.randint(3, 320, (20,), generator=g).tolist()
-    prompts = [{"prompt_token_ids": p} for p in (base * 3, torch.randint(3, 320, (45,), generator=g).tolist())]
-    plain = [o.outputs[0].token_ids for o in LLM(folder, max_num_seqs=4).generate(prompts, GREEDY, use_tqdm=False)]
+    base = torch.randint(3, 320, (lengths[0],), generator=g).tolist()
+    prompts = [{"prompt_token_ids": p} for p in (base * 3, torch.randint(3, 320, (lengths[1],), generator=g).tolist())]
+    params = SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True)
+    options = {"max_num_seqs": 4, "dtype": "float32" if kernels == "triton" else "auto"}
+    plain = [o.outputs[0].token_ids for o in LLM(folder, **options).generate(prompts, params, use_tqdm=False)]
     restores, restore = [], StateSlots._restore
 
     def spy(self, scheduled):
@@ -164,8 +176,9 @@ def test_ngram_drafts_give_the_greedy_tokens(make_checkpoint, monkeypatch, arch)
         return restores[-1]
 
     monkeypatch.setattr(StateSlots, "_restore", spy)
-    drafting = LLM(folder, max_num_seqs=4, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
-    assert [o.outputs[0].token_ids for o in drafting.generate(prompts, GREEDY, use_tqdm=False)] == plain
+    ngram = {"method": "ngram", "num_speculative_tokens": 3}
+    drafting = LLM(folder, kernels=kernels, speculative_config=ngram, **options)
+    assert [o.outputs[0].token_ids for o in drafting.generate(prompts, params, use_tqdm=False)] == plain
     assert any(r >= 0 for r in restores)
 
 
@@ -227,10 +240,11 @@ def test_aligned_mtp_drafts_are_kept(make_checkpoint, tmp_path):
 
 
 def test_features_not_built_for_states_are_refused(make_checkpoint):
+    """Disaggregation without saved states is refused; drafts are served on either backend."""
     folder = str(make_checkpoint("qwen3_next"))
     ngram = {"method": "ngram", "num_speculative_tokens": 2}
-    triton = EngineConfig.from_options(model=folder, kernels="triton", speculative_config=ngram)
-    assert "keep no per-draft states yet" in state_refusal(triton)
+    for kernels in ("torch", "triton"):
+        assert state_refusal(EngineConfig.from_options(model=folder, kernels=kernels, speculative_config=ngram)) is None
     decode = EngineConfig.from_options(model=folder, role="decode", kv_transfer="nixl", saved_states=0)
     assert "enable prefix caching, with saved states > 0" in state_refusal(decode)
     assert state_refusal(EngineConfig.from_options(model=folder, role="decode", kv_transfer="nixl")) is None
