@@ -60,13 +60,16 @@ def _open_window(ratio: int, head_dim: int, overlap: bool, dtype: str) -> StateS
 class LayerCache:
     """One layer's tensors, allocated from `layer_specs`: the window `[N, B, D]`, the entries and
     indexer keys (None where the layer has none), the open-window state's tensors (slot-major),
-    and as many again for prefix caching's saved states (`saved`, saved-slot-major)."""
+    and as many again for prefix caching's saved states (`saved`, saved-slot-major).
+    `paged_groups`: the block-table group of each paged tensor (its index among the model's
+    groups), which a KV transfer moves with that group's block ids."""
 
     window: torch.Tensor
     entries: torch.Tensor | None = None
     index_keys: torch.Tensor | None = None
     state: tuple[torch.Tensor, ...] = ()
     saved: tuple[torch.Tensor, ...] = ()
+    paged_groups: tuple[int, ...] = ()
 
     def load_saved(self, slots: Sequence[int], saved: Sequence[int]) -> None:
         """Sequence slots `slots` start from the saved states `saved` (a prefix-cache hit)."""
@@ -79,9 +82,14 @@ class LayerCache:
             kept[_index(saved, live)] = live[_index(slots, live)]
 
     @property
+    def paged(self) -> tuple[torch.Tensor, ...]:
+        """The paged tensors: the window's, then the entries' and indexer keys' where present."""
+        return tuple(t for t in (self.window, self.entries, self.index_keys) if t is not None)
+
+    @property
     def tensors(self) -> tuple[torch.Tensor, ...]:
         """Every tensor the layer holds (its paged ones, then its state's)."""
-        return tuple(t for t in (self.window, self.entries, self.index_keys) if t is not None) + self.state
+        return self.paged + self.state
 
 
 def _index(slots: Sequence[int], like: torch.Tensor) -> torch.Tensor:
@@ -97,13 +105,15 @@ def allocate(
     device: torch.device | str = "cpu",
     num_saved: int = 0,
 ) -> LayerCache:
-    """Zeroed tensors for one layer's specs, each paged one with its group's `num_blocks[group_key]`,
-    its state for `num_slots` sequences and `num_saved` saved states."""
+    """Zeroed tensors for one layer's specs, each paged one with its group's `num_blocks[group_key]`
+    (keyed in the model's groups' order), its state for `num_slots` sequences and `num_saved`
+    saved states."""
+    paged_specs = [s for s in specs if isinstance(s, PagedSpec)]
     paged = [
         torch.zeros(s.shape(num_blocks[s.group_key], block_size), dtype=DTYPES[s.dtype], device=device)
-        for s in specs
-        if isinstance(s, PagedSpec)
+        for s in paged_specs
     ]
+    groups = tuple(list(num_blocks).index(s.group_key) for s in paged_specs)
     state = next((s for s in specs if isinstance(s, StateSpec)), None)
 
     def states(count: int) -> tuple[torch.Tensor, ...]:
@@ -114,7 +124,9 @@ def allocate(
             for shape, d in zip(state.shapes, state.dtypes, strict=True)
         )
 
-    return LayerCache(*paged, *([None] * (3 - len(paged))), state=states(num_slots), saved=states(num_saved))
+    return LayerCache(
+        *paged, *([None] * (3 - len(paged))), state=states(num_slots), saved=states(num_saved), paged_groups=groups
+    )
 
 
 @dataclass(frozen=True)
