@@ -45,7 +45,9 @@ Mechanics shared by both policies: iteration-level batching, preemption by recom
   it recomputes its prompt. No queued request holds blocks, so none waits on another that does.
   A model with state layers also reserves a saved-state slot for the prompt's state at its last
   loaded block (`KvLoad.state_slot`), which the load's end makes findable, so that admission
-  resumes from it as from any hit.
+  resumes from it as from any hit. A load ends at the prompt's mark (`_prompt_mark`): its last
+  full block with one group; with several (`GroupedBlockManager.allocate_load`) its last
+  `hit_alignment` position, each group's table up to it (`KvLoad.group_block_ids`).
 
 - Speculative decoding (`SchedulerConfig.speculative`): a decode whose drafts can be verified
   exactly feeds n-gram drafts (or slots the runner's MTP layers fill) after its last token, out
