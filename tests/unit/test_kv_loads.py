@@ -13,9 +13,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from moeserve.kv_transfer.agent import KvRegistration
+from moeserve.kv_transfer.agent import KvRegistration, KvTransferError
 from moeserve.kv_transfer.config import KvTransferConfig
-from moeserve.kv_transfer.coordinator import KvCoordinator
+from moeserve.kv_transfer.coordinator import KvCoordinator, _Hold, _pairs
 from moeserve.kv_transfer.layout import KvLayout
 from moeserve.sampling_params import KvTransferParams, SamplingParams
 from moeserve.scheduler import DataParallelScheduler, Request, RequestStatus, Scheduler, SchedulerConfig
@@ -361,3 +361,15 @@ def test_a_failed_grouped_load_frees_its_blocks_and_slot_and_recomputes():
     assert order.state_slot >= 0 and saved.num_held == 0 and decode.block_manager.num_used_blocks == 0
     plan = decode.schedule()
     assert plan.prefix_cache_hits == 0 and plan.scheduled[0].start_position == 0
+
+
+def test_a_grouped_push_pairs_each_groups_entries_and_refuses_what_was_not_held():
+    hold = _Hold("xfer", 0, ((-1, -1, 5, 6), (1, 2), ()), deadline=0.0)
+    src, dst = _pairs(hold, {"dst_group_blocks": [[-1, -1, -1, 9], [7, -1], []]})
+    assert (src, dst) == ([[6], [1], []], [[9], [7], []])  # the cached entry (-1) is not written
+    with pytest.raises(KvTransferError, match="past the prompt's mark") as refused:
+        _pairs(hold, {"dst_group_blocks": [[-1, 3, -1, -1], [], []]})  # behind the window here
+    assert refused.value.cause == "refused"
+    with pytest.raises(KvTransferError, match="held per block-table group") as mixed:
+        _pairs(hold, {"first_block": 0, "dst_blocks": [4]})  # a one-group peer
+    assert mixed.value.cause == "layout"

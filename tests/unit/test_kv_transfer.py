@@ -8,10 +8,12 @@ import time
 import pytest
 import torch
 
+from moeserve.cache_spec import PagedSpec, StateSpec
 from moeserve.kv_transfer.agent import KvAgent, KvRegistration, KvTransferError
 from moeserve.kv_transfer.identity import KvIdentity
 from moeserve.kv_transfer.layout import KvLayout, paired_runs
 from moeserve.kv_transfer.rank_writer import RankWriter, serve_writes
+from moeserve.models.v4.cache import allocate as allocate_v4_layer
 from moeserve.ops.state_batch import LinearState
 from moeserve.router.app import PhaseLines
 from moeserve.router.instances import Instance, choose, pairing_problems
@@ -99,6 +101,32 @@ def _hybrid_caches(fill) -> list:
         for _ in range(2)
     ]
     return [states[0], fill(2, 12, 4, 2, 8), states[1]]
+
+
+def _v4_caches(fill) -> list:
+    """A window-only layer and a compressed one (4 per entry, with an open-window state and 2
+    saved slots): both groups' tensors of one shape, 6 blocks of 4 rows of 8."""
+    window = PagedSpec((), (8,), "float32", window=8)
+    entries = PagedSpec((), (8,), "float32", tokens_per_entry=4)
+    state = StateSpec(((3, 8),), ("float32",))
+    pools = {window.group_key: 6, entries.group_key: 6}
+    caches = [allocate_v4_layer(specs, pools, 4, 1, num_saved=2) for specs in ((window,), (window, entries, state))]
+    for tensor in (t for c in caches for t in (*c.paged, *c.saved)):
+        tensor.copy_(fill(tensor.shape))
+    return caches
+
+
+def test_a_grouped_write_moves_each_groups_blocks_by_its_own_ids_and_the_saved_states():
+    """Tensors of one shape in two groups are two layouts, each moved by its group's ids."""
+    source, dest = _v4_caches(torch.randn), _v4_caches(torch.zeros)
+    writer, reader = KvAgent(source, "test-v4-src"), KvAgent(dest, "test-v4-dst")
+    assert [x.group for x in writer.layouts] == [0, 1] and writer.layouts[0].state_slot_bytes == (3 * 8 * 4,)
+    num_bytes = writer.write(reader.registration, ([4], [2]), ([1], [5]), write_by=time.time() + 10, states=(1, 0))
+    assert num_bytes == 3 * 4 * 8 * 4 + 3 * 8 * 4  # three blocks (two layers' windows, one's entries), one state
+    for src, dst in zip(source, dest, strict=True):
+        assert torch.equal(dst.window[1], src.window[4]) and dst.window.count_nonzero() == 4 * 8
+    assert torch.equal(dest[1].entries[5], source[1].entries[2]) and dest[1].entries.count_nonzero() == 4 * 8
+    assert torch.equal(dest[1].saved[0][0], source[1].saved[0][1]) and not dest[1].saved[0][1].any()
 
 
 def test_a_write_carries_a_saved_state_of_every_state_layer():
