@@ -137,12 +137,16 @@ def state_refusal(config: EngineConfig) -> str | None:
 def groups_refusal(config: EngineConfig) -> str | None:
     """Why `config` cannot serve a model whose paged caches form several block-table groups
     (DeepSeek-V4), or None: its runner feeds the model sequence by sequence, n-gram drafts
-    included (its compressors step back past rejected ones), with no MTP layer and no blocks to
-    move between instances yet."""
+    included (its compressors step back past rejected ones), with no MTP layer yet.
+    Disaggregation moves what a prefix-cache hit at the prompt's mark reads
+    (`kv_transfer.coordinator`), so both roles need prefix caching on."""
     if config.mtp_drafts:
         return "MTP drafts are not built for caches in several block-table groups yet (n-gram drafts are)"
-    if config.kv_transfer.enabled:
-        return "prefill/decode disaggregation (kv_transfer) is not built for caches in several block-table groups yet"
+    if config.kv_transfer.enabled and not config.cache.enable_prefix_caching:
+        return (
+            "prefill/decode disaggregation (kv_transfer) of caches in several block-table groups moves "
+            "what a prefix-cache hit reads: enable prefix caching"
+        )
     if config.parallel.two_batch_overlap:
         return "two-batch overlap is not built for caches in several block-table groups yet"
     return None

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from moeserve.kv_transfer.layout import (
     NO_STATE,
-    Blocks,
+    BlocksByGroup,
     Cache,
     KvLayout,
     Slots,
@@ -84,30 +84,32 @@ class KvAgent:
     def registration(self) -> KvRegistration:
         return KvRegistration(self.name, self._agent.get_agent_metadata(), self.layouts)
 
-    def write(self, dest: KvRegistration, src: Blocks, dst: Blocks, write_by: float, states: Slots = NO_STATE) -> int:
-        """Copy blocks `src` of this cache to `dst` of `dest`'s, and with `states`
-        (source slot, destination slot) >= 0 that saved state of every state layer; the bytes moved.
-        `write_by` (wall clock, `time.time()`) is when the decode side stops counting on the
-        bytes: a transfer not done by then is cancelled, and this returns only once NIXL says
-        nothing moves any more. Raises KvTransferError when the layouts differ, NIXL fails, or
-        the deadline passes."""
+    def write(
+        self, dest: KvRegistration, src: BlocksByGroup, dst: BlocksByGroup, write_by: float, states: Slots = NO_STATE
+    ) -> int:
+        """Copy blocks `src` of this cache to `dst` of `dest`'s (per block-table group), and with
+        `states` (source slot, destination slot) >= 0 that saved state of every layer keeping one;
+        the bytes moved. `write_by` (wall clock, `time.time()`) is when the decode side stops
+        counting on the bytes: a transfer not done by then is cancelled, and this returns only
+        once NIXL says nothing moves any more. Raises KvTransferError when the layouts differ,
+        NIXL fails, or the deadline passes."""
         here, there = [x.shape_key for x in self.layouts], [x.shape_key for x in dest.layouts]
         if here != there:
             raise KvTransferError(
-                f"KV layouts differ: (layers, planes, block bytes, state slot bytes) per kind {here} here, "
+                f"KV layouts differ: (layers, planes, block bytes, state slot bytes, group) per kind {here} here, "
                 f"{there} on the decode side",
                 "layout",
             )
         deadline = time.monotonic() + (write_by - time.time())
         if deadline <= time.monotonic():
             raise KvTransferError(f"KV write to {dest.agent_name} came after its deadline", "timeout")
-        src_runs, dst_runs = paired_runs(src, dst)
+        runs = [paired_runs(s, d) for s, d in zip(src, dst, strict=True)]
         src_state, dst_state = states
         local = self._agent.get_xfer_descs(
-            [r for x in self.layouts for r in x.regions(src_runs, src_state)], self.layouts[0].mem_type
+            [r for x in self.layouts for r in x.regions(runs[x.group][0], src_state)], self.layouts[0].mem_type
         )
         remote = self._agent.get_xfer_descs(
-            [r for x in dest.layouts for r in x.regions(dst_runs, dst_state)], dest.layouts[0].mem_type
+            [r for x in dest.layouts for r in x.regions(runs[x.group][1], dst_state)], dest.layouts[0].mem_type
         )
         handle = self._agent.initialize_xfer("WRITE", local, remote, self._peer(dest))
         state = self._agent.transfer(handle)
@@ -120,7 +122,7 @@ class KvAgent:
         self._agent.release_xfer_handle(handle)
         if state != "DONE":
             raise KvTransferError(f"NIXL reported {state} writing to {dest.agent_name}", "transport")
-        return sum(layout.num_bytes(len(src), src_state >= 0) for layout in self.layouts)
+        return sum(layout.num_bytes(len(src[layout.group]), src_state >= 0) for layout in self.layouts)
 
     def _peer(self, dest: KvRegistration) -> str:
         """The name NIXL knows `dest`'s agent by, added on first use."""

@@ -19,6 +19,12 @@ last full block: a hold pins its saved-state slot on the prefill side, a load wr
 slot reserved on the decode side (`KvLoad.state_slot`), committed as a saved state when the load
 ended well and freed otherwise, once the push has answered (`SavedStates.end_load`).
 
+A model with several block-table groups (DeepSeek-V4) moves what resumes a prompt at its mark,
+the last position where a hit may resume before its last token: holds and loads keep block ids
+per group (`GroupBlockIds`: every compressed group's blocks before the mark, the window's it
+reads from there), the push names the decode side's per group (`dst_group_blocks`, `RELEASED`
+where nothing is written), and the open windows' state saved at the mark moves as a saved state.
+
 Deadlines: each load has one absolute deadline, fixed when it is asked for. The prefill side must
 have written by `write_by` (a share of it, in wall-clock time, so both sides read the same
 instant); it cancels a write still under way then and answers only once nothing moves any more.
@@ -41,6 +47,7 @@ from moeserve.kv_transfer.rank_writer import KvWriter
 from moeserve.kv_transfer.side_channel import REPLY_GRACE_S, SideChannel, reply_bytes, request_push
 from moeserve.kv_transfer.stats import KvTransferStats
 from moeserve.scheduler import DataParallelScheduler, KvLoad, Request
+from moeserve.scheduler.block_groups import RELEASED, GroupBlockIds
 
 logger = logging.getLogger(__name__)
 
@@ -49,21 +56,25 @@ PUSH_DEADLINE_SHARE = 0.8
 covers the reply's trip and a skew between the two hosts' clocks."""
 
 
+BlockIds = list[int] | GroupBlockIds
+"""A hold's or a load's blocks: a list, or per block-table group for a model with several."""
+
+
 @dataclass
 class _Hold:
     transfer_id: str
     group: int
-    block_ids: list[int]
+    block_ids: BlockIds
     deadline: float
     state_slot: int = -1
-    """The pinned saved-state slot of the prompt's state at its last full block (state layers)."""
+    """The pinned saved-state slot of the prompt's state at its mark (state layers)."""
 
 
 @dataclass
 class _Load:
     request_id: str
     group: int
-    block_ids: list[int]
+    block_ids: BlockIds
     """The blocks the push writes into, pinned by the load itself until the push has answered."""
     started: float
     deadline: float
@@ -128,18 +139,21 @@ class KvCoordinator:
         params = request.sampling_params.kv_transfer
         assert params is not None and params.remote is not None, "only a request with a remote loads"
         now = time.monotonic()
-        load = _Load(order.request_id, group, list(order.block_ids), now, now + self.config.timeout_s, order.state_slot)
+        block_ids = order.group_block_ids or list(order.block_ids)
+        load = _Load(order.request_id, group, block_ids, now, now + self.config.timeout_s, order.state_slot)
         self.scheduler.groups[group].block_manager.pin(load.block_ids)
         self._loads[order.request_id] = load
         self._count_in_flight(+1)
         body = {
             "transfer_id": params.transfer_id,
             "dest": self.registrations[group].to_json(),
-            "dst_blocks": load.block_ids,
+            "dst_blocks": list(order.block_ids),
             "first_block": order.first_block,
             "dst_state": order.state_slot,
             "write_by": time.time() + self.config.timeout_s * PUSH_DEADLINE_SHARE,
         }
+        if order.group_block_ids:
+            body["dst_group_blocks"] = [list(ids) for ids in order.group_block_ids]
         thread = threading.Thread(target=self._run_load, args=(load, params.remote, body), name="kv-load", daemon=True)
         thread.start()
 
@@ -239,20 +253,15 @@ class KvCoordinator:
         self._count_in_flight(+1)
         started = time.monotonic()
         try:
-            first, dst_blocks = int(body["first_block"]), [int(b) for b in body["dst_blocks"]]
+            src_blocks, dst_blocks = _pairs(hold, body)
             write_by = float(body["write_by"])
-            src_blocks = hold.block_ids[first : first + len(dst_blocks)]
-            if len(src_blocks) != len(dst_blocks):
-                raise KvTransferError(
-                    f"asked for {len(dst_blocks)} blocks from block {first}; {len(hold.block_ids)} are held", "refused"
-                )
             dst_state = int(body.get("dst_state", -1))
             if dst_state >= 0 and hold.state_slot < 0:
                 raise KvTransferError(
-                    f"transfer {transfer_id!r}: the prompt's state at its last full block was not saved here", "refused"
+                    f"transfer {transfer_id!r}: the prompt's state at its mark was not saved here", "refused"
                 )
             states = (hold.state_slot, dst_state) if dst_state >= 0 else (-1, -1)
-            if not dst_blocks:
+            if not any(dst_blocks):
                 return {"bytes": 0, "seconds": 0.0}
             if write_by <= time.time():
                 raise KvTransferError(
@@ -285,6 +294,41 @@ class KvCoordinator:
 
     def _report_held(self) -> None:
         with self._lock:  # a push takes holds from another thread
-            held = sum(len(h.block_ids) for h in self._holds.values())
-        held += sum(len(load.block_ids) for load in self._loads.values())
+            held = sum(_count(h.block_ids) for h in self._holds.values())
+        held += sum(_count(load.block_ids) for load in self._loads.values())
         self.stats.set_held_blocks(held)
+
+
+def _count(block_ids: BlockIds) -> int:
+    if isinstance(block_ids, tuple):
+        return sum(b != RELEASED for ids in block_ids for b in ids)
+    return len(block_ids)
+
+
+def _pairs(hold: _Hold, body: dict) -> tuple[list[list[int]], list[list[int]]]:
+    """The blocks a push moves, source and destination, per block-table group: with one group the
+    hold's from `first_block` on, as many as `dst_blocks`; with several, each entry the decode
+    side's tables name (`dst_group_blocks`, `RELEASED` for none) from the hold's same entry."""
+    grouped = isinstance(hold.block_ids, tuple)
+    if grouped != ("dst_group_blocks" in body):
+        kind = "per block-table group" if grouped else "in one block table"
+        raise KvTransferError(f"transfer {hold.transfer_id!r}: its blocks are held {kind} here", "layout")
+    if not isinstance(hold.block_ids, tuple):
+        first, dst = int(body["first_block"]), [int(b) for b in body["dst_blocks"]]
+        src = hold.block_ids[first : first + len(dst)]
+        if len(src) != len(dst):
+            raise KvTransferError(
+                f"asked for {len(dst)} blocks from block {first}; {len(hold.block_ids)} are held", "refused"
+            )
+        return [src], [dst]
+    tables = [[int(b) for b in ids] for ids in body["dst_group_blocks"]]
+    if len(tables) != len(hold.block_ids):
+        raise KvTransferError(f"{len(tables)} block-table groups asked for, {len(hold.block_ids)} held", "layout")
+    src_groups, dst_groups = [], []
+    for held, table in zip(hold.block_ids, tables, strict=True):
+        wanted = [i for i, b in enumerate(table) if b != RELEASED]
+        if any(i >= len(held) or held[i] == RELEASED for i in wanted):
+            raise KvTransferError(f"transfer {hold.transfer_id!r} asks for blocks past the prompt's mark", "refused")
+        src_groups.append([held[i] for i in wanted])
+        dst_groups.append([table[i] for i in wanted])
+    return src_groups, dst_groups

@@ -10,6 +10,11 @@ no staging copy, the transfer reads and writes the caches themselves.
 A Gated DeltaNet layer keeps no blocks but a state per sequence; what moves of it is the state
 saved at the prompt's last full block (prefix caching's saved-state slots, `LinearState.saved_*`):
 one region per saved tensor (the conv state and the recurrent state) at the slot each side names.
+
+A model whose paged tensors form several block-table groups (DeepSeek-V4's window, compressed
+entries and indexer keys, `GroupedCache`) has a layout per group and kind (`KvLayout.group`), each
+moving its own group's block ids; the layers' saved open-window states ride with the first
+layout, as Gated DeltaNet's do.
 """
 
 from __future__ import annotations
@@ -30,18 +35,32 @@ class StateCache(Protocol):
     saved_recurrent: torch.Tensor | None
 
 
-Cache = torch.Tensor | tuple[torch.Tensor, ...] | StateCache
-"""A layer's cache: its block tensor, its several (a DSA layer's latent and indexer keys), or its state."""
+class GroupedCache(Protocol):
+    """A layer's cache whose paged tensors lie in several block-table groups
+    (`models.v4.cache.LayerCache`, named by its shape): each paged tensor's group (its index among
+    the model's groups), and its saved states (prefix caching's, slot-major)."""
+
+    paged: tuple[torch.Tensor, ...]
+    paged_groups: tuple[int, ...]
+    saved: tuple[torch.Tensor, ...]
 
 
-def is_state(cache: Cache) -> bool:
-    return not isinstance(cache, torch.Tensor | tuple)
+Cache = torch.Tensor | tuple[torch.Tensor, ...] | StateCache | GroupedCache
+"""A layer's cache: its block tensor, its several (a DSA layer's latent and indexer keys), its
+state, or its tensors of several groups."""
+
+
+def is_grouped(cache: Cache) -> bool:
+    return hasattr(cache, "paged_groups")
 
 
 Region = tuple[int, int, int]
 """(address, bytes, device id), as NIXL describes memory."""
 Blocks = Sequence[int]
 """Block ids of one side of a write, in the prompt's order."""
+BlocksByGroup = Sequence[Blocks]
+"""Block ids of one side of a write per block-table group, in the groups' order (one list for a
+model with one group)."""
 Slots = tuple[int, int]
 """(source, destination) saved-state slots of a write; -1 each for none."""
 NO_STATE: Slots = (-1, -1)
@@ -63,9 +82,11 @@ class KvLayout:
     """Address of each state layer's saved conv and saved recurrent tensors, in that order."""
     state_slot_bytes: tuple[int, ...] = ()
     """Bytes of one saved-state slot in each of `state_bases`' tensors."""
+    group: int = 0
+    """The block-table group whose block ids address these tensors (0 with one group)."""
 
     @classmethod
-    def of(cls, caches: Sequence[Cache]) -> KvLayout:
+    def of(cls, caches: Sequence[Cache], group: int = 0) -> KvLayout:
         caches, states = paged_caches(caches), saved_states(caches)
         first = caches[0]
         if not all(c.is_contiguous() and c.shape == first.shape and c.dtype == first.dtype for c in caches):
@@ -80,13 +101,14 @@ class KvLayout:
         bases = tuple(c.data_ptr() for c in caches)
         state_bases = tuple(s.data_ptr() for s in states)
         slot_bytes = tuple(s.nbytes // s.shape[0] for s in states)
-        return cls(bases, planes, plane_bytes, plane_bytes // num_blocks, device_id, mem_type, state_bases, slot_bytes)
+        block_bytes = plane_bytes // num_blocks
+        return cls(bases, planes, plane_bytes, block_bytes, device_id, mem_type, state_bases, slot_bytes, group)
 
     @property
-    def shape_key(self) -> tuple[int, int, int, tuple[int, ...]]:
+    def shape_key(self) -> tuple[int, int, int, tuple[int, ...], int]:
         """What two sides must share for a block (and a state) to mean the same bytes: layers,
-        planes, block size, and the bytes of each state tensor's slot."""
-        return (len(self.layer_bases), self.planes, self.block_bytes, self.state_slot_bytes)
+        planes, block size, the bytes of each state tensor's slot, and the block-table group."""
+        return (len(self.layer_bases), self.planes, self.block_bytes, self.state_slot_bytes, self.group)
 
     def regions(self, runs: Sequence[tuple[int, int]], state_slot: int = -1) -> list[Region]:
         """The regions of `runs` (first block id, block count), layer by layer, plane by plane;
@@ -117,13 +139,14 @@ class KvLayout:
             "mem_type": self.mem_type,
             "state_bases": list(self.state_bases),
             "state_slot_bytes": list(self.state_slot_bytes),
+            "group": self.group,
         }
 
     @classmethod
     def from_json(cls, data: dict) -> KvLayout:
         fields = ("planes", "plane_bytes", "block_bytes", "device_id", "mem_type")
         states = (tuple(data.get(name, ())) for name in ("state_bases", "state_slot_bytes"))
-        return cls(tuple(data["layer_bases"]), *(data[name] for name in fields), *states)
+        return cls(tuple(data["layer_bases"]), *(data[name] for name in fields), *states, data.get("group", 0))
 
 
 def paged_caches(caches: Sequence[Cache]) -> list[torch.Tensor]:
@@ -132,29 +155,45 @@ def paged_caches(caches: Sequence[Cache]) -> list[torch.Tensor]:
 
 
 def saved_states(caches: Sequence[Cache]) -> list[torch.Tensor]:
-    """The state layers' saved-state tensors, conv then recurrent per layer (none without prefix
-    caching, which allocates them)."""
-    return [t for c in caches if is_state(c) for t in (c.saved_conv, c.saved_recurrent) if t is not None]
+    """The saved-state tensors: a state layer's conv then recurrent (none without prefix caching,
+    which allocates them), a grouped layer's open-window states."""
+    saved: list[torch.Tensor] = []
+    for c in caches:
+        if is_grouped(c):
+            saved.extend(c.saved)
+        elif not isinstance(c, torch.Tensor | tuple):
+            saved.extend(t for t in (c.saved_conv, c.saved_recurrent) if t is not None)
+    return saved
 
 
 def layouts_of(caches: Sequence[Cache]) -> tuple[KvLayout, ...]:
-    """The paged tensors of a model's layers as one layout per kind of tensor (shape and dtype), in
-    the order each kind first appears: every kind's blocks are the same block ids, so a transfer
-    moves the same runs in each. The state layers' saved states ride with the first layout."""
-    kinds: dict[tuple[tuple[int, ...], torch.dtype], list[Cache]] = {}
-    for tensor in _paged_tensors(caches):
-        kinds.setdefault((tuple(tensor.shape), tensor.dtype), []).append(tensor)
-    states = [c for c in caches if is_state(c)]
-    return tuple(KvLayout.of([*tensors, *(states if i == 0 else ())]) for i, tensors in enumerate(kinds.values()))
+    """The paged tensors of a model's layers as one layout per group and kind of tensor (shape and
+    dtype), in the order each first appears: every kind of a group has the same block ids, so a
+    transfer moves the same runs in each. The saved states ride with the first layout."""
+    kinds: dict[tuple[int, tuple[int, ...], torch.dtype], list[Cache]] = {}
+    for group, tensor in _paged_tensors(caches):
+        kinds.setdefault((group, tuple(tensor.shape), tensor.dtype), []).append(tensor)
+    holders = [c for c in caches if not isinstance(c, torch.Tensor | tuple)]  # of saved states
+    return tuple(
+        KvLayout.of([*tensors, *(holders if i == 0 else ())], group)
+        for i, ((group, _, _), tensors) in enumerate(kinds.items())
+    )
 
 
 def registered_tensors(caches: Sequence[Cache]) -> list[torch.Tensor]:
     """What a transfer agent registers: every paged tensor, then every saved state."""
-    return _paged_tensors(caches) + saved_states(caches)
+    return [tensor for _, tensor in _paged_tensors(caches)] + saved_states(caches)
 
 
-def _paged_tensors(caches: Sequence[Cache]) -> list[torch.Tensor]:
-    return [t for c in caches if not is_state(c) for t in (c if isinstance(c, tuple) else (c,))]
+def _paged_tensors(caches: Sequence[Cache]) -> list[tuple[int, torch.Tensor]]:
+    """Every paged tensor with its block-table group (0 for a model with one)."""
+    paged: list[tuple[int, torch.Tensor]] = []
+    for c in caches:
+        if isinstance(c, torch.Tensor | tuple):
+            paged.extend((0, t) for t in (c if isinstance(c, tuple) else (c,)))
+        elif is_grouped(c):
+            paged.extend(zip(c.paged_groups, c.paged, strict=True))
+    return paged
 
 
 def paired_runs(src: Sequence[int], dst: Sequence[int]) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:

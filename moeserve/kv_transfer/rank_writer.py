@@ -9,6 +9,8 @@ writes out are pinned, nothing computes into them).
 
     POST /kv/push  {dest: registration, src_blocks, dst_blocks, write_by, states} -> {bytes}
 
+`src_blocks` and `dst_blocks` are per block-table group (the core and its ranks are one build).
+
 `write_by` is the decode side's deadline for the bytes (wall clock), passed on unchanged: the rank
 honours the same instant the core was given, whatever the hop to it cost.
 """
@@ -19,7 +21,7 @@ import time
 from typing import Protocol
 
 from moeserve.kv_transfer.agent import KvAgent, KvRegistration
-from moeserve.kv_transfer.layout import NO_STATE, Blocks, Slots
+from moeserve.kv_transfer.layout import NO_STATE, BlocksByGroup, Slots
 from moeserve.kv_transfer.side_channel import REPLY_GRACE_S, SideChannel, reply_bytes, request_push
 
 
@@ -27,9 +29,11 @@ class KvWriter(Protocol):
     """Whatever writes a group's blocks into a peer's cache: the agent itself when the cache is in
     the core's process (ep 1), a `RankWriter` when it is in a rank process."""
 
-    def write(self, dest: KvRegistration, src: Blocks, dst: Blocks, write_by: float, states: Slots = NO_STATE) -> int:
-        """Copy blocks `src` (and the saved state `states` names) into `dst` of `dest`'s cache by
-        `write_by`; the bytes moved (`KvAgent.write`)."""
+    def write(
+        self, dest: KvRegistration, src: BlocksByGroup, dst: BlocksByGroup, write_by: float, states: Slots = NO_STATE
+    ) -> int:
+        """Copy blocks `src` (per group, and the saved state `states` names) into `dst` of
+        `dest`'s cache by `write_by`; the bytes moved (`KvAgent.write`)."""
 
 
 class RankWriter:
@@ -38,11 +42,13 @@ class RankWriter:
     def __init__(self, address: str) -> None:
         self.address = address
 
-    def write(self, dest: KvRegistration, src: Blocks, dst: Blocks, write_by: float, states: Slots = NO_STATE) -> int:
+    def write(
+        self, dest: KvRegistration, src: BlocksByGroup, dst: BlocksByGroup, write_by: float, states: Slots = NO_STATE
+    ) -> int:
         body = {
             "dest": dest.to_json(),
-            "src_blocks": list(src),
-            "dst_blocks": list(dst),
+            "src_blocks": [list(ids) for ids in src],
+            "dst_blocks": [list(ids) for ids in dst],
             "write_by": write_by,
             "states": list(states),
         }
@@ -53,8 +59,8 @@ def serve_writes(agent: KvAgent, host: str) -> SideChannel:
     """The rank's side channel, on a free port of `host`: it writes blocks of `agent`'s cache."""
 
     def write(body: dict) -> dict:
-        src = [int(b) for b in body["src_blocks"]]
-        dst = [int(b) for b in body["dst_blocks"]]
+        src = [[int(b) for b in ids] for ids in body["src_blocks"]]
+        dst = [[int(b) for b in ids] for ids in body["dst_blocks"]]
         src_state, dst_state = (int(s) for s in body.get("states", (-1, -1)))
         dest = KvRegistration.from_json(body["dest"])
         return {"bytes": agent.write(dest, src, dst, float(body["write_by"]), (src_state, dst_state))}

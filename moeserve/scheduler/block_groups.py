@@ -11,10 +11,10 @@ their table entries become `RELEASED` (never read again).
 
 `GroupedBlockManager` is what `Scheduler` holds in place of `BlockManager` for such a model: the
 same calls, each request's tables per group in the plan (`ScheduledRequest.group_tables`), prefix
-caching included (hits at block boundaries of every group, from saved open-window states); after
-a verify step every group gives back the blocks past the kept tokens (`trim`). Pinning for
-transfers is not built for several groups (the engine refuses it first). `group_block_counts`
-sizes each group's pool.
+caching included (hits at block boundaries of every group, from saved open-window states), the
+pins and loads of prefill/decode disaggregation (a prompt's tables up to its mark and the saved
+state there, `hold_prompt` and `allocate_load`); after a verify step every group gives back the
+blocks past the kept tokens (`trim`). `group_block_counts` sizes each group's pool.
 """
 
 from __future__ import annotations
@@ -28,10 +28,13 @@ from typing import NamedTuple
 from moeserve.cache_spec import BlockGroup, GroupKey, group_names
 from moeserve.scheduler.block_hash import BlockHash, block_hashes
 from moeserve.scheduler.request import Request
-from moeserve.scheduler.saved_states import SavedStates
+from moeserve.scheduler.saved_states import SavedStates, reserve_load_slot
 
 RELEASED = -1
 """The table entry of a window block given back: nothing reads it any more."""
+
+GroupBlockIds = tuple[tuple[int, ...], ...]
+"""Block ids per group, in the groups' order, `RELEASED` where there is none (a transfer's)."""
 
 
 class GroupBlocks(NamedTuple):
@@ -111,6 +114,8 @@ class GroupedBlocks:
         if cached is not None and request_id in self._tables:
             raise ValueError(f"request {request_id!r} already holds blocks; cached ones are for admission")
         tables = {key: list(table) for key, table in cached.items()} if cached else self.tables(request_id)
+        for key, g in self.groups.items():  # a load resuming past its tables never takes blocks dead there
+            tables[key].extend([RELEASED] * (g.dead_blocks(start, self.block_size) - len(tables[key])))
         end = start + num_new_tokens
         needed = {key: max(0, g.blocks_for(end, self.block_size) - len(tables[key])) for key, g in self.groups.items()}
         dead = {
@@ -154,6 +159,16 @@ class GroupedBlocks:
             for block_id in reversed(table):
                 if block_id != RELEASED:
                     self._release(key, block_id)
+
+    def pin(self, key: GroupKey, block_id: int) -> None:
+        """One more reference on a block of group `key`, held by a transfer rather than a table
+        (so never evicted); a cached block nobody holds comes off the free list."""
+        if not self._refs[key][block_id]:
+            del self._free[key][block_id]
+        self._refs[key][block_id] += 1
+
+    def unpin(self, key: GroupKey, block_id: int) -> None:
+        self._release(key, block_id)
 
     def _take(self, key: GroupKey) -> int:
         """The first block of group `key`'s eviction order, its cached content forgotten."""
@@ -350,7 +365,52 @@ class GroupedBlockManager:
         """Every group's blocks past the request's first `num_tokens` positions given back (rejected drafts')."""
         self.blocks.trim(request.request_id, num_tokens)
 
-    def pin(self, block_ids: Sequence[int]) -> None:
-        raise NotImplementedError("KV transfers are not built for several block-table groups")
+    def hold_prompt(self, request: Request, mark: int) -> tuple[GroupBlockIds, int]:
+        """Pin what a decode instance needs to resume `request` at `mark` (a multiple of
+        `hit_alignment`; a finished prefill-only request): every group's blocks it reads there, as
+        a hit would (`RELEASED` before the window), and the saved-state slot of the open windows
+        at `mark`. Nothing (empty tables, -1) where no hit could resume there: the prompt is
+        shorter than an alignment, or its blocks or state were not cached."""
+        if mark and self.saved_states.num_slots:
+            num_blocks = mark // self.block_size
+            hashes = block_hashes(request, self.block_size, num_blocks)
+            tables = self._cached_tables(hashes, mark) if hashes[-1] in self.saved_states else None
+            if tables is not None:
+                held = tuple(tables.values())
+                self.pin(held)
+                slot = self.saved_states.pin(hashes[-1])
+                assert slot is not None, "the saved state was found just now"
+                return held, slot
+        return tuple(() for _ in self.blocks.groups), -1
 
-    unpin = pin
+    def allocate_load(self, request: Request, mark: int, hit: PrefixHit) -> GroupBlockIds | None:
+        """Admit `request` to receive its prompt's KV up to `mark` from another instance: tables
+        beginning with `hit` (from `lookup`, at most `mark`) and fresh blocks for the rest, but
+        none of a window group's dead at `mark`. Returns the blocks the transfer writes, per group
+        (`RELEASED` at the hit's and the window's dead entries), or None, taking nothing, when
+        too few blocks are free."""
+        if not self.blocks.allocate(request.request_id, mark, 0, hit.tables or None):
+            return None
+        hit_tables = hit.tables or {key: () for key in self.blocks.groups}
+        return tuple(
+            tuple(RELEASED if i < len(hit_tables[key]) else b for i, b in enumerate(table))
+            for key, table in self.blocks.tables(request.request_id).items()
+        )
+
+    def reserve_state_load(self, request: Request, num_blocks: int) -> int:
+        """A saved-state slot for a transfer to write the open windows' state after `request`'s
+        first `num_blocks` token blocks into (`saved_states.end_load` once it ends), or -1."""
+        return reserve_load_slot(self.saved_states, request, self.block_size, num_blocks)
+
+    def pin(self, group_block_ids: GroupBlockIds) -> None:
+        """Hold blocks for a transfer (per group, `RELEASED` skipped) until `unpin`."""
+        for key, block_ids in zip(self.blocks.groups, group_block_ids, strict=True):
+            for block_id in block_ids:
+                if block_id != RELEASED:
+                    self.blocks.pin(key, block_id)
+
+    def unpin(self, group_block_ids: GroupBlockIds) -> None:
+        for key, block_ids in zip(self.blocks.groups, group_block_ids, strict=True):
+            for block_id in reversed(block_ids):
+                if block_id != RELEASED:
+                    self.blocks.unpin(key, block_id)

@@ -29,7 +29,7 @@ from moeserve.scheduler.block_groups import GroupBlocks
 from moeserve.scheduler.block_hash import BlockHash, block_hashes
 from moeserve.scheduler.config import blocks_for_tokens
 from moeserve.scheduler.request import Request
-from moeserve.scheduler.saved_states import SavedStates
+from moeserve.scheduler.saved_states import SavedStates, reserve_load_slot
 
 
 class BlockManager:
@@ -139,10 +139,7 @@ class BlockManager:
     def reserve_state_load(self, request: Request, num_blocks: int) -> int:
         """A saved-state slot for a transfer to write `request`'s state after its first
         `num_blocks` blocks into (`saved_states.end_load` once it ends), or -1 when none is taken."""
-        if not num_blocks or not self.saved_states.num_slots:
-            return -1
-        slot = self.saved_states.reserve_load(block_hashes(request, self.block_size, num_blocks)[num_blocks - 1])
-        return -1 if slot is None else slot
+        return reserve_load_slot(self.saved_states, request, self.block_size, num_blocks)
 
     def commit_saved_states(self) -> None:
         """The planned step ran: the states it saved are findable."""
@@ -221,6 +218,14 @@ class BlockManager:
             if self._ref_counts[block_id] == 0:
                 del self._free[block_id]
             self._ref_counts[block_id] += 1
+
+    def hold_prompt(self, request: Request, mark: int) -> tuple[list[int], int]:
+        """Pin what a decode instance needs to resume `request` at `mark` (a block boundary; a
+        finished prefill-only request): its blocks before it, and with state layers the saved
+        state there (-1 when none is held)."""
+        held = request.block_ids[: mark // self.block_size]
+        self.pin(held)
+        return held, self.pin_saved_state(request, len(held)) if self.has_state else -1
 
     def unpin(self, block_ids: Sequence[int]) -> None:
         """Give back the references `pin` took."""

@@ -28,7 +28,8 @@ from __future__ import annotations
 
 from collections import Counter, OrderedDict
 
-from moeserve.scheduler.block_hash import BlockHash
+from moeserve.scheduler.block_hash import BlockHash, block_hashes
+from moeserve.scheduler.request import Request
 
 
 class SavedStates:
@@ -128,3 +129,12 @@ class SavedStates:
         """The step in flight was lost: its reserved slots go back unwritten."""
         self._free.extend(self._pending.values())
         self._pending.clear()
+
+
+def reserve_load_slot(states: SavedStates, request: Request, block_size: int, num_blocks: int) -> int:
+    """A slot of `states` for a transfer to write `request`'s state after its first `num_blocks`
+    token blocks into (`SavedStates.reserve_load`), or -1 when none is taken."""
+    if not num_blocks or not states.num_slots:
+        return -1
+    slot = states.reserve_load(block_hashes(request, block_size, num_blocks)[num_blocks - 1])
+    return -1 if slot is None else slot

@@ -45,7 +45,9 @@ Mechanics shared by both policies: iteration-level batching, preemption by recom
   it recomputes its prompt. No queued request holds blocks, so none waits on another that does.
   A model with state layers also reserves a saved-state slot for the prompt's state at its last
   loaded block (`KvLoad.state_slot`), which the load's end makes findable, so that admission
-  resumes from it as from any hit.
+  resumes from it as from any hit. A load ends at the prompt's mark (`_prompt_mark`): its last
+  full block with one group; with several (`GroupedBlockManager.allocate_load`) its last
+  `hit_alignment` position, each group's table up to it (`KvLoad.group_block_ids`).
 
 - Speculative decoding (`SchedulerConfig.speculative`): a decode whose drafts can be verified
   exactly feeds n-gram drafts (or slots the runner's MTP layers fill) after its last token, out
@@ -88,7 +90,7 @@ from dataclasses import dataclass, field
 
 from moeserve.sampling_params import SamplingParams
 from moeserve.scheduler.admission import AdmissionTally, SLORejectedError, retry_after_s
-from moeserve.scheduler.block_groups import GroupedBlockManager
+from moeserve.scheduler.block_groups import GroupBlockIds, GroupedBlockManager
 from moeserve.scheduler.block_hash import BlockHash, block_hashes
 from moeserve.scheduler.block_manager import BlockManager
 from moeserve.scheduler.config import SchedulerConfig, blocks_for_tokens
@@ -161,8 +163,12 @@ class KvLoad:
     first_block: int
     """Which of the prompt's blocks `block_ids[0]` holds (the cached prefix's length)."""
     state_slot: int = -1
-    """For a model with state layers, the saved-state slot the prompt's state at its last full
-    block goes into (`SavedStates.reserve_load`); -1 for none."""
+    """For a model with state layers, the saved-state slot the prompt's state at its mark
+    goes into (`SavedStates.reserve_load`); -1 for none."""
+    group_block_ids: GroupBlockIds = ()
+    """A model with several block-table groups (`block_ids` empty): per group, its table up to
+    the prompt's mark, `RELEASED` where nothing is written (the cached prefix, window blocks
+    dead at the mark)."""
 
 
 @dataclass(frozen=True)
@@ -290,9 +296,10 @@ class Scheduler:
         """How admission's TTFT predictions turned out (see `admission.py`)."""
         self._finished_ids: list[str] = []  # finished since the previous schedule()
         self._awaiting_update = False
-        self.kv_holds: list[tuple[str, list[int], int]] = []
-        """(transfer id, pinned block ids, pinned saved-state slot or -1) of finished prefill-only
-        requests, for the KV transfer to take over (`Request.kv_hold_id`)."""
+        self.kv_holds: list[tuple[str, list[int] | GroupBlockIds, int]] = []
+        """(transfer id, pinned block ids (per group with several groups), pinned saved-state
+        slot or -1) of finished prefill-only requests, for the KV transfer to take over
+        (`Request.kv_hold_id`)."""
 
     # ----- requests in and out -----
 
@@ -717,15 +724,22 @@ class Scheduler:
             computing.update(self._filled_block_hashes(request, num_cached, num_new_tokens))
 
     def _start_kv_load(self, request: Request, plan: _StepPlan) -> bool:
-        """Admit the queue's head to wait for its prompt's KV from another instance: it takes its
-        cached prefix and fresh blocks for the rest of its prompt's full blocks (never its last
-        token's, which it computes for its logits), through `allocate` like any admission. False
-        when too few blocks are free: it waits at the head, as any request would."""
-        block_size = self.config.block_size
-        num_full = (request.num_prompt_tokens - 1) // block_size
-        cached_blocks = self.block_manager.lookup(request)[:num_full]
-        num_cached = len(cached_blocks) * block_size
-        if not self.block_manager.allocate(request, num_full * block_size - num_cached, cached_blocks):
+        """Admit the queue's head to wait for its prompt's KV from another instance up to its
+        mark (`_prompt_mark`; the rest, its last token's included, it computes for its logits):
+        it takes its cached prefix and fresh blocks for the rest through `allocate` like any
+        admission (with several groups `allocate_load`, which skips window blocks dead at the
+        mark). False when too few blocks are free: it waits at the head, as any request would."""
+        mark = self._prompt_mark(request)
+        cached = self.block_manager.lookup(request)
+        num_cached = len(cached) * self.config.block_size
+        if isinstance(self.block_manager, GroupedBlockManager):
+            group_ids = self.block_manager.allocate_load(request, mark, cached)
+            if group_ids is None:
+                return False
+            loaded_blocks: list[int] = []
+        elif self.block_manager.allocate(request, mark - num_cached, cached):
+            group_ids, loaded_blocks = (), request.block_ids[len(cached) :]
+        else:
             return False
         self._waiting.pop()
         request.needs_remote_kv = False
@@ -733,10 +747,9 @@ class Scheduler:
         request.status = RequestStatus.WAITING_FOR_REMOTE_KV
         self._loading[request.request_id] = request
         state_slot = -1
-        if self.block_manager.has_state and num_full > len(cached_blocks):
-            state_slot = self.block_manager.reserve_state_load(request, num_full)
-        loaded_blocks = request.block_ids[len(cached_blocks) :]
-        plan.kv_loads.append(KvLoad(request.request_id, loaded_blocks, len(cached_blocks), state_slot))
+        if self.block_manager.has_state and mark > num_cached:
+            state_slot = self.block_manager.reserve_state_load(request, mark // self.config.block_size)
+        plan.kv_loads.append(KvLoad(request.request_id, loaded_blocks, len(cached), state_slot, group_ids))
         return True
 
     def finish_kv_load(self, request_id: str, loaded: bool) -> bool:
@@ -751,7 +764,7 @@ class Scheduler:
             self._give_up_kv_load(request)
             return True
         num_cached = request.num_computed_tokens
-        request.num_computed_tokens = len(request.block_ids) * self.config.block_size
+        request.num_computed_tokens = self._prompt_mark(request)
         self.block_manager.cache_full_blocks(request, num_cached)
         self._give_up_kv_load(request)  # its blocks stay findable: admission takes them back
         return True
@@ -818,7 +831,13 @@ class Scheduler:
         to that alignment."""
         step = self.block_manager.hit_alignment
         interval = -(-self.config.state_save_interval * self.config.block_size // step) * step
-        return interval, (request.num_prompt_tokens - 1) // step * step
+        return interval, self._prompt_mark(request)
+
+    def _prompt_mark(self, request: Request) -> int:
+        """The prompt's last position where a hit may resume (`hit_alignment`) before its last
+        token: where its state is saved, and what a transfer moves (its blocks, that state)."""
+        step = self.block_manager.hit_alignment
+        return (request.num_prompt_tokens - 1) // step * step
 
     def _next_state_save(self, request: Request, num_computed: int) -> int:
         """The first position past `num_computed` where `request`'s state is saved."""
@@ -920,10 +939,8 @@ class Scheduler:
         else:
             self._waiting.remove(request)
         if request.kv_hold_id is not None and reason != "abort":
-            full = request.block_ids[: (request.num_prompt_tokens - 1) // self.config.block_size]
-            self.block_manager.pin(full)
-            state_slot = self.block_manager.pin_saved_state(request, len(full)) if self.block_manager.has_state else -1
-            self.kv_holds.append((request.kv_hold_id, full, state_slot))
+            held, state_slot = self.block_manager.hold_prompt(request, self._prompt_mark(request))
+            self.kv_holds.append((request.kv_hold_id, held, state_slot))
         self.block_manager.free(request)
         request.status = STATUS_BY_FINISH_REASON[reason]
         request.finish_reason = reason

@@ -174,8 +174,8 @@ def test_features_not_built_for_several_groups_are_refused(checkpoint):
         LLM(str(checkpoint), speculative_config=mtp)
     with pytest.raises(ValueError, match="two-batch overlap is not built for caches in several block-table"):
         LLM(str(checkpoint), two_batch_overlap=True)
-    with pytest.raises(ValueError, match="disaggregation .kv_transfer. is not built for caches in several"):
-        LLM(str(checkpoint), role="decode", kv_transfer="nixl")
+    with pytest.raises(ValueError, match="several block-table groups moves what a prefix-cache hit reads"):
+        LLM(str(checkpoint), role="prefill", kv_transfer="nixl", enable_prefix_caching=False)
 
 
 def test_released_quantized_checkpoint_keeps_its_formats(released):

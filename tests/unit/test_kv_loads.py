@@ -13,9 +13,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from moeserve.kv_transfer.agent import KvRegistration
+from moeserve.kv_transfer.agent import KvRegistration, KvTransferError
 from moeserve.kv_transfer.config import KvTransferConfig
-from moeserve.kv_transfer.coordinator import KvCoordinator
+from moeserve.kv_transfer.coordinator import KvCoordinator, _Hold, _pairs
 from moeserve.kv_transfer.layout import KvLayout
 from moeserve.sampling_params import KvTransferParams, SamplingParams
 from moeserve.scheduler import DataParallelScheduler, Request, RequestStatus, Scheduler, SchedulerConfig
@@ -281,3 +281,95 @@ def test_a_late_push_keeps_its_blocks_pinned_until_the_prefill_side_answers(deco
         fake.close()
     assert _gauges(coordinator) == (0, 0)
     assert _failures(coordinator, "timeout") == 1  # counted once
+
+
+GROUPS = (((1, 8), 40), ((4, None), 16), ((16, None), 6))
+"""DeepSeek-V4's kinds at block 4: a window of 8, entries of 4 and of 16 positions; hits every 64."""
+
+
+def _grouped(**fields) -> Scheduler:
+    return Scheduler(
+        SchedulerConfig(
+            max_num_seqs=2, max_model_len=256, block_size=BLOCK, num_kv_blocks=64, max_num_batched_tokens=64,
+            enable_prefix_caching=True, has_state=True, num_saved_states=4, block_groups=GROUPS, **fields,
+        )
+    )  # fmt: skip
+
+
+def _finish_loads(scheduler: Scheduler, loaded: bool) -> list:
+    """What the coordinator does with the plan's loads: pin, end (slot committed or not), resume."""
+    manager, orders = scheduler.block_manager, scheduler.schedule().kv_loads
+    for order in orders:
+        manager.pin(order.group_block_ids)
+        manager.unpin(order.group_block_ids)
+        manager.saved_states.end_load(order.state_slot, loaded)
+        assert scheduler.finish_kv_load(order.request_id, loaded)
+    return orders
+
+
+def test_grouped_loads_move_every_groups_blocks_to_the_mark_and_resume_from_a_hit_there():
+    """The prefill side pins each group's blocks a hit at the prompt's mark (128 of 150) reads and
+    the open windows' state saved there; the decode side allocates the same entries fresh (none
+    of the window's dead at the mark), resumes from them as from a hit, and, for a longer prompt
+    sharing them, writes only past that cached prefix. Nothing stays held on either side."""
+    tokens = [3 + i % 50 for i in range(150)]
+    prefill = _grouped()
+    held = _request("p", tokens, max_tokens=1)
+    held.kv_hold_id = "xfer-p"
+    prefill.add_request(held)
+    while prefill.has_unfinished_requests():
+        _run(prefill)
+    ((transfer_id, tables, slot),) = prefill.kv_holds
+    window, entries_4, entries_16 = tables
+    assert (transfer_id, len(window), len(entries_4), len(entries_16)) == ("xfer-p", 32, 8, 2)
+    assert window[:30] == (-1,) * 30 and -1 not in window[30:] + entries_4 + entries_16
+    manager = prefill.block_manager
+    assert slot >= 0 and manager.num_used_blocks == 12  # pinned, the request gone
+    manager.unpin(tables)
+    manager.saved_states.unpin(slot)
+    assert manager.num_used_blocks == 0
+
+    decode = _grouped()
+    decode.add_request(_request("d", tokens, remote="127.0.0.1:9", max_tokens=2))
+    (order,) = _finish_loads(decode, loaded=True)
+    assert order.block_ids == [] and [len(t) for t in order.group_block_ids] == [32, 8, 2]
+    assert order.group_block_ids[0][:30] == (-1,) * 30 and order.state_slot >= 0
+    plan = decode.schedule()
+    assert plan.prefix_cache_hits == 128 and plan.scheduled[0].start_position == 128
+    assert plan.scheduled[0].load_state == order.state_slot
+    decode.update(plan, {"d": 7})
+    while decode.has_unfinished_requests():
+        _run(decode)
+
+    longer = [*tokens[:128], *range(60, 140)]  # mark 192, the first 128 positions cached
+    decode.add_request(_request("e", longer, remote="127.0.0.1:9", max_tokens=1))
+    (order,) = _finish_loads(decode, loaded=True)
+    window, entries_4, entries_16 = order.group_block_ids
+    assert window[:46] == (-1,) * 46 and -1 not in window[46:]
+    assert entries_4[:8] == (-1,) * 8 and -1 not in entries_4[8:] and entries_16 == (-1, -1, entries_16[2])
+    plan = decode.schedule()
+    assert plan.prefix_cache_hits == 192 and plan.scheduled[0].start_position == 192
+    decode.update(plan, {"e": 7})
+    assert not decode.has_unfinished_requests() and decode.block_manager.num_used_blocks == 0
+
+
+def test_a_failed_grouped_load_frees_its_blocks_and_slot_and_recomputes():
+    decode = _grouped()
+    decode.add_request(_request("d", [3 + i % 50 for i in range(150)], remote="127.0.0.1:9", max_tokens=1))
+    (order,) = _finish_loads(decode, loaded=False)
+    saved = decode.block_manager.saved_states
+    assert order.state_slot >= 0 and saved.num_held == 0 and decode.block_manager.num_used_blocks == 0
+    plan = decode.schedule()
+    assert plan.prefix_cache_hits == 0 and plan.scheduled[0].start_position == 0
+
+
+def test_a_grouped_push_pairs_each_groups_entries_and_refuses_what_was_not_held():
+    hold = _Hold("xfer", 0, ((-1, -1, 5, 6), (1, 2), ()), deadline=0.0)
+    src, dst = _pairs(hold, {"dst_group_blocks": [[-1, -1, -1, 9], [7, -1], []]})
+    assert (src, dst) == ([[6], [1], []], [[9], [7], []])  # the cached entry (-1) is not written
+    with pytest.raises(KvTransferError, match="past the prompt's mark") as refused:
+        _pairs(hold, {"dst_group_blocks": [[-1, 3, -1, -1], [], []]})  # behind the window here
+    assert refused.value.cause == "refused"
+    with pytest.raises(KvTransferError, match="held per block-table group") as mixed:
+        _pairs(hold, {"first_block": 0, "dst_blocks": [4]})  # a one-group peer
+    assert mixed.value.cause == "layout"

@@ -8,10 +8,12 @@ import time
 import pytest
 import torch
 
+from moeserve.cache_spec import PagedSpec, StateSpec
 from moeserve.kv_transfer.agent import KvAgent, KvRegistration, KvTransferError
 from moeserve.kv_transfer.identity import KvIdentity
 from moeserve.kv_transfer.layout import KvLayout, paired_runs
 from moeserve.kv_transfer.rank_writer import RankWriter, serve_writes
+from moeserve.models.v4.cache import allocate as allocate_v4_layer
 from moeserve.ops.state_batch import LinearState
 from moeserve.router.app import PhaseLines
 from moeserve.router.instances import Instance, choose, pairing_problems
@@ -38,8 +40,10 @@ def test_layout_of_gqa_and_mla_caches():
     value_block_7 = gqa[1][1, 7].data_ptr()
     assert (value_block_7, 2 * layout.block_bytes, 0) in layout.regions([(7, 2)])
     mla = KvLayout.of([torch.zeros(10, 4, 24)])
-    assert (mla.planes, mla.block_bytes, mla.shape_key) == (1, 4 * 24 * 4, (1, 1, 4 * 24 * 4, ()))
+    assert (mla.planes, mla.block_bytes, mla.shape_key) == (1, 4 * 24 * 4, (1, 1, 4 * 24 * 4, (), 0))
     assert KvLayout.from_json(layout.to_json()) == layout
+    from_before_groups = {k: v for k, v in layout.to_json().items() if k != "group"}  # a peer of an older build
+    assert KvLayout.from_json(from_before_groups) == layout
 
 
 @pytest.mark.parametrize("shape", [(2, 12, 4, 2, 8), (12, 4, 24)], ids=["gqa", "mla"])
@@ -47,7 +51,7 @@ def test_agent_writes_blocks_into_another_agents_cache(shape):
     source = [torch.randn(shape) for _ in range(2)]
     dest = [torch.zeros(shape) for _ in range(2)]
     writer, reader = KvAgent(source, "test-src"), KvAgent(dest, "test-dst")
-    num_bytes = writer.write(reader.registration, [2, 3, 7], [5, 6, 0], write_by=time.time() + 10)
+    num_bytes = writer.write(reader.registration, ([2, 3, 7],), ([5, 6, 0],), write_by=time.time() + 10)
     block_dim = 1 if len(shape) == 5 else 0
     for src_cache, dst_cache in zip(source, dest):
         for s, d in ((2, 5), (3, 6), (7, 0)):
@@ -57,7 +61,7 @@ def test_agent_writes_blocks_into_another_agents_cache(shape):
     assert num_bytes == 3 * writer.layouts[0].block_bytes * writer.layouts[0].planes * 2
     other = KvAgent([torch.zeros(12, 8, 24)], "test-other")
     with pytest.raises(KvTransferError, match="KV layouts differ") as refused:
-        writer.write(other.registration, [0], [0], write_by=time.time() + 10)
+        writer.write(other.registration, ([0],), ([0],), write_by=time.time() + 10)
     assert refused.value.cause == "layout"
 
 
@@ -73,7 +77,7 @@ def test_a_dsa_models_indexer_keys_move_with_its_latents():
     writer, reader = KvAgent(source, "test-dsa-src"), KvAgent(dest, "test-dsa-dst")
     assert [(len(x.layer_bases), x.block_bytes) for x in writer.layouts] == [(3, 4 * 24 * 4), (2, 4 * 16 * 4)]
     assert KvRegistration.from_json(reader.registration.to_json()).layouts == reader.layouts
-    num_bytes = writer.write(reader.registration, [2, 3], [5, 9], write_by=time.time() + 10)
+    num_bytes = writer.write(reader.registration, ([2, 3],), ([5, 9],), write_by=time.time() + 10)
     assert num_bytes == 2 * 4 * 4 * (3 * 24 + 2 * 16)
     flat = [
         (s, d)
@@ -85,7 +89,7 @@ def test_a_dsa_models_indexer_keys_move_with_its_latents():
         assert not dst_cache[[b for b in range(12) if b not in (5, 9)]].any()
     latents_only = KvAgent([torch.zeros(12, 4, 24)] * 3, "test-dsa-other")
     with pytest.raises(KvTransferError, match="KV layouts differ"):
-        writer.write(latents_only.registration, [0], [0], write_by=time.time() + 10)
+        writer.write(latents_only.registration, ([0],), ([0],), write_by=time.time() + 10)
 
 
 def _hybrid_caches(fill) -> list:
@@ -99,6 +103,32 @@ def _hybrid_caches(fill) -> list:
     return [states[0], fill(2, 12, 4, 2, 8), states[1]]
 
 
+def _v4_caches(fill) -> list:
+    """A window-only layer and a compressed one (4 per entry, with an open-window state and 2
+    saved slots): both groups' tensors of one shape, 6 blocks of 4 rows of 8."""
+    window = PagedSpec((), (8,), "float32", window=8)
+    entries = PagedSpec((), (8,), "float32", tokens_per_entry=4)
+    state = StateSpec(((3, 8),), ("float32",))
+    pools = {window.group_key: 6, entries.group_key: 6}
+    caches = [allocate_v4_layer(specs, pools, 4, 1, num_saved=2) for specs in ((window,), (window, entries, state))]
+    for tensor in (t for c in caches for t in (*c.paged, *c.saved)):
+        tensor.copy_(fill(tensor.shape))
+    return caches
+
+
+def test_a_grouped_write_moves_each_groups_blocks_by_its_own_ids_and_the_saved_states():
+    """Tensors of one shape in two groups are two layouts, each moved by its group's ids."""
+    source, dest = _v4_caches(torch.randn), _v4_caches(torch.zeros)
+    writer, reader = KvAgent(source, "test-v4-src"), KvAgent(dest, "test-v4-dst")
+    assert [x.group for x in writer.layouts] == [0, 1] and writer.layouts[0].state_slot_bytes == (3 * 8 * 4,)
+    num_bytes = writer.write(reader.registration, ([4], [2]), ([1], [5]), write_by=time.time() + 10, states=(1, 0))
+    assert num_bytes == 3 * 4 * 8 * 4 + 3 * 8 * 4  # three blocks (two layers' windows, one's entries), one state
+    for src, dst in zip(source, dest, strict=True):
+        assert torch.equal(dst.window[1], src.window[4]) and dst.window.count_nonzero() == 4 * 8
+    assert torch.equal(dest[1].entries[5], source[1].entries[2]) and dest[1].entries.count_nonzero() == 4 * 8
+    assert torch.equal(dest[1].saved[0][0], source[1].saved[0][1]) and not dest[1].saved[0][1].any()
+
+
 def test_a_write_carries_a_saved_state_of_every_state_layer():
     source, dest = _hybrid_caches(torch.randn), _hybrid_caches(torch.zeros)
     writer, reader = KvAgent(source, "test-hybrid-src"), KvAgent(dest, "test-hybrid-dst")
@@ -107,7 +137,7 @@ def test_a_write_carries_a_saved_state_of_every_state_layer():
     channel = serve_writes(writer, "127.0.0.1")  # the rank's path passes the slots on as the core's does
     try:
         num_bytes = RankWriter(channel.address).write(
-            reader.registration, [4], [9], write_by=time.time() + 10, states=(2, 0)
+            reader.registration, ([4],), ([9],), write_by=time.time() + 10, states=(2, 0)
         )
     finally:
         channel.close()
@@ -118,10 +148,10 @@ def test_a_write_carries_a_saved_state_of_every_state_layer():
             assert torch.equal(dst[0], src[2]) and not dst[1:].any()
     state_bytes = 2 * (6 * 3 + 2 * 4 * 4) * 4
     assert num_bytes == layout.block_bytes * 2 + state_bytes
-    assert writer.write(reader.registration, [4], [9], write_by=time.time() + 10) == layout.block_bytes * 2
+    assert writer.write(reader.registration, ([4],), ([9],), write_by=time.time() + 10) == layout.block_bytes * 2
     fewer = KvAgent(_hybrid_caches(torch.zeros)[1:], "test-hybrid-fewer")
     with pytest.raises(KvTransferError, match="KV layouts differ"):
-        writer.write(fewer.registration, [0], [0], write_by=time.time() + 10, states=(0, 0))
+        writer.write(fewer.registration, ([0],), ([0],), write_by=time.time() + 10, states=(0, 0))
 
 
 def test_a_rank_writes_its_blocks_when_the_core_asks_over_its_side_channel():
@@ -132,19 +162,19 @@ def test_a_rank_writes_its_blocks_when_the_core_asks_over_its_side_channel():
     try:
         writer = RankWriter(channel.address)
         assert (
-            writer.write(reader.registration, [4, 5], [1, 9], write_by=time.time() + 10)
+            writer.write(reader.registration, ([4, 5],), ([1, 9],), write_by=time.time() + 10)
             == 2 * rank_agent.layouts[0].block_bytes * 4
         )
         for src_cache, dst_cache in zip(source, dest):
             assert torch.equal(dst_cache[:, 1], src_cache[:, 4]) and torch.equal(dst_cache[:, 9], src_cache[:, 5])
         other = KvAgent([torch.zeros(12, 8, 24)], "test-other")
         with pytest.raises(KvTransferError, match="KV layouts differ") as refused:
-            writer.write(other.registration, [0], [0], write_by=time.time() + 10)
+            writer.write(other.registration, ([0],), ([0],), write_by=time.time() + 10)
         assert refused.value.cause == "layout"  # the rank's cause reaches the core
     finally:
         channel.close()
     with pytest.raises(KvTransferError) as gone:
-        writer.write(reader.registration, [0], [0], write_by=time.time() + 1)
+        writer.write(reader.registration, ([0],), ([0],), write_by=time.time() + 1)
     assert gone.value.cause == "unreachable"
 
 
@@ -172,7 +202,7 @@ def test_a_write_past_its_deadline_moves_nothing():
     source, dest = [torch.randn(2, 12, 4, 2, 8)], [torch.zeros(2, 12, 4, 2, 8)]
     writer, reader = KvAgent(source, "test-late-src"), KvAgent(dest, "test-late-dst")
     with pytest.raises(KvTransferError, match="after its deadline") as late:
-        writer.write(reader.registration, [1], [2], write_by=time.time() - 0.01)
+        writer.write(reader.registration, ([1],), ([2],), write_by=time.time() - 0.01)
     assert late.value.cause == "timeout" and not dest[0].any()
 
 

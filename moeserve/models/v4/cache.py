@@ -70,7 +70,9 @@ class LayerCache:
     indexer keys (None where the layer has none), the open-window state's tensors (slot-major),
     as many again for prefix caching's saved states (`saved`, saved-slot-major) and, with drafts,
     what a verify step keeps to step back (`kept`: the state's tensors, the pending ones with room
-    for the step's 1 + k positions besides)."""
+    for the step's 1 + k positions besides). `paged_groups`: the block-table group of each paged
+    tensor (its index among the model's groups), which a KV transfer moves with that group's block
+    ids."""
 
     window: torch.Tensor
     entries: torch.Tensor | None = None
@@ -78,6 +80,7 @@ class LayerCache:
     state: tuple[torch.Tensor, ...] = ()
     saved: tuple[torch.Tensor, ...] = ()
     kept: tuple[torch.Tensor, ...] = ()
+    paged_groups: tuple[int, ...] = ()
 
     def load_saved(self, slots: Sequence[int], saved: Sequence[int]) -> None:
         """Sequence slots `slots` start from the saved states `saved` (a prefix-cache hit)."""
@@ -90,9 +93,14 @@ class LayerCache:
             kept[_index(saved, live)] = live[_index(slots, live)]
 
     @property
+    def paged(self) -> tuple[torch.Tensor, ...]:
+        """The paged tensors: the window's, then the entries' and indexer keys' where present."""
+        return tuple(t for t in (self.window, self.entries, self.index_keys) if t is not None)
+
+    @property
     def tensors(self) -> tuple[torch.Tensor, ...]:
         """Every tensor the layer holds (its paged ones, then its state's)."""
-        return tuple(t for t in (self.window, self.entries, self.index_keys) if t is not None) + self.state
+        return self.paged + self.state
 
 
 def _index(slots: Sequence[int], like: torch.Tensor) -> torch.Tensor:
@@ -109,14 +117,15 @@ def allocate(
     num_saved: int = 0,
     draft_states: int = 0,
 ) -> LayerCache:
-    """Zeroed tensors for one layer's specs, each paged one with its group's `num_blocks[group_key]`,
-    its state for `num_slots` sequences and `num_saved` saved states; with `draft_states` (1 + k
-    drafts: the tokens of a verify step), the `kept` tensors too."""
+    """Zeroed tensors for one layer's specs, each paged one with its group's `num_blocks[group_key]`
+    (keyed in the model's groups' order), its state for `num_slots` sequences and `num_saved` saved
+    states; with `draft_states` (1 + k drafts: the tokens of a verify step), the `kept` tensors too."""
+    paged_specs = [s for s in specs if isinstance(s, PagedSpec)]
     paged = [
         torch.zeros(s.shape(num_blocks[s.group_key], block_size), dtype=DTYPES[s.dtype], device=device)
-        for s in specs
-        if isinstance(s, PagedSpec)
+        for s in paged_specs
     ]
+    groups = tuple(list(num_blocks).index(s.group_key) for s in paged_specs)
     state = next((s for s in specs if isinstance(s, StateSpec)), None)
 
     def states(count: int, shapes: tuple[tuple[int, ...], ...]) -> tuple[torch.Tensor, ...]:
@@ -128,7 +137,7 @@ def allocate(
         )
 
     if state is None:
-        return LayerCache(*paged, *([None] * (3 - len(paged))))
+        return LayerCache(*paged, *([None] * (3 - len(paged))), paged_groups=groups)
     kept = states(num_slots, kept_spec(state, draft_states).shapes) if draft_states else ()
     return LayerCache(
         *paged,
@@ -136,6 +145,7 @@ def allocate(
         state=states(num_slots, state.shapes),
         saved=states(num_saved, state.shapes),
         kept=kept,
+        paged_groups=groups,
     )
 
 
