@@ -16,8 +16,7 @@ import torch
 
 from moeserve.cache_spec import PagedSpec
 from moeserve.models.loader import load_model
-from moeserve.models.v4.cache import SequenceView, allocate, layer_specs
-from moeserve.models.v4.model import V4Batch
+from moeserve.models.v4.cache import SequenceView, V4Batch, allocate, layer_specs
 from moeserve.ops import TORCH_OPS, TorchOps
 from moeserve.ops.compressed_attention import PagedRows, SequenceKeys
 from moeserve.ops.triton_ops import TritonOps
