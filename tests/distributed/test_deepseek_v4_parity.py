@@ -185,11 +185,12 @@ def test_mtp_drafts_through_every_cache_group(checkpoint, prompts_and_tokens, tm
     assert counts.spec_decode.num_draft_tokens >= NEW_TOKENS // 2
 
 
-def test_aligned_mtp_block_drafts_are_accepted(make_checkpoint, tmp_path):
+def test_aligned_mtp_block_drafts_are_accepted_over_expert_and_tensor_parallel_ranks(make_checkpoint, tmp_path):
     """A target whose first layer (CSA) adds nothing to the streams (its output projections zero:
     its compressors and indexer still run, cache and step back) and whose last is a window layer:
     the MTP block copying that last layer computes what the target does one position on, so its
-    drafts are kept, and the tokens stay transformers'."""
+    drafts are kept, and the tokens stay transformers'. Over `--ep 4 --tp 2`: every rank drafts
+    alike, and the idle data-parallel group makes its empty passes in lockstep."""
     folder = shutil.copytree(
         make_checkpoint(
             "deepseek_v4",
@@ -208,7 +209,7 @@ def test_aligned_mtp_block_drafts_are_accepted(make_checkpoint, tmp_path):
     want = hf_greedy_tokens(hf_model(folder), prompt, NEW_TOKENS)
     write_v4_mtp_block(folder)
     counts = CountingStatLogger()
-    with LLM(str(folder), speculative_config=MTP, stat_loggers=[counts], **ENGINE) as llm:
+    with LLM(str(folder), speculative_config=MTP, stat_loggers=[counts], ep=4, tp=2, **ENGINE) as llm:
         outputs = llm.generate([{"prompt_token_ids": prompt}], GREEDY, use_tqdm=False)
         assert all(s.block_manager.num_used_blocks == 0 for s in llm.engine.scheduler.groups)
     assert list(outputs[0].outputs[0].token_ids) == want
