@@ -11,6 +11,7 @@ FP4 experts) is served against transformers on its dequantized twin."""
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 
@@ -182,7 +183,8 @@ def test_mtp_drafts_through_every_cache_group(checkpoint, prompts_and_tokens, tm
     with LLM(str(folder), speculative_config=MTP, stat_loggers=[counts], **ENGINE) as llm:
         assert _generate_without_leaks(llm, [prompt]) == [want]
         assert len(llm.engine.executor.runner.states.request_ids) <= 1  # a slot goes back with the next plan
-    assert counts.spec_decode.num_draft_tokens >= NEW_TOKENS // 2
+    drafted = counts.spec_decode
+    assert drafted.num_draft_tokens >= NEW_TOKENS // 2 and drafted.num_accepted_tokens < drafted.num_draft_tokens
 
 
 def test_aligned_mtp_block_drafts_are_accepted_over_expert_and_tensor_parallel_ranks(make_checkpoint, tmp_path):
@@ -216,9 +218,15 @@ def test_aligned_mtp_block_drafts_are_accepted_over_expert_and_tensor_parallel_r
     assert counts.spec_decode.num_accepted_tokens > NEW_TOKENS // 4
 
 
-def test_features_not_built_for_several_groups_are_refused(checkpoint):
+def test_features_not_built_for_several_groups_are_refused(checkpoint, tmp_path):
     with pytest.raises(ValueError, match="holds no MTP layer .mtp.0.e_proj.weight is missing"):
         LLM(str(checkpoint), speculative_config=MTP)
+    folder = shutil.copytree(checkpoint, tmp_path / "two-blocks")
+    write_v4_mtp_block(folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 2}))
+    with pytest.raises(ValueError, match="with 2 MTP blocks is not built"):
+        LLM(str(folder), speculative_config=MTP)
     with pytest.raises(ValueError, match="two-batch overlap is not built for caches in several block-table"):
         LLM(str(checkpoint), two_batch_overlap=True)
     with pytest.raises(ValueError, match="disaggregation .kv_transfer. is not built for caches in several"):
