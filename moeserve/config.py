@@ -163,6 +163,11 @@ class CompressedAttentionConfig:
     index_topk: int
     compress_rope: RopeConfig
 
+    def ratio(self, layer: int) -> int:
+        """Layer `layer`'s tokens per compressed entry; 0 past the decoder's layers: an MTP
+        block attends its window only (the release's `compress_ratios` ends with its 0)."""
+        return self.compress_ratios[layer] if layer < len(self.compress_ratios) else 0
+
 
 @dataclass(frozen=True)
 class HyperConnectionConfig:

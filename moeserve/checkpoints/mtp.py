@@ -78,6 +78,37 @@ def write_qwen_mtp_layer(out: Path) -> None:
     _save(out, {f"mtp.{name}": t.contiguous() for name, t in own.items()}, {key: 1})
 
 
+def write_v4_mtp_block(out: Path) -> None:
+    """Add an aligned MTP block, as DeepSeek-V4 releases it (`mtp.0.`: `enorm`, `hnorm`, `e_proj`,
+    `h_proj`, a window-only block, `hc_head_fn` / `_base` / `_scale`, `norm`), to the checkpoint
+    transformers saved in `out`: the `_aligned` recipe over the target's last layer (learned
+    routing), less its compressor and indexer. `e_proj` passes the next token's embedding to every
+    stream, as the target's embedding enters its first layer, `h_proj` drops the target's streams,
+    and the block's hyper head and norm are the target's, so it predicts what a one-layer target
+    would after the next token: where the tiny target's streams are mostly its last token's
+    embedding, that is often the target's own next prediction."""
+    target = _read_all(out)
+    config = json.loads((out / "config.json").read_text())
+    layer = _layer(target, config["num_hidden_layers"] - 1)
+    if "ffn.gate.bias" not in layer:
+        raise ValueError("the aligned V4 MTP block copies the target's last layer, which must route by scores")
+    embedding = target["model.embed_tokens.weight"]
+    hidden, dtype = embedding.shape[1], embedding.dtype
+    row_rms = embedding.float().pow(2).mean(-1).sqrt().mean()
+    own = {name: t for name, t in layer.items() if not name.startswith(("attn.compressor.", "attn.indexer."))}
+    own.update(
+        {
+            "enorm.weight": torch.full((hidden,), float(row_rms), dtype=dtype),
+            "hnorm.weight": torch.ones(hidden, dtype=dtype),
+            "e_proj.weight": torch.eye(hidden, dtype=dtype),
+            "h_proj.weight": torch.zeros(hidden, hidden, dtype=dtype),
+            "norm.weight": target["model.norm.weight"].clone(),
+            **{f"hc_head_{part}": target[f"model.hc_head.hc_{part}"].clone() for part in ("fn", "base", "scale")},
+        }
+    )
+    _save(out, {f"mtp.0.{name}": t.contiguous() for name, t in own.items()}, {"num_nextn_predict_layers": 1})
+
+
 def _save(out: Path, tensors: dict[str, torch.Tensor], config_keys: dict[str, int]) -> None:
     """Write the MTP tensors to their own file, list them in the index, set `config_keys`."""
     save_file(tensors, str(out / MTP_FILE), metadata={"format": "pt"})

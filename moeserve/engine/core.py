@@ -136,12 +136,10 @@ def state_refusal(config: EngineConfig) -> str | None:
 
 def groups_refusal(config: EngineConfig) -> str | None:
     """Why `config` cannot serve a model whose paged caches form several block-table groups
-    (DeepSeek-V4), or None: its runner feeds the model sequence by sequence, n-gram drafts
-    included (its compressors step back past rejected ones), with no MTP layer yet.
-    Disaggregation moves what a prefix-cache hit at the prompt's mark reads
-    (`kv_transfer.coordinator`), so both roles need prefix caching on."""
-    if config.mtp_drafts:
-        return "MTP drafts are not built for caches in several block-table groups yet (n-gram drafts are)"
+    (DeepSeek-V4), or None: its runner feeds the model sequence by sequence, drafts included
+    (n-gram or its MTP block's; its compressors step back past rejected ones). Disaggregation
+    moves what a prefix-cache hit at the prompt's mark reads (`kv_transfer.coordinator`), so both
+    roles need prefix caching on."""
     if config.kv_transfer.enabled and not config.cache.enable_prefix_caching:
         return (
             "prefill/decode disaggregation (kv_transfer) of caches in several block-table groups moves "

@@ -49,7 +49,7 @@ def cache_specs(cfg: ModelConfig, dtype: torch.dtype, tp_size: int = 1, mtp_laye
     """What each layer keeps on a rank of a `tp_size`-way group: the decoder layers', then the
     `mtp_layers` MTP layers' (attention, as the last layer's kind), known without a model."""
     if cfg.compressed_attention is not None:  # DeepSeek-V4: several specs per layer
-        return CacheSpecs(tuple(v4_layer_specs(cfg, i, dtype) for i in range(cfg.num_layers)))
+        return CacheSpecs(tuple(v4_layer_specs(cfg, i, dtype) for i in range(cfg.num_layers + mtp_layers)))
     attention_cls = MLAttention if cfg.is_mla else Attention
 
     def spec(layer: int) -> LayerSpec:

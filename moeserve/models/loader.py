@@ -98,7 +98,7 @@ def load_model(
     names = checkpoint_names(arch.names, cfg, reader)
     if cfg.compressed_attention is not None:
         layout = layout_of(reader)
-        sources = {name: v4_source(name, layout, experts_by_layer) for name in targets}
+        sources = {name: v4_source(name, layout, experts_by_layer, cfg.num_layers) for name in targets}
     else:
         sources = {
             name: rows_source(name, param, names)
@@ -205,7 +205,14 @@ def _check_mtp(cfg: ModelConfig, expert_map: ExpertMap, reader: CheckpointReader
             f"speculative_config method 'mtp': {cfg.architecture} with {cfg.num_mtp_layers} MTP layers "
             "(one fc feeding them all) is not built; the releases have one"
         )
-    if names.mtp_layout == "qwen":
+    if cfg.compressed_attention is not None and cfg.num_mtp_layers > 1:
+        raise ValueError(
+            f"speculative_config method 'mtp': {cfg.architecture} with {cfg.num_mtp_layers} MTP blocks is not "
+            "built (its drafter chains one block); the releases have one"
+        )
+    if cfg.compressed_attention is not None:
+        first = "mtp.0.e_proj.weight"
+    elif names.mtp_layout == "qwen":
         first = "mtp.fc.weight"
     else:
         first = f"{names.model_prefix}layers.{cfg.num_layers}.eh_proj.weight"

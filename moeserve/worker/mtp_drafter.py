@@ -108,7 +108,7 @@ class MTPDrafter:
             stream, normed = self._run(layer, scheduled, rows, inputs, [[drafts[i][-1]] for i in alive], device)
             state = self._propose(layer, alive, list(range(len(alive))), stream, normed, drafts)
         return [
-            replace(s, token_ids=s.token_ids[: len(s.token_ids) - s.num_draft_tokens] + _fill(drafts[i], s))
+            replace(s, token_ids=s.token_ids[: len(s.token_ids) - s.num_draft_tokens] + fill_drafts(drafts[i], s))
             if s.num_draft_tokens
             else s
             for i, s in enumerate(scheduled)
@@ -181,7 +181,7 @@ class MTPDrafter:
         return seqs, stream[index]
 
 
-def _fill(drafts: list[int], s: ScheduledRequest) -> list[int]:
+def fill_drafts(drafts: list[int], s: ScheduledRequest) -> list[int]:
     """A decode without an MTP row to draft from (its first step after a recompute) still feeds
     its granted slots: copies of its last token, which verification keeps only if right."""
     return (drafts + [s.token_ids[0]] * s.num_draft_tokens)[: s.num_draft_tokens]

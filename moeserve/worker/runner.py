@@ -21,8 +21,7 @@ import torch
 from moeserve.models import MoECausalLM
 from moeserve.models.decoder import LayerCache
 from moeserve.models.v4.cache import LayerCache as GroupedLayerCache
-from moeserve.models.v4.cache import SequenceView
-from moeserve.models.v4.model import V4Batch
+from moeserve.models.v4.cache import SequenceView, V4Batch
 from moeserve.ops import attention_batch
 from moeserve.ops.attention import AttentionPlan
 from moeserve.ops.host_ints import int64_tensor
@@ -46,6 +45,7 @@ from moeserve.worker.sampler import (
 from moeserve.worker.sampling_metadata import PendingBitmask
 from moeserve.worker.state_slots import StateSlots
 from moeserve.worker.two_batch import interleave, split_point
+from moeserve.worker.v4_mtp_drafter import V4MTPDrafter
 from moeserve.worker.verify_drafts import TokenLogprobs, accept_greedy, rejection_sample, verified_logprobs
 
 
@@ -101,10 +101,11 @@ class ModelRunner:
         mtp_drafts: int = 0,
     ) -> None:
         self.model = model
-        self.drafter = MTPDrafter(model, kv_caches, block_size, mtp_drafts) if mtp_drafts else None
         self.kv_caches = kv_caches
         self.grouped = any(isinstance(c, GroupedLayerCache) for c in kv_caches)
         """DeepSeek-V4: caches in several block-table groups, fed through `_grouped_inputs`."""
+        drafter = V4MTPDrafter if self.grouped else MTPDrafter
+        self.drafter = drafter(model, kv_caches, block_size, mtp_drafts) if mtp_drafts else None
         slots = [c.conv.shape[0] for c in kv_caches if isinstance(c, LinearState)]
         slots += [c.state[0].shape[0] for c in kv_caches if isinstance(c, GroupedLayerCache) and c.state]
         self.states = StateSlots(slots[0]) if slots else None

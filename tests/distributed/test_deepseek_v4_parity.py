@@ -11,6 +11,7 @@ FP4 experts) is served against transformers on its dequantized twin."""
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 
@@ -23,6 +24,7 @@ from safetensors.torch import save_file
 from transformers.integrations.finegrained_fp8 import Fp8Dequantize
 
 from moeserve import LLM, SamplingParams
+from moeserve.checkpoints.mtp import write_v4_mtp_block
 from moeserve.checkpoints.quantize_v4 import quantize_checkpoint, write_dequantized_twin
 from moeserve.models import load_model
 from moeserve.models.checkpoint import CheckpointError
@@ -37,6 +39,7 @@ NEW_TOKENS = 32
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
 ENGINE = dict(max_num_seqs=2, max_num_batched_tokens=16, max_model_len=256, block_size=4)
 DRAFTS = 3
+MTP = {"method": "mtp", "num_speculative_tokens": 2}
 
 
 @pytest.fixture(scope="module")
@@ -168,10 +171,62 @@ def test_drafts_over_expert_and_tensor_parallel_ranks(checkpoint, prompts_and_to
     assert 0 < drafted.num_accepted_tokens < drafted.num_draft_tokens
 
 
-def test_features_not_built_for_several_groups_are_refused(checkpoint):
-    mtp = {"method": "mtp", "num_speculative_tokens": 2}
-    with pytest.raises(ValueError, match="MTP drafts are not built for caches in several block-table"):
-        LLM(str(checkpoint), speculative_config=mtp)
+def test_mtp_drafts_through_every_cache_group(checkpoint, prompts_and_tokens, tmp_path):
+    """The MTP block (`write_v4_mtp_block`, on a copy) drafting 2 tokens a step, its window cache in
+    the decoder's window group: transformers' tokens, no block or state slot left held. A copy of
+    its last layer predicts this 4-layer target poorly, so most drafts are rejected and the
+    compressors step back past them at almost every step."""
+    (prompt, _), (want, _) = prompts_and_tokens
+    folder = shutil.copytree(checkpoint, tmp_path / "mtp")
+    write_v4_mtp_block(folder)
+    counts = CountingStatLogger()
+    with LLM(str(folder), speculative_config=MTP, stat_loggers=[counts], **ENGINE) as llm:
+        assert _generate_without_leaks(llm, [prompt]) == [want]
+        assert len(llm.engine.executor.runner.states.request_ids) <= 1  # a slot goes back with the next plan
+    drafted = counts.spec_decode
+    assert drafted.num_draft_tokens >= NEW_TOKENS // 2 and drafted.num_accepted_tokens < drafted.num_draft_tokens
+
+
+def test_aligned_mtp_block_drafts_are_accepted_over_expert_and_tensor_parallel_ranks(make_checkpoint, tmp_path):
+    """A target whose first layer (CSA) adds nothing to the streams (its output projections zero:
+    its compressors and indexer still run, cache and step back) and whose last is a window layer:
+    the MTP block copying that last layer computes what the target does one position on, so its
+    drafts are kept, and the tokens stay transformers'. Over `--ep 4 --tp 2`: every rank drafts
+    alike, and the idle data-parallel group makes its empty passes in lockstep."""
+    folder = shutil.copytree(
+        make_checkpoint(
+            "deepseek_v4",
+            num_hidden_layers=2,
+            layer_types=["compressed_sparse_attention", "sliding_attention"],
+            mlp_layer_types=["hash_moe", "moe"],
+        ),
+        tmp_path / "aligned",
+    )
+    with safe_open(folder / "model.safetensors", framework="pt") as f:
+        tensors = {n: f.get_tensor(n) for n in f.keys()}
+    for name in [n for n in tensors if n.startswith("model.layers.0.") and n.endswith(("wo_b.weight", "w2.weight"))]:
+        tensors[name] = torch.zeros_like(tensors[name])
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    prompt = _prompts()[0]
+    want = hf_greedy_tokens(hf_model(folder), prompt, NEW_TOKENS)
+    write_v4_mtp_block(folder)
+    counts = CountingStatLogger()
+    with LLM(str(folder), speculative_config=MTP, stat_loggers=[counts], ep=4, tp=2, **ENGINE) as llm:
+        outputs = llm.generate([{"prompt_token_ids": prompt}], GREEDY, use_tqdm=False)
+        assert all(s.block_manager.num_used_blocks == 0 for s in llm.engine.scheduler.groups)
+    assert list(outputs[0].outputs[0].token_ids) == want
+    assert counts.spec_decode.num_accepted_tokens > NEW_TOKENS // 4
+
+
+def test_features_not_built_for_several_groups_are_refused(checkpoint, tmp_path):
+    with pytest.raises(ValueError, match="holds no MTP layer .mtp.0.e_proj.weight is missing"):
+        LLM(str(checkpoint), speculative_config=MTP)
+    folder = shutil.copytree(checkpoint, tmp_path / "two-blocks")
+    write_v4_mtp_block(folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 2}))
+    with pytest.raises(ValueError, match="with 2 MTP blocks is not built"):
+        LLM(str(folder), speculative_config=MTP)
     with pytest.raises(ValueError, match="two-batch overlap is not built for caches in several block-table"):
         LLM(str(checkpoint), two_batch_overlap=True)
     with pytest.raises(ValueError, match="several block-table groups moves what a prefix-cache hit reads"):

@@ -8,13 +8,17 @@ import pytest
 import torch
 from helpers.hf_configs import hf_config, randomize_deepseek_v4
 
+from moeserve.cache_spec import PagedSpec
 from moeserve.dispatch import LocalDispatcher
 from moeserve.dispatch.placement import ExpertPlacement
 from moeserve.models.architectures.deepseek_v4 import parse_config
+from moeserve.models.decoder import cache_specs
 from moeserve.models.layers.moe import MoEBlock
+from moeserve.models.layers.router import HashRouter
 from moeserve.models.v4.attention import CompressedAttention
 from moeserve.models.v4.hyper import HyperConnection, HyperHead, merge
 from moeserve.models.v4.model import DeepseekV4CausalLM
+from moeserve.models.v4.weights import TRANSFORMERS, v4_source
 from moeserve.worker.kv_cache import allocate_kv_caches, state_bytes
 
 SEQ = 45  # several closed windows of both ratios, a few past the CSA top-k, an open one at the end
@@ -113,12 +117,30 @@ def test_moe_block_matches_transformers(reference, layer):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_what_is_not_built_is_refused_by_name(reference):
-    """MTP layers; the quantized releases load (`test_deepseek_v4_parity.py`)."""
+def test_mtp_block_is_one_more_window_layer_read_by_its_released_names(reference):
+    """The MTP block's cache is one more window in the decoder's window group (no group, no state
+    of its own), it routes by scores, and its parameters come from the release's `mtp.0.` names
+    (its experts those of the slots given for layer `num_layers`), whatever the target's layout."""
     _, cfg = reference
-    dispatcher = LocalDispatcher(ExpertPlacement.contiguous(cfg.num_experts))
-    with pytest.raises(ValueError, match="MTP layers"):
-        DeepseekV4CausalLM(cfg, dispatcher, torch.float32, with_mtp=True)
+    plain, specs = cache_specs(cfg, torch.float32), cache_specs(cfg, torch.float32, 1, 1)
+    window = PagedSpec((), (cfg.head_dim,), "float32", window=cfg.compressed_attention.window)
+    assert specs.layers == (*plain.layers, (window,)) and specs.groups == plain.groups
+    assert specs.state_bytes_per_sequence == plain.state_bytes_per_sequence
+    model = DeepseekV4CausalLM(
+        cfg, LocalDispatcher(ExpertPlacement.contiguous(cfg.num_experts)), torch.float32, with_mtp=True
+    )
+    block = model.mtp[0]
+    assert block.layer.attn.compressor is None and not isinstance(block.layer.mlp.router, HashRouter)
+    names = {
+        name: v4_source(name, TRANSFORMERS, {cfg.num_layers: (5, 1)}, cfg.num_layers).names
+        for name, _ in block.named_parameters(prefix="mtp.0")
+    }
+    assert names["mtp.0.e_proj.weight"] == ["mtp.0.e_proj.weight"]
+    assert names["mtp.0.hc_head.hc_scale"] == ["mtp.0.hc_head_scale"]
+    assert names["mtp.0.layer.attn.q_a_proj.weight"] == ["mtp.0.attn.wq_a.weight"]
+    assert names["mtp.0.layer.attn_hc.fn"] == ["mtp.0.hc_attn_fn"]
+    assert names["mtp.0.layer.mlp.experts.w2"] == ["mtp.0.ffn.experts.5.w2.weight", "mtp.0.ffn.experts.1.w2.weight"]
+    assert all(n.startswith("mtp.0.") for found in names.values() for n in found)
 
 
 def test_released_config_form_parses_as_transformers_form(reference):

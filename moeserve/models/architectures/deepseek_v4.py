@@ -137,6 +137,7 @@ def parse_config(raw: dict[str, Any]) -> ModelConfig:
             eps=float(c.get("hc_eps", 1e-6)),
         ),
         hash_moe_layers=_hash_layers(c, num_layers),
+        num_mtp_layers=c.get("num_nextn_predict_layers", 0),
     )
 
 

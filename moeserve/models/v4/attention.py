@@ -69,7 +69,7 @@ class CompressedAttention(nn.Module):
         h, hd, heads = cfg.hidden_size, cfg.head_dim, cfg.num_heads
         self.num_heads, self.head_dim, self.window, self.eps = heads, hd, ca.window, cfg.rms_norm_eps
         self.o_groups, self.ops = ca.o_groups, ops
-        self.ratio = ca.compress_ratios[layer]
+        self.ratio = ca.ratio(layer)
         self.q_a_proj = Linear(h, ca.q_lora_rank, False, dtype, device, ops)
         self.q_a_norm = Float32RMSNorm(ca.q_lora_rank, cfg.rms_norm_eps, device)
         self.q_b_proj = Linear(ca.q_lora_rank, heads * hd, False, dtype, device, ops)
@@ -135,6 +135,13 @@ class CompressedAttention(nn.Module):
             keys, visible = torch.cat([keys, entries]), torch.cat([visible, chosen], dim=1)
         attended = sink_attention(q, keys, visible, self.sinks, self.head_dim**-0.5)
         return self.output(attended, cos, sin)
+
+    def write_keys(self, x: torch.Tensor, cache: LayerCache, seq: SequenceView) -> None:
+        """Only the window keys of a sequence's rows x `[n, H]` from `seq.start`: rows whose
+        outputs nobody reads (an MTP block's rows before the one it drafts from)."""
+        positions = torch.arange(seq.start, seq.start + x.shape[0], device=x.device)
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        write_rows(cache.window, seq.table((1, self.window)), seq.start, self.keys(x, cos, sin), seq.block_size)
 
     def forward_cached(self, x: torch.Tensor, cache: LayerCache, seq: SequenceView) -> torch.Tensor:
         """A sequence's next rows x `[n, H]` (a prompt chunk, a decode) -> `[n, H]`, reading and

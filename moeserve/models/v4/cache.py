@@ -34,10 +34,11 @@ from moeserve.engine_config import dtype_name
 
 def layer_specs(cfg: ModelConfig, layer: int, dtype: torch.dtype) -> tuple[Spec, ...]:
     """Layer `layer`'s specs: the window's, then the entries' and the indexer keys' (compressed
-    layers; CSA for the keys), then the open window's state (compressed layers)."""
+    layers; CSA for the keys), then the open window's state (compressed layers). An MTP block
+    (`layer` past the decoder's) has the window's alone, in the decoder's window group."""
     ca = cfg.compressed_attention
     assert ca is not None
-    name, ratio, hd = dtype_name(dtype), ca.compress_ratios[layer], cfg.head_dim
+    name, ratio, hd = dtype_name(dtype), ca.ratio(layer), cfg.head_dim
     specs: list[Spec] = [PagedSpec((), (hd,), name, window=ca.window)]
     if not ratio:
         return tuple(specs)
@@ -181,6 +182,14 @@ class SequenceView:
 
     def table(self, spec_key: tuple[int, int | None]) -> torch.Tensor:
         return self.tables[spec_key]
+
+
+@dataclass(frozen=True)
+class V4Batch:
+    """A step's sequences in packing order, each with its tokens' count and its cache view."""
+
+    query_lens: tuple[int, ...]
+    sequences: tuple[SequenceView, ...]
 
 
 def write_rows(cache: torch.Tensor, table: torch.Tensor, first: int, rows: torch.Tensor, block_size: int) -> None:

@@ -12,8 +12,6 @@ back after the combine. The bookkeeping of expert load and placement is
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -25,8 +23,9 @@ from moeserve.models.decoder import MoECausalLM
 from moeserve.models.layers.moe import MoEBlock
 from moeserve.models.tensor_parallel import SINGLE, TensorParallel
 from moeserve.models.v4.attention import CompressedAttention
-from moeserve.models.v4.cache import LayerCache, SequenceView, layer_specs
+from moeserve.models.v4.cache import LayerCache, V4Batch, layer_specs
 from moeserve.models.v4.hyper import HyperConnection, HyperHead, merge
+from moeserve.models.v4.mtp import V4MTPBlock
 from moeserve.models.v4.norm import Float32RMSNorm
 from moeserve.ops import TORCH_OPS, LayerOps
 
@@ -34,14 +33,6 @@ from moeserve.ops import TORCH_OPS, LayerOps
 def cache_specs(cfg: ModelConfig, dtype: torch.dtype) -> tuple[CacheSpecs, ...]:
     """Each layer's specs (`cache.layer_specs`), one `CacheSpecs` per layer."""
     return tuple(CacheSpecs(layer_specs(cfg, i, dtype)) for i in range(cfg.num_layers))
-
-
-@dataclass(frozen=True)
-class V4Batch:
-    """A step's sequences in packing order, each with its tokens' count and its cache view."""
-
-    query_lens: tuple[int, ...]
-    sequences: tuple[SequenceView, ...]
 
 
 class V4DecoderLayer(nn.Module):
@@ -62,7 +53,8 @@ class V4DecoderLayer(nn.Module):
         self.input_norm = Float32RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device)
         self.attn = CompressedAttention(cfg, layer, dtype, device, ops)
         self.post_attn_norm = Float32RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device)
-        self.mlp = MoEBlock(cfg, dispatcher, dtype, device, ops, hash_routed=cfg.hash_moe_layers[layer])
+        hashed = layer < cfg.num_layers and cfg.hash_moe_layers[layer]  # an MTP block routes by scores
+        self.mlp = MoEBlock(cfg, dispatcher, dtype, device, ops, hash_routed=hashed)
         self.attn_hc = HyperConnection(hc, cfg.hidden_size, cfg.rms_norm_eps, device)
         self.ffn_hc = HyperConnection(hc, cfg.hidden_size, cfg.rms_norm_eps, device)
 
@@ -103,8 +95,6 @@ class DeepseekV4CausalLM(nn.Module):
         with_mtp: bool = False,
     ) -> None:
         super().__init__()
-        if with_mtp:
-            raise ValueError("DeepSeek-V4's MTP layers are not built yet; serve it without mtp drafts")
         hc = cfg.hyper_connections
         assert hc is not None
         self.cfg, self.dtype, self.tp, self.ops = cfg, dtype, tp, ops
@@ -119,7 +109,11 @@ class DeepseekV4CausalLM(nn.Module):
         self.lm_head = nn.Parameter(
             torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device), requires_grad=False
         )
-        self.mtp = nn.ModuleList()
+        blocks = (
+            V4DecoderLayer(cfg, cfg.num_layers + i, dispatcher, dtype, device, tp, ops)
+            for i in range(cfg.num_mtp_layers if with_mtp else 0)
+        )
+        self.mtp = nn.ModuleList(V4MTPBlock(cfg, block, dtype, device, ops) for block in blocks)
 
     def forward(
         self,
@@ -129,11 +123,23 @@ class DeepseekV4CausalLM(nn.Module):
         max_tokens_per_rank: int | None = None,
     ) -> torch.Tensor:
         """input_ids `[T]` (the batch's sequences packed) -> final hidden states `[T, H]`."""
+        return self.forward_with_stream(input_ids, batch, caches, max_tokens_per_rank)[0]
+
+    def forward_with_stream(
+        self,
+        input_ids: torch.Tensor,
+        batch: V4Batch,
+        caches: list[LayerCache],
+        max_tokens_per_rank: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward(), and what the MTP blocks read: the streams `[T, N, H]` before the hyper head
+        (whole on every rank: the MoE's rows are gathered back in each layer). `caches` may hold
+        the MTP blocks' after the decoder's."""
         x = F.embedding(input_ids, self.embed_tokens)
         streams = x.unsqueeze(1).expand(-1, self.cfg.hyper_connections.mult, -1).contiguous()
-        for layer, cache in zip(self.layers, caches, strict=True):
+        for layer, cache in zip(self.layers, caches[: len(self.layers)], strict=True):
             streams = layer(streams, input_ids, batch, cache, max_tokens_per_rank)
-        return self.norm(self.hc_head(streams))
+        return self.norm(self.hc_head(streams)), streams
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.lm_head).float()

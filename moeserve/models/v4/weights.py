@@ -75,17 +75,30 @@ def layout_of(reader: CheckpointReader) -> Layout:
     return RELEASED if RELEASED.top["embed_tokens"] in reader else TRANSFORMERS
 
 
-def v4_source(name: str, layout: Layout, experts_by_layer: dict[int, tuple[int, ...]]) -> WeightSource:
+def v4_source(name: str, layout: Layout, experts_by_layer: dict[int, tuple[int, ...]], num_layers: int) -> WeightSource:
     """The checkpoint tensors behind our parameter `name` (`experts_by_layer`: the checkpoint
-    expert in each of this rank's slots, per layer)."""
+    expert in each of this rank's slots, per layer; MTP block i's under `num_layers + i`). MTP
+    blocks are read by the released names (`mtp.i.`) whatever the layout: transformers saves none."""
     if name in layout.top:
         return WeightSource.one(layout.top[name])
+    mtp = re.fullmatch(r"mtp\.(\d+)\.(.+)", name)
+    if mtp is not None:
+        index, suffix, p = int(mtp.group(1)), mtp.group(2), f"mtp.{mtp.group(1)}."
+        if suffix.startswith("layer."):
+            return _layer_source(p, suffix[len("layer.") :], experts_by_layer.get(num_layers + index, ()))
+        if suffix.startswith("hc_head.hc_"):
+            return WeightSource.one(f"{p}hc_head_{suffix[len('hc_head.hc_') :]}")
+        return WeightSource.one(p + suffix)  # enorm, hnorm, e_proj, h_proj, norm
     match = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
     if match is None:
         raise KeyError(f"no checkpoint mapping for parameter {name!r}")
-    layer, suffix = int(match.group(1)), match.group(2)
-    p = f"{layout.prefix}layers.{layer}."
-    experts = [f"{p}ffn.experts.{e}." for e in experts_by_layer.get(layer, ())]
+    layer = int(match.group(1))
+    return _layer_source(f"{layout.prefix}layers.{layer}.", match.group(2), experts_by_layer.get(layer, ()))
+
+
+def _layer_source(p: str, suffix: str, slots: tuple[int, ...]) -> WeightSource:
+    """A block's parameter `suffix` under the checkpoint prefix `p`, its experts those in `slots`."""
+    experts = [f"{p}ffn.experts.{e}." for e in slots]
     if suffix == "mlp.experts.w13":
         return WeightSource(tuple((f"{e}w1.weight", f"{e}w3.weight") for e in experts), stacked=True)
     if suffix == "mlp.experts.w2":
