@@ -137,14 +137,13 @@ def state_refusal(config: EngineConfig) -> str | None:
 def groups_refusal(config: EngineConfig) -> str | None:
     """Why `config` cannot serve a model whose paged caches form several block-table groups
     (DeepSeek-V4), or None: its runner feeds the model sequence by sequence, n-gram drafts
-    included (its compressors step back past rejected ones), with no MTP layer and no blocks to
-    move between instances yet."""
+    included (its compressors step back past rejected ones), and two-batch overlap in
+    micro-batches of whole sequences, with no MTP layer and no blocks to move between instances
+    yet."""
     if config.mtp_drafts:
         return "MTP drafts are not built for caches in several block-table groups yet (n-gram drafts are)"
     if config.kv_transfer.enabled:
         return "prefill/decode disaggregation (kv_transfer) is not built for caches in several block-table groups yet"
-    if config.parallel.two_batch_overlap:
-        return "two-batch overlap is not built for caches in several block-table groups yet"
     return None
 
 

@@ -120,6 +120,17 @@ def test_expert_parallel_greedy_tokens_match_transformers(checkpoint, prompts_an
         assert _generate_without_leaks(llm, prompts) == want
 
 
+def test_two_batch_overlap_greedy_tokens_match_transformers(checkpoint, prompts_and_tokens):
+    """`--ep 2` with two-batch overlap: the 40-token prompt twice and the 200-token one, so the
+    least-loaded routing gives one data-parallel group both short prompts (two micro-batches of
+    one sequence each) and the other the long one alone (its second micro-batch empty at every
+    step, joining each hash-routed and learned layer's dispatch and combine all the same)."""
+    (short, long), (want_short, want_long) = prompts_and_tokens
+    with LLM(str(checkpoint), ep=2, two_batch_overlap=True, **ENGINE) as llm:
+        got = _generate_without_leaks(llm, [short, long, short])
+    assert got == [want_short, want_long, want_short]
+
+
 def _generate_with_drafts(
     monkeypatch, checkpoint, prompts_and_tokens, **layout
 ) -> tuple[LLM, list[int], SpecDecodeStats]:
@@ -172,8 +183,6 @@ def test_features_not_built_for_several_groups_are_refused(checkpoint):
     mtp = {"method": "mtp", "num_speculative_tokens": 2}
     with pytest.raises(ValueError, match="MTP drafts are not built for caches in several block-table"):
         LLM(str(checkpoint), speculative_config=mtp)
-    with pytest.raises(ValueError, match="two-batch overlap is not built for caches in several block-table"):
-        LLM(str(checkpoint), two_batch_overlap=True)
     with pytest.raises(ValueError, match="disaggregation .kv_transfer. is not built for caches in several"):
         LLM(str(checkpoint), role="decode", kv_transfer="nixl")
 
