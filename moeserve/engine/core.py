@@ -137,16 +137,14 @@ def state_refusal(config: EngineConfig) -> str | None:
 def groups_refusal(config: EngineConfig) -> str | None:
     """Why `config` cannot serve a model whose paged caches form several block-table groups
     (DeepSeek-V4), or None: its runner feeds the model sequence by sequence, drafts included
-    (n-gram or its MTP block's; its compressors step back past rejected ones). Disaggregation
-    moves what a prefix-cache hit at the prompt's mark reads (`kv_transfer.coordinator`), so both
-    roles need prefix caching on."""
+    (n-gram or its MTP block's; its compressors step back past rejected ones), and two-batch
+    overlap in micro-batches of whole sequences. Disaggregation moves what a prefix-cache hit at
+    the prompt's mark reads (`kv_transfer.coordinator`), so both roles need prefix caching on."""
     if config.kv_transfer.enabled and not config.cache.enable_prefix_caching:
         return (
             "prefill/decode disaggregation (kv_transfer) of caches in several block-table groups moves "
             "what a prefix-cache hit reads: enable prefix caching"
         )
-    if config.parallel.two_batch_overlap:
-        return "two-batch overlap is not built for caches in several block-table groups yet"
     return None
 
 

@@ -123,6 +123,19 @@ def test_expert_parallel_greedy_tokens_match_transformers(checkpoint, prompts_an
         assert _generate_without_leaks(llm, prompts) == want
 
 
+@pytest.mark.parametrize("ep,tp", [(2, 1), (4, 2)], ids=["ep2", "ep4-tp2"])
+def test_two_batch_overlap_greedy_tokens_match_transformers(checkpoint, prompts_and_tokens, ep, tp):
+    """Two-batch overlap: the 40-token prompt twice and the 200-token one, so the least-loaded
+    routing gives one data-parallel group both short prompts (two micro-batches of one sequence
+    each) and the other the long one alone (its second micro-batch empty at every step, joining
+    each hash-routed and learned layer's dispatch and combine all the same, and under `--tp 2`
+    the group's gathers in the same order on both ranks)."""
+    (short, long), (want_short, want_long) = prompts_and_tokens
+    with LLM(str(checkpoint), ep=ep, tp=tp, two_batch_overlap=True, **ENGINE) as llm:
+        got = _generate_without_leaks(llm, [short, long, short])
+    assert got == [want_short, want_long, want_short]
+
+
 def _generate_with_drafts(
     monkeypatch, checkpoint, prompts_and_tokens, **layout
 ) -> tuple[LLM, list[int], SpecDecodeStats]:
@@ -227,8 +240,6 @@ def test_features_not_built_for_several_groups_are_refused(checkpoint, tmp_path)
     (folder / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 2}))
     with pytest.raises(ValueError, match="with 2 MTP blocks is not built"):
         LLM(str(folder), speculative_config=MTP)
-    with pytest.raises(ValueError, match="two-batch overlap is not built for caches in several block-table"):
-        LLM(str(checkpoint), two_batch_overlap=True)
     with pytest.raises(ValueError, match="several block-table groups moves what a prefix-cache hit reads"):
         LLM(str(checkpoint), role="prefill", kv_transfer="nixl", enable_prefix_caching=False)
 

@@ -6,7 +6,8 @@ one's cache (`CompressedAttention.forward_cached`), the MoE over all tokens at o
 dispatcher, hash-routed layers by the token ids. Under tensor parallelism the attention and the
 hyper-connections are replicated on every rank of the group (as transformers' plan keeps them:
 one shared KV head does not split), and each rank's MoE takes its slice of the tokens, gathered
-back after the combine. The bookkeeping of expert load and placement is
+back after the combine. `forward_steps` is the same pass yielding at each layer's dispatch and
+combine, for two-batch overlap's micro-batches of whole sequences. The bookkeeping of expert load and placement is
 `MoECausalLM`'s, which reads only the layers' MoE blocks.
 """
 
@@ -19,6 +20,7 @@ from torch import nn
 from moeserve.cache_spec import CacheSpecs
 from moeserve.config import ModelConfig
 from moeserve.dispatch import Dispatcher
+from moeserve.dispatch.base import Steps, finish
 from moeserve.models.decoder import MoECausalLM
 from moeserve.models.layers.moe import MoEBlock
 from moeserve.models.tensor_parallel import SINGLE, TensorParallel
@@ -58,15 +60,24 @@ class V4DecoderLayer(nn.Module):
         self.attn_hc = HyperConnection(hc, cfg.hidden_size, cfg.rms_norm_eps, device)
         self.ffn_hc = HyperConnection(hc, cfg.hidden_size, cfg.rms_norm_eps, device)
 
-    def forward(
+    def forward(self, *args) -> torch.Tensor:
+        """streams `[T, N, H]` -> `[T, N, H]`: forward_steps()' body in one step, the MoE block
+        called as a module (its forward hooks fire)."""
+        return finish(self.forward_steps(*args, in_steps=False))
+
+    def forward_steps(
         self,
         streams: torch.Tensor,
         token_ids: torch.Tensor,
         batch: V4Batch,
         cache: LayerCache,
         max_tokens_per_rank: int | None,
-    ) -> torch.Tensor:
-        """streams `[T, N, H]` -> `[T, N, H]`."""
+        in_steps: bool = True,
+    ) -> Steps[torch.Tensor]:
+        """The layer in steps: yields at the MoE's dispatch and combine (`MoEBlock.forward_steps`),
+        hash-routed or learned alike. The attention, the hyper-connections and the
+        tensor-parallel gather run inside a step, so every rank of a group makes its collectives
+        in the same order whatever the interleaving."""
         post, comb, collapsed = self.attn_hc(streams)
         normed = self.input_norm(collapsed)
         mixed = [
@@ -76,7 +87,8 @@ class V4DecoderLayer(nn.Module):
         streams = merge(torch.cat(mixed) if mixed else normed, streams, post, comb)
         post, comb, collapsed = self.ffn_hc(streams)
         rows = self.tp.token_slice(token_ids.shape[0])
-        out = self.mlp(self.post_attn_norm(collapsed[rows]), max_tokens_per_rank, token_ids[rows])
+        args = (self.post_attn_norm(collapsed[rows]), max_tokens_per_rank, token_ids[rows])
+        out = (yield from self.mlp.forward_steps(*args)) if in_steps else self.mlp(*args)
         return merge(self.tp.all_gather_tokens(out, token_ids.shape[0]), streams, post, comb)
 
 
@@ -135,11 +147,43 @@ class DeepseekV4CausalLM(nn.Module):
         """forward(), and what the MTP blocks read: the streams `[T, N, H]` before the hyper head
         (whole on every rank: the MoE's rows are gathered back in each layer). `caches` may hold
         the MTP blocks' after the decoder's."""
+        streams = finish(self._layers(input_ids, batch, caches, max_tokens_per_rank, in_steps=False))
+        return self.norm(self.hc_head(streams)), streams
+
+    def forward_steps(
+        self,
+        input_ids: torch.Tensor,
+        batch: V4Batch,
+        caches: list[LayerCache],
+        max_tokens_per_rank: int | None = None,
+    ) -> Steps[torch.Tensor]:
+        """forward() in steps, for one micro-batch of two-batch overlap (whole sequences): yields
+        at every layer's dispatch and combine as `MoECausalLM.forward_steps` does, as often on
+        every rank (each layer is an MoE layer). A micro-batch may be empty (T = 0): it still
+        joins every collective."""
+        streams = yield from self._layers(input_ids, batch, caches, max_tokens_per_rank, in_steps=True)
+        return self.norm(self.hc_head(streams))
+
+    def _layers(
+        self,
+        input_ids: torch.Tensor,
+        batch: V4Batch,
+        caches: list[LayerCache],
+        max_tokens_per_rank: int | None,
+        in_steps: bool,
+    ) -> Steps[torch.Tensor]:
+        """The one body of forward_with_stream() and forward_steps(): the streams before the hyper
+        head. Without `in_steps` each layer is called as a module (one step, forward hooks fire);
+        with it, through its own steps. `caches` may hold the MTP blocks' after the decoder's."""
         x = F.embedding(input_ids, self.embed_tokens)
         streams = x.unsqueeze(1).expand(-1, self.cfg.hyper_connections.mult, -1).contiguous()
         for layer, cache in zip(self.layers, caches[: len(self.layers)], strict=True):
-            streams = layer(streams, input_ids, batch, cache, max_tokens_per_rank)
-        return self.norm(self.hc_head(streams)), streams
+            args = (streams, input_ids, batch, cache, max_tokens_per_rank)
+            if in_steps:
+                streams = yield from layer.forward_steps(*args)
+            else:
+                streams = layer(*args)
+        return streams
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.lm_head).float()
