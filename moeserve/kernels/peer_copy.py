@@ -494,8 +494,11 @@ def combine_send_kernel(
             else:  # staged in the group's region of ours, then one put per row home
                 stage = tl.multiple_of((own + stage_offset_g).to(tl.pointer_type(tl.int32)), 16)
                 at = ((slot_g * L * EP + group) * C).to(tl.int64)
-                for m0 in range(0, count, BLOCK_M):
-                    i = m0 + tl.arange(0, BLOCK_M).to(tl.int64)
+                # Half-height tiles in the put variant: with NVSHMEM's calls in the kernel ptxas
+                # allots it fewer registers (64 under Triton 3.6), which a full tile overran by 8 B.
+                STAGE_M: tl.constexpr = BLOCK_M // 2 if KIND == PUT_NVSHMEM else BLOCK_M
+                for m0 in range(0, count, STAGE_M):
+                    i = m0 + tl.arange(0, STAGE_M).to(tl.int64)
                     mask = i < count
                     for w0 in range(0, WORDS, BLOCK_W):
                         m = mask[:, None] & (w0 + w < WORDS)[None, :]
