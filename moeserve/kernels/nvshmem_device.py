@@ -66,6 +66,22 @@ def thread_index(_semantic=None):
 
 
 @core.extern
+def anew(*values, _semantic=None):
+    """The values unchanged, as new ones the compiler must take as computed here (moved by one
+    inline asm with a side effect, which it can neither fold, hoist nor merge): what the put
+    variants compute from them is computed after NVSHMEM's last call rather than held across it
+    (`peer_copy`'s CALLS). Integer scalars and pointers."""
+    ints = [value.to(_I64, _semantic=_semantic) if value.dtype.is_ptr() else value for value in values]
+    wide = [value.dtype.primitive_bitwidth == 64 for value in ints]
+    asm = " ".join(f"mov.b{64 if w else 32} ${i}, ${i + len(ints)};" for i, w in enumerate(wide))
+    constraints = ",".join(["=l" if w else "=r" for w in wide] + ["l" if w else "r" for w in wide])
+    moved = core.inline_asm_elementwise(
+        asm, constraints, ints, dtype=[value.dtype for value in ints], is_pure=False, pack=1, _semantic=_semantic
+    )
+    return tuple(new.to(old.dtype, _semantic=_semantic) for new, old in zip(moved, values))
+
+
+@core.extern
 def putmem_signal_nbi_block(dest, source, nbytes, signal, value, pe, _semantic=None):
     """`nbytes` from local `source` to symmetric `dest` on `pe`, then `signal` on `pe` set to `value`:
     NVSHMEM delivers the signal only after the data. Returns once the put is posted."""

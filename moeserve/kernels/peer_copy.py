@@ -101,6 +101,18 @@ _PER_CALL = ["rank", "seq", "epoch", "slot", "first_token", "first_word", "timeo
 # keeps the numpy uint32, which its atomics refuse; adding it to an int64 zero widens it in both
 # the interpreter and compiled code (where such a seq is an i64 argument anyway).
 
+# CALLS: NVSHMEM's transfer routines stay real calls in the put variants, and a call keeps only
+# the few registers its callee saves: every other value live across it is stored to local memory
+# before the call and loaded after (the spills the compile check reported: 70-90 B a thread in
+# the send kernels). The compiler would hold many there. What it computes from kernel arguments
+# alone (a sign-extended offset, `own`'s address, `seq - SLOTS`) it hoists out of the group loop,
+# so each is live across every call of every group; and a group's offsets computed before its
+# first call are kept for the later ones. So the put variants take the arguments a group reads
+# through `nvshmem.anew` (the same values, as ones the compiler must take as computed there) at
+# the top of each group and again after each call, and compute from those copies alone: nothing
+# but the loop's own counters is live across a call, and the arguments themselves cost nothing
+# there (they stay in the constant bank). The other variants use the arguments as they are.
+
 
 def epoch(seq: int) -> int:
     """The signal epoch of sequence number `seq` (>= 1)."""
@@ -168,21 +180,32 @@ def dispatch_send_kernel(
     KIND: tl.constexpr,
     DOMAIN: tl.constexpr,
 ):
-    seq64 = tl.full((), 0, tl.int64) + seq  # not seq.to(tl.int64): see WIDENING
-    own = tl.load(addresses + rank)
-    credits = (own + credit_offset).to(tl.pointer_type(tl.int64)) + slot * EP
-    w = tl.arange(0, BLOCK_W).to(tl.int64)
+    w = tl.arange(0, BLOCK_W)
     for g in range(tl.program_id(0), EP * L, tl.num_programs(0)):
+        rank_g, slot_g, seq_g, epoch_g, first_token_g, error_g = rank, slot, seq, epoch, first_token, error
+        rows_offset_g, meta_offset_g, signal_offset_g = rows_offset, meta_offset, signal_offset
+        credit_offset_g, stage_rows_offset_g, stage_meta_offset_g = credit_offset, stage_rows_offset, stage_meta_offset
+        if KIND == PUT_NVSHMEM:  # the arguments anew per group: see CALLS
+            rank_g, slot_g, seq_g, epoch_g, first_token_g, error_g = nvshmem.anew(
+                rank, slot, seq, epoch, first_token, error
+            )
+            rows_offset_g, meta_offset_g, signal_offset_g = nvshmem.anew(rows_offset, meta_offset, signal_offset)
+            credit_offset_g, stage_rows_offset_g, stage_meta_offset_g = nvshmem.anew(
+                credit_offset, stage_rows_offset, stage_meta_offset
+            )
+        seq64 = tl.full((), 0, tl.int64) + seq_g  # not seq.to(tl.int64): see WIDENING
+        own = tl.load(addresses + rank_g)
+        credits = (own + credit_offset_g).to(tl.pointer_type(tl.int64)) + slot_g * EP
         dest = g // L
         expert = g % L
         count = tl.load(group_counts + g)
         start = tl.load(group_starts + g)
         # Groups of the other kind of peer are the other launch's (see "Two kinds of peer").
-        remote = (dest // DOMAIN != rank // DOMAIN) if DOMAIN else dest >= 0
+        remote = (dest // DOMAIN != rank_g // DOMAIN) if DOMAIN else dest >= 0
         ready = remote == (KIND != STORE)
         if ready & (seq64 > SLOTS):  # the slot was used SLOTS sequences ago: wait until dest has copied it out
             credit = tl.atomic_add(credits + dest, 0, sem="acquire", scope="sys")
-            failed = tl.load(error, volatile=True) != 0
+            failed = tl.load(error_g, volatile=True) != 0
             spent = tl.cast(0, tl.int64)
             if GLOBALTIMER:
                 start_ns = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], tl.int64, False, 1)
@@ -190,7 +213,7 @@ def dispatch_send_kernel(
                 start_ns = HOST_CLOCK()
             while (credit < seq64 - SLOTS) & (spent < timeout) & (not failed):
                 credit = tl.atomic_add(credits + dest, 0, sem="acquire", scope="sys")
-                failed = tl.load(error, volatile=True) != 0  # another program's timeout ends this wait too
+                failed = tl.load(error_g, volatile=True) != 0  # another program's timeout ends this wait too
                 if GLOBALTIMER:
                     now = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], tl.int64, False, 1)
                     spent = now - start_ns
@@ -198,40 +221,40 @@ def dispatch_send_kernel(
                     spent = HOST_CLOCK() - start_ns
             ready = credit >= seq64 - SLOTS
             if not ready:
-                if tl.atomic_cas(error, tl.cast(0, tl.int64), tl.cast(DISPATCH_CREDIT, tl.int64)) == 0:
-                    tl.store(error + 1, dest.to(tl.int64))
-                    tl.store(error + 2, seq64)
+                if tl.atomic_cas(error_g, tl.cast(0, tl.int64), tl.cast(DISPATCH_CREDIT, tl.int64)) == 0:
+                    tl.store(error_g + 1, dest.to(tl.int64))
+                    tl.store(error_g + 2, seq64)
         if ready:
-            region = (((slot * L + expert) * EP + rank) * C).to(tl.int64)  # ours, in dest's slot
-            sent = epoch.to(tl.int64) * SEQ + count
-            signal_word = ((slot * L + expert) * EP + rank).to(tl.int64)
+            region = (((slot_g * L + expert) * EP + rank_g) * C).to(tl.int64)  # ours, in dest's slot
+            sent = epoch_g.to(tl.int64) * SEQ + count
+            signal_word = ((slot_g * L + expert) * EP + rank_g).to(tl.int64)
             if KIND == STORE:  # straight into dest's slot
                 target = tl.load(addresses + dest)
-                rows = tl.multiple_of((target + rows_offset).to(tl.pointer_type(tl.int32)), 16)
-                meta = (target + meta_offset).to(tl.pointer_type(tl.int32))
+                rows = tl.multiple_of((target + rows_offset_g).to(tl.pointer_type(tl.int32)), 16)
+                meta = (target + meta_offset_g).to(tl.pointer_type(tl.int32))
                 at = region
             else:  # into our staging region for dest, from which the put takes them
-                rows = tl.multiple_of((own + stage_rows_offset).to(tl.pointer_type(tl.int32)), 16)
-                meta = (own + stage_meta_offset).to(tl.pointer_type(tl.int32))
-                at = (((slot * L + expert) * EP + dest) * C).to(tl.int64)
+                rows = tl.multiple_of((own + stage_rows_offset_g).to(tl.pointer_type(tl.int32)), 16)
+                meta = (own + stage_meta_offset_g).to(tl.pointer_type(tl.int32))
+                at = (((slot_g * L + expert) * EP + dest) * C).to(tl.int64)
             for m0 in range(0, count, BLOCK_M):
                 i = m0 + tl.arange(0, BLOCK_M).to(tl.int64)
                 mask = i < count
                 pair = tl.load(pair_order + start + i, mask=mask, other=0)
                 token = pair // K
-                tl.store(meta + at + i, ((token - first_token) * K + pair % K).to(tl.int32), mask=mask)
+                tl.store(meta + at + i, ((token - first_token_g) * K + pair % K).to(tl.int32), mask=mask)
                 for w0 in range(0, WORDS, BLOCK_W):
                     m = mask[:, None] & (w0 + w < WORDS)[None, :]
                     row = tl.load(payload + token[:, None] * WORDS + (w0 + w)[None, :], mask=m)
                     tl.store(rows + (at + i)[:, None] * WORDS + (w0 + w)[None, :], row, mask=m)
             tl.debug_barrier()  # every thread's stores before the release (or the put) below
             if KIND == STORE:
-                signal = (target + signal_offset).to(tl.pointer_type(tl.int64)) + signal_word
+                signal = (target + signal_offset_g).to(tl.pointer_type(tl.int64)) + signal_word
                 tl.atomic_xchg(signal, sent, sem="release", scope="sys")
             elif KIND == PUT_EMULATED:  # NVSHMEM's promise, by hand: the rows, then the signal
                 target = tl.load(addresses + dest)
-                peer_rows = tl.multiple_of((target + rows_offset).to(tl.pointer_type(tl.int32)), 16)
-                peer_meta = (target + meta_offset).to(tl.pointer_type(tl.int32))
+                peer_rows = tl.multiple_of((target + rows_offset_g).to(tl.pointer_type(tl.int32)), 16)
+                peer_meta = (target + meta_offset_g).to(tl.pointer_type(tl.int32))
                 for m0 in range(0, count, BLOCK_M):
                     i = m0 + tl.arange(0, BLOCK_M).to(tl.int64)
                     mask = i < count
@@ -241,20 +264,27 @@ def dispatch_send_kernel(
                         row = tl.load(rows + (at + i)[:, None] * WORDS + (w0 + w)[None, :], mask=m)
                         tl.store(peer_rows + (region + i)[:, None] * WORDS + (w0 + w)[None, :], row, mask=m)
                 tl.debug_barrier()  # every thread's peer-row stores before the release below
-                signal = (target + signal_offset).to(tl.pointer_type(tl.int64)) + signal_word
+                signal = (target + signal_offset_g).to(tl.pointer_type(tl.int64)) + signal_word
                 tl.atomic_xchg(signal, sent, sem="release", scope="sys")
             else:  # the metadata, a fence, then the rows carrying the signal
-                pe = dest.to(tl.int32)
                 nvshmem.putmem_nbi_block(
-                    own + meta_offset + region * 4, own + stage_meta_offset + at * 4, count * 4, pe
+                    own + meta_offset_g + region * 4, own + stage_meta_offset_g + at * 4, count * 4, dest.to(tl.int32)
                 )
                 tl.debug_barrier()  # the block's put is posted before its one thread fences it
                 if nvshmem.thread_index() == 0:
                     nvshmem.fence()
                 tl.debug_barrier()
+                # The group anew after the calls rather than held across them (see CALLS).
+                h, me, ring, era = nvshmem.anew(g, rank, slot, epoch)
+                rows_at, stage_at, signal_at = nvshmem.anew(rows_offset, stage_rows_offset, signal_offset)
+                base = tl.load(addresses + me)
+                rows = tl.load(group_counts + h)
+                word = ((ring * L + h % L) * EP + me).to(tl.int64)
+                staged = (((ring * L + h % L) * EP + h // L) * C).to(tl.int64)
                 nvshmem.putmem_signal_nbi_block(
-                    own + rows_offset + region * (WORDS * 4), own + stage_rows_offset + at * (WORDS * 4),
-                    count * (WORDS * 4), own + signal_offset + signal_word * 8, sent, pe,
+                    base + rows_at + word * (C * WORDS * 4), base + stage_at + staged * (WORDS * 4),
+                    rows * (WORDS * 4), base + signal_at + word * 8, era.to(tl.int64) * SEQ + rows,
+                    (h // L).to(tl.int32),
                 )  # fmt: skip
 
 
@@ -400,20 +430,32 @@ def combine_send_kernel(
     KIND: tl.constexpr,
     DOMAIN: tl.constexpr,
 ):
-    seq64 = tl.full((), 0, tl.int64) + seq  # not seq.to(tl.int64): see WIDENING
-    own = tl.load(addresses + rank)
-    credits = (own + credit_offset).to(tl.pointer_type(tl.int64)) + slot * EP
-    w = tl.arange(0, BLOCK_W).to(tl.int64)
+    w = tl.arange(0, BLOCK_W)
     for g in range(tl.program_id(0), L * EP, tl.num_programs(0)):
-        expert = g // EP
-        source = g % EP
-        count = tl.load(counts + g)
-        offset = tl.load(offsets + g)
-        remote = (source // DOMAIN != rank // DOMAIN) if DOMAIN else source >= 0
+        group, rank_g, slot_g, seq_g, epoch_g, error_g = g, rank, slot, seq, epoch, error
+        rows_offset_g, signal_offset_g, credit_offset_g, stage_offset_g = (
+            rows_offset,
+            signal_offset,
+            credit_offset,
+            stage_offset,
+        )
+        if KIND == PUT_NVSHMEM:  # the arguments anew per group: see CALLS
+            group, rank_g, slot_g, seq_g, epoch_g, error_g = nvshmem.anew(g, rank, slot, seq, epoch, error)
+            rows_offset_g, signal_offset_g, credit_offset_g, stage_offset_g = nvshmem.anew(
+                rows_offset, signal_offset, credit_offset, stage_offset
+            )
+        seq64 = tl.full((), 0, tl.int64) + seq_g  # not seq.to(tl.int64): see WIDENING
+        own = tl.load(addresses + rank_g)
+        credits = (own + credit_offset_g).to(tl.pointer_type(tl.int64)) + slot_g * EP
+        expert = group // EP
+        source = group % EP
+        count = tl.load(counts + group)
+        offset = tl.load(offsets + group)
+        remote = (source // DOMAIN != rank_g // DOMAIN) if DOMAIN else source >= 0
         ready = remote == (KIND != STORE)  # else the other launch's
         if ready & (seq64 > SLOTS):  # the slot was used SLOTS sequences ago: wait until source has reduced it
             credit = tl.atomic_add(credits + source, 0, sem="acquire", scope="sys")
-            failed = tl.load(error, volatile=True) != 0
+            failed = tl.load(error_g, volatile=True) != 0
             spent = tl.cast(0, tl.int64)
             if GLOBALTIMER:
                 start_ns = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], tl.int64, False, 1)
@@ -421,7 +463,7 @@ def combine_send_kernel(
                 start_ns = HOST_CLOCK()
             while (credit < seq64 - SLOTS) & (spent < timeout) & (not failed):
                 credit = tl.atomic_add(credits + source, 0, sem="acquire", scope="sys")
-                failed = tl.load(error, volatile=True) != 0  # another program's timeout ends this wait too
+                failed = tl.load(error_g, volatile=True) != 0  # another program's timeout ends this wait too
                 if GLOBALTIMER:
                     now = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], tl.int64, False, 1)
                     spent = now - start_ns
@@ -429,31 +471,34 @@ def combine_send_kernel(
                     spent = HOST_CLOCK() - start_ns
             ready = credit >= seq64 - SLOTS
             if not ready:
-                if tl.atomic_cas(error, tl.cast(0, tl.int64), tl.cast(COMBINE_CREDIT, tl.int64)) == 0:
-                    tl.store(error + 1, source.to(tl.int64))
-                    tl.store(error + 2, seq64)
+                if tl.atomic_cas(error_g, tl.cast(0, tl.int64), tl.cast(COMBINE_CREDIT, tl.int64)) == 0:
+                    tl.store(error_g + 1, source.to(tl.int64))
+                    tl.store(error_g + 2, seq64)
         if ready:
-            sent = epoch.to(tl.int64) * SEQ + count
-            signal_word = ((slot * EP + rank) * L + expert).to(tl.int64)
+            sent = epoch_g.to(tl.int64) * SEQ + count
+            signal_word = ((slot_g * EP + rank_g) * L + expert).to(tl.int64)
             if KIND == STORE:  # each row straight home to its [token, k] row of source's slot
                 target = tl.load(addresses + source)
-                rows = tl.multiple_of((target + rows_offset).to(tl.pointer_type(tl.int32)), 16)
+                rows = tl.multiple_of((target + rows_offset_g).to(tl.pointer_type(tl.int32)), 16)
                 for m0 in range(0, count, BLOCK_M):
                     i = m0 + tl.arange(0, BLOCK_M).to(tl.int64)
                     mask = i < count
-                    dest_row = slot * C * K + tl.load(row_meta + offset + i, mask=mask, other=0).to(tl.int64)
+                    dest_row = slot_g * C * K + tl.load(row_meta + offset + i, mask=mask, other=0).to(tl.int64)
                     for w0 in range(0, WORDS, BLOCK_W):
                         m = mask[:, None] & (w0 + w < WORDS)[None, :]
                         row = tl.load(expert_out + (offset + i)[:, None] * WORDS + (w0 + w)[None, :], mask=m)
                         tl.store(rows + dest_row[:, None] * WORDS + (w0 + w)[None, :], row, mask=m)
                 tl.debug_barrier()
-                signal = (target + signal_offset).to(tl.pointer_type(tl.int64)) + signal_word
+                signal = (target + signal_offset_g).to(tl.pointer_type(tl.int64)) + signal_word
                 tl.atomic_xchg(signal, sent, sem="release", scope="sys")
             else:  # staged in the group's region of ours, then one put per row home
-                stage = tl.multiple_of((own + stage_offset).to(tl.pointer_type(tl.int32)), 16)
-                at = ((slot * L * EP + g) * C).to(tl.int64)
-                for m0 in range(0, count, BLOCK_M):
-                    i = m0 + tl.arange(0, BLOCK_M).to(tl.int64)
+                stage = tl.multiple_of((own + stage_offset_g).to(tl.pointer_type(tl.int32)), 16)
+                at = ((slot_g * L * EP + group) * C).to(tl.int64)
+                # Half-height tiles in the put variant: with NVSHMEM's calls in the kernel ptxas
+                # allots it fewer registers (64 under Triton 3.6), which a full tile overran by 8 B.
+                STAGE_M: tl.constexpr = BLOCK_M // 2 if KIND == PUT_NVSHMEM else BLOCK_M
+                for m0 in range(0, count, STAGE_M):
+                    i = m0 + tl.arange(0, STAGE_M).to(tl.int64)
                     mask = i < count
                     for w0 in range(0, WORDS, BLOCK_W):
                         m = mask[:, None] & (w0 + w < WORDS)[None, :]
@@ -462,30 +507,40 @@ def combine_send_kernel(
                 tl.debug_barrier()
                 if KIND == PUT_EMULATED:  # NVSHMEM's promise, by hand: every row, then the signal
                     target = tl.load(addresses + source)
-                    rows = tl.multiple_of((target + rows_offset).to(tl.pointer_type(tl.int32)), 16)
+                    rows = tl.multiple_of((target + rows_offset_g).to(tl.pointer_type(tl.int32)), 16)
                     for m0 in range(0, count, BLOCK_M):
                         i = m0 + tl.arange(0, BLOCK_M).to(tl.int64)
                         mask = i < count
-                        dest_row = slot * C * K + tl.load(row_meta + offset + i, mask=mask, other=0).to(tl.int64)
+                        dest_row = slot_g * C * K + tl.load(row_meta + offset + i, mask=mask, other=0).to(tl.int64)
                         for w0 in range(0, WORDS, BLOCK_W):
                             m = mask[:, None] & (w0 + w < WORDS)[None, :]
                             row = tl.load(stage + (at + i)[:, None] * WORDS + (w0 + w)[None, :], mask=m)
                             tl.store(rows + dest_row[:, None] * WORDS + (w0 + w)[None, :], row, mask=m)
                     tl.debug_barrier()  # every thread's peer-row stores before the release below
-                    signal = (target + signal_offset).to(tl.pointer_type(tl.int64)) + signal_word
+                    signal = (target + signal_offset_g).to(tl.pointer_type(tl.int64)) + signal_word
                     tl.atomic_xchg(signal, sent, sem="release", scope="sys")
                 else:  # the rows' puts, a fence, then the signal: NVSHMEM delivers it after them
-                    pe = source.to(tl.int32)
-                    for i in range(0, count):
-                        dest_row = slot * C * K + tl.load(row_meta + offset + i).to(tl.int64)
-                        nvshmem.putmem_nbi_block(
-                            own + rows_offset + dest_row * (WORDS * 4), own + stage_offset + (at + i) * (WORDS * 4),
-                            tl.full((), WORDS * 4, tl.int64), pe,
-                        )  # fmt: skip
+                    # Each row's put from the arguments anew, and up to the region's C rows rather than
+                    # `count`, so that only the two loops' counters are live across the calls (see CALLS).
+                    for i in range(0, C):
+                        h, row, me, ring, rows_at, stage_at = nvshmem.anew(g, i, rank, slot, rows_offset, stage_offset)
+                        if row < tl.load(counts + h):
+                            base = tl.load(addresses + me)
+                            home = ring * C * K + tl.load(row_meta + tl.load(offsets + h) + row).to(tl.int64)
+                            staged = ((ring * L * EP + h) * C + row).to(tl.int64)
+                            nvshmem.putmem_nbi_block(
+                                base + rows_at + home * (WORDS * 4), base + stage_at + staged * (WORDS * 4),
+                                tl.full((), WORDS * 4, tl.int64), (h % EP).to(tl.int32),
+                            )  # fmt: skip
                     tl.debug_barrier()  # every row's put posted before the one thread's fence and signal
                     if nvshmem.thread_index() == 0:
+                        h, me, ring, era, signal_at = nvshmem.anew(g, rank, slot, epoch, signal_offset)
+                        word = ((ring * EP + me) * L + h // EP).to(tl.int64)
                         nvshmem.fence()
-                        nvshmem.signal_op(own + signal_offset + signal_word * 8, sent, pe)
+                        nvshmem.signal_op(
+                            tl.load(addresses + me) + signal_at + word * 8,
+                            era.to(tl.int64) * SEQ + tl.load(counts + h), (h % EP).to(tl.int32),
+                        )  # fmt: skip
 
 
 @triton.jit(do_not_specialize=_PER_CALL)
