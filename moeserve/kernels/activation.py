@@ -9,7 +9,7 @@ did before the clamped kinds existed (the same code, their constants fixed).
   silu(gate) * up.
 * clamped_swiglu (gpt-oss): the same clamps, then (up + 1) * gate * sigmoid(ALPHA * gate).
 
-These are `moeserve.ops.grouped_mlp.gated`'s, the torch path's, on the float32 accumulators.
+These are `moeserve.gated_activation.gated`'s, the torch path's, on the float32 accumulators.
 """
 
 from __future__ import annotations

@@ -49,6 +49,7 @@ import triton
 import triton.language as tl
 
 from moeserve.config import GatedActivation
+from moeserve.gated_activation import gated
 from moeserve.kernels.activation import activation_constants, gated_activation
 from moeserve.kernels.fp8_quant import per_token_group_quant
 from moeserve.kernels.gemm_tiles import tile_coords, weight_scale_offsets
@@ -61,7 +62,6 @@ from moeserve.kernels.launch_config import (
     shared_memory_budget,
 )
 from moeserve.kernels.targets import require_launchable
-from moeserve.ops.grouped_mlp import gated
 
 if TYPE_CHECKING:
     from moeserve.kernels.moe_align import AlignedPairs

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from moeserve.config import GatedActivation
 from moeserve.fp8_format import FP8_DTYPE, BlockFP8Weight
+from moeserve.gated_activation import gated
 from moeserve.kernels.fp8_quant import (
     check_group,
     dequantize_groups,
@@ -23,7 +24,6 @@ from moeserve.kernels.fp8_quant import (
     per_token_group_quant_reference,
 )
 from moeserve.kernels.fused_moe import W8A8Scales, check_moe_call, launch_fused_moe, pairs_by_expert
-from moeserve.ops.grouped_mlp import gated
 
 if TYPE_CHECKING:
     from moeserve.kernels.moe_align import AlignedPairs

@@ -29,11 +29,11 @@ import triton
 import triton.language as tl
 
 from moeserve.config import GatedActivation
+from moeserve.gated_activation import gated
 from moeserve.kernels.fused_moe import pairs_by_expert
 from moeserve.kernels.gemm_tiles import aligned_tile
 from moeserve.kernels.launch_config import default_max_programs
 from moeserve.kernels.targets import require_launchable
-from moeserve.ops.grouped_mlp import gated
 from moeserve.packed_weight import PackedExperts
 
 if TYPE_CHECKING:

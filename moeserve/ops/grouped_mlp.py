@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from moeserve.config import GatedActivation
+from moeserve.gated_activation import gated
 
 _grouped_mm = getattr(F, "grouped_mm", None)  # public since torch 2.9; older releases lack it
 _STRIDE_BYTES = 16  # what `grouped_mm` needs each row stride to be a multiple of
@@ -28,18 +29,6 @@ def row_experts(counts: torch.Tensor, num_rows: int) -> torch.Tensor:
     per expert; rows past `sum(counts)` (padding) get `len(counts)`, an id no expert has."""
     ends = torch.cumsum(counts, 0)
     return torch.searchsorted(ends, torch.arange(num_rows, device=counts.device), right=True)
-
-
-def gated(gate: torch.Tensor, up: torch.Tensor, activation: GatedActivation | None) -> torch.Tensor:
-    """The down projection's input from the gate and up projections (`GatedActivation`), in
-    transformers' order of operations."""
-    if activation is None or activation.kind == "silu":
-        return F.silu(gate) * up
-    gate = gate.clamp(max=activation.limit)
-    up = up.clamp(-activation.limit, activation.limit)
-    if activation.kind == "clamped_silu":
-        return F.silu(gate) * up
-    return (up + 1) * (gate * torch.sigmoid(gate * activation.alpha))
 
 
 def grouped_mlp(

@@ -6,9 +6,9 @@ import torch
 from torch import nn
 
 from moeserve.config import GatedActivation
+from moeserve.gated_activation import gated
 from moeserve.models.fp8 import stored_weight
 from moeserve.ops import TORCH_OPS, LayerOps
-from moeserve.ops.grouped_mlp import gated
 
 
 class GatedMLP(nn.Module):
