@@ -311,7 +311,10 @@ def test_full_queue_sheds_load_with_retry_after(guarded_server: ServerProcess) -
 
 
 def test_sigterm_drains_running_streams_then_exits_zero(start_server) -> None:
-    server = start_server()
+    """Steps of at least 20 ms: the 80-token stream is still running when SIGTERM comes (a fast
+    tiny model under a loaded machine could otherwise finish it, coalesced into one chunk, before
+    the client read its first line)."""
+    server = start_server("--min-step-time-ms", "20")
     body = {**OK_COMPLETION, "max_tokens": 80, "ignore_eos": True, "stream": True}
     with (
         httpx.Client(base_url=server.url, timeout=60) as http,
@@ -328,6 +331,6 @@ def test_sigterm_drains_running_streams_then_exits_zero(start_server) -> None:
         assert refused in (None, 503)
         rest = [line for line in lines if line.startswith("data: ")]
     assert first and rest[-1] == "data: [DONE]"
-    assert '"finish_reason":"length"' in "".join(rest).replace(" ", "")
+    assert '"finish_reason":"length"' in "".join([first, *rest]).replace(" ", "")
     assert server.proc.wait(30) == 0
     assert "shut down cleanly" in server.log()
