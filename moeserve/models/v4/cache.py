@@ -128,17 +128,17 @@ def allocate(
     ]
     groups = tuple(list(num_blocks).index(s.group_key) for s in paged_specs)
     state = next((s for s in specs if isinstance(s, StateSpec)), None)
+    if state is None:
+        return LayerCache(*paged, *([None] * (3 - len(paged))), paged_groups=groups)
 
     def states(count: int, shapes: tuple[tuple[int, ...], ...]) -> tuple[torch.Tensor, ...]:
-        if state is None or not count:
+        if not count:
             return ()
         return tuple(
             torch.zeros((count, *shape), dtype=DTYPES[d], device=device)
             for shape, d in zip(shapes, state.dtypes, strict=True)
         )
 
-    if state is None:
-        return LayerCache(*paged, *([None] * (3 - len(paged))), paged_groups=groups)
     kept = states(num_slots, kept_spec(state, draft_states).shapes) if draft_states else ()
     return LayerCache(
         *paged,

@@ -17,7 +17,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moeserve.cache_spec import CacheSpecs
 from moeserve.config import ModelConfig
 from moeserve.dispatch import Dispatcher
 from moeserve.dispatch.base import Steps, finish
@@ -25,16 +24,11 @@ from moeserve.models.decoder import MoECausalLM
 from moeserve.models.layers.moe import MoEBlock
 from moeserve.models.tensor_parallel import SINGLE, TensorParallel
 from moeserve.models.v4.attention import CompressedAttention
-from moeserve.models.v4.cache import LayerCache, V4Batch, layer_specs
+from moeserve.models.v4.cache import LayerCache, V4Batch
 from moeserve.models.v4.hyper import HyperConnection, HyperHead, merge
 from moeserve.models.v4.mtp import V4MTPBlock
 from moeserve.models.v4.norm import Float32RMSNorm
 from moeserve.ops import TORCH_OPS, LayerOps
-
-
-def cache_specs(cfg: ModelConfig, dtype: torch.dtype) -> tuple[CacheSpecs, ...]:
-    """Each layer's specs (`cache.layer_specs`), one `CacheSpecs` per layer."""
-    return tuple(CacheSpecs(layer_specs(cfg, i, dtype)) for i in range(cfg.num_layers))
 
 
 class V4DecoderLayer(nn.Module):
