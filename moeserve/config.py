@@ -358,10 +358,6 @@ class ModelConfig:
     num_mtp_layers: int = 0
     """Multi-token prediction layers the checkpoint stores after its decoder layers (DeepSeek-V3's
     and GLM-4.5's `num_nextn_predict_layers`); loaded only to draft (`spec_decode` method mtp)."""
-    mtp_reads_normed: bool = False
-    """The MTP layers read the target's hidden states after its final norm, and a later draft their
-    own normed output (Qwen3-Next, Qwen3.5, as vLLM runs them); else the streams before the norms
-    (DeepSeek's, `models/mtp.py`)."""
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:

@@ -240,9 +240,10 @@ class MoECausalLM(nn.Module):
         kv_caches: list[LayerCache],
         max_tokens_per_rank: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """forward(), and what the MTP layers read `[T, H]`: the residual stream before the final
-        norm, or the final hidden states again where the config says `mtp_reads_normed`."""
-        return finish(self._layers(input_ids, positions, plan, kv_caches, max_tokens_per_rank, in_steps=False))
+        """forward(), and what the MTP layers read `[T, H]`: the final hidden states themselves
+        (`models/mtp.py`: every release's MTP layer reads the target's output after its final norm)."""
+        hidden = finish(self._layers(input_ids, positions, plan, kv_caches, max_tokens_per_rank, in_steps=False))
+        return hidden, hidden
 
     def forward_steps(
         self,
@@ -257,8 +258,7 @@ class MoECausalLM(nn.Module):
         returns. A micro-batch may be empty (T = 0): it still joins every collective.
 
         max_tokens_per_rank: a bound on the tokens any rank dispatches for this micro-batch."""
-        hidden, _ = yield from self._layers(input_ids, positions, plan, kv_caches, max_tokens_per_rank, in_steps=True)
-        return hidden
+        return (yield from self._layers(input_ids, positions, plan, kv_caches, max_tokens_per_rank, in_steps=True))
 
     def _layers(
         self,
@@ -268,10 +268,10 @@ class MoECausalLM(nn.Module):
         kv_caches: list[LayerCache],
         max_tokens_per_rank: int | None,
         in_steps: bool,
-    ) -> Steps[tuple[torch.Tensor, torch.Tensor]]:
-        """The one body of forward() and forward_steps(): (final hidden states, the stream before
-        the final norm), both `[T, H]`. Without `in_steps` each layer is called as a module (one
-        step, forward hooks fire); with it, through its own steps."""
+    ) -> Steps[torch.Tensor]:
+        """The one body of forward() and forward_steps(): the final hidden states `[T, H]`. Without
+        `in_steps` each layer is called as a module (one step, forward hooks fire); with it,
+        through its own steps."""
         x = F.embedding(input_ids, self.embed_tokens)  # [T, H]
         cos, sin = self.rotary.cos_sin(positions, self.dtype)  # [T, rotary_dim], once for all layers
         residual = None
@@ -281,14 +281,8 @@ class MoECausalLM(nn.Module):
                 x, residual = yield from layer.forward_steps(*args)
             else:
                 x, residual = layer(*args)
-        hidden, stream = self.norm.add(x, residual)
-        num_tokens = input_ids.shape[0]
-        gathered = self.tp.all_gather_tokens(hidden, num_tokens)
-        if not self.mtp:  # nobody reads the stream: no gather for it
-            return gathered, stream
-        if self.cfg.mtp_reads_normed:
-            return gathered, gathered
-        return gathered, self.tp.all_gather_tokens(stream, num_tokens)
+        hidden, _ = self.norm.add(x, residual)
+        return self.tp.all_gather_tokens(hidden, input_ids.shape[0])
 
     def moe_blocks(self) -> list[MoEBlock]:
         """The MoE layers' blocks in model order (the order `ExpertMap` layers are in)."""

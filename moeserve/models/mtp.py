@@ -6,14 +6,17 @@ Checkpoints store MTP layer i as decoder layer `num_hidden_layers + i`: its own 
 `[H, 2H]` over their concatenation (embedding first), a full decoder layer (attention + MoE), and
 `shared_head.norm` / `shared_head.head` giving its logits.
 
-The hidden state it reads is the target's residual stream after the last decoder layer, before
-the final norm: the DeepSeek-V3 report's "representation of the main model" feeds `hnorm`, which
-normalises it again anyway (the final norm's scale aside, the two inputs differ only by it).
+The hidden state it reads is the target's output after its final norm, as the releases' own
+modeling code hands it over (the main model's forward ends in `model.norm`, and that tensor is
+the MTP's `previous_hidden_states`): `hnorm` was trained on it. The stream before the norm is not
+the same input up to a scale: `hnorm(norm(x))` differs from `hnorm(x)` by the final norm's
+per-channel weights, so reading it costs acceptance (never correctness: the target verifies
+every draft). A later draft reads this layer's own output after `shared_head.norm`, as vLLM and
+SGLang recycle it.
 
 Qwen3-Next's and Qwen3.5's MTP layer is the same computation under other names (`fc` for
 `eh_proj`, `pre_fc_norm_embedding` / `pre_fc_norm_hidden`, `norm` before the target's own head,
-over the target's embedding) reading the target's hidden states after its final norm
-(`ModelConfig.mtp_reads_normed`).
+over the target's embedding), reading the same inputs.
 """
 
 from __future__ import annotations
@@ -47,7 +50,6 @@ class MTPLayer(nn.Module):
         super().__init__()
         hidden = cfg.hidden_size
         self.tp = tp
-        self.reads_normed = cfg.mtp_reads_normed
         self.embed_tokens = nn.Parameter(torch.empty(cfg.vocab_size, hidden, dtype=dtype, device=device), False)
         self.enorm = RMSNorm(hidden, cfg.rms_norm_eps, dtype, device, ops)
         self.hnorm = RMSNorm(hidden, cfg.rms_norm_eps, dtype, device, ops)
@@ -69,18 +71,16 @@ class MTPLayer(nn.Module):
         kv_cache: torch.Tensor,
         plan: AttentionPlan,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """hidden `[T, H]` (the stream before the final norm at each row's position), next_ids `[T]`
-        (the token after each row) -> (this layer's stream `[T, H]`, which the next draft position
-        reads as its hidden state (its normed output where the config says `mtp_reads_normed`), and
-        its normed output `[T, H]`, which `logits` reads)."""
-        num_tokens = next_ids.shape[0]
+        """hidden `[T, H]` (the target's final hidden state at each row's position), next_ids `[T]`
+        (the token after each row) -> (what the next draft position reads as its hidden state, and
+        what `logits` reads), `[T, H]` each: both this layer's output after `head_norm` (the
+        drafter's interface keeps them apart for DeepSeek-V4's MTP, whose two differ)."""
         embedded = self.enorm(F.embedding(next_ids, self.embed_tokens))
         x = F.linear(torch.cat((embedded, self.hnorm(hidden)), -1), self.eh_proj)
         x, residual = self.layer(x, None, cos, sin, kv_cache, plan, None)
-        normed, stream = self.head_norm.add(x, residual)
-        if self.reads_normed:
-            stream = normed
-        return self.tp.all_gather_tokens(stream, num_tokens), self.tp.all_gather_tokens(normed, num_tokens)
+        normed, _ = self.head_norm.add(x, residual)
+        normed = self.tp.all_gather_tokens(normed, next_ids.shape[0])
+        return normed, normed
 
     def logits(self, normed: torch.Tensor) -> torch.Tensor:
         """normed `[S, H]` -> logits `[S, V]` float32 (the draft takes their argmax)."""

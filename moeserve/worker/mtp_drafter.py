@@ -6,7 +6,7 @@ The scheduler grants a drafting decode its draft slots (blocks and budget) with 
 the runner's `MTPDrafter` fills them in before the target runs, on every rank alike (the drafts
 are argmaxes of the same gathered rows), so nothing flows back from a step to the scheduler.
 
-An MTP layer at position p reads the target's stream at p and the token at p + 1, so a row's MTP
+An MTP layer at position p reads the target's hidden state at p and the token at p + 1, so a row's MTP
 input is complete only once the token after it is known: the target rows of a step wait
 (`_Pending`) until the next step says which of them were kept (its start position) and which
 token follows the last kept one (its first fed token). Each step then runs:
@@ -15,7 +15,7 @@ token follows the last kept one (its first fed token). Each step then runs:
    those positions of its own cache (rows past them were scratch, overwritten later); the last
    row of a drafting decode predicts its first draft;
 2. draft j = 2..N: one row per drafting decode, at the position after the previous one, reading
-   the MTP layer's own stream and the previous draft (vLLM's way of reusing the last layer for
+   the MTP layer's own output and the previous draft (vLLM's way of reusing the last layer for
    more drafts than the checkpoint has layers). Its KV lands in blocks the step already holds for
    the drafts and is rewritten by the next catch-up.
 
@@ -43,7 +43,7 @@ class _Pending:
 
     start: int  # position of token_ids[0]
     token_ids: list[int]
-    stream: torch.Tensor  # [len(token_ids), H], the target's stream before its final norm
+    stream: torch.Tensor  # [len(token_ids), H], what the MTP layers read (`forward_with_stream`)
 
 
 @dataclass(frozen=True)

@@ -93,7 +93,6 @@ def parse_config(raw: dict[str, Any]) -> ModelConfig:
         attention_output_gate=True,
         zero_centered_norms=True,
         num_mtp_layers=c.get("num_nextn_predict_layers", c.get("mtp_num_hidden_layers", 0)),
-        mtp_reads_normed=True,
     )
 
 
