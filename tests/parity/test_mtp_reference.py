@@ -1,21 +1,25 @@
-"""DeepSeek-V3's MTP layer computes what its release's modeling code computes: it reads the
-target's hidden states after the final norm (`hnorm` was trained on them), and a later draft
-reads the MTP layer's own output after `shared_head.norm`.
+"""The MTP layer computes what the releases compute: it reads the target's hidden states after the
+final norm (`hnorm` was trained on them), and a later draft reads the MTP layer's own output after
+`shared_head.norm`.
 
-transformers builds no MTP layer, so the reference is assembled from its parts: the target's
-`last_hidden_state` (after `model.norm`), `enorm`/`hnorm`/`eh_proj` written out, and the MTP's
-decoder layer as transformers' own `DeepseekV3DecoderLayer` (the checkpoint loaded with one more
-layer, so its experts go through transformers' own loading). The final norm's weights are drawn
-away from ones: with the ones transformers initialises, the norm before `hnorm` changes nothing,
-and reading the stream before it (the bug this guards) went unseen.
+GLM-4.5's against transformers' own MTP (`MtpModel`, which its `generate(use_mtp=True)` drafts
+with). transformers builds no MTP for DeepSeek-V3, so there the reference is assembled from its
+parts: the target's `last_hidden_state` (after `model.norm`), `enorm`/`hnorm`/`eh_proj` written
+out, and the MTP's decoder layer as transformers' own `DeepseekV3DecoderLayer` (the checkpoint
+loaded with one more layer, so its experts go through transformers' own loading).
+
+The final norm's weights, `hnorm`'s and `shared_head.norm`'s are drawn away from one: with the ones
+transformers initialises, a norm before `hnorm` changes nothing, and reading the stream before the
+final norm (the bug this guards: logits 4.8 off GLM-4.5's transformers MTP, 5.3 off DeepSeek-V3's)
+went unseen.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
-import pytest
 import torch
 from helpers.mtp_checkpoints import mtp_checkpoint
 from helpers.reference import hf_model
@@ -29,19 +33,18 @@ PROMPT_LEN = 23
 BLOCK = 4
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    """A DeepSeek-V3 checkpoint with one random MTP layer, its final norm's weights drawn in
-    [0.5, 1.5] and the MTP's `hnorm` and `shared_head.norm` likewise."""
-    folder = mtp_checkpoint(tmp_path_factory.mktemp("mtp-ref"), "deepseek_v3", aligned=False)
+def prompt() -> list[int]:
+    return torch.randint(3, 300, (PROMPT_LEN,), generator=torch.Generator().manual_seed(2)).tolist()
+
+
+def checkpoint(root: Path, arch: str) -> Path:
+    """`arch`'s checkpoint with one random MTP layer, the final norm's, `hnorm`'s and
+    `shared_head.norm`'s weights drawn in [0.5, 1.5]."""
+    folder = mtp_checkpoint(root, arch, aligned=False)
     index = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
-    layers = json.loads((folder / "config.json").read_text())["num_hidden_layers"]
+    mtp = f"model.layers.{json.loads((folder / 'config.json').read_text())['num_hidden_layers']}."
     g = torch.Generator().manual_seed(5)
-    for name in (
-        "model.norm.weight",
-        f"model.layers.{layers}.hnorm.weight",
-        f"model.layers.{layers}.shared_head.norm.weight",
-    ):
+    for name in ("model.norm.weight", mtp + "hnorm.weight", mtp + "shared_head.norm.weight"):
         path = folder / index[name]
         tensors = load_file(str(path))
         tensors[name] = (0.5 + torch.rand(tensors[name].shape, generator=g)).to(tensors[name].dtype)
@@ -49,14 +52,60 @@ def checkpoint(tmp_path_factory):
     return folder
 
 
-def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    x = x.float()
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+def one_file(folder: Path, out: Path, **config) -> Path:
+    """A copy of `folder` with its MTP tensors in model.safetensors (where that file is,
+    transformers reads no index) and `config` set."""
+    shutil.copytree(folder, out)
+    merged = {**load_file(str(out / "model.safetensors")), **load_file(str(out / "model-mtp.safetensors"))}
+    save_file(merged, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "model-mtp.safetensors").unlink()
+    (out / "model.safetensors.index.json").unlink()
+    saved = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**saved, **config}))
+    return out
 
 
-def reference_mtp_logits(folder, tmp_path, prompt: list[int]) -> torch.Tensor:
-    """The MTP layer's logits at positions 0 .. len(prompt) - 2 (each predicting the token two
-    ahead), as the release's modeling code computes them."""
+def ours(folder: Path, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits, the hidden state the MTP layer hands a later draft) at positions 0 .. len(ids) - 2,
+    from one prefill of the target and one pass of its MTP layer."""
+    model = load_model(folder, with_mtp=True)
+    n = len(ids)
+    tables = [list(range(-(-n // BLOCK)))]
+    caches = allocate_kv_caches(model.cfg, len(tables[0]) + 1, BLOCK, model.dtype, "cpu", model.tp.size)
+    with torch.inference_mode():
+        plan = model.ops.plan_attention(attention_batch(tables, [0], [n], BLOCK, "cpu"))
+        _, reads = model.forward_with_stream(torch.tensor(ids), torch.arange(n), plan, caches)
+        plan = model.ops.plan_attention(attention_batch(tables, [0], [n - 1], BLOCK, "cpu"))
+        cos, sin = model.rotary.cos_sin(torch.arange(n - 1), model.dtype)
+        layer = model.mtp[0]
+        recycled, normed = layer(reads[:-1], torch.tensor(ids[1:]), cos, sin, caches[0], plan)
+        return layer.logits(normed), recycled
+
+
+def test_glm_mtp_equals_transformers_mtp_model(tmp_path_factory):
+    from transformers.modeling_layers import MtpModel
+
+    folder = checkpoint(tmp_path_factory.mktemp("mtp-glm"), "glm4_moe")
+    ids = prompt()
+    logits, recycled = ours(folder, ids)
+
+    target = hf_model(one_file(folder, tmp_path_factory.mktemp("glm-one") / "one"))
+    # MtpModel finds MTP keys by the released layer counts (46, 92); this checkpoint's is its own.
+    target._keys_to_ignore_on_load_unexpected = [rf"model\.layers\.{target.config.num_hidden_layers}\..*"]
+    mtp = MtpModel.from_pretrained(target).eval()
+    with torch.inference_mode():
+        hidden = target.model(torch.tensor([ids])).last_hidden_state
+        out = mtp.forward_layer(
+            0, hidden[:, :-1], torch.arange(len(ids) - 1)[None], None, input_ids=torch.tensor([ids[1:]])
+        )
+        reference = mtp._project_to_logits(out)[0]
+    assert (logits - reference).abs().max().item() < 1e-3
+    assert torch.equal(logits.argmax(-1), reference.argmax(-1))
+    assert (recycled - out[0]).abs().max().item() < 1e-4  # the next draft's input: the output after post_norm
+
+
+def deepseek_reference(folder: Path, tmp: Path, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's MTP as its release computes it: (logits, the output after shared_head.norm)."""
     target = hf_model(folder)
     config = json.loads((folder / "config.json").read_text())
     layers, eps = config["num_hidden_layers"], config["rms_norm_eps"]
@@ -64,60 +113,33 @@ def reference_mtp_logits(folder, tmp_path, prompt: list[int]) -> torch.Tensor:
         k.split(f"model.layers.{layers}.", 1)[1]: v.float()
         for k, v in load_file(str(folder / "model-mtp.safetensors")).items()
     }
-    # The MTP's decoder layer, loaded by transformers as one more layer of the target (one file:
-    # where a model.safetensors is, transformers reads no index).
-    longer = tmp_path / "longer"
-    shutil.copytree(folder, longer)
-    merged = {**load_file(str(longer / "model.safetensors")), **load_file(str(longer / "model-mtp.safetensors"))}
-    save_file(merged, str(longer / "model.safetensors"), metadata={"format": "pt"})
-    (longer / "model-mtp.safetensors").unlink()
-    (longer / "model.safetensors.index.json").unlink()
-    config.update(num_hidden_layers=layers + 1, num_nextn_predict_layers=0)
-    (longer / "config.json").write_text(json.dumps(config))
+    # The MTP's decoder layer, loaded by transformers as one more layer of the target.
+    longer = one_file(folder, tmp / "longer", num_hidden_layers=layers + 1, num_nextn_predict_layers=0)
     layer = hf_model(longer).model.layers[layers]
 
-    ids = torch.tensor([prompt])
+    def rms(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
     with torch.inference_mode():
-        hidden = target.model(ids).last_hidden_state[0, :-1]  # after model.norm
-        embedded = torch.nn.functional.embedding(ids[0, 1:], mtp["embed_tokens.weight"])
-        x = torch.cat((_rms(embedded, mtp["enorm.weight"], eps), _rms(hidden, mtp["hnorm.weight"], eps)), -1)
+        hidden = target.model(torch.tensor([ids])).last_hidden_state[0, :-1]  # after model.norm
+        embedded = torch.nn.functional.embedding(torch.tensor(ids[1:]), mtp["embed_tokens.weight"])
+        x = torch.cat((rms(embedded, mtp["enorm.weight"]), rms(hidden, mtp["hnorm.weight"])), -1)
         x = (x @ mtp["eh_proj.weight"].T)[None]
         n = x.shape[1]
         positions = torch.arange(n)[None]
         mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
         out = layer(
-            x,
-            attention_mask=mask,
-            position_ids=positions,
-            position_embeddings=target.model.rotary_emb(x, positions),
+            x, attention_mask=mask, position_ids=positions, position_embeddings=target.model.rotary_emb(x, positions)
         )
-        out = out[0] if isinstance(out, tuple) else out
-        return _rms(out[0], mtp["shared_head.norm.weight"], eps) @ mtp["shared_head.head.weight"].T
+        out = rms((out[0] if isinstance(out, tuple) else out)[0], mtp["shared_head.norm.weight"])
+        return out @ mtp["shared_head.head.weight"].T, out
 
 
-def ours_mtp_logits(folder, prompt: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(logits, the stream the MTP layer hands a later draft, its normed output) at positions
-    0 .. len(prompt) - 2, from one prefill of the target and one pass of its MTP layer."""
-    model = load_model(folder, with_mtp=True)
-    n = len(prompt)
-    tables = [list(range(-(-n // BLOCK)))]
-    caches = allocate_kv_caches(model.cfg, len(tables[0]) + 1, BLOCK, model.dtype, "cpu", model.tp.size)
-    with torch.inference_mode():
-        plan = model.ops.plan_attention(attention_batch(tables, [0], [n], BLOCK, "cpu"))
-        _, reads = model.forward_with_stream(torch.tensor(prompt), torch.arange(n), plan, caches)
-        plan = model.ops.plan_attention(attention_batch(tables, [0], [n - 1], BLOCK, "cpu"))
-        cos, sin = model.rotary.cos_sin(torch.arange(n - 1), model.dtype)
-        layer = model.mtp[0]
-        stream, normed = layer(reads[:-1], torch.tensor(prompt[1:]), cos, sin, caches[0], plan)
-        return layer.logits(normed), stream, normed
-
-
-def test_mtp_logits_equal_the_release_computation(checkpoint, tmp_path):
-    prompt = torch.randint(3, 300, (PROMPT_LEN,), generator=torch.Generator().manual_seed(2)).tolist()
-    ours, stream, normed = ours_mtp_logits(checkpoint, prompt)
-    reference = reference_mtp_logits(checkpoint, tmp_path, prompt)
-    assert ours.shape == reference.shape
-    assert (ours - reference).abs().max().item() < 1e-3
-    assert torch.equal(ours.argmax(-1), reference.argmax(-1))
-    # A later draft reads the MTP layer's output after shared_head.norm, not its stream before it.
-    assert torch.equal(stream, normed)
+def test_deepseek_mtp_equals_the_release_computation(tmp_path_factory, tmp_path):
+    folder = checkpoint(tmp_path_factory.mktemp("mtp-ds"), "deepseek_v3")
+    ids = prompt()
+    logits, recycled = ours(folder, ids)
+    reference, normed = deepseek_reference(folder, tmp_path, ids)
+    assert (logits - reference).abs().max().item() < 1e-3
+    assert torch.equal(logits.argmax(-1), reference.argmax(-1))
+    assert (recycled - normed).abs().max().item() < 1e-4
