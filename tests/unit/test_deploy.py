@@ -64,8 +64,8 @@ def test_dockerfile_installs_with_the_script_ci_runs() -> None:
     runs = [args for instruction, args in dockerfile_instructions() if instruction == "RUN"]
     assert [run for run in runs if re.search(rf"/src/{INSTALL} --flavour cuda --prefix (\S+)", run)]
     ci = (ROOT / ".ci" / "run").read_text()
-    assert re.search(rf"^timed {INSTALL} --flavour cpu --prefix ", ci, re.M)
-    assert re.search(r'^timed "?\S+/bin/python"? deploy/docker/smoke\.py$', ci, re.M)
+    assert re.search(rf"^\s*timed {INSTALL} --flavour cpu --prefix ", ci, re.M)
+    assert re.search(r'^\s*timed "?\S+/bin/python"? deploy/docker/smoke\.py$', ci, re.M)
 
 
 def test_dockerfile_copies_only_what_the_build_context_holds() -> None:
