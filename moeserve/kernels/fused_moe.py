@@ -33,7 +33,8 @@ The alignment's block size must be the kernel's BLOCK_M: callers get it from `bl
 Block-scaled FP8 (w8a8, `fused_moe_fp8.py`) runs the same two kernels with `W8A8` set: the rows
 and the weights arrive as float8_e4m3fn with scales (`W8A8Scales`), and each K tile's fp32 partial
 product is multiplied by its rows' activation scales and its columns' weight scales before it is
-added to the accumulator (DeepSeek-V3's scheme: a K tile never straddles a scale block).
+added to the accumulator (DeepSeek-V3's scheme: a K tile never straddles a scale block), in
+tiles of half the bf16 tiles' columns from 64 rows on (`w8a8_config`).
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ from moeserve.kernels.fp8_quant import per_token_group_quant
 from moeserve.kernels.gemm_tiles import tile_coords, weight_scale_offsets
 from moeserve.kernels.launch_config import (
     SM90_SHARED_MEMORY,
+    KernelConfig,
     config_for_block_m,
     default_max_programs,
     device_index,
@@ -421,6 +423,16 @@ def fused_moe(
     )
 
 
+def w8a8_config(cfg: KernelConfig, scale_block_k: int) -> KernelConfig:
+    """`cfg` for the FP8 GEMMs: a K tile must not straddle two scale blocks, and tiles of 64 rows
+    or more take half as many columns. Each K tile's scaled partial product is a second fp32
+    `[block_m, block_n]` tile beside every accumulator, which at the bf16 tiles' width no longer
+    fits the registers: 128 x 128 gate/up tiles spilled 544 B a thread on sm_90a and 4 KB on
+    sm_100a, 64 x 128 ones 1.8 KB on sm_100a (bench/results/kernel_resources.json)."""
+    block_n = cfg.block_n // 2 if cfg.block_m >= 64 else cfg.block_n
+    return dataclasses.replace(cfg, block_k=min(cfg.block_k, scale_block_k), block_n=block_n)
+
+
 def launch_fused_moe(
     hidden: torch.Tensor,
     w13: torch.Tensor,
@@ -440,8 +452,8 @@ def launch_fused_moe(
     on the device by `aligned.num_padded`) for the FP8 down GEMM."""
     require_launchable(hidden, "fused_moe")
     cfg = config_for_block_m(block_m)
-    if w8a8 is not None:  # a K tile must not straddle two scale blocks
-        cfg = dataclasses.replace(cfg, block_k=min(cfg.block_k, w8a8.block[1]))
+    if w8a8 is not None:
+        cfg = w8a8_config(cfg, w8a8.block[1])
     num_experts, two_inter, hidden_size = w13.shape
     inter_size = two_inter // 2
     num_pairs = hidden.shape[0] * top_k

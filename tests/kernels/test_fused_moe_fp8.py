@@ -62,7 +62,15 @@ def weights(device):
 
 @pytest.mark.parametrize(
     "num_tokens,dtype,weighted",
-    [(0, torch.float32, False), (5, torch.float32, True), (33, torch.float32, False), (7, torch.float16, True)],
+    [
+        (0, torch.float32, False),
+        (5, torch.float32, True),
+        (33, torch.float32, False),
+        (7, torch.float16, True),
+        # 70 and 260 pairs per expert: the 64- and 128-row tiles, at w8a8's half-width columns
+        (140, torch.float32, False),
+        (520, torch.float32, True),
+    ],
 )
 def test_matches_reference(device, weights, num_tokens, dtype, weighted):
     w13, w2 = weights
