@@ -55,11 +55,12 @@ def checkpoints(make_checkpoint, tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def launching(start_server, checkpoints):
     """The `moeserve launch` of LAUNCHED, under way in the background (a future of the server).
-    Its steps last at least 40 ms: a stream whose tokens all come out before the server writes
+    Its steps last at least 80 ms: a stream whose tokens all come out before the server writes
     its first chunk is sent as one chunk (the server catches up), which happened under the full
-    suite's load and would fail the check that an answer streams in several."""
+    suite's load and would fail the check that an answer streams in several (at 40 ms too, once:
+    twelve tokens in under half a second)."""
     with ThreadPoolExecutor(1) as pool:
-        args = ("--kv-cache-memory", "16MiB", "--min-step-time-ms", "40")
+        args = ("--kv-cache-memory", "16MiB", "--min-step-time-ms", "80")
         future = pool.submit(start_server, *args, checkpoint=checkpoints[LAUNCHED], wait=False)
         yield future
     future.result().stop()
