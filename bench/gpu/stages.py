@@ -12,12 +12,14 @@ path only a GPU can prove (NVSHMEM's puts) first. Each stage's estimate is the c
 the kernels it builds, measured, plus a guess at the rest until a device run records the stage's
 `seconds`. The compile times are CPU-seconds (the process's and its ptxas children's, which a
 shared machine does not inflate as it does the wall clock), per case of the compile check, for
-sm_90a only, from an empty cache, under Triton 3.6 (the device's) with nvidia-nvshmem-cu13 3.4.5:
+sm_90a only, under Triton 3.6 (the device's) with nvidia-nvshmem-cu13 3.4.5 (the check always
+compiles into an empty cache of its own):
 
-    TRITON_CACHE_DIR=$(mktemp -d) python bench/gpu/compile_check.py --arch 90 --nvshmem
+    python bench/gpu/compile_check.py --arch 90 --nvshmem
 
 on the 2-core CPU machine where the project is built (2026-11-28; `case_cpu_seconds` in its
-output). One ptxas runs per kernel, so a GPU machine's 16 cores compile no slower. The kernels'
+output; the check then ran ptxas a second time itself, so they overstate a device's compile a
+little). One ptxas runs per kernel, so a GPU machine's 16 cores compile no slower. The kernels'
 own waits for a peer time out at `PEER_TIMEOUT_S` (the runbook sets the dispatcher's
 `MOESERVE_PEER_TIMEOUT_S` for every stage), below every watchdog a stage or its scripts keep,
 so a protocol hang is reported as the kernels' `PeerTimeout` naming the phase and the peer

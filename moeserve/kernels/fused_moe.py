@@ -34,12 +34,11 @@ Block-scaled FP8 (w8a8, `fused_moe_fp8.py`) runs the same two kernels with `W8A8
 and the weights arrive as float8_e4m3fn with scales (`W8A8Scales`), and each K tile's fp32 partial
 product is multiplied by its rows' activation scales and its columns' weight scales before it is
 added to the accumulator (DeepSeek-V3's scheme: a K tile never straddles a scale block), in
-tiles of half the bf16 tiles' columns from 64 rows on (`w8a8_config`).
+tiles of half the bf16 tiles' columns from 64 rows on (`launch_config.w8a8_config`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -56,12 +55,12 @@ from moeserve.kernels.fp8_quant import per_token_group_quant
 from moeserve.kernels.gemm_tiles import tile_coords, weight_scale_offsets
 from moeserve.kernels.launch_config import (
     SM90_SHARED_MEMORY,
-    KernelConfig,
     config_for_block_m,
     default_max_programs,
     device_index,
     fit_num_stages,
     shared_memory_budget,
+    w8a8_config,
 )
 from moeserve.kernels.targets import require_launchable
 
@@ -421,16 +420,6 @@ def fused_moe(
     return launch_fused_moe(
         hidden, w13, w2, aligned, top_k, block_m, hidden.dtype, pair_weights, max_programs, None, activation, biases
     )
-
-
-def w8a8_config(cfg: KernelConfig, scale_block_k: int) -> KernelConfig:
-    """`cfg` for the FP8 GEMMs: a K tile must not straddle two scale blocks, and tiles of 64 rows
-    or more take half as many columns. Each K tile's scaled partial product is a second fp32
-    `[block_m, block_n]` tile beside every accumulator, which at the bf16 tiles' width no longer
-    fits the registers: 128 x 128 gate/up tiles spilled 544 B a thread on sm_90a and 4 KB on
-    sm_100a, 64 x 128 ones 1.8 KB on sm_100a (bench/results/kernel_resources.json)."""
-    block_n = cfg.block_n // 2 if cfg.block_m >= 64 else cfg.block_n
-    return dataclasses.replace(cfg, block_k=min(cfg.block_k, scale_block_k), block_n=block_n)
 
 
 def launch_fused_moe(

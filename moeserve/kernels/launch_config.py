@@ -4,6 +4,7 @@ fitted to the GPU's shared memory, and the size of a persistent grid.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -85,6 +86,17 @@ def fit_num_stages(cfg: KernelConfig, elem_bytes: int, weight_tiles: int, budget
     """
     stage_bytes = (cfg.block_m + weight_tiles * cfg.block_n) * cfg.block_k * elem_bytes
     return max(1, min(cfg.num_stages, budget // stage_bytes))
+
+
+def w8a8_config(cfg: KernelConfig, scale_block_k: int) -> KernelConfig:
+    """`cfg` for the fused MoE's FP8 (w8a8) GEMMs, as `fit_num_stages` fits it to a dtype's bytes: a
+    K tile must not straddle two scale blocks, and tiles of 64 rows or more take half as many
+    columns. Each K tile's scaled partial product is a second fp32 `[block_m, block_n]` tile beside
+    every accumulator, which at the bf16 table's width no longer fits the registers: 128 x 128
+    gate/up tiles spilled 544 B a thread on sm_90a and 4 KB on sm_100a, 64 x 128 ones 1.8 KB on
+    sm_100a (bench/results/kernel_resources.json)."""
+    block_n = cfg.block_n // 2 if cfg.block_m >= 64 else cfg.block_n
+    return dataclasses.replace(cfg, block_k=min(cfg.block_k, scale_block_k), block_n=block_n)
 
 
 def device_index(device: torch.device) -> int:

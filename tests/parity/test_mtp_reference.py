@@ -64,14 +64,14 @@ def ours(folder: Path, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     model = load_model(folder, with_mtp=True)
     n = len(ids)
     tables = [list(range(-(-n // BLOCK)))]
-    caches = allocate_kv_caches(model.cfg, len(tables[0]) + 1, BLOCK, model.dtype, "cpu", model.tp.size)
+    caches = allocate_kv_caches(model.cfg, len(tables[0]), BLOCK, model.dtype, "cpu", model.tp.size, mtp_layers=1)
     with torch.inference_mode():
         plan = model.ops.plan_attention(attention_batch(tables, [0], [n], BLOCK, "cpu"))
         _, reads = model.forward_with_stream(torch.tensor(ids), torch.arange(n), plan, caches)
         plan = model.ops.plan_attention(attention_batch(tables, [0], [n - 1], BLOCK, "cpu"))
         cos, sin = model.rotary.cos_sin(torch.arange(n - 1), model.dtype)
         layer = model.mtp[0]
-        recycled, normed = layer(reads[:-1], torch.tensor(ids[1:]), cos, sin, caches[0], plan)
+        recycled, normed = layer(reads[:-1], torch.tensor(ids[1:]), cos, sin, caches[model.cfg.num_layers], plan)
         return layer.logits(normed), recycled
 
 
