@@ -15,15 +15,18 @@ which differ on a CPU transport, are taken as a GPU's (`compile_cases.interprete
 
 For each compiled kernel the `ptxas -v` log of Triton's own compile (its flags, its ptxas) gives
 registers, spills, stack (local memory), and Triton's metadata gives shared memory. It fails on
-any compile error, any spill in a communication kernel (the put variants' only under the
-device's Triton: `DEVICE_TRITON`), shared memory over the architecture's limit, and any
-communication kernel whose PTX breaks the protocol's memory ordering or moves its payload
-narrower than 128 bits (`ptx_rules`). Results go to `bench/results/kernel_resources.json`.
+any compile error, any spill in a communication kernel (the put variants included), shared memory
+over the architecture's limit, and any communication kernel whose PTX breaks the protocol's memory
+ordering or moves its payload narrower than 128 bits (`ptx_rules`). Results go to
+`bench/results/kernel_resources.json`.
 
 The put variants of the communication kernels (`[put]` in the table: peers on other nodes, reached
 by NVSHMEM's device API) are linked against NVSHMEM's device bitcode for each target, from an
 nvidia-nvshmem wheel on the path or `NVSHMEM_LIB_DIR`; without one they are skipped with a printed
-reason, and `--nvshmem` makes that an error (CI passes it).
+reason, and `--nvshmem` makes that an error (CI passes it). Link the NVSHMEM torch's CUDA build
+pins (3.4.5 for torch 2.11 to 2.13), the one the kernels run with: NVSHMEM refuses device code of
+another version than its host library. (From 3.7 its transfer routines are calls, not inlined, and
+the put variants spill what they hold across them.)
 
     python bench/gpu/compile_check.py [--arch 90 100] [--only peer_copy ...] [--nvshmem] [--out FILE]
 
@@ -35,6 +38,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import importlib.metadata as metadata
 import io
 import json
 import os
@@ -61,9 +65,6 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 
 DEFAULT_OUT = ROOT / "bench" / "results" / "kernel_resources.json"
 ARCH_NAMES = {90: "sm_90a (H100/H200)", 100: "sm_100a (B200)"}
-# The GPU image's Triton (`.ci/device-versions` installs the same): under it no communication
-# kernel may spill, the put variants included.
-DEVICE_TRITON = "3.6."
 # Bytes of shared memory one block may opt into: 227 KiB on both Hopper and Blackwell datacenter parts.
 SHARED_MEMORY_LIMIT = {90: 232448, 100: 232448}
 
@@ -127,7 +128,6 @@ class Compiled:
     shared_bytes: int = 0
     copies_128bit: bool | None = None
     problems: list[str] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)  # findings that do not fail the check
 
 
 @dataclass
@@ -252,14 +252,7 @@ class CompileCheck:
         if entry.module == COMM_MODULE:
             put = PUT_NVSHMEM in (constexprs.get("KIND"), constexprs.get("PUT"))
             if entry.spill_stores or entry.spill_loads:
-                spills = f"spills ({entry.spill_stores} B stores, {entry.spill_loads} B loads)"
-                # The put variants hold little across NVSHMEM's calls (peer_copy's CALLS). Under the
-                # device's Triton and NVSHMEM they spill nothing, and must not; under a newer pair
-                # (3.9 with NVSHMEM 3.8, whose transfer routines are calls, and ptxas run with
-                # `--regAllocOptLevel=2`) ptxas still spills the block and grid indices that NVSHMEM's
-                # inlined code reads, hoisted out of the row loops: reported there, not failed.
-                device_toolchain = triton.__version__.startswith(DEVICE_TRITON)
-                (entry.problems if device_toolchain or not put else entry.notes).append(spills)
+                entry.problems.append(f"spills ({entry.spill_stores} B stores, {entry.spill_loads} B loads)")
             load_store_peers = constexprs.get("DOMAIN") != 0  # 0: every peer by puts (`ALL_PUTS`)
             copies, problems = check_comm_ptx(entry.kernel, ptx, put, load_store_peers)
             if put:
@@ -267,6 +260,19 @@ class CompileCheck:
             entry.copies_128bit = copies
             entry.problems += problems
         self.compiled[key] = entry
+
+
+def nvshmem_version() -> str | None:
+    """The nvidia-nvshmem wheel's version the put variants were linked from; None for a library
+    named by `NVSHMEM_LIB_DIR` (which `device_library` prefers) or none at all."""
+    from moeserve.kernels.nvshmem_device import LIB_DIR_VAR
+
+    if os.environ.get(LIB_DIR_VAR):
+        return None
+    for name in ("nvidia-nvshmem-cu13", "nvidia-nvshmem-cu12"):
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            return metadata.version(name)
+    return None
 
 
 def _name(kernel: JITFunction) -> str:
@@ -420,14 +426,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nCOMPILE ERROR {f.kernel} sm_{f.arch} ({f.case}):\n{f.error}")
     for e, p in problems:
         print(f"PROBLEM {e.module}.{e.kernel} sm_{e.arch} [{e.specialization}]: {p}")
-    for e in check.compiled.values():
-        for note in e.notes:
-            print(f"NOTE {e.module}.{e.kernel} sm_{e.arch} [{e.specialization}]: {note}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(
         json.dumps(
             {
                 "triton": triton.__version__,
+                "nvshmem": nvshmem_version(),
                 "archs": {str(a): ARCH_NAMES[a] for a in args.arch},
                 "how": "compiled on a CPU machine through Triton's binder with a stand-in driver; nothing launched",
                 "case_seconds": seconds["wall"],

@@ -30,9 +30,11 @@ esac
 [ -n "$prefix" ] || { echo "install.sh: --prefix VENV is required" >&2; exit 2; }
 
 # CUDA 13 builds, as torch's default Linux wheel is (and the `gpu` extra's nvshmem4py-cu13): one
-# process must not load two CUDA majors' libraries. NVSHMEM's version is the one CI links the kernels against.
+# process must not load two CUDA majors' libraries. NVSHMEM's version is the one torch's CUDA builds
+# pin (2.11 to 2.13), whose host library torch loads: NVSHMEM refuses device code linked from
+# another version, and pip refuses a second pin. CI links and checks the kernels against the same.
 CUDA_MAJOR=13
-NVSHMEM_WHEEL="nvidia-nvshmem-cu$CUDA_MAJOR==3.8.0"
+NVSHMEM_WHEEL="nvidia-nvshmem-cu$CUDA_MAJOR==3.4.5"
 NIXL_WHEEL="nixl-cu$CUDA_MAJOR==1.5.1"
 torch_version="${TORCH_VERSION:-2.13.0}"
 

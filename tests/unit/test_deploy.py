@@ -68,6 +68,14 @@ def test_dockerfile_installs_with_the_script_ci_runs() -> None:
     assert re.search(r'^\s*timed "?\S+/bin/python"? deploy/docker/smoke\.py$', ci, re.M)
 
 
+def test_image_runs_the_nvshmem_ci_compiles_the_kernels_against() -> None:
+    """The put kernels link NVSHMEM's device bitcode, and NVSHMEM refuses device code of another
+    version than its host library: the image must install the version CI checks them with."""
+    image = re.search(r'^NVSHMEM_WHEEL="nvidia-nvshmem-cu\$CUDA_MAJOR==([\d.]+)"$', (ROOT / INSTALL).read_text(), re.M)
+    ci = re.findall(r"--target \.nvshmem nvidia-nvshmem-cu\d+==([\d.]+)$", (ROOT / ".ci" / "run").read_text(), re.M)
+    assert image and ci == [image.group(1)], (image, ci)
+
+
 def test_dockerfile_copies_only_what_the_build_context_holds() -> None:
     """.dockerignore excludes all but what is re-included; a COPY of anything else fails the build."""
     patterns = (ROOT / ".dockerignore").read_text().splitlines()
