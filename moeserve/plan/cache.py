@@ -32,10 +32,8 @@ class SequenceCache:
     """The window groups' blocks a sequence holds at most: its last `window` positions, in the
     blocks they span (0 without a window)."""
     state_bytes: int
-    """A sequence's states, whatever its length (0 without state layers)."""
-    saved_state_bytes: int
-    """Each saved state prefix caching holds (0 where it holds none: no state layers, or several
-    block-table groups, for which prefix caching is not built)."""
+    """A sequence's states, whatever its length (0 without state layers); each saved state of
+    prefix caching is a copy of them (`LinearState.save`, `models.v4.cache.LayerCache.save`)."""
     at_context: tuple[int, ...]
     """Bytes of a sequence of each of `CONTEXTS` tokens: the blocks it holds and its states."""
 
@@ -52,7 +50,6 @@ def sequence_cache(config: ModelConfig, name: str) -> SequenceCache:
         specs.bytes_per_context_token,
         window,
         specs.state_bytes_per_sequence,
-        specs.state_bytes_per_sequence if len(specs.groups) == 1 else 0,
         tuple(specs.bytes_per_sequence(n, BLOCK_SIZE) for n in CONTEXTS),
     )
 
@@ -92,7 +89,7 @@ def cache_table(models: list[SequenceCache]) -> str:
     for i, n in enumerate(CONTEXTS):
         rows.append((f"{_context(n)} tokens", [_size(m.at_context[i]) for m in models]))
         rows.append((f"  per token at {_context(n)}", [_kib(m.at_context[i] / n) for m in models]))
-    rows.append(("saved state (prefix caching), each", [_size(m.saved_state_bytes) for m in models]))
+    rows.append(("saved state (prefix caching), each", [_size(m.state_bytes) for m in models]))
     header = ("cache per sequence", [m.name for m in models])
     width = max(len(label) for label, _ in (header, *rows))
     columns = [max(len(row[1][i]) for row in (header, *rows)) for i in range(len(models))]
@@ -103,6 +100,6 @@ def cache_table(models: list[SequenceCache]) -> str:
     note = (
         f"one rank, bf16 KV and conv state, float32 recurrent state, blocks of {BLOCK_SIZE}; the engine sets "
         "max_num_seqs states and --saved-states saved ones (default max_num_seqs) aside before the blocks; "
-        "models with several block-table groups (DeepSeek-V4) keep no saved states (no prefix caching yet)"
+        "a saved state copies a sequence's states (DeepSeek-V4: its open compression windows)"
     )
     return "\n".join([*lines, note])

@@ -5,12 +5,15 @@ attention runs over `ep / tp` data-parallel groups of `tp` tensor-parallel ranks
 `ParallelConfig`). Each term below is a roofline: the larger of its FLOPs over the effective FLOP
 rate and its bytes over the effective bandwidth (`hardware.Hardware`: peak times an assumed
 efficiency, or measured). Terms are per layer and per rank; `step_cost` sums them over the
-layers, then applies what overlap hides. The slowest rank sets the step, so expert load
+layers (a hybrid's attention terms over its attention layers, its Gated DeltaNet terms over
+the others), then applies what overlap hides. The slowest rank sets the step, so expert load
 imbalance (max/mean rows per rank) scales the expert GEMM and the all-to-all.
 
 What the model leaves out, on purpose: kernel launch gaps inside a CUDA graph, norms, rotary and
 activation kernels (elementwise, a few per cent), the router GEMM, and queueing between ranks
-beyond the imbalance factor.
+beyond the imbalance factor. Of a DeltaNet: its causal conv (K taps per channel, and its conv
+state, a fortieth of the recurrent state's bytes), the gates' and the gated norm's elementwise
+work, the activations its kernels read and write, and prefix caching's copies of its states.
 """
 
 from __future__ import annotations
@@ -25,7 +28,21 @@ from moeserve.dispatch.wire import dispatch_row_bytes, ep_rows_per_token, tp_row
 from moeserve.plan.hardware import Hardware
 from moeserve.plan.shapes import ModelShape
 
-COMPUTE_TERMS = ("attention_proj", "attention_core", "dense_mlp", "shared_expert", "experts")
+DELTA_CHUNK = 32
+"""Tokens per chunk of the chunked delta rule (`kernels.chunk_delta.CHUNK`, which a test pins)."""
+DELTA_BLOCK_V = 32
+"""Value dims per program of its state kernel (`kernels.chunk_delta.BLOCK_V`): each recomputes
+its chunk's q k^T."""
+
+COMPUTE_TERMS = (
+    "attention_proj",
+    "attention_core",
+    "deltanet_proj",
+    "deltanet_core",
+    "dense_mlp",
+    "shared_expert",
+    "experts",
+)
 COMM_TERMS = ("dispatch", "combine", "tp_allreduce")
 
 
@@ -63,13 +80,18 @@ class Work:
     """What one attention-DP group computes in one step: decode tokens at a mean context, and
     prefill tokens whose queries attend over a mean context (prefix + half the chunk).
     decode_queries: query tokens per decoding sequence (MTP verifies drafts + 1 at once; the
-    sequence's KV is read once for all of them)."""
+    sequence's KV is read once for all of them). decode_restores: the share of decoding
+    sequences that step back to a kept DeltaNet state first (MTP: one rejected a draft last
+    step). prefill_seqs: the prompts the prefill tokens belong to, each of whose DeltaNet
+    states the step reads and writes once."""
 
     decode_tokens: float = 0.0
     decode_ctx: float = 0.0
     prefill_tokens: float = 0.0
     prefill_ctx: float = 0.0
     decode_queries: int = 1
+    decode_restores: float = 0.0
+    prefill_seqs: float = 1.0
 
     @property
     def tokens(self) -> float:
@@ -77,7 +99,12 @@ class Work:
 
     def halved(self) -> Work:
         """One of two-batch overlap's micro-batches."""
-        return dataclasses.replace(self, decode_tokens=self.decode_tokens / 2, prefill_tokens=self.prefill_tokens / 2)
+        return dataclasses.replace(
+            self,
+            decode_tokens=self.decode_tokens / 2,
+            prefill_tokens=self.prefill_tokens / 2,
+            prefill_seqs=self.prefill_seqs / 2,
+        )
 
 
 def roofline(flops: float, flop_rate: float, nbytes: float, bandwidth: float) -> float:
@@ -90,11 +117,15 @@ def _dense_rate(shape: ModelShape, hw: Hardware) -> float:
     return hw.fp8_flops if shape.dense_weight_bytes == 1.0 else hw.bf16_flops
 
 
+def weight_gemm(params: float, tokens: float, rate: float, weight_bytes: float, hw: Hardware) -> float:
+    """A GEMM of every token through `params` weights: 2 FLOPs per parameter per token, the
+    weights read once a step."""
+    return roofline(2 * params * tokens, rate, params * weight_bytes, hw.hbm_bw)
+
+
 def attention_proj(shape: ModelShape, hw: Hardware, layout: Layout, work: Work) -> float:
-    """Q/KV/O projections: 2 FLOPs per parameter per token over the TP shard of `attn_params`;
-    the shard's weights are read once a step."""
-    params = shape.attn_params / layout.tp
-    return roofline(2 * params * work.tokens, _dense_rate(shape, hw), params * shape.dense_weight_bytes, hw.hbm_bw)
+    """Q/KV/O projections over the TP shard of `attn_params` (`weight_gemm`)."""
+    return weight_gemm(shape.attn_params / layout.tp, work.tokens, _dense_rate(shape, hw), shape.dense_weight_bytes, hw)
 
 
 def attention_core(shape: ModelShape, hw: Hardware, layout: Layout, work: Work) -> float:
@@ -142,12 +173,67 @@ def indexer(shape: ModelShape, hw: Hardware, work: Work) -> float:
     return decode + prefill
 
 
-def dense_mlp(shape: ModelShape, hw: Hardware, layout: Layout, work: Work, inter: int) -> float:
-    """A gated MLP of `inter` (gate, up, down: 3 H I parameters) sharded over TP."""
-    params = 3 * shape.hidden * inter / layout.tp
-    if params == 0:
+def deltanet_proj(shape: ModelShape, hw: Hardware, layout: Layout, work: Work) -> float:
+    """A Gated DeltaNet's projections (`weight_gemm`), split over TP as the layer splits them: a
+    rank holds its Hk/tp key heads' and Hv/tp value heads' rows of the in-projections and the
+    matching input columns of `out_proj`. The in-projections run in bf16 whatever the checkpoint
+    (an FP8 release's are dequantized at load, their rank rows falling across scale blocks);
+    `out_proj` as the other dense projections."""
+    inner = weight_gemm(shape.linear_in_params / layout.tp, work.tokens, hw.bf16_flops, 2.0, hw)
+    outer = weight_gemm(
+        shape.linear_out_params / layout.tp, work.tokens, _dense_rate(shape, hw), shape.dense_weight_bytes, hw
+    )
+    return inner + outer
+
+
+def deltanet_core(shape: ModelShape, hw: Hardware, layout: Layout, work: Work) -> float:
+    """The gated delta rule of one DeltaNet layer on one rank (its Hv/tp value heads): decodes by
+    the recurrent update, prompt tokens by the chunked form. Zero for a model without one."""
+    return delta_recurrent(shape, hw, layout, work) + delta_chunked(shape, hw, layout, work)
+
+
+def delta_recurrent(shape: ModelShape, hw: Hardware, layout: Layout, work: Work) -> float:
+    """The recurrent update of the decode tokens (`kernels.gated_delta._delta_rule_kernel`), on
+    the CUDA cores in float32. Per token and value head, over its Dk x Dv state S: the decay
+    (Dk Dv FLOPs), k^T S (2 Dk Dv), the rank-one delta update (2 Dk Dv) and the read q^T S
+    (2 Dk Dv): 7 Dk Dv. Each sequence's float32 state is read once and written once a step,
+    its MTP drafts walking it in registers; verifying drafts, the kernel also stores the state
+    after each of the sequence's decode_queries tokens, and a sequence that rejected a draft
+    first copies its kept state back (a read and a write). About 1 FLOP a byte: HBM bound."""
+    heads = shape.linear_value_heads / layout.tp
+    flops = work.decode_tokens * heads * 7 * shape.linear_key_dim * shape.linear_value_dim
+    kept = work.decode_queries if work.decode_queries > 1 else 0
+    states = work.decode_tokens / work.decode_queries * (2 + kept + 2 * work.decode_restores)
+    return roofline(flops, hw.fp32_flops, states * shape.linear_state_bytes / layout.tp, hw.hbm_bw)
+
+
+def delta_chunked(shape: ModelShape, hw: Hardware, layout: Layout, work: Work) -> float:
+    """The chunked delta rule of the prompt tokens (`kernels.chunk_delta`), chunks of C tokens.
+    Per token and value head, on tf32 tensor cores: against the state, q S, k S and the state's
+    update k^T v' (6 Dk Dv); within the chunk, k k^T for its inverse once and q k^T in each of
+    the ceil(Dv / 32) programs that split the values (2 C Dk apiece), the inverse times the
+    values and the scores times v' (2 C Dv each). The inverse's forward substitution runs on
+    the CUDA cores: C - 1 steps over the [C, C] tile, each a masked row read and a row times
+    the tile (4 C^2), so 4 C (C - 1) a token. A sequence's state is read once and written once
+    a step: the kernel holds it in registers from chunk to chunk."""
+    if not work.prefill_tokens:
         return 0.0
-    return roofline(2 * params * work.tokens, _dense_rate(shape, hw), params * shape.dense_weight_bytes, hw.hbm_bw)
+    c, dk, dv = DELTA_CHUNK, shape.linear_key_dim, shape.linear_value_dim
+    heads = shape.linear_value_heads / layout.tp
+    products = 6 * dk * dv + 2 * c * dk * (math.ceil(dv / DELTA_BLOCK_V) + 1) + 4 * c * dv
+    tensor = roofline(
+        work.prefill_tokens * heads * products,
+        hw.tf32_flops,
+        work.prefill_seqs * 2 * shape.linear_state_bytes / layout.tp,
+        hw.hbm_bw,
+    )
+    return tensor + work.prefill_tokens * heads * 4 * c * (c - 1) / hw.fp32_flops
+
+
+def dense_mlp(shape: ModelShape, hw: Hardware, layout: Layout, work: Work, inter: int) -> float:
+    """A gated MLP of `inter` (gate, up, down: 3 H I parameters) sharded over TP (`weight_gemm`)."""
+    params = 3 * shape.hidden * inter / layout.tp
+    return weight_gemm(params, work.tokens, _dense_rate(shape, hw), shape.dense_weight_bytes, hw)
 
 
 def expert_rows(shape: ModelShape, layout: Layout, work: Work) -> float:
@@ -230,13 +316,25 @@ def tp_allreduce(shape: ModelShape, hw: Hardware, layout: Layout, work: Work) ->
     return hw.allreduce_latency_s + nbytes / hw.nvlink_bw
 
 
+def mixer_terms(shape: ModelShape, hw: Hardware, layout: Layout, work: Work) -> dict[str, float]:
+    """Seconds of each token mixer's terms on the busiest rank, summed over its layers:
+    attention's over the attention layers, the Gated DeltaNet's over the DeltaNet layers (a
+    hybrid's KV and its attention FLOPs come from its attention layers alone)."""
+    attention, linear = shape.attention_layers, shape.linear_layers
+    return {
+        "attention_proj": attention * attention_proj(shape, hw, layout, work),
+        "attention_core": attention * attention_core(shape, hw, layout, work),
+        "deltanet_proj": linear * deltanet_proj(shape, hw, layout, work),
+        "deltanet_core": linear * deltanet_core(shape, hw, layout, work),
+    }
+
+
 def layer_terms(shape: ModelShape, hw: Hardware, layout: Layout, work: Work, moe: bool) -> dict[str, float]:
-    """Seconds of each term for one layer on the busiest rank. A dense layer has its MLP and two
-    all-reduces (after attention and after the MLP); an MoE layer its shared expert, experts,
+    """Seconds of each term of one layer's feed-forward half on the busiest rank, with the
+    layer's all-reduces. A dense layer has its MLP and two all-reduces (after the token mixer,
+    attention or DeltaNet, and after the MLP); an MoE layer its shared expert, experts,
     dispatch, combine and one all-reduce (the experts' output is combined, not all-reduced)."""
     terms = {
-        "attention_proj": attention_proj(shape, hw, layout, work),
-        "attention_core": attention_core(shape, hw, layout, work),
         "dense_mlp": 0.0 if moe else dense_mlp(shape, hw, layout, work, shape.dense_inter),
         "shared_expert": dense_mlp(shape, hw, layout, work, shape.shared_inter) if moe else 0.0,
         "experts": experts(shape, hw, layout, work) if moe else 0.0,
@@ -269,7 +367,8 @@ class StepCost:
 def _summed(shape: ModelShape, hw: Hardware, layout: Layout, work: Work) -> dict[str, float]:
     moe = layer_terms(shape, hw, layout, work, moe=True)
     dense = layer_terms(shape, hw, layout, work, moe=False)
-    return {k: shape.moe_layers * moe[k] + shape.dense_layers * dense[k] for k in moe}
+    ffn = {k: shape.moe_layers * moe[k] + shape.dense_layers * dense[k] for k in moe}
+    return mixer_terms(shape, hw, layout, work) | ffn
 
 
 def _with_comm_sms(hw: Hardware, layout: Layout) -> Hardware:
@@ -282,6 +381,7 @@ def _with_comm_sms(hw: Hardware, layout: Layout) -> Hardware:
         bf16_flops=hw.bf16_flops * share,
         fp8_flops=hw.fp8_flops * share,
         attention_flops=hw.attention_flops * share,
+        fp32_flops=hw.fp32_flops * share,
     )
 
 
@@ -302,23 +402,38 @@ def step_cost(shape: ModelShape, hw: Hardware, layout: Layout, work: Work) -> St
 
 
 def weight_bytes_per_gpu(shape: ModelShape, layout: Layout) -> float:
-    """Weights the fullest rank holds: its TP shard of attention, dense MLPs and shared experts,
-    its ceil(E/ep) routed experts, and the embedding and LM head (bf16, replicated)."""
-    dense = shape.layers * shape.attn_params + shape.dense_layers * 3 * shape.hidden * shape.dense_inter
-    dense += shape.moe_layers * 3 * shape.hidden * shape.shared_inter
+    """Weights the fullest rank holds: its TP shard of attention, DeltaNets, dense MLPs and
+    shared experts, its ceil(E/ep) routed experts, and the embedding and LM head (bf16,
+    replicated). A DeltaNet's in-projections and conv are bf16 in every checkpoint."""
+    dense = shape.attention_layers * shape.attn_params + shape.dense_layers * 3 * shape.hidden * shape.dense_inter
+    dense += shape.moe_layers * 3 * shape.hidden * shape.shared_inter + shape.linear_layers * shape.linear_out_params
+    linear = shape.linear_layers * (shape.linear_in_params + shape.linear_conv_params) * 2
     routed = shape.moe_layers * experts_per_rank(shape, layout) * shape.expert_params
     embeddings = 2 * shape.vocab * shape.hidden * 2
-    return dense / layout.tp * shape.dense_weight_bytes + routed * shape.expert_weight_bytes + embeddings
+    return (dense * shape.dense_weight_bytes + linear) / layout.tp + routed * shape.expert_weight_bytes + embeddings
 
 
 def kv_bytes_per_token(shape: ModelShape, layout: Layout) -> float:
-    """KV cache bytes one rank holds per token of its DP group (all layers)."""
+    """KV cache bytes one rank holds per token of its DP group (the attention layers')."""
     kv_split = 1 if shape.attention == "mla" else min(layout.tp, shape.kv_heads)
-    return shape.layers * (shape.kv_bytes / kv_split + shape.indexer_share * shape.indexer_key_bytes)
+    return shape.attention_layers * (shape.kv_bytes / kv_split + shape.indexer_share * shape.indexer_key_bytes)
 
 
-def max_tokens_in_cache(shape: ModelShape, hw: Hardware, layout: Layout, usable: float = 0.9) -> float:
-    """Tokens of context one DP group can hold: `usable` of HBM less the weights, over the KV
-    bytes per token (activations and graphs take the rest)."""
+def state_bytes_per_gpu(shape: ModelShape, layout: Layout, sequences: int, draft_states: int = 0) -> float:
+    """The states one rank sets aside for a DP group's `sequences` running sequences before any
+    block, as the engine does (`worker.kv_cache.state_bytes` with `max_num_seqs` = `sequences`):
+    a slot each, with its `draft_states` (MTP: drafts + 1, `EngineConfig.draft_states`), and as
+    many saved states for prefix caching (the engine's default `saved_states` is
+    `max_num_seqs`). The states split over TP with the heads. Zero without state layers."""
+    return sequences * (2 + draft_states) * shape.state_bytes / layout.tp
+
+
+def max_tokens_in_cache(
+    shape: ModelShape, hw: Hardware, layout: Layout, usable: float = 0.9, sequences: int = 0, draft_states: int = 0
+) -> float:
+    """Tokens of context one DP group can hold: `usable` of HBM less the weights and the states
+    of `sequences` running sequences (`state_bytes_per_gpu`), over the KV bytes per token
+    (activations and graphs take the rest)."""
     free = hw.gpu.hbm_bytes * usable - weight_bytes_per_gpu(shape, layout)
+    free -= state_bytes_per_gpu(shape, layout, sequences, draft_states)
     return max(free, 0.0) / kv_bytes_per_token(shape, layout)

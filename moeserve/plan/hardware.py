@@ -30,6 +30,8 @@ class GPU:
     hbm_bytes: float
     bf16_flops: float
     fp8_flops: float
+    fp32_flops: float
+    """CUDA cores' float32 rate (no tensor cores): the DeltaNet's recurrent update runs on them."""
     nvlink_bw: float
     """Per direction, per GPU."""
     nic_bw: float
@@ -49,12 +51,13 @@ GPUS: dict[str, GPU] = {
             80 * GB,
             989 * TFLOPS,
             1979 * TFLOPS,
+            67 * TFLOPS,
             450 * GB,
             50 * GB,
             132,
             8,
-            "NVIDIA H100 SXM datasheet (HBM3 3.35 TB/s, BF16 989 / FP8 1979 TFLOPS dense, NVLink 900 GB/s); "
-            "ConnectX-7 400 Gb/s per GPU",
+            "NVIDIA H100 SXM datasheet (HBM3 3.35 TB/s, BF16 989 / FP8 1979 TFLOPS dense, FP32 67 TFLOPS, "
+            "NVLink 900 GB/s); ConnectX-7 400 Gb/s per GPU",
         ),
         GPU(
             "h800",
@@ -62,6 +65,7 @@ GPUS: dict[str, GPU] = {
             80 * GB,
             989 * TFLOPS,
             1979 * TFLOPS,
+            67 * TFLOPS,
             200 * GB,
             50 * GB,
             132,
@@ -75,6 +79,7 @@ GPUS: dict[str, GPU] = {
             141 * GB,
             989 * TFLOPS,
             1979 * TFLOPS,
+            67 * TFLOPS,
             450 * GB,
             50 * GB,
             132,
@@ -87,12 +92,13 @@ GPUS: dict[str, GPU] = {
             180 * GB,
             2250 * TFLOPS,
             4500 * TFLOPS,
+            80 * TFLOPS,
             900 * GB,
             50 * GB,
             148,
             8,
             "NVIDIA DGX/HGX B200 datasheet (8 TB/s, 180 GB, BF16 2.25 / FP8 4.5 PFLOPS dense, NVLink5 "
-            "1.8 TB/s); ConnectX-7 400 Gb/s",
+            "1.8 TB/s); FP32 80 TFLOPS (NVIDIA Blackwell technical brief, HGX B200); ConnectX-7 400 Gb/s",
         ),
         GPU(
             "gb200",
@@ -100,12 +106,14 @@ GPUS: dict[str, GPU] = {
             186 * GB,
             2500 * TFLOPS,
             5000 * TFLOPS,
+            90 * TFLOPS,
             900 * GB,
             50 * GB,
             148,
             72,
             "NVIDIA GB200 NVL72 datasheet (per GPU: 8 TB/s, 186 GB, BF16 2.5 / FP8 5 PFLOPS dense, NVLink5 "
-            "1.8 TB/s, 72-GPU domain); 400 Gb/s NIC per GPU (assumed)",
+            "1.8 TB/s, 72-GPU domain); FP32 90 TFLOPS (NVIDIA Blackwell technical brief, GB200); "
+            "400 Gb/s NIC per GPU (assumed)",
         ),
     )
 }
@@ -116,7 +124,10 @@ class Efficiency:
     """Fractions of peak and fixed costs (seconds) the model assumes where nothing is measured.
 
     gemm 0.7: DeepGEMM reports ~1550 FP8 TFLOPS on H800 for large grouped GEMMs (0.78 of peak),
-    smaller shapes less. attention 0.6: FlashMLA reports ~660 BF16 TFLOPS on H800 (0.67).
+    smaller shapes less. attention 0.6: FlashMLA reports ~660 BF16 TFLOPS on H800 (0.67); the
+    DeltaNet's chunked prefill (tf32 tensor-core products, `Hardware.tf32_flops`) is assumed the
+    same. vector 0.5: float32 work on the CUDA cores (the DeltaNet's recurrent update, its
+    chunks' triangular solve), short dependent loops over registers: assumed.
     hbm 0.8: a streaming kernel's usual share of HBM bandwidth. nvlink 0.8, nic 0.8: DeepEP's
     normal kernels reach ~153 of H800's ~200 GB/s NVLink and 43-58 of CX7's 50 GB/s RDMA.
     a2a_latency_s: the fixed part of one dispatch or combine (launch, signalling, the receiver's
@@ -125,6 +136,7 @@ class Efficiency:
 
     gemm: float = 0.7
     attention: float = 0.6
+    vector: float = 0.5
     hbm: float = 0.8
     nvlink: float = 0.8
     nic: float = 0.8
@@ -134,6 +146,7 @@ class Efficiency:
 
 
 ASSUMED = Efficiency()
+TF32_PER_BF16 = 0.5
 
 
 @dataclass(frozen=True)
@@ -147,6 +160,7 @@ class Hardware:
     bf16_flops: float
     fp8_flops: float
     attention_flops: float
+    fp32_flops: float
     nvlink_bw: float
     nic_bw: float
     a2a_latency_s: float
@@ -163,12 +177,20 @@ class Hardware:
             g.bf16_flops * eff.gemm,
             g.fp8_flops * eff.gemm,
             g.bf16_flops * eff.attention,
+            g.fp32_flops * eff.vector,
             g.nvlink_bw * eff.nvlink,
             g.nic_bw * eff.nic,
             eff.a2a_latency_s,
             eff.allreduce_latency_s,
             eff.step_overhead_s,
         )
+
+    @property
+    def tf32_flops(self) -> float:
+        """Tensor cores on float32 operands (tf32), at attention's efficiency: half the bf16 rate
+        on every GPU here (H100 494 against 989 TFLOPS dense; B200 1.1 against 2.25 PFLOPS;
+        GB200 1.25 against 2.5), so derived rather than another figure to measure."""
+        return self.attention_flops * TF32_PER_BF16
 
     def with_measured(self, **figures: float) -> Hardware:
         """These figures replaced by measured ones, and named as measured."""

@@ -51,11 +51,12 @@ def _divisors(n: int) -> list[int]:
 
 
 def layouts(shape: ModelShape, space: SearchSpace, ep_limit: int) -> list[Layout]:
-    """EP groups up to `ep_limit` GPUs: TP of attention within a node and dividing the heads."""
+    """EP groups up to `ep_limit` GPUs: TP of attention within a node and dividing the heads it
+    splits (`ModelShape.splits_over`)."""
     out = []
     for ep in _divisors(ep_limit):
         for tp in TP_SIZES:
-            if ep % tp or tp > space.gpus_per_node or shape.heads % tp:
+            if ep % tp or tp > space.gpus_per_node or not shape.splits_over(tp):
                 continue
             for tbo in space.tbo if ep > 1 else (False,):
                 out.append(

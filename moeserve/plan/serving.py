@@ -16,6 +16,7 @@ time over E.
 from __future__ import annotations
 
 import functools
+import math
 from collections import deque
 from dataclasses import dataclass
 
@@ -42,6 +43,17 @@ class Workload:
     def tokens_per_step(self) -> float:
         """E: tokens a decode step yields per request."""
         return sum(self.mtp_acceptance**i for i in range(self.mtp_drafts + 1))
+
+    @property
+    def draft_states(self) -> int:
+        """States a state layer keeps per sequence to step back past rejected drafts: one after
+        each token of a verify step (`EngineConfig.draft_states`), none without MTP."""
+        return self.mtp_drafts + 1 if self.mtp_drafts else 0
+
+    def prompts_in(self, tokens: int) -> float:
+        """Prompts a prefill chunk of `tokens` spans on average: it starts anywhere in a queue of
+        isl-token prompts and crosses a boundary every isl tokens."""
+        return 1 + tokens / self.isl if tokens else 0.0
 
 
 @dataclass(frozen=True)
@@ -91,6 +103,8 @@ class StepTimes:
             prefill_tokens=prefill,
             prefill_ctx=w.isl / 2,
             decode_queries=w.mtp_drafts + 1,
+            decode_restores=1 - w.mtp_acceptance**w.mtp_drafts if w.mtp_drafts else 0.0,
+            prefill_seqs=w.prompts_in(prefill),
         )
         return step_cost(self.shape, self.hw, self.layout, work)
 
@@ -212,11 +226,17 @@ def capacity(shape: ModelShape, hw: Hardware, dep: Deployment, workload: Workloa
 
 
 def fits(shape: ModelShape, hw: Hardware, dep: Deployment, workload: Workload) -> bool:
-    """The weights fit, and the decode ranks' KV cache holds max_batch full-length requests."""
+    """The weights fit, and the decode ranks' KV cache holds max_batch full-length requests
+    beside their states (a hybrid's: max_batch slots, their MTP draft states and as many saved
+    states, `cost.state_bytes_per_gpu`); a prefill rank's holds a chunk and a prompt beside the
+    states of the prompts a chunk spans (its engine's `max_num_seqs` taken as just that)."""
     need = dep.max_batch * (workload.isl + workload.osl)
-    if max_tokens_in_cache(shape, hw, dep.decode) < need:
+    if max_tokens_in_cache(shape, hw, dep.decode, sequences=dep.max_batch, draft_states=workload.draft_states) < need:
         return False
-    return dep.prefill is None or max_tokens_in_cache(shape, hw, dep.prefill) >= dep.chunk + workload.isl
+    if dep.prefill is None:
+        return True
+    prompts = math.ceil(workload.prompts_in(dep.chunk))
+    return max_tokens_in_cache(shape, hw, dep.prefill, sequences=prompts) >= dep.chunk + workload.isl
 
 
 def serve(

@@ -8,10 +8,12 @@ config.json is stored beside this module (`configs/`, shapes only: no weights).
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from moeserve.cache_spec import ITEMSIZES
 from moeserve.config import BlockFP8Config, ModelConfig, MXFP4Config, NVFP4Config, PackedInt4Config
 
 CONFIGS = Path(__file__).parent / "configs"
@@ -70,10 +72,39 @@ class ModelShape:
     """DSA: indexer FLOPs per query token, per context token, per indexer layer."""
     indexer_key_bytes: int = 0
     """DSA: indexer key cache bytes per token and indexer layer (bf16 cache)."""
+    linear_layers: int = 0
+    """Gated DeltaNet layers (Qwen3-Next, Qwen3.5: three of every four); the others attend."""
+    linear_key_heads: int = 0
+    linear_value_heads: int = 0
+    linear_key_dim: int = 0
+    linear_value_dim: int = 0
+    linear_in_params: int = 0
+    """One DeltaNet's in-projections as the checkpoint stores them: q, k, v, z (`in_proj_qkv` and
+    `in_proj_z`, or `in_proj_qkvz`) and b, a (a row per value head each)."""
+    linear_out_params: int = 0
+    """One DeltaNet's `out_proj`."""
+    linear_conv_params: int = 0
+    """One DeltaNet's depthwise conv over the q, k and v channels: weights, not a GEMM."""
+    linear_state_bytes: int = 0
+    """One DeltaNet's recurrent state per sequence at TP 1: value heads x Dk x Dv in float32, as
+    the engine keeps it (the layer's cache spec)."""
+    state_bytes: int = 0
+    """A sequence's states over every layer at TP 1, conv states included: what the engine sets
+    aside per slot (`CacheSpecs.state_bytes_per_sequence`)."""
 
     @property
     def dense_layers(self) -> int:
         return self.layers - self.moe_layers
+
+    @property
+    def attention_layers(self) -> int:
+        """Layers that attend over a KV cache: all but the DeltaNets."""
+        return self.layers - self.linear_layers
+
+    def splits_over(self, tp: int) -> bool:
+        """Whether TP `tp` divides the heads the model splits: attention's query heads and the
+        DeltaNet's key and value heads (KV heads are replicated past their count)."""
+        return not (self.heads % tp or self.linear_key_heads % tp or self.linear_value_heads % tp)
 
     @property
     def expert_params(self) -> int:
@@ -89,12 +120,36 @@ class ModelShape:
         return min(self.kv_ctx(ctx), self.index_topk) if self.index_topk else self.kv_ctx(ctx)
 
 
+def linear_fields(config: ModelConfig) -> dict[str, int]:
+    """A hybrid's `ModelShape` fields for its Gated DeltaNet layers, none for another model: the
+    projections as `GatedDeltaNet` builds them, the states from the cache specs the engine
+    budgets with, so the planner's state bytes are the engine's."""
+    lin = config.linear_attention
+    if lin is None or not any(config.linear_layers):
+        return {}
+    import torch
+
+    from moeserve.models.decoder import cache_specs
+    from moeserve.models.layers.gated_deltanet import GatedDeltaNet
+
+    spec = GatedDeltaNet.cache_spec(config, torch.bfloat16)
+    (_, recurrent), (_, recurrent_dtype) = spec.shapes, spec.dtypes  # (conv, recurrent)
+    value_dim = lin.num_value_heads * lin.value_head_dim
+    return {
+        "linear_layers": sum(config.linear_layers),
+        "linear_key_heads": lin.num_key_heads,
+        "linear_value_heads": lin.num_value_heads,
+        "linear_key_dim": lin.key_head_dim,
+        "linear_value_dim": lin.value_head_dim,
+        "linear_in_params": config.hidden_size * (lin.conv_channels + value_dim + 2 * lin.num_value_heads),
+        "linear_out_params": value_dim * config.hidden_size,
+        "linear_conv_params": lin.conv_channels * lin.conv_kernel,
+        "linear_state_bytes": math.prod(recurrent) * ITEMSIZES[recurrent_dtype],
+        "state_bytes": cache_specs(config, torch.bfloat16).state_bytes_per_sequence,
+    }
+
+
 def shape_of(config: ModelConfig, name: str) -> ModelShape:
-    if any(config.linear_layers):  # its cost terms and its states' share of memory are not modelled
-        raise ValueError(
-            f"{name}: the planner does not model Gated DeltaNet layers yet ({config.architecture}); "
-            "`moeserve plan --cache-per-sequence` gives its cache bytes per sequence"
-        )
     if config.compressed_attention is not None:  # the cost model has none of these terms
         raise ValueError(
             f"{name}: the planner does not model DeepSeek-V4 yet ({config.architecture}): its step cost has no "
@@ -121,7 +176,8 @@ def shape_of(config: ModelConfig, name: str) -> ModelShape:
         head_dim = m.qk_head_dim
     else:
         d = config.head_dim
-        attn_params = h * (config.num_heads + 2 * config.num_kv_heads) * d + config.num_heads * d * h
+        q_rows = config.num_heads * d * (2 if config.attention_output_gate else 1)  # a gate beside each query
+        attn_params = h * (q_rows + 2 * config.num_kv_heads * d) + config.num_heads * d * h
         ctx_flops = prefill_flops = 4 * config.num_heads * d
         kv_bytes = 2 * 2 * config.num_kv_heads * d
         kind = "gqa"
@@ -166,6 +222,7 @@ def shape_of(config: ModelConfig, name: str) -> ModelShape:
         # per indexer head: a score over its keys, then the weighted sum (`plan.sparse_attention`)
         indexer_ctx_flops=dsa.index_n_heads * (2 * dsa.index_head_dim + 2) if dsa else 0,
         indexer_key_bytes=2 * dsa.index_head_dim if dsa else 0,
+        **linear_fields(config),
     )
 
 

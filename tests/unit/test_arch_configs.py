@@ -83,12 +83,14 @@ def test_hybrid_layer_types_defaults_and_the_multimodal_text_config():
         resolve_architecture(raw_config("qwen3_next", layer_types=["linear_attention", "sliding_attention"] * 2))
 
 
-def test_planner_refuses_hybrid_models_by_name():
+def test_planner_reads_the_hybrids_layer_kinds():
+    """The planner's shape counts the DeltaNets `layer_types` names, and their heads."""
     from moeserve.plan.shapes import shape_of
 
-    _, cfg = resolve_architecture(raw_config("qwen3_5_moe"))
-    with pytest.raises(ValueError, match="does not model Gated DeltaNet layers"):
-        shape_of(cfg, "tiny")
+    for arch, linear in (("qwen3_5_moe", 3), ("qwen3_next", 2)):
+        shape = shape_of(resolve_architecture(raw_config(arch))[1], "tiny")
+        assert (shape.linear_layers, shape.attention_layers) == (linear, 4 - linear)
+        assert (shape.linear_key_heads, shape.linear_value_heads) == (2, 4)
 
 
 def test_olmoe_norm_over_the_whole_projection_and_clip():

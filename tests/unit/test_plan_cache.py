@@ -5,6 +5,7 @@ configs' dimensions."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from moeserve.cli import main
 from moeserve.plan.cache import CONTEXTS, cache_table, sequence_cache
@@ -16,7 +17,7 @@ def test_qwen3_5_beside_qwen3_by_hand():
     assert hybrid.bytes_per_token == 10 * 2 * 2 * 256 * 2  # attention layers x (K, V) x KV heads x head dim x bf16
     conv = (2 * 16 * 128 + 32 * 128) * 3 * 2  # q, k, v channels x (kernel - 1) x bf16
     recurrent = 32 * 128 * 128 * 4  # value heads x Dk x Dv x float32
-    assert hybrid.state_bytes == hybrid.saved_state_bytes == 30 * (conv + recurrent)
+    assert hybrid.state_bytes == 30 * (conv + recurrent)
     assert (dense.bytes_per_token, dense.state_bytes) == (48 * 2 * 4 * 128 * 2, 0)
     for model in (hybrid, dense):
         assert model.at_context == tuple(n * model.bytes_per_token + model.state_bytes for n in CONTEXTS)
@@ -45,7 +46,7 @@ def test_deepseek_v4_flash_beside_v3_by_hand():
     csa_state = 2 * 3 * 1024 * 2 + 4 * 512 * (2 + 4)  # pending values, gates (2 x 512 wide); carried Ca, gates
     csa_state += 2 * 3 * 256 * 2 + 4 * 128 * (2 + 4)  # the indexer's compressor alike, 128 wide
     hca_state = 2 * 127 * 512 * 2  # pending values and gates of up to 127 positions
-    assert v4.state_bytes == 21 * csa_state + 20 * hca_state and v4.saved_state_bytes == 0
+    assert v4.state_bytes == 21 * csa_state + 20 * hca_state
     for n, got in zip(CONTEXTS, v4.at_context, strict=True):
         window = 43 * 128 * row  # every context here is a multiple of 16 and over 128: 8 whole blocks
         csa = 21 * -(-(n // 4) // 16) * 16 * (row + index_key)
@@ -56,13 +57,33 @@ def test_deepseek_v4_flash_beside_v3_by_hand():
     assert v3.at_context[-1] / v4.at_context[-1] > 10  # 1M tokens: a tenth of V3's cache
 
 
-def test_the_command_prints_the_table_and_the_search_refuses_hybrids_and_v4(capsys):
+def test_a_saved_state_costs_what_the_engine_allocates_for_one():
+    """Prefix caching keeps saved states for V4 (its open compression windows) as for a hybrid
+    (its DeltaNet states): the table's figure is what the engine's budget sets aside for one
+    saved state and what its allocation holds for one."""
+    from moeserve.models.decoder import cache_specs
+    from moeserve.models.v4.cache import allocate
+    from moeserve.worker.kv_cache import state_bytes
+
+    for name in ("deepseek-v4-flash", "qwen3.5-35b-a3b"):
+        config, _ = load_config(name)
+        table = sequence_cache(config, name)
+        assert table.state_bytes > 0
+        assert state_bytes(config, torch.bfloat16, 0, saved_states=1) == table.state_bytes
+    config, _ = load_config("deepseek-v4-flash")
+    specs = cache_specs(config, torch.bfloat16)
+    pools = dict.fromkeys(specs.groups, 1)
+    saved = [allocate(layer, pools, 16, 0, "meta", num_saved=1).saved for layer in specs.layers]
+    assert sum(t.numel() * t.element_size() for layer in saved for t in layer) == sequence_cache(config, "").state_bytes
+    rows = [line.split() for line in cache_table([sequence_cache(config, "flash")]).splitlines()]
+    assert rows[12] == ["saved", "state", "(prefix", "caching),", "each", "5.6", "MiB"]
+
+
+def test_the_command_prints_the_table_and_the_search_refuses_v4(capsys):
     assert main(["plan", "--cache-per-sequence", "deepseek-v4-flash", "deepseek-v4-pro", "deepseek-v3"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split() == ["cache", "per", "sequence", "deepseek-v4-flash", "deepseek-v4-pro", "deepseek-v3"]
     assert lines[10].split() == ["1M", "tokens", "6891", "MiB", "9864", "MiB", "68.6", "GiB"]
-    with pytest.raises(ValueError, match="--cache-per-sequence"):
-        load_shape("qwen3.5-35b-a3b")
     with pytest.raises(ValueError, match="sliding window plus compressed entries"):
         load_shape("deepseek-v4-pro")
     assert main(["plan", "--gpus", "8"]) == 2
