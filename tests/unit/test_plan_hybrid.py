@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from helpers.hf_configs import hf_config
 
 from moeserve.cli import main
 from moeserve.engine_config import EngineConfig
@@ -30,7 +31,6 @@ from moeserve.plan.search import SearchSpace, layouts, search
 from moeserve.plan.serving import Deployment, StepTimes, Workload, fits
 from moeserve.plan.shapes import load_config, load_shape, shape_of
 from moeserve.worker.kv_cache import state_bytes
-from tests.helpers.hf_configs import hf_config
 
 H100_HBM = 3.35e12 * 0.8
 H100_FP32 = 67e12 * 0.5
