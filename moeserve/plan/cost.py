@@ -34,6 +34,12 @@ DELTA_BLOCK_V = 32
 """Value dims per program of its state kernel (`kernels.chunk_delta.BLOCK_V`): each recomputes
 its chunk's q k^T."""
 
+PREFILL_QUERY_TILE = 128
+"""Prompt tokens that share one read of their sequence's KV from HBM in prefill attention: a
+flash-style kernel streams the keys once per tile of queries (64-128 rows), and the tiles of a
+sequence running at once meet in L2. An assumption, not a measurement; without it every prompt
+token would read the whole context, which makes long prompts look bandwidth bound."""
+
 COMPUTE_TERMS = (
     "attention_proj",
     "attention_core",
@@ -133,7 +139,8 @@ def attention_core(shape: ModelShape, hw: Hardware, layout: Layout, work: Work) 
     (MLA absorbed: scores over the 512+64 latent, values over the 512), reading each sequence's
     KV once (`kv_bytes` per token and layer; MTP's drafts share it). MLA's latent is one "head"
     every TP rank holds whole; GQA's KV heads split over TP. Prefill: `prefill_ctx_flops` per
-    pair (MLA not absorbed), compute bound. Heads split over TP, so FLOPs divide by tp.
+    pair (MLA not absorbed), the KV read once per `PREFILL_QUERY_TILE` prompt tokens, so compute
+    bound. Heads split over TP, so FLOPs divide by tp.
     DeepSeek Sparse Attention: MLA over the top-k only (`attended_ctx`), plus the indexer."""
     kv_split = 1 if shape.attention == "mla" else min(layout.tp, shape.kv_heads)
     ctx = shape.attended_ctx(work.decode_ctx)
@@ -147,7 +154,7 @@ def attention_core(shape: ModelShape, hw: Hardware, layout: Layout, work: Work) 
     prefill = roofline(
         work.prefill_tokens * pctx * shape.prefill_ctx_flops / layout.tp,
         hw.attention_flops,
-        work.prefill_tokens * pctx * shape.kv_bytes / kv_split,
+        work.prefill_tokens / PREFILL_QUERY_TILE * pctx * shape.kv_bytes / kv_split,
         hw.hbm_bw,
     )
     return decode + prefill + indexer(shape, hw, work)
@@ -155,7 +162,8 @@ def attention_core(shape: ModelShape, hw: Hardware, layout: Layout, work: Work) 
 
 def indexer(shape: ModelShape, hw: Hardware, work: Work) -> float:
     """DSA's lightning indexer, averaged over the layers (`indexer_share` run one): every query
-    scores every context token (`indexer_ctx_flops`), reading each sequence's indexer keys once.
+    scores every context token (`indexer_ctx_flops`), reading each sequence's indexer keys once
+    (in prefill once per `PREFILL_QUERY_TILE` prompt tokens).
     Replicated on the TP ranks of a group, as the model runs it; zero for a dense model."""
     share = shape.indexer_share
     decode = roofline(
@@ -167,7 +175,7 @@ def indexer(shape: ModelShape, hw: Hardware, work: Work) -> float:
     prefill = roofline(
         share * work.prefill_tokens * work.prefill_ctx * shape.indexer_ctx_flops,
         hw.attention_flops,
-        share * work.prefill_tokens * work.prefill_ctx * shape.indexer_key_bytes,
+        share * work.prefill_tokens / PREFILL_QUERY_TILE * work.prefill_ctx * shape.indexer_key_bytes,
         hw.hbm_bw,
     )
     return decode + prefill

@@ -123,6 +123,17 @@ def test_mla_decode_attention_by_hand(v3, h100):
     assert t8 == pytest.approx(max(flops / 8 / H100_ATTN, kv / H100_HBM))
 
 
+def test_mla_prefill_attention_reads_the_kv_once_per_query_tile(v3, h100):
+    """A 16k-token prefill step at a mean context of 1000: 128 heads x (192 + 128) dims of
+    unabsorbed MLA per (query, key) pair against one read of the latent per 128 prompt tokens;
+    compute bound, as a flash-style kernel runs it (every query reading the whole context would
+    make it three times slower, and bandwidth bound)."""
+    t = attention_core(v3, h100, Layout(), Work(prefill_tokens=16384, prefill_ctx=1000))
+    flops = 16384 * 1000 * 2 * 128 * (192 + 128)
+    kv = 16384 / 128 * 1000 * 1152
+    assert t == pytest.approx(max(flops / H100_ATTN, kv / H100_HBM)) == pytest.approx(flops / H100_ATTN)
+
+
 def test_mtp_queries_share_one_kv_read(v3, h100):
     """Four queries per sequence (3 drafts): FLOPs x4, the KV read once."""
     work = Work(decode_tokens=4 * 8, decode_ctx=2000, decode_queries=4)
