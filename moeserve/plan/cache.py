@@ -16,9 +16,9 @@ import torch
 from moeserve.cache_spec import BlockGroup
 from moeserve.config import ModelConfig
 from moeserve.models.decoder import cache_specs
+from moeserve.plan.shapes import BLOCK_SIZE
 
 CONTEXTS = (1024, 32 * 1024, 128 * 1024, 1024 * 1024)
-BLOCK_SIZE = 16
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,9 @@ activation kernels (elementwise, a few per cent), the router GEMM, and queueing 
 beyond the imbalance factor. Of a DeltaNet: its causal conv (K taps per channel, and its conv
 state, a fortieth of the recurrent state's bytes), the gates' and the gated norm's elementwise
 work, the activations its kernels read and write, and prefix caching's copies of its states.
+Of DeepSeek-V4: its compressors' pooling (a softmax-gated sum over `ratio` rows per entry,
+elementwise), the indexer's top-k selection, the hyper head's one collapse before the LM head,
+and the Sinkhorn iterations (a few thousand FLOPs a token on N x N matrices).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import torch
 
 from moeserve.dispatch.wire import dispatch_row_bytes, ep_rows_per_token, tp_rows_per_token
 from moeserve.plan.hardware import Hardware
-from moeserve.plan.shapes import ModelShape
+from moeserve.plan.shapes import CompressedKind, ModelShape
 
 DELTA_CHUNK = 32
 """Tokens per chunk of the chunked delta rule (`kernels.chunk_delta.CHUNK`, which a test pins)."""
@@ -40,9 +43,15 @@ flash-style kernel streams the keys once per tile of queries (64-128 rows), and 
 sequence running at once meet in L2. An assumption, not a measurement; without it every prompt
 token would read the whole context, which makes long prompts look bandwidth bound."""
 
+HYPER_STREAM_PASSES = 4
+"""Passes over a token's N x H bf16 streams per hyper-connection mixer: the normalised
+projection reads them, the collapse reads them, the merge reads and writes them. Counted from
+`models.v4.hyper`, run as separate torch ops (no fused kernel)."""
+
 COMPUTE_TERMS = (
     "attention_proj",
     "attention_core",
+    "hyper_connections",
     "deltanet_proj",
     "deltanet_core",
     "dense_mlp",
@@ -131,6 +140,8 @@ def weight_gemm(params: float, tokens: float, rate: float, weight_bytes: float, 
 
 def attention_proj(shape: ModelShape, hw: Hardware, layout: Layout, work: Work) -> float:
     """Q/KV/O projections over the TP shard of `attn_params` (`weight_gemm`)."""
+    if shape.attention_replicated:
+        return compressed_proj(shape, hw, work)
     return weight_gemm(shape.attn_params / layout.tp, work.tokens, _dense_rate(shape, hw), shape.dense_weight_bytes, hw)
 
 
@@ -141,7 +152,10 @@ def attention_core(shape: ModelShape, hw: Hardware, layout: Layout, work: Work) 
     every TP rank holds whole; GQA's KV heads split over TP. Prefill: `prefill_ctx_flops` per
     pair (MLA not absorbed), the KV read once per `PREFILL_QUERY_TILE` prompt tokens, so compute
     bound. Heads split over TP, so FLOPs divide by tp.
-    DeepSeek Sparse Attention: MLA over the top-k only (`attended_ctx`), plus the indexer."""
+    DeepSeek Sparse Attention: MLA over the top-k only (`attended_ctx`), plus the indexer.
+    DeepSeek-V4: `compressed_core`."""
+    if shape.attention_replicated:
+        return compressed_core(shape, hw, work)
     kv_split = 1 if shape.attention == "mla" else min(layout.tp, shape.kv_heads)
     ctx = shape.attended_ctx(work.decode_ctx)
     decode = roofline(
@@ -179,6 +193,94 @@ def indexer(shape: ModelShape, hw: Hardware, work: Work) -> float:
         hw.hbm_bw,
     )
     return decode + prefill
+
+
+def compressed_proj(shape: ModelShape, hw: Hardware, work: Work) -> float:
+    """DeepSeek-V4's projections of one layer, averaged over its kinds, every rank of a TP group
+    computing them all (the server replicates V4's attention): q through its low-rank path
+    (H x q_lora, q_lora x Hq D), the shared key-and-value (H x D), the output's mixing
+    `wo_b` (G o_lora x H) and the compressors' and indexer's per-token projections
+    (`CompressedKind.compressor_params`), all as the checkpoint stores them; the grouped `wo_a`
+    (Hq D x o_lora in G blocks) in bf16, its FP8 weights dequantized at load (`weight_gemm`)."""
+    compressors = sum(k.layers * k.compressor_params for k in shape.compressed_kinds) / shape.layers
+    params = shape.attn_params + compressors
+    linear = weight_gemm(params, work.tokens, _dense_rate(shape, hw), shape.dense_weight_bytes, hw)
+    return linear + weight_gemm(shape.grouped_out_params, work.tokens, hw.bf16_flops, 2.0, hw)
+
+
+def compressed_core(shape: ModelShape, hw: Hardware, work: Work) -> float:
+    """DeepSeek-V4's attention and CSA indexer of one layer, averaged over its kinds (window
+    only, CSA, HCA: `compressed_attention`, `compressed_indexer`). Replicated over TP: nothing
+    divides by tp."""
+    total = sum(
+        kind.layers * (compressed_attention(shape, kind, hw, work) + compressed_indexer(kind, hw, work))
+        for kind in shape.compressed_kinds
+    )
+    return total / shape.layers
+
+
+def compressed_attention(shape: ModelShape, kind: CompressedKind, hw: Hardware, work: Work) -> float:
+    """One V4 layer's shared-KV attention (`kernels.compressed_attention.sink_attention`): a
+    query at context c attends min(c, window) window keys and the layer's compressed entries,
+    c / ratio of them (CSA: at most top-k, those its indexer picked; window-only layers none).
+    Each key is read as key and value by every head: 4 Hq D FLOPs per (query, key). Decode
+    reads each sequence's keys once a step (window entries `kv_bytes`, compressed ones
+    `entry_bytes`, from the specs; MTP's drafts share them; the kernel's programs over tiles
+    of heads meet in L2); prefill once per `PREFILL_QUERY_TILE` prompt tokens."""
+    decode = _compressed_pass(
+        shape, kind, hw, work.decode_tokens, work.decode_tokens / work.decode_queries, work.decode_ctx
+    )
+    prefill = _compressed_pass(
+        shape, kind, hw, work.prefill_tokens, work.prefill_tokens / PREFILL_QUERY_TILE, work.prefill_ctx
+    )
+    return decode + prefill
+
+
+def _compressed_pass(
+    shape: ModelShape, kind: CompressedKind, hw: Hardware, queries: float, reads: float, ctx: float
+) -> float:
+    """`queries` queries at context `ctx`, the keys read `reads` times (sequences, or tiles)."""
+    window, entries = min(ctx, shape.window), kind.entries(ctx)
+    return roofline(
+        queries * (window + entries) * shape.attn_ctx_flops,
+        hw.attention_flops,
+        reads * (window * shape.kv_bytes + entries * kind.entry_bytes),
+        hw.hbm_bw,
+    )
+
+
+def compressed_indexer(kind: CompressedKind, hw: Hardware, work: Work) -> float:
+    """A CSA layer's lightning indexer (`kernels.compressed_attention.indexer_topk`): every query
+    at context c scores all c / ratio closed entries (`index_ctx_flops` each), reading each
+    sequence's indexer keys once a step in decode, once per `PREFILL_QUERY_TILE` prompt
+    tokens in prefill. Zero for the other kinds."""
+    if not kind.topk:
+        return 0.0
+    return sum(
+        roofline(
+            queries * ctx / kind.ratio * kind.index_ctx_flops,
+            hw.attention_flops,
+            reads * ctx / kind.ratio * kind.index_key_bytes,
+            hw.hbm_bw,
+        )
+        for queries, reads, ctx in (
+            (work.decode_tokens, work.decode_tokens / work.decode_queries, work.decode_ctx),
+            (work.prefill_tokens, work.prefill_tokens / PREFILL_QUERY_TILE, work.prefill_ctx),
+        )
+    )
+
+
+def hyper_connections(shape: ModelShape, hw: Hardware, work: Work) -> float:
+    """DeepSeek-V4's two hyper-connection mixers of one layer (`models.v4.hyper`), on every rank
+    of a TP group for every token. Each projects the token's normalised N x H streams to
+    (2 + N) N mixing weights in float32 on the CUDA cores (2 FLOPs per parameter per token,
+    `hyper_params` both, their float32 weights read once), and passes over the bf16 streams
+    `HYPER_STREAM_PASSES` times: N times the activation traffic of a plain residual, which at
+    a large batch rivals the weights' bytes, so it is priced; zero without streams."""
+    if not shape.hyper_streams:
+        return 0.0
+    streams = work.tokens * 2 * HYPER_STREAM_PASSES * shape.hyper_streams * shape.hidden * 2
+    return roofline(2 * shape.hyper_params * work.tokens, hw.fp32_flops, shape.hyper_params * 4 + streams, hw.hbm_bw)
 
 
 def deltanet_proj(shape: ModelShape, hw: Hardware, layout: Layout, work: Work) -> float:
@@ -317,10 +419,14 @@ def combine(shape: ModelShape, hw: Hardware, layout: Layout, work: Work) -> floa
 
 def tp_allreduce(shape: ModelShape, hw: Hardware, layout: Layout, work: Work) -> float:
     """A ring all-reduce of the group's bf16 activations over NVLink: each rank sends
-    2 (tp - 1)/tp of T H 2 bytes (`wire.tp_rows_per_token` is the group's 2 (tp - 1) rows)."""
+    2 (tp - 1)/tp of T H 2 bytes (`wire.tp_rows_per_token` is the group's 2 (tp - 1) rows).
+    DeepSeek-V4, whose attention every rank runs whole, instead all-gathers the MoE's outputs
+    of its token slices: (tp - 1)/tp of T H 2 bytes, half an all-reduce's."""
     if layout.tp == 1:
         return 0.0
     nbytes = tp_rows_per_token(layout.tp) / layout.tp * work.tokens * shape.hidden * 2
+    if shape.attention_replicated:
+        nbytes /= 2
     return hw.allreduce_latency_s + nbytes / hw.nvlink_bw
 
 
@@ -332,6 +438,7 @@ def mixer_terms(shape: ModelShape, hw: Hardware, layout: Layout, work: Work) -> 
     return {
         "attention_proj": attention * attention_proj(shape, hw, layout, work),
         "attention_core": attention * attention_core(shape, hw, layout, work),
+        "hyper_connections": shape.layers * hyper_connections(shape, hw, work),
         "deltanet_proj": linear * deltanet_proj(shape, hw, layout, work),
         "deltanet_core": linear * deltanet_core(shape, hw, layout, work),
     }
@@ -412,17 +519,35 @@ def step_cost(shape: ModelShape, hw: Hardware, layout: Layout, work: Work) -> St
 def weight_bytes_per_gpu(shape: ModelShape, layout: Layout) -> float:
     """Weights the fullest rank holds: its TP shard of attention, DeltaNets, dense MLPs and
     shared experts, its ceil(E/ep) routed experts, and the embedding and LM head (bf16,
-    replicated). A DeltaNet's in-projections and conv are bf16 in every checkpoint."""
-    dense = shape.attention_layers * shape.attn_params + shape.dense_layers * 3 * shape.hidden * shape.dense_inter
+    replicated). A DeltaNet's in-projections and conv are bf16 in every checkpoint. DeepSeek-V4's
+    attention is replicated (`replicated_attention_bytes`)."""
+    attention = 0 if shape.attention_replicated else shape.attention_layers * shape.attn_params
+    dense = attention + shape.dense_layers * 3 * shape.hidden * shape.dense_inter
     dense += shape.moe_layers * 3 * shape.hidden * shape.shared_inter + shape.linear_layers * shape.linear_out_params
     linear = shape.linear_layers * (shape.linear_in_params + shape.linear_conv_params) * 2
     routed = shape.moe_layers * experts_per_rank(shape, layout) * shape.expert_params
     embeddings = 2 * shape.vocab * shape.hidden * 2
-    return (dense * shape.dense_weight_bytes + linear) / layout.tp + routed * shape.expert_weight_bytes + embeddings
+    sharded = (dense * shape.dense_weight_bytes + linear) / layout.tp
+    return sharded + routed * shape.expert_weight_bytes + embeddings + replicated_attention_bytes(shape)
+
+
+def replicated_attention_bytes(shape: ModelShape) -> float:
+    """DeepSeek-V4's attention weights, whole on every rank: its projections and compressors as
+    stored, the grouped `wo_a` in bf16, the hyper-connection mixers in float32. Zero otherwise."""
+    if not shape.attention_replicated:
+        return 0.0
+    compressors = sum(k.layers * k.compressor_params for k in shape.compressed_kinds)
+    stored = (shape.layers * shape.attn_params + compressors) * shape.dense_weight_bytes
+    return stored + shape.layers * (shape.grouped_out_params * 2 + shape.hyper_params * 4)
 
 
 def kv_bytes_per_token(shape: ModelShape, layout: Layout) -> float:
-    """KV cache bytes one rank holds per token of its DP group (the attention layers')."""
+    """KV cache bytes one rank holds per token of its DP group (the attention layers').
+    DeepSeek-V4: its compressed entries and indexer keys, an entry per `ratio` positions
+    (`CacheSpecs.bytes_per_context_token`), whole on every rank; its window's are bounded by
+    the window and set aside per sequence (`ModelShape.sequence_block_bytes`)."""
+    if shape.attention_replicated:
+        return sum(k.layers * k.bytes_per_context_token for k in shape.compressed_kinds)
     kv_split = 1 if shape.attention == "mla" else min(layout.tp, shape.kv_heads)
     return shape.attention_layers * (shape.kv_bytes / kv_split + shape.indexer_share * shape.indexer_key_bytes)
 
@@ -432,7 +557,13 @@ def state_bytes_per_gpu(shape: ModelShape, layout: Layout, sequences: int, draft
     block, as the engine does (`worker.kv_cache.state_bytes` with `max_num_seqs` = `sequences`):
     a slot each, with its `draft_states` (MTP: drafts + 1, `EngineConfig.draft_states`), and as
     many saved states for prefix caching (the engine's default `saved_states` is
-    `max_num_seqs`). The states split over TP with the heads. Zero without state layers."""
+    `max_num_seqs`). The states split over TP with the heads. Zero without state layers.
+    DeepSeek-V4 keeps each verify step's inputs instead of a state per draft
+    (`models.v4.cache.kept_bytes_per_sequence`: a state and `kept_bytes_per_draft` per draft
+    state), and its states are whole on every rank."""
+    if shape.attention_replicated:
+        kept = shape.state_bytes + draft_states * shape.kept_bytes_per_draft if draft_states else 0
+        return sequences * (2 * shape.state_bytes + kept)
     return sequences * (2 + draft_states) * shape.state_bytes / layout.tp
 
 
@@ -440,8 +571,9 @@ def max_tokens_in_cache(
     shape: ModelShape, hw: Hardware, layout: Layout, usable: float = 0.9, sequences: int = 0, draft_states: int = 0
 ) -> float:
     """Tokens of context one DP group can hold: `usable` of HBM less the weights and the states
-    of `sequences` running sequences (`state_bytes_per_gpu`), over the KV bytes per token
-    (activations and graphs take the rest)."""
+    of `sequences` running sequences (`state_bytes_per_gpu`) and, DeepSeek-V4, their windows'
+    blocks (`ModelShape.sequence_block_bytes`), over the KV bytes per token (activations and
+    graphs take the rest)."""
     free = hw.gpu.hbm_bytes * usable - weight_bytes_per_gpu(shape, layout)
-    free -= state_bytes_per_gpu(shape, layout, sequences, draft_states)
+    free -= state_bytes_per_gpu(shape, layout, sequences, draft_states) + sequences * shape.sequence_block_bytes
     return max(free, 0.0) / kv_bytes_per_token(shape, layout)
