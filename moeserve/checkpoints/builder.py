@@ -35,8 +35,10 @@ import torch
 from transformers import (
     AutoModelForCausalLM,
     DeepseekV3Config,
+    DeepseekV32Config,
     GenerationConfig,
     Glm4MoeConfig,
+    GlmMoeDsaConfig,
     GptOssConfig,
     MiniMaxM2Config,
     MixtralConfig,
@@ -44,12 +46,14 @@ from transformers import (
     PreTrainedConfig,
     PreTrainedModel,
     Qwen2MoeConfig,
+    Qwen3_5MoeTextConfig,
     Qwen3MoeConfig,
+    Qwen3NextConfig,
 )
 
 from moeserve.checkpoints import quantize_fp8, quantize_int4, quantize_mxfp4, quantize_nvfp4
 from moeserve.checkpoints.mtp import write_mtp_layers
-from moeserve.checkpoints.spec import SUPPORTED_ARCHS, MakeModelSpec
+from moeserve.checkpoints.spec import HYBRID_ARCHS, SUPPORTED_ARCHS, MakeModelSpec
 from moeserve.checkpoints.tokenizer import BOS_ID, EOS_ID, HARMONY_IDS, IM_END_ID, PAD_ID, train_tokenizer
 
 logger = logging.getLogger("moeserve.checkpoints")
@@ -59,6 +63,10 @@ __all__ = ["SUPPORTED_ARCHS", "MakeModelSpec", "make_model"]
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _CORRECTION_BIAS_STD = 0.05  # flips the choice of some, not all, tokens' experts (sigmoid scores)
 _EXPERT_BIAS_STD = 0.1  # gpt-oss's expert biases: of the order of its projections' outputs at init
+_ZERO_CENTRED_NORM_STD = 0.2  # Qwen3-Next's norms scale by 1 + w: spreads their scales over about 0.8-1.2
+_LINEAR_CONV_KERNEL = 4  # the DeltaNets' causal convolution, as released
+_DSA_INDEX_HEADS = 16  # enough that no two keys tie at an indexer score of exactly 0 (every head's ReLU zero)
+_DSA_INDEX_TOPK = 16  # keys each query attends to: prompts longer than this exercise the sparse path
 
 
 def make_model(spec: MakeModelSpec, out_dir: Path) -> Path:
@@ -77,6 +85,8 @@ def make_model(spec: MakeModelSpec, out_dir: Path) -> Path:
         model = AutoModelForCausalLM.from_config(config, dtype=_TORCH_DTYPES[spec.dtype])
         _randomise_correction_bias(model)
         _randomise_expert_biases(model)
+        if spec.arch in HYBRID_ARCHS:
+            _randomise_zero_centred_norms(model)
     model.generation_config = _generation_config(spec)
     model.save_pretrained(out_dir, max_shard_size=spec.max_shard_bytes)
     if spec.mtp_layers:
@@ -111,6 +121,16 @@ def _randomise_expert_biases(model: PreTrainedModel) -> None:
         for name, param in model.named_parameters():
             if name.endswith(("experts.gate_up_proj_bias", "experts.down_proj_bias")):
                 param.copy_(torch.randn(param.shape) * _EXPERT_BIAS_STD)
+
+
+def _randomise_zero_centred_norms(model: PreTrainedModel) -> None:
+    """Draw the hybrid models' zero-centred RMSNorm weights (zero in HF's init, a scale of 1 + w)
+    at random, so that a loader which forgot the ``1 +``, or added it to the DeltaNet's gated norm
+    (a plain scale), gives other logits."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight") and not param.any():
+                param.normal_(0.0, _ZERO_CENTRED_NORM_STD)
 
 
 def _randomise_correction_bias(model: PreTrainedModel) -> None:
@@ -193,28 +213,9 @@ def _qwen3_moe_config(spec: MakeModelSpec) -> PreTrainedConfig:
 
 
 def _deepseek_v3_config(spec: MakeModelSpec) -> PreTrainedConfig:
-    """DeepSeek-V3: MLA attention, sigmoid group-limited router with a correction bias, shared
-    experts, dense first layers. No multi-token-prediction layer: HF neither builds nor saves
-    one, so the config says 0 rather than HF's default 1."""
-    return DeepseekV3Config(
-        **_common_config(spec, "DeepseekV3ForCausalLM"),
-        num_key_value_heads=spec.heads,  # MLA; HF's default (128) would be wrong here
-        intermediate_size=spec.dense_intermediate,
-        moe_intermediate_size=spec.expert_intermediate,
-        n_routed_experts=spec.experts,
-        n_shared_experts=spec.n_shared_experts,
-        routed_scaling_factor=spec.routed_scaling_factor,
-        q_lora_rank=spec.q_lora_rank or None,
-        kv_lora_rank=spec.kv_lora_rank,
-        qk_rope_head_dim=spec.qk_rope_head_dim,
-        qk_nope_head_dim=spec.qk_nope_head_dim,
-        v_head_dim=spec.v_head_dim,
-        n_group=spec.n_group,
-        topk_group=spec.topk_group,
-        first_k_dense_replace=spec.first_k_dense_replace,
-        norm_topk_prob=True,
-        num_mtp_layers=0,
-    )
+    """DeepSeek-V3. No multi-token-prediction layer: HF neither builds nor saves one, so the
+    config says 0 rather than HF's default 1."""
+    return DeepseekV3Config(**_mla_config(spec, "DeepseekV3ForCausalLM"), num_mtp_layers=0)
 
 
 def _olmoe_config(spec: MakeModelSpec) -> PreTrainedConfig:
@@ -277,6 +278,94 @@ def _gpt_oss_config(spec: MakeModelSpec) -> PreTrainedConfig:
     )
 
 
+def _hybrid_layer_types(layers: int) -> list[str]:
+    """Three DeltaNets then one full attention, as released, with the interval shortened to the
+    layer count below 4 so that a model of 2 or more layers has both kinds (its last layer is full
+    attention); a 1-layer model is that one full-attention layer."""
+    interval = min(4, layers)
+    return ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)]
+
+
+def _hybrid_config(spec: MakeModelSpec) -> dict[str, object]:
+    """What Qwen3-Next and Qwen3.5-MoE share: GQA gated attention beside Gated DeltaNets sized from
+    the attention's heads (``kv_heads`` key heads, ``heads`` value heads, ``head_dim`` wide), a
+    softmax router and a gated shared expert."""
+    return {
+        "num_key_value_heads": spec.kv_heads,
+        "head_dim": spec.head_dim,
+        "moe_intermediate_size": spec.expert_intermediate,
+        "shared_expert_intermediate_size": spec.shared_intermediate,
+        "num_experts": spec.experts,
+        "layer_types": _hybrid_layer_types(spec.layers),
+        "linear_num_key_heads": spec.kv_heads,
+        "linear_num_value_heads": spec.heads,
+        "linear_key_head_dim": spec.head_dim,
+        "linear_value_head_dim": spec.head_dim,
+        "linear_conv_kernel_dim": _LINEAR_CONV_KERNEL,
+    }
+
+
+def _qwen3_next_config(spec: MakeModelSpec) -> PreTrainedConfig:
+    """Qwen3-Next: hybrid layers, experts one tensor per expert, every layer MoE, top-k weights
+    renormalised (as Qwen3-Next-80B-A3B). No MTP layer: transformers builds none."""
+    return Qwen3NextConfig(
+        **_common_config(spec, "Qwen3NextForCausalLM"),
+        **_hybrid_config(spec),
+        intermediate_size=spec.dense_intermediate,
+        norm_topk_prob=True,
+    )
+
+
+def _qwen3_5_moe_config(spec: MakeModelSpec) -> PreTrainedConfig:
+    """Qwen3.5-MoE's text model (``Qwen3_5MoeForCausalLM``), what the server serves of the
+    multimodal release: hybrid layers, experts stacked per layer, no dense MLP."""
+    return Qwen3_5MoeTextConfig(**_common_config(spec, "Qwen3_5MoeForCausalLM"), **_hybrid_config(spec))
+
+
+def _mla_config(spec: MakeModelSpec, architecture: str) -> dict[str, object]:
+    """DeepSeek-V3's fields, which its sparse-attention successors keep: MLA attention, sigmoid
+    group-limited router with a correction bias, shared experts, dense first layers."""
+    return {
+        **_common_config(spec, architecture),
+        "num_key_value_heads": spec.heads,  # MLA; HF's default (128) would be wrong here
+        "intermediate_size": spec.dense_intermediate,
+        "moe_intermediate_size": spec.expert_intermediate,
+        "n_routed_experts": spec.experts,
+        "n_shared_experts": spec.n_shared_experts,
+        "routed_scaling_factor": spec.routed_scaling_factor,
+        "q_lora_rank": spec.q_lora_rank or None,
+        "kv_lora_rank": spec.kv_lora_rank,
+        "qk_rope_head_dim": spec.qk_rope_head_dim,
+        "qk_nope_head_dim": spec.qk_nope_head_dim,
+        "v_head_dim": spec.v_head_dim,
+        "n_group": spec.n_group,
+        "topk_group": spec.topk_group,
+        "first_k_dense_replace": spec.first_k_dense_replace,
+        "norm_topk_prob": True,
+    }
+
+
+def _dsa_config(spec: MakeModelSpec) -> dict[str, object]:
+    """DeepSeek Sparse Attention's indexer: its heads twice as wide as the rotary part they
+    rotate (as V3.2's 128 over 64), every layer scoring its own top-k."""
+    return {
+        "index_n_heads": _DSA_INDEX_HEADS,
+        "index_head_dim": 2 * spec.qk_rope_head_dim,
+        "index_topk": _DSA_INDEX_TOPK,
+    }
+
+
+def _deepseek_v32_config(spec: MakeModelSpec) -> PreTrainedConfig:
+    """DeepSeek-V3.2: DeepSeek-V3 with DeepSeek Sparse Attention on every layer."""
+    return DeepseekV32Config(**_mla_config(spec, "DeepseekV32ForCausalLM"), **_dsa_config(spec))
+
+
+def _glm_moe_dsa_config(spec: MakeModelSpec) -> PreTrainedConfig:
+    """GLM-5: DeepSeek-V3.2's layout with an interleaved indexer rotary; transformers' default
+    indexer schedule, in which every layer of a model this small runs its own indexer."""
+    return GlmMoeDsaConfig(**_mla_config(spec, "GlmMoeDsaForCausalLM"), **_dsa_config(spec))
+
+
 _ARCH_CONFIGS: dict[str, Callable[[MakeModelSpec], PreTrainedConfig]] = {
     "mixtral": _mixtral_config,
     "qwen2_moe": _qwen2_moe_config,
@@ -286,4 +375,8 @@ _ARCH_CONFIGS: dict[str, Callable[[MakeModelSpec], PreTrainedConfig]] = {
     "glm4_moe": _glm4_moe_config,
     "minimax_m2": _minimax_m2_config,
     "gpt_oss": _gpt_oss_config,
+    "qwen3_next": _qwen3_next_config,
+    "qwen3_5_moe": _qwen3_5_moe_config,
+    "deepseek_v32": _deepseek_v32_config,
+    "glm_moe_dsa": _glm_moe_dsa_config,
 }

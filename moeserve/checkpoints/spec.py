@@ -11,7 +11,20 @@ from typing import Literal, get_args
 
 from moeserve.checkpoints.tokenizer import HARMONY_TOKENS, MIN_VOCAB_SIZE
 
-Arch = Literal["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "olmoe", "glm4_moe", "minimax_m2", "gpt_oss"]
+Arch = Literal[
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+    "deepseek_v3",
+    "olmoe",
+    "glm4_moe",
+    "minimax_m2",
+    "gpt_oss",
+    "qwen3_next",
+    "qwen3_5_moe",
+    "deepseek_v32",
+    "glm_moe_dsa",
+]
 DType = Literal["float32", "bfloat16", "float16"]
 Quantize = Literal["none", "fp8", "mxfp4", "int4", "nvfp4"]
 # Architectures whose routed experts are per-expert gate_proj/up_proj/down_proj tensors, as the
@@ -21,8 +34,14 @@ ChatFormat = Literal["chatml", "harmony"]
 MTPInit = Literal["random", "aligned"]
 SUPPORTED_ARCHS: tuple[str, ...] = get_args(Arch)
 SUPPORTED_DTYPES: tuple[str, ...] = get_args(DType)
-GROUPED_ROUTER_ARCHS = ("deepseek_v3", "glm4_moe")  # group-limited routing, dense first layers, shared experts
-NO_DENSE_MLP_ARCHS = ("mixtral", "olmoe", "minimax_m2", "gpt_oss")  # every layer MoE, experts sized alone
+MLA_ARCHS = ("deepseek_v3", "deepseek_v32", "glm_moe_dsa")  # DeepSeek's multi-head latent attention
+DSA_ARCHS = ("deepseek_v32", "glm_moe_dsa")  # MLA with DeepSeek Sparse Attention's indexer
+HYBRID_ARCHS = ("qwen3_next", "qwen3_5_moe")  # Gated DeltaNet layers between full-attention ones
+NEW_MTP_ARCHS = (*HYBRID_ARCHS, *DSA_ARCHS)  # released with MTP layers that make-model does not write
+# group-limited routing, dense first layers, shared experts
+GROUPED_ROUTER_ARCHS = ("deepseek_v3", "glm4_moe", "deepseek_v32", "glm_moe_dsa")
+# every layer MoE, experts sized alone
+NO_DENSE_MLP_ARCHS = ("mixtral", "olmoe", "minimax_m2", "gpt_oss", "qwen3_5_moe")
 
 
 @dataclass(frozen=True)
@@ -34,7 +53,9 @@ class MakeModelSpec:
     """
 
     arch: Arch
-    """Architecture: mixtral, qwen2_moe, qwen3_moe, deepseek_v3, olmoe, glm4_moe, minimax_m2 or gpt_oss."""
+    """Architecture: mixtral, qwen2_moe, qwen3_moe, deepseek_v3, olmoe, glm4_moe, minimax_m2, gpt_oss,
+    qwen3_next (Qwen3-Next), qwen3_5_moe (Qwen3.5-MoE's text model), deepseek_v32 (DeepSeek-V3.2)
+    or glm_moe_dsa (GLM-5)."""
     layers: int = 2
     """Decoder layers."""
     hidden: int = 64
@@ -48,37 +69,44 @@ class MakeModelSpec:
     heads: int = 4
     """Attention heads."""
     kv_heads: int = 2
-    """Key/value heads (GQA). Ignored by deepseek_v3, whose MLA has one per query head."""
+    """Key/value heads (GQA). Ignored by the MLA archs (deepseek_v3, deepseek_v32, glm_moe_dsa),
+    which have one per query head. qwen3_next and qwen3_5_moe give their DeltaNets as many key
+    heads (and ``heads`` value heads)."""
     head_dim: int = 16
-    """Attention head size. Ignored by deepseek_v3, which has the qk_*/v_head_dim fields; olmoe
-    needs heads * head_dim == hidden (its q/k norms are sized from hidden)."""
+    """Attention head size, and the DeltaNets' key and value head size (qwen3_next, qwen3_5_moe).
+    Ignored by the MLA archs, which have the qk_*/v_head_dim fields; olmoe needs
+    heads * head_dim == hidden (its q/k norms are sized from hidden)."""
     intermediate: int | None = None
-    """Dense MLP size (deepseek_v3's and glm4_moe's first layers; qwen writes it but uses it
-    nowhere); default 2*hidden. mixtral, olmoe, minimax_m2 and gpt_oss have no dense MLP."""
+    """Dense MLP size (the first layers of deepseek_v3, deepseek_v32, glm4_moe, glm_moe_dsa; qwen2_moe,
+    qwen3_moe and qwen3_next write it but use it nowhere); default 2*hidden. mixtral, olmoe,
+    minimax_m2, gpt_oss and qwen3_5_moe have no dense MLP."""
     moe_intermediate: int | None = None
     """One expert's MLP size; default hidden/2, unlike hidden so a transposed weight fails."""
     shared_expert_intermediate: int | None = None
-    """qwen2_moe only: the shared expert's MLP size; default 4*moe_intermediate (Qwen1.5-MoE)."""
+    """qwen2_moe, qwen3_next, qwen3_5_moe: the shared expert's MLP size; default
+    4*moe_intermediate (Qwen1.5-MoE)."""
     q_lora_rank: int = 32
-    """deepseek_v3: low-rank size of the query projection; 0 for a plain q_proj (V2-Lite)."""
+    """MLA archs: low-rank size of the query projection; 0 for a plain q_proj (V2-Lite), which
+    deepseek_v32 and glm_moe_dsa cannot have (their indexer reads the query latent)."""
     kv_lora_rank: int = 32
-    """deepseek_v3: size of the compressed KV latent (what its KV cache holds)."""
+    """MLA archs: size of the compressed KV latent (what its KV cache holds)."""
     qk_rope_head_dim: int = 8
-    """deepseek_v3: rotary part of a query/key head."""
+    """MLA archs: rotary part of a query/key head; the DSA indexer's heads are twice as wide."""
     qk_nope_head_dim: int = 16
-    """deepseek_v3: non-rotary part of a query/key head."""
+    """MLA archs: non-rotary part of a query/key head."""
     v_head_dim: int = 16
-    """deepseek_v3: value head size."""
+    """MLA archs: value head size."""
     n_group: int = 4
-    """deepseek_v3, glm4_moe: expert groups for group-limited routing (V3: 8 groups of 32)."""
+    """Grouped-router archs (deepseek_v3, deepseek_v32, glm4_moe, glm_moe_dsa): expert groups for
+    group-limited routing (V3: 8 groups of 32)."""
     topk_group: int = 2
-    """deepseek_v3, glm4_moe: groups each token may take experts from (V3: 4 of 8)."""
+    """Grouped-router archs: groups each token may take experts from (V3: 4 of 8)."""
     first_k_dense_replace: int = 1
-    """deepseek_v3, glm4_moe: leading layers with a dense MLP instead of MoE."""
+    """Grouped-router archs: leading layers with a dense MLP instead of MoE."""
     n_shared_experts: int = 1
-    """deepseek_v3, glm4_moe: shared experts, which every token goes through."""
+    """Grouped-router archs: shared experts, which every token goes through."""
     routed_scaling_factor: float = 2.5
-    """deepseek_v3, glm4_moe: scale of the routed experts' weights (V3's value)."""
+    """Grouped-router archs: scale of the routed experts' weights (V3's value)."""
     init_std: float = 0.2
     """Std of the random init; HF's 0.02 leaves tiny models' greedy text repeating one token."""
     seed: int = 0
@@ -110,7 +138,7 @@ class MakeModelSpec:
 
     def __post_init__(self) -> None:
         _check_common(self)
-        if self.arch == "deepseek_v3":
+        if self.arch in MLA_ARCHS:
             _check_deepseek(self)
         else:
             _check_gqa(self)
@@ -182,8 +210,13 @@ def _check_common(spec: MakeModelSpec) -> None:
     _require(spec.init_std > 0, f"init_std={spec.init_std} must be positive")
     _require(spec.mtp_layers >= 0, f"mtp_layers={spec.mtp_layers} must be >= 0")
     _require(
-        spec.mtp_layers == 0 or spec.arch in ("deepseek_v3", "glm4_moe"),
+        spec.mtp_layers == 0 or spec.arch in ("deepseek_v3", "glm4_moe", *NEW_MTP_ARCHS),
         f"mtp_layers: {spec.arch} has no multi-token prediction layers (deepseek_v3 and glm4_moe do)",
+    )
+    _require(
+        spec.mtp_layers == 0 or spec.arch not in NEW_MTP_ARCHS,
+        f"mtp_layers: the server reads {spec.arch}'s MTP layers, but make-model does not write them yet "
+        "(deepseek_v3 and glm4_moe only)",
     )
     _require(spec.mtp_layers == 0 or spec.quantize == "none", "mtp_layers are written unquantized only")
     _require(
@@ -200,13 +233,13 @@ def _check_common(spec: MakeModelSpec) -> None:
         f"{spec.arch} has no dense MLP: set moe_intermediate, not intermediate",
     )
     _require(
-        spec.arch == "qwen2_moe" or spec.shared_expert_intermediate is None,
-        "shared_expert_intermediate applies to qwen2_moe only",
+        spec.arch in ("qwen2_moe", *HYBRID_ARCHS) or spec.shared_expert_intermediate is None,
+        f"shared_expert_intermediate applies to qwen2_moe, {' and '.join(HYBRID_ARCHS)} only",
     )
 
 
 def _check_gqa(spec: MakeModelSpec) -> None:
-    """Checks for the archs with grouped-query attention (all but deepseek_v3)."""
+    """Checks for the archs with grouped-query attention (all but the MLA ones)."""
     _require(spec.kv_heads > 0, f"kv_heads={spec.kv_heads} must be positive")
     _require(spec.heads % spec.kv_heads == 0, f"heads={spec.heads} is not a multiple of kv_heads={spec.kv_heads}")
     _require(
@@ -218,6 +251,10 @@ def _check_gqa(spec: MakeModelSpec) -> None:
         f"head_dim={spec.head_dim}: {spec.arch} rotates half of each head, so it must be a multiple of 4",
     )
     _require(
+        spec.arch not in HYBRID_ARCHS or spec.head_dim % 8 == 0,
+        f"head_dim={spec.head_dim}: {spec.arch} rotates a quarter of each head, so it must be a multiple of 8",
+    )
+    _require(
         spec.arch != "olmoe" or spec.heads * spec.head_dim == spec.hidden,
         f"olmoe sizes its q/k norms from hidden: heads*head_dim={spec.heads * spec.head_dim} must equal "
         f"hidden={spec.hidden}",
@@ -225,10 +262,14 @@ def _check_gqa(spec: MakeModelSpec) -> None:
 
 
 def _check_deepseek(spec: MakeModelSpec) -> None:
-    """Checks for DeepSeek-V3's MLA sizes."""
+    """Checks for the MLA sizes of DeepSeek-V3 and its sparse-attention successors."""
     for name in ("kv_lora_rank", "qk_nope_head_dim", "v_head_dim"):
         _require(getattr(spec, name) > 0, f"{name}={getattr(spec, name)} must be positive")
     _require(spec.q_lora_rank >= 0, f"q_lora_rank={spec.q_lora_rank} must be positive, or 0 for none")
+    _require(
+        spec.arch not in DSA_ARCHS or spec.q_lora_rank > 0,
+        f"q_lora_rank=0: {spec.arch}'s sparse-attention indexer reads the query latent, so it needs one",
+    )
     _require(
         spec.qk_rope_head_dim > 0 and spec.qk_rope_head_dim % 2 == 0,
         f"qk_rope_head_dim={spec.qk_rope_head_dim} must be positive and even",
@@ -236,7 +277,8 @@ def _check_deepseek(spec: MakeModelSpec) -> None:
 
 
 def _check_grouped_router(spec: MakeModelSpec) -> None:
-    """Checks for DeepSeek-V3's and GLM-4.5's group-limited routing, shared experts, dense layers."""
+    """Checks for the group-limited routing, shared experts and dense layers of DeepSeek-V3 and
+    GLM-4.5 and of their sparse-attention successors."""
     # n_shared_experts too: HF always builds them, and with 0 saves empty tensors.
     for name in ("n_group", "topk_group", "n_shared_experts"):
         _require(getattr(spec, name) > 0, f"{name}={getattr(spec, name)} must be positive")

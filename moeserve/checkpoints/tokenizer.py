@@ -176,6 +176,10 @@ def _tokenizer_config(model_max_length: int, specials: tuple[str, ...]) -> dict[
         "bos_token": BOS_TOKEN,
         "eos_token": EOS_TOKEN,
         "pad_token": PAD_TOKEN,
+        # Byte-level BPE needs none; said outright because transformers loads some model types'
+        # tokenizers with their own class whatever tokenizer_class says (Qwen3.5's), whose default
+        # unk token would otherwise be added past the embeddings' last row.
+        "unk_token": None,
         "additional_special_tokens": list(specials[3:]),  # all but pad, bos and eos
         "add_bos_token": False,
         "add_eos_token": False,

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from moeserve.cli import build_parser, main
 from moeserve.engine_config import EngineConfig
@@ -60,6 +60,16 @@ def test_make_model_writes_a_checkpoint_transformers_loads(made):
     assert config.vocab_size == 300
     assert AutoTokenizer.from_pretrained(made).chat_template
     assert (made / "generation_config.json").exists()
+
+
+def test_make_model_writes_a_hybrid_the_server_generates_from(tmp_path):
+    """The hybrid arch through the CLI end to end: make-model, then generate over what it wrote."""
+    out = tmp_path / "qwen3_5_moe"
+    result = run_cli("make-model", "--arch", "qwen3_5_moe", "--out", str(out), "--layers", "2")
+    assert result.returncode == 0, result.stderr
+    assert AutoConfig.from_pretrained(out).layer_types == ["linear_attention", "full_attention"]
+    result = run_cli("generate", "--model", str(out), "--prompt-ids", "5,6,7", "--max-tokens", "4", "--ignore-eos")
+    assert result.returncode == 0, result.stderr
 
 
 def test_generate_json(made):

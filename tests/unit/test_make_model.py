@@ -20,6 +20,7 @@ from moeserve.checkpoints import (
     random_demo_model_path,
     train_tokenizer,
 )
+from moeserve.checkpoints.spec import DSA_ARCHS, GROUPED_ROUTER_ARCHS, HYBRID_ARCHS
 from moeserve.checkpoints.tokenizer import BOS_ID, EOS_ID, IM_END_ID, IM_START_ID, PAD_ID
 
 # How transformers 5.x saves one expert's weights (fused in memory, one tensor per expert on disk).
@@ -34,6 +35,9 @@ EXPERT_WEIGHTS = {
 EXPERT_WEIGHTS["qwen3_moe"] = EXPERT_WEIGHTS["deepseek_v3"] = EXPERT_WEIGHTS["qwen2_moe"]
 EXPERT_WEIGHTS["olmoe"] = EXPERT_WEIGHTS["glm4_moe"] = EXPERT_WEIGHTS["qwen2_moe"]
 EXPERT_WEIGHTS["minimax_m2"] = EXPERT_WEIGHTS["mixtral"]
+# transformers saves Qwen3.5's experts one tensor per expert too (its releases stack them).
+for _arch in ("qwen3_next", "qwen3_5_moe", "deepseek_v32", "glm_moe_dsa"):
+    EXPERT_WEIGHTS[_arch] = EXPERT_WEIGHTS["qwen2_moe"]
 # gpt-oss keeps a layer's experts stacked, as its published bf16 checkpoints do.
 FUSED_EXPERT_WEIGHTS = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
 
@@ -46,7 +50,12 @@ ARCHITECTURE = {
     "glm4_moe": "Glm4MoeForCausalLM",
     "minimax_m2": "MiniMaxM2ForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
+    "qwen3_next": "Qwen3NextForCausalLM",
+    "qwen3_5_moe": "Qwen3_5MoeForCausalLM",
+    "deepseek_v32": "DeepseekV32ForCausalLM",
+    "glm_moe_dsa": "GlmMoeDsaForCausalLM",
 }
+MODEL_TYPE = {"qwen3_5_moe": "qwen3_5_moe_text"}  # the text model of the multimodal release
 NUM_EXPERTS_FIELD = {
     "mixtral": "num_local_experts",
     "qwen2_moe": "num_experts",
@@ -56,6 +65,10 @@ NUM_EXPERTS_FIELD = {
     "glm4_moe": "n_routed_experts",
     "minimax_m2": "num_local_experts",
     "gpt_oss": "num_local_experts",
+    "qwen3_next": "num_experts",
+    "qwen3_5_moe": "num_experts",
+    "deepseek_v32": "n_routed_experts",
+    "glm_moe_dsa": "n_routed_experts",
 }
 SMALL_SHARDS = 64 * 1024  # bytes; every default-sized model is several times larger
 
@@ -87,7 +100,7 @@ def test_config_matches_spec_and_tokenizer(built: tuple[MakeModelSpec, Path]) ->
     spec, path = built
     config = AutoConfig.from_pretrained(path)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    assert config.model_type == spec.arch
+    assert config.model_type == MODEL_TYPE.get(spec.arch, spec.arch)
     assert config.architectures == [ARCHITECTURE[spec.arch]]
     assert (config.vocab_size, config.hidden_size, config.num_hidden_layers) == (512, 64, 2)
     assert getattr(config, NUM_EXPERTS_FIELD[spec.arch]) == spec.experts
@@ -110,7 +123,7 @@ def test_sharded_with_an_index_and_one_tensor_per_expert(
     shards = set(index["weight_map"].values())
     assert len(shards) > 1
     assert shards == {p.name for p in path.glob("model-*.safetensors")}
-    first_moe = spec.first_k_dense_replace if spec.arch in ("deepseek_v3", "glm4_moe") else 0
+    first_moe = spec.first_k_dense_replace if spec.arch in GROUPED_ROUTER_ARCHS else 0
     for layer in range(first_moe, spec.layers):
         if spec.arch == "gpt_oss":
             for weight in FUSED_EXPERT_WEIGHTS:
@@ -152,6 +165,17 @@ def test_same_spec_same_bytes_other_seed_other_weights(tmp_path: Path) -> None:
     for name in ("model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json"):
         assert (a / name).read_bytes() == (b / name).read_bytes(), name
     assert (a / "model.safetensors").read_bytes() != (c / "model.safetensors").read_bytes()
+
+
+@pytest.mark.parametrize(
+    ("layers", "kinds"),
+    [(1, "F"), (2, "LF"), (3, "LLF"), (6, "LLLFLL")],
+)
+def test_hybrid_layers_have_both_kinds_from_two_layers_on(layers: int, kinds: str, tmp_path: Path) -> None:
+    """Three DeltaNets per full attention as released, the interval shortened for fewer layers."""
+    make_model(MakeModelSpec(arch="qwen3_next", layers=layers), tmp_path)
+    layer_types = AutoConfig.from_pretrained(tmp_path).layer_types
+    assert "".join("F" if t == "full_attention" else "L" for t in layer_types) == kinds
 
 
 def test_refuses_a_non_empty_folder(tmp_path: Path) -> None:
@@ -246,7 +270,10 @@ def test_tokenizer_needs_room_for_bytes_and_specials(tmp_path: Path) -> None:
         ({"arch": "qwen3_moe", "vocab": 100}, "vocab=100"),
         ({"arch": "qwen3_moe", "layers": 0}, "layers=0"),
         ({"arch": "mixtral", "intermediate": 128}, "no dense MLP"),
-        ({"arch": "qwen3_moe", "shared_expert_intermediate": 64}, "qwen2_moe only"),
+        (
+            {"arch": "qwen3_moe", "shared_expert_intermediate": 64},
+            "applies to qwen2_moe, qwen3_next and qwen3_5_moe only",
+        ),
         ({"arch": "deepseek_v3", "experts": 8, "n_group": 3}, "not divisible by n_group"),
         ({"arch": "deepseek_v3", "experts": 8, "n_group": 8, "topk_group": 1}, "fewer than 2"),
         ({"arch": "deepseek_v3", "n_group": 4, "topk_group": 1, "top_k": 3}, "top_k=3 exceeds"),
@@ -262,6 +289,14 @@ def test_tokenizer_needs_room_for_bytes_and_specials(tmp_path: Path) -> None:
         ({"arch": "mixtral", "quantize": "nvfp4"}, "per-expert gate/up/down projections"),
         ({"arch": "qwen3_moe", "quantize": "int4", "hidden": 48}, "groups of 32"),
         ({"arch": "qwen3_moe", "quantize": "nvfp4", "moe_intermediate": 40}, "multiples of 16"),
+        ({"arch": "qwen3_next", "head_dim": 12}, "multiple of 8"),
+        ({"arch": "qwen3_5_moe", "intermediate": 128}, "no dense MLP"),
+        ({"arch": "qwen3_next", "quantize": "int4"}, "not qwen3_next"),
+        ({"arch": "glm_moe_dsa", "quantize": "nvfp4"}, "not glm_moe_dsa"),
+        ({"arch": "qwen3_5_moe", "mtp_layers": 1}, "make-model does not write them"),
+        ({"arch": "deepseek_v32", "mtp_layers": 1}, "make-model does not write them"),
+        ({"arch": "deepseek_v32", "q_lora_rank": 0}, "indexer reads the query latent"),
+        ({"arch": "glm_moe_dsa", "layers": 1, "first_k_dense_replace": 1}, "no MoE layer"),
     ],
 )
 def test_bad_spec_is_a_value_error(fields: dict[str, object], message: str) -> None:
@@ -314,6 +349,10 @@ def test_moeserve_loads_it_with_transformers_logits(built: tuple[MakeModelSpec, 
     from moeserve.ops import attention_batch
 
     spec, path = built
+    if spec.arch in (*HYBRID_ARCHS, *DSA_ARCHS):
+        pytest.skip(
+            "DeltaNet state and the DSA indexer's cache are the engine's to lay out: its test below covers them"
+        )
     ids = list(range(3, 12))
     ours = load_model(path)
     caches = [torch.zeros(ours.kv_cache_shape(3, 4)) for _ in ours.layers]
@@ -322,3 +361,19 @@ def test_moeserve_loads_it_with_transformers_logits(built: tuple[MakeModelSpec, 
         got = ours.compute_logits(ours(torch.tensor(ids), torch.arange(len(ids)), plan, caches))
         ref = AutoModelForCausalLM.from_pretrained(path).eval()(torch.tensor([ids])).logits[0]
     assert (got - ref).abs().max().item() < 1e-4
+
+
+def test_moeserve_engine_generates_transformers_greedy_tokens(built: tuple[MakeModelSpec, Path]) -> None:
+    """The server's engine on what make-model writes: transformers' greedy tokens, from a prompt
+    longer than the sparse-attention archs' top-k so that their indexer picks among the keys."""
+    from moeserve import LLM, SamplingParams
+
+    _, path = built
+    prompt = list(range(3, 27))
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    [output] = LLM(str(path), dtype="float32", max_model_len=64).generate(
+        [{"prompt_token_ids": prompt}], params, use_tqdm=False
+    )
+    ref = AutoModelForCausalLM.from_pretrained(path).eval()
+    expected = ref.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False)
+    assert list(output.outputs[0].token_ids) == expected[0, len(prompt) :].tolist()
