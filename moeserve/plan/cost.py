@@ -341,9 +341,12 @@ def delta_chunked(shape: ModelShape, hw: Hardware, layout: Layout, work: Work) -
 
 
 def dense_mlp(shape: ModelShape, hw: Hardware, layout: Layout, work: Work, inter: int) -> float:
-    """A gated MLP of `inter` (gate, up, down: 3 H I parameters) sharded over TP (`weight_gemm`)."""
-    params = 3 * shape.hidden * inter / layout.tp
-    return weight_gemm(params, work.tokens, _dense_rate(shape, hw), shape.dense_weight_bytes, hw)
+    """A gated MLP of `inter` (gate, up, down: 3 H I parameters), a dense layer's or a shared
+    expert (`weight_gemm`). Not sharded over TP: every rank of a group holds it whole and runs
+    it on its 1/tp slice of the group's tokens (`models.tensor_parallel`), so the FLOPs divide
+    by tp and the weight read does not."""
+    params = 3 * shape.hidden * inter
+    return weight_gemm(params, work.tokens / layout.tp, _dense_rate(shape, hw), shape.dense_weight_bytes, hw)
 
 
 def expert_rows(shape: ModelShape, layout: Layout, work: Work) -> float:
@@ -446,16 +449,16 @@ def mixer_terms(shape: ModelShape, hw: Hardware, layout: Layout, work: Work) -> 
 
 def layer_terms(shape: ModelShape, hw: Hardware, layout: Layout, work: Work, moe: bool) -> dict[str, float]:
     """Seconds of each term of one layer's feed-forward half on the busiest rank, with the
-    layer's all-reduces. A dense layer has its MLP and two all-reduces (after the token mixer,
-    attention or DeltaNet, and after the MLP); an MoE layer its shared expert, experts,
-    dispatch, combine and one all-reduce (the experts' output is combined, not all-reduced)."""
+    layer's TP exchange: a dense layer has its MLP, an MoE layer its shared expert, experts,
+    dispatch and combine; either one reduce-scatter of the token mixer's partial output and one
+    all-gather of the next layer's input (`models.tensor_parallel`), an all-reduce's volume."""
     terms = {
         "dense_mlp": 0.0 if moe else dense_mlp(shape, hw, layout, work, shape.dense_inter),
         "shared_expert": dense_mlp(shape, hw, layout, work, shape.shared_inter) if moe else 0.0,
         "experts": experts(shape, hw, layout, work) if moe else 0.0,
         "dispatch": dispatch(shape, hw, layout, work) if moe else 0.0,
         "combine": combine(shape, hw, layout, work) if moe else 0.0,
-        "tp_allreduce": tp_allreduce(shape, hw, layout, work) * (1 if moe else 2),
+        "tp_allreduce": tp_allreduce(shape, hw, layout, work),
     }
     return terms
 
@@ -517,18 +520,23 @@ def step_cost(shape: ModelShape, hw: Hardware, layout: Layout, work: Work) -> St
 
 
 def weight_bytes_per_gpu(shape: ModelShape, layout: Layout) -> float:
-    """Weights the fullest rank holds: its TP shard of attention, DeltaNets, dense MLPs and
-    shared experts, its ceil(E/ep) routed experts, and the embedding and LM head (bf16,
-    replicated). A DeltaNet's in-projections and conv are bf16 in every checkpoint. DeepSeek-V4's
-    attention is replicated (`replicated_attention_bytes`)."""
+    """Weights the fullest rank holds: its TP shard of attention and DeltaNets, the dense MLPs and
+    shared experts whole (they run on a slice of the tokens, `dense_mlp`), its ceil(E/ep) routed
+    experts, and the embedding and LM head (bf16, replicated). A DeltaNet's in-projections and
+    conv are bf16 in every checkpoint. DeepSeek-V4's attention is replicated
+    (`replicated_attention_bytes`)."""
     attention = 0 if shape.attention_replicated else shape.attention_layers * shape.attn_params
-    dense = attention + shape.dense_layers * 3 * shape.hidden * shape.dense_inter
-    dense += shape.moe_layers * 3 * shape.hidden * shape.shared_inter + shape.linear_layers * shape.linear_out_params
+    mixers = attention + shape.linear_layers * shape.linear_out_params
     linear = shape.linear_layers * (shape.linear_in_params + shape.linear_conv_params) * 2
+    ffn = (
+        shape.dense_layers * 3 * shape.hidden * shape.dense_inter
+        + shape.moe_layers * 3 * shape.hidden * shape.shared_inter
+    )
     routed = shape.moe_layers * experts_per_rank(shape, layout) * shape.expert_params
     embeddings = 2 * shape.vocab * shape.hidden * 2
-    sharded = (dense * shape.dense_weight_bytes + linear) / layout.tp
-    return sharded + routed * shape.expert_weight_bytes + embeddings + replicated_attention_bytes(shape)
+    sharded = (mixers * shape.dense_weight_bytes + linear) / layout.tp
+    whole = ffn * shape.dense_weight_bytes + routed * shape.expert_weight_bytes + embeddings
+    return sharded + whole + replicated_attention_bytes(shape)
 
 
 def replicated_attention_bytes(shape: ModelShape) -> float:

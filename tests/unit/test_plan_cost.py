@@ -196,6 +196,30 @@ def test_tp_allreduce_ring_bytes_by_hand(v3, h100):
     assert tp_allreduce(v3, h100, Layout(ep=8), Work(decode_tokens=100)) == 0.0
 
 
+def test_tp_shards_attention_and_runs_the_ffn_whole_on_a_token_slice(v3, h100):
+    """At TP 8 a rank holds 1/8 of attention but the dense MLPs and the shared expert whole (they
+    run on its eighth of the tokens): their FLOPs divide by 8, their weight read does not; one
+    reduce-scatter and all-gather per layer, dense or MoE, an all-reduce's bytes."""
+    one, eight = Layout(ep=8), Layout(ep=8, tp=8)
+    attention = 61 * 187_105_280
+    assert weight_bytes_per_gpu(v3, one) - weight_bytes_per_gpu(v3, eight) == pytest.approx(attention * 7 / 8)
+    small = Work(decode_tokens=8, decode_ctx=2000)
+    shared = 3 * 7168 * 2048  # FP8: a byte a weight
+    assert step_cost(v3, only_bytes(h100), eight, small).terms["shared_expert"] * h100.hbm_bw == pytest.approx(
+        58 * shared
+    )
+    big = Work(prefill_tokens=8192, prefill_ctx=1000)
+    flops = step_cost(v3, dataclasses.replace(h100, hbm_bw=math.inf), eight, big).terms["dense_mlp"] * H100_FP8
+    assert flops == pytest.approx(3 * 2 * 3 * 7168 * 18432 * 8192 / 8)
+    cost = step_cost(v3, h100, eight, small)
+    assert cost.terms["tp_allreduce"] == pytest.approx(61 * tp_allreduce(v3, h100, eight, small))
+
+
+def only_bytes(hw: Hardware) -> Hardware:
+    """`hw` with every FLOP rate infinite: a term's time is its bytes over the bandwidth."""
+    return dataclasses.replace(hw, bf16_flops=math.inf, fp8_flops=math.inf, attention_flops=math.inf)
+
+
 def test_two_batch_overlap_loses_on_weights_and_wins_on_communication(v3, h100):
     small, big = Work(decode_tokens=8, decode_ctx=2000), Work(decode_tokens=256, decode_ctx=2000)
     plain, tbo = Layout(ep=72), Layout(ep=72, tbo=True)
