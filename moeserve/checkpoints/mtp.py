@@ -1,23 +1,27 @@
-"""Multi-token prediction layers added to a saved DeepSeek-V3 or GLM-4.5 checkpoint, as their
-releases store them: config.json's `num_nextn_predict_layers`, and for MTP layer i, decoder layer
-`num_hidden_layers + i` with `embed_tokens`, `enorm`, `hnorm`, `eh_proj` `[H, 2H]`, a full
-decoder layer (attention + MoE) and `shared_head.norm` / `shared_head.head`, in a safetensors
-file of their own listed by `model.safetensors.index.json`.
+"""Multi-token prediction layers added to a saved checkpoint, as the releases store them.
+
+DeepSeek-V3, GLM-4.5 and their sparse-attention successors (DeepSeek-V3.2, GLM-5): config.json's
+`num_nextn_predict_layers`, and for MTP layer i, decoder layer `num_hidden_layers + i` with
+`embed_tokens`, `enorm`, `hnorm`, `eh_proj` `[H, 2H]`, a full decoder layer (attention, with its
+indexer where the target has one, + MoE) and `shared_head.norm` / `shared_head.head`, in a
+safetensors file of their own listed by `model.safetensors.index.json`. Qwen3-Next and Qwen3.5
+store one such layer under other names (`write_qwen_mtp_layer`), over the target's embedding and
+head.
 
 transformers' model classes neither build nor load these layers (they ignore the extra layer
 indices), so the target's parity is untouched. The decoder layers come from a helper model of the
-same architecture, built and saved by transformers (the experts in the hub's per-expert layout).
+same architecture, built and saved by transformers (the experts in the layout it saves the target's).
 
 `mtp_init="aligned"` builds layers that agree with the target often, so speculative decoding's
 benchmark and tests see drafts accepted. Each MTP layer is a copy of the target's last decoder
-layer, with the target's embedding, final norm and head; `eh_proj` passes the next token's
-embedding through and drops the hidden state (`[I, 0]`), and `enorm`'s weight is the embedding
-rows' mean RMS, which undoes its normalisation up to each row's own spread. At position p the
-layer then computes what the target's last layer computes at p + 1 over the next token, and its
-keys at q are the target's at q + 1: rotary attention sees the same relative positions, so for a
-one-layer target the MTP logits are the target's at the next position, but for attention to the
-first token (which no MTP key holds): its drafts are then mostly right. The more layers a target
-has, the less a copy of its last one predicts it.
+layer (Qwen's: its last full-attention layer), with the target's embedding, final norm and head;
+`eh_proj` passes the next token's embedding through and drops the hidden state (`[I, 0]`), and
+`enorm`'s weight is the embedding rows' mean RMS, which undoes its normalisation up to each row's
+own spread. At position p the layer then computes what the target's last layer computes at p + 1
+over the next token, and its keys at q are the target's at q + 1: rotary attention sees the same
+relative positions, so for a one-layer target the MTP logits are the target's at the next
+position, but for attention to the first token (which no MTP key holds): its drafts are then
+mostly right. The more layers a target has, the less a copy of its last one predicts it.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, PreTrainedConfig
 
-from moeserve.checkpoints.spec import MakeModelSpec
+from moeserve.checkpoints.spec import HYBRID_ARCHS, MakeModelSpec
 
 MTP_FILE = "model-mtp.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -46,8 +50,12 @@ def write_mtp_layers(
 ) -> None:
     """Add `spec.mtp_layers` MTP layers to the checkpoint saved in `out` (`make_config`: the
     architecture's config for a spec)."""
+    if spec.arch in HYBRID_ARCHS:
+        _write_qwen_layer(spec, make_config, out)
+        return
     target = _read_all(out)
-    helper = _helper_layers(spec, make_config) if spec.mtp_init == "random" else {}
+    helper_layers = spec.first_k_dense_replace + spec.mtp_layers
+    helper = _helper_layers(spec, make_config, helper_layers) if spec.mtp_init == "random" else {}
     tensors: dict[str, torch.Tensor] = {}
     for i in range(spec.mtp_layers):
         if spec.mtp_init == "aligned":
@@ -62,19 +70,46 @@ def write_qwen_mtp_layer(out: Path) -> None:
     """Add an aligned MTP layer, as Qwen3-Next and Qwen3.5 release theirs (`mtp.fc`,
     `mtp.pre_fc_norm_embedding`, `mtp.pre_fc_norm_hidden`, `mtp.layers.0.`, `mtp.norm`), to the
     text checkpoint transformers saved in `out`: the `_aligned` recipe over the target's last
-    full-attention layer, its norms stored zero-centred (a scale of 1 + w) as the target's are."""
+    full-attention layer (which any layer count and layer schedule has), its final norm the
+    target's."""
     target = _read_all(out)
     config = json.loads((out / "config.json").read_text())
     last_full = max(i for i, kind in enumerate(config["layer_types"]) if kind == "full_attention")
-    aligned = _aligned(_layer(target, last_full), target)
-    own = {
-        "fc.weight": aligned["eh_proj.weight"],
-        "pre_fc_norm_embedding.weight": aligned["enorm.weight"] - 1,
-        "pre_fc_norm_hidden.weight": torch.zeros_like(aligned["hnorm.weight"]),
-        "norm.weight": target["model.norm.weight"].clone(),
+    layer = _layer(target, last_full)
+    own = _as_qwen(layer, _aligned(layer, target), target["model.norm.weight"].clone())
+    _save_qwen(out, own, config["model_type"])
+
+
+def _write_qwen_layer(spec: MakeModelSpec, make_config: Callable[[MakeModelSpec], PreTrainedConfig], out: Path) -> None:
+    """make-model's Qwen MTP layer: aligned as `write_qwen_mtp_layer` makes it, or random, its
+    decoder layer a one-layer helper's (whose only layer is full attention, as an MTP layer's)."""
+    if spec.mtp_init == "aligned":
+        write_qwen_mtp_layer(out)
+        return
+    target = _read_all(out)
+    layer = _layer(_helper_layers(spec, make_config, 1), 0)
+    own = _as_qwen(layer, _random(layer, target, spec.init_std), torch.zeros_like(target["model.norm.weight"]))
+    _save_qwen(out, own, spec.arch)
+
+
+def _as_qwen(
+    layer: dict[str, torch.Tensor], own: dict[str, torch.Tensor], norm: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """An MTP layer made in DeepSeek's names (`_random`, `_aligned`) over `layer`, in Qwen's: its
+    norms zero-centred (a scale of 1 + w, as the target's), `norm` before the target's own head and
+    embedding, which Qwen's layer reads instead of storing copies."""
+    return {
+        "fc.weight": own["eh_proj.weight"],
+        "pre_fc_norm_embedding.weight": own["enorm.weight"] - 1,
+        "pre_fc_norm_hidden.weight": own["hnorm.weight"] - 1,
+        "norm.weight": norm,
+        **{f"layers.0.{name}": t for name, t in layer.items()},
     }
-    own.update({f"layers.0.{name}": t for name, t in _layer(target, last_full).items()})
-    key = "num_nextn_predict_layers" if config["model_type"] == "qwen3_next" else "mtp_num_hidden_layers"
+
+
+def _save_qwen(out: Path, own: dict[str, torch.Tensor], model_type: str) -> None:
+    """Save a Qwen MTP layer under `mtp.`, its count under the key each release's config uses."""
+    key = "num_nextn_predict_layers" if model_type == "qwen3_next" else "mtp_num_hidden_layers"
     _save(out, {f"mtp.{name}": t.contiguous() for name, t in own.items()}, {key: 1})
 
 
@@ -119,10 +154,13 @@ def _save(out: Path, tensors: dict[str, torch.Tensor], config_keys: dict[str, in
     config_path.write_text(json.dumps(config, indent=2) + "\n")
 
 
-def _helper_layers(spec: MakeModelSpec, make_config: Callable[[MakeModelSpec], PreTrainedConfig]) -> dict:
-    """The tensors of a helper model whose layers from `first_k_dense_replace` on are MoE, one per
-    MTP layer, drawn from their own seed and saved by transformers in the hub's layout."""
-    helper_spec = dataclasses.replace(spec, layers=spec.first_k_dense_replace + spec.mtp_layers, mtp_layers=0)
+def _helper_layers(
+    spec: MakeModelSpec, make_config: Callable[[MakeModelSpec], PreTrainedConfig], layers: int
+) -> dict[str, torch.Tensor]:
+    """The tensors of a helper model of `layers` layers of the spec's architecture, whose layers
+    supply the random MTP layers: drawn from a seed of their own, so the target's weights are those
+    of the same spec without MTP, and saved by transformers in the hub's layout."""
+    helper_spec = dataclasses.replace(spec, layers=layers, mtp_layers=0)
     with torch.random.fork_rng(devices=[]), tempfile.TemporaryDirectory() as tmp:
         torch.manual_seed(spec.seed + 1)
         helper = AutoModelForCausalLM.from_config(make_config(helper_spec), dtype=getattr(torch, spec.dtype))

@@ -37,7 +37,7 @@ SUPPORTED_DTYPES: tuple[str, ...] = get_args(DType)
 MLA_ARCHS = ("deepseek_v3", "deepseek_v32", "glm_moe_dsa")  # DeepSeek's multi-head latent attention
 DSA_ARCHS = ("deepseek_v32", "glm_moe_dsa")  # MLA with DeepSeek Sparse Attention's indexer
 HYBRID_ARCHS = ("qwen3_next", "qwen3_5_moe")  # Gated DeltaNet layers between full-attention ones
-NEW_MTP_ARCHS = (*HYBRID_ARCHS, *DSA_ARCHS)  # released with MTP layers that make-model does not write
+MTP_ARCHS = ("deepseek_v3", "glm4_moe", *HYBRID_ARCHS, *DSA_ARCHS)  # released with MTP layers
 # group-limited routing, dense first layers, shared experts
 GROUPED_ROUTER_ARCHS = ("deepseek_v3", "glm4_moe", "deepseek_v32", "glm_moe_dsa")
 # every layer MoE, experts sized alone
@@ -118,8 +118,10 @@ class MakeModelSpec:
     max_shard_bytes: int = 1 << 30
     """Largest safetensors file; above it HF writes shards and model.safetensors.index.json."""
     mtp_layers: int = 0
-    """deepseek_v3, glm4_moe: multi-token prediction layers written after the decoder layers, as
-    the releases store them (`num_nextn_predict_layers`); speculative decoding's mtp drafts."""
+    """Multi-token prediction layers, as the releases store them; speculative decoding's mtp
+    drafts. deepseek_v3, glm4_moe, deepseek_v32, glm_moe_dsa: decoder layers after the last
+    (`num_nextn_predict_layers`); qwen3_next, qwen3_5_moe: one layer under `mtp.`, the most the
+    server drafts with for them."""
     mtp_init: MTPInit = "random"
     """How the MTP layers are made: random, or aligned (built to agree with the target often:
     see `checkpoints/mtp.py`)."""
@@ -210,13 +212,13 @@ def _check_common(spec: MakeModelSpec) -> None:
     _require(spec.init_std > 0, f"init_std={spec.init_std} must be positive")
     _require(spec.mtp_layers >= 0, f"mtp_layers={spec.mtp_layers} must be >= 0")
     _require(
-        spec.mtp_layers == 0 or spec.arch in ("deepseek_v3", "glm4_moe", *NEW_MTP_ARCHS),
-        f"mtp_layers: {spec.arch} has no multi-token prediction layers (deepseek_v3 and glm4_moe do)",
+        spec.mtp_layers == 0 or spec.arch in MTP_ARCHS,
+        f"mtp_layers: {spec.arch} has no multi-token prediction layers ({', '.join(MTP_ARCHS)} do)",
     )
     _require(
-        spec.mtp_layers == 0 or spec.arch not in NEW_MTP_ARCHS,
-        f"mtp_layers: the server reads {spec.arch}'s MTP layers, but make-model does not write them yet "
-        "(deepseek_v3 and glm4_moe only)",
+        spec.mtp_layers <= 1 or spec.arch not in HYBRID_ARCHS,
+        f"mtp_layers={spec.mtp_layers}: the server drafts with one MTP layer of {spec.arch}'s (one fc feeding "
+        "more is not built), as the releases have",
     )
     _require(spec.mtp_layers == 0 or spec.quantize == "none", "mtp_layers are written unquantized only")
     _require(

@@ -1,7 +1,8 @@
-"""Speculative decoding with DeepSeek's multi-token prediction layers, through `LLM`: greedy
-tokens with MTP drafts (one and three per step) are those without, for DeepSeek-V3 (MLA) and
-GLM-4.5; drafts of an MTP layer built to agree with the target are kept; more drafts than MTP
-layers reuse the last one; a mixed run with preemption and aborts leaks no KV block; and a
+"""Speculative decoding with the multi-token prediction layers `make-model` writes, through `LLM`:
+greedy tokens with MTP drafts (one and three per step) are those without, for DeepSeek-V3 (MLA)
+and GLM-4.5, and (two per step) for Qwen3-Next, Qwen3.5-MoE, DeepSeek-V3.2 and GLM-5, in their
+releases' layouts; drafts of an MTP layer built to agree with the target are kept; more drafts
+than MTP layers reuse the last one; a mixed run with preemption and aborts leaks no KV block; and a
 checkpoint without MTP weights is refused by the config key it lacks."""
 
 from __future__ import annotations
@@ -53,9 +54,28 @@ def test_greedy_tokens_with_mtp_drafts_are_those_without_and_drafts_are_kept(roo
         assert llm.engine.scheduler.num_used_blocks == 0
 
 
-def test_more_drafts_than_layers_reuse_the_last_of_two_random_mtp_layers(root):
-    """A two-layer target with two random MTP layers: three drafts run layer 0, 1 and 1 again."""
-    folder = str(mtp_checkpoint(root, "deepseek_v3", mtp_layers=2, aligned=False))
+@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5_moe", "deepseek_v32", "glm_moe_dsa"])
+@pytest.mark.parametrize("aligned", [True, False], ids=["aligned", "random"])
+def test_make_model_mtp_layer_of_the_newer_archs_drafts_the_greedy_tokens(root, arch, aligned):
+    """The aligned layer over a one-layer target has most first drafts kept; the random one over the
+    default two-layer target (the hybrids': a DeltaNet, then full attention) has its layer read from
+    the helper's layout, where a misnamed tensor fails the load."""
+    folder = str(mtp_checkpoint(root, arch, aligned=aligned))
+    expected = token_ids(LLM(folder, **ENGINE).generate(prompts(), GREEDY, use_tqdm=False))
+    counts = CountingStatLogger()
+    llm = LLM(folder, stat_loggers=[counts], speculative_config=mtp(2), **ENGINE)
+    assert token_ids(llm.generate(prompts(), GREEDY, use_tqdm=False)) == expected
+    spec = counts.spec_decode
+    assert spec.num_draft_tokens > 0
+    assert not aligned or spec.accepted_per_position[0] > spec.num_drafts / 3
+    assert llm.engine.scheduler.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v32"])
+def test_more_drafts_than_layers_reuse_the_last_of_two_random_mtp_layers(root, arch):
+    """A two-layer target with two random MTP layers: three drafts run layer 0, 1 and 1 again (on
+    DeepSeek-V3.2, each MTP layer with an indexer of its own)."""
+    folder = str(mtp_checkpoint(root, arch, mtp_layers=2, aligned=False))
     expected = token_ids(LLM(folder, **ENGINE).generate(prompts(), GREEDY, use_tqdm=False))
     counts = CountingStatLogger()
     llm = LLM(folder, stat_loggers=[counts], speculative_config=mtp(3), **ENGINE)
