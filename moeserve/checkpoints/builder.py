@@ -318,7 +318,8 @@ def _qwen3_next_config(spec: MakeModelSpec) -> PreTrainedConfig:
 
 def _qwen3_5_moe_config(spec: MakeModelSpec) -> PreTrainedConfig:
     """Qwen3.5-MoE's text model (``Qwen3_5MoeForCausalLM``), what the server serves of the
-    multimodal release: hybrid layers, experts stacked per layer, no dense MLP."""
+    multimodal release: hybrid layers, experts one tensor per expert as transformers saves them
+    (the release stacks them per layer; the server reads both), no dense MLP."""
     return Qwen3_5MoeTextConfig(**_common_config(spec, "Qwen3_5MoeForCausalLM"), **_hybrid_config(spec))
 
 
