@@ -39,7 +39,7 @@ DSA_ARCHS = ("deepseek_v32", "glm_moe_dsa")  # MLA with DeepSeek Sparse Attentio
 HYBRID_ARCHS = ("qwen3_next", "qwen3_5_moe")  # Gated DeltaNet layers between full-attention ones
 MTP_ARCHS = ("deepseek_v3", "glm4_moe", *HYBRID_ARCHS, *DSA_ARCHS)  # released with MTP layers
 # group-limited routing, dense first layers, shared experts
-GROUPED_ROUTER_ARCHS = ("deepseek_v3", "glm4_moe", "deepseek_v32", "glm_moe_dsa")
+GROUPED_ROUTER_ARCHS = ("glm4_moe", *MLA_ARCHS)
 # every layer MoE, experts sized alone
 NO_DENSE_MLP_ARCHS = ("mixtral", "olmoe", "minimax_m2", "gpt_oss", "qwen3_5_moe")
 

@@ -112,6 +112,16 @@ class Work:
     def tokens(self) -> float:
         return self.decode_tokens + self.prefill_tokens
 
+    @property
+    def passes(self) -> tuple[tuple[float, float, float], ...]:
+        """(queries, reads of each sequence's cache, mean context) of the decode tokens and of the
+        prefill tokens: a decoding sequence's cache is read once a step for all its queries (MTP's
+        drafts share it), a prompt's once per `PREFILL_QUERY_TILE` of its tokens."""
+        return (
+            (self.decode_tokens, self.decode_tokens / self.decode_queries, self.decode_ctx),
+            (self.prefill_tokens, self.prefill_tokens / PREFILL_QUERY_TILE, self.prefill_ctx),
+        )
+
     def halved(self) -> Work:
         """One of two-batch overlap's micro-batches."""
         return dataclasses.replace(
@@ -157,21 +167,16 @@ def attention_core(shape: ModelShape, hw: Hardware, layout: Layout, work: Work) 
     if shape.attention_replicated:
         return compressed_core(shape, hw, work)
     kv_split = 1 if shape.attention == "mla" else min(layout.tp, shape.kv_heads)
-    ctx = shape.attended_ctx(work.decode_ctx)
-    decode = roofline(
-        work.decode_tokens * ctx * shape.attn_ctx_flops / layout.tp,
-        hw.attention_flops,
-        work.decode_tokens / work.decode_queries * ctx * shape.kv_bytes / kv_split,
-        hw.hbm_bw,
+    core = sum(
+        roofline(
+            queries * shape.attended_ctx(ctx) * flops / layout.tp,
+            hw.attention_flops,
+            reads * shape.attended_ctx(ctx) * shape.kv_bytes / kv_split,
+            hw.hbm_bw,
+        )
+        for (queries, reads, ctx), flops in zip(work.passes, (shape.attn_ctx_flops, shape.prefill_ctx_flops))
     )
-    pctx = shape.attended_ctx(work.prefill_ctx)
-    prefill = roofline(
-        work.prefill_tokens * pctx * shape.prefill_ctx_flops / layout.tp,
-        hw.attention_flops,
-        work.prefill_tokens / PREFILL_QUERY_TILE * pctx * shape.kv_bytes / kv_split,
-        hw.hbm_bw,
-    )
-    return decode + prefill + indexer(shape, hw, work)
+    return core + indexer(shape, hw, work)
 
 
 def indexer(shape: ModelShape, hw: Hardware, work: Work) -> float:
@@ -180,19 +185,15 @@ def indexer(shape: ModelShape, hw: Hardware, work: Work) -> float:
     (in prefill once per `PREFILL_QUERY_TILE` prompt tokens).
     Replicated on the TP ranks of a group, as the model runs it; zero for a dense model."""
     share = shape.indexer_share
-    decode = roofline(
-        share * work.decode_tokens * work.decode_ctx * shape.indexer_ctx_flops,
-        hw.attention_flops,
-        share * work.decode_tokens / work.decode_queries * work.decode_ctx * shape.indexer_key_bytes,
-        hw.hbm_bw,
+    return sum(
+        roofline(
+            share * queries * ctx * shape.indexer_ctx_flops,
+            hw.attention_flops,
+            share * reads * ctx * shape.indexer_key_bytes,
+            hw.hbm_bw,
+        )
+        for queries, reads, ctx in work.passes
     )
-    prefill = roofline(
-        share * work.prefill_tokens * work.prefill_ctx * shape.indexer_ctx_flops,
-        hw.attention_flops,
-        share * work.prefill_tokens / PREFILL_QUERY_TILE * work.prefill_ctx * shape.indexer_key_bytes,
-        hw.hbm_bw,
-    )
-    return decode + prefill
 
 
 def compressed_proj(shape: ModelShape, hw: Hardware, work: Work) -> float:
@@ -202,8 +203,7 @@ def compressed_proj(shape: ModelShape, hw: Hardware, work: Work) -> float:
     `wo_b` (G o_lora x H) and the compressors' and indexer's per-token projections
     (`CompressedKind.compressor_params`), all as the checkpoint stores them; the grouped `wo_a`
     (Hq D x o_lora in G blocks) in bf16, its FP8 weights dequantized at load (`weight_gemm`)."""
-    compressors = sum(k.layers * k.compressor_params for k in shape.compressed_kinds) / shape.layers
-    params = shape.attn_params + compressors
+    params = shape.attn_params + shape.compressor_params / shape.layers
     linear = weight_gemm(params, work.tokens, _dense_rate(shape, hw), shape.dense_weight_bytes, hw)
     return linear + weight_gemm(shape.grouped_out_params, work.tokens, hw.bf16_flops, 2.0, hw)
 
@@ -227,25 +227,14 @@ def compressed_attention(shape: ModelShape, kind: CompressedKind, hw: Hardware, 
     reads each sequence's keys once a step (window entries `kv_bytes`, compressed ones
     `entry_bytes`, from the specs; MTP's drafts share them; the kernel's programs over tiles
     of heads meet in L2); prefill once per `PREFILL_QUERY_TILE` prompt tokens."""
-    decode = _compressed_pass(
-        shape, kind, hw, work.decode_tokens, work.decode_tokens / work.decode_queries, work.decode_ctx
-    )
-    prefill = _compressed_pass(
-        shape, kind, hw, work.prefill_tokens, work.prefill_tokens / PREFILL_QUERY_TILE, work.prefill_ctx
-    )
-    return decode + prefill
-
-
-def _compressed_pass(
-    shape: ModelShape, kind: CompressedKind, hw: Hardware, queries: float, reads: float, ctx: float
-) -> float:
-    """`queries` queries at context `ctx`, the keys read `reads` times (sequences, or tiles)."""
-    window, entries = min(ctx, shape.window), kind.entries(ctx)
-    return roofline(
-        queries * (window + entries) * shape.attn_ctx_flops,
-        hw.attention_flops,
-        reads * (window * shape.kv_bytes + entries * kind.entry_bytes),
-        hw.hbm_bw,
+    return sum(
+        roofline(
+            queries * (min(ctx, shape.window) + kind.entries(ctx)) * shape.attn_ctx_flops,
+            hw.attention_flops,
+            reads * (min(ctx, shape.window) * shape.kv_bytes + kind.entries(ctx) * kind.entry_bytes),
+            hw.hbm_bw,
+        )
+        for queries, reads, ctx in work.passes
     )
 
 
@@ -263,10 +252,7 @@ def compressed_indexer(kind: CompressedKind, hw: Hardware, work: Work) -> float:
             reads * ctx / kind.ratio * kind.index_key_bytes,
             hw.hbm_bw,
         )
-        for queries, reads, ctx in (
-            (work.decode_tokens, work.decode_tokens / work.decode_queries, work.decode_ctx),
-            (work.prefill_tokens, work.prefill_tokens / PREFILL_QUERY_TILE, work.prefill_ctx),
-        )
+        for queries, reads, ctx in work.passes
     )
 
 
@@ -544,8 +530,7 @@ def replicated_attention_bytes(shape: ModelShape) -> float:
     stored, the grouped `wo_a` in bf16, the hyper-connection mixers in float32. Zero otherwise."""
     if not shape.attention_replicated:
         return 0.0
-    compressors = sum(k.layers * k.compressor_params for k in shape.compressed_kinds)
-    stored = (shape.layers * shape.attn_params + compressors) * shape.dense_weight_bytes
+    stored = (shape.layers * shape.attn_params + shape.compressor_params) * shape.dense_weight_bytes
     return stored + shape.layers * (shape.grouped_out_params * 2 + shape.hyper_params * 4)
 
 

@@ -149,6 +149,11 @@ class ModelShape:
     rejected drafts (`models.v4.cache.kept_bytes_per_sequence` grows by this per draft state)."""
 
     @property
+    def compressor_params(self) -> int:
+        """V4: the compressors' and indexers' per-token projections over all layers."""
+        return sum(kind.layers * kind.compressor_params for kind in self.compressed_kinds)
+
+    @property
     def attention_replicated(self) -> bool:
         """Whether every rank of a TP group runs the whole attention (DeepSeek-V4: the server
         does not shard it; the MoE takes each rank's slice of the tokens and all-gathers)."""
@@ -180,6 +185,12 @@ class ModelShape:
     def attended_ctx(self, ctx: float) -> float:
         """Context tokens attention reads per query at context `ctx`: DSA's top-k at most."""
         return min(self.kv_ctx(ctx), self.index_topk) if self.index_topk else self.kv_ctx(ctx)
+
+
+def indexer_flops_per_key(heads: int, head_dim: int) -> int:
+    """A lightning indexer's FLOPs per query and key (DSA, V4's CSA): per indexer head a dot
+    over its key, then the ReLU'd score weighted into the sum."""
+    return heads * (2 * head_dim + 2)
 
 
 def linear_fields(config: ModelConfig) -> dict[str, int]:
@@ -255,8 +266,7 @@ def shape_of(config: ModelConfig, name: str) -> ModelShape:
         window=min(windows) if windows else 0,
         index_topk=dsa.index_topk if dsa else 0,
         indexer_share=sum(dsa.indexer_layers) / config.num_layers if dsa else 0.0,
-        # per indexer head: a score over its keys, then the weighted sum (`plan.sparse_attention`)
-        indexer_ctx_flops=dsa.index_n_heads * (2 * dsa.index_head_dim + 2) if dsa else 0,
+        indexer_ctx_flops=indexer_flops_per_key(dsa.index_n_heads, dsa.index_head_dim) if dsa else 0,
         indexer_key_bytes=2 * dsa.index_head_dim if dsa else 0,
         **linear_fields(config),
     )
@@ -359,7 +369,7 @@ def compressed_kinds(config: ModelConfig) -> tuple[CompressedKind, ...]:
                 topk=ca.index_topk if sparse else 0,
                 entry_bytes=specs[1].bytes_per_token,
                 index_key_bytes=specs[2].bytes_per_token if sparse else 0,
-                index_ctx_flops=ca.index_n_heads * (2 * ca.index_head_dim + 2) if sparse else 0,
+                index_ctx_flops=indexer_flops_per_key(ca.index_n_heads, ca.index_head_dim) if sparse else 0,
                 compressor_params=params,
             )
         )

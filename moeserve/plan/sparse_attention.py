@@ -18,6 +18,7 @@ import torch
 from moeserve.cache_spec import PagedSpec
 from moeserve.config import ModelConfig
 from moeserve.models.decoder import cache_specs
+from moeserve.plan.shapes import indexer_flops_per_key
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,6 @@ def decode_attention_cost(
         flops += attended * per_token_flops
         nbytes += attended * latent.bytes_per_token
         if sparse and keys is not None and d.has_indexer(layer):
-            flops += context * d.index_n_heads * (2 * d.index_head_dim + 2)
+            flops += context * indexer_flops_per_key(d.index_n_heads, d.index_head_dim)
             nbytes += context * keys.bytes_per_token
     return DecodeAttentionCost(flops, nbytes)
