@@ -37,7 +37,7 @@ class DecodeSteps:
 def is_reaped(pid: int) -> bool:
     try:
         return "State:\tZ" not in Path(f"/proc/{pid}/status").read_text()
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # gone before, or while, it was read
         return True
 
 

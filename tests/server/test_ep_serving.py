@@ -54,7 +54,7 @@ def is_alive(pid: int) -> bool:
     # A zombie still answers kill(0); it is dead for our purpose once its parent is gone.
     try:
         return Path(f"/proc/{pid}/status").read_text().find("State:\tZ") < 0
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # gone before, or while, it was read
         return False
 
 

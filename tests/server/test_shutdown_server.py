@@ -32,7 +32,7 @@ def _gone(pid: int) -> bool:
     """The process has exited (a zombie waiting to be reaped counts) or no longer exists."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # gone before, or while, it was read
         return True
     return stat.rpartition(")")[2].split()[0] == "Z"
 
