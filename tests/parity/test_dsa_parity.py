@@ -89,7 +89,7 @@ def test_mtp_drafts_give_the_greedy_tokens(make_checkpoint, tmp_path, arch):
     folder = tmp_path / arch
     shutil.copytree(make_checkpoint(arch, num_hidden_layers=1, first_k_dense_replace=0), folder)
     write_mtp_layers(
-        MakeModelSpec("deepseek_v3", layers=1, first_k_dense_replace=0, mtp_layers=1, mtp_init="aligned"), None, folder
+        MakeModelSpec(arch, layers=1, first_k_dense_replace=0, mtp_layers=1, mtp_init="aligned"), None, folder
     )
     requests = [{"prompt_token_ids": p} for p in prompts_for(2, (30, 70))]
     options = dict(dtype="float32", max_num_seqs=4, max_model_len=160)
