@@ -1,4 +1,4 @@
-"""Starting rank processes as forks of one warm process that has imported moeserve already.
+"""Starting child processes as forks of one warm process that has imported their modules already.
 
 A fresh interpreter pays the torch import, seconds of CPU, per process: at ep=8 on a small host
 that is most of the start-up, and it is what a healed or returning rank would wait on before it
@@ -6,7 +6,9 @@ serves again. Python's `forkserver` start method keeps what a fresh interpreter 
 drops that cost: every child is forked from a single-threaded server process that has done
 nothing but import the worker's modules (no CUDA context, no process group, no thread pool, no
 socket), so a crash of one rank still cannot touch another's memory. The server is started on
-the first call, costs one import, and goes away with the process that started it.
+the first call, costs one import, and goes away with the process that started it. The API
+server's grammar compile workers are forked from it as well (`forkserver_context`): a worker
+killed for an overdue compile is back in milliseconds, not after its own torch import.
 
 A child takes the caller's environment as it is at the call (not the server's, which is the
 caller's from when the server started), as `subprocess.Popen` would have given it.
@@ -29,15 +31,21 @@ import sys
 import threading
 from typing import Protocol
 
-_PRELOAD = ["moeserve.distributed.worker"]  # imports torch and everything a rank runs
+RANK_MODULE = "moeserve.distributed.worker"  # imports torch and everything a rank runs
+_preload: list[str] = []  # what the forkserver imports when it starts, in the order asked for
 # `multiprocessing` reads a forkserver child's exit status from a pipe once: two threads reading
 # it at once (the rank monitor's poll and a start's cleanup of finished children) could lose it.
 _STATUS_LOCK = threading.Lock()
 
 
-def _context() -> multiprocessing.context.BaseContext:
+def forkserver_context(*modules: str) -> multiprocessing.context.BaseContext:
+    """The forkserver start method, its server importing `modules` before it forks anything.
+    A process has one forkserver, started with its first child: modules asked for by then are
+    imported once, in the server; any asked for later are imported by each child that runs them,
+    which is correct, only slower."""
+    _preload.extend(module for module in modules if module not in _preload)
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(_PRELOAD)
+    ctx.set_forkserver_preload(list(_preload))
     return ctx
 
 
@@ -114,7 +122,7 @@ def started_by(pid: int) -> bool:
     return parent == pid or _parent_of(parent) == pid
 
 
-def _main_reimport_is_safe() -> bool:
+def main_reimport_is_safe() -> bool:
     """Whether a forkserver child may import this process's main module (see the module doc)."""
     main = sys.modules.get("__main__")
     spec = getattr(main, "__spec__", None)
@@ -127,9 +135,10 @@ def start_process(module: str, argv: list[str]) -> ChildProcess:
     """Run `module.main(argv)` as `python -m module argv` would (`main`'s return value is the exit
     code), forked from the warm server where the caller allows it. A forked child is daemonic:
     if this process exits without stopping it, it is sent SIGTERM."""
-    if not _main_reimport_is_safe():
+    if not main_reimport_is_safe():
         return subprocess.Popen([sys.executable, "-m", module, *argv])
-    process = _context().Process(target=_run, args=(module, argv, dict(os.environ)), name=module, daemon=True)
+    context = forkserver_context(RANK_MODULE)
+    process = context.Process(target=_run, args=(module, argv, dict(os.environ)), name=module, daemon=True)
     with _STATUS_LOCK:
         process.start()
     return ForkedChild(process)

@@ -3,7 +3,9 @@
 A compile is CPU work that grows with the spec (seconds for a big enum) and cannot be
 interrupted inside xgrammar. Run in the engine core it takes the step loop's CPU and GIL, so
 the server compiles here instead: in `compile_workers` processes (`compile_worker.py`) started
-from the API process, whose CPUs (the frontend's, under the CPU binding) they inherit. The
+from the API process, whose CPUs (the frontend's, under the CPU binding) they inherit. They are
+forked from a forkserver that has imported xgrammar (and torch, which it imports) once: a worker
+costs a fork instead of seconds of imports, at start-up and each time a kill replaces one. The
 engine core only loads the result (`StructuredOutputs.compiled`).
 
 - Time: a compile still running at `compile_timeout_s` is ended by killing its worker (another
@@ -26,6 +28,7 @@ engine core only loads the result (`StructuredOutputs.compiled`).
 from __future__ import annotations
 
 import asyncio
+import importlib
 import itertools
 import logging
 import multiprocessing
@@ -36,6 +39,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 
+from moeserve.distributed.processes import forkserver_context, main_reimport_is_safe
 from moeserve.engine_config import StructuredOutputsConfig
 from moeserve.sampling_params import StructuredOutputs
 from moeserve.structured.lru import ByteLRU
@@ -44,6 +48,7 @@ logger = logging.getLogger(__name__)
 
 POLL_S = 0.02  # how often a running compile is looked at for cancellation, timeout and shutdown
 RESTART_DELAY_S = 1.0  # after a worker died by itself, so one that cannot start does not spin
+WORKER_MODULE = "moeserve.structured.compile_worker"  # imported by the forkserver, not by this process
 
 
 class CompileRefusedError(ValueError):
@@ -102,7 +107,9 @@ class GrammarCompilePool:
         self._on_timeout = on_timeout
         self._timeouts = 0
         self._worker_args = (load_tokenizer, tokenizer_folder, vocab_size, tuple(eos_token_ids), tuple(cpus))
-        self._context = multiprocessing.get_context("spawn")
+        self._context = (
+            forkserver_context(WORKER_MODULE) if main_reimport_is_safe() else multiprocessing.get_context("spawn")
+        )
         self._cond = threading.Condition()
         self._queues: OrderedDict[str, deque[_Job]] = OrderedDict()  # by client, visited round-robin
         self._jobs: dict[StructuredOutputs, _Job] = {}  # queued or running
@@ -261,7 +268,7 @@ class GrammarCompilePool:
             del self._waiting[client]
 
     def _start_worker(self) -> tuple[multiprocessing.process.BaseProcess, object]:
-        from moeserve.structured import compile_worker  # the workers' code, not this process's
+        compile_worker = importlib.import_module(WORKER_MODULE)  # the workers' code, not this process's
 
         parent, child = self._context.Pipe()
         process = self._context.Process(
@@ -281,16 +288,18 @@ class _Slot:
         self._process: multiprocessing.process.BaseProcess | None = None
         self._lock = threading.Lock()
 
+    # A forkserver child's exit status is read once, from a pipe: the slot's thread and a thread
+    # killing the worker look at it under the lock, so neither reads it from under the other.
     def alive(self) -> bool:
-        process = self._process
-        return process is not None and process.is_alive()
+        with self._lock:
+            return self._process is not None and self._process.is_alive()
 
     def kill(self) -> None:
         with self._lock:
-            process = self._process
-            self._process = None
-        if process is not None and process.is_alive():
-            process.kill()
+            process, self._process = self._process, None
+            if process is not None and process.is_alive():
+                process.kill()
+        if process is not None:
             process.join(1.0)
 
     def _run(self) -> None:
@@ -298,10 +307,13 @@ class _Slot:
         while not pool._closed:
             conn = None
             try:
+                # Started outside the lock: the first start waits for the forkserver's imports,
+                # which a shutdown meanwhile must not wait for.
+                process, conn = pool._start_worker()
                 with self._lock:
-                    if pool._closed:
-                        return
-                    self._process, conn = pool._start_worker()
+                    self._process = process
+                if pool._closed:
+                    return  # the finally kills it
                 if not self._ready(conn):
                     if pool._closed:
                         return
@@ -329,8 +341,8 @@ class _Slot:
                     conn.close()
 
     def _exit_code(self) -> str:
-        process = self._process
-        return "gone" if process is None else f"exit code {process.exitcode}"
+        with self._lock:
+            return "gone" if self._process is None else f"exit code {self._process.exitcode}"
 
     def _ready(self, conn) -> bool:
         """Wait for a new worker to load the tokenizer; False if it died first."""
