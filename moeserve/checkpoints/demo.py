@@ -33,10 +33,6 @@ import shutil
 import tempfile
 from pathlib import Path
 
-import torch
-import transformers
-
-from moeserve.checkpoints.builder import make_model
 from moeserve.checkpoints.spec import MakeModelSpec
 
 logger = logging.getLogger("moeserve.checkpoints")
@@ -76,6 +72,8 @@ def random_demo_model_path(cache_dir: Path | None = None) -> Path:
 
     ``cache_dir`` defaults to ``default_cache_dir()``.
     """
+    from moeserve.checkpoints.builder import make_model  # seconds of imports `demo_model_path` never needs
+
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     final = root / f"demo-{DEMO_SPEC.arch}-{_demo_key()}"
     if final.is_dir():
@@ -105,6 +103,9 @@ def default_cache_dir() -> Path:
 
 def _demo_key() -> str:
     """A short hash of everything that decides the demo model's files."""
+    import torch
+    import transformers
+
     inputs = {
         "spec": dataclasses.asdict(DEMO_SPEC),
         "format": _FORMAT_VERSION,

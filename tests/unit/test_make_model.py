@@ -15,6 +15,7 @@ from moeserve.api.tool_parsers import HermesToolParser
 from moeserve.checkpoints import (
     SUPPORTED_ARCHS,
     MakeModelSpec,
+    builder,
     demo,
     make_model,
     random_demo_model_path,
@@ -330,7 +331,7 @@ def test_demo_model_race_lost_uses_the_winners_model(tmp_path: Path, monkeypatch
         (final / "config.json").write_text("{}")
         return out_dir
 
-    monkeypatch.setattr(demo, "make_model", build_while_another_process_wins)
+    monkeypatch.setattr(builder, "make_model", build_while_another_process_wins)  # the demo imports it on use
     assert random_demo_model_path(tmp_path) == final
     assert [p.name for p in tmp_path.iterdir()] == [final.name]  # our staging folder is gone
     assert (final / "config.json").read_text() == "{}"
