@@ -23,6 +23,7 @@ to start, never surprising.
 from __future__ import annotations
 
 import importlib
+import io
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -49,10 +50,15 @@ def forkserver_context(*modules: str) -> multiprocessing.context.BaseContext:
     return ctx
 
 
-def _run(module: str, argv: list[str], environ: dict[str, str]) -> None:
+def _run(module: str, argv: list[str], environ: dict[str, str], stdin: bytes) -> None:
     os.environ.clear()
     os.environ.update(environ)
     sys.argv = [module, *argv]
+    sys.stdin = io.TextIOWrapper(io.BytesIO(stdin))
+    # multiprocessing refuses children to a daemonic process, lest they be orphaned when it is
+    # terminated; ours watch whoever started them (`started_by`) and leave with it, and the
+    # engine core starts its ranks. The flag still has this child terminated at our exit.
+    multiprocessing.current_process().daemon = False
     sys.exit(importlib.import_module(module).main(argv))
 
 
@@ -131,14 +137,18 @@ def main_reimport_is_safe() -> bool:
     return getattr(main, "__file__", None) is None  # python -c, a REPL, a notebook: nothing to import
 
 
-def start_process(module: str, argv: list[str]) -> ChildProcess:
+def start_process(module: str, argv: list[str], stdin: bytes = b"", preload: str = RANK_MODULE) -> ChildProcess:
     """Run `module.main(argv)` as `python -m module argv` would (`main`'s return value is the exit
-    code), forked from the warm server where the caller allows it. A forked child is daemonic:
+    code), reading `stdin` from its standard input, forked from the warm server (which imports
+    `preload`, see `forkserver_context`) where the caller allows it. A forked child is daemonic:
     if this process exits without stopping it, it is sent SIGTERM."""
     if not main_reimport_is_safe():
-        return subprocess.Popen([sys.executable, "-m", module, *argv])
-    context = forkserver_context(RANK_MODULE)
-    process = context.Process(target=_run, args=(module, argv, dict(os.environ)), name=module, daemon=True)
+        child = subprocess.Popen([sys.executable, "-m", module, *argv], stdin=subprocess.PIPE)
+        child.stdin.write(stdin)  # type: ignore[union-attr]  # a pipe, asked for above
+        child.stdin.close()  # type: ignore[union-attr]
+        return child
+    context = forkserver_context(preload)
+    process = context.Process(target=_run, args=(module, argv, dict(os.environ), stdin), name=module, daemon=True)
     with _STATUS_LOCK:
         process.start()
     return ForkedChild(process)

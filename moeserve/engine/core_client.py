@@ -28,7 +28,6 @@ import os
 import pickle
 import queue
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -37,6 +36,7 @@ import zmq
 
 from moeserve.config import EngineConfig
 from moeserve.distributed.launcher import exit_description
+from moeserve.distributed.processes import start_process
 from moeserve.engine.command_queue import AbortCommand, AddCommand, QueuedEngineClient, StopCommand
 from moeserve.engine.core import SchedulerStats
 from moeserve.engine.core_messages import (
@@ -60,6 +60,7 @@ from moeserve.engine.tokenizer import load_tokenizer
 logger = logging.getLogger(__name__)
 
 POLL_S = 0.1  # how often the output thread looks at the core process when no frame comes
+CORE_MODULE = "moeserve.engine.core_process"
 
 
 class CoreProcess:
@@ -77,10 +78,7 @@ class CoreProcess:
         self.outputs.setsockopt(zmq.RCVHWM, 0)
         inputs_port = self.inputs.bind_to_random_port("tcp://127.0.0.1")
         outputs_port = self.outputs.bind_to_random_port("tcp://127.0.0.1")
-        command = [
-            sys.executable,
-            "-m",
-            "moeserve.engine.core_process",
+        argv = [
             "--inputs",
             f"tcp://127.0.0.1:{inputs_port}",
             "--outputs",
@@ -91,10 +89,10 @@ class CoreProcess:
             logging.getLevelName(logging.getLogger().getEffectiveLevel()),
         ]
         if binding is not None:
-            command += ["--cpus", ",".join(map(str, binding.engine)), "--io-cpus", ",".join(map(str, binding.frontend))]
-        self.proc = subprocess.Popen(command, stdin=subprocess.PIPE)
-        self.proc.stdin.write(pickle.dumps(config))
-        self.proc.stdin.close()
+            argv += ["--cpus", ",".join(map(str, binding.engine)), "--io-cpus", ",".join(map(str, binding.frontend))]
+        # Forked from the forkserver, which imports the core's modules once for it and for the
+        # grammar workers forked after it: the core no longer pays its own torch import.
+        self.proc = start_process(CORE_MODULE, argv, stdin=pickle.dumps(config), preload=CORE_MODULE)
         logger.info("engine core process started (pid %d)", self.proc.pid)
 
     def exit_reason(self) -> str | None:

@@ -2,8 +2,9 @@
 
     python -m moeserve.engine.core_process --inputs ADDR --outputs ADDR --parent-pid PID
 
-Started by the server (`core_client.py`), which binds both sockets and writes the pickled
-`EngineConfig` to this process's stdin. Here the loop owns the CPU between steps: no HTTP, no
+Started by the server (`core_client.py`, forked from its forkserver where it can be, see
+`distributed.processes`), which binds both sockets and writes the pickled `EngineConfig` to this
+process's stdin. Here the loop owns the CPU between steps: no HTTP, no
 tokenizer, no event loop competes with it for the GIL. Each turn it reads every command frame
 that has arrived, runs one step if anything is unfinished, and sends one frame with the step's
 outputs and the answers to those commands; when new requests were among them, their answer
@@ -24,12 +25,14 @@ import os
 import pickle
 import signal
 import sys
+import time
 from collections.abc import Iterable
 
 import torch
 import zmq
 
 from moeserve.config import EngineConfig
+from moeserve.distributed.processes import started_by
 from moeserve.engine.core import EngineCore, SchedulerStats
 from moeserve.engine.core_messages import (
     Abort,
@@ -46,6 +49,9 @@ from moeserve.scheduler import SLORejectedError
 logger = logging.getLogger("moeserve.engine.core")
 
 IDLE_POLL_S = 0.1  # how often an idle core looks up: a lost rank or a dead server is seen this fast
+PARENT_CHECK_S = 0.1  # at most this often the loop asks whether the server is there (a /proc read
+# when the core was forked from the server's forkserver, which outlives the server while the
+# core holds it open)
 
 
 _NO_GAUGES = SchedulerStats(0, 0, 0, 0)  # in frames sent when there is no scheduler (yet, or any more)
@@ -95,6 +101,7 @@ class CoreLoop:
 
     def __init__(self, core: EngineCore, channel: CoreChannel, parent_pid: int) -> None:
         self.core, self.channel, self.parent_pid = core, channel, parent_pid
+        self._parent_checked = -PARENT_CHECK_S
         self._lost: str | None = None
         core.add_failure_listener(self._on_lost)
 
@@ -105,9 +112,12 @@ class CoreLoop:
 
     def run(self) -> int:
         while True:
-            if os.getppid() != self.parent_pid:
-                logger.error("the server process is gone; the engine core exits")
-                return 1
+            now = time.monotonic()
+            if now >= self._parent_checked + PARENT_CHECK_S:
+                if not started_by(self.parent_pid):
+                    logger.error("the server process is gone; the engine core exits")
+                    return 1
+                self._parent_checked = now
             if self._lost is not None:
                 raise RuntimeError(self._lost)
             busy = self.core.has_unfinished_requests()

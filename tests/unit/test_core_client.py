@@ -58,7 +58,7 @@ def served(folder: str):
     client = start_client(folder, recorder)
     yield client, recorder
     client.shutdown(timeout=20)
-    assert client._process.proc.returncode == 0 and not client.is_healthy
+    assert client._process.proc.poll() == 0 and not client.is_healthy
 
 
 async def wait_until(predicate, timeout_s: float = 20.0) -> None:
