@@ -95,3 +95,42 @@ def metric_samples(url: str) -> dict[str, float]:
             labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()) if k != "model_name")
             samples[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
     return samples
+
+
+def _parents() -> dict[int, int]:
+    """Every process's parent, by pid."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    found[int(entry)] = int(stat.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ProcessLookupError):  # gone meanwhile
+                continue
+    return found
+
+
+def descendants(pid: int, *, but: int) -> set[int]:
+    """The processes `pid` started and those they started, leaving out `but` and its own."""
+    parents, found, todo = _parents(), set(), [pid]
+    while todo:
+        parent = todo.pop()
+        for child, its_parent in parents.items():
+            if its_parent == parent and child != but and child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def running(pids: set[int]) -> list[int]:
+    """Those of `pids` still running: an exited worker whose forkserver left before reaping it is
+    a zombie until init reaps it, which some containers' init never does."""
+    alive = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                if stat.read().rsplit(")", 1)[1].split()[0] != "Z":
+                    alive.append(pid)
+        except (OSError, ProcessLookupError):
+            pass
+    return alive

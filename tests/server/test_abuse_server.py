@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import httpx
 import pytest
-from server_utils import ServerProcess, core_pid
+from server_utils import ServerProcess, core_pid, descendants, running
 
 COMPILE_TIMEOUT_S = 3.0
 MARGIN_S = 2.0
@@ -90,45 +90,6 @@ def cpu_seconds(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as stat:
         fields = stat.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _parents() -> dict[int, int]:
-    """Every process's parent, by pid."""
-    found = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as stat:
-                    found[int(entry)] = int(stat.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, ProcessLookupError):  # gone meanwhile
-                continue
-    return found
-
-
-def descendants(pid: int, *, but: int) -> set[int]:
-    """The processes `pid` started and those they started, leaving out `but` and its own."""
-    parents, found, todo = _parents(), set(), [pid]
-    while todo:
-        parent = todo.pop()
-        for child, its_parent in parents.items():
-            if its_parent == parent and child != but and child not in found:
-                found.add(child)
-                todo.append(child)
-    return found
-
-
-def _running(pids: set[int]) -> list[int]:
-    """Those of `pids` still running: an exited worker whose forkserver left before reaping it is
-    a zombie until init reaps it, which some containers' init never does."""
-    running = []
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat") as stat:
-                if stat.read().rsplit(")", 1)[1].split()[0] != "Z":
-                    running.append(pid)
-        except (OSError, ProcessLookupError):
-            pass
-    return running
 
 
 def helpers(server: ServerProcess, core: int) -> set[int]:
@@ -278,6 +239,6 @@ def test_shutdown_does_not_wait_on_a_compile(abuse_server: ServerProcess) -> Non
     assert abuse_server.proc.returncode == 0
     assert stopped_in < COMPILE_TIMEOUT_S + 5  # before: the core compiled on and had to be killed after 10 s
     deadline = time.monotonic() + 2.0  # the resource tracker leaves when it sees its parent gone
-    while _running(pids) and time.monotonic() < deadline:
+    while running(pids) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not _running(pids)
+    assert not running(pids)

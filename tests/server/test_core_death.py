@@ -9,7 +9,7 @@ import threading
 import time
 
 import httpx
-from server_utils import core_pid
+from server_utils import core_pid, descendants, running
 
 
 def health_statuses(url: str, until: float) -> list[int | None]:
@@ -53,3 +53,23 @@ def test_a_dead_engine_core_fails_requests_turns_unhealthy_and_exits_1(start_ser
     assert "shutting the server down" in log
     reader.join(10)
     assert lines[-1] == "data: [DONE]" and '"error"' in lines[-2] and "SIGKILL" in lines[-2], lines[-3:]
+
+
+def test_a_killed_server_leaves_no_process_behind(start_server) -> None:
+    """SIGKILL gives the server no chance to stop anything: its engine core, the forkserver the
+    core and the grammar workers were forked from, and those workers must notice and leave by
+    themselves. The core's parent is the forkserver, which outlives the server while the core
+    holds its pipe open, so the core must watch the server, not its own parent."""
+    server = start_server()
+    body = {"prompt": "hello", "max_tokens": 2}
+    assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).status_code == 200
+    core = core_pid(server.log())
+    helpers = descendants(server.proc.pid, but=-1)
+    assert core in helpers and len(helpers) >= 4  # the core, the forkserver, workers, resource tracker
+    server.proc.kill()
+    server.proc.wait(10)
+    killed_at = time.monotonic()
+    while running(helpers) and time.monotonic() - killed_at < 10:
+        time.sleep(0.05)
+    assert not running(helpers), [open(f"/proc/{pid}/cmdline").read()[:80] for pid in running(helpers)]
+    print(f"\n[server killed] its {len(helpers)} helper processes gone {time.monotonic() - killed_at:.2f} s later")
