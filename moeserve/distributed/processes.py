@@ -50,6 +50,13 @@ def forkserver_context(*modules: str) -> multiprocessing.context.BaseContext:
     return ctx
 
 
+def child_context(*modules: str) -> multiprocessing.context.BaseContext:
+    """Where to start a `multiprocessing` child that runs `modules`: the forkserver (see
+    `forkserver_context`) where the caller's main module allows it, else a fresh interpreter
+    (spawn), as `start_process` falls back to `python -m`."""
+    return forkserver_context(*modules) if _main_reimport_is_safe() else multiprocessing.get_context("spawn")
+
+
 def _run(module: str, argv: list[str], environ: dict[str, str], stdin: bytes) -> None:
     os.environ.clear()
     os.environ.update(environ)
@@ -128,7 +135,7 @@ def started_by(pid: int) -> bool:
     return parent == pid or _parent_of(parent) == pid
 
 
-def main_reimport_is_safe() -> bool:
+def _main_reimport_is_safe() -> bool:
     """Whether a forkserver child may import this process's main module (see the module doc)."""
     main = sys.modules.get("__main__")
     spec = getattr(main, "__spec__", None)
@@ -142,7 +149,7 @@ def start_process(module: str, argv: list[str], stdin: bytes = b"", preload: str
     code), reading `stdin` from its standard input, forked from the warm server (which imports
     `preload`, see `forkserver_context`) where the caller allows it. A forked child is daemonic:
     if this process exits without stopping it, it is sent SIGTERM."""
-    if not main_reimport_is_safe():
+    if not _main_reimport_is_safe():
         child = subprocess.Popen([sys.executable, "-m", module, *argv], stdin=subprocess.PIPE)
         child.stdin.write(stdin)  # type: ignore[union-attr]  # a pipe, asked for above
         child.stdin.close()  # type: ignore[union-attr]

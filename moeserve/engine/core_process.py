@@ -4,8 +4,8 @@
 
 Started by the server (`core_client.py`, forked from its forkserver where it can be, see
 `distributed.processes`), which binds both sockets and writes the pickled `EngineConfig` to this
-process's stdin. Here the loop owns the CPU between steps: no HTTP, no
-tokenizer, no event loop competes with it for the GIL. Each turn it reads every command frame
+process's stdin. Here the loop owns the CPU between steps: no HTTP, no tokenizer, no event loop
+competes with it for the GIL. Each turn it reads every command frame
 that has arrived, runs one step if anything is unfinished, and sends one frame with the step's
 outputs and the answers to those commands; when new requests were among them, their answer
 goes first, in its own frame, so a client hears it was admitted without waiting for a step.

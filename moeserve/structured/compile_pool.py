@@ -39,7 +39,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 
-from moeserve.distributed.processes import forkserver_context, main_reimport_is_safe
+from moeserve.distributed.processes import child_context
 from moeserve.engine_config import StructuredOutputsConfig
 from moeserve.sampling_params import StructuredOutputs
 from moeserve.structured.lru import ByteLRU
@@ -107,9 +107,7 @@ class GrammarCompilePool:
         self._on_timeout = on_timeout
         self._timeouts = 0
         self._worker_args = (load_tokenizer, tokenizer_folder, vocab_size, tuple(eos_token_ids), tuple(cpus))
-        self._context = (
-            forkserver_context(WORKER_MODULE) if main_reimport_is_safe() else multiprocessing.get_context("spawn")
-        )
+        self._context = child_context(WORKER_MODULE)
         self._cond = threading.Condition()
         self._queues: OrderedDict[str, deque[_Job]] = OrderedDict()  # by client, visited round-robin
         self._jobs: dict[StructuredOutputs, _Job] = {}  # queued or running

@@ -1,7 +1,8 @@
 """One grammar-compiling worker process: specs in, serialized compiled grammars out.
 
-Started by `compile_pool` (forked from a forkserver that imported this module) on the frontend's CPUs, never the engine
-core's. It loads the served tokenizer once, then answers one job at a time on its pipe:
+Started by `compile_pool` (forked from a forkserver that imported this module) on the
+frontend's CPUs, never the engine core's. It loads the served tokenizer once, then answers one
+job at a time on its pipe:
 `(job_id, StructuredOutputs)` -> `(job_id, True, serialized grammar)` or `(job_id, False, reason)`
 (the whole constraint travels, a reasoning model's thinking markers included). A
 compile cannot be interrupted inside xgrammar, so the pool ends an overdue or abandoned one by

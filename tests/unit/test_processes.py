@@ -85,7 +85,7 @@ def test_which_callers_may_fork(monkeypatch, spec_name, file, safe):
     if file:
         main.__file__ = file
     monkeypatch.setitem(sys.modules, "__main__", main)
-    assert processes.main_reimport_is_safe() is safe
+    assert processes._main_reimport_is_safe() is safe
 
 
 def test_the_preloaded_worker_import_leaves_cuda_and_device_libraries_alone():
