@@ -105,7 +105,7 @@ def _parents() -> dict[int, int]:
             try:
                 with open(f"/proc/{entry}/stat") as stat:
                     found[int(entry)] = int(stat.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, ProcessLookupError):  # gone meanwhile
+            except OSError:  # gone meanwhile
                 continue
     return found
 
@@ -131,6 +131,6 @@ def running(pids: set[int]) -> list[int]:
             with open(f"/proc/{pid}/stat") as stat:
                 if stat.read().rsplit(")", 1)[1].split()[0] != "Z":
                     alive.append(pid)
-        except (OSError, ProcessLookupError):
+        except OSError:  # gone
             pass
     return alive

@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import signal
 import time
-from pathlib import Path
 
 import httpx
 import pytest
-from server_utils import core_pid
+from server_utils import core_pid, running
 
 CORE_STOP_S = 0.6
 """Signal to core gone: uvicorn's ~0.2 s plus the core's stop, measured 0.24-0.30 s here. Before,
@@ -30,11 +29,7 @@ KILLED = "did not stop within"
 
 def _gone(pid: int) -> bool:
     """The process has exited (a zombie waiting to be reaped counts) or no longer exists."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError):  # gone before, or while, it was read
-        return True
-    return stat.rpartition(")")[2].split()[0] == "Z"
+    return not running({pid})
 
 
 PREFILL = ("--role", "prefill", "--kv-transfer", "nixl", "--block-size", "4", "--kv-cache-memory", "32MiB")
